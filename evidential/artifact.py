@@ -1,0 +1,187 @@
+"""A trained adapter directory: PEFT adapter files, the head's safetensors and ``manifest.json``.
+
+Layout::
+
+    manifest.json                 what this adapter is (see Manifest)
+    head.safetensors              option head tensors      } one set at the top, or one set per
+    adapter_config.json           PEFT LoRA config         } ensemble member under members/<i>/
+    adapter_model.safetensors     PEFT LoRA weights        } (the manifest's ``members``)
+
+Loading reads JSON and safetensors only; nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+from evidential.head import HeadConfig, OptionHead, build_head
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+HEAD_FILE = "head.safetensors"
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+class ArtifactError(ValueError):
+    """An artifact directory that is missing files or holds an invalid manifest."""
+
+
+@dataclass
+class Abstention:
+    """Default abstention thresholds: abstain when u > max_uncertainty or max p < min_confidence.
+
+    ``how`` records how they were chosen (split, target accuracy, coverage reached, ...).
+    """
+
+    max_uncertainty: float = 1.0
+    min_confidence: float = 0.0
+    how: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.max_uncertainty <= 1.0:
+            raise ValueError(f"max_uncertainty must be in [0, 1], got {self.max_uncertainty}")
+        if not 0.0 <= self.min_confidence <= 1.0:
+            raise ValueError(f"min_confidence must be in [0, 1], got {self.min_confidence}")
+
+
+@dataclass
+class Manifest:
+    """Everything needed to serve and to trust an adapter, besides its tensors.
+
+    Attributes:
+        name, version: how the service names the adapter.
+        method: registry key of the training method (``map``, ``edl``, ``ib_edl``, ...).
+        method_config: the method's hyper-parameters (beta, K, ...).
+        base_model: ``{"name", "sha256"}`` of the base weights the adapter was trained on.
+        head: a :class:`HeadConfig` as a dict.
+        option_token_ids: tokenizer ids of " A", " B", ... used to initialise the head rows.
+        prompt: ``{"template", "max_tokens"}``.
+        members: adapter sub-directories ("." for a single adapter; members/<i> for an ensemble).
+        mc_samples: forward passes with dropout on at inference (MC-Dropout), 0 for none.
+        training: data, sizes, seeds, steps, the command that produced the artifact.
+        metrics: ``{"validation": {...}, "test": {...}}``.
+        abstention: default thresholds and how they were chosen.
+        reference: ``{"uncertainty": [...], "confidence": [...], "split"}`` for drift monitoring.
+    """
+
+    method: str
+    base_model: dict
+    head: dict
+    option_token_ids: list[int]
+    prompt: dict
+    name: str = "adapter"
+    version: str = "0"
+    method_config: dict = field(default_factory=dict)
+    members: list[str] = field(default_factory=lambda: ["."])
+    mc_samples: int = 0
+    training: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)
+    abstention: dict = field(default_factory=lambda: asdict(Abstention()))
+    reference: dict = field(default_factory=dict)
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        if self.schema_version != SCHEMA_VERSION:
+            raise ArtifactError(f"manifest schema_version {self.schema_version} is not {SCHEMA_VERSION}")
+        for key in ("name", "sha256"):
+            if key not in self.base_model:
+                raise ArtifactError(f"manifest base_model needs {key!r}, got {self.base_model}")
+        if "template" not in self.prompt:
+            raise ArtifactError(f"manifest prompt needs 'template', got {self.prompt}")
+        self.head_config()  # validates
+        Abstention(**self.abstention)
+        if len(self.option_token_ids) != self.head["num_rows"]:
+            raise ArtifactError(
+                f"{len(self.option_token_ids)} option_token_ids for a head of {self.head['num_rows']} rows"
+            )
+        if not self.members:
+            raise ArtifactError("manifest members must name at least one adapter directory")
+        if self.mc_samples < 0:
+            raise ArtifactError(f"mc_samples must be >= 0, got {self.mc_samples}")
+
+    def head_config(self) -> HeadConfig:
+        try:
+            return HeadConfig(**self.head)
+        except (TypeError, ValueError) as e:
+            raise ArtifactError(f"invalid head config in manifest: {e}") from e
+
+    def thresholds(self) -> Abstention:
+        return Abstention(**self.abstention)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Manifest:
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ArtifactError(f"manifest has unknown keys {unknown}")
+        try:
+            return cls(**data)
+        except TypeError as e:
+            raise ArtifactError(f"invalid manifest: {e}") from e
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def write_manifest(directory: str | Path, manifest: Manifest) -> Path:
+    path = Path(directory) / MANIFEST
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, json.dumps(manifest.to_dict(), indent=2, sort_keys=False) + "\n")
+    return path
+
+
+def read_manifest(directory: str | Path) -> Manifest:
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise ArtifactError(f"{path} not found: is {directory} an adapter directory?")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ArtifactError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from e
+    if not isinstance(data, dict):
+        raise ArtifactError(f"{path}: expected a JSON object")
+    return Manifest.from_dict(data)
+
+
+def save_head(directory: str | Path, head: OptionHead) -> Path:
+    path = Path(directory) / HEAD_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().float().cpu().contiguous() for k, v in head.state_dict().items()}
+    save_file(tensors, str(path))
+    return path
+
+
+def load_head(directory: str | Path, manifest: Manifest) -> OptionHead:
+    path = Path(directory) / HEAD_FILE
+    if not path.is_file():
+        raise ArtifactError(f"{path} not found")
+    head = build_head(manifest.head_config())
+    tensors = load_file(str(path))
+    missing, unexpected = head.load_state_dict(tensors, strict=False)
+    if missing or unexpected:
+        raise ArtifactError(f"{path}: missing tensors {missing}, unexpected tensors {unexpected}")
+    return head
+
+
+def check_artifact(directory: str | Path) -> Manifest:
+    """Read the manifest and check every file it implies exists. Returns the manifest."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    for member in manifest.members:
+        for name in (*ADAPTER_FILES, HEAD_FILE):
+            if not (directory / member / name).is_file():
+                raise ArtifactError(f"{directory / member / name} not found")
+    return manifest

@@ -1,0 +1,1 @@
+"""Training: datasets, fine-tuning methods and their configurations."""

@@ -1,0 +1,288 @@
+"""Fine-tune a LoRA adapter and an option head with one of the registry's methods; write an artifact.
+
+    python -m training.finetune --config training/configs/smollm2_science_ib_edl.yaml [key.sub=value ...]
+
+The loop is written out (no Trainer): seeded data order, AdamW with warmup + cosine decay, gradient
+clipping, a progress bar with loss and throughput, periodic validation, then the artifact: PEFT files,
+head safetensors and a manifest with validation/test metrics, abstention thresholds and a drift
+reference sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import random
+import shlex
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from evidential.artifact import Manifest, save_head, write_manifest
+from evidential.base_model import load_base_model, resolve_model
+from evidential.head import HeadConfig, build_head
+from evidential.predictor import Predictor, lm_head_rows
+from evidential.prompt import MCQuestion, option_token_ids
+from training.abstention import choose_thresholds
+from training.config import DataPart, TrainConfig, load_config
+from training.evaluate import EvalResult, evaluate
+from training.methods import LossContext, Method, get_method
+from training.posthoc import fit_zeta
+
+log = logging.getLogger("training.finetune")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+def load_parts(parts: list[DataPart], role: str, cfg: TrainConfig) -> list[MCQuestion]:
+    from training.data import load_dataset
+
+    questions: list[MCQuestion] = []
+    for part in parts:
+        noise = cfg.data.label_noise if role == "train" else 0.0
+        questions += load_dataset(
+            part.dataset,
+            part.split or role,
+            path=part.path,
+            limit=part.limit,
+            seed=cfg.seed if role == "train" else 0,
+            label_noise=noise,
+            noise_seed=cfg.data.noise_seed,
+        )
+    return questions
+
+
+def length_grouped_batches(questions: list[MCQuestion], batch_size: int, rng: random.Random, group: int = 32) -> list[list[int]]:
+    """Shuffled batches of indices; within windows of ``group`` batches, similar lengths go together
+    (less padding on long-context data, still a random order)."""
+    order = list(range(len(questions)))
+    rng.shuffle(order)
+    size = lambda i: len(questions[i].context or "") + len(questions[i].question) + sum(map(len, questions[i].options))  # noqa: E731
+    window = batch_size * group
+    batches = []
+    for start in range(0, len(order), window):
+        chunk = sorted(order[start : start + window], key=size)
+        batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+def lr_lambda(schedule: str, total: int, warmup: int):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if schedule == "constant":
+            return 1.0
+        frac = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 1.0 - frac if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
+
+    return f
+
+
+def build(cfg: TrainConfig, method: Method):
+    """Base model with LoRA, the method's head initialised from the LM head's option rows, a Predictor."""
+    from peft import LoraConfig, get_peft_model
+
+    resolved = resolve_model(cfg.base_model)
+    dtype = DTYPES[cfg.dtype] if cfg.dtype else None
+    model, tokenizer = load_base_model(resolved, device=cfg.device, dtype=dtype, load_in_4bit=cfg.load_in_4bit)
+    if cfg.load_in_4bit:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    ids = option_token_ids(tokenizer, cfg.num_rows)
+    rows = lm_head_rows(model, ids)
+    params = method.params(cfg.method_params)
+    head_config = HeadConfig(kind=method.head, num_rows=cfg.num_rows, hidden_size=rows.shape[1], offset=method.offset(params))
+    head = build_head(head_config, rows).to(model.device)
+    lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+                      target_modules=list(cfg.lora.targets), bias="none")
+    model = get_peft_model(model, lora)
+    predictor = Predictor(model, tokenizer, head, template=cfg.template, max_tokens=cfg.max_tokens)
+    return predictor, resolved, ids, params
+
+
+def train(cfg: TrainConfig, command: str = "") -> Path:
+    """Run one fine-tuning job; returns the artifact directory."""
+    method = get_method(cfg.method)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    seed_everything(cfg.seed)
+    started = time.time()
+    train_q = load_parts(cfg.data.train, "train", cfg)
+    val_q = load_parts(cfg.data.validation, "validation", cfg)
+    test_q = load_parts(cfg.data.test, "test", cfg) if cfg.data.test else []
+    log.info("data: %d train, %d validation, %d test", len(train_q), len(val_q), len(test_q))
+
+    predictor, resolved, ids, params = build(cfg, method)
+    model, head = predictor.model, predictor.head
+    out_dir = Path(cfg.output)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    history_path = out_dir / "history.jsonl"
+    history_path.write_text("")
+
+    rng = random.Random(cfg.seed)
+    steps_per_epoch = math.ceil(len(train_q) / cfg.optim.batch_size)
+    total = cfg.optim.max_steps or max(1, math.ceil(steps_per_epoch * cfg.optim.epochs))
+    warmup = max(1, int(cfg.optim.warmup_ratio * total))
+    lora_params = [p for p in model.parameters() if p.requires_grad]
+    head_params = list(head.parameters())
+    optimizer = torch.optim.AdamW(
+        [{"params": lora_params}, {"params": head_params, "lr": cfg.optim.head_lr or cfg.optim.lr}],
+        lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim.schedule, total, warmup))
+    clip = cfg.optim.clip_grad_norm if cfg.optim.clip_grad_norm is not None else method.clip_grad_norm
+    generator = torch.Generator(device=model.device).manual_seed(cfg.seed)
+    trainable = sum(p.numel() for p in lora_params + head_params)
+    log.info("method %s %s; %d trainable parameters; %d steps (warmup %d)", method.name, params, trainable, total, warmup)
+
+    def batches():
+        epoch = 0
+        while True:
+            for b in length_grouped_batches(train_q, cfg.optim.batch_size, rng):
+                yield epoch, b
+            epoch += 1
+
+    stream = batches()
+    if hasattr(head, "init_bias_from"):
+        # Centre the pre-evidence on the first batches: the letter logits start near +17 (see EvidentialHead).
+        with torch.no_grad():
+            model.eval()
+            probe = [train_q[i] for i in rng.sample(range(len(train_q)), min(16, len(train_q)))]
+            enc = predictor.encode(probe)
+            bias = head.init_bias_from(predictor.hidden(enc), enc.option_mask.to(model.device))
+            log.info("head bias initialised to %.3f", bias)
+    model.train()
+    head.train()
+    seen, running, t0 = 0, None, time.perf_counter()
+    bar = tqdm(total=total, desc=f"train {method.name}", unit="step", disable=not cfg.progress, dynamic_ncols=True)
+    for step in range(total):
+        epoch, idx = next(stream)
+        batch_q = [train_q[i] for i in idx]
+        enc = predictor.encode(batch_q)
+        mask = enc.option_mask.to(model.device)
+        y = torch.tensor([q.answer for q in batch_q], device=model.device)
+        out = head(predictor.hidden(enc), mask)
+        parts = method.loss(out, y, mask, params, LossContext(progress=step / total, generator=generator))
+        loss = parts["loss"].mean()
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss.item()} at step {step}; lower optim.lr or check the data")
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(lora_params + head_params, clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        seen += len(idx)
+        running = loss.item() if running is None else 0.95 * running + 0.05 * loss.item()
+        rate = seen / (time.perf_counter() - t0)
+        bar.set_postfix(loss=f"{running:.4f}", samples_s=f"{rate:.2f}", epoch=epoch)
+        bar.update(1)
+        record = {"step": step + 1, "epoch": epoch, "loss": loss.item(), "lr": scheduler.get_last_lr()[0],
+                  "grad_norm": float(grad_norm), **{k: v.mean().item() for k, v in parts.items() if k != "loss"}}
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < total:
+            val = evaluate(predictor, val_q[: cfg.eval_limit], cfg.eval_batch_size, progress=False)
+            record["validation"] = {k: val.metrics[k] for k in ("accuracy", "ece", "nll", "brier")}
+            tqdm.write(f"step {step + 1}: validation " + " ".join(f"{k} {v:.4f}" for k, v in record["validation"].items()))
+            model.train()
+            head.train()
+        with history_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+    bar.close()
+    train_seconds = time.perf_counter() - t0
+
+    val = evaluate(predictor, val_q, cfg.eval_batch_size, progress=cfg.progress, desc="validation")
+    zeta_info = None
+    if method.head == "ib_edl" and cfg.fit_zeta:
+        zeta, zeta_info = fit_zeta([p.alpha for p in val.predictions], [p.sigma for p in val.predictions], val.labels,
+                                   offset=head.config.offset)
+        if zeta:
+            head.config.zeta = zeta
+            val = evaluate(predictor, val_q, cfg.eval_batch_size, progress=cfg.progress, desc="validation")
+        zeta_info["zeta"] = zeta
+    test = evaluate(predictor, test_q, cfg.eval_batch_size, progress=cfg.progress, desc="test") if test_q else None
+    return write_artifact(cfg, method, params, predictor, resolved, ids, val, test, zeta_info, command,
+                          {"seconds": train_seconds, "samples": seen, "steps": total, "samples_per_s": seen / train_seconds,
+                           "wall_seconds": time.time() - started, "trainable_parameters": trainable})
+
+
+def write_artifact(cfg, method, params, predictor, resolved, ids, val: EvalResult, test: EvalResult | None,
+                   zeta_info, command: str, run: dict) -> Path:
+    out_dir = Path(cfg.output)
+    predictor.model.save_pretrained(out_dir, safe_serialization=True)
+    save_head(out_dir, predictor.head)
+    rng = random.Random(cfg.seed)
+    ref_idx = sorted(rng.sample(range(len(val.predictions)), min(cfg.reference_size, len(val.predictions))))
+    manifest = Manifest(
+        name=cfg.name,
+        version=cfg.version,
+        method=method.name,
+        method_config=params,
+        base_model=resolved.identity(),
+        head=predictor.head.config.to_dict(),
+        option_token_ids=ids,
+        prompt={"template": cfg.template, "max_tokens": cfg.max_tokens},
+        training={
+            "command": command,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "config": cfg.to_dict(),
+            "data": {role: [vars(p) for p in getattr(cfg.data, role)] for role in ("train", "validation", "test")},
+            "label_noise": cfg.data.label_noise,
+            "lora": vars(cfg.lora),
+            "zeta": zeta_info,
+            "run": run,
+            "device": str(predictor.device),
+            "torch": torch.__version__,
+        },
+        metrics={"validation": val.metrics, **({"test": test.metrics} if test else {})},
+        abstention=choose_thresholds(val.confidence, val.hits, val.uncertainty, cfg.target_accuracy),
+        reference={
+            "split": "validation",
+            "uncertainty": None if val.uncertainty is None else [round(val.uncertainty[i], 6) for i in ref_idx],
+            "confidence": [round(val.confidence[i], 6) for i in ref_idx],
+        },
+    )
+    write_manifest(out_dir, manifest)
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m training.finetune", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", help="YAML config (training/configs/*.yaml)")
+    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, values in YAML syntax")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.quiet:
+        cfg.progress = False
+    command = "python -m training.finetune " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    try:
+        out = train(cfg, command)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    manifest = json.loads((out / "manifest.json").read_text())
+    print(json.dumps({"artifact": str(out), "metrics": manifest["metrics"], "abstention": manifest["abstention"]}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,11 @@
+"""MAP: cross-entropy on the softmax of the option logits (the usual fine-tuning)."""
+
+from training.losses import cross_entropy
+from training.methods.base import Method
+
+
+def map_loss(out, y, mask, params, ctx):
+    return {"loss": cross_entropy(out.logits, y, mask)}
+
+
+METHOD = Method(name="map", head="softmax", loss=map_loss)
