@@ -116,9 +116,10 @@ class ResolvedModel:
     name: str
     path: Path
     sha256: str  # of the source weights (the GGUF, or the directory's weight files)
+    ref: str = ""  # what to pass to resolve_model to find it again (a known name or a path)
 
     def identity(self) -> dict:
-        return {"name": self.name, "sha256": self.sha256}
+        return {"name": self.name, "sha256": self.sha256, "ref": self.ref or self.name}
 
 
 def _convert_gguf(gguf: Path, name: str) -> ResolvedModel:
@@ -174,18 +175,20 @@ def resolve_model(ref: str | Path) -> ResolvedModel:
     """A known name, a local HF directory or a .gguf path -> a local HF directory and its identity."""
     ref_str = str(ref)
     if ref_str in KNOWN_MODELS:
-        return _convert_gguf(known_gguf(KNOWN_MODELS[ref_str]), ref_str)
+        resolved = _convert_gguf(known_gguf(KNOWN_MODELS[ref_str]), ref_str)
+        return ResolvedModel(resolved.name, resolved.path, resolved.sha256, ref_str)
     path = Path(ref_str).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return _convert_gguf(path.resolve(), path.stem.lower())
+        resolved = _convert_gguf(path.resolve(), path.stem.lower())
+        return ResolvedModel(resolved.name, resolved.path, resolved.sha256, str(path.resolve()))
     if path.is_dir():
         if (path / MARKER).is_file():
             meta = json.loads((path / MARKER).read_text())
             if "name" in meta and "gguf" in meta:
-                return ResolvedModel(meta["name"], path.resolve(), meta["sha256"])
+                return ResolvedModel(meta["name"], path.resolve(), meta["sha256"], str(path.resolve()))
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"{path} is a directory but not an HF model (no config.json)")
-        return ResolvedModel(path.resolve().name, path.resolve(), _directory_sha(path))
+        return ResolvedModel(path.resolve().name, path.resolve(), _directory_sha(path), str(path.resolve()))
     raise ModelNotFoundError(
         f"unknown base model {ref_str!r}: give one of {sorted(KNOWN_MODELS)}, "
         "a local Hugging Face model directory, or a .gguf file"

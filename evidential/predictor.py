@@ -282,7 +282,7 @@ class Predictor:
 
         directory = Path(directory)
         manifest = check_artifact(directory)
-        resolved = resolve_model(base_model or manifest.base_model["name"])
+        resolved = resolve_model(base_model or manifest.base_model.get("ref", manifest.base_model["name"]))
         if resolved.sha256 != manifest.base_model["sha256"] and not allow_base_mismatch:
             raise BaseModelMismatchError(
                 f"adapter {directory} was trained on {manifest.base_model['name']} "

@@ -7,7 +7,31 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import re
+
 import yaml
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that reads 1e-3 as a float (YAML 1.1 wants 1.0e-3, which nobody writes)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def yaml_load(text: str):
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 
 @dataclass
@@ -139,7 +163,7 @@ class TrainConfig:
 
 
 def _parse_value(text: str) -> Any:
-    return yaml.safe_load(text)
+    return yaml_load(text)
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -166,7 +190,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
         if not path.is_file():
             raise FileNotFoundError(f"config file {path} not found")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml_load(path.read_text()) or {}
         except yaml.YAMLError as e:
             raise ValueError(f"{path}: invalid YAML: {e}") from e
         if not isinstance(data, dict):

@@ -1,0 +1,63 @@
+"""Shared fixtures: a tiny randomly initialised Llama with a real (trained) byte-level BPE tokenizer,
+saved as a local HF directory, so the loading, predictor and training paths run in seconds."""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import pytest
+
+TINY_CORPUS = [
+    "Question: What do plants need to make food? A. sunlight B. sand C. salt D. iron Answer: A",
+    "Which planet is closest to the sun? Mercury Venus Earth Mars Answer: B",
+    "The passage says the boy went to the market to buy apples and bread for his mother.",
+] + [" ".join(f"{c}. option" for c in string.ascii_uppercase) + " Answer:"] * 5
+
+
+def make_tiny_model(directory: Path, hidden: int = 32, layers: int = 2, seed: int = 0) -> Path:
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(TINY_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(fast),
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        pad_token_id=fast.pad_token_id,
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+    )
+    model = LlamaForCausalLM(config)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    fast.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    # Conversions and assembled GGUFs of unit tests go to a per-session temp dir, never ~/.cache;
+    # integration tests opt back into the shared cache (see tests/integration/conftest.py).
+    monkeypatch.setenv("IBEDL_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "ibedl-cache"))

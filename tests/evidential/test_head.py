@@ -1,0 +1,110 @@
+import pytest
+import torch
+from torch.nn import functional as F
+
+from evidential.head import SIGMA_FLOOR, EvidentialHead, HeadConfig, IBEDLHead, SoftmaxHead, build_head, gauss_hermite
+
+
+@pytest.fixture
+def hidden():
+    return torch.randn(5, 8, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture
+def rows():
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+
+
+def mask_for(counts, width):
+    m = torch.zeros(len(counts), width, dtype=torch.bool)
+    for i, c in enumerate(counts):
+        m[i, :c] = True
+    return m
+
+
+class TestSoftmaxHead:
+    def test_probs_are_softmax_of_option_rows(self, hidden, rows):
+        head = SoftmaxHead(HeadConfig("softmax", 4, 8), rows)
+        out = head(hidden, torch.ones(5, 4, dtype=torch.bool))
+        torch.testing.assert_close(out.probs, torch.softmax(hidden @ rows.T, -1))
+        assert out.alpha is None and out.uncertainty is None
+
+    def test_ragged_batch_equals_single(self, hidden, rows):
+        head = SoftmaxHead(HeadConfig("softmax", 4, 8), rows)
+        out = head(hidden, mask_for([4, 3, 2, 4, 3], 4))
+        single = head(hidden[1:2], torch.ones(1, 3, dtype=torch.bool))
+        torch.testing.assert_close(out.probs[1, :3], single.probs[0])
+        assert out.probs[1, 3] == 0
+
+
+class TestEvidentialHead:
+    def test_alpha_is_softplus_plus_offset(self, hidden, rows):
+        head = EvidentialHead(HeadConfig("evidential", 4, 8, offset=0.1), rows)
+        out = head(hidden, torch.ones(5, 4, dtype=torch.bool))
+        torch.testing.assert_close(out.alpha, F.softplus(hidden @ rows.T) + 0.1)
+        torch.testing.assert_close(out.uncertainty, 4 * 0.1 / out.alpha.sum(-1))
+
+    def test_bias_init_centres_pre_evidence(self, hidden, rows):
+        head = EvidentialHead(HeadConfig("evidential", 4, 8), rows * 10 + 17)
+        mask = torch.ones(5, 4, dtype=torch.bool)
+        head.init_bias_from(hidden, mask)
+        assert head.pre_evidence(hidden, mask).mean().item() == pytest.approx(0.0, abs=1e-4)
+
+
+class TestIBEDLHead:
+    def test_mean_inference_is_deterministic_softplus_of_mu(self, hidden, rows):
+        head = IBEDLHead(HeadConfig("ib_edl", 4, 8), rows)
+        mask = torch.ones(5, 4, dtype=torch.bool)
+        a, b = head(hidden, mask), head(hidden, mask)
+        torch.testing.assert_close(a.alpha, b.alpha, rtol=0, atol=0)
+        torch.testing.assert_close(a.alpha, F.softplus(hidden @ rows.T) + 1)
+        torch.testing.assert_close(a.belief.sum(-1) + a.uncertainty, torch.ones(5))
+
+    def test_sigma_starts_small(self, hidden, rows):
+        head = IBEDLHead(HeadConfig("ib_edl", 4, 8), rows)
+        mu, sigma = head.gaussian(hidden, torch.ones(5, 4, dtype=torch.bool))
+        assert sigma.min() >= SIGMA_FLOOR
+        assert sigma.max() < 0.1  # softplus(-4 + 0.01 * z) with |z| of order 1
+
+    def test_quadrature_matches_monte_carlo(self, hidden, rows):
+        head = IBEDLHead(HeadConfig("ib_edl", 4, 8, inference="quadrature", quadrature_points=20), rows)
+        mu = torch.tensor([[-1.0, 0.0, 2.0]])
+        sigma = torch.tensor([[0.5, 1.0, 2.0]])
+        eps = torch.randn(400_000, 1, 3, generator=torch.Generator().manual_seed(0))
+        mc = F.softplus(mu + sigma * eps).mean(0)
+        torch.testing.assert_close(head.expected_evidence(mu, sigma), mc, rtol=5e-3, atol=5e-3)
+
+    def test_zeta_lowers_alpha_with_floor(self, hidden, rows):
+        mask = torch.ones(5, 4, dtype=torch.bool)
+        plain = IBEDLHead(HeadConfig("ib_edl", 4, 8), rows)
+        shifted = IBEDLHead(HeadConfig("ib_edl", 4, 8, zeta=2.0), rows)
+        shifted.load_state_dict(plain.state_dict())
+        a, b = plain(hidden, mask), shifted(hidden, mask)
+        torch.testing.assert_close(b.alpha, torch.clamp(a.alpha - 2.0 * a.sigma, min=1.0))
+        assert (b.uncertainty >= a.uncertainty).all()
+
+
+def test_gauss_hermite_integrates_polynomials():
+    nodes, weights = gauss_hermite(8)
+    assert weights.sum().item() == pytest.approx(1.0, abs=1e-6)
+    assert (weights * nodes**2).sum().item() == pytest.approx(1.0, abs=1e-5)  # E[eps^2]
+    assert (weights * nodes**4).sum().item() == pytest.approx(3.0, abs=1e-4)  # E[eps^4]
+
+
+class TestConfigChecks:
+    def test_bad_values_named(self):
+        with pytest.raises(ValueError, match="head kind must be one of .* got 'nope'"):
+            HeadConfig("nope", 4, 8)
+        with pytest.raises(ValueError, match="num_rows must be in 2..26, got 27"):
+            HeadConfig("softmax", 27, 8)
+        with pytest.raises(ValueError, match="inference must be 'mean' or 'quadrature', got 'mode'"):
+            HeadConfig("ib_edl", 4, 8, inference="mode")
+
+    def test_rows_shape_checked(self):
+        with pytest.raises(ValueError, match=r"rows must have shape \(4, 8\), got \(3, 8\)"):
+            build_head(HeadConfig("softmax", 4, 8), torch.zeros(3, 8))
+
+    def test_too_many_options(self, hidden, rows):
+        head = SoftmaxHead(HeadConfig("softmax", 4, 8), rows)
+        with pytest.raises(ValueError, match="at most 4 options, got 5"):
+            head(hidden, torch.ones(5, 5, dtype=torch.bool))
