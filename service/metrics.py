@@ -1,0 +1,48 @@
+"""Prometheus metrics of one app instance, in its own registry (prefix ``ibedl_``)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+PROBABILITY_BUCKETS = tuple(round(x, 2) for x in [i / 20 for i in range(1, 21)])
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("ibedl_requests", "HTTP requests by route and status", ["route", "method", "status"], registry=r)
+        self.latency = Histogram("ibedl_request_latency_seconds", "request latency by route", ["route"],
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.inflight = Gauge("ibedl_inflight_requests", "requests being served", registry=r)
+        self.batch_size = Histogram("ibedl_batch_size", "questions per forward pass", buckets=BATCH_BUCKETS, registry=r)
+        self.queue_depth = Gauge("ibedl_queue_depth", "questions waiting for the model", registry=r)
+        self.forward_seconds = Histogram("ibedl_forward_seconds", "model time per batch", buckets=LATENCY_BUCKETS, registry=r)
+        self.rejected = Counter("ibedl_rejected", "questions refused before the model, by reason", ["reason"], registry=r)
+        self.uncertainty = Histogram("ibedl_uncertainty_mass", "uncertainty mass u of served answers",
+                                     buckets=PROBABILITY_BUCKETS, registry=r)
+        self.confidence = Histogram("ibedl_confidence", "max probability of served answers", buckets=PROBABILITY_BUCKETS, registry=r)
+        self.answers = Counter("ibedl_answers", "questions answered by the model (abstained or not)", registry=r)
+        self.abstentions = Counter("ibedl_abstentions", "abstentions by the threshold crossed", ["reason"], registry=r)
+        self.predictions = Counter("ibedl_predictions", "predicted letters", ["letter"], registry=r)
+        self.drift_ks = Gauge("ibedl_drift_ks", "KS statistic of the window against the reference", registry=r)
+        self.drift_psi = Gauge("ibedl_drift_psi", "population stability index of the window", registry=r)
+        self.drift_threshold = Gauge("ibedl_drift_ks_threshold", "KS alarm threshold (bootstrap)", registry=r)
+        self.drift_alarm = Gauge("ibedl_drift_alarm", "1 when the KS statistic of a full window exceeds the threshold", registry=r)
+        self.drift_window = Gauge("ibedl_drift_window", "values in the drift window", registry=r)
+        self.drift_window_mean = Gauge("ibedl_drift_window_mean", "mean of the monitored value in the window", registry=r)
+        self.drift_reference_mean = Gauge("ibedl_drift_reference_mean", "mean of the monitored value in the reference", registry=r)
+        self.ready = Gauge("ibedl_ready", "1 when the model is loaded and the service accepts requests", registry=r)
+        self.model_info = Info("ibedl_model", "the adapter being served", registry=r)
+
+    def set_drift(self, status: dict) -> None:
+        nan = float("nan")
+        self.drift_ks.set(status["ks"] if status["ks"] is not None else nan)
+        self.drift_psi.set(status["psi"] if status["psi"] is not None else nan)
+        self.drift_threshold.set(status["ks_threshold"] if status["ks_threshold"] is not None else nan)
+        self.drift_alarm.set(1.0 if status["alarm"] else 0.0)
+        self.drift_window.set(status["window"])
+        self.drift_window_mean.set(status["window_mean"] if status["window_mean"] is not None else nan)
+        self.drift_reference_mean.set(status["reference_mean"] if status["reference_mean"] is not None else nan)

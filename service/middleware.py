@@ -1,0 +1,88 @@
+"""One ASGI middleware in front of the routes: request ids, content type (415) and body size (413)
+checks, and request count/latency metrics (probe and metrics paths stay out of them)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from service.errors import error_body
+
+UNMEASURED = ("/health/", "/metrics")
+BODY_METHODS = ("POST", "PUT", "PATCH")
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class RequestGuard:
+    def __init__(self, app, state) -> None:
+        self.app = app
+        self.state = state
+
+    async def _reply(self, send, status: int, type_: str, message: str, request_id: str, headers=()) -> None:
+        body = json.dumps(error_body(type_, message)).encode()
+        await send({"type": "http.response.start", "status": status, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"x-request-id", request_id.encode()), *headers]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        request_id = headers.get("x-request-id") or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        path = scope.get("path", "")
+        measured = not path.startswith(UNMEASURED)
+        metrics = self.state.metrics
+        status_holder = {"status": 500, "started": False}
+        start = time.perf_counter()
+        limit = self.state.settings.max_body_bytes
+
+        async def send_wrapper(message):
+            if message["type"] == "http.response.start":
+                status_holder["status"] = message["status"]
+                status_holder["started"] = True
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode())]
+            await send(message)
+
+        received = {"bytes": 0}
+
+        async def receive_wrapper():
+            message = await receive()
+            if message["type"] == "http.request":
+                received["bytes"] += len(message.get("body", b""))
+                if received["bytes"] > limit:
+                    raise _BodyTooLarge()
+            return message
+
+        if measured:
+            metrics.inflight.inc()
+        try:
+            if scope["method"] in BODY_METHODS:
+                ctype = headers.get("content-type", "").split(";")[0].strip().lower()
+                if not (ctype == "application/json" or ctype.endswith("+json")):
+                    status_holder["status"] = 415
+                    return await self._reply(send, 415, "unsupported_media_type",
+                                             f"send the body as application/json, not {ctype or 'no content type'}", request_id)
+                length = headers.get("content-length")
+                if length is not None and length.isdigit() and int(length) > limit:
+                    status_holder["status"] = 413
+                    return await self._reply(send, 413, "too_large", f"the body is {length} bytes; the limit is {limit}", request_id)
+            try:
+                await self.app(scope, receive_wrapper, send_wrapper)
+            except _BodyTooLarge:
+                status_holder["status"] = 413
+                if not status_holder["started"]:
+                    await self._reply(send, 413, "too_large", f"the body exceeds the limit of {limit} bytes", request_id)
+        finally:
+            if measured:
+                metrics.inflight.dec()
+                route = scope.get("route")
+                template = getattr(route, "path", None) or "unmatched"
+                metrics.requests.labels(route=template, method=scope["method"], status=str(status_holder["status"])).inc()
+                metrics.latency.labels(route=template).observe(time.perf_counter() - start)

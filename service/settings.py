@@ -1,0 +1,52 @@
+"""All service settings, from ``IBEDL_*`` environment variables (one pydantic-settings class)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Service settings; every field reads ``IBEDL_<NAME>`` (e.g. ``IBEDL_MAX_BATCH_SIZE=32``)."""
+
+    model_config = SettingsConfigDict(env_prefix="IBEDL_", extra="ignore")
+
+    artifact: Path = Field(Path("artifacts/default"), description="adapter directory to serve")
+    base_model: str | None = Field(None, description="override the manifest's base model reference")
+    allow_base_mismatch: bool = Field(False, description="serve even if the base weights' sha256 differs")
+    device: str | None = Field(None, description="cpu or cuda[:i]; default CUDA when present")
+    load_in_4bit: bool = Field(False, description="bitsandbytes NF4 on CUDA")
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    api_token: SecretStr | None = Field(None, description="require 'Authorization: Bearer <token>' on the API routes")
+    log_level: str = "info"
+
+    max_batch_size: int = Field(16, ge=1, le=512, description="questions per forward pass")
+    max_wait_ms: float = Field(5.0, ge=0, le=1000, description="how long a batch waits for more questions")
+    queue_size: int = Field(256, ge=1, description="questions waiting before requests get 503")
+    request_timeout_s: float = Field(30.0, gt=0, description="per-request wait for the model")
+    shutdown_grace_s: float = Field(30.0, ge=0, description="drain time on SIGTERM")
+
+    max_batch_items: int = Field(32, ge=1, description="items in one POST /predict/batch")
+    max_options: int = Field(26, ge=2, le=26)
+    max_question_chars: int = Field(4000, ge=1)
+    max_option_chars: int = Field(1000, ge=1)
+    max_context_chars: int = Field(20000, ge=0)
+    max_tokens: int | None = Field(None, ge=16, description="prompt tokens after formatting; default the manifest's")
+    max_body_bytes: int = Field(1_000_000, ge=1024)
+
+    drift_window: int = Field(500, ge=10, description="served uncertainty masses in the rolling window")
+    drift_alarm_rate: float = Field(0.01, gt=0, lt=0.5, description="false-alarm rate the KS threshold is set for")
+    drift_bootstrap: int = Field(1000, ge=50, description="bootstrap draws calibrating the KS threshold")
+
+    @field_validator("log_level")
+    @classmethod
+    def _level(cls, v: str) -> str:
+        levels = ("critical", "error", "warning", "info", "debug")
+        if v.lower() not in levels:
+            raise ValueError(f"log_level must be one of {levels}, got {v!r}")
+        return v.lower()

@@ -1,0 +1,86 @@
+"""Service test fixtures: a tiny trained artifact and an app factory that waits until ready."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from contextlib import contextmanager
+
+import pytest
+from fastapi.testclient import TestClient
+
+from service.app import create_app, load_predictor
+from service.settings import Settings
+
+WORDS = "sun moon water plant stone tree bird fish cloud river".split()
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact(tiny_model_dir, tmp_path_factory):
+    """An IB-EDL adapter trained for 2 steps on the tiny model (real artifact files, real loading)."""
+    from training.config import load_config
+    from training.finetune import train
+
+    root = tmp_path_factory.mktemp("artifact")
+    data = root / "toy.jsonl"
+    rng = random.Random(0)
+    with data.open("w") as f:
+        for i in range(60):
+            opts = rng.sample(WORDS, rng.choice([3, 4, 5]))
+            f.write(json.dumps({"question": f"Which is {opts[0]}?", "options": opts, "answer": 0}) + "\n")
+    cfg = load_config(None, [
+        "method=ib_edl", f"base_model={tiny_model_dir}", f"output={root / 'adapter'}", "name=tiny",
+        f"data={{train: [{{dataset: jsonl, path: {data}}}], validation: [{{dataset: jsonl, path: {data}}}]}}",
+        "optim.max_steps=2", "max_tokens=96", "progress=false", "method_params.num_samples=2",
+    ])
+    return train(cfg)
+
+
+def wait_ready(client: TestClient, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r = client.get("/health/ready")
+        if r.status_code == 200:
+            return
+        if r.json().get("status") == "failed":
+            raise AssertionError(f"service failed to load: {r.json()}")
+        time.sleep(0.05)
+    raise AssertionError("service not ready in time")
+
+
+@pytest.fixture
+def make_client(tiny_artifact):
+    @contextmanager
+    def factory(loader=None, ready=True, **overrides):
+        settings = Settings(**{"artifact": tiny_artifact, "drift_bootstrap": 100, **overrides})
+        app = create_app(settings, loader=loader)
+        with TestClient(app, raise_server_exceptions=False) as client:
+            if ready:
+                wait_ready(client)
+            yield client
+
+    return factory
+
+
+@pytest.fixture
+def client(make_client):
+    with make_client() as c:
+        yield c
+
+
+def slow_loader(delay: float):
+    """A loader whose predictor sleeps ``delay`` seconds per batch (to fill queues and batch requests)."""
+
+    def load(settings):
+        predictor = load_predictor(settings)
+        original = predictor.predict
+
+        def predict(questions, truncate_context=True):
+            time.sleep(delay)
+            return original(questions, truncate_context)
+
+        predictor.predict = predict
+        return predictor
+
+    return load

@@ -1,0 +1,242 @@
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from evidential.artifact import read_manifest, write_manifest
+from tests.service.conftest import slow_loader
+
+Q = {"question": "Which is sun?", "options": ["sun", "moon", "tree", "fish"]}
+
+
+def check_invariants(body, n):
+    letters = [chr(65 + i) for i in range(n)]
+    assert list(body["probabilities"]) == letters
+    assert sum(body["probabilities"].values()) == pytest.approx(1, abs=1e-5)
+    u = body["uncertainty_mass"]
+    assert sum(body["belief_masses"].values()) + u == pytest.approx(1, abs=1e-5)
+    for k in letters:
+        assert body["probabilities"][k] == pytest.approx(body["belief_masses"][k] + u / n, abs=2e-6)
+    assert body["confidence"] == max(body["probabilities"].values())
+    assert body["prediction"]["letter"] == max(body["probabilities"], key=body["probabilities"].get)
+
+
+class TestPredict:
+    def test_schema_and_invariants(self, client):
+        r = client.post("/predict", json={**Q, "id": "q1"})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["id"] == "q1"
+        assert set(body) == {"id", "prediction", "probabilities", "belief_masses", "uncertainty_mass", "confidence",
+                             "sigma", "abstained", "abstain_reason", "adapter"}
+        check_invariants(body, 4)
+        assert body["prediction"]["text"] == Q["options"][body["prediction"]["index"]]
+        assert body["adapter"] == {"name": "tiny", "method": "ib_edl", "version": "1"}
+        assert set(body["sigma"]) == {"A", "B", "C", "D"}
+        assert r.headers["x-request-id"]
+
+    def test_deterministic(self, client):
+        a = client.post("/predict", json=Q).json()
+        b = client.post("/predict", json=Q).json()
+        a.pop("id"), b.pop("id")
+        assert a == b
+
+    def test_letter_map_and_five_options(self, client):
+        r = client.post("/predict", json={"question": "Which?", "options": {"A": "a", "B": "b", "C": "c", "D": "d", "E": "e"},
+                                          "context": "a passage"})
+        assert r.status_code == 200
+        check_invariants(r.json(), 5)
+
+    def test_batch_in_order_equals_singles(self, client):
+        items = [{**Q, "id": "x"}, {"question": "Which is tree?", "options": ["tree", "bird", "fish"], "id": "y"}]
+        r = client.post("/predict/batch", json={"items": items})
+        assert r.status_code == 200
+        results = r.json()["results"]
+        assert [x["id"] for x in results] == ["x", "y"]
+        for item, res in zip(items, results):
+            single = client.post("/predict", json=item).json()
+            assert single["probabilities"] == pytest.approx(res["probabilities"], abs=1e-5)
+
+
+class TestAbstention:
+    def test_tightened_threshold_abstains(self, client):
+        body = client.post("/predict", json={**Q, "abstain": {"max_uncertainty": 0.0}}).json()
+        assert body["abstained"] and body["abstain_reason"] == "max_uncertainty"
+        body = client.post("/predict", json={**Q, "abstain": {"min_confidence": 1.0}}).json()
+        assert body["abstained"] and body["abstain_reason"] == "min_confidence"
+
+    def test_requests_cannot_loosen_defaults(self, tiny_artifact, make_client, tmp_path):
+        import shutil
+
+        art = tmp_path / "strict"
+        shutil.copytree(tiny_artifact, art)
+        manifest = read_manifest(art)
+        manifest.abstention["max_uncertainty"] = 0.0  # the adapter's default abstains on everything
+        write_manifest(art, manifest)
+        with make_client(artifact=art) as c:
+            body = c.post("/predict", json={**Q, "abstain": {"max_uncertainty": 1.0}}).json()
+            assert body["abstained"] and body["abstain_reason"] == "max_uncertainty"
+
+
+class TestBadInput:
+    @pytest.mark.parametrize("payload,status,field", [
+        ({"question": "q", "options": ["only one"]}, 422, "options"),
+        ({"question": "q", "options": [f"o{i}" for i in range(27)]}, 422, "options"),
+        ({"question": "q", "options": {"A": "a", "C": "c"}}, 422, "options"),
+        ({"question": "   ", "options": ["a", "b"]}, 422, "question"),
+        ({"question": "q", "options": ["a", " "]}, 422, "options.1"),
+        ({"question": "q", "options": ["a", "b"], "bogus": 1}, 422, "bogus"),
+        ({"question": "q"}, 422, "options"),
+        ({"question": "q", "options": ["a", "b"], "abstain": {"max_uncertainty": 2}}, 422, "abstain.max_uncertainty"),
+        ({"question": "q" * 5000, "options": ["a", "b"]}, 413, "question"),
+        ({"question": "q", "options": ["a", "b" * 2000]}, 413, "options.1"),
+        ({"question": "q", "options": ["a", "b"], "context": "word " * 300}, 413, "context"),
+    ])
+    def test_rejected_with_error_shape(self, client, payload, status, field):
+        r = client.post("/predict", json=payload)
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert set(err) == {"type", "message", "field"}
+        assert err["field"] == field
+        assert err["message"]
+
+    def test_invalid_json(self, client):
+        r = client.post("/predict", content=b"{not json", headers={"content-type": "application/json"})
+        assert r.status_code == 422
+        assert r.json()["error"]["type"] == "invalid_json"
+
+    def test_wrong_content_type(self, client):
+        r = client.post("/predict", content=json.dumps(Q), headers={"content-type": "text/plain"})
+        assert r.status_code == 415
+        assert r.json()["error"]["type"] == "unsupported_media_type"
+
+    def test_body_too_large(self, make_client):
+        with make_client(max_body_bytes=2048) as c:
+            r = c.post("/predict", json={"question": "q", "options": ["a", "b"], "context": "x" * 5000})
+            assert r.status_code == 413
+            assert r.json()["error"]["type"] == "too_large"
+
+    def test_batch_limits(self, make_client):
+        with make_client(max_batch_items=2) as c:
+            r = c.post("/predict/batch", json={"items": [Q, Q, Q]})
+            assert r.status_code == 413 and r.json()["error"]["field"] == "items"
+            r = c.post("/predict/batch", json={"items": [Q, {"question": "q", "options": ["a"]}]})
+            assert r.status_code == 422 and r.json()["error"]["field"] == "items.1.options"
+            r = c.post("/predict/batch", json={"items": []})
+            assert r.status_code == 422
+
+    def test_unknown_route_and_method(self, client):
+        assert client.get("/nope").json()["error"]["type"] == "not_found"
+        assert client.get("/predict").status_code == 405
+
+
+class TestLifecycle:
+    def test_ready_503_while_loading_then_200(self, make_client):
+        gate = threading.Event()
+
+        def loader(settings):
+            gate.wait(10)
+            from service.app import load_predictor
+            return load_predictor(settings)
+
+        with make_client(loader=loader, ready=False) as c:
+            assert c.get("/health/live").status_code == 200
+            r = c.get("/health/ready")
+            assert r.status_code == 503 and r.json()["status"] == "loading"
+            r = c.post("/predict", json=Q)
+            assert r.status_code == 503 and r.json()["error"]["type"] == "not_ready"
+            gate.set()
+            from tests.service.conftest import wait_ready
+            wait_ready(c)
+
+    def test_broken_artifact_reports_reason(self, make_client, tmp_path):
+        (tmp_path / "manifest.json").write_text("{}")
+        with make_client(artifact=tmp_path, ready=False) as c:
+            import time
+            for _ in range(100):
+                r = c.get("/health/ready")
+                if r.json()["status"] == "failed":
+                    break
+                time.sleep(0.05)
+            assert r.status_code == 503
+            assert "manifest" in r.json()["reason"]
+
+
+class TestBatchingAndQueue:
+    def test_concurrent_requests_share_forward_passes(self, make_client):
+        with make_client(loader=slow_loader(0.3), max_wait_ms=50) as c:
+            with ThreadPoolExecutor(8) as pool:
+                codes = list(pool.map(lambda _: c.post("/predict", json=Q).status_code, range(8)))
+            assert codes == [200] * 8
+            text = c.get("/metrics").text
+            count = float(_sample(text, "ibedl_batch_size_count"))
+            total = float(_sample(text, "ibedl_batch_size_sum"))
+            assert total == 8 and count < 8  # fewer forward passes than questions
+
+    def test_queue_full_answers_503_with_retry_after(self, make_client):
+        with make_client(loader=slow_loader(0.5), queue_size=2, max_batch_size=1) as c:
+            with ThreadPoolExecutor(10) as pool:
+                responses = list(pool.map(lambda _: c.post("/predict", json=Q), range(10)))
+            full = [r for r in responses if r.status_code == 503]
+            assert full, [r.status_code for r in responses]
+            assert all(r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "overloaded" for r in full)
+            assert any(r.status_code == 200 for r in responses)
+
+    def test_timeout_answers_504(self, make_client):
+        with make_client(loader=slow_loader(1.0), request_timeout_s=0.2) as c:
+            r = c.post("/predict", json=Q)
+            assert r.status_code == 504 and r.json()["error"]["type"] == "timeout"
+
+
+class TestAuth:
+    def test_token_required_on_api_not_on_probes(self, make_client):
+        with make_client(api_token="s3cret") as c:
+            assert c.post("/predict", json=Q).status_code == 401
+            r = c.post("/predict", json=Q, headers={"Authorization": "Bearer wrong"})
+            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+            assert c.post("/predict", json=Q, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+            assert c.get("/v1/models").status_code == 401
+            assert c.get("/health/ready").status_code == 200
+            assert c.get("/metrics").status_code == 200
+
+
+class TestMetadataAndMetrics:
+    def test_models(self, client):
+        data = client.get("/v1/models").json()["data"][0]
+        assert data["method"] == "ib_edl" and data["name"] == "tiny"
+        assert {"validation"} <= set(data["metrics"])
+        assert "max_uncertainty" in data["abstention"]
+        assert data["training_data"]["train"][0]["dataset"] == "jsonl"
+
+    def test_metrics_count_predictions_not_probes(self, client):
+        client.post("/predict", json=Q)
+        client.post("/predict", json={"question": "q", "options": ["a"]})
+        client.get("/health/ready")
+        text = client.get("/metrics").text
+        assert 'ibedl_requests_total{method="POST",route="/predict",status="200"} 1.0' in text
+        assert 'ibedl_requests_total{method="POST",route="/predict",status="422"} 1.0' in text
+        assert "/health" not in text and 'route="/metrics"' not in text
+        assert "ibedl_uncertainty_mass_count 1.0" in text
+        assert 'ibedl_model_info{adapter="tiny"' in text
+        for name in ("ibedl_drift_ks", "ibedl_drift_psi", "ibedl_drift_alarm", "ibedl_queue_depth", "ibedl_ready 1.0"):
+            assert name in text
+
+    def test_drift_endpoint(self, client):
+        for _ in range(3):
+            client.post("/predict", json=Q)
+        d = client.get("/v1/drift").json()
+        assert d["statistic"] == "uncertainty_mass" and d["window"] == 3 and d["alarm"] is False
+        assert d["ks_threshold"] > 0
+
+    def test_openapi_docs(self, client):
+        assert client.get("/docs").status_code == 200
+        paths = client.get("/openapi.json").json()["paths"]
+        assert {"/predict", "/predict/batch", "/v1/models", "/v1/drift", "/health/ready"} <= set(paths)
+
+
+def _sample(text: str, name: str) -> str:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return line.split()[-1]
+    raise AssertionError(f"{name} not in metrics")
