@@ -176,7 +176,11 @@ class EvidentialHead(OptionHead):
     def init_bias_from(self, hidden: torch.Tensor, mask: torch.Tensor) -> float:
         """Set b so that the mean pre-evidence over real options of this batch is 0. Returns b."""
         z = self._linear(hidden, self.weight, self._check(hidden, mask))
-        self.bias.fill_(-(z * mask).sum().item() / mask.sum().item())
+        return self.set_bias(-(z * mask).sum().item() / mask.sum().item())
+
+    @torch.no_grad()
+    def set_bias(self, value: float) -> float:
+        self.bias.fill_(value)
         return float(self.bias)
 
 
@@ -244,7 +248,11 @@ class IBEDLHead(OptionHead):
     def init_bias_from(self, hidden: torch.Tensor, mask: torch.Tensor) -> float:
         """Centre mu on this batch (see EvidentialHead.init_bias_from). Returns the mu bias."""
         z = self._linear(hidden, self.mu_weight, self._check(hidden, mask))
-        self.mu_bias.fill_(-(z * mask).sum().item() / mask.sum().item())
+        return self.set_bias(-(z * mask).sum().item() / mask.sum().item())
+
+    @torch.no_grad()
+    def set_bias(self, value: float) -> float:
+        self.mu_bias.fill_(value)
         return float(self.mu_bias)
 
 

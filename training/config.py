@@ -131,6 +131,7 @@ class TrainConfig:
     eval_every: int = 0  # steps between validation passes (0: only at the end)
     eval_limit: int = 200  # validation questions used by periodic passes
     eval_batch_size: int = 8
+    evidence_bias: str | float = "center"  # evidential heads: "center" the first batch's pre-evidence, "none", or a value
     target_accuracy: float = 0.8
     fit_zeta: bool = True
     reference_size: int = 1000
@@ -155,6 +156,8 @@ class TrainConfig:
             raise ValueError(f"target_accuracy must be in (0, 1], got {self.target_accuracy}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if not (self.evidence_bias in ("center", "none") or isinstance(self.evidence_bias, (int, float))):
+            raise ValueError(f"evidence_bias must be 'center', 'none' or a number, got {self.evidence_bias!r}")
         if self.name is None:
             self.name = Path(self.output).name
 

@@ -96,6 +96,9 @@ def build(cfg: TrainConfig, method: Method):
     """Base model with LoRA, the method's head initialised from the LM head's option rows, a Predictor."""
     from peft import LoraConfig, get_peft_model
 
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 training at TF32 matmul speed on Ampere+
+        torch.backends.cudnn.allow_tf32 = True
     resolved = resolve_model(cfg.base_model)
     dtype = DTYPES[cfg.dtype] if cfg.dtype else None
     model, tokenizer = load_base_model(resolved, device=cfg.device, dtype=dtype, load_in_4bit=cfg.load_in_4bit)
@@ -158,13 +161,15 @@ def train(cfg: TrainConfig, command: str = "") -> Path:
             epoch += 1
 
     stream = batches()
-    if hasattr(head, "init_bias_from"):
+    if hasattr(head, "init_bias_from") and cfg.evidence_bias != "none":
         # Centre the pre-evidence on the first batches: the letter logits start near +17 (see EvidentialHead).
         with torch.no_grad():
             model.eval()
             probe = [train_q[i] for i in rng.sample(range(len(train_q)), min(16, len(train_q)))]
             enc = predictor.encode(probe)
             bias = head.init_bias_from(predictor.hidden(enc), enc.option_mask.to(model.device))
+            if cfg.evidence_bias != "center":
+                bias = head.set_bias(bias + float(cfg.evidence_bias))
             log.info("head bias initialised to %.3f", bias)
     model.train()
     head.train()

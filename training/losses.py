@@ -83,15 +83,31 @@ def sample_pre_evidence(mu: torch.Tensor, sigma: torch.Tensor, num_samples: int,
     return mu.float() + sigma.float() * eps
 
 
+def dirichlet_mean_nll(alpha: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """-log p(y | alpha) = log alpha0 - log alpha_y, with p(y | alpha) = alpha_y / alpha0 (IB-EDL's L_IB-NLL)."""
+    a = torch.where(mask, alpha.float(), torch.ones((), device=alpha.device))
+    a0 = (a * mask).sum(-1)
+    return torch.log(a0) - torch.log(a.gather(1, y.long().unsqueeze(1)).squeeze(1))
+
+
+RISKS = {"mse": mse_bayes_risk, "nll": dirichlet_mean_nll}
+
+
 def ib_edl_risk(
-    mu: torch.Tensor, sigma: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, num_samples: int, generator=None
+    mu: torch.Tensor, sigma: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, num_samples: int, generator=None,
+    risk: str = "mse",
 ) -> torch.Tensor:
-    """mean_k MSE-Bayes-risk(softplus(e~_k) + 1, y) over K samples of the pre-evidence. Returns (B,)."""
+    """mean_k risk(softplus(e~_k) + 1, y) over K samples of the pre-evidence. Returns (B,).
+
+    ``risk``: ``mse`` (Bayes risk of the squared error) or ``nll`` (-log alpha_y / alpha0).
+    """
+    if risk not in RISKS:
+        raise ValueError(f"risk must be one of {sorted(RISKS)}, got {risk!r}")
     samples = sample_pre_evidence(mu, sigma, num_samples, generator)  # (K, B, C)
     alpha = F.softplus(samples) + 1.0
     k, b, c = alpha.shape
-    risk = mse_bayes_risk(alpha.reshape(k * b, c), y.repeat(k), mask.repeat(k, 1))
-    return risk.reshape(k, b).mean(0)
+    values = RISKS[risk](alpha.reshape(k * b, c), y.repeat(k), mask.repeat(k, 1))
+    return values.reshape(k, b).mean(0)
 
 
 def vid_loss(alpha: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,94 @@
+"""The GPU path: the same IB-EDL fine-tuning in fp32, bf16 and bf16 + 4-bit NF4 (bitsandbytes), with
+training samples/s and peak GPU memory as ratios against fp32, and 4-bit inference of the bf16 adapter.
+
+    python benchmarks/gpu_path.py [--base-model REF] [--steps 150] [--output benchmarks/results/gpu_path.json]
+
+Needs CUDA (and bitsandbytes for the 4-bit rows); prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from evidential.predictor import Predictor  # noqa: E402
+from training.config import load_config  # noqa: E402
+from training.data import load_dataset  # noqa: E402
+from training.evaluate import evaluate  # noqa: E402
+from training.finetune import train  # noqa: E402
+
+VARIANTS = {
+    "fp32": ["dtype=float32"],
+    "bf16": ["dtype=bfloat16"],
+    "bf16-4bit": ["dtype=bfloat16", "load_in_4bit=true"],
+}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base-model", default="smollm2-135m-instruct")
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--output", default="benchmarks/results/gpu_path.json")
+    parser.add_argument("--runs-dir", default="runs/gpu_path")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: this benchmark needs a CUDA device", file=sys.stderr)
+        return 2
+    test_q = load_dataset("sciq", "test", limit=500)
+    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "steps": args.steps, "runs": {}}
+    for name, extra in VARIANTS.items():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        cfg = load_config("training/configs/smollm2_science_ib_edl.yaml", [
+            f"base_model={args.base_model}", f"output={args.runs_dir}/{name}", f"optim.max_steps={args.steps}",
+            "optim.batch_size=8", "data.test=[]", "progress=false", "device=cuda", *extra,
+        ])
+        start = time.time()
+        artifact = train(cfg, command=f"benchmarks/gpu_path.py {name}")
+        manifest = json.loads((artifact / "manifest.json").read_text())
+        run = manifest["training"]["run"]
+        peak = torch.cuda.max_memory_allocated() / 2**20
+        predictor = Predictor.from_artifact(artifact, base_model=args.base_model, dtype=cfg.dtype and getattr(torch, cfg.dtype),
+                                            load_in_4bit=cfg.load_in_4bit)
+        res = evaluate(predictor, test_q, batch_size=32, progress=False)
+        results["runs"][name] = {
+            "train_samples_per_s": run["samples_per_s"],
+            "peak_gpu_mib": peak,
+            "seconds": time.time() - start,
+            "final_loss": json.loads((artifact / "history.jsonl").read_text().splitlines()[-1])["loss"],
+            "test": {k: res.metrics[k] for k in ("n", "accuracy", "ece", "nll", "brier")},
+            "test_samples_per_s": res.metrics["samples_per_s"],
+        }
+        del predictor
+        print(name, json.dumps(results["runs"][name]), flush=True)
+    base = results["runs"]["fp32"]
+    for name, r in results["runs"].items():
+        r["speed_vs_fp32"] = r["train_samples_per_s"] / base["train_samples_per_s"]
+        r["memory_vs_fp32"] = r["peak_gpu_mib"] / base["peak_gpu_mib"]
+    # The bf16-trained adapter served with a 4-bit base: same answers?
+    bf16 = Predictor.from_artifact(Path(args.runs_dir) / "bf16", base_model=args.base_model, dtype=torch.bfloat16)
+    q4 = Predictor.from_artifact(Path(args.runs_dir) / "bf16", base_model=args.base_model, dtype=torch.bfloat16,
+                                 load_in_4bit=True, allow_base_mismatch=True)
+    a = evaluate(bf16, test_q, 32, progress=False)
+    b = evaluate(q4, test_q, 32, progress=False)
+    results["bf16_adapter_on_4bit_base"] = {
+        "agreement": sum(x.index == y.index for x, y in zip(a.predictions, b.predictions)) / len(test_q),
+        "accuracy_bf16": a.metrics["accuracy"],
+        "accuracy_4bit": b.metrics["accuracy"],
+    }
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
