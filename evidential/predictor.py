@@ -18,6 +18,7 @@ from evidential.head import HeadPrediction, OptionHead
 from evidential.prompt import LETTERS, MCQuestion, format_prompt, option_token_ids
 
 DEFAULT_MAX_TOKENS = 512
+MC_SEED = 20250101  # MC-Dropout's dropout masks are drawn from this seed on every call
 
 
 class PromptTooLongError(ValueError):
@@ -229,7 +230,12 @@ class Predictor:
         mask = batch.option_mask.to(self.device)
         if self.mc_samples <= 0:
             return head(self.hidden(batch), mask)
-        runs = [head(self.hidden(batch), mask) for _ in range(self.mc_samples)]
+        # Fixed dropout masks per call: the same batch always gets the same answer (a request alone in
+        # its batch is deterministic; under micro-batching its masks depend on its batch position).
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(MC_SEED + k)
+            runs = [head(self.hidden(batch), mask) for _ in range(self.mc_samples)]
         return _average(runs)
 
     def forward(self, batch: EncodedBatch) -> HeadPrediction:

@@ -132,6 +132,7 @@ class TrainConfig:
     eval_limit: int = 200  # validation questions used by periodic passes
     eval_batch_size: int = 8
     evidence_bias: str | float = "center"  # evidential heads: "center" the first batch's pre-evidence, "none", or a value
+    train_evidence_bias: bool = True  # False keeps that shared offset fixed during training
     target_accuracy: float = 0.8
     fit_zeta: bool = True
     reference_size: int = 1000

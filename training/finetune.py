@@ -118,40 +118,32 @@ def build(cfg: TrainConfig, method: Method):
     return predictor, resolved, ids, params
 
 
-def train(cfg: TrainConfig, command: str = "") -> Path:
-    """Run one fine-tuning job; returns the artifact directory."""
-    method = get_method(cfg.method)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    seed_everything(cfg.seed)
-    started = time.time()
-    train_q = load_parts(cfg.data.train, "train", cfg)
-    val_q = load_parts(cfg.data.validation, "validation", cfg)
-    test_q = load_parts(cfg.data.test, "test", cfg) if cfg.data.test else []
-    log.info("data: %d train, %d validation, %d test", len(train_q), len(val_q), len(test_q))
-
-    predictor, resolved, ids, params = build(cfg, method)
+def fit_member(cfg: TrainConfig, method: Method, params: dict, train_q, val_q, member_dir: Path, seed: int,
+               history_path: Path, member: int) -> dict:
+    """Train one adapter + head (one ensemble member, or the only one) and save it into ``member_dir``."""
+    seed_everything(seed)
+    predictor, resolved, ids, _ = build(cfg, method)
     model, head = predictor.model, predictor.head
-    out_dir = Path(cfg.output)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    history_path = out_dir / "history.jsonl"
-    history_path.write_text("")
-
-    rng = random.Random(cfg.seed)
+    rng = random.Random(seed)
     steps_per_epoch = math.ceil(len(train_q) / cfg.optim.batch_size)
     total = cfg.optim.max_steps or max(1, math.ceil(steps_per_epoch * cfg.optim.epochs))
     warmup = max(1, int(cfg.optim.warmup_ratio * total))
     lora_params = [p for p in model.parameters() if p.requires_grad]
-    head_params = list(head.parameters())
+    if not cfg.train_evidence_bias:
+        for name in ("bias", "mu_bias"):
+            if hasattr(head, name):
+                getattr(head, name).requires_grad_(False)
+    head_params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         [{"params": lora_params}, {"params": head_params, "lr": cfg.optim.head_lr or cfg.optim.lr}],
         lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim.schedule, total, warmup))
     clip = cfg.optim.clip_grad_norm if cfg.optim.clip_grad_norm is not None else method.clip_grad_norm
-    generator = torch.Generator(device=model.device).manual_seed(cfg.seed)
+    generator = torch.Generator(device=model.device).manual_seed(seed)
     trainable = sum(p.numel() for p in lora_params + head_params)
-    log.info("method %s %s; %d trainable parameters; %d steps (warmup %d)", method.name, params, trainable, total, warmup)
+    log.info("method %s %s; member %d; %d trainable parameters; %d steps (warmup %d)",
+             method.name, params, member, trainable, total, warmup)
 
     def batches():
         epoch = 0
@@ -174,7 +166,8 @@ def train(cfg: TrainConfig, command: str = "") -> Path:
     model.train()
     head.train()
     seen, running, t0 = 0, None, time.perf_counter()
-    bar = tqdm(total=total, desc=f"train {method.name}", unit="step", disable=not cfg.progress, dynamic_ncols=True)
+    desc = f"train {method.name}" + (f" [{member}]" if member else "")
+    bar = tqdm(total=total, desc=desc, unit="step", disable=not cfg.progress, dynamic_ncols=True)
     for step in range(total):
         epoch, idx = next(stream)
         batch_q = [train_q[i] for i in idx]
@@ -196,8 +189,12 @@ def train(cfg: TrainConfig, command: str = "") -> Path:
         rate = seen / (time.perf_counter() - t0)
         bar.set_postfix(loss=f"{running:.4f}", samples_s=f"{rate:.2f}", epoch=epoch)
         bar.update(1)
-        record = {"step": step + 1, "epoch": epoch, "loss": loss.item(), "lr": scheduler.get_last_lr()[0],
-                  "grad_norm": float(grad_norm), **{k: v.mean().item() for k, v in parts.items() if k != "loss"}}
+        record = {"member": member, "step": step + 1, "epoch": epoch, "loss": loss.item(), "lr": scheduler.get_last_lr()[0],
+                  "grad_norm": float(grad_norm), "batch_accuracy": (out.probs.argmax(-1) == y).float().mean().item(),
+                  **{k: v.mean().item() for k, v in parts.items() if k != "loss"}}
+        if out.alpha is not None:  # evidence dynamics: inflation (strength up, u down) or collapse (alpha -> 1)
+            record["strength"] = out.alpha.sum(-1).mean().item()
+            record["uncertainty"] = out.uncertainty.mean().item()
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < total:
             val = evaluate(predictor, val_q[: cfg.eval_limit], cfg.eval_batch_size, progress=False)
             record["validation"] = {k: val.metrics[k] for k in ("accuracy", "ece", "nll", "brier")}
@@ -207,59 +204,92 @@ def train(cfg: TrainConfig, command: str = "") -> Path:
         with history_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
     bar.close()
-    train_seconds = time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    member_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(member_dir, safe_serialization=True)
+    save_head(member_dir, head)
+    return {"seconds": seconds, "samples": seen, "steps": total, "samples_per_s": seen / seconds,
+            "trainable_parameters": trainable, "seed": seed, "resolved": resolved, "ids": ids,
+            "head": head.config.to_dict(), "device": str(predictor.device)}
 
+
+def train(cfg: TrainConfig, command: str = "") -> Path:
+    """Run one fine-tuning job (M jobs for an ensemble); returns the artifact directory.
+
+    Metrics, zeta and thresholds are computed on the artifact as saved and reloaded, so what is
+    measured is exactly what the service will load.
+    """
+    method = get_method(cfg.method)
+    params = method.params(cfg.method_params)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    started = time.time()
+    train_q = load_parts(cfg.data.train, "train", cfg)
+    val_q = load_parts(cfg.data.validation, "validation", cfg)
+    test_q = load_parts(cfg.data.test, "test", cfg) if cfg.data.test else []
+    log.info("data: %d train, %d validation, %d test", len(train_q), len(val_q), len(test_q))
+    out_dir = Path(cfg.output)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    history_path = out_dir / "history.jsonl"
+    history_path.write_text("")
+    members = int(params.get("members", 1))
+    if members < 1:
+        raise ValueError(f"members must be >= 1, got {members}")
+    member_dirs = ["."] if members == 1 else [f"members/{i}" for i in range(members)]
+    runs = [fit_member(cfg, method, params, train_q, val_q, out_dir / d, cfg.seed + 1000 * i, history_path, i)
+            for i, d in enumerate(member_dirs)]
+    first = runs[0]
+    manifest = Manifest(
+        name=cfg.name, version=cfg.version, method=method.name, method_config=params,
+        base_model=first["resolved"].identity(), head=first["head"], option_token_ids=first["ids"],
+        prompt={"template": cfg.template, "max_tokens": cfg.max_tokens}, members=member_dirs,
+        mc_samples=int(params.get("mc_samples", 0)),
+    )
+    write_manifest(out_dir, manifest)  # complete enough to load; metrics follow
+
+    dtype = DTYPES[cfg.dtype] if cfg.dtype else None
+    predictor = Predictor.from_artifact(out_dir, base_model=cfg.base_model, device=cfg.device, dtype=dtype,
+                                        load_in_4bit=cfg.load_in_4bit)
     val = evaluate(predictor, val_q, cfg.eval_batch_size, progress=cfg.progress, desc="validation")
     zeta_info = None
     if method.head == "ib_edl" and cfg.fit_zeta:
+        offset = predictor.head.config.offset
         zeta, zeta_info = fit_zeta([p.alpha for p in val.predictions], [p.sigma for p in val.predictions], val.labels,
-                                   offset=head.config.offset)
+                                   offset=offset)
         if zeta:
-            head.config.zeta = zeta
+            for head in predictor.heads:
+                head.config.zeta = zeta
             val = evaluate(predictor, val_q, cfg.eval_batch_size, progress=cfg.progress, desc="validation")
         zeta_info["zeta"] = zeta
     test = evaluate(predictor, test_q, cfg.eval_batch_size, progress=cfg.progress, desc="test") if test_q else None
-    return write_artifact(cfg, method, params, predictor, resolved, ids, val, test, zeta_info, command,
-                          {"seconds": train_seconds, "samples": seen, "steps": total, "samples_per_s": seen / train_seconds,
-                           "wall_seconds": time.time() - started, "trainable_parameters": trainable})
-
-
-def write_artifact(cfg, method, params, predictor, resolved, ids, val: EvalResult, test: EvalResult | None,
-                   zeta_info, command: str, run: dict) -> Path:
-    out_dir = Path(cfg.output)
-    predictor.model.save_pretrained(out_dir, safe_serialization=True)
-    save_head(out_dir, predictor.head)
+    run = {k: v for k, v in first.items() if k not in ("resolved", "ids", "head")}
+    if members > 1:
+        run = {"members": [{k: v for k, v in r.items() if k not in ("resolved", "ids", "head")} for r in runs],
+               "seconds": sum(r["seconds"] for r in runs), "samples": sum(r["samples"] for r in runs),
+               "samples_per_s": sum(r["samples"] for r in runs) / sum(r["seconds"] for r in runs)}
+    run["wall_seconds"] = time.time() - started
+    manifest.head = predictor.head.config.to_dict()
+    manifest.training = {
+        "command": command,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "config": cfg.to_dict(),
+        "data": {role: [vars(p) for p in getattr(cfg.data, role)] for role in ("train", "validation", "test")},
+        "label_noise": cfg.data.label_noise,
+        "lora": vars(cfg.lora),
+        "zeta": zeta_info,
+        "run": run,
+        "device": str(predictor.device),
+        "torch": torch.__version__,
+    }
+    manifest.metrics = {"validation": val.metrics, **({"test": test.metrics} if test else {})}
+    manifest.abstention = choose_thresholds(val.confidence, val.hits, val.uncertainty, cfg.target_accuracy)
     rng = random.Random(cfg.seed)
     ref_idx = sorted(rng.sample(range(len(val.predictions)), min(cfg.reference_size, len(val.predictions))))
-    manifest = Manifest(
-        name=cfg.name,
-        version=cfg.version,
-        method=method.name,
-        method_config=params,
-        base_model=resolved.identity(),
-        head=predictor.head.config.to_dict(),
-        option_token_ids=ids,
-        prompt={"template": cfg.template, "max_tokens": cfg.max_tokens},
-        training={
-            "command": command,
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "config": cfg.to_dict(),
-            "data": {role: [vars(p) for p in getattr(cfg.data, role)] for role in ("train", "validation", "test")},
-            "label_noise": cfg.data.label_noise,
-            "lora": vars(cfg.lora),
-            "zeta": zeta_info,
-            "run": run,
-            "device": str(predictor.device),
-            "torch": torch.__version__,
-        },
-        metrics={"validation": val.metrics, **({"test": test.metrics} if test else {})},
-        abstention=choose_thresholds(val.confidence, val.hits, val.uncertainty, cfg.target_accuracy),
-        reference={
-            "split": "validation",
-            "uncertainty": None if val.uncertainty is None else [round(val.uncertainty[i], 6) for i in ref_idx],
-            "confidence": [round(val.confidence[i], 6) for i in ref_idx],
-        },
-    )
+    manifest.reference = {
+        "split": "validation",
+        "uncertainty": None if val.uncertainty is None else [round(val.uncertainty[i], 6) for i in ref_idx],
+        "confidence": [round(val.confidence[i], 6) for i in ref_idx],
+    }
     write_manifest(out_dir, manifest)
     return out_dir
 

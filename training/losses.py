@@ -59,9 +59,7 @@ def digamma_ce_risk(alpha: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) ->
 
 def edl_kl_regulariser(alpha: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """KL(Dir(alpha~) || Dir(1)) with alpha~ = y + (1 - y) alpha: evidence for wrong options only."""
-    target = one_hot(y, mask)
-    alpha_tilde = target + (1 - target) * alpha.float()
-    return dirichlet_kl(alpha_tilde, torch.ones_like(alpha_tilde), mask)
+    return wrong_evidence_kl(alpha, y, mask, 1.0)
 
 
 def gaussian_information(mu: torch.Tensor, sigma: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -126,3 +124,41 @@ def annealing(progress: float, lam: float = 1.0) -> float:
     if lam < 0:
         raise ValueError(f"lambda must be >= 0, got {lam}")
     return lam * min(1.0, max(0.0, progress))
+
+
+def fisher_mse(alpha: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """I-EDL's Fisher-weighted MSE and the log-determinant of the Dirichlet's Fisher information.
+
+    Returns (risk, log_det): risk = sum_j psi1(alpha_j) ((y_j - p_j)^2 + p_j (1 - p_j) / (alpha0 + 1)),
+    log_det = sum_j log psi1(alpha_j) + log(1 - psi1(alpha0) sum_j 1 / psi1(alpha_j)), both (B,).
+
+    References:
+        Deng et al. Uncertainty Estimation by Fisher Information-based Evidential Deep Learning. ICML 2023.
+    """
+    target = one_hot(y, mask)
+    a = torch.where(mask, alpha.float(), torch.ones((), device=alpha.device))
+    a0 = (a * mask).sum(-1, keepdim=True)
+    p = a * mask / a0
+    trigamma = torch.polygamma(1, a)
+    trigamma0 = torch.polygamma(1, a0)
+    risk = (trigamma * ((target - p) ** 2 + p * (1 - p) / (a0 + 1)) * mask).sum(-1)
+    ratio = ((trigamma0 / trigamma) * mask).sum(-1)
+    log_det = (torch.log(trigamma) * mask).sum(-1) + torch.log((1.0 - ratio).clamp_min(1e-12))
+    return risk, log_det
+
+
+def relaxed_mse(alpha: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """R-EDL's risk: sum_j (y_j - alpha_j / alpha0)^2 with alpha = evidence + eta, no variance term.
+
+    References:
+        Chen et al. R-EDL: Relaxing Nonessential Settings of Evidential Deep Learning. ICLR 2024.
+    """
+    return mse_bayes_risk(alpha, y, mask, variance=False)
+
+
+def wrong_evidence_kl(alpha: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, prior: float = 1.0) -> torch.Tensor:
+    """KL(Dir(alpha~) || Dir(prior)) with alpha~ = prior on the target, alpha elsewhere (EDL's regulariser
+    for a prior count ``prior``: 1 for EDL and I-EDL, eta for R-EDL)."""
+    target = one_hot(y, mask)
+    alpha_tilde = target * prior + (1 - target) * alpha.float()
+    return dirichlet_kl(alpha_tilde, torch.full_like(alpha_tilde, prior), mask)

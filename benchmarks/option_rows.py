@@ -1,0 +1,196 @@
+"""Option rows vs full-vocabulary logits, and IB-EDL inference overhead vs MAP, on the real model.
+
+    python benchmarks/option_rows.py [--base-model smollm2-135m-instruct] [--rounds 6] [--batch-size 4]
+        [--output benchmarks/results/option_rows.json]
+
+Training step (LoRA forward + backward + optimizer) of the same batches two ways:
+  rows: hidden state of the last real token x the C option rows of the head   (this project)
+  full: the LM's logits for every position and the whole vocabulary, then the option columns
+        of the last position                                                    (the reference code)
+Timings alternate the two paths in one process. Peak memory: on CUDA, torch's peak allocation per
+path in this process; on CPU, the peak RSS of a child process per path, minus the RSS after loading.
+Inference: forward samples/s with the MAP (softmax) head, and with the IB-EDL head in its mean
+and quadrature modes and as Algorithm 1's K-sample average, as ratios to MAP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from evidential.base_model import load_base_model, resolve_model  # noqa: E402
+from evidential.head import HeadConfig, build_head  # noqa: E402
+from evidential.predictor import Predictor, lm_head_rows  # noqa: E402
+from evidential.prompt import option_token_ids  # noqa: E402
+from training.data import load_dataset  # noqa: E402
+from training.losses import cross_entropy, ib_edl_risk, sample_pre_evidence  # noqa: E402
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def setup(args):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    resolved = resolve_model(args.base_model)
+    model, tok = load_base_model(resolved, device=args.device)
+    ids = option_token_ids(tok, 26)
+    rows = lm_head_rows(model, ids)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules=TARGETS))
+    heads = {kind: build_head(HeadConfig(kind, 26, rows.shape[1]), rows).to(model.device) for kind in ("softmax", "ib_edl")}
+    predictor = Predictor(model, tok, heads["softmax"], template=args.template, max_tokens=384)
+    questions = load_dataset("sciq", "train", limit=args.batch_size * args.rounds, seed=1)
+    batches = [questions[i : i + args.batch_size] for i in range(0, len(questions), args.batch_size)]
+    return predictor, heads, ids, batches
+
+
+def train_step(predictor, head, ids, batch, path: str, optimizer) -> float:
+    enc = predictor.encode(batch).to(predictor.device)
+    mask = enc.option_mask
+    y = torch.tensor([q.answer for q in batch], device=predictor.device)
+    start = time.perf_counter()
+    if path == "rows":
+        logits = head(predictor.hidden(enc), mask).logits
+    else:
+        full = predictor.model(input_ids=enc.input_ids, attention_mask=enc.attention_mask, use_cache=False).logits  # (B, S, V)
+        last = full[torch.arange(full.shape[0], device=full.device), enc.last_index]  # (B, V)
+        logits = last[:, ids[: mask.shape[1]]].float()
+    loss = cross_entropy(logits, y, mask).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if predictor.device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def memory_child(args) -> int:
+    """Run a few steps of one path and print the peak RSS growth (CPU)."""
+    predictor, heads, ids, batches = setup(args)
+    params = [p for p in predictor.model.parameters() if p.requires_grad] + list(heads["softmax"].parameters())
+    optimizer = torch.optim.AdamW(params, lr=1e-5)
+    base = rss_mib()
+    for batch in batches[:3]:
+        train_step(predictor, heads["softmax"], ids, batch, args.memory_child, optimizer)
+    print(json.dumps({"peak_rss_mib": rss_mib(), "after_load_rss_mib": base, "growth_mib": rss_mib() - base}))
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base-model", default="smollm2-135m-instruct")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--template", default="chat-v1")
+    parser.add_argument("--output", default="benchmarks/results/option_rows.json")
+    parser.add_argument("--memory-child", choices=["rows", "full"], help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.memory_child:
+        return memory_child(args)
+
+    predictor, heads, ids, batches = setup(args)
+    device = predictor.device
+    params = [p for p in predictor.model.parameters() if p.requires_grad] + list(heads["softmax"].parameters())
+    optimizer = torch.optim.AdamW(params, lr=1e-5)  # small lr: the weights barely move between paths
+    times = {"rows": [], "full": []}
+    memory = {}
+    train_step(predictor, heads["softmax"], ids, batches[0], "rows", optimizer)  # warm-up
+    train_step(predictor, heads["softmax"], ids, batches[0], "full", optimizer)
+    for batch in batches:
+        for path in ("rows", "full"):
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            times[path].append(train_step(predictor, heads["softmax"], ids, batch, path, optimizer))
+            if device.type == "cuda":
+                memory[path] = max(memory.get(path, 0.0), torch.cuda.max_memory_allocated() / 2**20)
+    if device.type != "cuda":
+        for path in ("rows", "full"):
+            out = subprocess.run([sys.executable, __file__, "--memory-child", path, "--base-model", args.base_model,
+                                  "--batch-size", str(args.batch_size), "--rounds", "3", "--template", args.template],
+                                 capture_output=True, text=True, check=True, env={**os.environ, "TQDM_DISABLE": "1"})
+            memory[path] = json.loads(out.stdout.strip().splitlines()[-1])["growth_mib"]
+    rate = {p: args.batch_size / statistics.median(t) for p, t in times.items()}
+
+    # Inference: one trunk forward per batch, then each head on the same hidden states.
+    predictor.model.eval()
+    infer = {"map": [], "ib_edl_mean": [], "ib_edl_quadrature": [], "ib_edl_k20_samples": []}
+    quad = build_head(HeadConfig("ib_edl", 26, heads["ib_edl"].config.hidden_size, inference="quadrature"))
+    quad.load_state_dict(heads["ib_edl"].state_dict())
+    quad.to(device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for batch in batches:
+            enc = predictor.encode(batch).to(device)
+            mask = enc.option_mask
+            for name in infer:
+                start = time.perf_counter()
+                h = predictor.hidden(enc)
+                if name == "map":
+                    heads["softmax"](h, mask)
+                elif name == "ib_edl_mean":
+                    heads["ib_edl"](h, mask)
+                elif name == "ib_edl_quadrature":
+                    quad(h, mask)
+                else:  # Algorithm 1 at inference: average K sampled pre-evidences, then alpha
+                    mu, sigma = heads["ib_edl"].gaussian(h, mask)
+                    e = sample_pre_evidence(mu, sigma, 20, gen).mean(0)
+                    F.softplus(e) + 1
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                infer[name].append(time.perf_counter() - start)
+    infer_rate = {k: args.batch_size / statistics.median(v) for k, v in infer.items()}
+    # Head-only cost, isolated from the trunk: the overhead that IB-EDL adds per question.
+    h = torch.randn(args.batch_size, heads["ib_edl"].config.hidden_size, device=device)
+    mask = torch.ones(args.batch_size, 4, dtype=torch.bool, device=device)
+    head_us = {}
+    for name, fn in (("map", lambda: heads["softmax"](h, mask)), ("ib_edl_mean", lambda: heads["ib_edl"](h, mask)),
+                     ("ib_edl_quadrature", lambda: quad(h, mask)),
+                     ("ib_edl_training_loss_k20", lambda: ib_edl_risk(*heads["ib_edl"].gaussian(h, mask), torch.zeros(args.batch_size, dtype=torch.long, device=device), mask, 20))):
+        with torch.no_grad():
+            for _ in range(20):
+                fn()
+            start = time.perf_counter()
+            for _ in range(200):
+                fn()
+        head_us[name] = (time.perf_counter() - start) / 200 * 1e6
+    result = {
+        "model": args.base_model,
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "batch_size": args.batch_size,
+        "rounds": len(batches),
+        "mean_tokens": statistics.mean(predictor.encode(b).attention_mask.sum(1).float().mean().item() for b in batches),
+        "train_samples_per_s": rate,
+        "train_speedup_rows_vs_full": rate["rows"] / rate["full"],
+        "train_peak_memory_mib": memory,
+        "train_memory_full_vs_rows": memory["full"] / memory["rows"] if memory.get("rows") else None,
+        "inference_samples_per_s": infer_rate,
+        "inference_ratio_vs_map": {k: v / infer_rate["map"] for k, v in infer_rate.items()},
+        "head_microseconds_per_batch": head_us,
+    }
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Render the committed deploy/ configs for a loopback run without Docker.
+
+Only what differs between the compose network and one machine changes: process settings (user, pid, log
+and temp paths, one worker), the resolver, the listen address, the upstream server lines and the scrape
+targets. Upstream, header, timeout and retry logic, and every alert expression, stay as committed. Each
+substitution must match exactly once, so a config edit that the renderer no longer understands fails
+loudly instead of silently testing something else.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pwd
+import re
+import shutil
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+NGINX_CONF = DEPLOY / "nginx" / "nginx.conf"
+PROMETHEUS_YML = DEPLOY / "prometheus" / "prometheus.yml"
+ALERTS_YML = DEPLOY / "prometheus" / "alerts.yml"
+ALERTS_TEST_YML = DEPLOY / "prometheus" / "alerts_test.yml"
+DASHBOARD_JSON = DEPLOY / "grafana" / "dashboards" / "ibedl.json"
+COMPOSE_YML = REPO / "docker-compose.yml"
+DOCKERFILE = REPO / "Dockerfile"
+
+API_JOB = "ibedl-api"
+# The compose config's upstream line: `server api:8000 resolve <params>;`
+UPSTREAM_SERVER = re.compile(r"^(?P<indent>[ \t]*)server api:8000 resolve(?P<params>[^;]*);[ \t]*$", re.M)
+
+
+def require_binary(name: str) -> str:
+    """The path of a tool the deploy tests need, or a failure (not a skip) saying how to install it."""
+    path = shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/bin:/sbin:/bin")
+    if path is None:
+        packages = {"nginx": "nginx", "prometheus": "prometheus", "promtool": "prometheus"}
+        raise AssertionError(
+            f"`{name}` is not installed, and the deploy tests need it: "
+            f"apt-get install -y {packages.get(name, name)} (see .ci/run)"
+        )
+    return path
+
+
+def _sub_once(pattern: str | re.Pattern, repl, text: str, what: str) -> str:
+    new, n = re.subn(pattern, repl, text, flags=re.M) if isinstance(pattern, str) else pattern.subn(repl, text)
+    if n != 1:
+        raise AssertionError(f"rendering deploy/nginx/nginx.conf: expected exactly one {what}, found {n}")
+    return new
+
+
+def render_nginx(workdir: Path, listen_port: int, upstreams: list[str]) -> Path:
+    """deploy/nginx/nginx.conf for a gateway on 127.0.0.1:listen_port in front of `upstreams` (host:port)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    for sub in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
+        (workdir / "temp" / sub).mkdir(parents=True, exist_ok=True)
+    text = NGINX_CONF.read_text()
+    if os.geteuid() == 0:  # workers run as root too, so they can use the temp dirs under the test's tmp dir
+        user = "user root root;"
+    else:  # not root: nginx ignores `user`; leave it out to avoid the warning
+        user = f"# user {pwd.getpwuid(os.geteuid()).pw_name};"
+    text = _sub_once(r"^user\s+\S+;[ \t]*$", user, text, "`user` line")
+    text = _sub_once(r"^worker_processes\s+\S+;[ \t]*$", "worker_processes 1;", text, "`worker_processes` line")
+    text = _sub_once(r"^pid\s+\S+;[ \t]*$", f"pid {workdir / 'nginx.pid'};", text, "`pid` line")
+    text = _sub_once(r"^error_log\s+\S+(\s+\w+)?;[ \t]*$", f"error_log {workdir / 'error.log'} info;", text,
+                     "`error_log` line")
+    text = _sub_once(r"^[ \t]*resolver\s+[^;]*;[ \t]*$", "    # resolver: static loopback upstreams", text,
+                     "`resolver` line")
+    text = _sub_once(r"^([ \t]*)access_log /dev/stdout gateway;[ \t]*$",
+                     lambda m: f"{m.group(1)}access_log {workdir / 'access.log'} gateway;", text, "gateway `access_log`")
+    text = _sub_once(r"^([ \t]*)listen 8080;[ \t]*$", lambda m: f"{m.group(1)}listen 127.0.0.1:{listen_port};", text,
+                     "`listen 8080` line")
+    text = _sub_once(
+        UPSTREAM_SERVER,
+        lambda m: "\n".join(f"{m.group('indent')}server {u}{m.group('params')};" for u in upstreams),
+        text, "`server api:8000 resolve ...` upstream line",
+    )
+    temp = "\n".join(f"    {sub}_temp_path {workdir / 'temp' / sub};" for sub in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+    text = _sub_once(r"^http \{[ \t]*$", "http {\n" + temp, text, "`http {` line")
+    out = workdir / "nginx.conf"
+    out.write_text(text)
+    return out
+
+
+def nginx_command(conf: Path, *args: str) -> list[str]:
+    return [require_binary("nginx"), "-p", str(conf.parent), "-e", str(conf.parent / "error.log"), "-c", str(conf), *args]
+
+
+def render_alerts(rule_for: str | None = None) -> dict:
+    """deploy/prometheus/alerts.yml, with every `for:` replaced by `rule_for` when given."""
+    rules = yaml.safe_load(ALERTS_YML.read_text())
+    rendered = copy.deepcopy(rules)
+    if rule_for is not None:
+        for group in rendered["groups"]:
+            for rule in group["rules"]:
+                if "for" in rule:
+                    rule["for"] = rule_for
+    return rendered
+
+
+def render_prometheus(workdir: Path, listen_port: int, targets: list[str], interval: str = "1s",
+                      rule_for: str | None = "2s") -> Path:
+    """deploy/prometheus/prometheus.yml scraping `targets` statically every `interval`, with the committed
+    alert rules (their `for:` shortened to `rule_for`)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    cfg = yaml.safe_load(PROMETHEUS_YML.read_text())
+    cfg["global"].update(scrape_interval=interval, evaluation_interval=interval, scrape_timeout=interval)
+    alerts = workdir / "alerts.yml"
+    alerts.write_text(yaml.safe_dump(render_alerts(rule_for), sort_keys=False))
+    if cfg.get("rule_files") != ["alerts.yml"]:
+        raise AssertionError(f"deploy/prometheus/prometheus.yml: expected rule_files [alerts.yml], got {cfg.get('rule_files')}")
+    cfg["rule_files"] = [str(alerts)]
+    jobs = {job["job_name"]: job for job in cfg["scrape_configs"]}
+    if API_JOB not in jobs:
+        raise AssertionError(f"deploy/prometheus/prometheus.yml has no scrape job {API_JOB!r}")
+    api = jobs[API_JOB]
+    api.pop("dns_sd_configs", None)
+    api["static_configs"] = [{"targets": list(targets)}]
+    if "prometheus" in jobs:
+        jobs["prometheus"]["static_configs"] = [{"targets": [f"127.0.0.1:{listen_port}"]}]
+    out = workdir / "prometheus.yml"
+    out.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return out
+
+
+def prometheus_command(config: Path, listen_port: int) -> list[str]:
+    return [
+        require_binary("prometheus"),
+        f"--config.file={config}",
+        f"--storage.tsdb.path={config.parent / 'data'}",
+        f"--web.listen-address=127.0.0.1:{listen_port}",
+        "--log.level=warn",
+    ]

@@ -1,0 +1,478 @@
+"""The docker-compose topology, run for real on loopback without Docker.
+
+Two `python -m service` replicas on the real base model, the nginx gateway from deploy/nginx/nginx.conf in
+front of them, and Prometheus from deploy/prometheus/ (the committed alert rules, `for:` shortened) scraping
+both. The tests show that the gateway spreads requests over both replicas and keeps request ids, that
+Prometheus scrapes both replicas and evaluates the dashboard's queries, that an in-distribution stream
+(SciQ validation questions with their support passage) leaves the drift alert quiet while a shifted stream
+(the same kind of questions without their passage) makes it fire, and that a replica stopped with SIGTERM
+drains, exits 0, is routed around by the gateway and raises IbedlReplicaDown.
+
+The adapter is $IBEDL_TOPOLOGY_ARTIFACT (default artifacts/default). nginx and prometheus come from Debian
+(`apt-get install nginx prometheus`, see .ci/run); without them these tests fail, they do not skip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.deploy.render import (
+    API_JOB,
+    DASHBOARD_JSON,
+    REPO,
+    nginx_command,
+    prometheus_command,
+    render_alerts,
+    render_nginx,
+    render_prometheus,
+    require_binary,
+)
+
+pytestmark = pytest.mark.servers
+
+# Read at import (collection), before tests/conftest.py points IBEDL_CACHE_DIR at a per-session temp dir:
+# the replicas use the shared cache, where the base model is converted once per machine.
+SHARED_CACHE = os.environ.get("IBEDL_CACHE_DIR") or str(Path.home() / ".cache" / "ibedl")
+ARTIFACT = Path(os.environ.get("IBEDL_TOPOLOGY_ARTIFACT", "artifacts/default"))
+
+DRIFT_WINDOW = 40  # questions per replica in the drift window
+DRIFT_BOOTSTRAP = 200
+RULE_FOR = "2s"  # every alert's `for:` in the test; expressions stay as committed
+DRIFT_ALERT = "IbedlUncertaintyDrift"
+DOWN_ALERT = "IbedlReplicaDown"
+CLIENTS = 4  # concurrent clients sending questions through the gateway (2 in flight per replica)
+LOAD_TIMEOUT_S = 240  # first load on a fresh machine converts the base model (~20 s on an idle CPU)
+HTTP_TIMEOUT = httpx.Timeout(60.0, connect=5.0)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tail(path: Path, n: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError as e:
+        return f"<{path}: {e}>"
+
+
+@dataclass
+class Proc:
+    """A child process in its own session, with its output in a log file."""
+
+    name: str
+    cmd: list[str]
+    log: Path
+    env: dict | None = None
+    popen: subprocess.Popen | None = None
+
+    def start(self) -> Proc:
+        with self.log.open("wb") as out:
+            self.popen = subprocess.Popen(self.cmd, cwd=REPO, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, start_new_session=True)
+        return self
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        """SIGTERM, then SIGKILL after `timeout`; returns the exit code."""
+        if self.popen is None:
+            return None
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+        return self.popen.returncode
+
+    def describe(self) -> str:
+        state = "running" if self.alive() else f"exited {self.popen.returncode if self.popen else None}"
+        return f"--- {self.name} ({state}), {self.log}:\n{tail(self.log)}"
+
+
+@dataclass
+class Topology:
+    replicas: list[Proc]
+    replica_urls: list[str]
+    gateway: Proc
+    gateway_url: str
+    prometheus: Proc
+    prometheus_url: str
+    workdir: Path
+    http: httpx.Client
+    procs: list[Proc] = field(default_factory=list)
+
+    def logs(self) -> str:
+        return "\n".join(p.describe() for p in self.procs) + "\n" + f"--- nginx error.log:\n{tail(self.workdir / 'nginx' / 'error.log')}"
+
+    def addr(self, i: int) -> str:
+        return self.replica_urls[i].removeprefix("http://")
+
+    # -- Prometheus HTTP API -------------------------------------------------------------------------
+    def prom(self, path: str, **params) -> dict:
+        r = self.http.get(self.prometheus_url + path, params=params)
+        assert r.status_code == 200, f"Prometheus {path} {params}: {r.status_code} {r.text}"
+        body = r.json()
+        assert body["status"] == "success", body
+        return body["data"]
+
+    def query(self, expr: str) -> list[dict]:
+        return self.prom("/api/v1/query", query=expr)["result"]
+
+    def alerts(self, name: str, state: str | None = None) -> list[dict]:
+        return [a for a in self.prom("/api/v1/alerts")["alerts"]
+                if a["labels"].get("alertname") == name and (state is None or a["state"] == state)]
+
+    def wait_for(self, what: str, predicate, timeout: float, interval: float = 0.5):
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            last = predicate()
+            if last:
+                return last
+            time.sleep(interval)
+        raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; last: {last!r}\n{self.logs()}")
+
+
+def wait_ready(http: httpx.Client, proc: Proc, url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise AssertionError(f"{proc.name} exited while loading\n{proc.describe()}")
+        try:
+            r = http.get(url + "/health/ready", timeout=2.0)
+            if r.status_code == 200:
+                return
+            last = r.text
+            if r.json().get("status") == "failed":
+                raise AssertionError(f"{proc.name} failed to load the adapter: {r.text}\n{proc.describe()}")
+        except httpx.TransportError as e:
+            last = repr(e)
+        time.sleep(0.25)
+    raise AssertionError(f"{proc.name} not ready within {timeout} s (last: {last})\n{proc.describe()}")
+
+
+def wait_http(http: httpx.Client, proc: Proc, url: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise AssertionError(f"{proc.name} exited at start\n{proc.describe()}")
+        try:
+            if http.get(url, timeout=2.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"{proc.name} did not answer {url} within {timeout} s\n{proc.describe()}")
+
+
+@pytest.fixture(scope="module")
+def topology(tmp_path_factory):
+    nginx_bin, prometheus_bin = require_binary("nginx"), require_binary("prometheus")
+    artifact = ARTIFACT if ARTIFACT.is_absolute() else REPO / ARTIFACT
+    if not (artifact / "manifest.json").is_file():
+        raise AssertionError(
+            f"no adapter at {artifact} (IBEDL_TOPOLOGY_ARTIFACT): the topology test serves a real adapter; "
+            "train one (make train-default) or point IBEDL_TOPOLOGY_ARTIFACT at an artifact directory"
+        )
+    assert nginx_bin and prometheus_bin
+    work = tmp_path_factory.mktemp("topology")
+    ports = [free_port() for _ in range(4)]
+    replica_urls = [f"http://127.0.0.1:{p}" for p in ports[:2]]
+    gateway_url, prometheus_url = f"http://127.0.0.1:{ports[2]}", f"http://127.0.0.1:{ports[3]}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IBEDL_")}
+    env.update(
+        IBEDL_CACHE_DIR=SHARED_CACHE,
+        IBEDL_DEVICE="cpu",
+        IBEDL_THREADS="1",  # two replicas on a 2-core machine
+        IBEDL_DRIFT_WINDOW=str(DRIFT_WINDOW),
+        IBEDL_DRIFT_BOOTSTRAP=str(DRIFT_BOOTSTRAP),
+        IBEDL_SHUTDOWN_GRACE_S="10",
+        IBEDL_LOG_LEVEL="warning",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+    )
+    replicas = [
+        Proc(f"replica-{i + 1}", [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port),
+                                  "--artifact", str(artifact)], work / f"replica-{i + 1}.log", env)
+        for i, port in enumerate(ports[:2])
+    ]
+    nginx_conf = render_nginx(work / "nginx", ports[2], [u.removeprefix("http://") for u in replica_urls])
+    gateway = Proc("nginx", nginx_command(nginx_conf, "-g", "daemon off;"), work / "nginx.log")
+    prom_conf = render_prometheus(work / "prometheus", ports[3], [u.removeprefix("http://") for u in replica_urls],
+                                  rule_for=RULE_FOR)
+    prometheus = Proc("prometheus", prometheus_command(prom_conf, ports[3]), work / "prometheus.log")
+    http = httpx.Client(timeout=HTTP_TIMEOUT, trust_env=False)
+    topo = Topology(replicas, replica_urls, gateway, gateway_url, prometheus, prometheus_url, work, http)
+    started = time.monotonic()
+    try:
+        # The first replica converts the base model into the shared cache if this machine has not yet;
+        # the second starts once it is there, so the two never convert concurrently.
+        topo.procs.append(replicas[0].start())
+        topo.procs.append(gateway.start())
+        topo.procs.append(prometheus.start())
+        wait_http(http, gateway, gateway_url + "/gateway/health")
+        wait_http(http, prometheus, prometheus_url + "/-/ready")
+        wait_ready(http, replicas[0], replica_urls[0], LOAD_TIMEOUT_S)
+        topo.procs.append(replicas[1].start())
+        wait_ready(http, replicas[1], replica_urls[1], LOAD_TIMEOUT_S)
+        print(f"topology up in {time.monotonic() - started:.1f} s: replicas {replica_urls}, gateway {gateway_url}, "
+              f"prometheus {prometheus_url}")
+        yield topo
+    finally:
+        for proc in reversed(topo.procs):
+            proc.stop()
+        http.close()
+
+
+# -- questions ------------------------------------------------------------------------------------------
+
+def as_request(q, with_context: bool = True) -> dict:
+    item = {"question": q.question, "options": list(q.options), "id": q.id}
+    if with_context and q.context:
+        item["context"] = q.context
+    return item
+
+
+@pytest.fixture(scope="module")
+def sciq_validation():
+    from training.data import load_dataset
+
+    # Support passages above ~1,000 characters would exceed the adapter's prompt limit (413), since the
+    # service never truncates: keep the questions that fit, as a client would.
+    questions = load_dataset("sciq", "validation", limit=400, seed=1)
+    return [q for q in questions if len(q.context or "") <= 1000]
+
+
+def in_distribution(sciq_validation) -> list[dict]:
+    """SciQ validation questions with their support passage: what the adapter was trained and calibrated on."""
+    return [as_request(q) for q in sciq_validation]
+
+
+def shifted(sciq_validation) -> list[dict]:
+    """The same kind of questions without their support passage: a client that stopped sending context.
+
+    The adapter answers SciQ by reading the passage; without it the uncertainty mass u moves well away from
+    the validation reference (measured numbers: deploy/README.md, "Drift").
+    """
+    return [as_request(q, with_context=False) for q in sciq_validation if q.context]
+
+
+def stream(topo: Topology, items: list[dict], until, max_items: int, deadline_s: float) -> tuple[Counter, list[dict]]:
+    """POST `items` one by one through the gateway from CLIENTS threads, in rounds, until `until(counts)`.
+
+    Returns the count of answered questions per replica address (X-Upstream) and the responses.
+    """
+    counts: Counter = Counter()
+    answers: list[dict] = []
+    deadline = time.monotonic() + deadline_s
+    sent = 0
+
+    def post(item):
+        r = topo.http.post(topo.gateway_url + "/predict", json=item)
+        return item, r
+
+    with ThreadPoolExecutor(CLIENTS) as pool:
+        while not until(counts):
+            assert sent < max_items, f"sent {sent} questions without reaching the goal; per replica: {dict(counts)}"
+            assert time.monotonic() < deadline, f"stream ran past {deadline_s} s; per replica: {dict(counts)}\n{topo.logs()}"
+            batch = [items[(sent + k) % len(items)] for k in range(2 * CLIENTS)]
+            sent += len(batch)
+            for item, r in pool.map(post, batch):
+                if r.status_code == 413:  # a prompt over the adapter's token limit: skipped, as a client would
+                    continue
+                assert r.status_code == 200, f"{item['id']}: {r.status_code} {r.text}\n{topo.logs()}"
+                upstream = r.headers["x-upstream"].split(", ")[-1]  # the replica that answered
+                counts[upstream] += 1
+                answers.append(r.json())
+    return counts, answers
+
+
+def drift(topo: Topology, i: int) -> dict:
+    r = topo.http.get(topo.replica_urls[i] + "/v1/drift")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def metric_value(text: str, name: str, **labels) -> float:
+    """One sample of the Prometheus text exposition `text` (0 when absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        metric, _, rest = key.partition("{")
+        if metric != name:
+            continue
+        got = ",".join(sorted(p for p in rest.rstrip("}").split(",") if p))
+        if got == want:
+            return float(value)
+    return 0.0
+
+
+# -- tests --------------------------------------------------------------------------------------------
+
+def test_gateway_spreads_requests_and_keeps_request_ids(topology, sciq_validation):
+    topo = topology
+    before = [topo.http.get(u + "/metrics").text for u in topo.replica_urls]
+    questions = in_distribution(sciq_validation)[:8]
+    upstreams = []
+    for k, item in enumerate(questions):
+        r = topo.http.post(topo.gateway_url + "/predict", json=item, headers={"X-Request-ID": f"topology-{k}"})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-request-id"] == f"topology-{k}"
+        assert r.json()["id"] == item["id"]
+        upstreams.append(r.headers["x-upstream"].split(", ")[-1])
+    # (a) both replicas answered, as the X-Upstream header says ...
+    assert set(upstreams) == {topo.addr(0), topo.addr(1)}, upstreams
+    # ... and as their own counters say
+    after = [topo.http.get(u + "/metrics").text for u in topo.replica_urls]
+    for i in range(2):
+        served = (metric_value(after[i], "ibedl_requests_total", route="/predict", method="POST", status="200")
+                  - metric_value(before[i], "ibedl_requests_total", route="/predict", method="POST", status="200"))
+        assert served == upstreams.count(topo.addr(i)), (i, served, upstreams)
+
+    # Without an X-Request-ID the gateway makes one (nginx's 32-hex $request_id) and the replica echoes it.
+    r = topo.http.post(topo.gateway_url + "/predict", json=questions[0])
+    assert r.status_code == 200
+    rid = r.headers["x-request-id"]
+    assert len(rid) == 32 and int(rid, 16) >= 0 and r.json()["id"] == questions[0]["id"]
+    r = topo.http.post(topo.gateway_url + "/predict", json={k: v for k, v in questions[0].items() if k != "id"})
+    assert r.json()["id"] == r.headers["x-request-id"]  # the service names the answer after the request id
+    # A header that is no sane token is replaced, not forwarded.
+    r = topo.http.get(topo.gateway_url + "/health/ready", headers={"X-Request-ID": "bad id\twith spaces"})
+    assert r.status_code == 200 and len(r.headers["x-request-id"]) == 32
+
+    # Health passes through; the gateway has its own liveness; metrics are per replica only.
+    assert topo.http.get(topo.gateway_url + "/health/live").status_code == 200
+    assert topo.http.get(topo.gateway_url + "/gateway/health").status_code == 200
+    assert topo.http.get(topo.gateway_url + "/metrics").status_code == 404
+    # Bodies over the gateway's limit stop at the gateway, in the service's error shape.
+    r = topo.http.post(topo.gateway_url + "/predict", content=b"x" * (2 << 20), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["type"] == "too_large"
+    # Service errors pass through unchanged.
+    r = topo.http.post(topo.gateway_url + "/predict", json={"question": "Which?", "options": ["only one"]})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "options"
+
+
+def test_prometheus_scrapes_both_replicas(topology):
+    topo = topology
+    addrs = {topo.addr(0), topo.addr(1)}
+
+    def both_up():
+        targets = topo.prom("/api/v1/targets")["activeTargets"]
+        api = {t["labels"]["instance"]: t["health"] for t in targets if t["labels"]["job"] == API_JOB}
+        return api if api == {a: "up" for a in addrs} else None
+
+    topo.wait_for("both replicas up in /api/v1/targets", both_up, timeout=20)
+    # (b) the ibedl_ metrics of both replicas can be queried
+    up = {r["metric"]["instance"]: r["value"][1] for r in topo.query(f'up{{job="{API_JOB}"}}')}
+    assert up == {a: "1" for a in addrs}
+    ready = {r["metric"]["instance"]: r["value"][1] for r in topo.query("ibedl_ready")}
+    assert ready == {a: "1" for a in addrs}
+    info = topo.query("ibedl_model_info")
+    assert {r["metric"]["instance"] for r in info} == addrs
+    manifest = json.loads(((ARTIFACT if ARTIFACT.is_absolute() else REPO / ARTIFACT) / "manifest.json").read_text())
+    assert {r["metric"]["adapter"] for r in info} == {manifest["name"]}
+    topo.wait_for("requests of test (a) in Prometheus",
+                  lambda: topo.query(f'sum(ibedl_requests_total{{job="{API_JOB}", route="/predict", status="200"}}) > 0'),
+                  timeout=15)
+    threshold = topo.query("ibedl_drift_ks_threshold")
+    assert len(threshold) == 2 and all(0 < float(r["value"][1]) < 1 for r in threshold), threshold
+
+    # Every query of the Grafana dashboard evaluates on this Prometheus (as Grafana would send it).
+    dashboard = json.loads(DASHBOARD_JSON.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert len(exprs) > 20
+    for expr in exprs:
+        q = expr.replace("$__rate_interval", "1m").replace("$instance", ".*")
+        topo.query(q)  # asserts status success
+    # ... and the main ones have data once a few scrapes of the traffic of test (a) are in
+    for expr in ['sum(rate(ibedl_requests_total{job="ibedl-api", instance=~".*"}[1m]))',
+                 'sum(increase(ibedl_uncertainty_mass_bucket{job="ibedl-api", instance=~".*", le="+Inf"}[1m]))',
+                 'max(ibedl_drift_window{job="ibedl-api", instance=~".*"}) > 0']:
+        topo.wait_for(f"data for {expr}", lambda: topo.query(expr), timeout=15)
+
+
+def test_drift_alert_quiet_in_distribution_and_firing_on_shift(topology, sciq_validation):
+    topo = topology
+    addrs = [topo.addr(0), topo.addr(1)]
+    # The alert rule in Prometheus is the committed one.
+    committed = {r["alert"]: r["expr"] for g in render_alerts()["groups"] for r in g["rules"]}
+    loaded = {r["name"]: r["query"] for g in topo.prom("/api/v1/rules")["groups"] for r in g["rules"]}
+    assert set(loaded) == set(committed)
+
+    # 1. In-distribution: fill each replica's window with SciQ questions that come with their passage.
+    started = time.monotonic()
+    counts, answers = stream(topo, in_distribution(sciq_validation),
+                             until=lambda c: all(c[a] >= DRIFT_WINDOW for a in addrs),
+                             max_items=6 * DRIFT_WINDOW, deadline_s=120)
+    calm = [drift(topo, i) for i in range(2)]
+    print(f"in-distribution: {sum(counts.values())} questions in {time.monotonic() - started:.1f} s, "
+          f"per replica {dict(counts)}; drift: " + json.dumps(calm))
+    for d in calm:
+        assert d["window"] == DRIFT_WINDOW and d["statistic"] == "uncertainty_mass", d
+        assert not d["alarm"] and d["ks"] <= d["ks_threshold"], f"in-distribution stream raised the drift alarm: {d}"
+    # Prometheus has scraped the full windows, evaluated the rule for longer than its `for:`, and never saw it pending.
+    topo.wait_for("full drift windows in Prometheus",
+                  lambda: len(topo.query(f"ibedl_drift_window == {DRIFT_WINDOW}")) == 2, timeout=15)
+    time.sleep(4)
+    assert topo.query("max(ibedl_drift_alarm)")[0]["value"][1] == "0"
+    assert topo.alerts(DRIFT_ALERT) == [], topo.alerts(DRIFT_ALERT)
+    span = int(time.monotonic() - started) + 5
+    assert topo.query(f'count_over_time(ALERTS{{alertname="{DRIFT_ALERT}"}}[{span}s])') == []
+
+    # 2. Shifted: the same kind of questions without their passage, until the alert fires for both replicas.
+    started = time.monotonic()
+
+    def firing(_counts=None):
+        return {a["labels"]["instance"] for a in topo.alerts(DRIFT_ALERT, "firing")} == set(addrs)
+
+    counts, answers = stream(topo, shifted(sciq_validation), until=firing, max_items=8 * DRIFT_WINDOW, deadline_s=150)
+    drifted = [drift(topo, i) for i in range(2)]
+    print(f"shifted: {sum(counts.values())} questions in {time.monotonic() - started:.1f} s, "
+          f"per replica {dict(counts)}; drift: " + json.dumps(drifted))
+    alerts = topo.alerts(DRIFT_ALERT, "firing")
+    assert {a["labels"]["instance"] for a in alerts} == set(addrs)
+    for a in alerts:
+        assert a["labels"]["severity"] == "warning" and a["annotations"]["summary"] and a["annotations"]["description"]
+        assert float(a["value"]) > 0
+    for d in drifted:
+        assert d["alarm"] and d["ks"] > d["ks_threshold"], d
+
+
+def test_sigterm_drains_and_gateway_routes_around_a_stopped_replica(topology, sciq_validation):
+    topo = topology
+    survivor, stopped = topo.addr(0), topo.addr(1)
+    code = topo.replicas[1].stop(timeout=30)
+    assert code == 0, f"replica exited {code} on SIGTERM\n{topo.replicas[1].describe()}"
+    questions = in_distribution(sciq_validation)[:4]
+    for item in questions:
+        r = topo.http.post(topo.gateway_url + "/predict", json=item)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-upstream"].split(", ")[-1] == survivor
+    assert topo.http.get(topo.gateway_url + "/health/ready").status_code == 200
+    topo.wait_for(f"{DOWN_ALERT} firing for {stopped}",
+                  lambda: [a for a in topo.alerts(DOWN_ALERT, "firing") if a["labels"]["instance"] == stopped],
+                  timeout=20)
+    assert not [a for a in topo.alerts(DOWN_ALERT) if a["labels"]["instance"] == survivor]

