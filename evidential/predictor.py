@@ -99,6 +99,17 @@ def to_predictions(out: HeadPrediction, num_options: list[int]) -> list[Predicti
     return preds
 
 
+def count_prompt_tokens(tokenizer, template: str, q: MCQuestion) -> int:
+    """Tokens of the formatted prompt of ``q`` (with its whole passage)."""
+    return len(tokenizer(format_prompt(q, template, tokenizer))["input_ids"])
+
+
+def fits(tokenizer, template: str, max_tokens: int, q: MCQuestion) -> bool:
+    """Whether ``q`` fits ``max_tokens`` once its passage (if any) is shortened as far as needed."""
+    bare = q if not q.context else MCQuestion(q.question, q.options)
+    return count_prompt_tokens(tokenizer, template, bare) <= max_tokens - 2
+
+
 def decoder_of(model) -> torch.nn.Module:
     """The transformer trunk (embeddings + layers + final norm) of a causal LM, PEFT-wrapped or not."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -189,9 +200,13 @@ class Predictor:
                 return ids
         raise PromptTooLongError(index, len(ids), self.max_tokens)
 
+    def fits(self, q: MCQuestion) -> bool:
+        """Whether ``q`` fits ``max_tokens`` once its passage (if any) is shortened as far as needed."""
+        return fits(self.tokenizer, self.template, self.max_tokens, q)
+
     def count_tokens(self, q: MCQuestion) -> int:
         """Tokens of the formatted prompt of ``q``, untruncated."""
-        return len(self.tokenizer(format_prompt(q, self.template, self.tokenizer))["input_ids"])
+        return count_prompt_tokens(self.tokenizer, self.template, q)
 
     def encode(self, questions: list[MCQuestion], truncate_context: bool = True) -> EncodedBatch:
         """Tokenise and right-pad a batch. Raises :class:`PromptTooLongError` past ``max_tokens``."""

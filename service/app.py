@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from evidential.artifact import Manifest
-from evidential.predictor import Prediction, Predictor
+from evidential.predictor import Prediction, Predictor, count_prompt_tokens
 from evidential.prompt import LETTERS, MCQuestion
 from service import abstention
 from service.batcher import MicroBatcher, QueueFullError
@@ -176,11 +176,8 @@ class ServiceState:
         return q
 
     def count_tokens(self, q: MCQuestion) -> int:
-        from evidential.prompt import format_prompt
-
         assert self.predictor is not None
-        text = format_prompt(q, self.predictor.template, self._count_tokenizer)
-        return len(self._count_tokenizer(text)["input_ids"])
+        return count_prompt_tokens(self._count_tokenizer, self.predictor.template, q)
 
     def respond(self, req: PredictRequest, q: MCQuestion, pred: Prediction, request_id: str) -> PredictResponse:
         assert self.manifest is not None

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from evidential.artifact import Manifest, save_head, write_manifest
 from evidential.base_model import load_base_model, resolve_model
 from evidential.head import HeadConfig, build_head
-from evidential.predictor import Predictor, lm_head_rows
+from evidential.predictor import Predictor, fits, lm_head_rows
 from evidential.prompt import MCQuestion, option_token_ids
 from training.abstention import choose_thresholds
 from training.config import DataPart, TrainConfig, load_config
@@ -116,6 +116,24 @@ def build(cfg: TrainConfig, method: Method):
     model = get_peft_model(model, lora)
     predictor = Predictor(model, tokenizer, head, template=cfg.template, max_tokens=cfg.max_tokens)
     return predictor, resolved, ids, params
+
+
+def drop_unfit(cfg: TrainConfig, train_q, val_q, test_q):
+    """Leave out questions whose prompt exceeds max_tokens even without their passage (logged and counted)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(cfg.base_model).path)
+    kept, dropped = [], {}
+    for role, questions in (("train", train_q), ("validation", val_q), ("test", test_q)):
+        fit = [q for q in questions if fits(tokenizer, cfg.template, cfg.max_tokens, q)]
+        dropped[role] = len(questions) - len(fit)
+        if dropped[role]:
+            log.warning("%d %s questions do not fit max_tokens=%d even without a passage; left out",
+                        dropped[role], role, cfg.max_tokens)
+        kept.append(fit)
+    if not kept[0] or not kept[1]:
+        raise ValueError(f"no training or validation question fits max_tokens={cfg.max_tokens}")
+    return (*kept, dropped)
 
 
 def fit_member(cfg: TrainConfig, method: Method, params: dict, train_q, val_q, member_dir: Path, seed: int,
@@ -236,8 +254,11 @@ def train(cfg: TrainConfig, command: str = "") -> Path:
     if members < 1:
         raise ValueError(f"members must be >= 1, got {members}")
     member_dirs = ["."] if members == 1 else [f"members/{i}" for i in range(members)]
-    runs = [fit_member(cfg, method, params, train_q, val_q, out_dir / d, cfg.seed + 1000 * i, history_path, i)
-            for i, d in enumerate(member_dirs)]
+    runs = []
+    for i, d in enumerate(member_dirs):
+        if i == 0:
+            train_q, val_q, test_q, dropped = drop_unfit(cfg, train_q, val_q, test_q)
+        runs.append(fit_member(cfg, method, params, train_q, val_q, out_dir / d, cfg.seed + 1000 * i, history_path, i))
     first = runs[0]
     manifest = Manifest(
         name=cfg.name, version=cfg.version, method=method.name, method_config=params,
@@ -277,6 +298,7 @@ def train(cfg: TrainConfig, command: str = "") -> Path:
         "label_noise": cfg.data.label_noise,
         "lora": vars(cfg.lora),
         "zeta": zeta_info,
+        "dropped_too_long": dropped,
         "run": run,
         "device": str(predictor.device),
         "torch": torch.__version__,

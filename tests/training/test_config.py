@@ -1,0 +1,39 @@
+import pytest
+
+from training.config import apply_overrides, load_config, yaml_load
+
+BASE = ["method=map", "output=/tmp/x", "data={train: [{dataset: sciq}], validation: [{dataset: sciq, limit: 5}]}"]
+
+
+def test_every_shipped_config_loads():
+    from pathlib import Path
+
+    for path in sorted(Path("training/configs").glob("*.yaml")):
+        first = path.read_text().splitlines()[0]
+        assert first == f"# python -m training.finetune --config {path}", path  # configs start with their command
+        cfg = load_config(path)
+        assert cfg.data.train and cfg.data.validation
+
+
+def test_scientific_notation_is_a_float():
+    assert yaml_load("lr: 1e-3\nx: 5.0e-5\nname: 1e3x") == {"lr": 0.001, "x": 5e-05, "name": "1e3x"}
+
+
+def test_overrides_nested_and_typed():
+    data = apply_overrides({"optim": {"lr": 1.0}}, ["optim.lr=2e-4", "lora.targets=[q_proj]", "seed=3"])
+    assert data == {"optim": {"lr": 2e-4}, "lora": {"targets": ["q_proj"]}, "seed": 3}
+    with pytest.raises(ValueError, match="must look like key.sub=value"):
+        apply_overrides({}, ["nonsense"])
+
+
+@pytest.mark.parametrize("override,message", [
+    ("optim.lr=-1", "optim.lr must be > 0, got -1"),
+    ("optim.batch_size=0", "optim.batch_size must be >= 1, got 0"),
+    ("lora.dropout=1.5", "lora.dropout must be in \\[0, 1\\), got 1.5"),
+    ("data.label_noise=1.0", "data.label_noise must be in \\[0, 1\\), got 1.0"),
+    ("optim.bogus=1", "unknown config keys \\['optim.bogus'\\]"),
+    ("evidence_bias=sideways", "evidence_bias must be 'center', 'none' or a number"),
+])
+def test_bad_values_are_named(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, BASE + [override])

@@ -1,0 +1,47 @@
+"""The report generator on a small synthetic results file."""
+
+import numpy as np
+
+from training.report import write_report
+
+
+def synthetic_results():
+    rng = np.random.default_rng(0)
+    results = []
+    for method, acc in (("map", 0.80), ("ib_edl", 0.81), ("edl", 0.70)):
+        for seed in (0, 1):
+            for dataset in ("sciq", "obqa"):
+                results.append({
+                    "key": f"id-{dataset}-{method}-s{seed}", "kind": "id", "experiment": "id", "method": method,
+                    "dataset": dataset, "seed": seed, "label_noise": 0.0,
+                    "metrics": {"accuracy": acc + seed * 0.01, "ece": 0.1 if method == "map" else 0.05 + seed * 0.01,
+                                "nll": 0.6, "brier": 0.3, "aurc": 0.1, "acc@80": 0.85, "acc@90": 0.83,
+                                **{f"ece_{b}": 0.05 * (method != "ib_edl") + 0.02 for b in (10, 15, 25, 35)}},
+                    "efficiency": {"train_samples_per_s": 2.0, "test_samples_per_s": 5.0, "train_peak_rss_mib": 3000},
+                })
+            results.append({
+                "key": f"ood-obqa-{method}-s{seed}", "kind": "ood", "experiment": "ood", "method": method,
+                "dataset": "obqa", "seed": seed, "label_noise": 0.0,
+                "metrics": {"accuracy": 0.5, "ece": 0.1, "nll": 1.0, "ood/sciq/auroc_mp": 0.6 + rng.random() * 0.01,
+                            **({"ood/sciq/auroc_um": 0.9} if method != "map" else {})},
+                "efficiency": {},
+            })
+    return results
+
+
+def test_report_layout_and_bold_best(tmp_path):
+    path = tmp_path / "bench.md"
+    written = write_report(synthetic_results(), {"name": "bench", "train": {"base_model": "tiny"}}, path)
+    assert written == [path]
+    text = path.read_text()
+    assert "## In-distribution calibration" in text and "## Out-of-distribution detection" in text
+    acc_table = text.split("**Acc (%) ↑**")[1].split("**ECE")[0]
+    # IB-EDL has the best mean accuracy on both datasets: 81.50 ± 0.50
+    assert "| IB-EDL | **81.50 ± 0.50** | **81.50 ± 0.50** |" in acc_table
+    ece_table = text.split("**ECE (%) ↓**")[1].split("**NLL")[0]
+    assert "| MAP | 10.00 ± 0.00 |" in ece_table and "**5.50 ± 0.50**" in ece_table
+    # methods without a Dirichlet have no UM column value
+    ood = text.split("## Out-of-distribution detection")[1]
+    assert "OBQA → SciQ UM" in ood and "| MAP |" in ood.split("\n| EDL")[0]
+    assert "–" in [line for line in ood.splitlines() if line.startswith("| MAP |")][0]
+    assert "## Efficiency" in text

@@ -1,0 +1,244 @@
+"""Run methods x datasets x seeds on one evaluation contract and write results, a report and plots.
+
+    python -m training.benchmark --config benchmarks/smollm2_small.yaml [--only-methods map ib_edl] [--dry-run]
+
+Experiments (each a list entry under ``experiments`` in the config):
+    id     train on a dataset, evaluate on its test split (accuracy, ECE 10/15/25/35, NLL, Brier,
+           selective prediction);
+    ood    train on one dataset, evaluate on its test split and on other datasets' test splits;
+           AUROC with in-distribution as the positive class, scores max probability (MP) and 1/u (UM);
+    noise  train with a fraction of training labels moved to another option; evaluate on clean test data.
+
+Every run trains in a child process (so a crash costs one run and its peak memory is measured) into
+``runs/benchmark/<name>/<run key>/``; a run whose artifact and predictions exist is not trained again,
+so the command is safe to interrupt and resume. MC-Dropout and Laplace are post-hoc on the MAP run of
+the same key. Results go to ``benchmarks/results/<name>.json`` (a list of runs), the report to
+``benchmarks/results/<name>.md`` with PNG plots beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from training.config import apply_overrides, yaml_load
+
+log = logging.getLogger("training.benchmark")
+
+METHOD_ORDER = ["map", "mc_dropout", "ensemble", "laplace", "edl", "vid", "i_edl", "r_edl", "ib_edl"]
+POST_HOC = {"mc_dropout": "map", "laplace": "map"}  # method -> the trained run it reuses
+
+
+@dataclass(frozen=True)
+class Run:
+    """One (experiment, train dataset, method, seed) cell of the grid."""
+
+    experiment: str
+    kind: str
+    dataset: str
+    method: str
+    seed: int
+    eval_sets: tuple[str, ...]  # test datasets; the first is in-distribution
+    label_noise: float = 0.0
+
+    @property
+    def key(self) -> str:
+        noise = f"-noise{self.label_noise:g}" if self.label_noise else ""
+        return f"{self.kind}-{self.dataset}{noise}-{self.method}-s{self.seed}"
+
+    def train_key(self, method: str | None = None) -> str:
+        """The trained run behind this cell: shared by id and ood cells of the same dataset."""
+        noise = f"-noise{self.label_noise:g}" if self.label_noise else ""
+        return f"{self.dataset}{noise}-{method or self.method}-s{self.seed}"
+
+
+def expand(config: dict) -> list[Run]:
+    """The grid of runs a benchmark config describes, in a stable order."""
+    methods = [m for m in METHOD_ORDER if m in config["methods"]]
+    unknown = sorted(set(config["methods"]) - set(METHOD_ORDER))
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; known: {METHOD_ORDER}")
+    runs = []
+    for exp in config["experiments"]:
+        kind = exp["kind"]
+        if kind == "id":
+            cells = [(d, (d,), 0.0) for d in exp["datasets"]]
+        elif kind == "ood":
+            cells = [(exp["train"], (exp["train"], *exp["ood"]), 0.0)]
+        elif kind == "noise":
+            cells = [(d, (d,), float(exp.get("fraction", 0.3))) for d in exp["datasets"]]
+        else:
+            raise ValueError(f"experiment kind must be id, ood or noise, got {kind!r}")
+        for dataset, eval_sets, noise in cells:
+            for method in methods:
+                for seed in config["seeds"]:
+                    runs.append(Run(exp.get("name", kind), kind, dataset, method, int(seed), eval_sets, noise))
+    return runs
+
+
+def train_overrides(config: dict, run: Run, method: str, out: Path) -> list[str]:
+    """``training.finetune`` overrides for the trained run behind ``run``."""
+    sizes = config.get("sizes", {})
+    limits = {**sizes.get("default", {}), **sizes.get(run.dataset, {})}
+    data = {
+        "train": [{"dataset": run.dataset, "limit": limits.get("train")}],
+        "validation": [{"dataset": run.dataset, "limit": limits.get("validation")}],
+        "test": [],
+        "label_noise": run.label_noise,
+        "noise_seed": run.seed,
+    }
+    base = json.loads(json.dumps(config.get("train", {})))
+    params = config.get("method_params", {}).get(method, {})
+    pairs = {**base, "method": method, "seed": run.seed, "output": str(out), "name": run.train_key(method),
+             "data": data, "progress": False}
+    if params:
+        pairs["method_params"] = params
+    return [f"{k}={json.dumps(v)}" for k, v in pairs.items()]
+
+
+def run_child(cmd: list[str], log_path: Path) -> dict:
+    """Run a command, returning its exit code, seconds and peak RSS (MiB) from wait4."""
+    start = time.time()
+    with open(log_path, "a") as logf:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env={**os.environ, "TQDM_DISABLE": "1"})
+        _, status, usage = os.wait4(proc.pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    return {"returncode": code, "seconds": time.time() - start, "peak_rss_mib": usage.ru_maxrss / 1024}
+
+
+class Runner:
+    def __init__(self, config: dict, root: Path, results_path: Path, dry_run: bool = False) -> None:
+        self.config = config
+        self.root = root
+        self.results_path = results_path
+        self.dry_run = dry_run
+        self.results = json.loads(results_path.read_text()) if results_path.is_file() else []
+
+    def done(self, run: Run) -> bool:
+        return any(r["key"] == run.key for r in self.results)
+
+    def save(self) -> None:
+        self.results_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.results_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.results, indent=1) + "\n")
+        tmp.replace(self.results_path)
+
+    def ensure_trained(self, run: Run, method: str) -> tuple[Path, dict]:
+        out = self.root / run.train_key(method)
+        info_path = out / "benchmark-train.json"
+        if (out / "manifest.json").is_file() and info_path.is_file():
+            return out, json.loads(info_path.read_text())
+        if self.dry_run:
+            print("train", out)
+            return out, {}
+        if out.exists():
+            shutil.rmtree(out)  # an interrupted run: start it again
+        out.mkdir(parents=True)
+        cmd = [sys.executable, "-m", "training.finetune", *train_overrides(self.config, run, method, out)]
+        log.info("training %s", out.name)
+        info = run_child(cmd, out / "train.log")
+        if info["returncode"] != 0:
+            raise RuntimeError(f"training {out.name} failed with {info['returncode']}; see {out / 'train.log'}")
+        info_path.write_text(json.dumps(info))
+        return out, info
+
+    def evaluate(self, run: Run, artifact: Path) -> dict:
+        """Predictions on every evaluation set, cached as JSON beside the artifact."""
+        cache = artifact / f"predictions-{run.kind}-{run.method}.json"
+        if cache.is_file():
+            return json.loads(cache.read_text())
+        if self.dry_run:
+            print("evaluate", run.key)
+            return {}
+        cmd = [sys.executable, "-m", "training.benchmark_eval", "--artifact", str(artifact), "--method", run.method,
+               "--output", str(cache), "--seed", str(run.seed), "--limits", json.dumps(self.config.get("sizes", {})),
+               "--method-params", json.dumps(self.config.get("method_params", {}).get(run.method, {})),
+               *[arg for d in run.eval_sets for arg in ("--dataset", d)]]
+        log_path = artifact / f"eval-{run.kind}-{run.method}.log"
+        info = run_child(cmd, log_path)
+        if info["returncode"] != 0:
+            raise RuntimeError(f"evaluating {run.key} failed; see {log_path}")
+        out = json.loads(cache.read_text())
+        out["eval_peak_rss_mib"] = info["peak_rss_mib"]
+        cache.write_text(json.dumps(out))
+        return out
+
+    def run(self, run: Run) -> dict | None:
+        if self.done(run):
+            return None
+        trained_method = POST_HOC.get(run.method, run.method)
+        artifact, train_info = self.ensure_trained(run, trained_method)
+        preds = self.evaluate(run, artifact)
+        if self.dry_run:
+            return None
+        from training.benchmark_eval import summarise_run
+
+        record = {
+            "key": run.key, "experiment": run.experiment, "kind": run.kind, "method": run.method,
+            "dataset": run.dataset, "seed": run.seed, "label_noise": run.label_noise,
+            "metrics": summarise_run(preds, run.eval_sets),
+            "efficiency": {
+                "train_samples_per_s": json.loads((artifact / "manifest.json").read_text())["training"]["run"].get("samples_per_s"),
+                "train_peak_rss_mib": train_info.get("peak_rss_mib"),
+                "test_samples_per_s": preds["sets"][run.eval_sets[0]]["samples_per_s"],
+                "eval_peak_rss_mib": preds.get("eval_peak_rss_mib"),
+            },
+        }
+        self.results.append(record)
+        self.save()
+        return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m training.benchmark", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--only-methods", nargs="*", help="restrict to these methods")
+    parser.add_argument("--only-kinds", nargs="*", help="restrict to these experiment kinds (id, ood, noise)")
+    parser.add_argument("--runs-dir", help="where trained runs go (default runs/benchmark/<name>)")
+    parser.add_argument("--results", help="results JSON (default benchmarks/results/<name>.json)")
+    parser.add_argument("--report-only", action="store_true", help="only (re)write the report from the results")
+    parser.add_argument("--dry-run", action="store_true", help="list what would be trained and evaluated")
+    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides of the benchmark config")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        config = apply_overrides(yaml_load(Path(args.config).read_text()), args.overrides)
+        runs = expand(config)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    name = config.get("name", Path(args.config).stem)
+    results = Path(args.results or f"benchmarks/results/{name}.json")
+    runner = Runner(config, Path(args.runs_dir or f"runs/benchmark/{name}"), results, args.dry_run)
+    if not args.report_only:
+        todo = [r for r in runs if (not args.only_methods or r.method in args.only_methods)
+                and (not args.only_kinds or r.kind in args.only_kinds)]
+        from tqdm import tqdm
+
+        for run in tqdm(todo, desc="benchmark", unit="run"):
+            try:
+                record = runner.run(run)
+            except RuntimeError as e:
+                log.error("%s", e)
+                continue
+            if record:
+                m = record["metrics"]
+                tqdm.write(f"{run.key}: acc {m['accuracy']:.3f} ece {m['ece']:.3f} nll {m['nll']:.3f}")
+    if not args.dry_run and runner.results:
+        from training.report import write_report
+
+        paths = write_report(runner.results, config, results.with_suffix(".md"), runner.root)
+        print(f"wrote {results} and {', '.join(str(p) for p in paths)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
