@@ -11,7 +11,7 @@ PORT ?= 8000
 ARTIFACT ?= artifacts/default
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-fast train-default train-map evaluate bench clean
+.PHONY: setup setup-laplace serve test test-fast train-default train-map bench benchmark clean
 
 $(VENV)/.installed: pyproject.toml requirements/constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ $(VENV)/.installed: pyproject.toml requirements/constraints.txt
 	touch $@
 
 setup: $(VENV)/.installed
+
+# Laplace-LoRA (training side only; the service never needs it).
+setup-laplace: setup
+	$(PIP) install -q --no-deps -r requirements/laplace.txt
 
 serve: setup
 	$(PY) -m service --host $(HOST) --port $(PORT) --artifact $(ARTIFACT)
@@ -42,6 +46,11 @@ train-map: setup
 
 bench: setup
 	$(PY) benchmarks/option_rows.py
+	$(PY) benchmarks/service_latency.py
+
+# All methods on one contract (hours on CPU; resumes where it stopped).
+benchmark: setup-laplace
+	$(PY) -m training.benchmark --config benchmarks/smollm2_small.yaml
 
 clean:
 	rm -rf $(VENV) .pytest_cache runs

@@ -128,6 +128,25 @@ class OptionHead(nn.Module):
         """hidden: (B, d) last-token states; mask: (B, C) real options."""
 
 
+class CentredEvidence:
+    """Mixin for heads with a shared pre-evidence bias: ``init_bias_from`` centres the pre-evidence."""
+
+    weight_name = "weight"
+    bias_name = "bias"
+
+    @torch.no_grad()
+    def init_bias_from(self, hidden: torch.Tensor, mask: torch.Tensor) -> float:
+        """Set the bias so that the mean pre-evidence over real options of this batch is 0. Returns it."""
+        z = self._linear(hidden, getattr(self, self.weight_name), self._check(hidden, mask))
+        return self.set_bias(-(z * mask).sum().item() / mask.sum().item())
+
+    @torch.no_grad()
+    def set_bias(self, value: float) -> float:
+        bias = getattr(self, self.bias_name)
+        bias.fill_(value)
+        return float(bias)
+
+
 class SoftmaxHead(OptionHead):
     """z = W h over the option rows; probs = softmax(z). No Dirichlet, no uncertainty mass."""
 
@@ -144,7 +163,7 @@ class SoftmaxHead(OptionHead):
         return HeadPrediction(probs=masked_softmax(logits, mask), logits=logits)
 
 
-class EvidentialHead(OptionHead):
+class EvidentialHead(CentredEvidence, OptionHead):
     """Pre-evidence z = W h + b; alpha = softplus(z) + offset.
 
     The shared bias b is what makes the EDL family start near "no evidence": the pretrained letter
@@ -172,16 +191,6 @@ class EvidentialHead(OptionHead):
             probs=out.probs, logits=logits, alpha=out.alpha, belief=out.belief, uncertainty=out.uncertainty
         )
 
-    @torch.no_grad()
-    def init_bias_from(self, hidden: torch.Tensor, mask: torch.Tensor) -> float:
-        """Set b so that the mean pre-evidence over real options of this batch is 0. Returns b."""
-        z = self._linear(hidden, self.weight, self._check(hidden, mask))
-        return self.set_bias(-(z * mask).sum().item() / mask.sum().item())
-
-    @torch.no_grad()
-    def set_bias(self, value: float) -> float:
-        self.bias.fill_(value)
-        return float(self.bias)
 
 
 def gauss_hermite(num_points: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,7 +203,7 @@ def gauss_hermite(num_points: int, device=None) -> tuple[torch.Tensor, torch.Ten
     return nodes.float().to(device), (weights / weights.sum()).float().to(device)
 
 
-class IBEDLHead(OptionHead):
+class IBEDLHead(CentredEvidence, OptionHead):
     """IB-EDL: a Gaussian over pre-evidence, e~ ~ N(mu, diag(sigma^2)), mu and sigma from h.
 
     Training samples e~ (see ``training.losses``); inference is deterministic: alpha =
@@ -202,6 +211,9 @@ class IBEDLHead(OptionHead):
     E[softplus(e~)] + 1 by Gauss-Hermite quadrature (``quadrature``). Post-hoc zeta then gives
     alpha <- max(alpha - zeta * sigma, 1).
     """
+
+    weight_name = "mu_weight"
+    bias_name = "mu_bias"
 
     def __init__(self, config: HeadConfig, rows: torch.Tensor | None = None) -> None:
         super().__init__(config)
@@ -243,17 +255,6 @@ class IBEDLHead(OptionHead):
             uncertainty=out.uncertainty,
             sigma=sigma.masked_fill(~mask, 0.0),
         )
-
-    @torch.no_grad()
-    def init_bias_from(self, hidden: torch.Tensor, mask: torch.Tensor) -> float:
-        """Centre mu on this batch (see EvidentialHead.init_bias_from). Returns the mu bias."""
-        z = self._linear(hidden, self.mu_weight, self._check(hidden, mask))
-        return self.set_bias(-(z * mask).sum().item() / mask.sum().item())
-
-    @torch.no_grad()
-    def set_bias(self, value: float) -> float:
-        self.mu_bias.fill_(value)
-        return float(self.mu_bias)
 
 
 HEADS: dict[str, type[OptionHead]] = {

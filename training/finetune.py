@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from evidential.artifact import Manifest, save_head, write_manifest
 from evidential.base_model import load_base_model, resolve_model
-from evidential.head import HeadConfig, build_head
+from evidential.head import CentredEvidence, HeadConfig, build_head
 from evidential.predictor import Predictor, fits, lm_head_rows
 from evidential.prompt import MCQuestion, option_token_ids
 from training.abstention import choose_thresholds
@@ -147,10 +147,8 @@ def fit_member(cfg: TrainConfig, method: Method, params: dict, train_q, val_q, m
     total = cfg.optim.max_steps or max(1, math.ceil(steps_per_epoch * cfg.optim.epochs))
     warmup = max(1, int(cfg.optim.warmup_ratio * total))
     lora_params = [p for p in model.parameters() if p.requires_grad]
-    if not cfg.train_evidence_bias:
-        for name in ("bias", "mu_bias"):
-            if hasattr(head, name):
-                getattr(head, name).requires_grad_(False)
+    if not cfg.train_evidence_bias and isinstance(head, CentredEvidence):
+        getattr(head, head.bias_name).requires_grad_(False)
     head_params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         [{"params": lora_params}, {"params": head_params, "lr": cfg.optim.head_lr or cfg.optim.lr}],
@@ -171,7 +169,7 @@ def fit_member(cfg: TrainConfig, method: Method, params: dict, train_q, val_q, m
             epoch += 1
 
     stream = batches()
-    if hasattr(head, "init_bias_from") and cfg.evidence_bias != "none":
+    if isinstance(head, CentredEvidence) and cfg.evidence_bias != "none":
         # Centre the pre-evidence on the first batches: the letter logits start near +17 (see EvidentialHead).
         with torch.no_grad():
             model.eval()

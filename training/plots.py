@@ -33,6 +33,10 @@ def reliability_diagram(probs, labels, path: str | Path, num_bins: int = 15, tit
     axc.set_xlabel("confidence (max probability)")
     axc.set_ylabel("count")
     axc.set_xlim(0, 1)
+    return _save(fig, path)
+
+
+def _save(fig, path: str | Path) -> Path:
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -53,9 +57,4 @@ def risk_coverage_plot(curves: dict[str, tuple], path: str | Path, title: str = 
     ax.set_ylim(0, 1)
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)

@@ -1,0 +1,112 @@
+"""Service overhead and micro-batching, measured in one run on the real model.
+
+    python benchmarks/service_latency.py [--artifact artifacts/default] [--requests 40] [--output benchmarks/results/service_latency.json]
+
+1. Latency: the bare predictor answering one question at a time in this process, against POST /predict
+   to a real uvicorn process on loopback (one client), on the same questions: p50/p99 and their ratios.
+2. Throughput with 8 and 32 concurrent clients against the service (micro-batched), against the bare
+   predictor on batches of the same sizes: questions/s and ratios.
+The in-process predictor is released before the server starts, so the two never share the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import httpx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from evidential.predictor import Predictor  # noqa: E402
+from training.data import load_dataset  # noqa: E402
+
+
+def pct(values, q):
+    return float(np.percentile(values, q))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--artifact", default="artifacts/default")
+    parser.add_argument("--requests", type=int, default=40)
+    parser.add_argument("--output", default="benchmarks/results/service_latency.json")
+    args = parser.parse_args(argv)
+    questions = load_dataset("sciq", "validation", limit=max(args.requests, 64), seed=3)
+    payloads = [{"question": q.question, "options": list(q.options), "context": q.context} for q in questions]
+
+    predictor = Predictor.from_artifact(args.artifact)
+    predictor.predict(questions[:2])  # warm-up
+    bare = []
+    for q in questions[: args.requests]:
+        start = time.perf_counter()
+        predictor.predict([q], truncate_context=False)
+        bare.append(time.perf_counter() - start)
+    bare_batch = {}
+    for size in (8, 32):
+        start = time.perf_counter()
+        done = 0
+        for i in range(0, 64, size):
+            predictor.predict(questions[i : i + size], truncate_context=False)
+            done += len(questions[i : i + size])
+        bare_batch[size] = done / (time.perf_counter() - start)
+    del predictor
+    gc.collect()
+
+    from tests.conftest import ServiceProcess  # the same helper the end-to-end tests use
+
+    server = ServiceProcess(args.artifact, {"IBEDL_MAX_BATCH_SIZE": "32", "IBEDL_MAX_WAIT_MS": "10"})
+    try:
+        server.wait_ready()
+        with httpx.Client(timeout=120) as client:
+            client.post(server.url + "/predict", json=payloads[0])  # warm-up
+            http = []
+            for p in payloads[: args.requests]:
+                start = time.perf_counter()
+                r = client.post(server.url + "/predict", json=p)
+                http.append(time.perf_counter() - start)
+                r.raise_for_status()
+        served = {}
+        for clients in (8, 32):
+            def call(p):
+                with httpx.Client(timeout=300) as c:
+                    return c.post(server.url + "/predict", json=p).status_code
+
+            start = time.perf_counter()
+            with ThreadPoolExecutor(clients) as pool:
+                codes = list(pool.map(call, payloads[:64]))
+            served[clients] = {"questions_per_s": 64 / (time.perf_counter() - start), "non_200": sum(c != 200 for c in codes)}
+        metrics = httpx.get(server.url + "/metrics").text
+        batches = [line for line in metrics.splitlines() if line.startswith(("ibedl_batch_size_sum", "ibedl_batch_size_count"))]
+    finally:
+        server.stop()
+    result = {
+        "artifact": args.artifact,
+        "requests": args.requests,
+        "latency_s": {
+            "bare_predictor": {"p50": pct(bare, 50), "p99": pct(bare, 99)},
+            "service": {"p50": pct(http, 50), "p99": pct(http, 99)},
+            "service_over_bare": {"p50": pct(http, 50) / pct(bare, 50), "p99": pct(http, 99) / pct(bare, 99)},
+        },
+        "throughput_questions_per_s": {
+            str(c): {"service": served[c]["questions_per_s"], "bare_batched": bare_batch[c],
+                     "service_over_bare": served[c]["questions_per_s"] / bare_batch[c], "non_200": served[c]["non_200"]}
+            for c in (8, 32)
+        },
+        "service_batch_size_metrics": batches,
+    }
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
