@@ -90,7 +90,7 @@ EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health/ready' % os.environ.get('IBEDL_PORT', '8000'), timeout=4)"]
 # Exec form: python is PID 1 (use `init: true` / `docker run --init` to reap children) and gets SIGTERM,
-# which drains in-flight requests (IBEDL_SHUTDOWN_GRACE_S) and exits 0.
+# which drains in-flight requests (IBEDL_SHUTDOWN_GRACE_S) before the process ends.
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["python", "-m", "service"]
 CMD ["--host", "0.0.0.0"]

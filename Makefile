@@ -31,10 +31,10 @@ setup-laplace: setup
 serve: setup
 	$(PY) -m service --host $(HOST) --port $(PORT) --artifact $(ARTIFACT)
 
-test: setup
+test: setup-laplace
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test-fast: setup
+test-fast: setup-laplace
 	$(PY) -m pytest -m "not integration and not servers" $(PYTEST_ARGS)
 
 # The default adapter (IB-EDL) and its MAP twin, exactly as committed under artifacts/.

@@ -30,7 +30,7 @@ DOCKERFILE = REPO / "Dockerfile"
 
 API_JOB = "ibedl-api"
 # The compose config's upstream line: `server api:8000 resolve <params>;`
-UPSTREAM_SERVER = re.compile(r"^(?P<indent>[ \t]*)server api:8000 resolve(?P<params>[^;]*);[ \t]*$", re.M)
+UPSTREAM_SERVER = re.compile(r"^(?P<indent>[ \t]*)server api:8000 resolve(?P<params>[^;]*);[ \t]*$", re.MULTILINE)
 
 
 def require_binary(name: str) -> str:
@@ -46,7 +46,7 @@ def require_binary(name: str) -> str:
 
 
 def _sub_once(pattern: str | re.Pattern, repl, text: str, what: str) -> str:
-    new, n = re.subn(pattern, repl, text, flags=re.M) if isinstance(pattern, str) else pattern.subn(repl, text)
+    new, n = re.subn(pattern, repl, text, flags=re.MULTILINE) if isinstance(pattern, str) else pattern.subn(repl, text)
     if n != 1:
         raise AssertionError(f"rendering deploy/nginx/nginx.conf: expected exactly one {what}, found {n}")
     return new
@@ -70,7 +70,8 @@ def render_nginx(workdir: Path, listen_port: int, upstreams: list[str]) -> Path:
     text = _sub_once(r"^[ \t]*resolver\s+[^;]*;[ \t]*$", "    # resolver: static loopback upstreams", text,
                      "`resolver` line")
     text = _sub_once(r"^([ \t]*)access_log /dev/stdout gateway;[ \t]*$",
-                     lambda m: f"{m.group(1)}access_log {workdir / 'access.log'} gateway;", text, "gateway `access_log`")
+                     lambda m: f"{m.group(1)}access_log {workdir / 'access.log'} gateway;", text,
+                     "gateway `access_log`")
     text = _sub_once(r"^([ \t]*)listen 8080;[ \t]*$", lambda m: f"{m.group(1)}listen 127.0.0.1:{listen_port};", text,
                      "`listen 8080` line")
     text = _sub_once(
@@ -78,7 +79,8 @@ def render_nginx(workdir: Path, listen_port: int, upstreams: list[str]) -> Path:
         lambda m: "\n".join(f"{m.group('indent')}server {u}{m.group('params')};" for u in upstreams),
         text, "`server api:8000 resolve ...` upstream line",
     )
-    temp = "\n".join(f"    {sub}_temp_path {workdir / 'temp' / sub};" for sub in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+    temp = "\n".join(f"    {sub}_temp_path {workdir / 'temp' / sub};"
+                     for sub in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
     text = _sub_once(r"^http \{[ \t]*$", "http {\n" + temp, text, "`http {` line")
     out = workdir / "nginx.conf"
     out.write_text(text)
@@ -86,7 +88,8 @@ def render_nginx(workdir: Path, listen_port: int, upstreams: list[str]) -> Path:
 
 
 def nginx_command(conf: Path, *args: str) -> list[str]:
-    return [require_binary("nginx"), "-p", str(conf.parent), "-e", str(conf.parent / "error.log"), "-c", str(conf), *args]
+    return [require_binary("nginx"), "-p", str(conf.parent), "-e", str(conf.parent / "error.log"), "-c", str(conf),
+            *args]
 
 
 def render_alerts(rule_for: str | None = None) -> dict:
@@ -111,7 +114,8 @@ def render_prometheus(workdir: Path, listen_port: int, targets: list[str], inter
     alerts = workdir / "alerts.yml"
     alerts.write_text(yaml.safe_dump(render_alerts(rule_for), sort_keys=False))
     if cfg.get("rule_files") != ["alerts.yml"]:
-        raise AssertionError(f"deploy/prometheus/prometheus.yml: expected rule_files [alerts.yml], got {cfg.get('rule_files')}")
+        raise AssertionError(
+            f"deploy/prometheus/prometheus.yml: expected rule_files [alerts.yml], got {cfg.get('rule_files')}")
     cfg["rule_files"] = [str(alerts)]
     jobs = {job["job_name"]: job for job in cfg["scrape_configs"]}
     if API_JOB not in jobs:
