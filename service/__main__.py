@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 import uvicorn
@@ -35,6 +36,11 @@ def main(argv: list[str] | None = None) -> int:
                             timeout_graceful_shutdown=settings.shutdown_grace_s, access_log=False)
     server = uvicorn.Server(config)
     app.state.service.server = server
+    # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal under the handler that was installed
+    # before it started; with the default handler the process would die of the signal (exit 143) after a
+    # clean drain. A handler that does nothing makes a drained shutdown exit 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: None)
     server.run()
     return 0
 

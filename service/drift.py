@@ -57,14 +57,17 @@ class DriftMonitor:
 
     def __init__(self, reference, statistic: str, window_size: int = 500, alarm_rate: float = 0.01,
                  draws: int = 1000, seed: int = 0) -> None:
-        ref = np.asarray([x for x in (reference or []) if x is not None], dtype=np.float64)
+        ref = np.asarray([x for x in (reference if reference is not None else []) if x is not None], dtype=np.float64)
         if window_size < 2:
             raise ValueError(f"window_size must be >= 2, got {window_size}")
         self.statistic = statistic
         self.reference = ref
         self.window_size = window_size
         self.window: deque[float] = deque(maxlen=window_size)
-        self.threshold = bootstrap_threshold(ref, window_size, alarm_rate, draws, seed) if len(ref) >= 10 else None
+        # A reference with no spread (a collapsed adapter answering u = 1.0 everywhere) gives a zero
+        # threshold that any served value would cross: drift is not measurable then, so no alarm.
+        usable = len(ref) >= 10 and np.ptp(ref) > 0
+        self.threshold = bootstrap_threshold(ref, window_size, alarm_rate, draws, seed) if usable else None
         self._lock = threading.Lock()
 
     @property

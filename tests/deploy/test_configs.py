@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytestmark = pytest.mark.servers  # needs nginx, promtool and hadolint (installed by .ci/run)
+
 from tests.deploy.render import (
     ALERTS_TEST_YML,
     ALERTS_YML,
