@@ -6,13 +6,13 @@
    to a real uvicorn process on loopback (one client), on the same questions: p50/p99 and their ratios.
 2. Throughput with 8 and 32 concurrent clients against the service (micro-batched), against the bare
    predictor on batches of the same sizes: questions/s and ratios.
-The in-process predictor is released before the server starts, so the two never share the CPU.
+Latencies are paired (each question through the bare predictor, then through HTTP); the idle side
+uses no CPU while the other runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import time
@@ -41,37 +41,31 @@ def main(argv=None) -> int:
     questions = load_dataset("sciq", "validation", limit=max(args.requests, 64), seed=3)
     payloads = [{"question": q.question, "options": list(q.options), "context": q.context} for q in questions]
 
-    predictor = Predictor.from_artifact(args.artifact)
-    predictor.predict(questions[:2])  # warm-up
-    bare = []
-    for q in questions[: args.requests]:
-        start = time.perf_counter()
-        predictor.predict([q], truncate_context=False)
-        bare.append(time.perf_counter() - start)
-    bare_batch = {}
-    for size in (8, 32):
-        start = time.perf_counter()
-        done = 0
-        for i in range(0, 64, size):
-            predictor.predict(questions[i : i + size], truncate_context=False)
-            done += len(questions[i : i + size])
-        bare_batch[size] = done / (time.perf_counter() - start)
-    del predictor
-    gc.collect()
-
     from tests.conftest import ServiceProcess  # the same helper the end-to-end tests use
 
+    predictor = Predictor.from_artifact(args.artifact)
     server = ServiceProcess(args.artifact, {"IBEDL_MAX_BATCH_SIZE": "32", "IBEDL_MAX_WAIT_MS": "10"})
     try:
         server.wait_ready()
         with httpx.Client(timeout=120) as client:
-            client.post(server.url + "/predict", json=payloads[0])  # warm-up
-            http = []
-            for p in payloads[: args.requests]:
+            predictor.predict(questions[:2])  # warm-up both
+            client.post(server.url + "/predict", json=payloads[0])
+            bare, http = [], []
+            # Paired: the same question through the bare predictor, then through HTTP. The idle server
+            # uses no CPU while the predictor runs, and the other way round.
+            for q, p in zip(questions[: args.requests], payloads[: args.requests]):
                 start = time.perf_counter()
-                r = client.post(server.url + "/predict", json=p)
+                predictor.predict([q], truncate_context=False)
+                bare.append(time.perf_counter() - start)
+                start = time.perf_counter()
+                client.post(server.url + "/predict", json=p).raise_for_status()
                 http.append(time.perf_counter() - start)
-                r.raise_for_status()
+        bare_batch = {}
+        for size in (8, 32):
+            start = time.perf_counter()
+            for i in range(0, 64, size):
+                predictor.predict(questions[i : i + size], truncate_context=False)
+            bare_batch[size] = 64 / (time.perf_counter() - start)
         served = {}
         for clients in (8, 32):
             def call(p):
@@ -86,6 +80,7 @@ def main(argv=None) -> int:
         batches = [line for line in metrics.splitlines() if line.startswith(("ibedl_batch_size_sum", "ibedl_batch_size_count"))]
     finally:
         server.stop()
+    sequential = 1.0 / float(np.mean(bare))
     result = {
         "artifact": args.artifact,
         "requests": args.requests,
@@ -99,6 +94,7 @@ def main(argv=None) -> int:
                      "service_over_bare": served[c]["questions_per_s"] / bare_batch[c], "non_200": served[c]["non_200"]}
             for c in (8, 32)
         },
+        "bare_sequential_questions_per_s": sequential,
         "service_batch_size_metrics": batches,
     }
     out = Path(args.output)

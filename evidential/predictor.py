@@ -99,6 +99,25 @@ def to_predictions(out: HeadPrediction, num_options: list[int]) -> list[Predicti
     return preds
 
 
+def length_groups(lengths: list[int], max_padding: float = 1.25) -> list[list[int]]:
+    """Indices grouped by length so that each group's padded size (longest x count) stays within
+    ``max_padding`` times its real tokens. Groups come shortest first; indices within a group ascend by length."""
+    if max_padding < 1:
+        raise ValueError(f"max_padding must be >= 1, got {max_padding}")
+    groups: list[list[int]] = []
+    current: list[int] = []
+    real = 0
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        if current and lengths[i] * (len(current) + 1) > max_padding * (real + lengths[i]):
+            groups.append(current)
+            current, real = [], 0
+        current.append(i)
+        real += lengths[i]
+    if current:
+        groups.append(current)
+    return groups
+
+
 def count_prompt_tokens(tokenizer, template: str, q: MCQuestion) -> int:
     """Tokens of the formatted prompt of ``q`` (with its whole passage)."""
     return len(tokenizer(format_prompt(q, template, tokenizer))["input_ids"])
@@ -140,6 +159,8 @@ class Predictor:
         max_tokens: token limit of a formatted prompt.
         members: PEFT adapter names, parallel to ``heads`` (None: use the model as it is).
         mc_samples: > 0 averages that many dropout-on passes (MC-Dropout).
+        max_padding: ``predict`` splits a batch into groups of similar length whose padded size stays
+            within this factor of their real tokens.
     """
 
     def __init__(
@@ -152,6 +173,7 @@ class Predictor:
         members: list[str] | None = None,
         mc_samples: int = 0,
         manifest: Manifest | None = None,
+        max_padding: float = 1.25,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -161,6 +183,7 @@ class Predictor:
         self.members = members
         self.mc_samples = mc_samples
         self.manifest = manifest
+        self.max_padding = max_padding
         if members is not None and len(members) != len(self.heads):
             raise ValueError(f"{len(members)} adapter members for {len(self.heads)} heads")
         if max_tokens < 8:
@@ -212,7 +235,9 @@ class Predictor:
         """Tokenise and right-pad a batch. Raises :class:`PromptTooLongError` past ``max_tokens``."""
         if not questions:
             raise ValueError("encode needs at least one question")
-        seqs = [self._encode_one(i, q, truncate_context) for i, q in enumerate(questions)]
+        return self._pad([self._encode_one(i, q, truncate_context) for i, q in enumerate(questions)], questions)
+
+    def _pad(self, seqs: list[list[int]], questions: list[MCQuestion]) -> EncodedBatch:
         width = max(len(s) for s in seqs)
         pad = self.tokenizer.pad_token_id
         input_ids = torch.full((len(seqs), width), pad, dtype=torch.long)
@@ -264,8 +289,17 @@ class Predictor:
 
     @torch.no_grad()
     def predict(self, questions: list[MCQuestion], truncate_context: bool = True) -> list[Prediction]:
-        out = self.predict_outputs(questions, truncate_context)
-        return to_predictions(out, [q.num_options for q in questions])
+        """Predictions in input order. The questions run in sub-batches of similar prompt length:
+        padding is computed like real tokens, and on a CPU a batch padded to its longest prompt can be
+        slower than its questions one by one."""
+        seqs = [self._encode_one(i, q, truncate_context) for i, q in enumerate(questions)]
+        out: list[Prediction | None] = [None] * len(questions)
+        for group in length_groups([len(s) for s in seqs], self.max_padding):
+            sub = [questions[i] for i in group]
+            preds = to_predictions(self.forward(self._pad([seqs[i] for i in group], sub)), [q.num_options for q in sub])
+            for i, pred in zip(group, preds):
+                out[i] = pred
+        return out  # type: ignore[return-value]
 
     def eval(self) -> Predictor:
         """Inference mode; MC-Dropout keeps its LoRA dropout layers active."""

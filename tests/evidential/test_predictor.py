@@ -69,3 +69,25 @@ def test_question_too_long_even_without_context(predictor):
     short = Predictor(predictor.model, predictor.tokenizer, predictor.heads, "plain-v1", max_tokens=16)
     with pytest.raises(PromptTooLongError):
         short.encode([MCQuestion("why " * 50, ("a", "b"), context="x")])
+
+
+def test_length_groups_bound_padding():
+    from evidential.predictor import length_groups
+
+    lengths = [100, 12, 95, 10, 300, 11, 98]
+    groups = length_groups(lengths, 1.25)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        assert max(lengths[i] for i in g) * len(g) <= 1.25 * sum(lengths[i] for i in g)
+    assert [sorted(g) for g in groups] == [[1, 3, 5], [0, 2, 6], [4]]
+    assert length_groups([5, 500], 100.0) == [[0, 1]]
+    with pytest.raises(ValueError, match="max_padding must be >= 1, got 0.5"):
+        length_groups([1], 0.5)
+
+
+def test_grouped_predict_equals_one_batch(predictor):
+    # QUESTIONS have very different lengths: predict() splits them, predict_outputs() pads them together.
+    grouped = predictor.predict(QUESTIONS)
+    together = predictor.predict_outputs(QUESTIONS)
+    for i, p in enumerate(grouped):
+        assert p.probs == pytest.approx(together.probs[i, : len(p.probs)].tolist(), abs=1e-5)
