@@ -92,7 +92,9 @@ class ServiceState:
             log.exception("loading the adapter failed")
             self.status, self.reason = "failed", f"{type(e).__name__}: {e}"
             return
-        self.max_tokens = self.settings.max_tokens or manifest.prompt.get("max_tokens", predictor.max_tokens)
+        # Served prompts may be longer than the training cut (manifest prompt.max_tokens): the model reads
+        # them whole; only what exceeds this limit is refused.
+        self.max_tokens = self.settings.max_tokens
         predictor.max_tokens = self.max_tokens
         self._count_tokenizer = copy.deepcopy(predictor.tokenizer)  # the worker thread owns the original
         self.predictor, self.manifest, self.drift = predictor, manifest, drift
@@ -321,7 +323,7 @@ def create_app(settings: Settings | None = None, loader: Loader | None = None) -
                 "created": m.training.get("created"),
                 "metrics": m.metrics,
                 "abstention": m.abstention,
-                "prompt": {**m.prompt, "max_tokens": state.max_tokens},
+                "prompt": {**m.prompt, "training_max_tokens": m.prompt.get("max_tokens"), "max_tokens": state.max_tokens},
                 "max_options": min(settings.max_options, head.num_rows),
                 "head": {"kind": head.kind, "inference": head.inference, "zeta": head.zeta, "offset": head.offset},
                 "drift_statistic": state.drift.statistic,

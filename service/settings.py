@@ -36,7 +36,7 @@ class Settings(BaseSettings):
     max_question_chars: int = Field(4000, ge=1)
     max_option_chars: int = Field(1000, ge=1)
     max_context_chars: int = Field(20000, ge=0)
-    max_tokens: int | None = Field(None, ge=16, description="prompt tokens after formatting; default the manifest's")
+    max_tokens: int = Field(1024, ge=16, description="prompt tokens after formatting (training may have cut passages shorter)")
     max_body_bytes: int = Field(1_000_000, ge=1024)
 
     drift_window: int = Field(500, ge=10, description="served uncertainty masses in the rolling window")

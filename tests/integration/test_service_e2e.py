@@ -16,9 +16,7 @@ from training.data import load_dataset
 @pytest.fixture(scope="module")
 def server(real_model_ref, tmp_path_factory):
     log = tmp_path_factory.mktemp("e2e") / "service.log"
-    # max tokens above the training value: a few SciQ passages are longer than the 384 tokens trained on
-    proc = ServiceProcess(DEFAULT_ARTIFACT, {"IBEDL_DRIFT_WINDOW": "40", "IBEDL_DRIFT_BOOTSTRAP": "300",
-                                             "IBEDL_MAX_TOKENS": "1024"}, log)
+    proc = ServiceProcess(DEFAULT_ARTIFACT, {"IBEDL_DRIFT_WINDOW": "40", "IBEDL_DRIFT_BOOTSTRAP": "300"}, log)
     try:
         proc.wait_ready()
         yield proc
@@ -112,8 +110,7 @@ def test_metrics_and_models(server):
 
 def test_drift_in_distribution_quiet_then_shifted_alarms(real_model_ref, tmp_path):
     """40 SciQ validation questions with their passage do not alarm; 40 without it do."""
-    proc = ServiceProcess(DEFAULT_ARTIFACT, {"IBEDL_DRIFT_WINDOW": "40", "IBEDL_DRIFT_BOOTSTRAP": "500",
-                                             "IBEDL_MAX_TOKENS": "1024"}, tmp_path / "service.log")
+    proc = ServiceProcess(DEFAULT_ARTIFACT, {"IBEDL_DRIFT_WINDOW": "40", "IBEDL_DRIFT_BOOTSTRAP": "500"}, tmp_path / "service.log")
     try:
         proc.wait_ready()
         questions = sciq(80, "test")
@@ -132,8 +129,7 @@ def test_drift_in_distribution_quiet_then_shifted_alarms(real_model_ref, tmp_pat
 
 
 def test_sigterm_drains_in_flight_requests(real_model_ref, tmp_path):
-    proc = ServiceProcess(DEFAULT_ARTIFACT, {"IBEDL_MAX_BATCH_SIZE": "2", "IBEDL_MAX_TOKENS": "1024"},
-                          tmp_path / "service.log")
+    proc = ServiceProcess(DEFAULT_ARTIFACT, {"IBEDL_MAX_BATCH_SIZE": "2"}, tmp_path / "service.log")
     try:
         proc.wait_ready()
         items = sciq(4)

@@ -53,7 +53,7 @@ def wait_ready(client: TestClient, timeout: float = 60.0) -> None:
 def make_client(tiny_artifact):
     @contextmanager
     def factory(loader=None, ready=True, **overrides):
-        settings = Settings(**{"artifact": tiny_artifact, "drift_bootstrap": 100, **overrides})
+        settings = Settings(**{"artifact": tiny_artifact, "drift_bootstrap": 100, "max_tokens": 96, **overrides})
         app = create_app(settings, loader=loader)
         with TestClient(app, raise_server_exceptions=False) as client:
             if ready:
