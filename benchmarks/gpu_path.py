@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from benchmarks.common import write_result  # noqa: E402
 from evidential.predictor import Predictor  # noqa: E402
 from training.config import load_config  # noqa: E402
 from training.data import load_dataset  # noqa: E402
@@ -83,10 +84,7 @@ def main(argv=None) -> int:
         "accuracy_bf16": a.metrics["accuracy"],
         "accuracy_4bit": b.metrics["accuracy"],
     }
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(json.dumps(results, indent=2))
+    write_result(args.output, results)
     return 0
 
 

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks.common import write_result  # noqa: E402
 from evidential.base_model import load_base_model, resolve_model  # noqa: E402
 from evidential.head import HeadConfig, build_head  # noqa: E402
 from evidential.predictor import Predictor, lm_head_rows  # noqa: E402
@@ -210,10 +211,7 @@ def main(argv=None) -> int:
         "inference_ratio_vs_map": {k: v / infer_rate["map"] for k, v in infer_rate.items()},
         "head_microseconds_per_batch": head_us,
     }
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    write_result(args.output, result)
     return 0
 
 

@@ -13,7 +13,6 @@ uses no CPU while the other runs.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks.common import write_result  # noqa: E402
 from evidential.predictor import Predictor  # noqa: E402
 from training.data import load_dataset  # noqa: E402
 
@@ -97,10 +97,7 @@ def main(argv=None) -> int:
         "bare_sequential_questions_per_s": sequential,
         "service_batch_size_metrics": batches,
     }
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    write_result(args.output, result)
     return 0
 
 
