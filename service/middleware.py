@@ -11,10 +11,7 @@ from service.errors import error_body
 
 UNMEASURED = ("/health/", "/metrics")
 BODY_METHODS = ("POST", "PUT", "PATCH")
-
-
-class _BodyTooLarge(Exception):
-    pass
+CLIENT_GONE = object()  # what _read_body returns when the client disconnected
 
 
 class RequestGuard:
@@ -38,27 +35,16 @@ class RequestGuard:
         path = scope.get("path", "")
         measured = not path.startswith(UNMEASURED)
         metrics = self.state.metrics
-        status_holder = {"status": 500, "started": False}
+        status_holder = {"status": 500}
         start = time.perf_counter()
         limit = self.state.settings.max_body_bytes
 
         async def send_wrapper(message):
             if message["type"] == "http.response.start":
                 status_holder["status"] = message["status"]
-                status_holder["started"] = True
                 message.setdefault("headers", [])
                 message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode())]
             await send(message)
-
-        received = {"bytes": 0}
-
-        async def receive_wrapper():
-            message = await receive()
-            if message["type"] == "http.request":
-                received["bytes"] += len(message.get("body", b""))
-                if received["bytes"] > limit:
-                    raise _BodyTooLarge()
-            return message
 
         if measured:
             metrics.inflight.inc()
@@ -73,12 +59,17 @@ class RequestGuard:
                 if length is not None and length.isdigit() and int(length) > limit:
                     status_holder["status"] = 413
                     return await self._reply(send, 413, "too_large", f"the body is {length} bytes; the limit is {limit}", request_id)
-            try:
-                await self.app(scope, receive_wrapper, send_wrapper)
-            except _BodyTooLarge:
-                status_holder["status"] = 413
-                if not status_holder["started"]:
-                    await self._reply(send, 413, "too_large", f"the body exceeds the limit of {limit} bytes", request_id)
+                # Without a Content-Length (chunked) the size is only known while reading: read the body
+                # here, bounded by the limit, and hand the app the buffered copy.
+                body = await _read_body(receive, limit)
+                if body is CLIENT_GONE:
+                    status_holder["status"] = 499  # nginx's code for a client that closed the request
+                    return None
+                if body is None:
+                    status_holder["status"] = 413
+                    return await self._reply(send, 413, "too_large", f"the body exceeds the limit of {limit} bytes", request_id)
+                receive = _replay(body, receive)
+            await self.app(scope, receive, send_wrapper)
         finally:
             if measured:
                 metrics.inflight.dec()
@@ -86,3 +77,29 @@ class RequestGuard:
                 template = getattr(route, "path", None) or "unmatched"
                 metrics.requests.labels(route=template, method=scope["method"], status=str(status_holder["status"])).inc()
                 metrics.latency.labels(route=template).observe(time.perf_counter() - start)
+
+
+async def _read_body(receive, limit: int) -> bytes | object | None:
+    """The whole request body; None once it exceeds ``limit`` bytes; CLIENT_GONE on a disconnect."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return CLIENT_GONE
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive):
+    """A receive callable that gives ``body`` once, then defers to the real one (disconnect)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replayed():
+        return pending.pop() if pending else await receive()
+
+    return replayed

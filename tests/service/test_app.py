@@ -117,6 +117,23 @@ class TestBadInput:
             assert r.status_code == 413
             assert r.json()["error"]["type"] == "too_large"
 
+    def test_chunked_body_too_large(self, make_client):
+        """Without a Content-Length the limit is enforced while reading the stream."""
+        def chunks():
+            yield b'{"question": "q", "options": ["a", "b"], "context": "'
+            for _ in range(10):
+                yield b"x" * 500
+            yield b'"}'
+
+        with make_client(max_body_bytes=2048) as c:
+            r = c.post("/predict", content=chunks(), headers={"content-type": "application/json"})
+            assert "content-length" not in r.request.headers
+            assert r.status_code == 413
+            assert r.json()["error"]["type"] == "too_large"
+            small = iter([json.dumps(Q).encode()])
+            r = c.post("/predict", content=small, headers={"content-type": "application/json"})
+            assert r.status_code == 200, r.text
+
     def test_batch_limits(self, make_client):
         with make_client(max_batch_items=2) as c:
             r = c.post("/predict/batch", json={"items": [Q, Q, Q]})
