@@ -125,8 +125,13 @@ def count_prompt_tokens(tokenizer, template: str, q: MCQuestion) -> int:
 
 def fits(tokenizer, template: str, max_tokens: int, q: MCQuestion) -> bool:
     """Whether ``q`` fits ``max_tokens`` once its passage (if any) is shortened as far as needed."""
-    bare = q if not q.context else MCQuestion(q.question, q.options)
-    return count_prompt_tokens(tokenizer, template, bare) <= max_tokens - 2
+    if count_prompt_tokens(tokenizer, template, q) <= max_tokens:
+        return True
+    if not q.context:
+        return False
+    # The same arithmetic as Predictor._encode_one: the prompt with an empty passage, plus 2 spare tokens.
+    bare = len(tokenizer(format_prompt(q, template, tokenizer, context=""))["input_ids"])
+    return bare <= max_tokens - 2
 
 
 def decoder_of(model) -> torch.nn.Module:
@@ -213,7 +218,7 @@ class Predictor:
         # Keep the question and options whole; cut the passage's tail to fit.
         bare = len(self.tokenizer(format_prompt(q, self.template, self.tokenizer, context=""))["input_ids"])
         budget = self.max_tokens - bare - 2
-        if budget <= 0:
+        if budget < 0:
             raise PromptTooLongError(index, bare, self.max_tokens)
         ctx_ids = self.tokenizer(q.context, add_special_tokens=False)["input_ids"]
         for keep in (budget, budget - 8, budget - 32):
@@ -222,10 +227,6 @@ class Predictor:
             if len(ids) <= self.max_tokens:
                 return ids
         raise PromptTooLongError(index, len(ids), self.max_tokens)
-
-    def fits(self, q: MCQuestion) -> bool:
-        """Whether ``q`` fits ``max_tokens`` once its passage (if any) is shortened as far as needed."""
-        return fits(self.tokenizer, self.template, self.max_tokens, q)
 
     def count_tokens(self, q: MCQuestion) -> int:
         """Tokens of the formatted prompt of ``q``, untruncated."""

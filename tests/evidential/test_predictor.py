@@ -3,7 +3,7 @@ import torch
 
 from evidential.base_model import load_base_model, resolve_model
 from evidential.head import HeadConfig, build_head
-from evidential.predictor import Predictor, PromptTooLongError, lm_head_rows
+from evidential.predictor import Predictor, PromptTooLongError, fits, lm_head_rows
 from evidential.prompt import MCQuestion, option_token_ids
 
 QUESTIONS = [
@@ -69,6 +69,20 @@ def test_question_too_long_even_without_context(predictor):
     short = Predictor(predictor.model, predictor.tokenizer, predictor.heads, "plain-v1", max_tokens=16)
     with pytest.raises(PromptTooLongError):
         short.encode([MCQuestion("why " * 50, ("a", "b"), context="x")])
+
+
+def test_fits_agrees_with_encode_at_every_limit(predictor):
+    """Training drops questions that do not fit; every one it keeps must encode (no error mid-run)."""
+    q = MCQuestion("What did the boy buy?", ("apples", "bread"), context="word " * 40)
+    whole = predictor.count_tokens(q)
+    for limit in range(8, whole + 2):
+        short = Predictor(predictor.model, predictor.tokenizer, predictor.heads, "plain-v1", max_tokens=limit)
+        try:
+            short.encode([q])
+            encodes = True
+        except PromptTooLongError:
+            encodes = False
+        assert fits(predictor.tokenizer, "plain-v1", limit, q) == encodes, limit
 
 
 def test_length_groups_bound_padding():
