@@ -129,7 +129,9 @@ class Manifest:
             raise ArtifactError(f"invalid manifest: {e}") from e
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: readers see the old or the new file, never half."""
+    path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
     with os.fdopen(fd, "w") as f:
         f.write(text)
@@ -139,7 +141,7 @@ def _atomic_write(path: Path, text: str) -> None:
 def write_manifest(directory: str | Path, manifest: Manifest) -> Path:
     path = Path(directory) / MANIFEST
     path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path, json.dumps(manifest.to_dict(), indent=2, sort_keys=False) + "\n")
+    atomic_write_text(path, json.dumps(manifest.to_dict(), indent=2, sort_keys=False) + "\n")
     return path
 
 

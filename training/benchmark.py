@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from evidential.artifact import atomic_write_text
 from training.config import apply_overrides, yaml_load
 
 log = logging.getLogger("training.benchmark")
@@ -127,9 +128,7 @@ class Runner:
 
     def save(self) -> None:
         self.results_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.results_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.results, indent=1) + "\n")
-        tmp.replace(self.results_path)
+        atomic_write_text(self.results_path, json.dumps(self.results, indent=1) + "\n")
 
     def ensure_trained(self, run: Run, method: str) -> tuple[Path, dict]:
         out = self.root / run.train_key(method)
@@ -147,7 +146,7 @@ class Runner:
         info = run_child(cmd, out / "train.log")
         if info["returncode"] != 0:
             raise RuntimeError(f"training {out.name} failed with {info['returncode']}; see {out / 'train.log'}")
-        info_path.write_text(json.dumps(info))
+        atomic_write_text(info_path, json.dumps(info))
         return out, info
 
     def evaluate(self, run: Run, artifact: Path) -> dict:
@@ -168,7 +167,7 @@ class Runner:
             raise RuntimeError(f"evaluating {run.key} failed; see {log_path}")
         out = json.loads(cache.read_text())
         out["eval_peak_rss_mib"] = info["peak_rss_mib"]
-        cache.write_text(json.dumps(out))
+        atomic_write_text(cache, json.dumps(out))
         return out
 
     def run(self, run: Run) -> dict | None:

@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import numpy as np
 
+from evidential.artifact import atomic_write_text
 from training import metrics
 
 
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             "uncertainty": uncertainty,
             "samples_per_s": len(questions) / seconds,
         }
-    Path(args.output).write_text(json.dumps(out))
+    atomic_write_text(args.output, json.dumps(out))  # the runner takes a present file as finished
     return 0
 
 
