@@ -48,6 +48,7 @@ class MicroBatcher:
         self.on_depth = on_depth or (lambda depth: None)
         self._queue: asyncio.Queue[_Item] | None = None
         self._task: asyncio.Task | None = None
+        self._busy = False  # a gathered batch is being answered
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="predict")
 
     @property
@@ -59,9 +60,9 @@ class MicroBatcher:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="micro-batcher")
 
     async def stop(self) -> None:
-        """Answer what is queued, then stop the worker."""
-        if self._queue is not None:
-            while not self._queue.empty():
+        """Answer what is queued and the batch in flight, then stop the worker."""
+        if self._queue is not None and self._task is not None:
+            while (not self._queue.empty() or self._busy) and not self._task.done():
                 await asyncio.sleep(0.01)
         if self._task is not None:
             self._task.cancel()
@@ -69,7 +70,7 @@ class MicroBatcher:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        self._executor.shutdown(wait=True)
+        await asyncio.to_thread(self._executor.shutdown, wait=True)
 
     def free_slots(self) -> int:
         return self.queue_size - self.depth
@@ -92,6 +93,7 @@ class MicroBatcher:
     async def _gather(self) -> list[_Item]:
         assert self._queue is not None
         batch = [await self._queue.get()]
+        self._busy = True  # from the first question taken: stop() must wait for it
         deadline = time.monotonic() + self.max_wait
         while len(batch) < self.max_batch_size:
             try:
@@ -109,23 +111,34 @@ class MicroBatcher:
         return batch
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             batch = await self._gather()
-            self.on_depth(self.depth)
-            live = [item for item in batch if not item.future.done()]  # timed-out requests are skipped
-            if not live:
-                continue
-            start = time.perf_counter()
             try:
-                results = await loop.run_in_executor(self._executor, self.predict, [i.question for i in live])
-            except Exception as e:  # answered per request as a 500, logged once here
-                log.exception("batch of %d failed", len(live))
+                await self._answer(batch)
+            finally:
+                self._busy = False
+
+    async def _answer(self, batch: list[_Item]) -> None:
+        loop = asyncio.get_running_loop()
+        self.on_depth(self.depth)
+        live = [item for item in batch if not item.future.done()]  # timed-out requests are skipped
+        if not live:
+            return
+        start = time.perf_counter()
+        try:
+            results = await loop.run_in_executor(self._executor, self.predict, [i.question for i in live])
+        except Exception as e:
+            if len(live) > 1:
+                # One bad question must not fail the others it happened to share a batch with.
+                log.warning("batch of %d failed (%s); answering its questions one by one", len(live), e)
                 for item in live:
-                    if not item.future.done():
-                        item.future.set_exception(e)
-                continue
-            self.on_batch(len(live), time.perf_counter() - start)
-            for item, result in zip(live, results):
-                if not item.future.done():
-                    item.future.set_result(result)
+                    await self._answer([item])
+                return
+            log.exception("question failed")  # answered as a 500, logged here
+            if not live[0].future.done():
+                live[0].future.set_exception(e)
+            return
+        self.on_batch(len(live), time.perf_counter() - start)
+        for item, result in zip(live, results):
+            if not item.future.done():
+                item.future.set_result(result)
