@@ -15,7 +15,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from evidential.artifact import Manifest
+from evidential.artifact import Abstention
 from evidential.predictor import Prediction, Predictor, count_prompt_tokens
 from evidential.prompt import LETTERS, MCQuestion
 from service import abstention
@@ -64,12 +64,12 @@ class ServiceState:
         self.status = "loading"
         self.reason: str | None = "the model is loading"
         self.predictor: Predictor | None = None
-        self.manifest: Manifest | None = None
+        self.thresholds: Abstention | None = None  # the adapter's default abstention thresholds
+        self.adapter: dict | None = None  # the "adapter" field of every answer
         self.batcher: MicroBatcher | None = None
         self.drift: DriftMonitor | None = None
         self.server = None  # uvicorn.Server when run by service.__main__, to notice SIGTERM
         self._count_tokenizer = None
-        self.max_tokens = 0
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -94,10 +94,11 @@ class ServiceState:
             return
         # Served prompts may be longer than the training cut (manifest prompt.max_tokens): the model reads
         # them whole; only what exceeds this limit is refused.
-        self.max_tokens = self.settings.max_tokens
-        predictor.max_tokens = self.max_tokens
+        predictor.max_tokens = self.settings.max_tokens
         self._count_tokenizer = copy.deepcopy(predictor.tokenizer)  # the worker thread owns the original
-        self.predictor, self.manifest, self.drift = predictor, manifest, drift
+        self.thresholds = manifest.thresholds()
+        self.adapter = {"name": manifest.name, "method": manifest.method, "version": str(manifest.version)}
+        self.predictor, self.drift = predictor, drift
         self.batcher = MicroBatcher(
             self._predict_batch,
             self.settings.max_batch_size,
@@ -172,8 +173,8 @@ class ServiceState:
             raise ApiError(413, "too_large", f"context is {len(req.context)} characters; the limit is {s.max_context_chars}", prefix + "context")
         q = MCQuestion(req.question, tuple(options), req.context or None, id=req.id)
         tokens = self.count_tokens(q)
-        if tokens > self.max_tokens:
-            raise ApiError(413, "too_large", f"the prompt is {tokens} tokens after formatting; the limit is {self.max_tokens}",
+        if tokens > self.settings.max_tokens:
+            raise ApiError(413, "too_large", f"the prompt is {tokens} tokens after formatting; the limit is {self.settings.max_tokens}",
                            prefix + ("context" if q.context else "question"))
         return q
 
@@ -182,10 +183,10 @@ class ServiceState:
         return count_prompt_tokens(self._count_tokenizer, self.predictor.template, q)
 
     def respond(self, req: PredictRequest, q: MCQuestion, pred: Prediction, request_id: str) -> PredictResponse:
-        assert self.manifest is not None
+        assert self.thresholds is not None and self.adapter is not None
         opts = req.abstain
         limits = abstention.effective(
-            self.manifest.thresholds(),
+            self.thresholds,
             opts.max_uncertainty if opts else None,
             opts.min_confidence if opts else None,
         )
@@ -211,7 +212,7 @@ class ServiceState:
             sigma=None if pred.sigma is None else {k: r6(v) for k, v in zip(letters, pred.sigma)},
             abstained=reason is not None,
             abstain_reason=reason,
-            adapter={"name": self.manifest.name, "method": self.manifest.method, "version": str(self.manifest.version)},
+            adapter=self.adapter,
         )
 
     async def answer(self, questions: list[MCQuestion]) -> list[Prediction]:
@@ -308,7 +309,7 @@ def create_app(settings: Settings | None = None, loader: Loader | None = None) -
     @app.get("/v1/models", dependencies=[Auth], tags=["metadata"])
     async def models(state: State) -> dict:
         state.require_ready()
-        m = state.manifest
+        m = state.predictor.manifest
         head = m.head_config()
         return {
             "data": [{
@@ -323,7 +324,7 @@ def create_app(settings: Settings | None = None, loader: Loader | None = None) -
                 "created": m.training.get("created"),
                 "metrics": m.metrics,
                 "abstention": m.abstention,
-                "prompt": {**m.prompt, "training_max_tokens": m.prompt.get("max_tokens"), "max_tokens": state.max_tokens},
+                "prompt": {**m.prompt, "training_max_tokens": m.prompt.get("max_tokens"), "max_tokens": settings.max_tokens},
                 "max_options": min(settings.max_options, head.num_rows),
                 "head": {"kind": head.kind, "inference": head.inference, "zeta": head.zeta, "offset": head.offset},
                 "drift_statistic": state.drift.statistic,
