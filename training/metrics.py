@@ -49,21 +49,15 @@ def ece(probs, labels, num_bins: int = 15) -> float:
 
     Bins are right-closed, (k/n, (k+1)/n], as in torchmetrics' binary-search binning.
     """
-    if num_bins < 1:
-        raise ValueError(f"num_bins must be >= 1, got {num_bins}")
-    conf, hits = confidences_and_hits(probs, labels)
-    edges = np.linspace(0.0, 1.0, num_bins + 1)
-    index = np.clip(np.searchsorted(edges, conf, side="left") - 1, 0, num_bins - 1)
-    total = 0.0
-    for b in range(num_bins):
-        in_bin = index == b
-        if in_bin.any():
-            total += in_bin.mean() * abs(conf[in_bin].mean() - hits[in_bin].mean())
-    return float(total)
+    r = reliability(probs, labels, num_bins)
+    n = sum(r["count"])
+    return float(sum(c / n * abs(cf - ac) for c, cf, ac in zip(r["count"], r["confidence"], r["accuracy"]) if c))
 
 
 def reliability(probs, labels, num_bins: int = 15) -> dict:
-    """Per-bin mean confidence, accuracy and count (for reliability diagrams)."""
+    """Per-bin mean confidence, accuracy and count (for reliability diagrams and ECE)."""
+    if num_bins < 1:
+        raise ValueError(f"num_bins must be >= 1, got {num_bins}")
     conf, hits = confidences_and_hits(probs, labels)
     edges = np.linspace(0.0, 1.0, num_bins + 1)
     index = np.clip(np.searchsorted(edges, conf, side="left") - 1, 0, num_bins - 1)
