@@ -18,6 +18,8 @@ import random
 import shlex
 import sys
 import time
+from collections import Counter
+from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -30,6 +32,7 @@ from evidential.head import CentredEvidence, HeadConfig, build_head
 from evidential.predictor import Predictor, fits, lm_head_rows
 from evidential.prompt import MCQuestion, option_token_ids
 from training.abstention import choose_thresholds
+from training.confidence_ceiling import confidence_ceiling
 from training.config import DataPart, TrainConfig, load_config
 from training.evaluate import EvalResult, evaluate
 from training.methods import LossContext, Method, get_method
@@ -229,6 +232,17 @@ def fit_member(cfg: TrainConfig, method: Method, params: dict, train_q, val_q, m
             "head": head.config.to_dict(), "device": str(predictor.device)}
 
 
+def ceiling(method: str, params: dict, train_q: list[MCQuestion]) -> dict | None:
+    """IB-EDL's confidence ceiling at the training data's most common option count (training.confidence_ceiling)."""
+    if method != "ib_edl" or not params["beta"] > 0:
+        return None  # no information term: no ceiling
+    counts = Counter(len(q.options) for q in train_q)
+    result = asdict(confidence_ceiling(params["beta"], counts.most_common(1)[0][0], params["risk"]))
+    log.info("IB-EDL confidence ceiling at beta %g: %.3f (%d options)", params["beta"], result["confidence"],
+             result["num_options"])
+    return result
+
+
 def train(cfg: TrainConfig, command: str = "") -> Path:
     """Run one fine-tuning job (M jobs for an ensemble); returns the artifact directory.
 
@@ -298,6 +312,7 @@ def train(cfg: TrainConfig, command: str = "") -> Path:
         "zeta": zeta_info,
         "dropped_too_long": dropped,
         "run": run,
+        "confidence_ceiling": ceiling(method.name, params, train_q),
         "device": str(predictor.device),
         "torch": torch.__version__,
     }

@@ -1,8 +1,8 @@
 """Training objectives of the methods, as per-question functions of the head outputs.
 
 Every function takes ``mask: (B, C)`` (real options) and integer targets ``y: (B,)`` and returns a
-per-question loss ``(B,)`` in float32; callers take the mean. digamma, lgamma and polygamma run in
-float32 whatever the model's dtype.
+per-question loss ``(B,)`` in float32 (float64 for float64 inputs); callers take the mean. digamma,
+lgamma and polygamma run in float32 whatever the model's dtype.
 """
 
 from __future__ import annotations
@@ -12,6 +12,11 @@ import torch.nn.functional as F
 
 from evidential.dirichlet import dirichlet_kl
 from evidential.head import SIGMA_FLOOR
+
+
+def wide(x: torch.Tensor) -> torch.Tensor:
+    """x in float32, or float64 if it already is: half precision never reaches digamma or a loss."""
+    return x if x.dtype == torch.float64 else x.float()
 
 
 def one_hot(y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -40,7 +45,7 @@ def mse_bayes_risk(alpha: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, var
         Sensoy, Kaplan, Kandemir. Evidential Deep Learning to Quantify Classification Uncertainty. NeurIPS 2018.
     """
     target = one_hot(y, mask)
-    a = alpha.float() * mask
+    a = wide(alpha) * mask
     a0 = a.sum(-1, keepdim=True)
     p = a / a0
     risk = ((target - p) ** 2) * mask
@@ -83,7 +88,7 @@ def sample_pre_evidence(mu: torch.Tensor, sigma: torch.Tensor, num_samples: int,
 
 def dirichlet_mean_nll(alpha: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """-log p(y | alpha) = log alpha0 - log alpha_y, with p(y | alpha) = alpha_y / alpha0 (IB-EDL's L_IB-NLL)."""
-    a = torch.where(mask, alpha.float(), torch.ones((), device=alpha.device))
+    a = torch.where(mask, wide(alpha), torch.ones((), device=alpha.device))
     a0 = (a * mask).sum(-1)
     return torch.log(a0) - torch.log(a.gather(1, y.long().unsqueeze(1)).squeeze(1))
 

@@ -1,5 +1,6 @@
 import json
 import random
+from collections import Counter
 
 import pytest
 import safetensors.torch
@@ -10,6 +11,7 @@ from evidential.predictor import Predictor
 from training.config import load_config
 from training.evaluate import evaluate
 from training.data import load_dataset
+from training.confidence_ceiling import confidence_ceiling
 from training.finetune import main, train
 
 WORDS = "sun moon water plant stone tree bird fish cloud river".split()
@@ -65,6 +67,14 @@ def test_train_save_reload_identical(tmp_path, tiny_model_dir, jsonl_data, metho
     assert (manifest.reference["uncertainty"] is None) == (method in ("map", "mc_dropout", "ensemble"))
     assert manifest.members == members
     assert manifest.mc_samples == (3 if method == "mc_dropout" else 0)
+    ceiling = manifest.training["confidence_ceiling"]
+    if method == "ib_edl":  # the beta and option count of this run, as training.confidence_ceiling computes it
+        expected = confidence_ceiling(manifest.method_config["beta"], ceiling["num_options"], "mse")
+        assert ceiling["confidence"] == pytest.approx(expected.confidence)
+        counts = Counter(len(q.options) for q in load_dataset("jsonl", "train", path=jsonl_data))
+        assert ceiling["num_options"] == counts.most_common(1)[0][0]
+    else:
+        assert ceiling is None
     history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
     assert [h["step"] for h in history] == [1, 2, 3] * len(members)
     # The reloaded adapter reproduces the validation metrics recorded at training time.
