@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["Ceiling", "confidence_ceiling", "objective", "asdict"]
+__all__ = ["Ceiling", "confidence_ceiling", "objective"]
 
 if __name__ == "__main__":
     sys.exit(main())
