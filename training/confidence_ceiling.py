@@ -24,9 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from training.losses import dirichlet_mean_nll, mse_bayes_risk
-
-RISKS = {"mse": mse_bayes_risk, "nll": dirichlet_mean_nll}
+from training.losses import RISKS
 
 
 @dataclass(frozen=True)
