@@ -37,3 +37,45 @@ def test_r_edl_uses_eta_offset():
 def test_unknown_method_names_known_ones():
     with pytest.raises(ValueError, match="unknown method 'nope'; known: .*ib_edl"):
         get_method("nope")
+
+
+def _ib_edl_parts(params, progress):
+    method = get_method("ib_edl")
+    torch.manual_seed(0)
+    head = build_head(HeadConfig("ib_edl", 4, 16), torch.randn(4, 16))
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    out = head(torch.randn(3, 16), mask)
+    ctx = LossContext(progress=progress, generator=torch.Generator().manual_seed(1))
+    return method.loss(out, torch.tensor([0, 1, 2]), mask, method.params(params), ctx)
+
+
+@pytest.mark.parametrize("progress, expected", [
+    (0.0, 1e-3), (0.25, 1e-4), (0.5, 1e-5), (0.9, 1e-5), (1.0, 1e-5),  # log-linear over the first half
+])
+def test_ib_edl_beta_anneals_log_linearly_then_stays(progress, expected):
+    parts = _ib_edl_parts({"beta": 1e-5, "beta_start": 1e-3, "beta_anneal": 0.5}, progress)
+    assert parts["beta"][0].item() == pytest.approx(expected, rel=1e-6)
+    torch.testing.assert_close(parts["loss"], parts["risk"] + expected * parts["info"])
+
+
+@pytest.mark.parametrize("progress", [0.0, 0.7])
+def test_ib_edl_beta_is_constant_without_beta_start(progress):
+    parts = _ib_edl_parts({"beta": 2e-4}, progress)
+    assert parts["beta"][0].item() == pytest.approx(2e-4)
+    torch.testing.assert_close(parts["loss"], parts["risk"] + 2e-4 * parts["info"])
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"beta": -1e-3}, "beta must be a finite number >= 0, got -0.001"),
+    ({"beta": float("nan")}, "beta must be a finite number >= 0, got nan"),
+    ({"beta": "1e-3"}, "beta must be a finite number >= 0, got '1e-3'"),
+    ({"num_samples": 0}, "num_samples must be an integer >= 1, got 0"),
+    ({"risk": "hinge"}, "risk must be one of .*got 'hinge'"),
+    ({"beta_start": 0.0}, "beta_start must be a finite number > 0 .*got 0.0"),
+    ({"beta_start": 1e-3, "beta": 0.0}, "beta_start needs beta > 0"),
+    ({"beta_anneal": 0.0}, r"beta_anneal must be in \(0, 1\], got 0.0"),
+    ({"beta_anneal": 1.5}, r"beta_anneal must be in \(0, 1\], got 1.5"),
+])
+def test_ib_edl_rejects_bad_hyper_parameters_on_arrival(params, message):
+    with pytest.raises(ValueError, match=message):
+        get_method("ib_edl").params(params)

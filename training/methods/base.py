@@ -38,6 +38,7 @@ class Method:
         clip_grad_norm: gradient clipping (20 for the EDL family as in the paper, 1 otherwise).
         head_offset: alpha = evidence + offset, from ``params`` key when a str, else the number.
         dirichlet: whether the method predicts a Dirichlet (uncertainty mass).
+        check: ``check(params)`` raises ValueError naming a bad hyper-parameter value (optional).
     """
 
     name: str
@@ -47,6 +48,7 @@ class Method:
     clip_grad_norm: float = 1.0
     head_offset: float | str = 1.0
     dirichlet: bool = False
+    check: Callable[[dict], None] | None = None
 
     def params(self, overrides: dict | None = None) -> dict:
         """Defaults updated by ``overrides``; unknown keys are an error naming them."""
@@ -54,7 +56,10 @@ class Method:
         unknown = sorted(set(overrides) - set(self.defaults))
         if unknown:
             raise ValueError(f"method {self.name!r} has no hyper-parameters {unknown}; known: {sorted(self.defaults)}")
-        return {**self.defaults, **overrides}
+        params = {**self.defaults, **overrides}
+        if self.check is not None:
+            self.check(params)
+        return params
 
     def offset(self, params: dict) -> float:
         return float(params[self.head_offset]) if isinstance(self.head_offset, str) else float(self.head_offset)
