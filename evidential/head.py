@@ -60,6 +60,11 @@ class HeadConfig:
         zeta: post-hoc IB-EDL calibration, alpha <- max(alpha - zeta * sigma, offset).
         sigma_init_scale, sigma_init_bias: IB-EDL sigma head starts as scale * rows with this bias,
             so that sigma starts small (softplus(-4) ~ 0.018) and the K samples are not noise.
+        centre_options: evidential heads subtract, per question, the mean of W h over its real options
+            before the shared bias: pre-evidence then carries only how the options differ, and a change
+            of the hidden state that moves every option's letter logit together (the letter rows share
+            a component as large as what tells them apart) no longer inflates or collapses every
+            option's evidence at once. Off by default (the paper's head).
     """
 
     kind: str
@@ -71,6 +76,7 @@ class HeadConfig:
     zeta: float = 0.0
     sigma_init_scale: float = 0.01
     sigma_init_bias: float = -4.0
+    centre_options: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -123,6 +129,13 @@ class OptionHead(nn.Module):
         # (B, d) x (C, d)^T -> (B, C), in float32 so that bf16 trunks keep a float32 head.
         return hidden.float() @ weight[:num_options].float().T
 
+    def _centred(self, z: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """z: (B, C) -> z minus its mean over each row's real options when ``centre_options`` is on."""
+        if not self.config.centre_options:
+            return z
+        real = mask.to(z.dtype)
+        return z - (z * real).sum(-1, keepdim=True) / real.sum(-1, keepdim=True).clamp_min(1.0)
+
     @abstractmethod
     def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> HeadPrediction:
         """hidden: (B, d) last-token states; mask: (B, C) real options."""
@@ -137,7 +150,7 @@ class CentredEvidence:
     @torch.no_grad()
     def init_bias_from(self, hidden: torch.Tensor, mask: torch.Tensor) -> float:
         """Set the bias so that the mean pre-evidence over real options of this batch is 0. Returns it."""
-        z = self._linear(hidden, getattr(self, self.weight_name), self._check(hidden, mask))
+        z = self._centred(self._linear(hidden, getattr(self, self.weight_name), self._check(hidden, mask)), mask)
         return self.set_bias(-(z * mask).sum().item() / mask.sum().item())
 
     @torch.no_grad()
@@ -181,7 +194,7 @@ class EvidentialHead(CentredEvidence, OptionHead):
 
     def pre_evidence(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """(B, d) -> (B, C) pre-evidence z, padded entries 0."""
-        z = self._linear(hidden, self.weight, self._check(hidden, mask)) + self.bias.float()
+        z = self._centred(self._linear(hidden, self.weight, self._check(hidden, mask)), mask) + self.bias.float()
         return z.masked_fill(~mask, 0.0)
 
     def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> HeadPrediction:
@@ -227,7 +240,7 @@ class IBEDLHead(CentredEvidence, OptionHead):
     def gaussian(self, hidden: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, d) -> mu (B, C), sigma (B, C) >= SIGMA_FLOOR; padded entries mu 0, sigma 1."""
         num_options = self._check(hidden, mask)
-        mu = self._linear(hidden, self.mu_weight, num_options) + self.mu_bias.float()
+        mu = self._centred(self._linear(hidden, self.mu_weight, num_options), mask) + self.mu_bias.float()
         raw = self._linear(hidden, self.sigma_weight, num_options) + self.sigma_bias.float()
         sigma = F.softplus(raw) + SIGMA_FLOOR
         return mu.masked_fill(~mask, 0.0), sigma.masked_fill(~mask, 1.0)

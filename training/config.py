@@ -133,6 +133,7 @@ class TrainConfig:
     eval_batch_size: int = 8
     evidence_bias: str | float = "center"  # evidential heads: "center" the first batch's pre-evidence, "none", or a value
     train_evidence_bias: bool = True  # False keeps that shared offset fixed during training
+    centre_options: bool = False  # evidential heads: pre-evidence minus its mean over the question's options
     target_accuracy: float = 0.8
     fit_zeta: bool = True
     reference_size: int = 1000

@@ -108,3 +108,40 @@ class TestConfigChecks:
         head = SoftmaxHead(HeadConfig("softmax", 4, 8), rows)
         with pytest.raises(ValueError, match="at most 4 options, got 5"):
             head(hidden, torch.ones(5, 5, dtype=torch.bool))
+
+
+class TestCentredOptions:
+    """centre_options: pre-evidence keeps only how the options differ (per question, over its real options)."""
+
+    @pytest.mark.parametrize("kind", ["evidential", "ib_edl"])
+    def test_a_shift_shared_by_every_row_changes_nothing(self, kind, hidden, rows):
+        mask = mask_for([4, 3, 2, 4, 3], 4)
+        shared = torch.randn(8, generator=torch.Generator().manual_seed(2)) * 5
+        outs = {}
+        for centre in (False, True):
+            config = HeadConfig(kind, 4, 8, centre_options=centre)
+            plain, shifted = build_head(config, rows)(hidden, mask), build_head(config, rows + shared)(hidden, mask)
+            outs[centre] = (plain, shifted)
+        torch.testing.assert_close(outs[True][0].alpha, outs[True][1].alpha)
+        torch.testing.assert_close(outs[True][0].uncertainty, outs[True][1].uncertainty)
+        assert not torch.allclose(outs[False][0].alpha, outs[False][1].alpha)  # the paper's head moves
+
+    def test_pre_evidence_is_centred_over_real_options_then_biased(self, hidden, rows):
+        head = EvidentialHead(HeadConfig("evidential", 4, 8, centre_options=True), rows)
+        head.set_bias(0.7)
+        mask = mask_for([4, 3, 2, 4, 3], 4)
+        z = head.pre_evidence(hidden, mask)
+        raw = hidden @ rows.T
+        for i, c in enumerate([4, 3, 2, 4, 3]):
+            torch.testing.assert_close(z[i, :c], raw[i, :c] - raw[i, :c].mean() + 0.7)
+            assert (z[i, c:] == 0).all()
+        assert head.init_bias_from(hidden, mask) == pytest.approx(0.0, abs=1e-6)  # already centred
+
+    def test_ib_edl_centres_mu_not_sigma(self, hidden, rows):
+        mask = mask_for([4, 3, 2, 4, 3], 4)
+        plain = IBEDLHead(HeadConfig("ib_edl", 4, 8), rows).gaussian(hidden, mask)
+        centred = IBEDLHead(HeadConfig("ib_edl", 4, 8, centre_options=True), rows).gaussian(hidden, mask)
+        torch.testing.assert_close(centred[1], plain[1])
+        real = mask.float()
+        means = (centred[0] * real).sum(-1) / real.sum(-1)
+        torch.testing.assert_close(means, torch.zeros(5), atol=1e-5, rtol=0)
