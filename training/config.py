@@ -134,6 +134,7 @@ class TrainConfig:
     evidence_bias: str | float = "center"  # evidential heads: "center" the first batch's pre-evidence, "none", or a value
     train_evidence_bias: bool = True  # False keeps that shared offset fixed during training
     centre_options: bool = False  # evidential heads: pre-evidence minus its mean over the question's options
+    evidence_scale: float = 1.0  # evidential heads: pre-evidence = s * (W h) + b (HeadConfig.evidence_scale)
     target_accuracy: float = 0.8
     fit_zeta: bool = True
     reference_size: int = 1000
@@ -160,6 +161,8 @@ class TrainConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not (self.evidence_bias in ("center", "none") or isinstance(self.evidence_bias, (int, float))):
             raise ValueError(f"evidence_bias must be 'center', 'none' or a number, got {self.evidence_bias!r}")
+        if not (isinstance(self.evidence_scale, (int, float)) and 0 < self.evidence_scale < float("inf")):
+            raise ValueError(f"evidence_scale must be a finite number > 0, got {self.evidence_scale!r}")
         if self.name is None:
             self.name = Path(self.output).name
 

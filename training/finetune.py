@@ -113,7 +113,7 @@ def build(cfg: TrainConfig, method: Method):
     rows = lm_head_rows(model, ids)
     params = method.params(cfg.method_params)
     head_config = HeadConfig(kind=method.head, num_rows=cfg.num_rows, hidden_size=rows.shape[1], offset=method.offset(params),
-                             centre_options=cfg.centre_options)
+                             centre_options=cfg.centre_options, evidence_scale=cfg.evidence_scale)
     head = build_head(head_config, rows).to(model.device)
     lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                       target_modules=list(cfg.lora.targets), bias="none")

@@ -145,3 +145,56 @@ class TestCentredOptions:
         real = mask.float()
         means = (centred[0] * real).sum(-1) / real.sum(-1)
         torch.testing.assert_close(means, torch.zeros(5), atol=1e-5, rtol=0)
+
+
+class TestEvidenceScale:
+    """evidence_scale s: pre-evidence = s * centred(W h) + b in the evidential heads; softmax heads ignore it."""
+
+    @pytest.mark.parametrize("centre", [False, True])
+    def test_pre_evidence_is_scaled_before_the_bias(self, centre, hidden, rows):
+        head = EvidentialHead(HeadConfig("evidential", 4, 8, centre_options=centre, evidence_scale=3.0), rows)
+        head.set_bias(-0.4)
+        counts = [4, 3, 2, 4, 3]
+        z = head.pre_evidence(hidden, mask_for(counts, 4))
+        raw = hidden @ rows.T
+        for i, c in enumerate(counts):
+            term = raw[i, :c] - raw[i, :c].mean() if centre else raw[i, :c]
+            torch.testing.assert_close(z[i, :c], 3.0 * term - 0.4)
+            assert (z[i, c:] == 0).all()
+
+    def test_bias_init_centres_the_scaled_pre_evidence(self, hidden, rows):
+        mask = mask_for([4, 3, 2, 4, 3], 4)
+        head = EvidentialHead(HeadConfig("evidential", 4, 8, evidence_scale=5.0), rows)
+        bias = head.init_bias_from(hidden, mask)
+        assert bias == pytest.approx(-5.0 * (hidden @ rows.T)[mask].mean().item(), rel=1e-5)
+        assert head.pre_evidence(hidden, mask)[mask].mean().item() == pytest.approx(0.0, abs=1e-5)
+
+    def test_ib_edl_scales_mu_not_sigma(self, hidden, rows):
+        mask = mask_for([4, 3, 2, 4, 3], 4)
+        plain = IBEDLHead(HeadConfig("ib_edl", 4, 8), rows).gaussian(hidden, mask)
+        scaled = IBEDLHead(HeadConfig("ib_edl", 4, 8, evidence_scale=2.5), rows).gaussian(hidden, mask)
+        torch.testing.assert_close(scaled[0], 2.5 * plain[0])
+        torch.testing.assert_close(scaled[1], plain[1])
+
+    @pytest.mark.parametrize("scale", [1.0, 3.4])
+    def test_sensitivity_at_zero_is_scaled_closed_form(self, scale):
+        # At W h = 0 with bias 0: alpha_j = 1 + ln 2, S = C (1 + ln 2), and
+        # dp_y / d(W h)_y = s * softplus'(0) * (S - alpha_y) / S^2 = s * 0.5 * (C - 1) / (C^2 (1 + ln 2)).
+        c = 4
+        head = EvidentialHead(HeadConfig("evidential", c, 8, evidence_scale=scale), torch.eye(c, 8))
+        hidden = torch.zeros(1, 8, requires_grad=True)
+        head(hidden, torch.ones(1, c, dtype=torch.bool)).probs[0, 0].backward()
+        expected = scale * 0.5 * (c - 1) / (c**2 * (1 + torch.log(torch.tensor(2.0)).item()))
+        assert hidden.grad[0, 0].item() == pytest.approx(expected, rel=1e-5)
+        assert expected / scale == pytest.approx(0.0554, abs=1e-4)  # against 0.1875 for a softmax
+
+    def test_softmax_head_ignores_it(self, hidden, rows):
+        mask = mask_for([4, 3, 2, 4, 3], 4)
+        plain = SoftmaxHead(HeadConfig("softmax", 4, 8), rows)(hidden, mask)
+        scaled = SoftmaxHead(HeadConfig("softmax", 4, 8, evidence_scale=7.0), rows)(hidden, mask)
+        torch.testing.assert_close(scaled.probs, plain.probs)
+
+    @pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), "4"])
+    def test_bad_scale_named(self, bad):
+        with pytest.raises(ValueError, match="evidence_scale must be a finite number > 0, got"):
+            HeadConfig("evidential", 4, 8, evidence_scale=bad)

@@ -33,6 +33,8 @@ def test_overrides_nested_and_typed():
     ("data.label_noise=1.0", "data.label_noise must be in \\[0, 1\\), got 1.0"),
     ("optim.bogus=1", "unknown config keys \\['optim.bogus'\\]"),
     ("evidence_bias=sideways", "evidence_bias must be 'center', 'none' or a number"),
+    ("evidence_scale=0", "evidence_scale must be a finite number > 0, got 0"),
+    ("evidence_scale=-2.5", "evidence_scale must be a finite number > 0, got -2.5"),
 ])
 def test_bad_values_are_named(override, message):
     with pytest.raises(ValueError, match=message):

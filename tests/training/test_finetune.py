@@ -89,19 +89,21 @@ def test_train_save_reload_identical(tmp_path, tiny_model_dir, jsonl_data, metho
     assert names == expected
 
 
-def test_centred_ib_edl_with_annealed_beta_is_recorded_and_served_as_trained(tmp_path, tiny_model_dir, jsonl_data):
-    cfg = config(tmp_path, tiny_model_dir, jsonl_data, "ib_edl", centre_options="true",
+def test_centred_scaled_ib_edl_with_annealed_beta_is_recorded_and_served_as_trained(tmp_path, tiny_model_dir, jsonl_data):
+    cfg = config(tmp_path, tiny_model_dir, jsonl_data, "ib_edl", centre_options="true", evidence_scale=4,
                  **{"method_params.num_samples": 4, "method_params.beta": 1e-5, "method_params.beta_start": 1e-3,
                     "method_params.beta_anneal": 1.0})
     out = train(cfg, command="pytest")
     manifest = read_manifest(out)
     assert manifest.head["centre_options"] is True
+    assert manifest.head["evidence_scale"] == 4
     assert manifest.method_config["beta_start"] == 1e-3
     assert manifest.training["confidence_ceiling"]["beta"] == 1e-5  # the ceiling of the final beta
     betas = [json.loads(x)["beta"] for x in (out / "history.jsonl").read_text().splitlines()]
     assert betas == pytest.approx([1e-3, 1e-3 * 1e-2 ** (1 / 3), 1e-3 * 1e-2 ** (2 / 3)], rel=1e-5)
     reloaded = Predictor.from_artifact(out)
     assert reloaded.head.config.centre_options is True
+    assert reloaded.head.config.evidence_scale == 4
     val = evaluate(reloaded, load_dataset("jsonl", "validation", path=jsonl_data, limit=12), progress=False)
     assert val.metrics["nll"] == pytest.approx(manifest.metrics["validation"]["nll"], abs=1e-5)
 
