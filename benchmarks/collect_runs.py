@@ -27,6 +27,30 @@ def ceiling_for_old_manifest(method: str, manifest: dict) -> dict | None:
     return asdict(confidence_ceiling(params["beta"], 4, params.get("risk", "mse")))
 
 
+COLLAPSED_U = 0.9  # a batch whose mean uncertainty mass is above this has (almost) no evidence on any option
+
+
+def training_windows(records: list[dict], width: int = 50) -> list[dict]:
+    """Per ``width`` training steps: mean batch accuracy and grad norm, and for evidential runs the share of
+    steps whose batch-mean u exceeds COLLAPSED_U (every option's evidence near 0, softplus's flat side,
+    where the risk's gradient vanishes)."""
+    windows: dict[int, list[dict]] = {}
+    for record in records:
+        if "batch_accuracy" in record:
+            windows.setdefault((record["step"] - 1) // width, []).append(record)
+    out = []
+    for index in sorted(windows):
+        rows = windows[index]
+        window = {"steps": [index * width + 1, (index + 1) * width], "logged": len(rows),
+                  "batch_accuracy": sum(r["batch_accuracy"] for r in rows) / len(rows),
+                  "grad_norm": sum(r.get("grad_norm", 0.0) for r in rows) / len(rows)}
+        with_u = [r["uncertainty"] for r in rows if r.get("uncertainty") is not None]
+        if with_u:
+            window["collapsed_fraction"] = sum(u > COLLAPSED_U for u in with_u) / len(with_u)
+        out.append(window)
+    return out
+
+
 def run_entry(run_dir: Path) -> dict:
     """One run's command, method settings, validation curve and final metrics."""
     manifest_path, history_path = run_dir / "manifest.json", run_dir / "history.jsonl"
@@ -39,7 +63,7 @@ def run_entry(run_dir: Path) -> dict:
         command, run = training["command"], training["run"]
     except KeyError as e:
         raise ValueError(f"{manifest_path}: no {e} entry; not a training manifest") from None
-    curve = []
+    curve, records = [], []
     for number, line in enumerate(history_path.read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -47,6 +71,7 @@ def run_entry(run_dir: Path) -> dict:
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{history_path}:{number}: not JSON ({e})") from e
+        records.append(record)
         if "validation" in record:
             curve.append({"step": record["step"], **record["validation"]})
     return {
@@ -58,6 +83,7 @@ def run_entry(run_dir: Path) -> dict:
         "train_seconds": run["seconds"],
         "steps": run["steps"],
         "validation_during_training": curve,
+        "training_windows": training_windows(records),
         "metrics": metrics,
         "zeta": training.get("zeta"),
     }

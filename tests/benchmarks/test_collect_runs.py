@@ -60,3 +60,18 @@ def test_cli_reports_a_broken_history_line(tmp_path, capsys):
     (run / "history.jsonl").write_text('{"step": 1}\n{oops\n')
     assert main([str(tmp_path / "out.json"), str(run)]) == 2
     assert "history.jsonl:2: not JSON" in capsys.readouterr().err
+
+
+def test_training_windows_count_collapsed_steps():
+    from benchmarks.collect_runs import training_windows
+
+    records = [{"step": s, "batch_accuracy": 0.25 if s <= 50 else 1.0, "grad_norm": 2.0,
+                "uncertainty": 0.99 if s % 5 == 0 else 0.5} for s in range(1, 71)]
+    records.append({"step": 70, "validation": {"accuracy": 0.9}})  # not a training step
+    first, second = training_windows(records)
+    assert first == {"steps": [1, 50], "logged": 50, "batch_accuracy": 0.25, "grad_norm": 2.0,
+                     "collapsed_fraction": 10 / 50}
+    assert second["steps"] == [51, 100] and second["logged"] == 20
+    assert second["batch_accuracy"] == 1.0 and second["collapsed_fraction"] == 4 / 20
+    softmax = training_windows([{"step": 1, "batch_accuracy": 0.5, "grad_norm": 1.0}])
+    assert "collapsed_fraction" not in softmax[0]  # no uncertainty mass logged: nothing to count
