@@ -97,8 +97,7 @@ class HeadConfig:
             raise ValueError(f"offset must be > 0, got {self.offset}")
         if self.inference not in ("mean", "quadrature"):
             raise ValueError(f"inference must be 'mean' or 'quadrature', got {self.inference!r}")
-        if not (isinstance(self.evidence_scale, (int, float)) and 0 < self.evidence_scale < float("inf")):
-            raise ValueError(f"evidence_scale must be a finite number > 0, got {self.evidence_scale!r}")
+        check_evidence_scale(self.evidence_scale)
         if self.quadrature_points < 2:
             raise ValueError(f"quadrature_points must be >= 2, got {self.quadrature_points}")
 
@@ -107,6 +106,13 @@ class HeadConfig:
 
 
 HEAD_KINDS = ("softmax", "evidential", "ib_edl")
+
+
+def check_evidence_scale(value) -> float:
+    """``evidence_scale`` must be a finite number > 0; returns it, else ValueError naming the value."""
+    if not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+        raise ValueError(f"evidence_scale must be a finite number > 0, got {value!r}")
+    return value
 
 
 def _check_rows(rows: torch.Tensor, config: HeadConfig) -> None:
@@ -147,9 +153,7 @@ class OptionHead(nn.Module):
 
     def _evidence_term(self, hidden: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """hidden: (B, d), mask: (B, C) -> s * centred(W h): (B, C), the pre-evidence before its bias."""
-        z = self._centred(self._linear(hidden, weight, self._check(hidden, mask)), mask)
-        scale = self.config.evidence_scale
-        return z if scale == 1.0 else z * scale
+        return self._centred(self._linear(hidden, weight, self._check(hidden, mask)), mask) * self.config.evidence_scale
 
     @abstractmethod
     def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> HeadPrediction:
@@ -306,6 +310,7 @@ __all__ = [
     "EvidentialHead",
     "IBEDLHead",
     "build_head",
+    "check_evidence_scale",
     "gauss_hermite",
     "SIGMA_FLOOR",
 ]

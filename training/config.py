@@ -11,6 +11,8 @@ import re
 
 import yaml
 
+from evidential.head import check_evidence_scale
+
 
 class _Loader(yaml.SafeLoader):
     """SafeLoader that reads 1e-3 as a float (YAML 1.1 wants 1.0e-3, which nobody writes)."""
@@ -161,8 +163,7 @@ class TrainConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not (self.evidence_bias in ("center", "none") or isinstance(self.evidence_bias, (int, float))):
             raise ValueError(f"evidence_bias must be 'center', 'none' or a number, got {self.evidence_bias!r}")
-        if not (isinstance(self.evidence_scale, (int, float)) and 0 < self.evidence_scale < float("inf")):
-            raise ValueError(f"evidence_scale must be a finite number > 0, got {self.evidence_scale!r}")
+        check_evidence_scale(self.evidence_scale)
         if self.name is None:
             self.name = Path(self.output).name
 
