@@ -137,6 +137,7 @@ class TrainConfig:
     train_evidence_bias: bool = True  # False keeps that shared offset fixed during training
     centre_options: bool = False  # evidential heads: pre-evidence minus its mean over the question's options
     evidence_scale: float = 1.0  # evidential heads: pre-evidence = s * (W h) + b (HeadConfig.evidence_scale)
+    init_from: str | None = None  # an artifact whose LoRA weights and option rows start this run (training.warm_start)
     target_accuracy: float = 0.8
     fit_zeta: bool = True
     reference_size: int = 1000
@@ -164,6 +165,8 @@ class TrainConfig:
         if not (self.evidence_bias in ("center", "none") or isinstance(self.evidence_bias, (int, float))):
             raise ValueError(f"evidence_bias must be 'center', 'none' or a number, got {self.evidence_bias!r}")
         check_evidence_scale(self.evidence_scale)
+        if self.init_from is not None and not (Path(self.init_from) / "manifest.json").is_file():
+            raise ValueError(f"init_from must be an artifact directory with a manifest.json, got {self.init_from!r}")
         if self.name is None:
             self.name = Path(self.output).name
 

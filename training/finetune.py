@@ -36,6 +36,7 @@ from training.confidence_ceiling import confidence_ceiling
 from training.config import DataPart, TrainConfig, load_config
 from training.evaluate import EvalResult, evaluate
 from training.methods import LossContext, Method, get_method
+from training import warm_start
 from training.posthoc import fit_zeta
 
 log = logging.getLogger("training.finetune")
@@ -111,6 +112,10 @@ def build(cfg: TrainConfig, method: Method):
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     ids = option_token_ids(tokenizer, cfg.num_rows)
     rows = lm_head_rows(model, ids)
+    source = None
+    if cfg.init_from:  # warm start (training.warm_start): the source's option rows replace the LM head's
+        source = warm_start.read_source(cfg.init_from, resolved.sha256, ids, cfg.lora)
+        rows = warm_start.source_rows(cfg.init_from, source).to(rows.device)
     params = method.params(cfg.method_params)
     head_config = HeadConfig(kind=method.head, num_rows=cfg.num_rows, hidden_size=rows.shape[1], offset=method.offset(params),
                              centre_options=cfg.centre_options, evidence_scale=cfg.evidence_scale)
@@ -118,8 +123,16 @@ def build(cfg: TrainConfig, method: Method):
     lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                       target_modules=list(cfg.lora.targets), bias="none")
     model = get_peft_model(model, lora)
+    warm = None
+    if source is not None:
+        same_kind = source.head["kind"] == head_config.kind
+        if same_kind:
+            warm_start.load_head_tensors(head, cfg.init_from)
+        warm = {"path": str(cfg.init_from), "name": source.name, "version": source.version, "method": source.method,
+                "lora_tensors": warm_start.load_lora(model, cfg.init_from), "head": "all" if same_kind else "rows"}
+        log.info("warm start from %s (%s): LoRA and head %s", cfg.init_from, source.method, warm["head"])
     predictor = Predictor(model, tokenizer, head, template=cfg.template, max_tokens=cfg.max_tokens)
-    return predictor, resolved, ids, params
+    return predictor, resolved, ids, params, warm
 
 
 def drop_unfit(cfg: TrainConfig, train_q, val_q, test_q):
@@ -144,7 +157,7 @@ def fit_member(cfg: TrainConfig, method: Method, params: dict, train_q, val_q, m
                history_path: Path, member: int) -> dict:
     """Train one adapter + head (one ensemble member, or the only one) and save it into ``member_dir``."""
     seed_everything(seed)
-    predictor, resolved, ids, _ = build(cfg, method)
+    predictor, resolved, ids, _, warm = build(cfg, method)
     model, head = predictor.model, predictor.head
     rng = random.Random(seed)
     steps_per_epoch = math.ceil(len(train_q) / cfg.optim.batch_size)
@@ -173,7 +186,7 @@ def fit_member(cfg: TrainConfig, method: Method, params: dict, train_q, val_q, m
             epoch += 1
 
     stream = batches()
-    if isinstance(head, CentredEvidence) and cfg.evidence_bias != "none":
+    if isinstance(head, CentredEvidence) and cfg.evidence_bias != "none" and not (warm and warm["head"] == "all"):
         # Centre the pre-evidence on the first batches: the letter logits start near +17 (see EvidentialHead).
         with torch.no_grad():
             model.eval()
@@ -230,7 +243,7 @@ def fit_member(cfg: TrainConfig, method: Method, params: dict, train_q, val_q, m
     save_head(member_dir, head)
     return {"seconds": seconds, "samples": seen, "steps": total, "samples_per_s": seen / seconds,
             "trainable_parameters": trainable, "seed": seed, "resolved": resolved, "ids": ids,
-            "head": head.config.to_dict(), "device": str(predictor.device)}
+            "head": head.config.to_dict(), "device": str(predictor.device), "init_from": warm}
 
 
 def ceiling(method: str, params: dict, train_q: list[MCQuestion]) -> dict | None:
@@ -296,7 +309,7 @@ def train(cfg: TrainConfig, command: str = "") -> Path:
             val = evaluate(predictor, val_q, cfg.eval_batch_size, progress=cfg.progress, desc="validation")
         zeta_info["zeta"] = zeta
     test = evaluate(predictor, test_q, cfg.eval_batch_size, progress=cfg.progress, desc="test") if test_q else None
-    run = {k: v for k, v in first.items() if k not in ("resolved", "ids", "head")}
+    run = {k: v for k, v in first.items() if k not in ("resolved", "ids", "head", "init_from")}
     if members > 1:
         run = {"members": [{k: v for k, v in r.items() if k not in ("resolved", "ids", "head")} for r in runs],
                "seconds": sum(r["seconds"] for r in runs), "samples": sum(r["samples"] for r in runs),
@@ -314,6 +327,7 @@ def train(cfg: TrainConfig, command: str = "") -> Path:
         "dropped_too_long": dropped,
         "run": run,
         "confidence_ceiling": ceiling(method.name, params, train_q),
+        "init_from": first["init_from"],
         "device": str(predictor.device),
         "torch": torch.__version__,
     }
