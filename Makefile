@@ -11,7 +11,7 @@ PORT ?= 8000
 ARTIFACT ?= artifacts/default
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-laplace serve test test-fast train-default train-map bench benchmark clean
+.PHONY: setup setup-laplace serve test test-fast train-default train-map train-map-2ep bench benchmark clean
 
 $(VENV)/.installed: pyproject.toml requirements/constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,9 @@ train-default: setup
 
 train-map: setup
 	$(PY) -m training.finetune --config training/configs/smollm2_science_map.yaml
+
+train-map-2ep: setup
+	$(PY) -m training.finetune --config training/configs/smollm2_science_map_2ep.yaml
 
 bench: setup
 	$(PY) benchmarks/option_rows.py
