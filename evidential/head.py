@@ -125,6 +125,8 @@ def _check_rows(rows: torch.Tensor, config: HeadConfig) -> None:
 class OptionHead(nn.Module):
     """Base class: scores the first C option rows for a batch of hidden states."""
 
+    weight_name = "weight"  # the (num_rows, d) option rows
+
     def __init__(self, config: HeadConfig) -> None:
         super().__init__()
         self.config = config

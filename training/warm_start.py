@@ -24,8 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from evidential.artifact import ADAPTER_FILES, HEAD_FILE, ArtifactError, Manifest, check_artifact
-
-ROW_TENSORS = {"softmax": "weight", "evidential": "weight", "ib_edl": "mu_weight"}
+from evidential.head import HEADS
 
 
 def read_source(directory: str | Path, sha256: str, option_ids: list[int], lora) -> Manifest:
@@ -59,7 +58,7 @@ def read_source(directory: str | Path, sha256: str, option_ids: list[int], lora)
 def source_rows(directory: str | Path, manifest: Manifest) -> torch.Tensor:
     """The source head's option rows, (num_rows, d)."""
     tensors = load_file(str(Path(directory) / HEAD_FILE))
-    return tensors[ROW_TENSORS[manifest.head["kind"]]].float()
+    return tensors[HEADS[manifest.head["kind"]].weight_name].float()
 
 
 @torch.no_grad()
@@ -87,4 +86,4 @@ def load_head_tensors(head: torch.nn.Module, directory: str | Path) -> None:
         raise ValueError(f"init_from {directory}: head tensors missing {missing}, unexpected {unexpected}")
 
 
-__all__ = ["read_source", "source_rows", "load_lora", "load_head_tensors", "ROW_TENSORS"]
+__all__ = ["read_source", "source_rows", "load_lora", "load_head_tensors"]
