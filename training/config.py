@@ -59,6 +59,9 @@ class DataConfig:
     test: list[DataPart] = field(default_factory=list)
     label_noise: float = 0.0
     noise_seed: int = 0
+    # The seed of the training subsets (a part's `limit`); None: the run's seed. A second stage that
+    # should see the first stage's questions again (a true second epoch) sets the first stage's seed here.
+    subset_seed: int | None = None
 
     def __post_init__(self) -> None:
         for role in ("train", "validation", "test"):

@@ -51,6 +51,11 @@ def seed_everything(seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
+def subset_seed(cfg: TrainConfig) -> int:
+    """The seed that picks the training subsets: ``data.subset_seed``, else the run's seed."""
+    return cfg.seed if cfg.data.subset_seed is None else cfg.data.subset_seed
+
+
 def load_parts(parts: list[DataPart], role: str, cfg: TrainConfig) -> list[MCQuestion]:
     from training.data import load_dataset
 
@@ -62,7 +67,7 @@ def load_parts(parts: list[DataPart], role: str, cfg: TrainConfig) -> list[MCQue
             part.split or role,
             path=part.path,
             limit=part.limit,
-            seed=cfg.seed if role == "train" else 0,
+            seed=subset_seed(cfg) if role == "train" else 0,
             label_noise=noise,
             noise_seed=cfg.data.noise_seed,
         )

@@ -12,7 +12,7 @@ from training.config import load_config
 from training.evaluate import evaluate
 from training.data import load_dataset
 from training.confidence_ceiling import confidence_ceiling
-from training.finetune import main, train
+from training.finetune import load_parts, main, train
 
 WORDS = "sun moon water plant stone tree bird fish cloud river".split()
 
@@ -114,6 +114,17 @@ def test_training_is_seeded(tmp_path, tiny_model_dir, jsonl_data):
     la = [json.loads(x)["loss"] for x in (a / "history.jsonl").read_text().splitlines()]
     lb = [json.loads(x)["loss"] for x in (b / "history.jsonl").read_text().splitlines()]
     assert la == lb
+
+
+def test_subset_seed_picks_the_training_subset_independently_of_the_run_seed(tmp_path, jsonl_data):
+    def subset(*overrides):
+        cfg = load_config(None, ["method=map", f"output={tmp_path}", f"data={{train: [{{dataset: jsonl, path: {jsonl_data}, limit: 10}}],"
+                                 f" validation: [{{dataset: jsonl, path: {jsonl_data}, limit: 5}}]}}", *overrides])
+        return [q.id for q in load_parts(cfg.data.train, "train", cfg)]
+
+    first, other = subset("seed=0"), subset("seed=1")
+    assert len(first) == 10 and set(first) != set(other)  # the run's seed picks the subset by default
+    assert subset("seed=1", "data.subset_seed=0") == first  # a second stage can see the first stage's questions
 
 
 def test_cli_reports_bad_config(tmp_path, capsys):
