@@ -314,9 +314,10 @@ def train(cfg: TrainConfig, command: str = "") -> Path:
             val = evaluate(predictor, val_q, cfg.eval_batch_size, progress=cfg.progress, desc="validation")
         zeta_info["zeta"] = zeta
     test = evaluate(predictor, test_q, cfg.eval_batch_size, progress=cfg.progress, desc="test") if test_q else None
-    run = {k: v for k, v in first.items() if k not in ("resolved", "ids", "head", "init_from")}
+    not_run = ("resolved", "ids", "head", "init_from")  # recorded elsewhere in the manifest
+    run = {k: v for k, v in first.items() if k not in not_run}
     if members > 1:
-        run = {"members": [{k: v for k, v in r.items() if k not in ("resolved", "ids", "head")} for r in runs],
+        run = {"members": [{k: v for k, v in r.items() if k not in not_run} for r in runs],
                "seconds": sum(r["seconds"] for r in runs), "samples": sum(r["samples"] for r in runs),
                "samples_per_s": sum(r["samples"] for r in runs) / sum(r["seconds"] for r in runs)}
     run["wall_seconds"] = time.time() - started
