@@ -1,0 +1,144 @@
+"""Are two adapters' calibration numbers on a test set different beyond resampling noise?
+
+    python benchmarks/paired_bootstrap.py --reference runs/map-2ep --artifacts artifacts/default \
+        [--dataset sciq] [--split test] [--limit N] [--resamples 2000] [--seed 0] \
+        [--output benchmarks/results/paired_bootstrap.json]
+
+Each adapter answers the same questions once. Then the questions are resampled with replacement, the same
+resample for every adapter, and each metric's difference (adapter minus reference) is recomputed on every
+resample. The result gives, per metric, the difference on the full set, its 2.5% and 97.5% percentiles, and
+the share of resamples in which the adapter is better (lower ECE, NLL and Brier; higher accuracy). A 95%
+interval that excludes 0 is a difference the test set supports; one that straddles 0 is noise at this size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from benchmarks.common import write_result  # noqa: E402
+from training.metrics import NLL_FLOOR  # noqa: E402
+
+METRICS = ("accuracy", "ece", "nll", "brier")
+HIGHER_IS_BETTER = {"accuracy"}
+
+
+@dataclass(frozen=True)
+class PerQuestion:
+    """What each metric averages, per question: confidence, hit, -log p_y, Brier term; each (N,)."""
+
+    confidence: np.ndarray
+    hit: np.ndarray
+    nll: np.ndarray
+    brier: np.ndarray
+
+    @classmethod
+    def from_probs(cls, probs, labels) -> "PerQuestion":
+        """``probs``: N rows of C probabilities (C may vary per row); ``labels``: (N,) option indices."""
+        labels = np.asarray(labels)
+        if len(probs) != len(labels) or len(labels) == 0:
+            raise ValueError(f"need one probability row per label and at least one, got {len(probs)} rows and {len(labels)} labels")
+        conf, hit, nll, brier = (np.empty(len(labels)) for _ in range(4))
+        for i, (row, y) in enumerate(zip(probs, labels)):
+            p = np.asarray(row, dtype=np.float64)
+            if not 0 <= y < len(p):
+                raise ValueError(f"label {y} of question {i} is outside its {len(p)} options")
+            conf[i], hit[i] = p.max(), float(p.argmax() == y)
+            nll[i] = -np.log(max(p[y], NLL_FLOOR))
+            target = np.zeros_like(p)
+            target[y] = 1.0
+            brier[i] = ((p - target) ** 2).sum()
+        return cls(conf, hit, nll, brier)
+
+    def metrics(self, index: np.ndarray, num_bins: int = 15) -> dict[str, np.ndarray]:
+        """Each metric on each resample. ``index``: (R, N) question indices -> {metric: (R,)}.
+
+        ECE bins as ``training.metrics.ece``: equal width, right-closed (k/n, (k+1)/n].
+        """
+        conf, hit = self.confidence[index], self.hit[index]
+        edges = np.linspace(0.0, 1.0, num_bins + 1)
+        bins = np.clip(np.searchsorted(edges, conf, side="left") - 1, 0, num_bins - 1)
+        rows = np.arange(index.shape[0])[:, None]
+        gap = np.zeros((index.shape[0], num_bins))
+        np.add.at(gap, (np.broadcast_to(rows, bins.shape), bins), conf - hit)  # sum of (conf - hit) per bin
+        return {
+            "accuracy": hit.mean(1),
+            "ece": np.abs(gap).sum(1) / index.shape[1],
+            "nll": self.nll[index].mean(1),
+            "brier": self.brier[index].mean(1),
+        }
+
+
+def paired_bootstrap(reference: PerQuestion, other: PerQuestion, resamples: int = 2000, seed: int = 0) -> dict:
+    """Differences ``other - reference`` per metric on the full set and over paired resamples."""
+    n = len(reference.hit)
+    if len(other.hit) != n:
+        raise ValueError(f"the two adapters answered different numbers of questions: {n} and {len(other.hit)}")
+    if resamples < 100:
+        raise ValueError(f"resamples must be at least 100, got {resamples}")
+    full = np.arange(n)[None, :]
+    index = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+    ref_full, oth_full = reference.metrics(full), other.metrics(full)
+    ref_boot, oth_boot = reference.metrics(index), other.metrics(index)
+    out = {}
+    for m in METRICS:
+        diff = oth_boot[m] - ref_boot[m]
+        better = diff > 0 if m in HIGHER_IS_BETTER else diff < 0
+        out[m] = {
+            "reference": float(ref_full[m][0]),
+            "other": float(oth_full[m][0]),
+            "difference": float(oth_full[m][0] - ref_full[m][0]),
+            "ci95": [float(np.percentile(diff, 2.5)), float(np.percentile(diff, 97.5))],
+            "share_better": float(better.mean()),
+        }
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reference", required=True, help="adapter directory the others are compared with")
+    parser.add_argument("--artifacts", nargs="+", required=True, help="adapter directories to compare")
+    parser.add_argument("--dataset", default="sciq")
+    parser.add_argument("--split", default="test")
+    parser.add_argument("--limit", type=int, help="a seeded random subset of this size (default: the whole split)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--resamples", type=int, default=2000)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the resamples")
+    parser.add_argument("--output", default="benchmarks/results/paired_bootstrap.json")
+    args = parser.parse_args(argv)
+    if args.resamples < 100:
+        parser.error(f"--resamples must be at least 100, got {args.resamples}")
+    for path in [args.reference, *args.artifacts]:
+        if not (Path(path) / "manifest.json").is_file():
+            parser.error(f"{path} is not an adapter directory (no manifest.json)")
+
+    from evidential.predictor import Predictor
+    from training.data import load_dataset
+    from training.evaluate import predict_all
+
+    questions = load_dataset(args.dataset, args.split, limit=args.limit, seed=0)
+    labels = [q.answer for q in questions]
+
+    def answer(path: str) -> PerQuestion:
+        predictions, _ = predict_all(Predictor.from_artifact(path), questions, args.batch_size, desc=Path(path).name)
+        return PerQuestion.from_probs([p.probs for p in predictions], labels)
+
+    reference = answer(args.reference)
+    comparisons = {path: paired_bootstrap(reference, answer(path), args.resamples, args.seed) for path in args.artifacts}
+    write_result(args.output, {
+        "reference": args.reference, "dataset": args.dataset, "split": args.split, "n": len(questions),
+        "resamples": args.resamples, "seed": args.seed, "ece_bins": 15,
+        "differences": "other minus reference; ci95 is the 2.5-97.5 percentile range over paired resamples",
+        "comparisons": comparisons,
+    })
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
