@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from benchmarks.common import write_result  # noqa: E402
-from training.metrics import NLL_FLOOR  # noqa: E402
+from training import metrics  # noqa: E402
 
 METRICS = ("accuracy", "ece", "nll", "brier")
 HIGHER_IS_BETTER = {"accuracy"}
@@ -41,29 +41,21 @@ class PerQuestion:
     @classmethod
     def from_probs(cls, probs, labels) -> "PerQuestion":
         """``probs``: N rows of C probabilities (C may vary per row); ``labels``: (N,) option indices."""
-        labels = np.asarray(labels)
         if len(probs) != len(labels) or len(labels) == 0:
             raise ValueError(f"need one probability row per label and at least one, got {len(probs)} rows and {len(labels)} labels")
-        conf, hit, nll, brier = (np.empty(len(labels)) for _ in range(4))
         for i, (row, y) in enumerate(zip(probs, labels)):
-            p = np.asarray(row, dtype=np.float64)
-            if not 0 <= y < len(p):
-                raise ValueError(f"label {y} of question {i} is outside its {len(p)} options")
-            conf[i], hit[i] = p.max(), float(p.argmax() == y)
-            nll[i] = -np.log(max(p[y], NLL_FLOOR))
-            target = np.zeros_like(p)
-            target[y] = 1.0
-            brier[i] = ((p - target) ** 2).sum()
-        return cls(conf, hit, nll, brier)
+            if not 0 <= y < len(row):
+                raise ValueError(f"label {y} of question {i} is outside its {len(row)} options")
+        conf, hit = metrics.confidences_and_hits(probs, labels)
+        return cls(conf, hit, metrics.nll_terms(probs, labels), metrics.brier_terms(probs, labels))
 
     def metrics(self, index: np.ndarray, num_bins: int = 15) -> dict[str, np.ndarray]:
         """Each metric on each resample. ``index``: (R, N) question indices -> {metric: (R,)}.
 
-        ECE bins as ``training.metrics.ece``: equal width, right-closed (k/n, (k+1)/n].
+        ECE bins are ``training.metrics.bin_index``, as in ``training.metrics.ece``.
         """
         conf, hit = self.confidence[index], self.hit[index]
-        edges = np.linspace(0.0, 1.0, num_bins + 1)
-        bins = np.clip(np.searchsorted(edges, conf, side="left") - 1, 0, num_bins - 1)
+        bins = metrics.bin_index(conf, num_bins)
         rows = np.arange(index.shape[0])[:, None]
         gap = np.zeros((index.shape[0], num_bins))
         np.add.at(gap, (np.broadcast_to(rows, bins.shape), bins), conf - hit)  # sum of (conf - hit) per bin

@@ -54,14 +54,19 @@ def ece(probs, labels, num_bins: int = 15) -> float:
     return float(sum(c / n * abs(cf - ac) for c, cf, ac in zip(r["count"], r["confidence"], r["accuracy"]) if c))
 
 
+def bin_index(conf: np.ndarray, num_bins: int) -> np.ndarray:
+    """The ECE bin of each confidence (any shape): equal width, right-closed (k/n, (k+1)/n], 0 in the first."""
+    edges = np.linspace(0.0, 1.0, num_bins + 1)
+    return np.clip(np.searchsorted(edges, conf, side="left") - 1, 0, num_bins - 1)
+
+
 def reliability(probs, labels, num_bins: int = 15) -> dict:
     """Per-bin mean confidence, accuracy and count (for reliability diagrams and ECE)."""
     if num_bins < 1:
         raise ValueError(f"num_bins must be >= 1, got {num_bins}")
     conf, hits = confidences_and_hits(probs, labels)
-    edges = np.linspace(0.0, 1.0, num_bins + 1)
-    index = np.clip(np.searchsorted(edges, conf, side="left") - 1, 0, num_bins - 1)
-    out = {"edges": edges.tolist(), "confidence": [], "accuracy": [], "count": []}
+    index = bin_index(conf, num_bins)
+    out = {"edges": np.linspace(0.0, 1.0, num_bins + 1).tolist(), "confidence": [], "accuracy": [], "count": []}
     for b in range(num_bins):
         in_bin = index == b
         out["count"].append(int(in_bin.sum()))
@@ -70,25 +75,35 @@ def reliability(probs, labels, num_bins: int = 15) -> dict:
     return out
 
 
-def nll(probs, labels) -> float:
-    """Mean -log p_y of the predictive probabilities (floored at 1e-12)."""
+def nll_terms(probs, labels) -> np.ndarray:
+    """-log p_y of each question (N,), p_y floored at 1e-12."""
     rows = _as_rows(probs)
     labels = np.asarray(labels)
     _check(rows, labels)
-    return float(np.mean([-math.log(max(r[y], NLL_FLOOR)) for r, y in zip(rows, labels)]))
+    return np.array([-math.log(max(r[y], NLL_FLOOR)) for r, y in zip(rows, labels)])
+
+
+def nll(probs, labels) -> float:
+    """Mean -log p_y of the predictive probabilities (floored at 1e-12)."""
+    return float(nll_terms(probs, labels).mean())
+
+
+def brier_terms(probs, labels) -> np.ndarray:
+    """sum_j (p_j - y_j)^2 of each question (N,)."""
+    rows = _as_rows(probs)
+    labels = np.asarray(labels)
+    _check(rows, labels)
+    out = np.empty(len(rows))
+    for i, (r, y) in enumerate(zip(rows, labels)):
+        target = np.zeros_like(r)
+        target[y] = 1.0
+        out[i] = ((r - target) ** 2).sum()
+    return out
 
 
 def brier(probs, labels) -> float:
     """Mean over questions of sum_j (p_j - y_j)^2."""
-    rows = _as_rows(probs)
-    labels = np.asarray(labels)
-    _check(rows, labels)
-    total = 0.0
-    for r, y in zip(rows, labels):
-        target = np.zeros_like(r)
-        target[y] = 1.0
-        total += float(((r - target) ** 2).sum())
-    return total / len(rows)
+    return float(brier_terms(probs, labels).mean())
 
 
 def auroc(scores_pos: Sequence[float], scores_neg: Sequence[float]) -> float:
