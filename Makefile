@@ -11,7 +11,7 @@ PORT ?= 8000
 ARTIFACT ?= artifacts/default
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-laplace serve test test-fast train-default train-map train-map-2ep bench benchmark clean
+.PHONY: setup setup-laplace serve test test-fast train-default train-map train-map-twin bench benchmark clean
 
 $(VENV)/.installed: pyproject.toml requirements/constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -37,15 +37,15 @@ test: setup-laplace
 test-fast: setup-laplace
 	$(PY) -m pytest -m "not integration and not servers" $(PYTEST_ARGS)
 
-# The default adapter (IB-EDL) and its MAP twin, exactly as committed under artifacts/.
+# The default adapter (IB-EDL) as committed under artifacts/default, stage 1 (artifacts/map) and the default's MAP twin.
 train-default: setup
 	$(PY) -m training.finetune --config training/configs/smollm2_science_ib_edl.yaml
 
 train-map: setup
 	$(PY) -m training.finetune --config training/configs/smollm2_science_map.yaml
 
-train-map-2ep: setup
-	$(PY) -m training.finetune --config training/configs/smollm2_science_map_2ep.yaml
+train-map-twin: setup
+	$(PY) -m training.finetune --config training/configs/smollm2_science_map_twin.yaml
 
 bench: setup
 	$(PY) benchmarks/option_rows.py

@@ -1,6 +1,6 @@
 """Are two adapters' calibration numbers on a test set different beyond resampling noise?
 
-    python benchmarks/paired_bootstrap.py --reference runs/map-2ep --artifacts artifacts/default \
+    python benchmarks/paired_bootstrap.py --reference runs/map-warm-1000x3 --artifacts artifacts/default \
         [--dataset sciq] [--split test] [--limit N] [--resamples 2000] [--seed 0] \
         [--output benchmarks/results/paired_bootstrap.json]
 
