@@ -40,12 +40,12 @@ class PerQuestion:
 
     @classmethod
     def from_probs(cls, probs, labels) -> "PerQuestion":
-        """``probs``: N rows of C probabilities (C may vary per row); ``labels``: (N,) option indices."""
+        """``probs``: N rows of C probabilities (C may vary per row); ``labels``: (N,) option indices.
+
+        A label outside its row's options raises ValueError (``training.metrics`` checks it).
+        """
         if len(probs) != len(labels) or len(labels) == 0:
             raise ValueError(f"need one probability row per label and at least one, got {len(probs)} rows and {len(labels)} labels")
-        for i, (row, y) in enumerate(zip(probs, labels)):
-            if not 0 <= y < len(row):
-                raise ValueError(f"label {y} of question {i} is outside its {len(row)} options")
         conf, hit = metrics.confidences_and_hits(probs, labels)
         return cls(conf, hit, metrics.nll_terms(probs, labels), metrics.brier_terms(probs, labels))
 

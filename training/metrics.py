@@ -28,6 +28,9 @@ def _check(probs: list[np.ndarray], labels: np.ndarray) -> None:
         raise ValueError(f"{len(probs)} predictions for {len(labels)} labels")
     if len(probs) == 0:
         raise ValueError("metrics need at least one prediction")
+    for i, (row, y) in enumerate(zip(probs, labels)):
+        if not 0 <= y < len(row):  # a negative label would silently index from the end
+            raise ValueError(f"label {y} of question {i} is outside its {len(row)} options")
 
 
 def confidences_and_hits(probs, labels) -> tuple[np.ndarray, np.ndarray]:

@@ -77,3 +77,12 @@ def test_bad_arguments():
         metrics.accuracy([[0.5, 0.5], [0.5, 0.5]], [0])
     with pytest.raises(ValueError, match="coverage"):
         metrics.accuracy_at_coverage([1.0], [1], 0)
+
+
+@pytest.mark.parametrize("fn", [metrics.nll, metrics.brier, metrics.accuracy, metrics.ece])
+def test_a_label_outside_its_options_is_refused_not_wrapped(fn):
+    # -1 would index the last option of [0.2, 0.8] and give NLL -log 0.8 for a question that has no such answer.
+    with pytest.raises(ValueError, match="label -1 of question 1 is outside its 2 options"):
+        fn([[0.5, 0.5], [0.2, 0.8]], [0, -1])
+    with pytest.raises(ValueError, match="label 3 of question 0 is outside its 3 options"):
+        fn([[0.2, 0.3, 0.5]], [3])
