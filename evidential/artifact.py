@@ -20,6 +20,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
+from evidential.conformal import alpha_key
 from evidential.head import HeadConfig, OptionHead, build_head
 
 SCHEMA_VERSION = 1
@@ -32,22 +33,72 @@ class ArtifactError(ValueError):
     """An artifact directory that is missing files or holds an invalid manifest."""
 
 
+OOD_SCORES = ("inverse_uncertainty", "max_probability")
+
+
 @dataclass
 class Abstention:
-    """Default abstention thresholds: abstain when u > max_uncertainty or max p < min_confidence.
+    """Default abstention rule, checked in this order:
 
-    ``how`` records how they were chosen (split, target accuracy, coverage reached, ...).
+    1. out of distribution: the question's OOD score (``ood_score``: 1/u for Dirichlet methods, max p for
+       the others) is below ``ood_threshold`` (0 disables the gate);
+    2. u > max_uncertainty;
+    3. max p < min_confidence.
+
+    ``how`` records how they were chosen (training.calibrate: the gate's rejection rate, the risk-control
+    target, delta and bound).
     """
 
     max_uncertainty: float = 1.0
     min_confidence: float = 0.0
+    ood_score: str | None = None
+    ood_threshold: float = 0.0
     how: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.max_uncertainty <= 1.0:
-            raise ValueError(f"max_uncertainty must be in [0, 1], got {self.max_uncertainty}")
-        if not 0.0 <= self.min_confidence <= 1.0:
-            raise ValueError(f"min_confidence must be in [0, 1], got {self.min_confidence}")
+        for name in ("max_uncertainty", "min_confidence"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+        if self.ood_score is not None and self.ood_score not in OOD_SCORES:
+            raise ValueError(f"ood_score must be one of {OOD_SCORES} or null, got {self.ood_score!r}")
+        if isinstance(self.ood_threshold, bool) or not 0.0 <= self.ood_threshold < float("inf"):
+            raise ValueError(f"ood_threshold must be a finite number >= 0, got {self.ood_threshold!r}")
+
+
+@dataclass
+class Conformal:
+    """Split-conformal quantiles (evidential.conformal) stored at calibration: ``quantiles[score][alpha]``,
+    None where the calibration sample was too small for that alpha (every option is then in the set).
+    ``alpha`` and ``score`` are what a response uses unless the request asks for another stored pair."""
+
+    alpha: float
+    score: str
+    quantiles: dict
+    n: int
+
+    def __post_init__(self) -> None:
+        if self.score not in self.quantiles:
+            raise ValueError(f"conformal score {self.score!r} has no stored quantiles ({sorted(self.quantiles)})")
+        if alpha_key(self.alpha) not in self.quantiles[self.score]:
+            raise ValueError(f"conformal alpha {self.alpha} has no stored quantile for {self.score!r}")
+        if self.n < 1:
+            raise ValueError(f"conformal n must be >= 1, got {self.n}")
+
+    def quantile(self, alpha: float | None = None, score: str | None = None) -> float:
+        """The stored quantile of (alpha, score), defaults where None; KeyError names what is stored."""
+        alpha = self.alpha if alpha is None else alpha
+        score = self.score if score is None else score
+        stored = self.quantiles.get(score, {})
+        key = alpha_key(alpha)
+        if key not in stored:
+            raise KeyError(f"no conformal quantile for alpha {alpha} and score {score!r}; stored: "
+                           f"{ {s: sorted(map(float, q)) for s, q in self.quantiles.items()} }")
+        q = stored[key]
+        return float("inf") if q is None else float(q)
+
+    def alphas(self) -> list[float]:
+        return sorted({float(a) for q in self.quantiles.values() for a in q})
 
 
 @dataclass
@@ -66,7 +117,9 @@ class Manifest:
         mc_samples: forward passes with dropout on at inference (MC-Dropout), 0 for none.
         training: data, sizes, seeds, steps, the command that produced the artifact.
         metrics: ``{"validation": {...}, "test": {...}}``.
-        abstention: default thresholds and how they were chosen.
+        abstention: default thresholds and how they were chosen (an :class:`Abstention` as a dict).
+        conformal: a :class:`Conformal` as a dict, or empty when the adapter was never calibrated.
+        calibration: what training.calibrate did (data, post-hoc fit, gate, risk control), or empty.
         reference: ``{"uncertainty": [...], "confidence": [...], "split"}`` for drift monitoring.
     """
 
@@ -83,6 +136,8 @@ class Manifest:
     training: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
     abstention: dict = field(default_factory=lambda: asdict(Abstention()))
+    conformal: dict = field(default_factory=dict)
+    calibration: dict = field(default_factory=dict)
     reference: dict = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
 
@@ -95,7 +150,11 @@ class Manifest:
         if "template" not in self.prompt:
             raise ArtifactError(f"manifest prompt needs 'template', got {self.prompt}")
         self.head_config()  # validates
-        Abstention(**self.abstention)
+        try:
+            Abstention(**self.abstention)
+            self.conformal_sets()
+        except (TypeError, ValueError) as e:
+            raise ArtifactError(f"invalid abstention or conformal section in manifest: {e}") from e
         if len(self.option_token_ids) != self.head["num_rows"]:
             raise ArtifactError(
                 f"{len(self.option_token_ids)} option_token_ids for a head of {self.head['num_rows']} rows"
@@ -113,6 +172,9 @@ class Manifest:
 
     def thresholds(self) -> Abstention:
         return Abstention(**self.abstention)
+
+    def conformal_sets(self) -> Conformal | None:
+        return Conformal(**self.conformal) if self.conformal else None
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -58,6 +58,8 @@ class HeadConfig:
             (Gauss-Hermite E[softplus(mu + sigma eps)]).
         quadrature_points: nodes for ``quadrature``.
         zeta: post-hoc IB-EDL calibration, alpha <- max(alpha - zeta * sigma, offset).
+        temperature: post-hoc calibration of methods without a Dirichlet: the predictive probabilities
+            (after averaging MC-Dropout passes or ensemble members) become softmax(log p / T). 1 is none.
         sigma_init_scale, sigma_init_bias: IB-EDL sigma head starts as scale * rows with this bias,
             so that sigma starts small (softplus(-4) ~ 0.018) and the K samples are not noise.
         centre_options: evidential heads subtract, per question, the mean of W h over its real options
@@ -80,6 +82,7 @@ class HeadConfig:
     inference: str = "mean"
     quadrature_points: int = 16
     zeta: float = 0.0
+    temperature: float = 1.0
     sigma_init_scale: float = 0.01
     sigma_init_bias: float = -4.0
     centre_options: bool = False
@@ -98,6 +101,10 @@ class HeadConfig:
         if self.inference not in ("mean", "quadrature"):
             raise ValueError(f"inference must be 'mean' or 'quadrature', got {self.inference!r}")
         check_evidence_scale(self.evidence_scale)
+        if isinstance(self.temperature, bool) or not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
+        if self.temperature != 1.0 and self.kind != "softmax":
+            raise ValueError(f"temperature applies to softmax heads only, got {self.temperature} for a {self.kind} head")
         if self.quadrature_points < 2:
             raise ValueError(f"quadrature_points must be >= 2, got {self.quadrature_points}")
 

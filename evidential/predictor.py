@@ -280,9 +280,14 @@ class Predictor:
         return _average(runs)
 
     def forward(self, batch: EncodedBatch) -> HeadPrediction:
-        """Head outputs for an encoded batch; ensembles average member probabilities."""
+        """Head outputs for an encoded batch; ensembles average member probabilities, then the head's
+        post-hoc temperature (softmax methods) applies to the predictive probabilities."""
         outs = [self._member_forward(batch, k) for k in range(len(self.heads))]
-        return outs[0] if len(outs) == 1 else _average(outs)
+        out = outs[0] if len(outs) == 1 else _average(outs)
+        temperature = self.head.config.temperature
+        if temperature != 1.0 and out.alpha is None:
+            out.probs = temper(out.probs, batch.option_mask.to(out.probs.device), temperature)
+        return out
 
     @torch.no_grad()
     def predict_outputs(self, questions: list[MCQuestion], truncate_context: bool = True) -> HeadPrediction:
@@ -369,6 +374,13 @@ class Predictor:
             manifest=manifest,
         )
         return predictor.eval()
+
+
+def temper(probs: torch.Tensor, mask: torch.Tensor, temperature: float) -> torch.Tensor:
+    """softmax(log p / T) over the real options: probs (B, C), mask (B, C) -> (B, C); padded options stay 0.
+    For one softmax head this equals softmax(z / T) of its logits z."""
+    logp = torch.log(probs.float().clamp_min(torch.finfo(torch.float32).tiny)) / temperature
+    return torch.softmax(logp.masked_fill(~mask, float("-inf")), dim=-1).to(probs.dtype)
 
 
 def _average(outs: list[HeadPrediction]) -> HeadPrediction:

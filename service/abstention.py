@@ -1,4 +1,5 @@
-"""The abstention rule: abstain when u > max_uncertainty or max p < min_confidence."""
+"""The abstention rule, in order: out of distribution (the OOD score below the gate's threshold), u above
+max_uncertainty, max p below min_confidence."""
 
 from __future__ import annotations
 
@@ -16,11 +17,21 @@ def effective(defaults: Abstention, max_uncertainty: float | None, min_confidenc
     return replace(defaults, max_uncertainty=u, min_confidence=p)
 
 
-def decide(uncertainty: float | None, confidence: float, thresholds: Abstention) -> str | None:
-    """The reason to abstain (the threshold crossed), or None to answer.
+def ood_score(uncertainty: float | None, confidence: float, kind: str | None = None) -> float:
+    """Higher is more in-distribution: 1/u with a Dirichlet, max p without or when ``kind`` is
+    ``max_probability`` (training.calibrate stores the kind it calibrated)."""
+    if uncertainty is None or kind == "max_probability":
+        return confidence
+    return 1.0 / uncertainty
 
-    Without a Dirichlet (``uncertainty`` None) only the confidence threshold applies.
+
+def decide(uncertainty: float | None, confidence: float, thresholds: Abstention) -> str | None:
+    """The reason to abstain, or None to answer.
+
+    Without a Dirichlet (``uncertainty`` None) the gate compares max p and the u threshold does not apply.
     """
+    if thresholds.ood_threshold > 0 and ood_score(uncertainty, confidence, thresholds.ood_score) < thresholds.ood_threshold:
+        return "out_of_distribution"
     if uncertainty is not None and uncertainty > thresholds.max_uncertainty:
         return "max_uncertainty"
     if confidence < thresholds.min_confidence:

@@ -15,12 +15,13 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from evidential.artifact import Abstention
+from evidential.artifact import Abstention, Conformal
+from evidential.conformal import prediction_set
 from evidential.predictor import Prediction, Predictor, count_prompt_tokens
 from evidential.prompt import LETTERS, MCQuestion
 from service import abstention
 from service.batcher import MicroBatcher, QueueFullError
-from service.drift import DriftMonitor
+from service.drift import AccuracyEstimate, DriftMonitor
 from service.errors import ApiError, error_body, install_handlers
 from service.metrics import Metrics
 from service.middleware import RequestGuard
@@ -30,6 +31,7 @@ from service.schemas import (
     DriftStatus,
     ErrorResponse,
     Health,
+    ModelList,
     PredictedOption,
     PredictRequest,
     PredictResponse,
@@ -68,6 +70,8 @@ class ServiceState:
         self.adapter: dict | None = None  # the "adapter" field of every answer
         self.batcher: MicroBatcher | None = None
         self.drift: DriftMonitor | None = None
+        self.conformal: Conformal | None = None  # stored conformal quantiles (None: never calibrated)
+        self.accuracy: AccuracyEstimate | None = None
         self.server = None  # uvicorn.Server when run by service.__main__, to notice SIGTERM
         self._count_tokenizer = None
 
@@ -97,6 +101,9 @@ class ServiceState:
         predictor.max_tokens = self.settings.max_tokens
         self._count_tokenizer = copy.deepcopy(predictor.tokenizer)  # the worker thread owns the original
         self.thresholds = manifest.thresholds()
+        self.conformal = manifest.conformal_sets()
+        target = self.thresholds.how.get("target_accuracy")
+        self.accuracy = AccuracyEstimate(self.settings.drift_window, float(target) if target else None)
         self.adapter = {"name": manifest.name, "method": manifest.method, "version": str(manifest.version)}
         self.predictor, self.drift = predictor, drift
         self.batcher = MicroBatcher(
@@ -113,6 +120,7 @@ class ServiceState:
              "base_model": manifest.base_model["name"], "base_sha256": manifest.base_model["sha256"][:12]}
         )
         self.metrics.set_drift(drift.status())
+        self.metrics.set_accuracy(self.accuracy.status())
         self.status, self.reason = "ready", None
         self.metrics.ready.set(1)
         log.info("serving adapter %s (%s) on %s", manifest.name, manifest.method, manifest.base_model["name"])
@@ -171,12 +179,32 @@ class ServiceState:
                 raise ApiError(413, "too_large", f"option {LETTERS[i]} is {len(text)} characters; the limit is {s.max_option_chars}", f"{prefix}options.{i}")
         if req.context is not None and len(req.context) > s.max_context_chars:
             raise ApiError(413, "too_large", f"context is {len(req.context)} characters; the limit is {s.max_context_chars}", prefix + "context")
+        if req.conformal is not None:
+            self.conformal_quantile(req, prefix)  # an alpha or score not stored is the client's error: 422
         q = MCQuestion(req.question, tuple(options), req.context or None, id=req.id)
         tokens = self.count_tokens(q)
         if tokens > self.settings.max_tokens:
             raise ApiError(413, "too_large", f"the prompt is {tokens} tokens after formatting; the limit is {self.settings.max_tokens}",
                            prefix + ("context" if q.context else "question"))
         return q
+
+    def conformal_quantile(self, req: PredictRequest, prefix: str = "") -> tuple[float, float, str] | None:
+        """(quantile, alpha, score) of the set a request gets; None when the adapter has no conformal calibration."""
+        c = self.conformal
+        opts = req.conformal
+        if c is None:
+            if opts is not None and (opts.alpha is not None or opts.score is not None):
+                raise ApiError(422, "invalid_request", "this adapter has no conformal calibration; run "
+                               "python -m training.calibrate on it to get prediction sets", prefix + "conformal")
+            return None
+        alpha = opts.alpha if opts and opts.alpha is not None else c.alpha
+        score = opts.score if opts and opts.score is not None else c.score
+        try:
+            return c.quantile(alpha, score), alpha, score
+        except (KeyError, ValueError):
+            raise ApiError(422, "invalid_request", f"no stored prediction set for alpha {alpha} and score {score!r}; "
+                           f"stored alphas: {c.alphas()}, scores: {sorted(c.quantiles)}",
+                           prefix + "conformal") from None
 
     def count_tokens(self, q: MCQuestion) -> int:
         assert self.predictor is not None
@@ -192,6 +220,8 @@ class ServiceState:
         )
         reason = abstention.decide(pred.uncertainty, pred.confidence, limits)
         letters = LETTERS[: q.num_options]
+        conformal = self.conformal_quantile(req)
+        pset = None if conformal is None else [letters[i] for i in prediction_set(pred.probs, conformal[0], conformal[2])]
         r6 = lambda v: round(float(v), 6)  # noqa: E731 - responses carry 6 decimals
         m = self.metrics
         m.answers.inc()
@@ -201,6 +231,8 @@ class ServiceState:
             m.uncertainty.observe(pred.uncertainty)
         if reason:
             m.abstentions.labels(reason=reason).inc()
+        else:
+            self.accuracy.add([pred.confidence])
         self.drift.add([pred.uncertainty if self.drift.statistic == "uncertainty_mass" else pred.confidence])
         return PredictResponse(
             id=req.id or request_id,
@@ -210,6 +242,10 @@ class ServiceState:
             uncertainty_mass=None if pred.uncertainty is None else r6(pred.uncertainty),
             confidence=r6(pred.confidence),
             sigma=None if pred.sigma is None else {k: r6(v) for k, v in zip(letters, pred.sigma)},
+            ood_score=r6(abstention.ood_score(pred.uncertainty, pred.confidence, limits.ood_score)),
+            prediction_set=pset,
+            prediction_set_coverage=None if conformal is None else r6(1.0 - conformal[1]),
+            prediction_set_score=None if conformal is None else conformal[2],
             abstained=reason is not None,
             abstain_reason=reason,
             adapter=self.adapter,
@@ -306,7 +342,7 @@ def create_app(settings: Settings | None = None, loader: Loader | None = None) -
         return BatchResponse(results=[state.respond(item, q, p, f"{rid}-{i}") for i, (item, q, p) in
                                       enumerate(zip(body.items, questions, preds))])
 
-    @app.get("/v1/models", dependencies=[Auth], tags=["metadata"])
+    @app.get("/v1/models", response_model=ModelList, dependencies=[Auth], tags=["metadata"])
     async def models(state: State) -> dict:
         state.require_ready()
         m = state.predictor.manifest
@@ -324,9 +360,14 @@ def create_app(settings: Settings | None = None, loader: Loader | None = None) -
                 "created": m.training.get("created"),
                 "metrics": m.metrics,
                 "abstention": m.abstention,
+                "conformal": None if state.conformal is None else {
+                    "alpha": state.conformal.alpha, "score": state.conformal.score, "n": state.conformal.n,
+                    "alphas": state.conformal.alphas(), "scores": sorted(state.conformal.quantiles)},
+                "calibration": m.calibration or None,
                 "prompt": {**m.prompt, "training_max_tokens": m.prompt.get("max_tokens"), "max_tokens": settings.max_tokens},
                 "max_options": min(settings.max_options, head.num_rows),
-                "head": {"kind": head.kind, "inference": head.inference, "zeta": head.zeta, "offset": head.offset},
+                "head": {"kind": head.kind, "inference": head.inference, "zeta": head.zeta, "temperature": head.temperature,
+                         "offset": head.offset},
                 "drift_statistic": state.drift.statistic,
             }]
         }
@@ -335,13 +376,16 @@ def create_app(settings: Settings | None = None, loader: Loader | None = None) -
     async def drift(state: State) -> DriftStatus:
         state.require_ready()
         status = state.drift.status()
+        accuracy = state.accuracy.status()
         state.metrics.set_drift(status)
-        return DriftStatus(**status)
+        state.metrics.set_accuracy(accuracy)
+        return DriftStatus(**status, **accuracy)
 
     @app.get("/metrics", tags=["metadata"], include_in_schema=False)
     async def metrics(state: State) -> Response:
         if state.drift is not None:
             state.metrics.set_drift(await asyncio.to_thread(state.drift.status))
+            state.metrics.set_accuracy(state.accuracy.status())
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -98,3 +98,42 @@ class DriftMonitor:
             "window_mean": float(window.mean()) if len(window) else None,
             "reference_mean": float(self.reference.mean()) if len(self.reference) else None,
         }
+
+
+class AccuracyEstimate:
+    """Label-free estimate of the accuracy of answered questions over a rolling window (confidence-based
+    performance estimation): if the served probabilities are calibrated, a question answered with
+    confidence p is right with probability p, so the window's expected accuracy is the mean of p, and the
+    realised accuracy spreads around it with variance sum p (1 - p) / m^2 (a Poisson-binomial). Thread-safe.
+
+    It is only as good as the calibration it assumes: under shift calibration breaks, which the OOD gate
+    (questions refused) and the drift alarm (u moved) are there to show.
+    """
+
+    Z = 1.959964  # two-sided 95%
+
+    def __init__(self, window_size: int = 500, target: float | None = None) -> None:
+        if window_size < 2:
+            raise ValueError(f"window_size must be >= 2, got {window_size}")
+        if target is not None and not 0.0 < target <= 1.0:
+            raise ValueError(f"target must be in (0, 1], got {target}")
+        self.target = target
+        self.window: deque[float] = deque(maxlen=window_size)
+        self._lock = threading.Lock()
+
+    def add(self, confidences) -> None:
+        """Confidences of answered (not abstained) questions."""
+        with self._lock:
+            self.window.extend(float(c) for c in confidences)
+
+    def status(self) -> dict:
+        with self._lock:
+            p = np.asarray(self.window, dtype=np.float64)
+        if not len(p):
+            return {"answered_in_window": 0, "estimated_accuracy": None, "estimated_accuracy_interval": None,
+                    "target_accuracy": self.target}
+        mean = float(p.mean())
+        half = self.Z * float(np.sqrt(np.sum(p * (1.0 - p)))) / len(p)
+        return {"answered_in_window": int(len(p)), "estimated_accuracy": mean,
+                "estimated_accuracy_interval": [max(0.0, mean - half), min(1.0, mean + half)],
+                "target_accuracy": self.target}

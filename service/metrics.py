@@ -34,6 +34,13 @@ class Metrics:
         self.drift_window = Gauge("ibedl_drift_window", "values in the drift window", registry=r)
         self.drift_window_mean = Gauge("ibedl_drift_window_mean", "mean of the monitored value in the window", registry=r)
         self.drift_reference_mean = Gauge("ibedl_drift_reference_mean", "mean of the monitored value in the reference", registry=r)
+        self.accuracy_estimate = Gauge("ibedl_estimated_accuracy", "label-free estimate of answered accuracy in the "
+                                       "window (mean calibrated confidence of answered questions)", registry=r)
+        self.accuracy_lower = Gauge("ibedl_estimated_accuracy_lower", "lower end of its 95% interval", registry=r)
+        self.accuracy_upper = Gauge("ibedl_estimated_accuracy_upper", "upper end of its 95% interval", registry=r)
+        self.accuracy_window = Gauge("ibedl_estimated_accuracy_window", "answered questions in the estimate's window",
+                                     registry=r)
+        self.target_accuracy = Gauge("ibedl_target_accuracy", "accuracy the adapter's abstention guarantees", registry=r)
         self.ready = Gauge("ibedl_ready", "1 when the model is loaded and the service accepts requests", registry=r)
         self.model_info = Info("ibedl_model", "the adapter being served", registry=r)
 
@@ -46,3 +53,12 @@ class Metrics:
         self.drift_window.set(status["window"])
         self.drift_window_mean.set(status["window_mean"] if status["window_mean"] is not None else nan)
         self.drift_reference_mean.set(status["reference_mean"] if status["reference_mean"] is not None else nan)
+
+    def set_accuracy(self, status: dict) -> None:
+        nan = float("nan")
+        interval = status["estimated_accuracy_interval"] or (nan, nan)
+        self.accuracy_estimate.set(status["estimated_accuracy"] if status["estimated_accuracy"] is not None else nan)
+        self.accuracy_lower.set(interval[0])
+        self.accuracy_upper.set(interval[1])
+        self.accuracy_window.set(status["answered_in_window"])
+        self.target_accuracy.set(status["target_accuracy"] if status["target_accuracy"] is not None else nan)

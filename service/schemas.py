@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -12,6 +14,17 @@ class AbstainOptions(BaseModel):
 
     max_uncertainty: float | None = Field(None, ge=0.0, le=1.0, description="abstain when u is above this")
     min_confidence: float | None = Field(None, ge=0.0, le=1.0, description="abstain when max p is below this")
+
+
+class ConformalOptions(BaseModel):
+    """Which stored prediction set to return; GET /v1/models lists the stored alphas and scores."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    alpha: float | None = Field(None, gt=0.0, lt=1.0, description="miscoverage: the set holds the answer with "
+                                "probability >= 1 - alpha (one of the adapter's stored alphas)")
+    score: Literal["lac", "aps"] | None = Field(None, description="non-conformity score: lac (smallest sets) or aps "
+                                                "(adaptive); default the adapter's")
 
 
 class PredictRequest(BaseModel):
@@ -42,6 +55,7 @@ class PredictRequest(BaseModel):
     )
     context: str | None = Field(None, description="an optional passage the question is about")
     abstain: AbstainOptions | None = None
+    conformal: ConformalOptions | None = None
     id: str | None = Field(None, max_length=256, description="echoed back in the response")
 
 
@@ -71,8 +85,19 @@ class PredictResponse(BaseModel):
     uncertainty_mass: float | None = Field(..., description="u = C / alpha0 (null without a Dirichlet)")
     confidence: float = Field(..., description="max probability")
     sigma: dict[str, float] | None = Field(..., description="std of the pre-evidence per letter (IB-EDL)")
+    ood_score: float = Field(..., description="in-distribution score the gate compares with its threshold: 1/u "
+                             "with a Dirichlet, max probability without; higher is more typical")
+    prediction_set: list[str] | None = Field(..., description="conformal prediction set (letters, most probable "
+                                             "first): holds the right answer with probability >= "
+                                             "prediction_set_coverage on in-distribution questions; null when the "
+                                             "adapter was never calibrated (training.calibrate)")
+    prediction_set_coverage: float | None = Field(..., description="1 - alpha of the set")
+    prediction_set_score: Literal["lac", "aps"] | None = Field(..., description="the set's non-conformity score")
     abstained: bool
-    abstain_reason: str | None = Field(..., description="null, 'max_uncertainty' or 'min_confidence'")
+    abstain_reason: Literal["out_of_distribution", "max_uncertainty", "min_confidence"] | None = Field(
+        ..., description="null when answered; 'out_of_distribution' when the OOD score is below the gate's "
+        "threshold, 'max_uncertainty' when u is above the limit, 'min_confidence' when max p is below the "
+        "risk-controlled threshold")
     adapter: AdapterRef
 
 
@@ -106,3 +131,38 @@ class DriftStatus(BaseModel):
     alarm: bool
     window_mean: float | None
     reference_mean: float | None
+    answered_in_window: int = Field(..., description="answered (not abstained) questions in the accuracy window")
+    estimated_accuracy: float | None = Field(..., description="label-free estimate of the accuracy of answered "
+                                             "questions in the window: the mean of their calibrated confidence")
+    estimated_accuracy_interval: list[float] | None = Field(
+        ..., description="95% interval of that estimate, assuming the probabilities are calibrated")
+    target_accuracy: float | None = Field(..., description="the accuracy the adapter's abstention guarantees")
+
+
+class ModelCard(BaseModel):
+    """One served adapter, as GET /v1/models lists it."""
+
+    id: str
+    name: str
+    version: str
+    method: str
+    method_config: dict
+    base_model: dict
+    training_data: dict | None
+    label_noise: float | None
+    created: str | None
+    metrics: dict = Field(..., description="validation/test metrics recorded in the manifest")
+    abstention: dict = Field(..., description="default thresholds: max_uncertainty, min_confidence, ood_score, "
+                             "ood_threshold, and how they were chosen (target, delta, bound, coverage)")
+    conformal: dict | None = Field(..., description="prediction sets: default alpha and score, the stored alphas "
+                                   "a request may ask for, calibration size n; null when never calibrated")
+    calibration: dict | None = Field(..., description="what training.calibrate did: data, post-hoc fit, OOD gate, "
+                                     "risk control; null when never calibrated")
+    prompt: dict
+    max_options: int
+    head: dict
+    drift_statistic: str
+
+
+class ModelList(BaseModel):
+    data: list[ModelCard]

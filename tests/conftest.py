@@ -56,6 +56,37 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
+@pytest.fixture(scope="session")
+def tiny_jsonl(tmp_path_factory) -> Path:
+    """60 toy questions with 3..5 options whose answer is always A, as a JSONL file."""
+    import json
+    import random
+
+    words = "sun moon water plant stone tree bird fish cloud river".split()
+    path = tmp_path_factory.mktemp("toy") / "toy.jsonl"
+    rng = random.Random(0)
+    with path.open("w") as f:
+        for _ in range(60):
+            opts = rng.sample(words, rng.choice([3, 4, 5]))
+            f.write(json.dumps({"question": f"Which is {opts[0]}?", "options": opts, "answer": 0}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact(tiny_model_dir, tiny_jsonl, tmp_path_factory):
+    """An IB-EDL adapter trained for 2 steps on the tiny model (real artifact files, real loading)."""
+    from training.config import load_config
+    from training.finetune import train
+
+    root = tmp_path_factory.mktemp("artifact")
+    cfg = load_config(None, [
+        "method=ib_edl", f"base_model={tiny_model_dir}", f"output={root / 'adapter'}", "name=tiny",
+        f"data={{train: [{{dataset: jsonl, path: {tiny_jsonl}}}], validation: [{{dataset: jsonl, path: {tiny_jsonl}}}]}}",
+        "optim.max_steps=2", "max_tokens=96", "progress=false", "method_params.num_samples=2",
+    ])
+    return train(cfg)
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
     # Conversions and assembled GGUFs of unit tests go to a per-session temp dir, never ~/.cache;

@@ -31,13 +31,12 @@ from evidential.base_model import load_base_model, resolve_model
 from evidential.head import CentredEvidence, HeadConfig, build_head
 from evidential.predictor import Predictor, fits, lm_head_rows
 from evidential.prompt import MCQuestion, option_token_ids
-from training.abstention import choose_thresholds
+from training.calibrate import CalibrationConfig, apply_sections, calibrate_predictor
 from training.confidence_ceiling import confidence_ceiling
 from training.config import DataPart, TrainConfig, load_config
 from training.evaluate import EvalResult, evaluate
 from training.methods import LossContext, Method, get_method
 from training import warm_start
-from training.posthoc import fit_zeta
 
 log = logging.getLogger("training.finetune")
 
@@ -302,17 +301,12 @@ def train(cfg: TrainConfig, command: str = "") -> Path:
     dtype = DTYPES[cfg.dtype] if cfg.dtype else None
     predictor = Predictor.from_artifact(out_dir, base_model=cfg.base_model, device=cfg.device, dtype=dtype,
                                         load_in_4bit=cfg.load_in_4bit)
+    # Post-hoc step (IB-EDL's zeta), OOD gate, risk-controlled abstention, conformal sets and the drift
+    # reference: the same code as python -m training.calibrate, on the validation split.
+    calibration = CalibrationConfig(target_accuracy=cfg.target_accuracy, posthoc=method.head == "ib_edl" and cfg.fit_zeta,
+                                    reference_size=cfg.reference_size, seed=cfg.seed)
+    sections = calibrate_predictor(predictor, val_q, calibration, cfg.eval_batch_size, progress=cfg.progress)
     val = evaluate(predictor, val_q, cfg.eval_batch_size, progress=cfg.progress, desc="validation")
-    zeta_info = None
-    if method.head == "ib_edl" and cfg.fit_zeta:
-        offset = predictor.head.config.offset
-        zeta, zeta_info = fit_zeta([p.alpha for p in val.predictions], [p.sigma for p in val.predictions], val.labels,
-                                   offset=offset)
-        if zeta:
-            for head in predictor.heads:
-                head.config.zeta = zeta
-            val = evaluate(predictor, val_q, cfg.eval_batch_size, progress=cfg.progress, desc="validation")
-        zeta_info["zeta"] = zeta
     test = evaluate(predictor, test_q, cfg.eval_batch_size, progress=cfg.progress, desc="test") if test_q else None
     not_run = ("resolved", "ids", "head", "init_from")  # recorded elsewhere in the manifest
     run = {k: v for k, v in first.items() if k not in not_run}
@@ -329,7 +323,7 @@ def train(cfg: TrainConfig, command: str = "") -> Path:
         "data": {role: [vars(p) for p in getattr(cfg.data, role)] for role in ("train", "validation", "test")},
         "label_noise": cfg.data.label_noise,
         "lora": vars(cfg.lora),
-        "zeta": zeta_info,
+        "zeta": sections["calibration"]["posthoc"] if method.head == "ib_edl" and cfg.fit_zeta else None,
         "dropped_too_long": dropped,
         "run": run,
         "confidence_ceiling": ceiling(method.name, params, train_q),
@@ -338,14 +332,8 @@ def train(cfg: TrainConfig, command: str = "") -> Path:
         "torch": torch.__version__,
     }
     manifest.metrics = {"validation": val.metrics, **({"test": test.metrics} if test else {})}
-    manifest.abstention = choose_thresholds(val.confidence, val.hits, val.uncertainty, cfg.target_accuracy)
-    rng = random.Random(cfg.seed)
-    ref_idx = sorted(rng.sample(range(len(val.predictions)), min(cfg.reference_size, len(val.predictions))))
-    manifest.reference = {
-        "split": "validation",
-        "uncertainty": None if val.uncertainty is None else [round(val.uncertainty[i], 6) for i in ref_idx],
-        "confidence": [round(val.confidence[i], 6) for i in ref_idx],
-    }
+    apply_sections(manifest, predictor, sections)
+    manifest.calibration.update({"dataset": "the run's validation data", "split": "validation"})
     write_manifest(out_dir, manifest)
     return out_dir
 

@@ -163,6 +163,7 @@ def test_alert_rules_cover_the_issue_and_are_documented():
         "error rate": ("ibedl_requests_total", '"5.."'),
         "p99 latency": ("histogram_quantile(0.99", "ibedl_request_latency_seconds_bucket"),
         "replica down": ("up{",),
+        "accuracy estimate": ("ibedl_estimated_accuracy", "ibedl_target_accuracy"),
     }
     for what, needles in by_metric.items():
         assert any(all(n in r["expr"] for n in needles) for r in rules.values()), f"no alert rule for {what}"

@@ -1,9 +1,7 @@
-"""Service test fixtures: a tiny trained artifact and an app factory that waits until ready."""
+"""Service test fixtures: an app factory on the tiny trained artifact (tests/conftest.py) that waits until ready."""
 
 from __future__ import annotations
 
-import json
-import random
 import time
 from contextlib import contextmanager
 
@@ -12,29 +10,6 @@ from fastapi.testclient import TestClient
 
 from service.app import create_app, load_predictor
 from service.settings import Settings
-
-WORDS = "sun moon water plant stone tree bird fish cloud river".split()
-
-
-@pytest.fixture(scope="session")
-def tiny_artifact(tiny_model_dir, tmp_path_factory):
-    """An IB-EDL adapter trained for 2 steps on the tiny model (real artifact files, real loading)."""
-    from training.config import load_config
-    from training.finetune import train
-
-    root = tmp_path_factory.mktemp("artifact")
-    data = root / "toy.jsonl"
-    rng = random.Random(0)
-    with data.open("w") as f:
-        for i in range(60):
-            opts = rng.sample(WORDS, rng.choice([3, 4, 5]))
-            f.write(json.dumps({"question": f"Which is {opts[0]}?", "options": opts, "answer": 0}) + "\n")
-    cfg = load_config(None, [
-        "method=ib_edl", f"base_model={tiny_model_dir}", f"output={root / 'adapter'}", "name=tiny",
-        f"data={{train: [{{dataset: jsonl, path: {data}}}], validation: [{{dataset: jsonl, path: {data}}}]}}",
-        "optim.max_steps=2", "max_tokens=96", "progress=false", "method_params.num_samples=2",
-    ])
-    return train(cfg)
 
 
 def wait_ready(client: TestClient, timeout: float = 60.0) -> None:

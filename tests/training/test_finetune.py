@@ -62,7 +62,9 @@ def test_train_save_reload_identical(tmp_path, tiny_model_dir, jsonl_data, metho
     manifest = read_manifest(out)
     assert manifest.method == method
     assert {"validation", "test"} <= set(manifest.metrics)
-    assert manifest.abstention["how"]["split"] == "validation"
+    assert manifest.calibration["split"] == "validation"  # training calibrates on its validation split
+    assert manifest.calibration["n_fit"] + manifest.calibration["n_calibration"] == 12
+    assert manifest.abstention["how"]["n"] == manifest.calibration["n_calibration"]
     assert len(manifest.reference["confidence"]) == 12
     assert (manifest.reference["uncertainty"] is None) == (method in ("map", "mc_dropout", "ensemble"))
     assert manifest.members == members

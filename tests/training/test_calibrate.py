@@ -1,0 +1,150 @@
+"""training.calibrate: the gate's quantile, temperature fitting, the sections it writes, and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from evidential.artifact import Abstention, Conformal, read_manifest
+from evidential.predictor import temper as torch_temper
+from training.calibrate import (
+    CalibrationConfig,
+    calibrate_outputs,
+    fit_temperature,
+    gate_threshold,
+    main,
+    next_version,
+    posthoc_outputs,
+    split,
+    temper,
+)
+
+
+class TestGate:
+    def test_threshold_is_the_kth_smallest(self):
+        scores = np.arange(1.0, 101.0)  # n = 100, rate 0.05 -> k = floor(0.05 * 101) = 5
+        assert gate_threshold(scores, 0.05) == 5.0
+        assert gate_threshold(scores, 0.0) == 0.0  # k = 0: no gate
+
+    def test_false_rejection_rate_on_exchangeable_data(self):
+        """Fresh in-distribution scores fall below the threshold k/(n+1) <= rate of the time, on average."""
+        rng = np.random.default_rng(0)
+        rates = []
+        for _ in range(400):
+            t = gate_threshold(rng.normal(size=300), 0.05)
+            rates.append(np.mean(rng.normal(size=2000) < t))
+        expected = np.floor(0.05 * 301) / 301
+        assert np.mean(rates) == pytest.approx(expected, abs=0.004)
+        assert np.mean(rates) <= 0.05 + 0.004
+
+
+class TestTemperature:
+    def test_recovers_the_temperature_that_generated_the_labels(self):
+        rng = np.random.default_rng(0)
+        true_t = 2.5
+        probs, labels = [], []
+        for _ in range(4000):
+            z = rng.normal(scale=3.0, size=int(rng.integers(2, 6)))
+            p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+            q = np.exp(z / true_t - (z / true_t).max())
+            labels.append(int(rng.choice(len(z), p=q / q.sum())))
+            probs.append(p)
+        t, info = fit_temperature(probs, labels)
+        assert t == pytest.approx(true_t, rel=0.1)
+        assert info["nll_at_temperature"] < info["nll_at_1"]
+
+    def test_numpy_and_torch_temper_agree(self):
+        probs = torch.tensor([[0.7, 0.2, 0.1, 0.0], [0.25, 0.25, 0.25, 0.25]])
+        mask = torch.tensor([[True, True, True, False], [True] * 4])
+        out = torch_temper(probs, mask, 1.7)
+        assert out[0, 3] == 0
+        assert out[0, :3].numpy() == pytest.approx(temper([np.array([0.7, 0.2, 0.1])], 1.7)[0], abs=1e-6)
+        assert out.sum(-1).numpy() == pytest.approx([1.0, 1.0])
+
+
+def _synthetic(kind: str, n: int = 600, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    raw = {"probs": [], "alpha": [], "sigma": [], "offset": 1.0}
+    labels = []
+    for _ in range(n):
+        c = int(rng.integers(2, 6))
+        y = int(rng.integers(c))
+        alpha = 1.0 + rng.gamma(1.0, 2.0, size=c)
+        alpha[y] += rng.gamma(3.0, 4.0)
+        raw["alpha"].append(list(alpha))
+        raw["sigma"].append(list(rng.uniform(0.01, 0.3, size=c)))
+        raw["probs"].append(list(alpha / alpha.sum()))
+        labels.append(y)
+    if kind == "softmax":
+        raw.pop("alpha"), raw.pop("sigma")
+    if kind == "evidential":
+        raw.pop("sigma")
+    return raw, labels
+
+
+class TestCalibrateOutputs:
+    @pytest.mark.parametrize("kind", ["ib_edl", "evidential", "softmax"])
+    def test_sections_are_valid_and_consistent(self, kind):
+        raw, labels = _synthetic(kind)
+        config = CalibrationConfig(target_accuracy=0.8, delta=0.1)
+        head_update, outputs, sections = calibrate_outputs(kind, raw, labels, config)
+        assert set(head_update) <= {"zeta", "temperature"}
+        abst = Abstention(**sections["abstention"])
+        conformal = Conformal(**sections["conformal"])
+        cal = sections["calibration"]
+        assert cal["n_fit"] == 180 and cal["n_calibration"] == 420 and conformal.n == 420
+        assert abst.ood_score == ("max_probability" if kind == "softmax" else "inverse_uncertainty")
+        # The gate is the fit part's quantile of the OOD score.
+        fit, _ = split(600, 0.3, 0)
+        assert abst.ood_threshold == gate_threshold(outputs.ood_score()[fit], 0.05)
+        risk = cal["risk_control"]
+        assert risk["certified"] and risk["accuracy_lower_bound"] >= 0.8 - 1e-12
+        assert abst.min_confidence == risk["min_confidence"]
+        assert sorted(conformal.alphas()) == [0.01, 0.02, 0.05, 0.1, 0.2]
+        assert len(sections["reference"]["confidence"]) == 600
+        # The post-hoc outputs are what posthoc_outputs gives with the chosen parameter.
+        again = posthoc_outputs(kind, raw, head_update)
+        assert np.allclose(np.concatenate(again.probs), np.concatenate(outputs.probs))
+
+    def test_no_posthoc_sets_the_parameter_neutral(self):
+        raw, labels = _synthetic("ib_edl")
+        head_update, _, sections = calibrate_outputs("ib_edl", raw, labels, CalibrationConfig(posthoc=False))
+        assert head_update == {"zeta": 0.0} and sections["calibration"]["posthoc"] == {"kind": None}
+
+    @pytest.mark.parametrize("kwargs, match", [
+        ({"target_accuracy": 1.0}, "target_accuracy"), ({"delta": 0}, "delta"), ({"alpha": 1.5}, "alpha"),
+        ({"score": "raps"}, "score"), ({"ood_rejection_rate": 1.0}, "ood_rejection_rate"),
+        ({"fit_fraction": 0.0}, "fit_fraction")])
+    def test_config_checks_arguments(self, kwargs, match):
+        with pytest.raises(ValueError, match=match):
+            CalibrationConfig(**kwargs)
+
+
+def test_next_version():
+    assert next_version("3") == "4" and next_version("v1") == "v1.recal"
+
+
+class TestCli:
+    def test_bad_argument_fails_before_loading_a_model(self, tiny_artifact, capsys):
+        assert main(["--artifact", str(tiny_artifact), "--dataset", "sciq", "--target-accuracy", "1.5"]) == 2
+        assert "target_accuracy must be in (0, 1), got 1.5" in capsys.readouterr().err
+
+    def test_missing_artifact_is_a_clear_error(self, tmp_path, capsys):
+        assert main(["--artifact", str(tmp_path / "nope"), "--dataset", "sciq"]) == 2
+        assert "not found" in capsys.readouterr().err
+
+    def test_writes_a_new_version_sharing_the_weights(self, tiny_artifact, tiny_jsonl, tmp_path):
+        out = tmp_path / "recal"
+        rc = main(["--artifact", str(tiny_artifact), "--dataset", "jsonl", "--path", str(tiny_jsonl),
+                   "--output", str(out), "--target-accuracy", "0.5", "--no-progress", "--max-tokens", "96"])
+        assert rc == 0
+        before, after = read_manifest(tiny_artifact), read_manifest(out)
+        assert after.version == next_version(before.version)
+        assert after.calibration["dataset"] == "jsonl" and after.calibration["previous_version"] == before.version
+        assert after.calibration["n"] == 60 and after.conformal_sets() is not None
+        weights = (out / "adapter_model.safetensors").read_bytes()
+        assert weights == (tiny_artifact / "adapter_model.safetensors").read_bytes()
+        assert json.loads((out / "manifest.json").read_text())["abstention"]["ood_score"] == "inverse_uncertainty"
