@@ -152,3 +152,31 @@ def test_sigterm_drains_in_flight_requests(real_model_ref, tmp_path):
             httpx.get(proc.url + "/health/live", timeout=2)
     finally:
         proc.stop()
+
+
+def test_decisions_in_distribution_and_under_shift(server):
+    """The served default answers SciQ questions with their passage and turns away most of the same questions
+    without it and RACE questions without their article, with the reason out_of_distribution; every answer
+    carries its conformal set."""
+    with_passage = sciq(12, "test")
+    shifted = [{**q, "context": None} for q in with_passage] + [
+        {"question": q.question, "options": list(q.options)} for q in load_dataset("race", "test", limit=12)]
+    card = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]
+    gate = card["abstention"]["ood_threshold"]
+    assert card["abstention"]["ood_score"] == "inverse_uncertainty" and gate > 0
+    assert card["conformal"]["alpha"] == 0.1 and 0.05 in card["conformal"]["alphas"]
+    bodies = [ask(server, q).json() for q in with_passage + shifted]
+    for body in bodies:
+        assert body["ood_score"] == pytest.approx(1 / body["uncertainty_mass"], rel=1e-4)
+        assert body["prediction_set"] and body["prediction_set"][0] == body["prediction"]["letter"]
+        assert body["prediction_set_coverage"] == pytest.approx(0.9)
+        assert (body["abstain_reason"] == "out_of_distribution") == (body["ood_score"] < gate)
+    answered_id = sum(not b["abstained"] for b in bodies[:12])
+    refused_shift = sum(b["abstain_reason"] == "out_of_distribution" for b in bodies[12:])
+    assert answered_id >= 9  # in distribution the gate refuses ~5%
+    assert refused_shift >= 12  # most of the 24 shifted questions are turned away
+    # A smaller alpha never gives a smaller set.
+    wide = ask(server, {**with_passage[0], "conformal": {"alpha": 0.01}}).json()
+    assert set(bodies[0]["prediction_set"]) <= set(wide["prediction_set"])
+    drift = httpx.get(server.url + "/v1/drift", timeout=30).json()
+    assert drift["answered_in_window"] >= answered_id and drift["target_accuracy"] == card["abstention"]["how"]["target_accuracy"]

@@ -1,0 +1,283 @@
+"""Decisions under shift: the OOD gate, risk-controlled abstention and conformal sets of calibrated adapters,
+measured on in-distribution and shifted question streams.
+
+Two steps, so that the model runs once (a GPU helps) and the analysis reruns anywhere in seconds:
+
+    python benchmarks/decisions.py score --artifact artifacts/default --output benchmarks/results/decision_scores/default.json
+    python benchmarks/decisions.py score --artifact artifacts/map-twin --output benchmarks/results/decision_scores/map-twin.json
+    python benchmarks/decisions.py analyse --adapter default=artifacts/default --adapter map-twin=artifacts/map-twin \
+        [--scores-dir benchmarks/results/decision_scores] [--splits 200] [--output benchmarks/results/decisions.json]
+
+``score`` answers every stream with the head's post-hoc parameter neutral (raw outputs) and stores, per
+question, the probabilities, alpha and sigma, its label and option count. Streams:
+
+  sciq_validation        SciQ validation with passages: the calibration sample (training.calibrate's data)
+  sciq_test              SciQ test with passages (in distribution, read once for this report)
+  sciq_no_passage        the same questions without their passage
+  obqa                   OpenBookQA test (no passage)
+  arc_easy, arc_challenge  ARC test (no passage; 3-5 options)
+  race_no_article        RACE test without its article
+  <shifted>_dev          the same five shifts drawn from validation splits (SciQ validation without passages,
+                         OBQA/ARC/RACE dev): design choices are checked there, never on the test streams
+
+``analyse`` applies each artifact's manifest exactly as the service does (post-hoc parameter, gate, risk
+threshold, conformal quantile) and reports per stream the share answered and the accuracy of what was answered,
+the sets' coverage and size; then, over ``--splits`` random halvings of SciQ test into calibration and test
+parts, the empirical coverage of the sets and how often the accuracy guarantee held when the thresholds are
+chosen on the calibration half; and writes a risk-coverage plot beside the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from benchmarks.common import write_result  # noqa: E402
+from evidential.artifact import read_manifest  # noqa: E402
+from evidential.conformal import SCORES, conformal_quantile, label_scores, prediction_set  # noqa: E402
+from service.abstention import decide  # noqa: E402
+from training import metrics  # noqa: E402
+from training.calibrate import CalibrationConfig, calibrate_outputs, posthoc_outputs, weights_sha256  # noqa: E402
+from training.risk_control import control_accuracy  # noqa: E402
+
+STREAM_LIMIT = 1000
+DEV_LIMIT = 300  # questions per validation-split shifted stream (enough to compare design choices)
+SHIFTED = ("sciq_no_passage", "obqa", "arc_easy", "arc_challenge", "race_no_article")
+
+
+def streams(limit: int, dev_limit: int = DEV_LIMIT) -> dict:
+    """The calibration sample, SciQ test, and each shifted stream twice: from the datasets' validation splits
+    (``<name>_dev``: where design choices are checked) and from their test splits (the report)."""
+    from training.data import load_dataset
+
+    bare = lambda qs: [dataclasses.replace(q, context=None) for q in qs]  # noqa: E731
+    sciq_val, sciq_test = load_dataset("sciq", "validation"), load_dataset("sciq", "test")
+    out = {"sciq_validation": sciq_val, "sciq_test": sciq_test}
+    for split, suffix, n in (("validation", "_dev", dev_limit), ("test", "", limit)):
+        out["sciq_no_passage" + suffix] = bare(load_dataset("sciq", "validation", limit=n, seed=0) if suffix else sciq_test)
+        for name in ("obqa", "arc_easy", "arc_challenge"):
+            out[name + suffix] = load_dataset(name, split, limit=n, seed=0)
+        out["race_no_article" + suffix] = bare(load_dataset("race", split, limit=n, seed=0))
+    return out
+
+
+def score(args) -> int:
+    import torch
+
+    from evidential.predictor import Predictor
+    from training.calibrate import raw_outputs, save_outputs
+
+    predictor = Predictor.from_artifact(args.artifact, device=args.device,
+                                        dtype=getattr(torch, args.dtype) if args.dtype else None)
+    predictor.max_tokens = args.max_tokens  # the service's limit: served prompts are read whole
+    path = Path(args.output)
+    done = json.loads(path.read_text())["streams"] if path.is_file() and args.resume else {}
+    wanted = streams(args.limit, args.dev_limit)
+    for name in args.streams.split(",") if args.streams else wanted:
+        if name in done:
+            continue
+        questions = wanted[name]
+        kind, raw = raw_outputs(predictor, questions, args.batch_size, progress=not args.no_progress)
+        done[name] = {"labels": [q.answer for q in questions], **raw, "device": str(predictor.device)}
+        # Written after every stream, so an interrupted run resumes (--resume) where it stopped.
+        save_outputs(path, Path(args.artifact), predictor.manifest, done, kind, raw["offset"], args.max_tokens)
+        print(f"{name}: {len(questions)} questions", file=sys.stderr, flush=True)
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def served(dump: dict, stream: str, manifest) -> dict:
+    """Per-question outputs and decisions of one stream under the manifest's calibration, as served."""
+    raw = {**dump["streams"][stream], "offset": dump["offset"]}
+    if dump["weights_sha256"] != weights_sha256(Path(dump["artifact"]), manifest):
+        raise SystemExit(f"the scores of {stream} were produced by other weights than {dump['artifact']}: score again")
+    head = manifest.head_config()
+    outputs = posthoc_outputs(dump["kind"], raw, {"zeta": head.zeta, "temperature": head.temperature})
+    labels = np.asarray(raw["labels"])
+    conf = outputs.confidence
+    u = outputs.uncertainty
+    limits = manifest.thresholds()
+    reasons = [decide(None if u is None else float(u[i]), float(conf[i]), limits) for i in range(len(labels))]
+    hits = np.asarray([float(np.argmax(p) == y) for p, y in zip(outputs.probs, labels)])
+    return {"outputs": outputs, "labels": labels, "confidence": conf, "hits": hits, "reasons": reasons,
+            "answered": np.asarray([r is None for r in reasons])}
+
+
+def stream_row(s: dict, conformal) -> dict:
+    answered = s["answered"]
+    row = {
+        "n": int(len(answered)),
+        "accuracy": float(s["hits"].mean()),
+        "mean_confidence": float(s["confidence"].mean()),
+        "answered": float(answered.mean()),
+        "answered_accuracy": float(s["hits"][answered].mean()) if answered.any() else None,
+        "abstained_out_of_distribution": float(np.mean([r == "out_of_distribution" for r in s["reasons"]])),
+        "abstained_min_confidence": float(np.mean([r == "min_confidence" for r in s["reasons"]])),
+    }
+    if s["outputs"].uncertainty is not None:
+        row["mean_u"] = float(s["outputs"].uncertainty.mean())
+    if conformal is not None:
+        q = conformal.quantile()
+        sets = [prediction_set(p, q, conformal.score) for p in s["outputs"].probs]
+        row["set_coverage"] = float(np.mean([y in m for y, m in zip(s["labels"], sets)]))
+        row["set_mean_size"] = float(np.mean([len(m) for m in sets]))
+    return row
+
+
+def repeated_splits(s: dict, manifest, splits: int, seed: int = 0) -> dict:
+    """Guarantees checked on SciQ test: random halves calibrate (sets; risk threshold behind the artifact's
+    gate) and the other halves test."""
+    cal_cfg = manifest.calibration.get("config", {})
+    target = cal_cfg.get("target_accuracy", manifest.thresholds().how.get("target_accuracy", 0.9))
+    delta = cal_cfg.get("delta", 0.1)
+    alpha = manifest.conformal_sets().alpha if manifest.conformal_sets() else 0.1
+    probs, labels, conf, hits = s["outputs"].probs, s["labels"], s["confidence"], s["hits"]
+    limits = manifest.thresholds()
+    passed = s["outputs"].ood_score() >= limits.ood_threshold  # the artifact's gate, fixed
+    scores = {sc: label_scores(probs, labels, sc) for sc in SCORES}
+    rng = np.random.default_rng(seed)
+    cover = {sc: [] for sc in SCORES}
+    size = {sc: [] for sc in SCORES}
+    held, answered_share, answered_acc = [], [], []
+    n = len(labels)
+    for _ in range(splits):
+        perm = rng.permutation(n)
+        cal, test = perm[: n // 2], perm[n // 2:]
+        for sc in SCORES:
+            q = conformal_quantile(scores[sc][cal], alpha)
+            sets = [prediction_set(probs[i], q, sc) for i in test]
+            cover[sc].append(np.mean([labels[i] in m for i, m in zip(test, sets)]))
+            size[sc].append(np.mean([len(m) for m in sets]))
+        c = cal[passed[cal]]
+        risk = control_accuracy(conf[c], hits[c], target, delta)
+        ans = test[passed[test] & (conf[test] >= risk.min_confidence)]
+        acc = float(hits[ans].mean()) if len(ans) else 1.0
+        held.append(acc >= target)
+        answered_share.append(len(ans) / len(test))
+        answered_acc.append(acc)
+    return {
+        "splits": splits, "calibration_size": n // 2, "alpha": alpha, "target_accuracy": target, "delta": delta,
+        "sets": {sc: {"nominal": 1 - alpha, "mean_coverage": float(np.mean(cover[sc])),
+                      "coverage_p5_p95": [float(np.quantile(cover[sc], 0.05)), float(np.quantile(cover[sc], 0.95))],
+                      "mean_size": float(np.mean(size[sc]))} for sc in SCORES},
+        "risk": {"share_of_splits_guarantee_held": float(np.mean(held)), "required": 1 - delta,
+                 "mean_answered": float(np.mean(answered_share)), "mean_answered_accuracy": float(np.mean(answered_acc))},
+    }
+
+
+def check_manifest(dump: dict, manifest) -> dict:
+    """Recalibrate from the dump's SciQ validation stream and compare with the manifest (same code, same seed):
+    differences come only from the device's numerics."""
+    cal = manifest.calibration
+    if not cal.get("config") or cal.get("dataset") != "sciq" or cal.get("split") != "validation" or cal.get("limit"):
+        return {"checked": False, "why": "the manifest was not calibrated on all of SciQ validation"}
+    cfg = CalibrationConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in cal["config"].items()})
+    raw = {**dump["streams"]["sciq_validation"], "offset": dump["offset"]}
+    _, _, sections = calibrate_outputs(dump["kind"], raw, raw["labels"], cfg)
+    mine, theirs = sections["abstention"], manifest.abstention
+    return {"checked": True,
+            "min_confidence": [mine["min_confidence"], theirs["min_confidence"]],
+            "ood_threshold": [mine["ood_threshold"], theirs["ood_threshold"]]}
+
+
+def risk_coverage_plot(curves: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for label, (coverage, risk, point) in curves.items():
+        line, = ax.plot(coverage, 1 - risk, label=label)
+        ax.plot(*point, "o", color=line.get_color())
+    ax.set_xlabel("share answered (coverage), SciQ test")
+    ax.set_ylabel("accuracy of answered questions")
+    ax.set_title("Risk-coverage on SciQ test (dots: the served operating point)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def analyse(args) -> int:
+    result = {"adapters": {}, "command": "python benchmarks/decisions.py analyse " + " ".join(sys.argv[2:])}
+    curves = {}
+    for spec in args.adapter:
+        name, _, directory = spec.partition("=")
+        if not directory:
+            raise SystemExit(f"--adapter takes NAME=DIR, got {spec!r}")
+        manifest = read_manifest(directory)
+        dump = json.loads((Path(args.scores_dir) / f"{name}.json").read_text())
+        rows, dev_rows = {}, {}
+        for stream in ("sciq_test", *SHIFTED):
+            s = served(dump, stream, manifest)
+            rows[stream] = stream_row(s, manifest.conformal_sets())
+            if stream == "sciq_test":
+                test = s
+        for stream in SHIFTED:
+            if stream + "_dev" in dump["streams"]:
+                dev_rows[stream] = stream_row(served(dump, stream + "_dev", manifest), manifest.conformal_sets())
+        shifted = [rows[k]["answered"] for k in SHIFTED]
+        id_metrics = metrics.summarise(test["outputs"].probs, test["labels"], test["outputs"].uncertainty)
+        result["adapters"][name] = {
+            "artifact": directory, "method": manifest.method, "version": manifest.version,
+            "abstention": {k: manifest.abstention[k] for k in ("min_confidence", "ood_score", "ood_threshold")},
+            "target_accuracy": manifest.abstention["how"].get("target_accuracy"),
+            "streams": rows,
+            "max_answered_shifted": float(max(shifted)),
+            "dev_streams": dev_rows,
+            "sciq_test_metrics": id_metrics,
+            "ood_auroc": {k: metrics.auroc(test["outputs"].ood_score(), served(dump, k, manifest)["outputs"].ood_score())
+                          for k in SHIFTED},
+            "repeated_splits": repeated_splits(test, manifest, args.splits),
+            "manifest_check": check_manifest(dump, manifest),
+        }
+        coverage, risk = metrics.risk_coverage(test["confidence"], test["hits"])
+        answered = test["answered"]
+        point = (answered.mean(), test["hits"][answered].mean() if answered.any() else np.nan)
+        curves[f"{name} ({manifest.method})"] = (coverage, risk, point)
+        print(f"{name}: SciQ test answered {rows['sciq_test']['answered']:.3f} at accuracy "
+              f"{rows['sciq_test']['answered_accuracy']}; shifted answered at most {max(shifted):.3f}", flush=True)
+    out = Path(args.output)
+    write_result(out, result, echo=False)
+    risk_coverage_plot(curves, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("score", help="answer every stream with one adapter (raw outputs) into a JSON dump")
+    p.add_argument("--artifact", required=True)
+    p.add_argument("--output", required=True)
+    p.add_argument("--limit", type=int, default=STREAM_LIMIT, help="questions per shifted stream of another dataset")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=1024)
+    p.add_argument("--device")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--dev-limit", type=int, default=DEV_LIMIT, help="questions per <shifted>_dev stream")
+    p.add_argument("--streams", help="comma-separated stream names (default: all)")
+    p.add_argument("--resume", action="store_true", help="keep the streams already in --output")
+    p.add_argument("--no-progress", action="store_true")
+    a = sub.add_parser("analyse", help="apply each artifact's calibration to its dump and write the report")
+    a.add_argument("--adapter", action="append", required=True, help="NAME=DIR; the dump is <scores-dir>/NAME.json")
+    a.add_argument("--scores-dir", default="benchmarks/results/decision_scores")
+    a.add_argument("--splits", type=int, default=200)
+    a.add_argument("--output", default="benchmarks/results/decisions.json")
+    args = parser.parse_args(argv)
+    if args.command == "analyse" and args.splits < 100:
+        parser.error(f"--splits must be >= 100, got {args.splits}")
+    return score(args) if args.command == "score" else analyse(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,88 @@
+"""benchmarks/decisions.py analyse: served decisions recomputed from stored raw outputs, on a synthetic dump of
+the tiny artifact (in-distribution streams confident, shifted streams diffuse)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from benchmarks.decisions import SHIFTED, main
+from evidential.artifact import read_manifest, write_manifest
+from service.abstention import decide
+from training.calibrate import CalibrationConfig, calibrate_outputs, save_outputs
+
+
+def stream(rng, n, sharp):
+    labels, alphas, sigmas = [], [], []
+    for _ in range(n):
+        c = int(rng.integers(3, 6))
+        y = int(rng.integers(c))
+        alpha = 1.0 + rng.gamma(1.0, 1.0, size=c)
+        if sharp:
+            alpha[y if rng.random() < 0.97 else (y + 1) % c] += rng.gamma(6.0, 5.0)
+        labels.append(y), alphas.append(list(alpha)), sigmas.append(list(rng.uniform(0.01, 0.1, size=c)))
+    return {"labels": labels, "alpha": alphas, "sigma": sigmas,
+            "probs": [list(np.asarray(a) / sum(a)) for a in alphas]}
+
+
+@pytest.fixture
+def setup(tiny_artifact, tmp_path):
+    rng = np.random.default_rng(0)
+    art = tmp_path / "art"
+    shutil.copytree(tiny_artifact, art)
+    streams = {"sciq_validation": stream(rng, 600, True), "sciq_test": stream(rng, 400, True)}
+    streams.update({name: stream(rng, 100, False) for name in SHIFTED})
+    streams["obqa_dev"] = stream(rng, 50, False)
+    # Calibrate the artifact on the dump's validation stream, as training.calibrate --outputs would.
+    manifest = read_manifest(art)
+    raw = {**streams["sciq_validation"], "offset": 1.0}
+    head_update, _, sections = calibrate_outputs("ib_edl", raw, raw["labels"], CalibrationConfig())
+    manifest.head.update(head_update)
+    for key, value in sections.items():
+        setattr(manifest, key, value)
+    manifest.calibration.update(dataset="sciq", split="validation", limit=None)
+    write_manifest(art, manifest)
+    scores = tmp_path / "scores"
+    save_outputs(scores / "tiny.json", art, manifest, streams, "ib_edl", 1.0, 1024)
+    return art, scores, streams, manifest
+
+
+def test_analyse_reports_what_the_service_would_decide(setup, tmp_path):
+    art, scores, streams, manifest = setup
+    out = tmp_path / "decisions.json"
+    assert main(["analyse", "--adapter", f"tiny={art}", "--scores-dir", str(scores), "--splits", "100",
+                 "--output", str(out)]) == 0
+    report = json.loads(out.read_text())["adapters"]["tiny"]
+    assert out.with_suffix(".png").is_file()
+    # The answered share of a shifted stream is the service's decide() applied to the stored outputs.
+    s = streams["obqa"]
+    limits = manifest.thresholds()
+    answered = [decide(len(a) / sum(a), max(p), limits) is None for a, p in zip(s["alpha"], s["probs"])]
+    assert report["streams"]["obqa"]["answered"] == pytest.approx(np.mean(answered))
+    assert report["dev_streams"]["obqa"]["n"] == 50
+    # Diffuse shifted streams are mostly refused; confident in-distribution ones mostly answered.
+    assert report["streams"]["sciq_test"]["answered"] > 0.8
+    assert report["max_answered_shifted"] < 0.2
+    assert report["manifest_check"]["checked"]
+    assert report["manifest_check"]["min_confidence"][0] == pytest.approx(report["manifest_check"]["min_confidence"][1])
+    splits = report["repeated_splits"]
+    assert splits["splits"] == 100
+    for score in ("lac", "aps"):
+        assert splits["sets"][score]["mean_coverage"] >= 0.9 - 0.02
+    assert splits["risk"]["share_of_splits_guarantee_held"] >= 0.8
+
+
+def test_scores_of_other_weights_are_refused(setup, tmp_path):
+    art, scores, _, _ = setup
+    (art / "head.safetensors").write_bytes((art / "head.safetensors").read_bytes() + b" ")
+    with pytest.raises(SystemExit, match="other weights"):
+        main(["analyse", "--adapter", f"tiny={art}", "--scores-dir", str(scores), "--output", str(tmp_path / "x.json")])
+
+
+def test_too_few_splits_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        main(["analyse", "--adapter", "a=b", "--splits", "10"])
+    assert "--splits must be >= 100" in capsys.readouterr().err
