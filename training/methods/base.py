@@ -37,7 +37,6 @@ class Method:
         defaults: hyper-parameters with their default values; a config may override them.
         clip_grad_norm: gradient clipping (20 for the EDL family as in the paper, 1 otherwise).
         head_offset: alpha = evidence + offset, from ``params`` key when a str, else the number.
-        dirichlet: whether the method predicts a Dirichlet (uncertainty mass).
         check: ``check(params)`` raises ValueError naming a bad hyper-parameter value (optional).
     """
 
@@ -47,7 +46,6 @@ class Method:
     defaults: dict = field(default_factory=dict)
     clip_grad_norm: float = 1.0
     head_offset: float | str = 1.0
-    dirichlet: bool = False
     check: Callable[[dict], None] | None = None
 
     def params(self, overrides: dict | None = None) -> dict:

@@ -23,5 +23,4 @@ METHOD = Method(
     loss=loss,
     defaults={"fisher_weight": 0.005, "kl_weight": 1.0},
     clip_grad_norm=20.0,
-    dirichlet=True,
 )

@@ -65,6 +65,5 @@ METHOD = Method(
     loss=ib_edl_loss,
     defaults={"beta": 1e-3, "num_samples": 20, "risk": "mse", "beta_start": None, "beta_anneal": 0.5},
     clip_grad_norm=20.0,
-    dirichlet=True,
     check=check_params,
 )

@@ -22,5 +22,4 @@ METHOD = Method(
     defaults={"eta": 0.1, "kl_weight": 1.0},
     clip_grad_norm=20.0,
     head_offset="eta",
-    dirichlet=True,
 )
