@@ -19,6 +19,7 @@ def loss(out, y, mask, params, ctx):
 
 METHOD = Method(
     name="i_edl",
+    label="I-EDL",
     head="evidential",
     loss=loss,
     defaults={"fisher_weight": 0.005, "kl_weight": 1.0},

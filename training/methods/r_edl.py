@@ -17,6 +17,7 @@ def loss(out, y, mask, params, ctx):
 
 METHOD = Method(
     name="r_edl",
+    label="R-EDL",
     head="evidential",
     loss=loss,
     defaults={"eta": 0.1, "kl_weight": 1.0},
