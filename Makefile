@@ -76,7 +76,7 @@ bench: setup
 
 # All methods on one contract (hours on CPU; resumes where it stopped).
 benchmark: setup-laplace
-	$(PY) -m training.benchmark --config benchmarks/smollm2_small.yaml
+	$(PY) -m training.experiments.benchmark --config benchmarks/smollm2_small.yaml
 
 clean:
 	rm -rf $(VENV) .pytest_cache runs
