@@ -71,8 +71,8 @@ train-map-twin: setup
 	$(PY) -m training.finetune --config training/configs/smollm2_science_map_twin.yaml
 
 bench: setup
-	$(PY) benchmarks/option_rows.py
-	$(PY) benchmarks/service_latency.py
+	$(PY) -m benchmarks.option_rows
+	$(PY) -m benchmarks.service_latency
 
 # All methods on one contract (hours on CPU; resumes where it stopped).
 benchmark: setup-laplace
