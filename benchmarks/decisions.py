@@ -3,9 +3,9 @@ measured on in-distribution and shifted question streams.
 
 Two steps, so that the model runs once (a GPU helps) and the analysis reruns anywhere in seconds:
 
-    python benchmarks/decisions.py score --artifact artifacts/default --output benchmarks/results/decision_scores/default.json
-    python benchmarks/decisions.py score --artifact artifacts/map-twin --output benchmarks/results/decision_scores/map-twin.json
-    python benchmarks/decisions.py analyse --adapter default=artifacts/default --adapter map-twin=artifacts/map-twin \
+    python -m benchmarks.decisions score --artifact artifacts/default --output benchmarks/results/decision_scores/default.json
+    python -m benchmarks.decisions score --artifact artifacts/map-twin --output benchmarks/results/decision_scores/map-twin.json
+    python -m benchmarks.decisions analyse --adapter default=artifacts/default --adapter map-twin=artifacts/map-twin \
         [--scores-dir benchmarks/results/decision_scores] [--splits 200] [--output benchmarks/results/decisions.json]
 
 ``score`` answers every stream with the head's post-hoc parameter neutral (raw outputs) and stores, per
@@ -35,17 +35,15 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from benchmarks.common import write_result  # noqa: E402
-from evidential.artifact import read_manifest  # noqa: E402
-from evidential.conformal import SCORES, conformal_quantile, label_scores, prediction_set  # noqa: E402
-from service.abstention import decide  # noqa: E402
-from training import metrics  # noqa: E402
-from training.calibrate import CalibrationConfig, calibrate_outputs, posthoc_outputs, weights_sha256  # noqa: E402
-from training.risk_control import control_accuracy  # noqa: E402
+from benchmarks.common import write_result
+from evidential.artifact import read_manifest
+from evidential.conformal import SCORES, conformal_quantile, label_scores, prediction_set
+from service.abstention import decide
+from training import metrics
+from training.calibrate import CalibrationConfig, calibrate_outputs, posthoc_outputs, weights_sha256
+from training.risk_control import control_accuracy
 
 STREAM_LIMIT = 1000
 DEV_LIMIT = 300  # questions per validation-split shifted stream (enough to compare design choices)
@@ -208,7 +206,7 @@ def risk_coverage_plot(curves: dict, path: Path) -> None:
 
 
 def analyse(args) -> int:
-    result = {"adapters": {}, "command": "python benchmarks/decisions.py analyse " + " ".join(sys.argv[2:])}
+    result = {"adapters": {}, "command": "python -m benchmarks.decisions analyse " + " ".join(sys.argv[2:])}
     curves = {}
     for spec in args.adapter:
         name, _, directory = spec.partition("=")

@@ -1,6 +1,6 @@
 """Which traffic moves the served uncertainty mass u: KS and PSI of question streams against the adapter's reference.
 
-    python benchmarks/drift_streams.py [--artifact artifacts/default] [--window 100] [--draws 1000]
+    python -m benchmarks.drift_streams [--artifact artifacts/default] [--window 100] [--draws 1000]
         [--output benchmarks/results/drift_streams.json]
 
 Each stream is a window of questions answered by the adapter (the same predictor the service uses); its u
@@ -20,17 +20,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from benchmarks.common import write_result  # noqa: E402
-from evidential.predictor import Predictor  # noqa: E402
-from service.drift import bootstrap_threshold, ks_statistic, psi  # noqa: E402
-from training.data import load_dataset  # noqa: E402
+from benchmarks.common import write_result
+from evidential.predictor import Predictor
+from service.drift import bootstrap_threshold, ks_statistic, psi
+from training.data import load_dataset
 
 
 def streams(window: int) -> dict[str, list]:

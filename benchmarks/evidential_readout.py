@@ -1,7 +1,7 @@
 """How well an evidential read-out of a MAP adapter's own option logits can be calibrated.
 
-    python benchmarks/evidential_readout.py [--artifact artifacts/map] [--split validation] [--limit 500]
-        [--output benchmarks/results/evidential_readout.json]
+    python -m benchmarks.evidential_readout [--artifact artifacts/map] [--split validation] [--limit 500]
+        [--output benchmarks/results/evidential_readout_map_stage1.json]
 
 The adapter (a softmax head) answers SciQ questions once. Its option logits z (B, C), centred per question,
 are then read out twice: as the softmax the adapter was trained for, and as the Dirichlet mean of an
@@ -15,18 +15,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks.common import write_result  # noqa: E402
-from evidential.dirichlet import alpha_from_logits, dirichlet_outputs  # noqa: E402
-from evidential.predictor import Predictor  # noqa: E402
-from training import metrics  # noqa: E402
-from training.data import load_dataset  # noqa: E402
-from training.evaluate import predict_all  # noqa: E402
+from benchmarks.common import write_result
+from evidential.dirichlet import alpha_from_logits, dirichlet_outputs
+from evidential.predictor import Predictor
+from training import metrics
+from training.data import load_dataset
+from training.evaluate import predict_all
 
 SCALES = (1, 2, 4, 6, 8, 12, 16, 24, 32)
 
@@ -54,7 +51,7 @@ def main(argv=None) -> int:
     parser.add_argument("--split", default="validation")
     parser.add_argument("--limit", type=int, default=500)
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--output", default="benchmarks/results/evidential_readout.json")
+    parser.add_argument("--output", default="benchmarks/results/evidential_readout_map_stage1.json")
     args = parser.parse_args(argv)
     if args.limit is not None and args.limit < 10:
         parser.error(f"--limit must be at least 10, got {args.limit}")

@@ -1,7 +1,7 @@
 """The GPU path: the same IB-EDL fine-tuning in fp32, bf16 and bf16 + 4-bit NF4 (bitsandbytes), with
 training samples/s and peak GPU memory as ratios against fp32, and 4-bit inference of the bf16 adapter.
 
-    python benchmarks/gpu_path.py [--base-model REF] [--steps 150] [--output benchmarks/results/gpu_path.json]
+    python -m benchmarks.gpu_path [--base-model REF] [--steps 150] [--output benchmarks/results/gpu_path.json]
 
 Needs CUDA (and bitsandbytes for the 4-bit rows); prints one JSON object.
 """
@@ -14,16 +14,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks.common import write_result  # noqa: E402
-from evidential.predictor import Predictor  # noqa: E402
-from training.config import load_config  # noqa: E402
-from training.data import load_dataset  # noqa: E402
-from training.evaluate import evaluate  # noqa: E402
-from training.finetune import train  # noqa: E402
+from benchmarks.common import write_result
+from evidential.predictor import Predictor
+from training.config import load_config
+from training.data import load_dataset
+from training.evaluate import evaluate
+from training.finetune import train
 
 VARIANTS = {
     "fp32": ["dtype=float32"],
@@ -52,7 +50,7 @@ def main(argv=None) -> int:
             "optim.batch_size=8", "data.test=[]", "progress=false", "device=cuda", *extra,
         ])
         start = time.time()
-        artifact = train(cfg, command=f"benchmarks/gpu_path.py {name}")
+        artifact = train(cfg, command=f"python -m benchmarks.gpu_path {name}")
         manifest = json.loads((artifact / "manifest.json").read_text())
         run = manifest["training"]["run"]
         peak = torch.cuda.max_memory_allocated() / 2**20

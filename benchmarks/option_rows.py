@@ -1,6 +1,6 @@
 """Option rows vs full-vocabulary logits, and IB-EDL inference overhead vs MAP, on the real model.
 
-    python benchmarks/option_rows.py [--base-model smollm2-135m-instruct] [--rounds 6] [--batch-size 4]
+    python -m benchmarks.option_rows [--base-model smollm2-135m-instruct] [--rounds 6] [--batch-size 4]
         [--output benchmarks/results/option_rows.json]
 
 Training step (LoRA forward + backward + optimizer) of the same batches two ways:
@@ -23,20 +23,17 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from benchmarks.common import write_result  # noqa: E402
-from evidential.base_model import load_base_model, resolve_model  # noqa: E402
-from evidential.head import HeadConfig, build_head  # noqa: E402
-from evidential.predictor import Predictor, lm_head_rows  # noqa: E402
-from evidential.prompt import option_token_ids  # noqa: E402
-from training.data import load_dataset  # noqa: E402
-from training.losses import cross_entropy, ib_edl_risk, sample_pre_evidence  # noqa: E402
+from benchmarks.common import write_result
+from evidential.base_model import load_base_model, resolve_model
+from evidential.head import HeadConfig, build_head
+from evidential.predictor import Predictor, lm_head_rows
+from evidential.prompt import option_token_ids
+from training.data import load_dataset
+from training.losses import cross_entropy, ib_edl_risk, sample_pre_evidence
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -1,6 +1,6 @@
 """Are two adapters' calibration numbers on a test set different beyond resampling noise?
 
-    python benchmarks/paired_bootstrap.py --reference runs/map-warm-1000x3 --artifacts artifacts/default \
+    python -m benchmarks.paired_bootstrap --reference runs/map-warm-1000x3 --artifacts artifacts/default \
         [--dataset sciq] [--split test] [--limit N] [--resamples 2000] [--seed 0] \
         [--output benchmarks/results/paired_bootstrap.json]
 
@@ -18,12 +18,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from benchmarks.common import write_result  # noqa: E402
-from training import metrics  # noqa: E402
+from benchmarks.common import write_result
+from training import metrics
 
 METRICS = ("accuracy", "ece", "nll", "brier")
 HIGHER_IS_BETTER = {"accuracy"}

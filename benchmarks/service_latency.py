@@ -1,6 +1,6 @@
 """Service overhead and micro-batching, measured in one run on the real model.
 
-    python benchmarks/service_latency.py [--artifact artifacts/default] [--requests 40] [--output benchmarks/results/service_latency.json]
+    python -m benchmarks.service_latency [--artifact artifacts/default] [--requests 40] [--output benchmarks/results/service_latency.json]
 
 1. Latency: the bare predictor answering one question at a time in this process, against POST /predict
    to a real uvicorn process on loopback (one client), on the same questions: p50/p99 and their ratios.
@@ -16,16 +16,14 @@ import argparse
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import httpx
+import numpy as np
 
-import httpx  # noqa: E402
-import numpy as np  # noqa: E402
-
-from benchmarks.common import write_result  # noqa: E402
-from evidential.predictor import Predictor  # noqa: E402
-from training.data import load_dataset  # noqa: E402
+from benchmarks.common import write_result
+from benchmarks.service_process import ServiceProcess  # the same harness the end-to-end tests use
+from evidential.predictor import Predictor
+from training.data import load_dataset
 
 
 def pct(values, q):
@@ -40,8 +38,6 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     questions = load_dataset("sciq", "validation", limit=max(args.requests, 64), seed=3)
     payloads = [{"question": q.question, "options": list(q.options), "context": q.context} for q in questions]
-
-    from tests.conftest import ServiceProcess  # the same helper the end-to-end tests use
 
     predictor = Predictor.from_artifact(args.artifact)
     server = ServiceProcess(args.artifact, {"IBEDL_MAX_BATCH_SIZE": "32", "IBEDL_MAX_WAIT_MS": "10"})

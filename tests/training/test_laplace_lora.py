@@ -22,10 +22,14 @@ def map_artifact(tiny_model_dir, tmp_path_factory):
     data = root / "toy.jsonl"
     data.write_text("".join(json.dumps({"question": f"Which is {o[0]}?", "options": o, "answer": 0}) + "\n"
                             for o in (rng.sample(WORDS, rng.choice([3, 4])) for _ in range(40))))
-    cfg = load_config(None, ["method=map", f"base_model={tiny_model_dir}", f"output={root / 'map'}", "progress=false",
-                             f"data={{train: [{{dataset: jsonl, path: {data}}}], validation: [{{dataset: jsonl, path: {data}, limit: 8}}]}}",
-                             "optim.max_steps=4", "optim.lr=1e-2", "max_tokens=96"])
+    cfg = load_config(None, ["method=map", f"output={root / 'map'}", *tiny_overrides(tiny_model_dir, data)])
     return train(cfg), data
+
+
+def tiny_overrides(tiny_model_dir, data) -> list[str]:
+    return [f"base_model={tiny_model_dir}", "progress=false",
+            f"data={{train: [{{dataset: jsonl, path: {data}}}], validation: [{{dataset: jsonl, path: {data}, limit: 8}}]}}",
+            "optim.max_steps=4", "optim.lr=1e-2", "max_tokens=96"]
 
 
 def test_glm_predictive_is_a_distribution_and_flatter_than_map(map_artifact):
@@ -54,3 +58,31 @@ def test_needs_answers(map_artifact):
 
     with pytest.raises(ValueError, match="needs questions with answers"):
         fit_laplace(predictor, [MCQuestion(q.question, q.options)])
+
+
+
+def test_finetune_method_laplace_trains_map_then_fits_the_posterior(map_artifact, tiny_model_dir, tmp_path):
+    from training.evaluate import evaluate
+
+    _, data = map_artifact
+    cfg = load_config(None, ["method=laplace", f"output={tmp_path / 'laplace'}", "method_params={fit_samples: 12}",
+                             *tiny_overrides(tiny_model_dir, data)])
+    artifact = train(cfg)
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["method"] == "laplace" and manifest["method_config"]["fit_samples"] == 12
+    assert manifest["head"]["kind"] == "softmax" and manifest["mc_samples"] == 0
+    assert manifest["reference"]["uncertainty"] is None  # not a Dirichlet
+    # The manifest's validation metrics are the GLM predictive's, not the saved MAP adapter's own.
+    validation = load_dataset("jsonl", "validation", path=data, limit=8, seed=0)
+    map_metrics = evaluate(Predictor.from_artifact(artifact), validation, progress=False).metrics
+    assert manifest["metrics"]["validation"]["nll"] != pytest.approx(map_metrics["nll"], abs=1e-6)
+    assert set(manifest["metrics"]["validation"]) == set(map_metrics)
+
+
+def test_laplace_hyper_parameters_checked_on_arrival():
+    from training.methods import get_method
+
+    with pytest.raises(ValueError, match="fit_samples must be an integer >= 1, got 0"):
+        get_method("laplace").params({"fit_samples": 0})
+    with pytest.raises(ValueError, match="prior_precision must be a finite number > 0 .*got -1"):
+        get_method("laplace").params({"prior_precision": -1})

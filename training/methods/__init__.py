@@ -1,12 +1,13 @@
-"""The method registry: one module per method, one line here per method."""
+"""The method registry: one module per method, one line here per method, in the order reports list them."""
 
-from training.methods import edl, ensemble, i_edl, ib_edl, map, mc_dropout, r_edl, vid
-from training.methods.base import LossContext, Method
+from training.methods import edl, ensemble, i_edl, ib_edl, laplace, map, mc_dropout, r_edl, vid
+from training.methods.base import LossContext, Method, PostHoc
 
 METHODS: dict[str, Method] = {}
 METHODS["map"] = map.METHOD
 METHODS["mc_dropout"] = mc_dropout.METHOD
 METHODS["ensemble"] = ensemble.METHOD
+METHODS["laplace"] = laplace.METHOD
 METHODS["edl"] = edl.METHOD
 METHODS["vid"] = vid.METHOD
 METHODS["i_edl"] = i_edl.METHOD
@@ -20,4 +21,4 @@ def get_method(name: str) -> Method:
     return METHODS[name]
 
 
-__all__ = ["METHODS", "Method", "LossContext", "get_method"]
+__all__ = ["METHODS", "Method", "LossContext", "PostHoc", "get_method"]

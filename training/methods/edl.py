@@ -14,4 +14,4 @@ def edl_loss(out, y, mask, params, ctx):
     return {"loss": risk + annealing(ctx.progress, params["kl_weight"]) * kl, "risk": risk, "kl": kl}
 
 
-METHOD = Method(name="edl", head="evidential", loss=edl_loss, defaults={"kl_weight": 1.0}, clip_grad_norm=20.0, dirichlet=True)
+METHOD = Method(name="edl", label="EDL", head="evidential", loss=edl_loss, defaults={"kl_weight": 1.0}, clip_grad_norm=20.0)

@@ -8,4 +8,4 @@ References:
 from training.methods.base import Method
 from training.methods.map import map_loss
 
-METHOD = Method(name="ensemble", head="softmax", loss=map_loss, defaults={"members": 3})
+METHOD = Method(name="ensemble", label="Ens", head="softmax", loss=map_loss, defaults={"members": 3}, members="members")

@@ -19,9 +19,9 @@ def loss(out, y, mask, params, ctx):
 
 METHOD = Method(
     name="i_edl",
+    label="I-EDL",
     head="evidential",
     loss=loss,
     defaults={"fisher_weight": 0.005, "kl_weight": 1.0},
     clip_grad_norm=20.0,
-    dirichlet=True,
 )

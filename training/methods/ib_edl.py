@@ -14,8 +14,11 @@ References:
 """
 
 import math
+from dataclasses import asdict
 
 import torch
+
+from training.confidence_ceiling import confidence_ceiling
 
 from training.losses import RISKS, gaussian_information, ib_edl_risk
 from training.methods.base import Method
@@ -52,6 +55,14 @@ def beta_at(params: dict, progress: float) -> float:
     return math.exp(math.log(start) + t * (math.log(end) - math.log(start)))
 
 
+def ceiling(params: dict, num_options: int) -> dict | None:
+    """The highest confidence the objective allows at ``num_options`` (``training.confidence_ceiling``);
+    None without an information term."""
+    if not params["beta"] > 0:
+        return None
+    return asdict(confidence_ceiling(params["beta"], num_options, params["risk"]))
+
+
 def ib_edl_loss(out, y, mask, params, ctx):
     risk = ib_edl_risk(out.logits, out.sigma, y, mask, params["num_samples"], ctx.generator, params["risk"])
     info = gaussian_information(out.logits, out.sigma, mask)
@@ -61,10 +72,11 @@ def ib_edl_loss(out, y, mask, params, ctx):
 
 METHOD = Method(
     name="ib_edl",
+    label="IB-EDL",
     head="ib_edl",
     loss=ib_edl_loss,
     defaults={"beta": 1e-3, "num_samples": 20, "risk": "mse", "beta_start": None, "beta_anneal": 0.5},
     clip_grad_norm=20.0,
-    dirichlet=True,
     check=check_params,
+    confidence_ceiling=ceiling,
 )

@@ -8,4 +8,4 @@ def map_loss(out, y, mask, params, ctx):
     return {"loss": cross_entropy(out.logits, y, mask)}
 
 
-METHOD = Method(name="map", head="softmax", loss=map_loss)
+METHOD = Method(name="map", label="MAP", head="softmax", loss=map_loss)

@@ -8,4 +8,5 @@ References:
 from training.methods.base import Method
 from training.methods.map import map_loss
 
-METHOD = Method(name="mc_dropout", head="softmax", loss=map_loss, defaults={"mc_samples": 10})
+METHOD = Method(name="mc_dropout", label="MCD", head="softmax", loss=map_loss, defaults={"mc_samples": 10},
+                mc_samples="mc_samples", reuses="map")

@@ -17,10 +17,10 @@ def loss(out, y, mask, params, ctx):
 
 METHOD = Method(
     name="r_edl",
+    label="R-EDL",
     head="evidential",
     loss=loss,
     defaults={"eta": 0.1, "kl_weight": 1.0},
     clip_grad_norm=20.0,
     head_offset="eta",
-    dirichlet=True,
 )

@@ -12,4 +12,4 @@ def loss(out, y, mask, params, ctx):
     return {"loss": vid_loss(out.alpha, y, mask)}
 
 
-METHOD = Method(name="vid", head="evidential", loss=loss, clip_grad_norm=20.0, dirichlet=True)
+METHOD = Method(name="vid", label="VID", head="evidential", loss=loss, clip_grad_norm=20.0)

@@ -1,6 +1,6 @@
 """Which base model and recipe learn? Train a grid of short MAP runs and report test accuracy.
 
-    python benchmarks/recipe_probe.py --grid benchmarks/recipe_probe.yaml [--device cuda] [--only NAME ...]
+    python -m benchmarks.archive.recipe_probe --grid benchmarks/archive/recipe_probe.yaml [--device cuda] [--only NAME ...]
 
 Each grid entry is a set of ``training.finetune`` overrides on top of the grid's ``base``; runs that
 already have a result in the output JSON are skipped (safe to interrupt and resume). The results file
@@ -15,16 +15,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from training.config import load_config, yaml_load  # noqa: E402
-from training.finetune import train  # noqa: E402
+from training.config import load_config, yaml_load
+from training.finetune import train
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--grid", required=True)
-    parser.add_argument("--output", help="results JSON (default benchmarks/results/<grid name>.json)")
+    parser.add_argument("--output", help="results JSON (default benchmarks/archive/results/<grid name>.json)")
     parser.add_argument("--device", help="cpu or cuda (default: the grid's, else auto)")
     parser.add_argument("--only", nargs="*", help="run only these entries")
     parser.add_argument("--model-path", action="append", default=[], metavar="NAME=REF",
@@ -33,7 +31,7 @@ def main(argv=None) -> int:
     parser.add_argument("--runs-dir", default="runs/recipe_probe")
     args = parser.parse_args(argv)
     grid = yaml_load(Path(args.grid).read_text())
-    out = Path(args.output or f"benchmarks/results/{Path(args.grid).stem}.json")
+    out = Path(args.output or f"benchmarks/archive/results/{Path(args.grid).stem}.json")
     results = json.loads(out.read_text()) if out.is_file() else []
     done = {r["name"] for r in results}
     for entry in grid["runs"]:

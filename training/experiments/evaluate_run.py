@@ -1,11 +1,11 @@
 """One benchmark evaluation in its own process: an artifact, a method's predictive, several test sets.
 
-    python -m training.benchmark_eval --artifact DIR --method METHOD --dataset D [--dataset D2 ...] --output FILE
+    python -m training.experiments.evaluate_run --artifact DIR --method METHOD --dataset D [--dataset D2 ...] --output FILE
 
-``mc_dropout`` evaluates a MAP artifact with T dropout-on passes; ``laplace`` fits a KFAC Laplace
-posterior over the MAP adapter's LoRA weights (laplace-torch, the ``laplace`` extra) and predicts with
-the GLM probit approximation. Other methods use the artifact as trained. Writes, per dataset, the
-predictive probabilities, labels, uncertainty masses and test throughput.
+The method's record says how the artifact predicts: its dropout-on passes (MC-Dropout on a MAP artifact)
+and its post-hoc step, fitted on the artifact's training data (Laplace: a KFAC posterior over the LoRA
+weights, the ``laplace`` extra). Writes, per dataset, the predictive probabilities, labels, uncertainty
+masses and test throughput.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def summarise_run(preds: dict, eval_sets) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training.benchmark_eval", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m training.experiments.evaluate_run", description=__doc__.split("\n\n")[0])
     parser.add_argument("--artifact", required=True)
     parser.add_argument("--method", required=True)
     parser.add_argument("--dataset", action="append", required=True)
@@ -56,34 +56,27 @@ def main(argv: list[str] | None = None) -> int:
     from evidential.predictor import Predictor
     from training.data import load_dataset
     from training.evaluate import predict_all
+    from training.methods import get_method
 
     limits = json.loads(args.limits)
-    params = json.loads(args.method_params)
+    method = get_method(args.method)
+    params = method.params(json.loads(args.method_params))
     predictor = Predictor.from_artifact(args.artifact)
-    if args.method == "mc_dropout":
-        predictor.mc_samples = int(params.get("mc_samples", 10))
+    if method.num_mc_samples(params):  # the predictive of a method trained as the artifact was (MC-Dropout on MAP)
+        predictor.mc_samples = method.num_mc_samples(params)
         predictor.eval()
-    laplace = None
-    if args.method == "laplace":
-        from training.laplace_lora import fit_laplace
-
+    if method.posthoc is not None:
         manifest = predictor.manifest
         train_set = manifest.training["data"]["train"][0]
-        n_fit = int(params.get("fit_samples", 200))
-        fit_q = load_dataset(train_set["dataset"], "train", limit=n_fit, seed=args.seed,
+        fit_q = load_dataset(train_set["dataset"], "train", limit=method.posthoc.num_samples(params), seed=args.seed,
                              label_noise=manifest.training.get("label_noise", 0.0), noise_seed=args.seed)
-        laplace = fit_laplace(predictor, fit_q, prior_precision=params.get("prior_precision"),
-                              batch_size=int(params.get("batch_size", 4)))
+        predictor = method.posthoc.fit(predictor, fit_q, params)
     out = {"artifact": str(args.artifact), "method": args.method, "sets": {}}
     for dataset in args.dataset:
         questions = load_dataset(dataset, "test", limit=limits_for(limits, dataset).get("test"), seed=0)
-        if laplace is not None:
-            probs, seconds = laplace.predict(questions, batch_size=args.batch_size)
-            uncertainty = None
-        else:
-            preds, seconds = predict_all(predictor, questions, args.batch_size, progress=False)
-            probs = [p.probs for p in preds]
-            uncertainty = None if preds[0].uncertainty is None else [p.uncertainty for p in preds]
+        preds, seconds = predict_all(predictor, questions, args.batch_size, progress=False)
+        probs = [p.probs for p in preds]
+        uncertainty = None if preds[0].uncertainty is None else [p.uncertainty for p in preds]
         out["sets"][dataset] = {
             "probs": [[round(x, 7) for x in p] for p in probs],
             "labels": [q.answer for q in questions],

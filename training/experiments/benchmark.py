@@ -1,6 +1,6 @@
 """Run methods x datasets x seeds on one evaluation contract and write results, a report and plots.
 
-    python -m training.benchmark --config benchmarks/smollm2_small.yaml [--only-methods map ib_edl] [--dry-run]
+    python -m training.experiments.benchmark --config benchmarks/smollm2_small.yaml [--only-methods map ib_edl] [--dry-run]
 
 Experiments (each a list entry under ``experiments`` in the config):
     id     train on a dataset, evaluate on its test split (accuracy, ECE 10/15/25/35, NLL, Brier,
@@ -11,8 +11,8 @@ Experiments (each a list entry under ``experiments`` in the config):
 
 Every run trains in a child process (so a crash costs one run and its peak memory is measured) into
 ``runs/benchmark/<name>/<run key>/``; a run whose artifact and predictions exist is not trained again,
-so the command is safe to interrupt and resume. MC-Dropout and Laplace are post-hoc on the MAP run of
-the same key. Results go to ``benchmarks/results/<name>.json`` (a list of runs), the report to
+so the command is safe to interrupt and resume. A method that ``reuses`` another's training run (MC-Dropout
+and Laplace reuse MAP's, see ``training.methods``) is evaluated on that run of the same key. Results go to ``benchmarks/results/<name>.json`` (a list of runs), the report to
 ``benchmarks/results/<name>.md`` with PNG plots beside it.
 """
 
@@ -31,12 +31,11 @@ from pathlib import Path
 
 from evidential.artifact import atomic_write_text
 from training.config import apply_overrides, yaml_load
+from training.experiments.evaluate_run import summarise_run
+from training.experiments.report import write_report
+from training.methods import METHODS, get_method
 
-log = logging.getLogger("training.benchmark")
-
-METHOD_ORDER = ["map", "mc_dropout", "ensemble", "laplace", "edl", "vid", "i_edl", "r_edl", "ib_edl"]
-POST_HOC = {"mc_dropout": "map", "laplace": "map"}  # method -> the trained run it reuses
-
+log = logging.getLogger("training.experiments.benchmark")
 
 @dataclass(frozen=True)
 class Run:
@@ -63,10 +62,10 @@ class Run:
 
 def expand(config: dict) -> list[Run]:
     """The grid of runs a benchmark config describes, in a stable order."""
-    methods = [m for m in METHOD_ORDER if m in config["methods"]]
-    unknown = sorted(set(config["methods"]) - set(METHOD_ORDER))
+    methods = [m for m in METHODS if m in config["methods"]]
+    unknown = sorted(set(config["methods"]) - set(METHODS))
     if unknown:
-        raise ValueError(f"unknown methods {unknown}; known: {METHOD_ORDER}")
+        raise ValueError(f"unknown methods {unknown}; known: {list(METHODS)}")
     runs = []
     for exp in config["experiments"]:
         kind = exp["kind"]
@@ -157,7 +156,7 @@ class Runner:
         if self.dry_run:
             print("evaluate", run.key)
             return {}
-        cmd = [sys.executable, "-m", "training.benchmark_eval", "--artifact", str(artifact), "--method", run.method,
+        cmd = [sys.executable, "-m", "training.experiments.evaluate_run", "--artifact", str(artifact), "--method", run.method,
                "--output", str(cache), "--seed", str(run.seed), "--limits", json.dumps(self.config.get("sizes", {})),
                "--method-params", json.dumps(self.config.get("method_params", {}).get(run.method, {})),
                *[arg for d in run.eval_sets for arg in ("--dataset", d)]]
@@ -173,13 +172,10 @@ class Runner:
     def run(self, run: Run) -> dict | None:
         if self.done(run):
             return None
-        trained_method = POST_HOC.get(run.method, run.method)
-        artifact, train_info = self.ensure_trained(run, trained_method)
+        artifact, train_info = self.ensure_trained(run, get_method(run.method).trained_as)
         preds = self.evaluate(run, artifact)
         if self.dry_run:
             return None
-        from training.benchmark_eval import summarise_run
-
         record = {
             "key": run.key, "experiment": run.experiment, "kind": run.kind, "method": run.method,
             "dataset": run.dataset, "seed": run.seed, "label_noise": run.label_noise,
@@ -197,7 +193,7 @@ class Runner:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training.benchmark", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m training.experiments.benchmark", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True)
     parser.add_argument("--only-methods", nargs="*", help="restrict to these methods")
     parser.add_argument("--only-kinds", nargs="*", help="restrict to these experiment kinds (id, ood, noise)")
@@ -232,8 +228,6 @@ def main(argv: list[str] | None = None) -> int:
                 m = record["metrics"]
                 tqdm.write(f"{run.key}: acc {m['accuracy']:.3f} ece {m['ece']:.3f} nll {m['nll']:.3f}")
     if not args.dry_run and runner.results:
-        from training.report import write_report
-
         paths = write_report(runner.results, config, results.with_suffix(".md"), runner.root)
         print(f"wrote {results} and {', '.join(str(p) for p in paths)}")
     return 0

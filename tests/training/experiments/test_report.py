@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from training.report import write_report
+from training.experiments.report import write_report
 
 
 def synthetic_results():

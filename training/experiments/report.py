@@ -10,16 +10,18 @@ from pathlib import Path
 
 import numpy as np
 
-from training.benchmark import METHOD_ORDER
+from training.methods import METHODS
 
-NAMES = {"map": "MAP", "mc_dropout": "MCD", "ensemble": "Ens", "laplace": "LA", "edl": "EDL", "vid": "VID",
-         "i_edl": "I-EDL", "r_edl": "R-EDL", "ib_edl": "IB-EDL"}
 DATASET_NAMES = {"arc_easy": "ARC-E", "arc_challenge": "ARC-C", "obqa": "OBQA", "sciq": "SciQ", "race": "RACE",
                  "csqa": "CSQA", "mmlu": "MMLU"}
 # metric key, label, higher is better, scale (x100 for percentages as in the paper)
 ID_METRICS = [("accuracy", "Acc (%) ↑", True, 100), ("ece", "ECE (%) ↓", False, 100), ("nll", "NLL ↓", False, 1),
               ("brier", "Brier ↓", False, 1), ("aurc", "AURC ↓", False, 1), ("acc@80", "Acc@80% cov (%) ↑", True, 100),
               ("acc@90", "Acc@90% cov (%) ↑", True, 100)]
+
+
+def _label(method: str) -> str:
+    return METHODS[method].label if method in METHODS else method
 
 
 def _cell(values: list[float], scale: float) -> tuple[float, str]:
@@ -32,7 +34,7 @@ def _cell(values: list[float], scale: float) -> tuple[float, str]:
 
 def _table(rows: dict, columns: list[str], higher: bool, scale: float, header: list[str]) -> list[str]:
     """rows[method][column] = list of values -> Markdown with the best mean per column in bold."""
-    methods = [m for m in METHOD_ORDER if m in rows]
+    methods = [m for m in METHODS if m in rows]
     cells = {m: {c: _cell(rows[m][c], scale) if rows[m].get(c) else (None, "–") for c in columns} for m in methods}
     best = {}
     for c in columns:
@@ -44,7 +46,7 @@ def _table(rows: dict, columns: list[str], higher: bool, scale: float, header: l
         for c in columns:
             mean, text = cells[m][c]
             parts.append(f"**{text}**" if mean is not None and np.isclose(mean, best[c]) else text)
-        lines.append(f"| {NAMES.get(m, m)} | " + " | ".join(parts) + " |")
+        lines.append(f"| {_label(m)} | " + " | ".join(parts) + " |")
     return lines
 
 
@@ -104,12 +106,12 @@ def efficiency_table(results: list[dict]) -> list[str]:
             value = r.get("efficiency", {}).get(key)
             if value:
                 rows[r["method"]][key].append(value)
-    methods = [m for m in METHOD_ORDER if m in rows]
+    methods = [m for m in METHODS if m in rows]
     lines = ["| Method | Train samples/s | Test samples/s | Peak train memory (MiB RSS) |", "|---|---|---|---|"]
     for m in methods:
         cells = [f"{np.mean(rows[m][k]):.2f}" if rows[m][k] else "–" for k in ("train_samples_per_s", "test_samples_per_s")]
         mem = f"{np.max(rows[m]['train_peak_rss_mib']):.0f}" if rows[m]["train_peak_rss_mib"] else "–"
-        lines.append(f"| {NAMES.get(m, m)} | {cells[0]} | {cells[1]} | {mem} |")
+        lines.append(f"| {_label(m)} | {cells[0]} | {cells[1]} | {mem} |")
     return ["MC-Dropout and Laplace reuse the MAP training run (their train columns repeat MAP's); "
             "Ens trains three adapters.", ""] + lines + [""]
 
@@ -118,27 +120,26 @@ def plots(results: list[dict], runs_root: Path, out_dir: Path) -> list[Path]:
     """Per in-distribution dataset (seed of the first run): risk-coverage of every method, and a
     reliability diagram per method."""
     from training.plots import reliability_diagram, risk_coverage_plot
-    from training.benchmark import POST_HOC
 
     paths = []
     by_dataset: dict = defaultdict(dict)
     for r in results:
         if r["kind"] != "id" or r["method"] in by_dataset[r["dataset"]]:
             continue
-        trained = POST_HOC.get(r["method"], r["method"])
+        trained = METHODS[r["method"]].trained_as
         pred_path = runs_root / f"{r['dataset']}-{trained}-s{r['seed']}" / f"predictions-id-{r['method']}.json"
         if pred_path.is_file():
             sets = json.loads(pred_path.read_text())["sets"]
             by_dataset[r["dataset"]][r["method"]] = sets[r["dataset"]]
     for dataset, methods in by_dataset.items():
         curves = {}
-        for method in [m for m in METHOD_ORDER if m in methods]:
+        for method in [m for m in METHODS if m in methods]:
             s = methods[method]
             conf = [max(p) for p in s["probs"]]
             hits = [float(int(np.argmax(p)) == y) for p, y in zip(s["probs"], s["labels"])]
-            curves[NAMES[method]] = (conf, hits)
+            curves[_label(method)] = (conf, hits)
             paths.append(reliability_diagram(s["probs"], s["labels"], out_dir / f"reliability-{dataset}-{method}.png",
-                                             title=f"{NAMES[method]} on {DATASET_NAMES.get(dataset, dataset)}"))
+                                             title=f"{_label(method)} on {DATASET_NAMES.get(dataset, dataset)}"))
         if curves:
             paths.append(risk_coverage_plot(curves, out_dir / f"risk-coverage-{dataset}.png",
                                             title=f"Selective prediction on {DATASET_NAMES.get(dataset, dataset)} (score: max prob)"))
@@ -151,7 +152,7 @@ def write_report(results: list[dict], config: dict, path: Path, runs_root: Path 
     seeds = sorted({r["seed"] for r in results})
     lines = [f"# Benchmark: {config.get('name', path.stem)}", "",
              f"Base model `{config.get('train', {}).get('base_model', '?')}`; seeds {seeds}; "
-             f"mean ± std over seeds; best mean in bold. Command: `python -m training.benchmark --config "
+             f"mean ± std over seeds; best mean in bold. Command: `python -m training.experiments.benchmark --config "
              f"{config.get('config_path', 'benchmarks/' + config.get('name', path.stem) + '.yaml')}`.", ""]
     if any(r["kind"] == "id" for r in results):
         lines += ["## In-distribution calibration", ""] + id_tables(results) + ["## ECE bin sensitivity", ""] + ece_bins_table(results)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from training.benchmark import Run, expand, main
+from training.experiments.benchmark import Run, expand, main
 
 
 @pytest.fixture

@@ -1,0 +1,70 @@
+"""``python -m service`` in a subprocess on a free loopback port: the harness of the end-to-end tests and of
+``benchmarks.service_latency`` (tests/conftest.py re-exports it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class ServiceProcess:
+    """``python -m service`` in a subprocess on a free loopback port; stopped with SIGTERM."""
+
+    def __init__(self, artifact, env: dict | None = None, log_path=None):
+        import os
+        import socket
+        import subprocess
+        import sys
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "w") if log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(self.port), "--artifact", str(artifact)],
+            env={**os.environ, "TQDM_DISABLE": "1", **(env or {})},
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=str(REPO),
+        )
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        import time
+
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"service exited with {self.proc.returncode}; log: {self.log_text()}")
+            try:
+                r = httpx.get(self.url + "/health/ready", timeout=2)
+                if r.status_code == 200:
+                    return
+                if r.json().get("status") == "failed":
+                    raise AssertionError(f"service failed to load: {r.json()}")
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"service not ready within {timeout} s; log: {self.log_text()}")
+
+    def log_text(self) -> str:
+        return Path(self.log_path).read_text()[-3000:] if self.log_path else "(no log)"
+
+    def stop(self, timeout: float = 30.0) -> int:
+        import signal
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.log_path:
+            self._log.close()
+        return self.proc.returncode

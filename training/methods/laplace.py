@@ -1,0 +1,47 @@
+"""Laplace-LoRA: trained as MAP; after training, a KFAC Laplace posterior over the LoRA weights is fitted on
+``fit_samples`` training questions (prior precision by marginal likelihood unless ``prior_precision`` is set)
+and predicts with the GLM probit approximation (``training.laplace_lora``, the ``laplace`` extra).
+
+The artifact holds the MAP adapter; the posterior is fitted again from it and the training data (it is
+not saved), so the service serves such an artifact's MAP predictive.
+
+References:
+    Yang et al. Bayesian Low-rank Adaptation for Large Language Models. ICLR 2024.
+"""
+
+import math
+
+from training.methods.base import Method, PostHoc
+from training.methods.map import map_loss
+
+
+def check_params(params: dict) -> None:
+    """Raise ValueError naming the first bad hyper-parameter."""
+    for key in ("fit_samples", "batch_size"):
+        value = params[key]
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
+    prior = params["prior_precision"]
+    if prior is not None and not (isinstance(prior, (int, float)) and math.isfinite(prior) and prior > 0):
+        raise ValueError(f"prior_precision must be a finite number > 0 (or null: marginal likelihood), got {prior!r}")
+
+
+def fit(predictor, questions, params):
+    """The MAP predictor with the GLM predictive of a posterior fitted on the first ``fit_samples`` questions."""
+    from training.laplace_lora import LaplacePredictor, fit_laplace
+
+    laplace = fit_laplace(predictor, questions[: params["fit_samples"]], prior_precision=params["prior_precision"],
+                          batch_size=params["batch_size"])
+    return LaplacePredictor(laplace, batch_size=params["batch_size"])
+
+
+METHOD = Method(
+    name="laplace",
+    label="LA",
+    head="softmax",
+    loss=map_loss,
+    defaults={"fit_samples": 200, "prior_precision": None, "batch_size": 4},
+    check=check_params,
+    posthoc=PostHoc(fit=fit),
+    reuses="map",
+)
