@@ -251,6 +251,43 @@ def analyse(args) -> int:
     return 0
 
 
+def choose_rate(args) -> int:
+    """The gate's rejection rate chosen on validation data only: calibrate on the dump's SciQ validation
+    stream at each candidate rate and keep the smallest rate at which every validation-split shifted stream
+    (``<shifted>_dev``) is answered at most ``--max-shifted`` while the calibration part is still answered at
+    least ``--min-answered``. The test streams are not read."""
+    name, _, directory = args.adapter.partition("=")
+    manifest = read_manifest(directory)
+    dump = json.loads((Path(args.scores_dir) / f"{name}.json").read_text())
+    raw = {**dump["streams"]["sciq_validation"], "offset": dump["offset"]}
+    missing = [k + "_dev" for k in SHIFTED if k + "_dev" not in dump["streams"]]
+    if missing:
+        raise SystemExit(f"{name}.json lacks the validation-split streams {missing}: run score with --streams")
+    rows, chosen = [], None
+    for rate in sorted(float(r) for r in args.rates.split(",")):
+        cfg = CalibrationConfig(target_accuracy=args.target_accuracy, delta=args.delta, ood_rejection_rate=rate)
+        head_update, _, sections = calibrate_outputs(dump["kind"], raw, raw["labels"], cfg)
+        trial = dataclasses.replace(manifest, head={**manifest.head, **head_update}, abstention=sections["abstention"],
+                                    conformal=sections["conformal"])
+        shifted = {k: stream_row(served(dump, k + "_dev", trial), None)["answered"] for k in SHIFTED}
+        row = {"rate": rate, "calibration_part_answered": sections["abstention"]["how"]["coverage"],
+               "certified": sections["abstention"]["how"]["certified"], "dev_answered": shifted,
+               "max_dev_answered": max(shifted.values())}
+        rows.append(row)
+        ok = row["certified"] and row["max_dev_answered"] <= args.max_shifted and \
+            row["calibration_part_answered"] >= args.min_answered
+        print(f"rate {rate:.2f}: calibration part answered {row['calibration_part_answered']:.3f}, "
+              f"shifted (dev) answered at most {row['max_dev_answered']:.3f}{'  <- meets both' if ok else ''}")
+        if ok and chosen is None:
+            chosen = rate
+    result = {"adapter": name, "artifact": directory, "max_shifted": args.max_shifted, "min_answered": args.min_answered,
+              "rates": rows, "chosen": chosen,
+              "command": "python -m benchmarks.decisions choose-rate " + " ".join(sys.argv[2:])}
+    write_result(args.output, result, echo=False)
+    print(f"chosen rate: {chosen} (wrote {args.output})")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -271,10 +308,19 @@ def main(argv=None) -> int:
     a.add_argument("--scores-dir", default="benchmarks/results/decision_scores")
     a.add_argument("--splits", type=int, default=200)
     a.add_argument("--output", default="benchmarks/results/decisions.json")
+    c = sub.add_parser("choose-rate", help="choose the gate's rejection rate on validation-split streams only")
+    c.add_argument("--adapter", required=True, help="NAME=DIR; the dump is <scores-dir>/NAME.json")
+    c.add_argument("--scores-dir", default="benchmarks/results/decision_scores")
+    c.add_argument("--rates", default="0.05,0.1,0.15,0.2")
+    c.add_argument("--max-shifted", type=float, default=0.35, help="most of a shifted stream that may be answered")
+    c.add_argument("--min-answered", type=float, default=0.85, help="least of in-distribution questions answered")
+    c.add_argument("--target-accuracy", type=float, default=0.9)
+    c.add_argument("--delta", type=float, default=0.1)
+    c.add_argument("--output", default="benchmarks/results/decisions_rate_choice.json")
     args = parser.parse_args(argv)
     if args.command == "analyse" and args.splits < 100:
         parser.error(f"--splits must be >= 100, got {args.splits}")
-    return score(args) if args.command == "score" else analyse(args)
+    return {"score": score, "analyse": analyse, "choose-rate": choose_rate}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -23,9 +23,9 @@ class TestScores:
         p = [0.5, 0.2, 0.3]
         assert option_scores(p, "lac") == pytest.approx([0.5, 0.8, 0.7])
 
-    def test_aps_is_the_mass_ranked_at_or_above(self):
+    def test_aps_is_the_mass_ranked_above_plus_half_its_own(self):
         p = [0.2, 0.5, 0.3]  # ranked B (0.5), C (0.3), A (0.2)
-        assert option_scores(p, "aps") == pytest.approx([1.0, 0.5, 0.8])
+        assert option_scores(p, "aps") == pytest.approx([0.8 + 0.1, 0.25, 0.5 + 0.15])
 
     def test_label_scores_mix_option_counts(self):
         probs = [[0.7, 0.3], [0.1, 0.2, 0.3, 0.4], [1 / 26] * 26]
@@ -68,7 +68,7 @@ class TestQuantile:
 class TestSets:
     def test_set_is_options_under_quantile_most_probable_first(self):
         assert prediction_set([0.1, 0.6, 0.3], 0.75, "lac") == [1, 2]
-        assert prediction_set([0.1, 0.6, 0.3], 0.95, "aps") == [1, 2]
+        assert prediction_set([0.1, 0.6, 0.3], 0.8, "aps") == [1, 2]  # scores 0.95, 0.3, 0.75
 
     def test_never_empty(self):
         assert prediction_set([0.4, 0.35, 0.25], 0.1, "lac") == [0]
