@@ -196,6 +196,7 @@ class Predictor:
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         self.decoder = decoder_of(model)
+        self.trunk = None  # an inference backend's trunk (evidential.backends); None: the model's own forward
         self.num_rows = self.heads[0].config.num_rows
         format_prompt(MCQuestion("probe", ("a", "b")), template, tokenizer)  # fails early on a bad template
 
@@ -259,6 +260,8 @@ class Predictor:
 
     def hidden(self, batch: EncodedBatch) -> torch.Tensor:
         """(B, d) hidden state of each prompt's last real token (after the final norm)."""
+        if self.trunk is not None:
+            return self.trunk(batch)
         batch = batch.to(self.device)
         out = self.decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
         states = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
@@ -329,6 +332,7 @@ class Predictor:
         dtype: torch.dtype | None = None,
         load_in_4bit: bool = False,
         allow_base_mismatch: bool = False,
+        backend: str = "torch",
     ) -> Predictor:
         """Load base model + adapter(s) + head(s) of an artifact directory.
 
@@ -336,11 +340,14 @@ class Predictor:
             directory: the artifact.
             base_model: a model reference overriding the manifest's base model name.
             allow_base_mismatch: load even when the base weights' sha256 differs from the manifest's.
+            backend: inference backend of the trunk (:mod:`evidential.backends`).
         """
         from peft import PeftModel
 
+        from evidential.backends import build_trunk, check_backend
         from evidential.base_model import load_base_model, resolve_model
 
+        check_backend(backend)
         directory = Path(directory)
         manifest = check_artifact(directory)
         resolved = resolve_model(base_model or manifest.base_model.get("ref", manifest.base_model["name"]))
@@ -373,6 +380,7 @@ class Predictor:
             mc_samples=manifest.mc_samples,
             manifest=manifest,
         )
+        predictor.trunk = build_trunk(backend, predictor, directory, resolved.sha256)
         return predictor.eval()
 
 

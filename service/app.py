@@ -53,6 +53,7 @@ def load_predictor(settings: Settings) -> Predictor:
         device=settings.device,
         load_in_4bit=settings.load_in_4bit,
         allow_base_mismatch=settings.allow_base_mismatch,
+        backend=settings.backend,
     )
 
 

@@ -19,6 +19,7 @@ class Settings(BaseSettings):
     device: str | None = Field(None, description="cpu or cuda[:i]; default CUDA when present")
     load_in_4bit: bool = Field(False, description="bitsandbytes NF4 on CUDA")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads")
+    backend: str = Field("torch", description="inference backend of the trunk: torch, openvino (int8), openvino-fp32")
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
@@ -42,6 +43,13 @@ class Settings(BaseSettings):
     drift_window: int = Field(500, ge=10, description="served uncertainty masses in the rolling window")
     drift_alarm_rate: float = Field(0.01, gt=0, lt=0.5, description="false-alarm rate the KS threshold is set for")
     drift_bootstrap: int = Field(1000, ge=50, description="bootstrap draws calibrating the KS threshold")
+
+    @field_validator("backend")
+    @classmethod
+    def _backend(cls, v: str) -> str:
+        from evidential.backends import check_backend
+
+        return check_backend(v)
 
     @field_validator("log_level")
     @classmethod

@@ -2,13 +2,14 @@
 reliability diagram.
 
     python -m training.evaluate --artifact artifacts/default --dataset sciq --split test \
-        [--limit N] [--output results.json] [--batch-size 8]
+        [--limit N] [--output results.json] [--batch-size 8] [--backend torch]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -100,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the --limit subset")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--base-model", help="override the manifest's base model reference")
+    parser.add_argument("--backend", default=os.environ.get("IBEDL_BACKEND", "torch"),
+                        help="inference backend: torch, openvino, openvino-fp32 (default IBEDL_BACKEND or torch)")
     parser.add_argument("--output", help="write metrics JSON here (and a reliability PNG beside it)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
@@ -107,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--limit must be >= 1, got {args.limit}")
     try:
         questions = load_dataset(args.dataset, args.split, path=args.path, limit=args.limit, seed=args.seed)
-        predictor = Predictor.from_artifact(args.artifact, base_model=args.base_model)
+        predictor = Predictor.from_artifact(args.artifact, base_model=args.base_model, backend=args.backend)
     except (DatasetError, ArtifactError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -118,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         "dataset": args.dataset,
         "split": args.split,
         "limit": args.limit,
+        "backend": args.backend,
         **result.metrics,
     }
     print(json.dumps(report, indent=2))

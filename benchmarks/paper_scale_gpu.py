@@ -1,0 +1,147 @@
+"""The paper's scale on a GPU: our predictor and training step on an 8B-shaped Llama (random weights, bf16),
+option rows against the full-vocabulary-logits path, beside the paper's H100 figures.
+
+    python benchmarks/paper_scale_gpu.py --questions q.json --tokenizer DIR [--batch-size 8] [--steps 12] \
+        [--output benchmarks/results/paper_scale_gpu.json]
+
+``q.json``: a list of {question, options, context, answer} (SciQ training questions with passages);
+``DIR``: the SmolLM2 tokenizer (token ids < 49,152 fit the Llama-3 vocabulary of 128,256). Random weights are
+enough: speed and memory do not depend on their values. Needs CUDA.
+Training step: LoRA r=8 on q/v (the paper's recipe), AdamW; ``rows`` = the IB-EDL head on the last-token
+hidden state (K=20 samples + beta * KL, as in training), ``full`` = the reference path: LM logits
+(B, S, 128,256), the option columns at the last token, cross-entropy. Test: no-grad forward of each path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from evidential.head import HeadConfig, build_head  # noqa: E402
+from evidential.predictor import Predictor, lm_head_rows  # noqa: E402
+from evidential.prompt import MCQuestion, option_token_ids  # noqa: E402
+from training.losses import cross_entropy, gaussian_information, ib_edl_risk  # noqa: E402
+
+PAPER_H100 = {"ib_edl_train_samples_per_s": 26.41, "ib_edl_test_samples_per_s": 68.08, "ib_edl_peak_memory_gb": 21.88,
+              "source": "IB-EDL (ICLR 2025), Llama3-8B, one H100"}
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
+
+
+DEVICE = "cuda"
+
+
+def sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def reset_peak():
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gb() -> float:
+    return torch.cuda.max_memory_allocated() / 1e9 if DEVICE == "cuda" else 0.0
+
+
+def build(args):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(args.tokenizer)
+    with torch.device(DEVICE):
+        shape = {**LLAMA3_8B, "num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512} if args.smoke else LLAMA3_8B
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**shape), dtype=torch.bfloat16)
+    model.config.use_cache = False
+    ids = option_token_ids(tok, 26)
+    rows = lm_head_rows(model, ids)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+    head = build_head(HeadConfig("ib_edl", 26, rows.shape[1]), rows).to(DEVICE)
+    predictor = Predictor(model, tok, head, template="chat-v1" if tok.chat_template else "plain-v1", max_tokens=512)
+    data = json.loads(Path(args.questions).read_text())
+    qs = [MCQuestion(d["question"], tuple(d["options"]), context=d.get("context"), answer=d["answer"]) for d in data]
+    batches = [qs[i : i + args.batch_size] for i in range(0, len(qs) - args.batch_size + 1, args.batch_size)]
+    return predictor, head, ids, batches
+
+
+def step(predictor, head, ids, batch, path, optimizer, train: bool) -> float:
+    enc = predictor.encode(batch).to(DEVICE)
+    mask = enc.option_mask
+    y = torch.tensor([q.answer for q in batch], device=DEVICE)
+    sync()
+    start = time.perf_counter()
+    with torch.set_grad_enabled(train):
+        if path == "rows":
+            mu, sigma = head.gaussian(predictor.hidden(enc), mask)
+            loss = (ib_edl_risk(mu, sigma, y, mask, 20, risk="nll") + 1e-5 * gaussian_information(mu, sigma, mask)).mean()
+        else:
+            full = predictor.model(input_ids=enc.input_ids, attention_mask=enc.attention_mask, use_cache=False).logits
+            last = full[torch.arange(full.shape[0], device=DEVICE), enc.last_index]  # (B, V)
+            loss = cross_entropy(last[:, ids[: mask.shape[1]]].float(), y, mask).mean()
+        if train:
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    sync()
+    return time.perf_counter() - start
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--questions", required=True)
+    parser.add_argument("--tokenizer", required=True)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=12, help="timed steps per path and phase (after 2 warm-up)")
+    parser.add_argument("--output", default="benchmarks/results/paper_scale_gpu.json")
+    parser.add_argument("--smoke", action="store_true", help="a 2-layer model on the CPU: checks the script runs")
+    args = parser.parse_args(argv)
+    global DEVICE
+    if args.smoke:
+        DEVICE = "cpu"
+    elif not torch.cuda.is_available():
+        print("error: this benchmark needs a CUDA device", file=sys.stderr)
+        return 2
+    predictor, head, ids, batches = build(args)
+    params = [p for p in predictor.model.parameters() if p.requires_grad] + list(head.parameters())
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    tokens = [int(predictor.encode(b).attention_mask.sum()) / len(b) for b in batches]
+    result = {"device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu (smoke)", "torch": torch.__version__, "model": "Llama3-8B shape, random bf16",
+              "params_b": sum(p.numel() for p in predictor.model.parameters()) / 1e9, "batch_size": args.batch_size,
+              "mean_prompt_tokens": sum(tokens) / len(tokens), "paper": PAPER_H100, "paths": {}}
+    for phase, train in (("train", True), ("test", False)):
+        predictor.model.train(train)
+        for path in ("rows", "full"):
+            reset_peak()
+            for b in batches[:2]:
+                step(predictor, head, ids, b, path, optimizer, train)
+            times = [step(predictor, head, ids, batches[i % len(batches)], path, optimizer, train) for i in range(args.steps)]
+            entry = result["paths"].setdefault(path, {})
+            entry[f"{phase}_samples_per_s"] = args.batch_size * len(times) / sum(times)
+            entry[f"{phase}_peak_memory_gb"] = peak_gb()
+            print(phase, path, json.dumps(entry), flush=True)
+    rows, full = result["paths"]["rows"], result["paths"]["full"]
+    result["rows_vs_full"] = {k: rows[k] / full[k] if full[k] else None for k in rows}
+    result["rows_vs_paper"] = {
+        "train_samples_per_s": rows["train_samples_per_s"] / PAPER_H100["ib_edl_train_samples_per_s"],
+        "test_samples_per_s": rows["test_samples_per_s"] / PAPER_H100["ib_edl_test_samples_per_s"],
+        "train_peak_memory": rows["train_peak_memory_gb"] / PAPER_H100["ib_edl_peak_memory_gb"],
+    }
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
