@@ -371,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the --limit subset and of the split")
     parser.add_argument("--outputs", help="read the model's raw outputs on --dataset/--split from this file "
                         "(written by --save-outputs or benchmarks/decisions.py score) instead of running the model")
+    parser.add_argument("--evaluate-split", help="after calibrating, measure the adapter as calibrated on this split of "
+                        "--dataset (e.g. test) and record it as the manifest's metrics for that split")
     parser.add_argument("--save-outputs", help="write the model's raw outputs here, to recalibrate later without the model")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=1024,
@@ -408,6 +410,19 @@ def main(argv: list[str] | None = None) -> int:
         save_outputs(args.save_outputs, source, manifest, {stream: {"labels": labels, **raw}}, kind, raw["offset"],
                      args.max_tokens)
     head_update, _, sections = calibrate_outputs(kind, raw, labels, config)
+    evaluated = None
+    if args.evaluate_split:
+        eval_args = argparse.Namespace(**{**vars(args), "split": args.evaluate_split, "limit": None})
+        try:
+            if args.outputs:
+                ekind, eraw, elabels = read_outputs(args.outputs, f"{args.dataset}_{args.evaluate_split}", source, manifest)
+            else:
+                ekind, eraw, elabels = run_model(eval_args, source, load_dataset)
+        except (DatasetError, ValueError, FileNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        out = posthoc_outputs(ekind, eraw, head_update)
+        evaluated = metrics.summarise(out.probs, elabels, out.uncertainty)
     before = (manifest.head.get("zeta", 0.0), manifest.head.get("temperature", 1.0))
     manifest.head.update(head_update)
     for key in ("abstention", "conformal", "calibration", "reference"):
@@ -415,9 +430,11 @@ def main(argv: list[str] | None = None) -> int:
     if (manifest.head.get("zeta", 0.0), manifest.head.get("temperature", 1.0)) != before and "test" in manifest.metrics:
         # Measured with the old post-hoc parameter: kept for the record, under a name that says so.
         manifest.metrics["test_before_calibration"] = manifest.metrics.pop("test")
+    if evaluated is not None:
+        manifest.metrics[args.evaluate_split] = evaluated
     manifest.calibration.update({
         "dataset": args.dataset, "split": args.split, "path": args.path, "limit": args.limit,
-        "outputs": args.outputs, "max_tokens": args.max_tokens,
+        "outputs": args.outputs, "max_tokens": args.max_tokens, "evaluated_split": args.evaluate_split,
         "command": "python -m training.calibrate " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "previous_version": str(manifest.version),

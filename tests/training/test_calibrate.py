@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -148,3 +149,26 @@ class TestCli:
         weights = (out / "adapter_model.safetensors").read_bytes()
         assert weights == (tiny_artifact / "adapter_model.safetensors").read_bytes()
         assert json.loads((out / "manifest.json").read_text())["abstention"]["ood_score"] == "inverse_uncertainty"
+
+    def test_stored_outputs_recalibrate_identically_and_are_tied_to_their_weights(self, tiny_artifact, tiny_jsonl,
+                                                                                  tmp_path, capsys):
+        common = ["--dataset", "jsonl", "--path", str(tiny_jsonl), "--target-accuracy", "0.5", "--no-progress"]
+        saved = tmp_path / "outputs.json"
+        assert main(["--artifact", str(tiny_artifact), "--output", str(tmp_path / "a"), "--save-outputs", str(saved),
+                     "--max-tokens", "96", *common]) == 0
+        assert main(["--artifact", str(tiny_artifact), "--output", str(tmp_path / "b"), "--outputs", str(saved),
+                     "--evaluate-split", "validation", *common]) == 0
+        a, b = read_manifest(tmp_path / "a"), read_manifest(tmp_path / "b")
+        # Stored outputs carry 6 decimals: the same decisions up to that rounding.
+        for key in ("min_confidence", "ood_threshold"):
+            assert b.abstention[key] == pytest.approx(a.abstention[key], abs=1e-5), key
+        assert b.conformal["quantiles"]["lac"] == pytest.approx(a.conformal["quantiles"]["lac"], abs=1e-5)
+        assert a.head == b.head
+        assert b.metrics["validation"]["n"] == 60 and b.calibration["evaluated_split"] == "validation"
+        # The same outputs against an artifact whose head changed are refused.
+        other = tmp_path / "other"
+        shutil.copytree(tiny_artifact, other)
+        (other / "head.safetensors").write_bytes((other / "head.safetensors").read_bytes() + b" ")
+        capsys.readouterr()
+        assert main(["--artifact", str(other), "--outputs", str(saved), *common]) == 2
+        assert "other weights" in capsys.readouterr().err
