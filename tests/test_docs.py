@@ -48,7 +48,8 @@ class TestSite:
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
         )
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        assert (tmp_path / "site" / "index.html").is_file()
+        index = (tmp_path / "site" / "index.html").read_text()
+        assert "fonts.googleapis" not in index, "the site must read offline: keep theme.font: false"
 
     def test_every_page_is_in_the_nav(self):
         nav = (ROOT / "mkdocs.yml").read_text()
