@@ -1,6 +1,7 @@
 # Two entry points for a fresh machine:
 #   make serve   set up and run the service with the default adapter on the real base model
 #   make test    set up and run the whole test suite (what CI runs through .ci/run)
+# and the documentation: make docs (mkdocs build --strict into site/), make docs-serve (live reload)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -10,8 +11,9 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 ARTIFACT ?= artifacts/default
 PYTEST_ARGS ?=
+DOCS_ADDR ?= 127.0.0.1:8001
 
-.PHONY: setup setup-laplace serve test test-servers-deps test-fast train-default train-map train-map-twin bench benchmark clean
+.PHONY: setup setup-laplace serve test test-servers-deps test-fast docs docs-serve train-default train-map train-map-twin bench benchmark clean
 
 $(VENV)/.installed: pyproject.toml requirements/constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +62,13 @@ test: setup-laplace test-servers-deps
 test-fast: setup-laplace
 	$(PY) -m pytest -m "not integration and not servers" $(PYTEST_ARGS)
 
+# The documentation site (docs/, mkdocs.yml); builds offline. tests/test_docs.py runs the same strict build.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
+docs-serve: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve --strict --dev-addr $(DOCS_ADDR)
+
 # The default adapter (IB-EDL) as committed under artifacts/default, stage 1 (artifacts/map) and the default's MAP twin.
 train-default: setup
 	$(PY) -m training.finetune --config training/configs/smollm2_science_ib_edl.yaml
@@ -79,4 +88,4 @@ benchmark: setup-laplace
 	$(PY) -m training.experiments.benchmark --config benchmarks/smollm2_small.yaml
 
 clean:
-	rm -rf $(VENV) .pytest_cache runs
+	rm -rf $(VENV) .pytest_cache runs site

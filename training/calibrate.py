@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-posthoc", action="store_true", help="keep zeta / temperature neutral")
     parser.add_argument("--seed", type=int, default=0, help="seed of the --limit subset and of the split")
     parser.add_argument("--outputs", help="read the model's raw outputs on --dataset/--split from this file "
-                        "(written by --save-outputs or benchmarks/decisions.py score) instead of running the model")
+                        "(written by --save-outputs or python -m benchmarks.decisions score) instead of running the model")
     parser.add_argument("--evaluate-split", help="after calibrating, measure the adapter as calibrated on this split of "
                         "--dataset (e.g. test) and record it as the manifest's metrics for that split")
     parser.add_argument("--save-outputs", help="write the model's raw outputs here, to recalibrate later without the model")
