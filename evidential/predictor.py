@@ -350,11 +350,12 @@ class Predictor:
         check_backend(backend)
         directory = Path(directory)
         manifest = check_artifact(directory)
-        resolved = resolve_model(base_model or manifest.base_model.get("ref", manifest.base_model["name"]))
-        if resolved.sha256 != manifest.base_model["sha256"] and not allow_base_mismatch:
+        base, prompt = manifest.base_model_ref(), manifest.prompt_config()
+        resolved = resolve_model(base_model or base.ref)
+        if resolved.sha256 != base.sha256 and not allow_base_mismatch:
             raise BaseModelMismatchError(
-                f"adapter {directory} was trained on {manifest.base_model['name']} "
-                f"(sha256 {manifest.base_model['sha256'][:12]}), but {resolved.name} has sha256 "
+                f"adapter {directory} was trained on {base.name} "
+                f"(sha256 {base.sha256[:12]}), but {resolved.name} has sha256 "
                 f"{resolved.sha256[:12]}"
             )
         model, tokenizer = load_base_model(resolved, device=device, dtype=dtype, load_in_4bit=load_in_4bit)
@@ -374,8 +375,8 @@ class Predictor:
             model,
             tokenizer,
             heads,
-            template=manifest.prompt["template"],
-            max_tokens=manifest.prompt.get("max_tokens", DEFAULT_MAX_TOKENS),
+            template=prompt.template,
+            max_tokens=DEFAULT_MAX_TOKENS if prompt.max_tokens is None else prompt.max_tokens,
             members=names,
             mc_samples=manifest.mc_samples,
             manifest=manifest,

@@ -83,7 +83,7 @@ def model_card(state: ServiceState) -> dict:
         "conformal": None if c is None else {
             "alpha": c.alpha, "score": c.score, "n": c.n, "alphas": c.alphas(), "scores": sorted(c.quantiles)},
         "calibration": m.calibration or None,
-        "prompt": {**m.prompt, "training_max_tokens": m.prompt.get("max_tokens"), "max_tokens": settings.max_tokens},
+        "prompt": {**m.prompt, "training_max_tokens": m.prompt_config().max_tokens, "max_tokens": settings.max_tokens},
         "max_options": min(settings.max_options, head.num_rows),
         "head": {"kind": head.kind, "inference": head.inference, "zeta": head.zeta, "temperature": head.temperature,
                  "offset": head.offset},

@@ -99,15 +99,16 @@ class ServiceState:
             on_depth=self.metrics.queue_depth.set,
         )
         self.batcher.start()
+        base = manifest.base_model_ref()
         self.metrics.model_info.info(
             {"adapter": manifest.name, "version": str(manifest.version), "method": manifest.method,
-             "base_model": manifest.base_model["name"], "base_sha256": manifest.base_model["sha256"][:12]}
+             "base_model": base.name, "base_sha256": base.sha256[:12]}
         )
         self.metrics.set_drift(drift.status())
         self.metrics.set_accuracy(self.accuracy.status())
         self.status, self.reason = "ready", None
         self.metrics.ready.set(1)
-        log.info("serving adapter %s (%s) on %s", manifest.name, manifest.method, manifest.base_model["name"])
+        log.info("serving adapter %s (%s) on %s", manifest.name, manifest.method, base.name)
 
     async def shutdown(self) -> None:
         self.status, self.reason = "draining", "the service is shutting down"

@@ -127,7 +127,7 @@ def build(cfg: TrainConfig, method: Method):
     model = get_peft_model(model, lora)
     warm = None
     if source is not None:
-        same_kind = source.head["kind"] == head_config.kind
+        same_kind = source.head_config().kind == head_config.kind
         if same_kind:
             warm_start.load_head_tensors(head, cfg.init_from)
         warm = {"path": str(cfg.init_from), "name": source.name, "version": source.version, "method": source.method,
