@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from evidential.artifact import Manifest, check_artifact, load_head
+from evidential.base_model import decoder_of
 from evidential.head import HeadPrediction, OptionHead
 from evidential.prompt import LETTERS, MCQuestion, format_prompt, option_token_ids
 
@@ -132,18 +133,6 @@ def fits(tokenizer, template: str, max_tokens: int, q: MCQuestion) -> bool:
     # The same arithmetic as Predictor._encode_one: the prompt with an empty passage, plus 2 spare tokens.
     bare = len(tokenizer(format_prompt(q, template, tokenizer, context=""))["input_ids"])
     return bare <= max_tokens - 2
-
-
-def decoder_of(model) -> torch.nn.Module:
-    """The transformer trunk (embeddings + layers + final norm) of a causal LM, PEFT-wrapped or not."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if hasattr(base, "get_decoder"):
-        decoder = base.get_decoder()
-        if decoder is not None:
-            return decoder
-    if hasattr(base, "model"):
-        return base.model
-    raise ValueError(f"cannot find the decoder trunk of {type(base).__name__}")
 
 
 def lm_head_rows(model, token_ids: list[int]) -> torch.Tensor:
