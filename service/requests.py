@@ -46,7 +46,8 @@ def to_question(state: ServiceState, req: PredictRequest, prefix: str = "") -> M
     return q
 
 
-def conformal_quantile(conformal: Conformal | None, req: PredictRequest, prefix: str = "") -> tuple[float, float, str] | None:
+def conformal_quantile(conformal: Conformal | None, req: PredictRequest,
+                       prefix: str = "") -> tuple[float, float, str] | None:
     """(quantile, alpha, score) of the set a request gets; None when the adapter has no conformal calibration."""
     opts = req.conformal
     if conformal is None:

@@ -32,7 +32,8 @@ def record(state: ServiceState, pred: Prediction, reason: str | None) -> None:
     state.drift.add([pred.uncertainty if state.drift.statistic == "uncertainty_mass" else pred.confidence])
 
 
-def respond(state: ServiceState, req: PredictRequest, q: MCQuestion, pred: Prediction, request_id: str) -> PredictResponse:
+def respond(state: ServiceState, req: PredictRequest, q: MCQuestion, pred: Prediction,
+            request_id: str) -> PredictResponse:
     """The answer to one question: the prediction, its abstention decision and conformal set, recorded."""
     assert state.thresholds is not None and state.adapter is not None
     opts = req.abstain

@@ -13,7 +13,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from service.errors import ApiError
 from service.requests import to_question
 from service.responses import drift_status, model_card, respond
-from service.schemas import BatchRequest, BatchResponse, DriftStatus, ErrorResponse, Health, ModelList, PredictRequest, PredictResponse
+from service.schemas import (
+    BatchRequest,
+    BatchResponse,
+    DriftStatus,
+    ErrorResponse,
+    Health,
+    ModelList,
+    PredictRequest,
+    PredictResponse,
+)
 from service.state import State
 
 
