@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     questions = load_dataset("sciq", "test", limit=args.questions, seed=0)
     artifact = Path(args.artifact)
     predictor = Predictor.from_artifact(artifact)
-    sha = resolve_model(predictor.manifest.base_model["ref"]).sha256
+    sha = resolve_model(predictor.manifest.base_model_ref().ref).sha256
     trunks, memory = {}, {"torch_model_rss_mib": rss_mib()}
     for name in args.backends:
         before = rss_mib()

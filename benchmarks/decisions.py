@@ -227,8 +227,9 @@ def analyse(args) -> int:
         id_metrics = metrics.summarise(test["outputs"].probs, test["labels"], test["outputs"].uncertainty)
         result["adapters"][name] = {
             "artifact": directory, "method": manifest.method, "version": manifest.version,
-            "abstention": {k: manifest.abstention[k] for k in ("min_confidence", "ood_score", "ood_threshold")},
-            "target_accuracy": manifest.abstention["how"].get("target_accuracy"),
+            "abstention": {k: getattr(manifest.thresholds(), k)
+                           for k in ("min_confidence", "ood_score", "ood_threshold")},
+            "target_accuracy": manifest.thresholds().how.get("target_accuracy"),
             "streams": rows,
             "max_answered_shifted": float(max(shifted)),
             "dev_streams": dev_rows,

@@ -101,6 +101,43 @@ class Conformal:
         return sorted({float(a) for q in self.quantiles.values() for a in q})
 
 
+@dataclass(frozen=True)
+class BaseModelRef:
+    """The manifest's ``base_model``: the base weights an adapter was trained on.
+
+    Attributes:
+        name: the base model's name.
+        sha256: of its source weights; loading refuses other weights unless told to allow a mismatch.
+        ref: what evidential.base_model.resolve_model finds it by (the name in manifests without one).
+    """
+
+    name: str
+    sha256: str
+    ref: str
+
+    @classmethod
+    def from_dict(cls, data: dict) -> BaseModelRef:
+        for key in ("name", "sha256"):
+            if key not in data:
+                raise ArtifactError(f"manifest base_model needs {key!r}, got {data}")
+        return cls(name=data["name"], sha256=data["sha256"], ref=data.get("ref", data["name"]))
+
+
+@dataclass(frozen=True)
+class PromptConfig:
+    """The manifest's ``prompt``: the template the adapter was trained with and the training token cut
+    (None in manifests that do not record it)."""
+
+    template: str
+    max_tokens: int | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict) -> PromptConfig:
+        if "template" not in data:
+            raise ArtifactError(f"manifest prompt needs 'template', got {data}")
+        return cls(template=data["template"], max_tokens=data.get("max_tokens"))
+
+
 @dataclass
 class Manifest:
     """Everything needed to serve and to trust an adapter, besides its tensors.
@@ -109,10 +146,11 @@ class Manifest:
         name, version: how the service names the adapter.
         method: registry key of the training method (``map``, ``edl``, ``ib_edl``, ...).
         method_config: the method's hyper-parameters (beta, K, ...).
-        base_model: ``{"name", "sha256"}`` of the base weights the adapter was trained on.
+        base_model: ``{"name", "sha256", "ref"}`` of the base weights the adapter was trained on (a
+            :class:`BaseModelRef` as a dict).
         head: a :class:`HeadConfig` as a dict.
         option_token_ids: tokenizer ids of " A", " B", ... used to initialise the head rows.
-        prompt: ``{"template", "max_tokens"}``.
+        prompt: ``{"template", "max_tokens"}`` (a :class:`PromptConfig` as a dict).
         members: adapter sub-directories ("." for a single adapter; members/<i> for an ensemble).
         mc_samples: forward passes with dropout on at inference (MC-Dropout), 0 for none.
         training: data, sizes, seeds, steps, the command that produced the artifact.
@@ -144,25 +182,28 @@ class Manifest:
     def __post_init__(self) -> None:
         if self.schema_version != SCHEMA_VERSION:
             raise ArtifactError(f"manifest schema_version {self.schema_version} is not {SCHEMA_VERSION}")
-        for key in ("name", "sha256"):
-            if key not in self.base_model:
-                raise ArtifactError(f"manifest base_model needs {key!r}, got {self.base_model}")
-        if "template" not in self.prompt:
-            raise ArtifactError(f"manifest prompt needs 'template', got {self.prompt}")
-        self.head_config()  # validates
+        self.base_model_ref()  # validates
+        self.prompt_config()  # validates
+        head = self.head_config()  # validates
         try:
             Abstention(**self.abstention)
             self.conformal_sets()
         except (TypeError, ValueError) as e:
             raise ArtifactError(f"invalid abstention or conformal section in manifest: {e}") from e
-        if len(self.option_token_ids) != self.head["num_rows"]:
+        if len(self.option_token_ids) != head.num_rows:
             raise ArtifactError(
-                f"{len(self.option_token_ids)} option_token_ids for a head of {self.head['num_rows']} rows"
+                f"{len(self.option_token_ids)} option_token_ids for a head of {head.num_rows} rows"
             )
         if not self.members:
             raise ArtifactError("manifest members must name at least one adapter directory")
         if self.mc_samples < 0:
             raise ArtifactError(f"mc_samples must be >= 0, got {self.mc_samples}")
+
+    def base_model_ref(self) -> BaseModelRef:
+        return BaseModelRef.from_dict(self.base_model)
+
+    def prompt_config(self) -> PromptConfig:
+        return PromptConfig.from_dict(self.prompt)
 
     def head_config(self) -> HeadConfig:
         try:

@@ -103,7 +103,7 @@ def _export(model, tokenizer, target: Path, compress: bool) -> None:
     """LoRA-merged trunk -> OpenVINO IR in ``target`` (written to a temporary directory, then renamed)."""
     import openvino as ov
 
-    from evidential.predictor import decoder_of
+    from evidential.base_model import decoder_of
 
     start = time.perf_counter()
     merged = copy.deepcopy(model)

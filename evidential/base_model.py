@@ -241,3 +241,15 @@ def load_base_model(
         model.to(device)
     model.eval()
     return model, tokenizer
+
+
+def decoder_of(model) -> torch.nn.Module:
+    """The transformer trunk (embeddings + layers + final norm) of a causal LM, PEFT-wrapped or not."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if hasattr(base, "get_decoder"):
+        decoder = base.get_decoder()
+        if decoder is not None:
+            return decoder
+    if hasattr(base, "model"):
+        return base.model
+    raise ValueError(f"cannot find the decoder trunk of {type(base).__name__}")

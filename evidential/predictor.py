@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from evidential.artifact import Manifest, check_artifact, load_head
+from evidential.base_model import decoder_of
 from evidential.head import HeadPrediction, OptionHead
 from evidential.prompt import LETTERS, MCQuestion, format_prompt, option_token_ids
 
@@ -132,18 +133,6 @@ def fits(tokenizer, template: str, max_tokens: int, q: MCQuestion) -> bool:
     # The same arithmetic as Predictor._encode_one: the prompt with an empty passage, plus 2 spare tokens.
     bare = len(tokenizer(format_prompt(q, template, tokenizer, context=""))["input_ids"])
     return bare <= max_tokens - 2
-
-
-def decoder_of(model) -> torch.nn.Module:
-    """The transformer trunk (embeddings + layers + final norm) of a causal LM, PEFT-wrapped or not."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if hasattr(base, "get_decoder"):
-        decoder = base.get_decoder()
-        if decoder is not None:
-            return decoder
-    if hasattr(base, "model"):
-        return base.model
-    raise ValueError(f"cannot find the decoder trunk of {type(base).__name__}")
 
 
 def lm_head_rows(model, token_ids: list[int]) -> torch.Tensor:
@@ -350,11 +339,12 @@ class Predictor:
         check_backend(backend)
         directory = Path(directory)
         manifest = check_artifact(directory)
-        resolved = resolve_model(base_model or manifest.base_model.get("ref", manifest.base_model["name"]))
-        if resolved.sha256 != manifest.base_model["sha256"] and not allow_base_mismatch:
+        base, prompt = manifest.base_model_ref(), manifest.prompt_config()
+        resolved = resolve_model(base_model or base.ref)
+        if resolved.sha256 != base.sha256 and not allow_base_mismatch:
             raise BaseModelMismatchError(
-                f"adapter {directory} was trained on {manifest.base_model['name']} "
-                f"(sha256 {manifest.base_model['sha256'][:12]}), but {resolved.name} has sha256 "
+                f"adapter {directory} was trained on {base.name} "
+                f"(sha256 {base.sha256[:12]}), but {resolved.name} has sha256 "
                 f"{resolved.sha256[:12]}"
             )
         model, tokenizer = load_base_model(resolved, device=device, dtype=dtype, load_in_4bit=load_in_4bit)
@@ -374,8 +364,8 @@ class Predictor:
             model,
             tokenizer,
             heads,
-            template=manifest.prompt["template"],
-            max_tokens=manifest.prompt.get("max_tokens", DEFAULT_MAX_TOKENS),
+            template=prompt.template,
+            max_tokens=DEFAULT_MAX_TOKENS if prompt.max_tokens is None else prompt.max_tokens,
             members=names,
             mc_samples=manifest.mc_samples,
             manifest=manifest,

@@ -489,7 +489,7 @@ def save_outputs(path, directory: Path, manifest: Manifest, streams: dict, kind:
     rnd = lambda rows: None if rows is None else [[round(float(x), 6) for x in r] for r in rows]  # noqa: E731
     data = {
         "format": OUTPUTS_FORMAT, "artifact": str(directory), "method": manifest.method, "version": manifest.version,
-        "base_model_sha256": manifest.base_model["sha256"], "weights_sha256": weights_sha256(directory, manifest),
+        "base_model_sha256": manifest.base_model_ref().sha256, "weights_sha256": weights_sha256(directory, manifest),
         "kind": kind, "offset": offset, "max_tokens": max_tokens, **(extra or {}),
         "streams": {name: {"labels": [int(y) for y in s["labels"]], "probs": rnd(s["probs"]),
                            "alpha": rnd(s.get("alpha")), "sigma": rnd(s.get("sigma")),
@@ -510,7 +510,7 @@ def read_outputs(path, stream: str, directory: Path, manifest: Manifest) -> tupl
     if not isinstance(data, dict) or data.get("format") != OUTPUTS_FORMAT:
         raise ValueError(f"{path} is not a raw-outputs file ({OUTPUTS_FORMAT})")
     if data["weights_sha256"] != weights_sha256(directory, manifest) or \
-            data["base_model_sha256"] != manifest.base_model["sha256"]:
+            data["base_model_sha256"] != manifest.base_model_ref().sha256:
         raise ValueError(f"{path} holds outputs of other weights than {directory}: answer the data again")
     if stream not in data["streams"]:
         raise ValueError(f"{path} has no stream {stream!r}; it has {sorted(data['streams'])}")

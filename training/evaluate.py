@@ -29,7 +29,6 @@ class EvalResult:
 
     predictions: list[Prediction]
     labels: list[int]
-    seconds: float
     metrics: dict = field(default_factory=dict)
 
     @property
@@ -80,7 +79,7 @@ def evaluate(predictor: Predictor, questions: list[MCQuestion], batch_size: int 
     if missing:
         raise ValueError(f"questions {missing[:5]} have no answer to evaluate against")
     preds, seconds = predict_all(predictor, questions, batch_size, progress, desc)
-    result = EvalResult(preds, [q.answer for q in questions], seconds)
+    result = EvalResult(preds, [q.answer for q in questions])
     result.metrics = metrics.summarise(result.probs, result.labels, result.uncertainty)
     result.metrics["samples_per_s"] = len(questions) / seconds if seconds > 0 else float("inf")
     return result

@@ -127,7 +127,7 @@ def build(cfg: TrainConfig, method: Method):
     model = get_peft_model(model, lora)
     warm = None
     if source is not None:
-        same_kind = source.head["kind"] == head_config.kind
+        same_kind = source.head_config().kind == head_config.kind
         if same_kind:
             warm_start.load_head_tensors(head, cfg.init_from)
         warm = {"path": str(cfg.init_from), "name": source.name, "version": source.version, "method": source.method,
@@ -273,53 +273,101 @@ def train(cfg: TrainConfig, command: str = "") -> Path:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     started = time.time()
+    train_q, val_q, test_q = load_splits(cfg)
+    out_dir = Path(cfg.output)
+    history_path = start_history(out_dir)
+    dirs = member_dirs(method, params)
+    train_q, val_q, test_q, dropped = drop_unfit(cfg, train_q, val_q, test_q)
+    runs = [fit_member(cfg, method, params, train_q, val_q, out_dir / d, cfg.seed + 1000 * i, history_path, i)
+            for i, d in enumerate(dirs)]
+    manifest = loadable_manifest(cfg, method, params, dirs, runs[0])
+    write_manifest(out_dir, manifest)  # complete enough to load; metrics follow
+    predictor = load_trained(cfg, method, params, out_dir, train_q)
+    sections, metrics = calibrate_and_evaluate(cfg, method, predictor, val_q, test_q)
+    training = training_record(cfg, method, params, command, runs, started, sections, dropped, train_q, predictor)
+    complete_manifest(manifest, predictor, sections, metrics, training)
+    write_manifest(out_dir, manifest)
+    return out_dir
+
+
+def load_splits(cfg: TrainConfig) -> tuple[list[MCQuestion], list[MCQuestion], list[MCQuestion]]:
+    """The configured train, validation and test questions (test may be empty)."""
     train_q = load_parts(cfg.data.train, "train", cfg)
     val_q = load_parts(cfg.data.validation, "validation", cfg)
     test_q = load_parts(cfg.data.test, "test", cfg) if cfg.data.test else []
     log.info("data: %d train, %d validation, %d test", len(train_q), len(val_q), len(test_q))
-    out_dir = Path(cfg.output)
+    return train_q, val_q, test_q
+
+
+def start_history(out_dir: Path) -> Path:
+    """Create the artifact directory and an empty ``history.jsonl`` (one line per step, every member)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     history_path = out_dir / "history.jsonl"
     history_path.write_text("")
+    return history_path
+
+
+def member_dirs(method: Method, params: dict) -> list[str]:
+    """Adapter sub-directories: "." for a single adapter, members/<i> for an ensemble."""
     members = method.num_members(params)
-    member_dirs = ["."] if members == 1 else [f"members/{i}" for i in range(members)]
-    runs = []
-    for i, d in enumerate(member_dirs):
-        if i == 0:
-            train_q, val_q, test_q, dropped = drop_unfit(cfg, train_q, val_q, test_q)
-        runs.append(fit_member(cfg, method, params, train_q, val_q, out_dir / d, cfg.seed + 1000 * i, history_path, i))
-    first = runs[0]
-    manifest = Manifest(
+    return ["."] if members == 1 else [f"members/{i}" for i in range(members)]
+
+
+def loadable_manifest(cfg: TrainConfig, method: Method, params: dict, dirs: list[str], first: dict) -> Manifest:
+    """The manifest of the trained members, before calibration: enough for Predictor.from_artifact."""
+    return Manifest(
         name=cfg.name, version=cfg.version, method=method.name, method_config=params,
         base_model=first["resolved"].identity(), head=first["head"], option_token_ids=first["ids"],
-        prompt={"template": cfg.template, "max_tokens": cfg.max_tokens}, members=member_dirs,
+        prompt={"template": cfg.template, "max_tokens": cfg.max_tokens}, members=dirs,
         mc_samples=method.num_mc_samples(params),
     )
-    write_manifest(out_dir, manifest)  # complete enough to load; metrics follow
 
+
+def load_trained(cfg: TrainConfig, method: Method, params: dict, out_dir: Path, train_q: list[MCQuestion]) -> Predictor:
+    """The artifact as the service will load it, with the method's post-hoc step fitted (e.g. Laplace:
+    a posterior over the saved adapter, so metrics use its predictive)."""
     dtype = DTYPES[cfg.dtype] if cfg.dtype else None
     predictor = Predictor.from_artifact(out_dir, base_model=cfg.base_model, device=cfg.device, dtype=dtype,
                                         load_in_4bit=cfg.load_in_4bit)
-    if method.posthoc is not None:  # e.g. Laplace: a posterior over the saved adapter; metrics use its predictive
+    if method.posthoc is not None:
         fit_q = random.Random(cfg.seed).sample(train_q, min(method.posthoc.num_samples(params), len(train_q)))
         log.info("post-hoc %s on %d training questions", method.name, len(fit_q))
         predictor = method.posthoc.fit(predictor, fit_q, params)
-    # Post-hoc step (IB-EDL's zeta), OOD gate, risk-controlled abstention, conformal sets and the drift
-    # reference: the same code as python -m training.calibrate, on the validation split.
+    return predictor
+
+
+def calibrate_and_evaluate(cfg: TrainConfig, method: Method, predictor: Predictor, val_q: list[MCQuestion],
+                           test_q: list[MCQuestion]) -> tuple[dict, dict]:
+    """Manifest sections from calibration and the validation (and test) metrics, in that order.
+
+    Post-hoc step (IB-EDL's zeta), OOD gate, risk-controlled abstention, conformal sets and the drift
+    reference: the same code as python -m training.calibrate, on the validation split.
+    """
     calibration = CalibrationConfig(target_accuracy=cfg.target_accuracy, posthoc=method.head == "ib_edl" and cfg.fit_zeta,
                                     reference_size=cfg.reference_size, seed=cfg.seed)
     sections = calibrate_predictor(predictor, val_q, calibration, cfg.eval_batch_size, progress=cfg.progress)
     val = evaluate(predictor, val_q, cfg.eval_batch_size, progress=cfg.progress, desc="validation")
     test = evaluate(predictor, test_q, cfg.eval_batch_size, progress=cfg.progress, desc="test") if test_q else None
+    return sections, {"validation": val.metrics, **({"test": test.metrics} if test else {})}
+
+
+def run_record(runs: list[dict], started: float) -> dict:
+    """Time, samples and throughput of the run (per member for an ensemble)."""
     not_run = ("resolved", "ids", "head", "init_from")  # recorded elsewhere in the manifest
-    run = {k: v for k, v in first.items() if k not in not_run}
-    if members > 1:
+    run = {k: v for k, v in runs[0].items() if k not in not_run}
+    if len(runs) > 1:
         run = {"members": [{k: v for k, v in r.items() if k not in not_run} for r in runs],
                "seconds": sum(r["seconds"] for r in runs), "samples": sum(r["samples"] for r in runs),
                "samples_per_s": sum(r["samples"] for r in runs) / sum(r["seconds"] for r in runs)}
     run["wall_seconds"] = time.time() - started
-    manifest.head = predictor.head.config.to_dict()
-    manifest.training = {
+    return run
+
+
+def training_record(cfg: TrainConfig, method: Method, params: dict, command: str, runs: list[dict], started: float,
+                    sections: dict, dropped: dict, train_q: list[MCQuestion], predictor: Predictor) -> dict:
+    """The manifest's ``training`` section: how the artifact was produced."""
+    run = run_record(runs, started)
+    return {
         "command": command,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "config": cfg.to_dict(),
@@ -330,15 +378,19 @@ def train(cfg: TrainConfig, command: str = "") -> Path:
         "dropped_too_long": dropped,
         "run": run,
         "confidence_ceiling": ceiling(method.name, params, train_q),
-        "init_from": first["init_from"],
+        "init_from": runs[0]["init_from"],
         "device": str(predictor.device),
         "torch": torch.__version__,
     }
-    manifest.metrics = {"validation": val.metrics, **({"test": test.metrics} if test else {})}
+
+
+def complete_manifest(manifest: Manifest, predictor: Predictor, sections: dict, metrics: dict, training: dict) -> None:
+    """Fill the loadable manifest's remaining sections: head as calibrated, training, metrics, calibration."""
+    manifest.head = predictor.head.config.to_dict()
+    manifest.training = training
+    manifest.metrics = metrics
     apply_sections(manifest, predictor, sections)
     manifest.calibration.update({"dataset": "the run's validation data", "split": "validation"})
-    write_manifest(out_dir, manifest)
-    return out_dir
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,9 +42,10 @@ def read_source(directory: str | Path, sha256: str, option_ids: list[int], lora)
         raise ValueError(f"init_from {directory}: {e}") from e
     if manifest.members != ["."]:
         raise ValueError(f"init_from {directory}: an ensemble ({len(manifest.members)} members) cannot seed one adapter")
-    if manifest.base_model["sha256"] != sha256:
-        raise ValueError(f"init_from {directory}: trained on {manifest.base_model['name']} "
-                         f"(sha256 {manifest.base_model['sha256'][:12]}), this run's base has sha256 {sha256[:12]}")
+    base = manifest.base_model_ref()
+    if base.sha256 != sha256:
+        raise ValueError(f"init_from {directory}: trained on {base.name} "
+                         f"(sha256 {base.sha256[:12]}), this run's base has sha256 {sha256[:12]}")
     if manifest.option_token_ids[: len(option_ids)] != list(option_ids):
         raise ValueError(f"init_from {directory}: option token ids {manifest.option_token_ids} differ from {option_ids}")
     config = json.loads((directory / ADAPTER_FILES[0]).read_text())
@@ -58,7 +59,7 @@ def read_source(directory: str | Path, sha256: str, option_ids: list[int], lora)
 def source_rows(directory: str | Path, manifest: Manifest) -> torch.Tensor:
     """The source head's option rows, (num_rows, d)."""
     tensors = load_file(str(Path(directory) / HEAD_FILE))
-    return tensors[HEADS[manifest.head["kind"]].weight_name].float()
+    return tensors[HEADS[manifest.head_config().kind].weight_name].float()
 
 
 @torch.no_grad()

@@ -1,0 +1,71 @@
+"""Checking a request before the model sees it: limits, option letters, the prompt's token count and the
+conformal set asked for. Every refusal is an ApiError (422 invalid, 413 too large) naming the field."""
+
+from __future__ import annotations
+
+from evidential.artifact import Conformal
+from evidential.predictor import count_prompt_tokens
+from evidential.prompt import LETTERS, MCQuestion
+from service.errors import ApiError
+from service.schemas import PredictRequest
+from service.state import ServiceState
+
+
+def to_question(state: ServiceState, req: PredictRequest, prefix: str = "") -> MCQuestion:
+    """Check limits and convert; ``prefix`` locates the item in a batch (``items.3.``)."""
+    s = state.settings
+    if isinstance(req.options, dict):
+        keys = list(req.options)
+        expected = list(LETTERS[: len(keys)])
+        if sorted(keys) != expected:
+            raise ApiError(422, "invalid_request", f"option letters must be consecutive from A, got {keys}", prefix + "options")
+        options = [req.options[k] for k in expected]
+    else:
+        options = list(req.options)
+    max_options = min(s.max_options, state.predictor.num_rows if state.predictor else s.max_options)
+    if not 2 <= len(options) <= max_options:
+        raise ApiError(422, "invalid_request", f"a question needs 2..{max_options} options, got {len(options)}", prefix + "options")
+    if not req.question.strip():
+        raise ApiError(422, "invalid_request", "question must not be blank", prefix + "question")
+    if len(req.question) > s.max_question_chars:
+        raise ApiError(413, "too_large", f"question is {len(req.question)} characters; the limit is {s.max_question_chars}", prefix + "question")
+    for i, text in enumerate(options):
+        if not text.strip():
+            raise ApiError(422, "invalid_request", f"option {LETTERS[i]} must not be blank", f"{prefix}options.{i}")
+        if len(text) > s.max_option_chars:
+            raise ApiError(413, "too_large", f"option {LETTERS[i]} is {len(text)} characters; the limit is {s.max_option_chars}", f"{prefix}options.{i}")
+    if req.context is not None and len(req.context) > s.max_context_chars:
+        raise ApiError(413, "too_large", f"context is {len(req.context)} characters; the limit is {s.max_context_chars}", prefix + "context")
+    if req.conformal is not None:
+        conformal_quantile(state.conformal, req, prefix)  # an alpha or score not stored is the client's error: 422
+    q = MCQuestion(req.question, tuple(options), req.context or None, id=req.id)
+    tokens = count_tokens(state, q)
+    if tokens > s.max_tokens:
+        raise ApiError(413, "too_large", f"the prompt is {tokens} tokens after formatting; the limit is {s.max_tokens}",
+                       prefix + ("context" if q.context else "question"))
+    return q
+
+
+def conformal_quantile(conformal: Conformal | None, req: PredictRequest,
+                       prefix: str = "") -> tuple[float, float, str] | None:
+    """(quantile, alpha, score) of the set a request gets; None when the adapter has no conformal calibration."""
+    opts = req.conformal
+    if conformal is None:
+        if opts is not None and (opts.alpha is not None or opts.score is not None):
+            raise ApiError(422, "invalid_request", "this adapter has no conformal calibration; run "
+                           "python -m training.calibrate on it to get prediction sets", prefix + "conformal")
+        return None
+    alpha = opts.alpha if opts and opts.alpha is not None else conformal.alpha
+    score = opts.score if opts and opts.score is not None else conformal.score
+    try:
+        return conformal.quantile(alpha, score), alpha, score
+    except (KeyError, ValueError):
+        raise ApiError(422, "invalid_request", f"no stored prediction set for alpha {alpha} and score {score!r}; "
+                       f"stored alphas: {conformal.alphas()}, scores: {sorted(conformal.quantiles)}",
+                       prefix + "conformal") from None
+
+
+def count_tokens(state: ServiceState, q: MCQuestion) -> int:
+    """Tokens of ``q``'s formatted prompt, counted on the event loop's own tokenizer copy."""
+    assert state.predictor is not None
+    return count_prompt_tokens(state.count_tokenizer, state.predictor.template, q)
