@@ -1,6 +1,6 @@
 """Inference backends on the CPU, measured against torch fp32 in one process, interleaved question by question.
 
-    python benchmarks/cpu_backends.py [--artifact artifacts/default] [--questions 200] \
+    python -m benchmarks.cpu_backends [--artifact artifacts/default] [--questions 200] \
         [--backends torch openvino openvino-fp32] [--output benchmarks/results/cpu_backends.json]
 
 On SciQ test questions with passages (the first ``--questions`` of a seed-0 draw): p50/p99 latency at batch 1,
@@ -18,18 +18,16 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from benchmarks.common import write_result  # noqa: E402
-from evidential.backends import build_trunk  # noqa: E402
-from evidential.base_model import KNOWN_MODELS, known_gguf, resolve_model  # noqa: E402
-from evidential.prompt import format_prompt  # noqa: E402
-from evidential.predictor import Predictor  # noqa: E402
-from training import metrics  # noqa: E402
-from training.data import load_dataset  # noqa: E402
+from benchmarks.common import write_result
+from evidential.backends import build_trunk
+from evidential.base_model import KNOWN_MODELS, known_gguf, resolve_model
+from evidential.prompt import format_prompt
+from evidential.predictor import Predictor
+from training import metrics
+from training.data import load_dataset
 
 
 def rss_mib(field: str = "VmRSS") -> float:

@@ -1,7 +1,7 @@
 """The paper's scale on a GPU: our predictor and training step on an 8B-shaped Llama (random weights, bf16),
 option rows against the full-vocabulary-logits path, beside the paper's H100 figures.
 
-    python benchmarks/paper_scale_gpu.py --questions q.json --tokenizer DIR [--batch-size 8] [--steps 12] \
+    python -m benchmarks.paper_scale_gpu --questions q.json --tokenizer DIR [--batch-size 8] [--steps 12] \
         [--output benchmarks/results/paper_scale_gpu.json]
 
 ``q.json``: a list of {question, options, context, answer} (SciQ training questions with passages);
@@ -20,14 +20,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from evidential.head import HeadConfig, build_head  # noqa: E402
-from evidential.predictor import Predictor, lm_head_rows  # noqa: E402
-from evidential.prompt import MCQuestion, option_token_ids  # noqa: E402
-from training.losses import cross_entropy, gaussian_information, ib_edl_risk  # noqa: E402
+from evidential.head import HeadConfig, build_head
+from evidential.predictor import Predictor, lm_head_rows
+from evidential.prompt import MCQuestion, option_token_ids
+from training.losses import cross_entropy, gaussian_information, ib_edl_risk
 
 PAPER_H100 = {"ib_edl_train_samples_per_s": 26.41, "ib_edl_test_samples_per_s": 68.08, "ib_edl_peak_memory_gb": 21.88,
               "source": "IB-EDL (ICLR 2025), Llama3-8B, one H100"}

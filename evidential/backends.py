@@ -2,7 +2,9 @@
 batch into the (B, d) hidden state of each prompt's last real token. The option head, Dirichlet outputs and
 abstention stay the predictor's own code whatever the backend.
 
-``torch``: the PEFT model as loaded (fp32 eager on CPU). ``openvino``: the LoRA-merged trunk converted once to
+``auto`` (the service's and ``training.evaluate``'s default): ``openvino-fp32`` for a single adapter on the CPU
+with openvino installed, else ``torch`` (CUDA, MC-Dropout, ensembles); chosen from
+``benchmarks/results/cpu_backends.json``. ``torch``: the PEFT model as loaded (fp32 eager on CPU). ``openvino``: the LoRA-merged trunk converted once to
 OpenVINO IR with int8 weights (asymmetric, one scale per 64 input channels), decompressed inside the CPU
 plugin's matmul kernels; activations stay fp32. ``openvino-fp32``: the same IR without compression (to separate conversion from
 quantisation). IR are cached under ``IBEDL_CACHE_DIR/backends``, keyed by base model, adapter and backend.
@@ -26,8 +28,12 @@ from evidential.base_model import MARKER, cache_dir, sha256_file
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("torch", "openvino", "openvino-fp32")
-DEFAULT_BACKEND = "torch"
+BACKENDS = ("torch", "openvino", "openvino-fp32", "auto")
+DEFAULT_BACKEND = "auto"
+# What ``auto`` runs on the CPU. On 100 SciQ test questions (benchmarks/results/cpu_backends.json) the fp32 IR served
+# 2.11x torch's batch-8 throughput with torch's answers (max |p - p_torch| 7e-6); int8 was no faster on this CPU
+# (2.06x) and moved probabilities by up to 0.036, over the 0.02 bar. int8 adds less memory: IBEDL_BACKEND=openvino.
+AUTO_CPU_BACKEND = "openvino-fp32"
 CACHE_FORMAT = 1  # bump when the exported graph or its compression changes
 # Measured on 30 SciQ validation questions (max |p - p_torch|): int8 per output channel (nncf's INT8 modes)
 # 0.026-0.04; per 64 input channels 0.003. The plugin's dynamic int8 activations (groups of 16 / 64) added
@@ -150,17 +156,41 @@ def openvino_trunk(model, tokenizer, artifact: Path, member: str, base_sha256: s
         raise ImportError(f"backend {backend!r} needs openvino: pip install -e '.[serve]'") from e
     target = cache_dir() / "backends" / f"{backend}-{adapter_key(artifact, member, base_sha256, backend)[:16]}"
     if not (target / MARKER).is_file():
-        log.info("exporting the trunk of %s for backend %s into %s (once, about a minute)", artifact, backend, target)
+        log.info("exporting the trunk of %s for backend %s into %s: once per adapter, about a minute",
+                 artifact, backend, target)
         _export(model, tokenizer, target, compress=backend == "openvino")
-        log.info("exported %s", target)
+        log.info("exported %s; later starts load it in seconds", target)
     config = {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0,
               "INFERENCE_NUM_THREADS": threads or torch.get_num_threads()}
     return OpenVINOTrunk(ov.Core().compile_model(target / "trunk.xml", "CPU", config), target)
 
 
+def choose_backend(backend: str, predictor) -> str:
+    """The concrete backend ``auto`` means for this predictor (other names unchanged)."""
+    if check_backend(backend) != "auto":
+        return backend
+    reason = None
+    if predictor.device.type != "cpu":
+        reason = f"device {predictor.device}"
+    elif len(predictor.heads) > 1 or predictor.mc_samples > 0:
+        reason = "MC-Dropout and ensembles run on torch"
+    else:
+        try:
+            import openvino  # noqa: F401
+        except ImportError:
+            reason = "openvino is not installed (pip install -e '.[serve]')"
+    if reason:
+        log.info("inference backend auto -> torch (%s)", reason)
+        return "torch"
+    log.info("inference backend auto -> %s", AUTO_CPU_BACKEND)
+    return AUTO_CPU_BACKEND
+
+
 def build_trunk(backend: str, predictor, artifact: Path, base_sha256: str):
-    """The trunk callable of ``backend`` for a loaded predictor; None for ``torch`` (the predictor's own path)."""
-    check_backend(backend)
+    """The trunk callable of ``backend`` for a loaded predictor; None for ``torch`` (the predictor's own path).
+    Records the concrete backend (``auto`` resolved) as ``predictor.backend``."""
+    backend = choose_backend(backend, predictor)
+    predictor.backend = backend
     if backend == "torch":
         return None
     if len(predictor.heads) > 1 or predictor.mc_samples > 0:
@@ -173,4 +203,4 @@ def build_trunk(backend: str, predictor, artifact: Path, base_sha256: str):
     return openvino_trunk(predictor.model, predictor.tokenizer, artifact, member, base_sha256, backend)
 
 
-__all__ = ["BACKENDS", "DEFAULT_BACKEND", "check_backend", "build_trunk", "LastTokenTrunk", "OpenVINOTrunk"]
+__all__ = ["BACKENDS", "DEFAULT_BACKEND", "AUTO_CPU_BACKEND", "check_backend", "choose_backend", "build_trunk", "LastTokenTrunk", "OpenVINOTrunk"]

@@ -186,6 +186,7 @@ class Predictor:
             tokenizer.pad_token = tokenizer.eos_token
         self.decoder = decoder_of(model)
         self.trunk = None  # an inference backend's trunk (evidential.backends); None: the model's own forward
+        self.backend = "torch"  # the inference backend's name (set by evidential.backends.build_trunk)
         self.num_rows = self.heads[0].config.num_rows
         format_prompt(MCQuestion("probe", ("a", "b")), template, tokenizer)  # fails early on a bad template
 
@@ -329,7 +330,7 @@ class Predictor:
             directory: the artifact.
             base_model: a model reference overriding the manifest's base model name.
             allow_base_mismatch: load even when the base weights' sha256 differs from the manifest's.
-            backend: inference backend of the trunk (:mod:`evidential.backends`).
+            backend: inference backend of the trunk (:mod:`evidential.backends`); ``auto`` picks one.
         """
         from peft import PeftModel
 

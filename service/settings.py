@@ -19,7 +19,8 @@ class Settings(BaseSettings):
     device: str | None = Field(None, description="cpu or cuda[:i]; default CUDA when present")
     load_in_4bit: bool = Field(False, description="bitsandbytes NF4 on CUDA")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads")
-    backend: str = Field("torch", description="inference backend of the trunk: torch, openvino (int8), openvino-fp32")
+    backend: str = Field("auto", description="inference backend of the trunk: auto (openvino-fp32 on the CPU, torch "
+                         "on CUDA or for MC-Dropout/ensembles), torch, openvino (int8 weights), openvino-fp32")
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)

@@ -2,13 +2,14 @@
 reliability diagram.
 
     python -m training.evaluate --artifact artifacts/default --dataset sciq --split test \
-        [--limit N] [--output results.json] [--batch-size 8] [--backend torch]
+        [--limit N] [--output results.json] [--batch-size 8] [--backend auto]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from evidential.backends import DEFAULT_BACKEND
 from evidential.prompt import MCQuestion
 from evidential.predictor import Prediction, Predictor
 from training import metrics
@@ -100,13 +102,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the --limit subset")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--base-model", help="override the manifest's base model reference")
-    parser.add_argument("--backend", default=os.environ.get("IBEDL_BACKEND", "torch"),
-                        help="inference backend: torch, openvino, openvino-fp32 (default IBEDL_BACKEND or torch)")
+    parser.add_argument("--backend", default=os.environ.get("IBEDL_BACKEND", DEFAULT_BACKEND),
+                        help="inference backend: auto, torch, openvino, openvino-fp32 (default IBEDL_BACKEND or auto: "
+                             "openvino-fp32 on the CPU, torch on CUDA or for MC-Dropout/ensembles)")
     parser.add_argument("--output", help="write metrics JSON here (and a reliability PNG beside it)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     if args.limit is not None and args.limit < 1:
         parser.error(f"--limit must be >= 1, got {args.limit}")
+    handler = logging.StreamHandler()  # the backend choice and a one-off export show on stderr
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    logging.getLogger("evidential.backends").addHandler(handler)
+    logging.getLogger("evidential.backends").setLevel(logging.INFO)
     try:
         questions = load_dataset(args.dataset, args.split, path=args.path, limit=args.limit, seed=args.seed)
         predictor = Predictor.from_artifact(args.artifact, base_model=args.base_model, backend=args.backend)
@@ -120,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         "dataset": args.dataset,
         "split": args.split,
         "limit": args.limit,
-        "backend": args.backend,
+        "backend": predictor.backend,
         **result.metrics,
     }
     print(json.dumps(report, indent=2))

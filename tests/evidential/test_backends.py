@@ -101,3 +101,25 @@ def test_backends_refuse_mc_dropout_and_ensembles(tiny):
     finally:
         predictor.mc_samples = 0
     assert backends.build_trunk("torch", predictor, artifact, "base-sha") is None
+
+
+def test_auto_is_the_default_and_picks_openvino_fp32_on_the_cpu(tiny, monkeypatch):
+    from service.settings import Settings
+
+    monkeypatch.delenv("IBEDL_BACKEND", raising=False)
+    assert Settings().backend == backends.DEFAULT_BACKEND == "auto"
+    predictor, artifact = tiny
+    monkeypatch.setattr(backends, "openvino_trunk", lambda *args: args[-1])  # the backend it was asked for
+    try:
+        assert backends.build_trunk("auto", predictor, artifact, "base-sha") == backends.AUTO_CPU_BACKEND
+        assert predictor.backend == backends.AUTO_CPU_BACKEND == "openvino-fp32"
+        predictor.mc_samples = 4  # MC-Dropout (and ensembles, CUDA) fall back to torch instead of failing
+        assert backends.build_trunk("auto", predictor, artifact, "base-sha") is None
+        assert predictor.backend == "torch"
+        predictor.mc_samples = 0
+        monkeypatch.setitem(__import__("sys").modules, "openvino", None)  # not installed: torch
+        assert backends.choose_backend("auto", predictor) == "torch"
+        assert backends.choose_backend("openvino", predictor) == "openvino"  # a named backend is kept
+    finally:
+        predictor.mc_samples = 0
+        predictor.backend = "torch"
