@@ -2,9 +2,8 @@
 batch into the (B, d) hidden state of each prompt's last real token. The option head, Dirichlet outputs and
 abstention stay the predictor's own code whatever the backend.
 
-``auto`` (the service's and ``training.evaluate``'s default): ``openvino-fp32`` for a single adapter on the CPU
-with openvino installed, else ``torch`` (CUDA, MC-Dropout, ensembles); chosen from
-``benchmarks/results/cpu_backends.json``. ``torch``: the PEFT model as loaded (fp32 eager on CPU). ``openvino``: the LoRA-merged trunk converted once to
+``torch`` (the default): the PEFT model as loaded (fp32 eager on CPU). ``auto``: ``openvino-fp32`` for a single
+adapter on the CPU with openvino installed, else ``torch`` (CUDA, MC-Dropout, ensembles). ``openvino``: the LoRA-merged trunk converted once to
 OpenVINO IR with int8 weights (asymmetric, one scale per 64 input channels), decompressed inside the CPU
 plugin's matmul kernels; activations stay fp32. ``openvino-fp32``: the same IR without compression (to separate conversion from
 quantisation). IR are cached under ``IBEDL_CACHE_DIR/backends``, keyed by base model, adapter and backend.
@@ -29,10 +28,13 @@ from evidential.base_model import MARKER, cache_dir, sha256_file
 log = logging.getLogger(__name__)
 
 BACKENDS = ("torch", "openvino", "openvino-fp32", "auto")
-DEFAULT_BACKEND = "auto"
-# What ``auto`` runs on the CPU. On 100 SciQ test questions (benchmarks/results/cpu_backends.json) the fp32 IR served
-# 2.11x torch's batch-8 throughput with torch's answers (max |p - p_torch| 7e-6); int8 was no faster on this CPU
-# (2.06x) and moved probabilities by up to 0.036, over the 0.02 bar. int8 adds less memory: IBEDL_BACKEND=openvino.
+# torch stays the default: on 200 SciQ test questions on quiet cores (benchmarks/results/cpu_backends.json) the fp32
+# IR served 1.49x torch's batch-8 throughput (1.75x at batch 1) with torch's answers, under the 2x that would justify
+# its cost: a served replica holds both models (2.7-2.9 GB RSS against the compose file's 2 GB limit). int8 was no
+# faster (1.36x) and moved probabilities by up to 0.053. (100 questions on cores shared with other jobs had
+# suggested 2.11x: contention slowed torch's threads more.)
+DEFAULT_BACKEND = "torch"
+# What ``auto`` runs on the CPU.
 AUTO_CPU_BACKEND = "openvino-fp32"
 CACHE_FORMAT = 1  # bump when the exported graph or its compression changes
 # Measured on 30 SciQ validation questions (max |p - p_torch|): int8 per output channel (nncf's INT8 modes)

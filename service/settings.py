@@ -19,8 +19,9 @@ class Settings(BaseSettings):
     device: str | None = Field(None, description="cpu or cuda[:i]; default CUDA when present")
     load_in_4bit: bool = Field(False, description="bitsandbytes NF4 on CUDA")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads")
-    backend: str = Field("auto", description="inference backend of the trunk: auto (openvino-fp32 on the CPU, torch "
-                         "on CUDA or for MC-Dropout/ensembles), torch, openvino (int8 weights), openvino-fp32")
+    backend: str = Field("torch", description="inference backend of the trunk: torch, openvino-fp32 (1.5x the "
+                         "throughput on CPU, same answers, about 1.8 GB more memory), openvino (int8 weights), auto "
+                         "(openvino-fp32 on the CPU, torch on CUDA or for MC-Dropout/ensembles)")
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)

@@ -103,11 +103,11 @@ def test_backends_refuse_mc_dropout_and_ensembles(tiny):
     assert backends.build_trunk("torch", predictor, artifact, "base-sha") is None
 
 
-def test_auto_is_the_default_and_picks_openvino_fp32_on_the_cpu(tiny, monkeypatch):
+def test_torch_is_the_default_and_auto_picks_openvino_fp32_on_the_cpu(tiny, monkeypatch):
     from service.settings import Settings
 
     monkeypatch.delenv("IBEDL_BACKEND", raising=False)
-    assert Settings().backend == backends.DEFAULT_BACKEND == "auto"
+    assert Settings().backend == backends.DEFAULT_BACKEND == "torch"
     predictor, artifact = tiny
     monkeypatch.setattr(backends, "openvino_trunk", lambda *args: args[-1])  # the backend it was asked for
     try:
