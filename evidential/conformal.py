@@ -6,7 +6,7 @@ Two non-conformity scores of a question's predictive probabilities p (C,) and an
 - ``aps`` (adaptive prediction sets, Romano et al. 2020): s = the total probability of the options ranked
   above y plus half of p_y. Sets grow with the question's ambiguity. APS randomises the share of p_y by
   U ~ Uniform(0, 1); its mean U = 1/2 keeps answers deterministic, and the guarantee holds for any fixed score.
-  (The variant that adds all of p_y over-covers: 0.96 for a nominal 0.90 on SciQ validation halves.)
+  (The variant that adds all of p_y over-covers: 0.946 for a nominal 0.90 on the SciQ validation calibration part.)
 
 Calibration takes the scores of the true answers of n labelled questions and keeps their
 ceil((n + 1)(1 - alpha)) / n empirical quantile q; the set of a new question is every option whose score is
