@@ -91,11 +91,17 @@ def score(args) -> int:
     return 0
 
 
+def load_dump(scores_dir: str, name: str, manifest) -> dict:
+    """The stored raw outputs ``<scores_dir>/<name>.json``, refused when other weights than the artifact's made them."""
+    dump = json.loads((Path(scores_dir) / f"{name}.json").read_text())
+    if dump["weights_sha256"] != weights_sha256(Path(dump["artifact"]), manifest):
+        raise SystemExit(f"the scores in {name}.json were produced by other weights than {dump['artifact']}: score again")
+    return dump
+
+
 def served(dump: dict, stream: str, manifest) -> dict:
     """Per-question outputs and decisions of one stream under the manifest's calibration, as served."""
     raw = {**dump["streams"][stream], "offset": dump["offset"]}
-    if dump["weights_sha256"] != weights_sha256(Path(dump["artifact"]), manifest):
-        raise SystemExit(f"the scores of {stream} were produced by other weights than {dump['artifact']}: score again")
     head = manifest.head_config()
     outputs = posthoc_outputs(dump["kind"], raw, {"zeta": head.zeta, "temperature": head.temperature})
     labels = np.asarray(raw["labels"])
@@ -213,13 +219,10 @@ def analyse(args) -> int:
         if not directory:
             raise SystemExit(f"--adapter takes NAME=DIR, got {spec!r}")
         manifest = read_manifest(directory)
-        dump = json.loads((Path(args.scores_dir) / f"{name}.json").read_text())
-        rows, dev_rows = {}, {}
-        for stream in ("sciq_test", *SHIFTED):
-            s = served(dump, stream, manifest)
-            rows[stream] = stream_row(s, manifest.conformal_sets())
-            if stream == "sciq_test":
-                test = s
+        dump = load_dump(args.scores_dir, name, manifest)
+        streams = {k: served(dump, k, manifest) for k in ("sciq_test", *SHIFTED)}
+        rows, dev_rows = {k: stream_row(s, manifest.conformal_sets()) for k, s in streams.items()}, {}
+        test = streams["sciq_test"]
         for stream in SHIFTED:
             if stream + "_dev" in dump["streams"]:
                 dev_rows[stream] = stream_row(served(dump, stream + "_dev", manifest), manifest.conformal_sets())
@@ -234,7 +237,7 @@ def analyse(args) -> int:
             "max_answered_shifted": float(max(shifted)),
             "dev_streams": dev_rows,
             "sciq_test_metrics": id_metrics,
-            "ood_auroc": {k: metrics.auroc(test["outputs"].ood_score(), served(dump, k, manifest)["outputs"].ood_score())
+            "ood_auroc": {k: metrics.auroc(test["outputs"].ood_score(), streams[k]["outputs"].ood_score())
                           for k in SHIFTED},
             "repeated_splits": repeated_splits(test, manifest, args.splits),
             "manifest_check": check_manifest(dump, manifest),
@@ -259,7 +262,7 @@ def choose_rate(args) -> int:
     least ``--min-answered``. The test streams are not read."""
     name, _, directory = args.adapter.partition("=")
     manifest = read_manifest(directory)
-    dump = json.loads((Path(args.scores_dir) / f"{name}.json").read_text())
+    dump = load_dump(args.scores_dir, name, manifest)
     raw = {**dump["streams"]["sciq_validation"], "offset": dump["offset"]}
     missing = [k + "_dev" for k in SHIFTED if k + "_dev" not in dump["streams"]]
     if missing:

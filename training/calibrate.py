@@ -313,9 +313,9 @@ def calibrate_predictor(predictor, questions: list[MCQuestion], config: Calibrat
     return sections
 
 
-def apply_sections(manifest: Manifest, predictor, sections: dict) -> None:
-    """Write the predictor's (calibrated) head parameters and the calibration's sections into ``manifest``."""
-    manifest.head = predictor.head.config.to_dict()
+def apply_sections(manifest: Manifest, head: dict, sections: dict) -> None:
+    """Write the (calibrated) head config and the calibration's sections into ``manifest``."""
+    manifest.head = head
     for key in ("abstention", "conformal", "calibration", "reference"):
         setattr(manifest, key, sections[key])
 
@@ -342,7 +342,7 @@ def next_version(version: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from evidential.artifact import ArtifactError, read_manifest
+    from evidential.artifact import ArtifactError
     from training.data import DATASETS, load_dataset
     from training.data.errors import DatasetError
 
@@ -397,8 +397,7 @@ def main(argv: list[str] | None = None) -> int:
             ood_rejection_rate=args.ood_rejection_rate, fit_fraction=args.fit_fraction, seed=args.seed,
             posthoc=not args.no_posthoc,
         )
-        check_artifact(source)
-        manifest = read_manifest(source)
+        manifest = check_artifact(source)
         if args.outputs:
             kind, raw, labels = read_outputs(args.outputs, stream, source, manifest)
         else:
@@ -424,9 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         out = posthoc_outputs(ekind, eraw, head_update)
         evaluated = metrics.summarise(out.probs, elabels, out.uncertainty)
     before = (manifest.head.get("zeta", 0.0), manifest.head.get("temperature", 1.0))
-    manifest.head.update(head_update)
-    for key in ("abstention", "conformal", "calibration", "reference"):
-        setattr(manifest, key, sections[key])
+    apply_sections(manifest, {**manifest.head, **head_update}, sections)
     if (manifest.head.get("zeta", 0.0), manifest.head.get("temperature", 1.0)) != before and "test" in manifest.metrics:
         # Measured with the old post-hoc parameter: kept for the record, under a name that says so.
         manifest.metrics["test_before_calibration"] = manifest.metrics.pop("test")

@@ -386,10 +386,9 @@ def training_record(cfg: TrainConfig, method: Method, params: dict, command: str
 
 def complete_manifest(manifest: Manifest, predictor: Predictor, sections: dict, metrics: dict, training: dict) -> None:
     """Fill the loadable manifest's remaining sections: head as calibrated, training, metrics, calibration."""
-    manifest.head = predictor.head.config.to_dict()
     manifest.training = training
     manifest.metrics = metrics
-    apply_sections(manifest, predictor, sections)
+    apply_sections(manifest, predictor.head.config.to_dict(), sections)
     manifest.calibration.update({"dataset": "the run's validation data", "split": "validation"})
 
 
