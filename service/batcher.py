@@ -49,11 +49,17 @@ class MicroBatcher:
         self._queue: asyncio.Queue[_Item] | None = None
         self._task: asyncio.Task | None = None
         self._busy = False  # a gathered batch is being answered
+        self._stopping = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="predict")
 
     @property
     def depth(self) -> int:
         return self._queue.qsize() if self._queue else 0
+
+    @property
+    def running(self) -> bool:
+        """True from start() until stop() has begun."""
+        return self._task is not None and not self._task.done() and not self._stopping
 
     def start(self) -> None:
         self._queue = asyncio.Queue(maxsize=self.queue_size)
@@ -61,6 +67,7 @@ class MicroBatcher:
 
     async def stop(self) -> None:
         """Answer what is queued and the batch in flight, then stop the worker."""
+        self._stopping = True
         if self._queue is not None and self._task is not None:
             while (not self._queue.empty() or self._busy) and not self._task.done():
                 await asyncio.sleep(0.01)

@@ -125,8 +125,10 @@ class ServiceState:
         return 503, Health(status=self.status, reason=self.reason)
 
     def require_ready(self) -> None:
+        """Refuse (503 not_ready) unless the model can answer. While draining, a request that reaches the app was
+        accepted before the server stopped taking connections: it is answered as long as the batcher runs."""
         code, health = self.health()
-        if code != 200:
+        if code != 200 and not (self.status == "draining" and self.batcher is not None and self.batcher.running):
             raise ApiError(503, "not_ready", f"the service is {health.status}: {health.reason}", headers={"Retry-After": "5"})
 
     # -- batching -------------------------------------------------------------------------------
