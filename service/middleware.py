@@ -32,6 +32,9 @@ class RequestGuard:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         request_id = headers.get("x-request-id") or uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
+        # Admission is decided here, once: a request that arrives before a shutdown begins is answered even if
+        # SIGTERM lands before its route runs; one that arrives after it is refused (503) by the route.
+        scope["state"]["admitted"] = self.state.accepting()
         path = scope.get("path", "")
         measured = not path.startswith(UNMEASURED)
         metrics = self.state.metrics

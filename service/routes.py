@@ -58,7 +58,7 @@ async def ready(state: State):
 
 @router.post("/predict", response_model=PredictResponse, dependencies=[Auth], responses=ERRORS, tags=["predict"])
 async def predict(body: PredictRequest, request: Request, state: State) -> PredictResponse:
-    state.require_ready()
+    state.require_ready(request)
     q = to_question(state, body)
     (pred,) = await state.answer([q])
     return respond(state, body, q, pred, request.state.request_id)
@@ -66,7 +66,7 @@ async def predict(body: PredictRequest, request: Request, state: State) -> Predi
 
 @router.post("/predict/batch", response_model=BatchResponse, dependencies=[Auth], responses=ERRORS, tags=["predict"])
 async def predict_batch(body: BatchRequest, request: Request, state: State) -> BatchResponse:
-    state.require_ready()
+    state.require_ready(request)
     limit = state.settings.max_batch_items
     if len(body.items) > limit:
         raise ApiError(413, "too_large", f"{len(body.items)} items; the limit is {limit}", "items")
@@ -78,14 +78,14 @@ async def predict_batch(body: BatchRequest, request: Request, state: State) -> B
 
 
 @router.get("/v1/models", response_model=ModelList, dependencies=[Auth], tags=["metadata"])
-async def models(state: State) -> dict:
-    state.require_ready()
+async def models(request: Request, state: State) -> dict:
+    state.require_ready(request)
     return {"data": [model_card(state)]}
 
 
 @router.get("/v1/drift", response_model=DriftStatus, dependencies=[Auth], tags=["metadata"])
-async def drift(state: State) -> DriftStatus:
-    state.require_ready()
+async def drift(request: Request, state: State) -> DriftStatus:
+    state.require_ready(request)
     return drift_status(state)
 
 

@@ -124,11 +124,20 @@ class ServiceState:
             return 200, Health(status="ready")
         return 503, Health(status=self.status, reason=self.reason)
 
-    def require_ready(self) -> None:
-        """Refuse (503 not_ready) unless the model can answer. While draining, a request that reaches the app was
-        accepted before the server stopped taking connections: it is answered as long as the batcher runs."""
+    def accepting(self) -> bool:
+        """Whether a request arriving now is admitted: the model is loaded and no shutdown has begun."""
+        return self.health()[0] == 200
+
+    def require_ready(self, request: Request) -> None:
+        """Refuse (503 not_ready + Retry-After) unless the model can answer this request. Admission is decided
+        once, when the request arrives (RequestGuard sets ``admitted``): one that arrived before SIGTERM is
+        answered while the batcher drains; one that arrives after it is refused, so a gateway retries it on
+        another replica."""
         code, health = self.health()
-        if code != 200 and not (self.status == "draining" and self.batcher is not None and self.batcher.running):
+        if code == 200:
+            return
+        admitted = request.scope.get("state", {}).get("admitted", False)
+        if not (admitted and self.status == "draining" and self.batcher is not None and self.batcher.running):
             raise ApiError(503, "not_ready", f"the service is {health.status}: {health.reason}", headers={"Retry-After": "5"})
 
     # -- batching -------------------------------------------------------------------------------
