@@ -1,8 +1,17 @@
-"""Micro-batching: concurrent questions are grouped into one forward pass.
+"""Micro-batching with fair turns and admission by capacity.
 
-A single worker task takes the first waiting question, gathers more for at most ``max_wait_ms`` (or
-until ``max_batch_size``), and runs the predictor in a dedicated thread. The queue is bounded: when
-full, submitting fails at once with :class:`QueueFullError` (the API answers 503 + Retry-After).
+Each request's questions wait in a queue of their own; a single worker task builds a forward pass by taking
+one question from each waiting request in turn (round robin), for at most ``max_wait_ms`` after the first,
+until the pass holds ``max_batch_size`` questions or ``max_batch_tokens`` prompt tokens. So a large batch
+request shares the model with small requests that arrive after it instead of holding it until it is done.
+
+A request is admitted only if it can be answered before its deadline: its expected completion (the pass in
+flight plus a fair share of the queued work, :func:`service.capacity.fair_share_wait`, times a safety margin)
+must fit; otherwise :class:`Overloaded` is raised at once with the seconds after which it would fit. Questions
+whose request was abandoned (future cancelled: client gone or timed out) or whose deadline passed are
+dropped before they reach the model. On shutdown (:meth:`MicroBatcher.begin_drain`), no new request is
+admitted, queued requests that cannot finish within the grace period fail with :class:`ShuttingDown`, and
+the rest are answered.
 """
 
 from __future__ import annotations
@@ -10,109 +19,292 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from evidential.predictor import Prediction
 from evidential.prompt import MCQuestion
+from service.capacity import ServiceTime, fair_share_wait
 
 log = logging.getLogger("service.batcher")
 
 
 class QueueFullError(RuntimeError):
-    pass
+    """More questions than the queue holds (a hard bound on memory, checked before capacity)."""
 
 
-@dataclass
+class Overloaded(RuntimeError):
+    """The request would not be answered before its deadline; ``retry_after`` seconds from now it would."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class TooLarge(ValueError):
+    """The request alone needs more model time than its deadline allows, even on an idle service."""
+
+
+class ShuttingDown(RuntimeError):
+    """The service is draining: the request was not admitted, or cannot finish within the grace period."""
+
+
+class DeadlineExceeded(TimeoutError):
+    """The request's deadline passed while its question was queued; it never reached the model."""
+
+
+@dataclass(eq=False)
 class _Item:
     question: MCQuestion
+    tokens: int
     future: asyncio.Future
+    deadline: float
+
+
+@dataclass(eq=False)
+class _Request:
+    items: deque[_Item] = field(default_factory=deque)
+
+    def live_tokens(self) -> int:
+        return sum(i.tokens for i in self.items if not i.future.done())
 
 
 class MicroBatcher:
-    """Groups submitted questions into batches for ``predict(list[MCQuestion]) -> list[Prediction]``."""
+    """Groups submitted questions into forward passes of ``predict(list[MCQuestion]) -> list[Prediction]``.
+
+    Args:
+        predict: answers a list of questions in order (runs in a worker thread).
+        max_batch_size: questions per forward pass.
+        max_batch_tokens: prompt tokens per forward pass (a single longer question still runs alone).
+        max_wait_ms: how long a pass waits for more questions after its first.
+        queue_size: questions waiting, at most.
+        service_time: the per-token time estimate (updated from every pass); a fresh one admits everything
+            until the first pass is measured.
+        margin: admission requires ``margin`` x the expected completion to fit before the deadline.
+        on_batch: called with (questions, seconds) after every pass.
+        on_depth: called with the number of waiting questions when it changes.
+    """
 
     def __init__(self, predict: Callable[[list[MCQuestion]], list[Prediction]], max_batch_size: int = 16,
                  max_wait_ms: float = 5.0, queue_size: int = 256, on_batch: Callable[[int, float], None] | None = None,
-                 on_depth: Callable[[int], None] | None = None) -> None:
+                 on_depth: Callable[[int], None] | None = None, max_batch_tokens: int = 1 << 30,
+                 service_time: ServiceTime | None = None, margin: float = 1.0) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
         if queue_size < 1:
             raise ValueError(f"queue_size must be >= 1, got {queue_size}")
+        if not margin >= 1:
+            raise ValueError(f"margin must be >= 1, got {margin}")
         self.predict = predict
         self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens
         self.max_wait = max_wait_ms / 1000.0
         self.queue_size = queue_size
+        self.service_time = service_time or ServiceTime()
+        self.margin = margin
         self.on_batch = on_batch or (lambda size, seconds: None)
         self.on_depth = on_depth or (lambda depth: None)
-        self._queue: asyncio.Queue[_Item] | None = None
+        self._requests: deque[_Request] = deque()  # in turn order: the head gives the next question
+        self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._busy = False  # a gathered batch is being answered
+        self._busy_until = 0.0  # monotonic time the pass in flight is expected to end
         self._stopping = False
+        self._draining = False
+        self._drain_timer: asyncio.TimerHandle | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="predict")
+
+    # -- state ------------------------------------------------------------------------------------
 
     @property
     def depth(self) -> int:
-        return self._queue.qsize() if self._queue else 0
+        """Questions waiting (abandoned ones included until the worker drops them)."""
+        return sum(len(r.items) for r in self._requests)
 
     @property
     def running(self) -> bool:
         """True from start() until stop() has begun."""
         return self._task is not None and not self._task.done() and not self._stopping
 
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def free_slots(self) -> int:
+        return self.queue_size - self.depth
+
+    def inflight_left(self) -> float:
+        """Expected seconds left of the forward pass running now (0 when idle)."""
+        return max(0.0, self._busy_until - time.monotonic()) if self._busy else 0.0
+
+    def expected_wait(self, tokens: int) -> float:
+        """Expected seconds until a new request of ``tokens`` prompt tokens would be answered."""
+        return fair_share_wait(tokens, [r.live_tokens() for r in self._requests], self.inflight_left(), self.service_time)
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
     def start(self) -> None:
-        self._queue = asyncio.Queue(maxsize=self.queue_size)
+        self._wakeup = asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="micro-batcher")
+
+    def begin_drain(self, grace_s: float) -> None:
+        """Stop admitting; fail (ShuttingDown) the queued requests that cannot finish within ``grace_s``, and
+        whatever is still queued one second before it ends; answer the rest."""
+        if self._draining:
+            return
+        self._draining = True
+        end = grace_s - min(1.0, grace_s / 10)
+        inflight = self.inflight_left()
+        queued = [(r, r.live_tokens()) for r in self._requests]
+        late = [r for r, tokens in queued
+                if self.margin * fair_share_wait(tokens, [t for o, t in queued if o is not r], inflight, self.service_time) > end]
+        for r in late:
+            self._fail(r, ShuttingDown("the service is shutting down and could not answer this request in time"))
+        if late:
+            log.info("draining: %d queued requests cannot finish within %.1f s and get 503", len(late), grace_s)
+        self._drain_timer = asyncio.get_running_loop().call_later(max(0.0, end), self._fail_all_queued)
+        self._signal()
 
     async def stop(self) -> None:
         """Answer what is queued and the batch in flight, then stop the worker."""
         self._stopping = True
-        if self._queue is not None and self._task is not None:
-            while (not self._queue.empty() or self._busy) and not self._task.done():
-                await asyncio.sleep(0.01)
         if self._task is not None:
+            while (self._live_depth() or self._busy) and not self._task.done():
+                await asyncio.sleep(0.01)
             self._task.cancel()
             try:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        if self._drain_timer is not None:
+            self._drain_timer.cancel()
         await asyncio.to_thread(self._executor.shutdown, wait=True)
 
-    def free_slots(self) -> int:
-        return self.queue_size - self.depth
+    # -- submitting -------------------------------------------------------------------------------
 
-    async def submit_many(self, questions: list[MCQuestion]) -> list[asyncio.Future]:
-        """Queue all questions or none (QueueFullError). Returns one future per question."""
-        if self._queue is None:
+    async def submit_many(self, questions: list[MCQuestion], tokens: list[int] | None = None,
+                          deadline: float | None = None) -> list[asyncio.Future]:
+        """Queue all questions of one request, or none. Returns one future per question.
+
+        Args:
+            questions: the request's questions, answered in this order.
+            tokens: prompt tokens of each question (default 1 each: admission by count only).
+            deadline: ``time.monotonic()`` by which the request must be answered (default: none).
+
+        Raises:
+            ShuttingDown: the service is draining.
+            QueueFullError: the questions do not fit in the queue.
+            TooLarge: the request alone needs more model time than its deadline leaves.
+            Overloaded: it would not be answered before its deadline now; ``retry_after`` says when it would.
+        """
+        if self._wakeup is None:
             raise RuntimeError("the batcher is not started")
+        if self._draining or self._stopping:
+            raise ShuttingDown("the service is shutting down")
+        tokens = [1] * len(questions) if tokens is None else list(tokens)
+        if len(tokens) != len(questions):
+            raise ValueError(f"{len(tokens)} token counts for {len(questions)} questions")
         if len(questions) > self.free_slots():
             raise QueueFullError(f"{self.depth} questions are waiting; the queue holds {self.queue_size}")
+        deadline = float("inf") if deadline is None else deadline
+        own = sum(tokens)
+        if deadline != float("inf"):
+            left = deadline - time.monotonic()
+            alone = self.margin * self.service_time.seconds(own)
+            if alone > left:
+                raise TooLarge(f"the request needs about {alone:.1f} s of model time ({own} prompt tokens) and its "
+                               f"deadline leaves {max(left, 0):.1f} s; send fewer or shorter questions per request")
+            expected = self.margin * self.expected_wait(own)
+            if expected > left:
+                raise Overloaded(f"the service is busy: an answer is expected in {expected:.1f} s and the deadline "
+                                 f"leaves {left:.1f} s", retry_after=expected - left)
         loop = asyncio.get_running_loop()
+        request = _Request()
         futures = []
-        for q in questions:
+        for q, n in zip(questions, tokens):
             fut = loop.create_future()
-            self._queue.put_nowait(_Item(q, fut))
+            request.items.append(_Item(q, n, fut, deadline))
             futures.append(fut)
+        self._requests.append(request)
         self.on_depth(self.depth)
+        self._signal()
         return futures
 
+    # -- the worker -------------------------------------------------------------------------------
+
+    def _signal(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def _live_depth(self) -> int:
+        return sum(1 for r in self._requests for i in r.items if not i.future.done())
+
+    def _fail(self, request: _Request, error: Exception) -> None:
+        for item in request.items:
+            if not item.future.done():
+                item.future.set_exception(error)
+        request.items.clear()
+
+    def _fail_all_queued(self) -> None:
+        waiting = [r for r in self._requests if r.live_tokens()]
+        for r in waiting:
+            self._fail(r, ShuttingDown("the grace period ended before this request was answered"))
+        if waiting:
+            log.warning("drain grace period ending: %d queued requests get 503", len(waiting))
+        self._signal()
+
+    def _next(self, room_tokens: int | None) -> _Item | None:
+        """Take the next live question in turn order (dropping abandoned and expired ones), or None. With
+        ``room_tokens``, a question longer than that stays queued and None is returned."""
+        now = time.monotonic()
+        while self._requests:
+            request = self._requests[0]
+            while request.items and (request.items[0].future.done() or request.items[0].deadline <= now):
+                item = request.items.popleft()
+                if not item.future.done():
+                    item.future.set_exception(DeadlineExceeded("the deadline passed while the question was queued"))
+            if not request.items:
+                self._requests.popleft()
+                continue
+            if room_tokens is not None and request.items[0].tokens > room_tokens:
+                return None
+            item = request.items.popleft()
+            self._requests.rotate(-1)  # this request goes to the back of the turn order
+            if not request.items:
+                self._requests.remove(request)
+            return item
+        return None
+
     async def _gather(self) -> list[_Item]:
-        assert self._queue is not None
-        batch = [await self._queue.get()]
+        assert self._wakeup is not None
+        while True:
+            first = self._next(None)
+            if first is not None:
+                break
+            self.on_depth(self.depth)
+            self._wakeup.clear()
+            await self._wakeup.wait()
         self._busy = True  # from the first question taken: stop() must wait for it
+        batch, tokens = [first], first.tokens
         deadline = time.monotonic() + self.max_wait
         while len(batch) < self.max_batch_size:
-            try:
-                batch.append(self._queue.get_nowait())
+            item = self._next(self.max_batch_tokens - tokens)
+            if item is not None:
+                batch.append(item)
+                tokens += item.tokens
                 continue
-            except asyncio.QueueEmpty:
-                pass
+            if self._live_depth():
+                break  # what waits does not fit in this pass
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
+            self._wakeup.clear()
             try:
-                batch.append(await asyncio.wait_for(self._queue.get(), remaining))
+                await asyncio.wait_for(self._wakeup.wait(), remaining)
             except (asyncio.TimeoutError, TimeoutError):
                 break
         return batch
@@ -128,9 +320,11 @@ class MicroBatcher:
     async def _answer(self, batch: list[_Item]) -> None:
         loop = asyncio.get_running_loop()
         self.on_depth(self.depth)
-        live = [item for item in batch if not item.future.done()]  # timed-out requests are skipped
+        live = [item for item in batch if not item.future.done()]  # abandoned requests are skipped
         if not live:
             return
+        tokens = sum(i.tokens for i in live)
+        self._busy_until = time.monotonic() + self.service_time.seconds(tokens)
         start = time.perf_counter()
         try:
             results = await loop.run_in_executor(self._executor, self.predict, [i.question for i in live])
@@ -145,7 +339,9 @@ class MicroBatcher:
             if not live[0].future.done():
                 live[0].future.set_exception(e)
             return
-        self.on_batch(len(live), time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self.service_time.observe(tokens, seconds)
+        self.on_batch(len(live), seconds)
         for item, result in zip(live, results):
             if not item.future.done():
                 item.future.set_result(result)

@@ -20,7 +20,12 @@ class Metrics:
         self.batch_size = Histogram("ibedl_batch_size", "questions per forward pass", buckets=BATCH_BUCKETS, registry=r)
         self.queue_depth = Gauge("ibedl_queue_depth", "questions waiting for the model", registry=r)
         self.forward_seconds = Histogram("ibedl_forward_seconds", "model time per batch", buckets=LATENCY_BUCKETS, registry=r)
-        self.rejected = Counter("ibedl_rejected", "questions refused before the model, by reason", ["reason"], registry=r)
+        self.rejected = Counter("ibedl_rejected", "questions refused or dropped before an answer, by reason", ["reason"],
+                                registry=r)
+        self.nonfinite = Counter("ibedl_nonfinite_outputs", "questions whose model outputs held NaN or inf (answered "
+                                 "503, never as an answer)", registry=r)
+        self.seconds_per_token = Gauge("ibedl_seconds_per_token", "estimated model seconds per prompt token (the "
+                                       "admission estimate, from recent forward passes)", registry=r)
         self.uncertainty = Histogram("ibedl_uncertainty_mass", "uncertainty mass u of served answers",
                                      buckets=PROBABILITY_BUCKETS, registry=r)
         self.confidence = Histogram("ibedl_confidence", "max probability of served answers", buckets=PROBABILITY_BUCKETS, registry=r)

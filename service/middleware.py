@@ -1,17 +1,31 @@
-"""One ASGI middleware in front of the routes: request ids, content type (415) and body size (413)
-checks, and request count/latency metrics (probe and metrics paths stay out of them)."""
+"""One ASGI middleware in front of the routes, in the order a request meets them: request id and arrival
+time, admission (decided once, on arrival), the bearer token of the API routes (401 before the body is read),
+content type (415), body size (413) and body-read time (408) checks, and request count/latency metrics
+(probe and metrics paths stay out of them; label values are bounded)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import secrets
 import time
 import uuid
 
 from service.errors import error_body
 
 UNMEASURED = ("/health/", "/metrics")
+PROTECTED = ("/predict", "/v1/")  # the API routes: a bearer token is required when one is configured
 BODY_METHODS = ("POST", "PUT", "PATCH")
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})  # others count as "other"
 CLIENT_GONE = object()  # what _read_body returns when the client disconnected
+
+
+def token_ok(expected: str | None, authorization: str) -> bool:
+    """Whether an ``Authorization`` header carries the bearer token (always, when none is configured)."""
+    if not expected:
+        return True
+    scheme, _, given = authorization.partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(given.strip().encode(), expected.encode())
 
 
 class RequestGuard:
@@ -32,6 +46,7 @@ class RequestGuard:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         request_id = headers.get("x-request-id") or uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
+        scope["state"]["arrived"] = time.monotonic()  # deadlines count from here
         # Admission is decided here, once: a request that arrives before a shutdown begins is answered even if
         # SIGTERM lands before its route runs; one that arrives after it is refused (503) by the route.
         scope["state"]["admitted"] = self.state.accepting()
@@ -52,6 +67,12 @@ class RequestGuard:
         if measured:
             metrics.inflight.inc()
         try:
+            token = self.state.settings.api_token
+            if path.startswith(PROTECTED) and not token_ok(token.get_secret_value() if token else None,
+                                                          headers.get("authorization", "")):
+                status_holder["status"] = 401
+                return await self._reply(send, 401, "unauthorized", "a valid 'Authorization: Bearer <token>' header "
+                                         "is required", request_id, [(b"www-authenticate", b"Bearer")])
             if scope["method"] in BODY_METHODS:
                 ctype = headers.get("content-type", "").split(";")[0].strip().lower()
                 if not (ctype == "application/json" or ctype.endswith("+json")):
@@ -64,7 +85,13 @@ class RequestGuard:
                     return await self._reply(send, 413, "too_large", f"the body is {length} bytes; the limit is {limit}", request_id)
                 # Without a Content-Length (chunked) the size is only known while reading: read the body
                 # here, bounded by the limit, and hand the app the buffered copy.
-                body = await _read_body(receive, limit)
+                try:
+                    body = await asyncio.wait_for(_read_body(receive, limit), self.state.settings.body_timeout_s)
+                except (asyncio.TimeoutError, TimeoutError):
+                    status_holder["status"] = 408
+                    return await self._reply(send, 408, "request_timeout", "the request body did not arrive within "
+                                             f"{self.state.settings.body_timeout_s:g} s", request_id,
+                                             [(b"connection", b"close")])
                 if body is CLIENT_GONE:
                     status_holder["status"] = 499  # nginx's code for a client that closed the request
                     return None
@@ -78,7 +105,8 @@ class RequestGuard:
                 metrics.inflight.dec()
                 route = scope.get("route")
                 template = getattr(route, "path", None) or "unmatched"
-                metrics.requests.labels(route=template, method=scope["method"], status=str(status_holder["status"])).inc()
+                method = scope["method"] if scope["method"] in METHODS else "other"
+                metrics.requests.labels(route=template, method=method, status=str(status_holder["status"])).inc()
                 metrics.latency.labels(route=template).observe(time.perf_counter() - start)
 
 

@@ -11,8 +11,9 @@ from service.schemas import PredictRequest
 from service.state import ServiceState
 
 
-def to_question(state: ServiceState, req: PredictRequest, prefix: str = "") -> MCQuestion:
-    """Check limits and convert; ``prefix`` locates the item in a batch (``items.3.``)."""
+def to_question(state: ServiceState, req: PredictRequest, prefix: str = "") -> tuple[MCQuestion, int]:
+    """Check limits and convert; ``prefix`` locates the item in a batch (``items.3.``). Returns the question
+    and its prompt's token count."""
     s = state.settings
     if isinstance(req.options, dict):
         keys = list(req.options)
@@ -43,7 +44,7 @@ def to_question(state: ServiceState, req: PredictRequest, prefix: str = "") -> M
     if tokens > s.max_tokens:
         raise ApiError(413, "too_large", f"the prompt is {tokens} tokens after formatting; the limit is {s.max_tokens}",
                        prefix + ("context" if q.context else "question"))
-    return q
+    return q, tokens
 
 
 def conformal_quantile(conformal: Conformal | None, req: PredictRequest,

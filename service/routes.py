@@ -1,12 +1,12 @@
 """The HTTP routes: health, predict (one question or a batch), model metadata, drift and Prometheus metrics.
-Each gets the app's ServiceState through ``State``; the model routes check the bearer token first."""
+Each gets the app's ServiceState through ``State``; RequestGuard (service/middleware.py) has checked the
+bearer token of the API routes, the content type, body size and admission before a route runs."""
 
 from __future__ import annotations
 
 import asyncio
-import secrets
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -25,20 +25,6 @@ from service.schemas import (
 )
 from service.state import State
 
-
-def authorised(request: Request, state: State) -> None:
-    """401 unless the request carries the configured bearer token (no token configured: everyone is)."""
-    token = state.settings.api_token.get_secret_value() if state.settings.api_token else None
-    if not token:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), token.encode()):
-        raise ApiError(401, "unauthorized", "a valid 'Authorization: Bearer <token>' header is required",
-                       headers={"WWW-Authenticate": "Bearer"})
-
-
-Auth = Depends(authorised)
 ERRORS = {401: {"model": ErrorResponse}, 413: {"model": ErrorResponse}, 415: {"model": ErrorResponse},
           504: {"model": ErrorResponse}}
 
@@ -56,34 +42,39 @@ async def ready(state: State):
     return JSONResponse(health.model_dump(), status_code=code)
 
 
-@router.post("/predict", response_model=PredictResponse, dependencies=[Auth], responses=ERRORS, tags=["predict"])
+@router.post("/predict", response_model=PredictResponse, responses=ERRORS, tags=["predict"])
 async def predict(body: PredictRequest, request: Request, state: State) -> PredictResponse:
     state.require_ready(request)
-    q = to_question(state, body)
-    (pred,) = await state.answer([q])
+    q, tokens = to_question(state, body)
+    (pred,) = await state.answer([q], [tokens], request)
     return respond(state, body, q, pred, request.state.request_id)
 
 
-@router.post("/predict/batch", response_model=BatchResponse, dependencies=[Auth], responses=ERRORS, tags=["predict"])
+@router.post("/predict/batch", response_model=BatchResponse, responses=ERRORS, tags=["predict"])
 async def predict_batch(body: BatchRequest, request: Request, state: State) -> BatchResponse:
     state.require_ready(request)
     limit = state.settings.max_batch_items
     if len(body.items) > limit:
         raise ApiError(413, "too_large", f"{len(body.items)} items; the limit is {limit}", "items")
-    questions = [to_question(state, item, f"items.{i}.") for i, item in enumerate(body.items)]
-    preds = await state.answer(questions)
+    checked = [to_question(state, item, f"items.{i}.") for i, item in enumerate(body.items)]
+    questions, tokens = [q for q, _ in checked], [n for _, n in checked]
+    budget = state.settings.max_request_tokens
+    if sum(tokens) > budget:
+        raise ApiError(413, "too_large", f"the items' prompts are {sum(tokens)} tokens in all; the limit per request "
+                       f"is {budget}: send them in smaller batches", "items")
+    preds = await state.answer(questions, tokens, request)
     rid = request.state.request_id
     return BatchResponse(results=[respond(state, item, q, p, f"{rid}-{i}") for i, (item, q, p) in
                                   enumerate(zip(body.items, questions, preds))])
 
 
-@router.get("/v1/models", response_model=ModelList, dependencies=[Auth], tags=["metadata"])
+@router.get("/v1/models", response_model=ModelList, tags=["metadata"])
 async def models(request: Request, state: State) -> dict:
     state.require_ready(request)
     return {"data": [model_card(state)]}
 
 
-@router.get("/v1/drift", response_model=DriftStatus, dependencies=[Auth], tags=["metadata"])
+@router.get("/v1/drift", response_model=DriftStatus, tags=["metadata"])
 async def drift(request: Request, state: State) -> DriftStatus:
     state.require_ready(request)
     return drift_status(state)

@@ -59,3 +59,25 @@ def slow_loader(delay: float):
         return predictor
 
     return load
+
+
+def per_token_loader(seconds_per_token: float):
+    """A loader whose predictor sleeps ``seconds_per_token`` per prompt token of each batch: a model whose time
+    is what the admission estimate (service/capacity.py) assumes."""
+
+    def load(settings):
+        from evidential.predictor import count_prompt_tokens
+
+        predictor = load_predictor(settings)
+        original = predictor.predict
+
+        def predict(questions, truncate_context=True):
+            tokens = sum(min(count_prompt_tokens(predictor.tokenizer, predictor.template, q), predictor.max_tokens)
+                         for q in questions)
+            time.sleep(seconds_per_token * tokens)
+            return original(questions, truncate_context)
+
+        predictor.predict = predict
+        return predictor
+
+    return load

@@ -1,11 +1,14 @@
+import dataclasses
 import json
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from evidential.artifact import read_manifest, write_manifest
-from tests.service.conftest import slow_loader
+from tests.service.conftest import per_token_loader, slow_loader
 
 Q = {"question": "Which is sun?", "options": ["sun", "moon", "tree", "fish"]}
 
@@ -179,6 +182,7 @@ class TestLifecycle:
                 time.sleep(0.05)
             assert r.status_code == 503
             assert "manifest" in r.json()["reason"]
+            assert str(tmp_path) not in r.json()["reason"]  # the log keeps the path; clients do not see it
 
 
 class TestBatchingAndQueue:
@@ -201,10 +205,106 @@ class TestBatchingAndQueue:
             assert all(r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "overloaded" for r in full)
             assert any(r.status_code == 200 for r in responses)
 
-    def test_timeout_answers_504(self, make_client):
-        with make_client(loader=slow_loader(1.0), request_timeout_s=0.2) as c:
+
+
+class TestCapacity:
+    """Admission by expected completion (service/capacity.py), with a model whose time is per prompt token, the
+    estimator's own assumption: 0.01 s per token plus the tiny model's few milliseconds."""
+
+    def test_overload_is_refused_at_once_with_retry_after_and_nothing_times_out(self, make_client):
+        with make_client(loader=per_token_loader(0.01), max_batch_size=1, request_timeout_s=1.5) as c:
+            with ThreadPoolExecutor(12) as pool:
+                responses = list(pool.map(lambda _: c.post("/predict", json=Q), range(12)))
+            codes = [r.status_code for r in responses]
+            assert set(codes) == {200, 503}, codes
+            for r in responses:
+                if r.status_code == 503:
+                    assert r.json()["error"]["type"] == "overloaded"
+                    assert int(r.headers["retry-after"]) >= 1
+            text = c.get("/metrics").text
+            assert float(_sample(text, 'ibedl_rejected_total{reason="capacity"}')) == codes.count(503)
+            assert float(_sample(text, "ibedl_seconds_per_token")) == pytest.approx(0.01, rel=0.5)
+
+    def test_client_deadline_header(self, make_client):
+        with make_client(loader=per_token_loader(0.01)) as c:
+            r = c.post("/predict", json=Q, headers={"X-Request-Timeout": "soon"})
+            assert r.status_code == 422 and r.json()["error"]["field"] == "X-Request-Timeout"
+            assert "'soon'" in r.json()["error"]["message"]
+            for bad in ("0", "-1", "nan", "inf"):
+                assert c.post("/predict", json=Q, headers={"X-Request-Timeout": bad}).status_code == 422
+            # a deadline shorter than the question's model time alone: refused at once, saying why
+            r = c.post("/predict", json=Q, headers={"X-Request-Timeout": "0.01"})
+            assert r.status_code == 413 and "model time" in r.json()["error"]["message"]
+            # a longer one than the server's maximum is cut to it, not refused
+            assert c.post("/predict", json=Q, headers={"X-Request-Timeout": "3600"}).status_code == 200
+
+    def test_batch_over_the_token_budget_is_413(self, make_client):
+        with make_client(max_request_tokens=60) as c:
+            assert c.post("/predict/batch", json={"items": [Q]}).status_code == 200
+            r = c.post("/predict/batch", json={"items": [Q] * 4})
+            assert r.status_code == 413 and r.json()["error"]["field"] == "items"
+            assert "limit per request is 60" in r.json()["error"]["message"]
+
+    def test_requests_admitted_before_a_drain_are_answered_later_ones_refused(self, make_client):
+        with make_client(loader=slow_loader(0.5), max_batch_size=1) as c:
+            state = c.app.state.service
+            with ThreadPoolExecutor(1) as pool:
+                first = pool.submit(c.post, "/predict", json=Q)
+                deadline = time.monotonic() + 30
+                while float(_sample(c.get("/metrics").text, "ibedl_inflight_requests")) < 1:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+                c.portal.call(state.begin_drain)
+                late = c.post("/predict", json=Q)
+                assert late.status_code == 503 and late.json()["error"]["type"] == "not_ready"
+                assert late.headers["retry-after"]
+                assert c.get("/health/ready").json()["status"] == "draining"
+                assert first.result().status_code == 200
+
+
+class TestFailClosed:
+    def test_nan_weights_are_not_ready(self, tiny_artifact, make_client, tmp_path):
+        import shutil
+
+        from safetensors.torch import load_file, save_file
+
+        art = tmp_path / "nan-head"
+        shutil.copytree(tiny_artifact, art)
+        tensors = load_file(art / "head.safetensors")
+        name = sorted(tensors)[0]
+        tensors[name] = torch.full_like(tensors[name], float("nan"))
+        save_file(tensors, art / "head.safetensors")
+        with make_client(artifact=art, ready=False) as c:
+            body = _wait_status(c, "failed")
+            assert "NaN or inf" in body["reason"] and "head" in body["reason"]
+            assert str(tmp_path) not in body["reason"]
             r = c.post("/predict", json=Q)
-            assert r.status_code == 504 and r.json()["error"]["type"] == "timeout"
+            assert r.status_code == 503 and str(tmp_path) not in r.text
+
+    def test_non_finite_outputs_are_never_an_answer(self, make_client):
+        def loader(settings):
+            from service.app import load_predictor
+
+            predictor = load_predictor(settings)
+            original = predictor.predict
+
+            def predict(questions, truncate_context=True):
+                preds = original(questions, truncate_context)
+                if any(q.question == "break" for q in questions):
+                    preds = [dataclasses.replace(p, probs=[float("nan")] * len(p.probs)) if q.question == "break"
+                             else p for q, p in zip(questions, preds)]
+                return preds
+
+            predictor.predict = predict
+            return predictor
+
+        with make_client(loader=loader) as c:
+            r = c.post("/predict", json={**Q, "question": "break"})
+            assert r.status_code == 503 and r.json()["error"]["type"] == "model_error"
+            r = c.post("/predict/batch", json={"items": [Q, {**Q, "question": "break"}]})
+            assert r.status_code == 503 and "items [1]" in r.json()["error"]["message"]
+            assert c.post("/predict", json=Q).status_code == 200
+            assert float(_sample(c.get("/metrics").text, "ibedl_nonfinite_outputs_total")) == 2
 
 
 class TestAuth:
@@ -217,6 +317,13 @@ class TestAuth:
             assert c.get("/v1/models").status_code == 401
             assert c.get("/health/ready").status_code == 200
             assert c.get("/metrics").status_code == 200
+
+    def test_token_is_checked_before_the_body_is_read(self, make_client):
+        with make_client(api_token="s3cret") as c:
+            r = c.post("/predict", content=b"{not json", headers={"content-type": "application/json"})
+            assert r.status_code == 401
+            r = c.post("/predict", content=b"x" * 2_000_000, headers={"content-type": "application/json"})
+            assert r.status_code == 401  # not 413: an unauthenticated client learns nothing of the limits
 
 
 class TestMetadataAndMetrics:
@@ -235,6 +342,10 @@ class TestMetadataAndMetrics:
         assert 'ibedl_requests_total{method="POST",route="/predict",status="200"} 1.0' in text
         assert 'ibedl_requests_total{method="POST",route="/predict",status="422"} 1.0' in text
         assert "/health" not in text and 'route="/metrics"' not in text
+        for method in ("BREW", "XYZZY1", "XYZZY2"):
+            client.request(method, "/predict")
+        text = client.get("/metrics").text
+        assert 'method="other"' in text and "BREW" not in text and "XYZZY" not in text  # bounded label values
         assert "ibedl_uncertainty_mass_count 1.0" in text
         assert 'ibedl_model_info{adapter="tiny"' in text
         for name in ("ibedl_drift_ks", "ibedl_drift_psi", "ibedl_drift_alarm", "ibedl_queue_depth", "ibedl_ready 1.0"):
@@ -251,6 +362,16 @@ class TestMetadataAndMetrics:
         assert client.get("/docs").status_code == 200
         paths = client.get("/openapi.json").json()["paths"]
         assert {"/predict", "/predict/batch", "/v1/models", "/v1/drift", "/health/ready"} <= set(paths)
+
+
+def _wait_status(client, status: str) -> dict:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        body = client.get("/health/ready").json()
+        if body["status"] == status:
+            return body
+        time.sleep(0.05)
+    raise AssertionError(f"the service never reported {status}: {body}")
 
 
 def _sample(text: str, name: str) -> str:

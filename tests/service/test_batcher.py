@@ -7,7 +7,8 @@ import time
 import pytest
 
 from evidential.prompt import MCQuestion
-from service.batcher import MicroBatcher, QueueFullError
+from service.batcher import DeadlineExceeded, MicroBatcher, Overloaded, QueueFullError, ShuttingDown, TooLarge
+from service.capacity import ServiceTime
 
 
 def q(text: str) -> MCQuestion:
@@ -95,7 +96,161 @@ def test_queue_full_is_all_or_nothing():
     assert run(main()) <= 2
 
 
-@pytest.mark.parametrize("kwargs, message", [({"max_batch_size": 0}, "max_batch_size"), ({"queue_size": 0}, "queue_size")])
+class Gate:
+    """A predict function that blocks each pass until released (so the test decides what is queued when)."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[str]] = []
+        self.release = threading.Semaphore(0)
+        self.entered = threading.Semaphore(0)
+
+    def __call__(self, questions):
+        self.entered.release()
+        assert self.release.acquire(timeout=10), "the test never released the pass"
+        texts = [x.question for x in questions]
+        self.batches.append(texts)
+        return texts
+
+    async def wait_entered(self):
+        assert await asyncio.to_thread(self.entered.acquire, True, 10), "no pass started"
+
+
+def test_requests_take_turns_so_a_small_one_is_not_stuck_behind_a_large_one():
+    async def main():
+        gate = Gate()
+        b = MicroBatcher(gate, max_batch_size=2, max_wait_ms=0)
+        b.start()
+        first = await b.submit_many([q("first")])
+        await gate.wait_entered()  # the first pass holds the model
+        big = await b.submit_many([q(f"big{i}") for i in range(5)])
+        small = await b.submit_many([q("small")])
+        for _ in range(4):
+            gate.release.release()
+        results = await asyncio.gather(*first, *big, *small)
+        await b.stop()
+        return gate.batches, results
+
+    batches, results = run(main())
+    assert results == ["first"] + [f"big{i}" for i in range(5)] + ["small"]  # each request in its own order
+    assert batches == [["first"], ["big0", "small"], ["big1", "big2"], ["big3", "big4"]]
+
+
+def test_a_pass_holds_at_most_max_batch_tokens():
+    async def main():
+        predict = FakePredict()
+        b = MicroBatcher(predict, max_batch_size=8, max_wait_ms=50, max_batch_tokens=10)
+        futures = []
+        b.start()
+        for name, tokens in (("a", 6), ("b", 6), ("c", 3), ("d", 12)):
+            futures += await b.submit_many([q(name)], [tokens])
+        await asyncio.gather(*futures)
+        await b.stop()
+        return predict.batches
+
+    # a (6) leaves room 4: b waits; b + c = 9 fit; d alone exceeds the bound and still runs, alone
+    assert run(main()) == [["a"], ["b", "c"], ["d"]]
+
+
+def test_admission_refuses_what_cannot_meet_its_deadline():
+    async def main():
+        gate = Gate()
+        b = MicroBatcher(gate, max_batch_size=1, max_wait_ms=0, service_time=ServiceTime(0.1), margin=1.0)
+        b.start()
+        now = time.monotonic()
+        with pytest.raises(TooLarge, match="about 2.0 s of model time"):
+            await b.submit_many([q("huge")], [20], now + 1.5)  # 20 tokens x 0.1 s alone exceed 1.5 s
+        running = await b.submit_many([q("a")], [5], now + 100)
+        await gate.wait_entered()
+        queued = await b.submit_many([q("b"), q("c")], [5, 5], now + 100)
+        # fair share for a new 4-token request: min(10, 4) queued + 4 own = 8 tokens = 0.8 s, plus <= 0.5 s in flight
+        wait = b.expected_wait(4)
+        assert 0.8 <= wait <= 1.3 + 1e-9
+        with pytest.raises(Overloaded) as refused:
+            await b.submit_many([q("d")], [4], time.monotonic() + 0.7)
+        assert 0.1 - 1e-6 <= refused.value.retry_after <= 0.6 + 1e-6  # = expected wait - 0.7 s left
+        admitted = await b.submit_many([q("e")], [4], time.monotonic() + 5)
+        for _ in range(4):
+            gate.release.release()
+        results = await asyncio.gather(*running, *queued, *admitted)
+        await b.stop()
+        return results, gate.batches
+
+    results, batches = run(main())
+    assert results == ["a", "b", "c", "e"]
+    assert batches == [["a"], ["b"], ["e"], ["c"]]  # e takes its turn before c
+
+
+def test_abandoned_and_expired_questions_never_reach_the_model():
+    async def main():
+        gate = Gate()
+        b = MicroBatcher(gate, max_batch_size=4, max_wait_ms=0)  # no estimate yet: everything is admitted
+        b.start()
+        running = await b.submit_many([q("running")])
+        await gate.wait_entered()
+        gone = await b.submit_many([q("gone1"), q("gone2")])
+        expiring = await b.submit_many([q("expiring")], deadline=time.monotonic() + 0.05)
+        kept = await b.submit_many([q("kept")])
+        for f in gone:
+            f.cancel()  # the client went away
+        await asyncio.sleep(0.1)  # the deadline passes while the question waits
+        gate.release.release()
+        gate.release.release()
+        results = await asyncio.gather(*running, *kept)
+        error = await asyncio.gather(*expiring, return_exceptions=True)
+        await b.stop()
+        return gate.batches, results, error
+
+    batches, results, error = run(main())
+    assert results == ["running", "kept"]
+    assert batches == [["running"], ["kept"]]
+    assert isinstance(error[0], DeadlineExceeded)
+
+
+def test_drain_answers_what_fits_in_the_grace_period_and_refuses_the_rest():
+    async def main():
+        gate = Gate()
+        b = MicroBatcher(gate, max_batch_size=1, max_wait_ms=0, service_time=ServiceTime(0.1))
+        b.start()
+        running = await b.submit_many([q("running")], [1])
+        await gate.wait_entered()
+        fits = await b.submit_many([q("fits")], [5])  # 0.5 s of work
+        late = await b.submit_many([q("late")], [200])  # 20 s of work: cannot finish in a 3 s grace period
+        b.begin_drain(3.0)
+        with pytest.raises(ShuttingDown):
+            await b.submit_many([q("after")], [1])
+        gate.release.release()
+        gate.release.release()
+        answered = await asyncio.gather(*running, *fits)
+        refused = await asyncio.gather(*late, return_exceptions=True)
+        await b.stop()
+        return answered, refused, gate.batches
+
+    answered, refused, batches = run(main())
+    assert answered == ["running", "fits"] and batches == [["running"], ["fits"]]
+    assert isinstance(refused[0], ShuttingDown)
+
+
+def test_grace_period_end_refuses_whatever_is_still_queued():
+    async def main():
+        gate = Gate()
+        b = MicroBatcher(gate, max_batch_size=1, max_wait_ms=0)  # no estimate: the drain cannot foresee
+        b.start()
+        running = await b.submit_many([q("running")])
+        await gate.wait_entered()
+        queued = await b.submit_many([q("queued")])
+        b.begin_drain(0.2)
+        outcome = await asyncio.gather(*queued, return_exceptions=True)  # refused at the end of the grace period
+        gate.release.release()
+        answered = await asyncio.gather(*running)
+        await b.stop()
+        return answered, outcome
+
+    answered, outcome = run(main())
+    assert answered == ["running"] and isinstance(outcome[0], ShuttingDown)
+
+
+@pytest.mark.parametrize("kwargs, message", [({"max_batch_size": 0}, "max_batch_size"), ({"queue_size": 0}, "queue_size"),
+                                             ({"max_batch_tokens": 0}, "max_batch_tokens"), ({"margin": 0.5}, "margin")])
 def test_bad_settings_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
         MicroBatcher(FakePredict(), **kwargs)
