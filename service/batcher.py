@@ -6,10 +6,11 @@ until the pass holds ``max_batch_size`` questions or ``max_batch_tokens`` prompt
 request shares the model with small requests that arrive after it instead of holding it until it is done.
 
 A request is admitted only if it can be answered before its deadline: its expected completion (the pass in
-flight plus a fair share of the queued work, :func:`service.capacity.fair_share_wait`, times a safety margin)
-must fit; otherwise :class:`Overloaded` is raised at once with the seconds after which it would fit. Questions
-whose request was abandoned (future cancelled: client gone or timed out) or whose deadline passed are
-dropped before they reach the model. On shutdown (:meth:`MicroBatcher.begin_drain`), no new request is
+flight plus its turns among the queued requests, :func:`service.capacity.round_robin_wait`, times a safety
+margin) must fit; otherwise :class:`Overloaded` is raised at once with the seconds after which it would fit.
+Before each pass, a queued request that the current estimate says can no longer finish in time is answered
+:class:`Overloaded` then rather than timing out later. Questions whose request was abandoned (future
+cancelled: client gone or timed out) or whose deadline passed are dropped before they reach the model. On shutdown (:meth:`MicroBatcher.begin_drain`), no new request is
 admitted, queued requests that cannot finish within the grace period fail with :class:`ShuttingDown`, and
 the rest are answered.
 """
@@ -26,7 +27,7 @@ from typing import Callable
 
 from evidential.predictor import Prediction
 from evidential.prompt import MCQuestion
-from service.capacity import ServiceTime, fair_share_wait
+from service.capacity import ServiceTime, round_robin_finish, round_robin_wait
 
 log = logging.getLogger("service.batcher")
 
@@ -67,8 +68,12 @@ class _Item:
 class _Request:
     items: deque[_Item] = field(default_factory=deque)
 
-    def live_tokens(self) -> int:
-        return sum(i.tokens for i in self.items if not i.future.done())
+    def live(self) -> list[int]:
+        """Prompt tokens of the questions still wanted, in order."""
+        return [i.tokens for i in self.items if not i.future.done()]
+
+    def deadline(self) -> float:
+        return self.items[0].deadline if self.items else float("inf")
 
 
 class MicroBatcher:
@@ -113,6 +118,7 @@ class MicroBatcher:
         self._task: asyncio.Task | None = None
         self._busy = False  # a gathered batch is being answered
         self._busy_until = 0.0  # monotonic time the pass in flight is expected to end
+        self._backlog_since: float | None = None  # end of the last pass, when questions were waiting at its end
         self._stopping = False
         self._draining = False
         self._drain_timer: asyncio.TimerHandle | None = None
@@ -141,9 +147,9 @@ class MicroBatcher:
         """Expected seconds left of the forward pass running now (0 when idle)."""
         return max(0.0, self._busy_until - time.monotonic()) if self._busy else 0.0
 
-    def expected_wait(self, tokens: int) -> float:
-        """Expected seconds until a new request of ``tokens`` prompt tokens would be answered."""
-        return fair_share_wait(tokens, [r.live_tokens() for r in self._requests], self.inflight_left(), self.service_time)
+    def expected_wait(self, tokens: list[int]) -> float:
+        """Expected seconds until a new request (prompt tokens of each question) would be answered."""
+        return round_robin_wait(tokens, [r.live() for r in self._requests], self.inflight_left(), self.service_time)
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -158,10 +164,9 @@ class MicroBatcher:
             return
         self._draining = True
         end = grace_s - min(1.0, grace_s / 10)
-        inflight = self.inflight_left()
-        queued = [(r, r.live_tokens()) for r in self._requests]
-        late = [r for r, tokens in queued
-                if self.margin * fair_share_wait(tokens, [t for o, t in queued if o is not r], inflight, self.service_time) > end]
+        requests = list(self._requests)
+        finish = round_robin_finish([r.live() for r in requests], self.inflight_left(), self.service_time)
+        late = [r for r, t in zip(requests, finish) if self.margin * t > end]
         for r in late:
             self._fail(r, ShuttingDown("the service is shutting down and could not answer this request in time"))
         if late:
@@ -218,7 +223,7 @@ class MicroBatcher:
             if alone > left:
                 raise TooLarge(f"the request needs about {alone:.1f} s of model time ({own} prompt tokens) and its "
                                f"deadline leaves {max(left, 0):.1f} s; send fewer or shorter questions per request")
-            expected = self.margin * self.expected_wait(own)
+            expected = self.margin * self.expected_wait(tokens)
             if expected > left:
                 raise Overloaded(f"the service is busy: an answer is expected in {expected:.1f} s and the deadline "
                                  f"leaves {left:.1f} s", retry_after=expected - left)
@@ -249,8 +254,22 @@ class MicroBatcher:
                 item.future.set_exception(error)
         request.items.clear()
 
+    def _shed_late(self) -> None:
+        """Answer Overloaded now to the queued requests the current estimate says will miss their deadline."""
+        requests = [r for r in self._requests if r.deadline() != float("inf")]
+        if not requests:
+            return
+        now = time.monotonic()
+        finish = round_robin_finish([r.live() for r in self._requests], self.inflight_left(), self.service_time)
+        late = [r for r, t in zip(self._requests, finish) if now < r.deadline() < now + t]  # passed: DeadlineExceeded
+        for r in late:
+            self._fail(r, Overloaded("the service slowed down and could not answer this request before its deadline",
+                                     retry_after=1.0))
+        if late:
+            log.warning("%d queued requests would miss their deadline; answered 503 now", len(late))
+
     def _fail_all_queued(self) -> None:
-        waiting = [r for r in self._requests if r.live_tokens()]
+        waiting = [r for r in self._requests if r.live()]
         for r in waiting:
             self._fail(r, ShuttingDown("the grace period ended before this request was answered"))
         if waiting:
@@ -281,6 +300,7 @@ class MicroBatcher:
 
     async def _gather(self) -> list[_Item]:
         assert self._wakeup is not None
+        self._shed_late()
         while True:
             first = self._next(None)
             if first is not None:
@@ -325,6 +345,9 @@ class MicroBatcher:
             return
         tokens = sum(i.tokens for i in live)
         self._busy_until = time.monotonic() + self.service_time.seconds(tokens)
+        # Under a backlog the time a question costs is from the end of the last pass to the end of this one:
+        # gathering and whatever else the CPU ran in between count too.
+        since = self._backlog_since
         start = time.perf_counter()
         try:
             results = await loop.run_in_executor(self._executor, self.predict, [i.question for i in live])
@@ -339,8 +362,10 @@ class MicroBatcher:
             if not live[0].future.done():
                 live[0].future.set_exception(e)
             return
-        seconds = time.perf_counter() - start
-        self.service_time.observe(tokens, seconds)
+        end = time.perf_counter()
+        seconds = end - start
+        self.service_time.observe(tokens, end - since if since is not None and since <= start else seconds)
+        self._backlog_since = end if self._live_depth() else None
         self.on_batch(len(live), seconds)
         for item, result in zip(live, results):
             if not item.future.done():

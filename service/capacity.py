@@ -12,21 +12,25 @@ import math
 
 
 class ServiceTime:
-    """Seconds per prompt token, an exponentially weighted mean over recent forward passes.
+    """Seconds per prompt token, a mean over recent forward passes that forgets over a fixed amount of work.
+
+    A pass of ``n`` tokens moves the estimate toward its own rate with weight ``1 - exp(-n / horizon_tokens)``:
+    a single short question barely moves it, a full pass moves it a lot, so the estimate follows the batches
+    the service actually runs under load.
 
     Args:
         per_token_s: the first estimate (the service measures one warm-up pass at load); 0 means unknown,
             which admits everything until the first pass is measured.
-        weight: weight of the newest pass in the mean (0 < weight <= 1).
+        horizon_tokens: how many tokens of work the estimate remembers (about).
     """
 
-    def __init__(self, per_token_s: float = 0.0, weight: float = 0.2) -> None:
+    def __init__(self, per_token_s: float = 0.0, horizon_tokens: float = 8192.0) -> None:
         if not per_token_s >= 0 or math.isinf(per_token_s):
             raise ValueError(f"per_token_s must be a finite number >= 0, got {per_token_s}")
-        if not 0 < weight <= 1:
-            raise ValueError(f"weight must be in (0, 1], got {weight}")
+        if not horizon_tokens > 0 or math.isinf(horizon_tokens):
+            raise ValueError(f"horizon_tokens must be a finite number > 0, got {horizon_tokens}")
         self.per_token_s = per_token_s
-        self.weight = weight
+        self.horizon_tokens = horizon_tokens
         self.passes = 0
 
     def observe(self, tokens: int, seconds: float) -> None:
@@ -34,8 +38,11 @@ class ServiceTime:
         if tokens <= 0 or not seconds >= 0 or math.isinf(seconds):
             return
         rate = seconds / tokens
-        first = self.passes == 0 and self.per_token_s == 0
-        self.per_token_s = rate if first else (1 - self.weight) * self.per_token_s + self.weight * rate
+        if self.passes == 0 and self.per_token_s == 0:
+            self.per_token_s = rate
+        else:
+            weight = 1.0 - math.exp(-tokens / self.horizon_tokens)
+            self.per_token_s += weight * (rate - self.per_token_s)
         self.passes += 1
 
     def seconds(self, tokens: int | float) -> float:
@@ -43,17 +50,32 @@ class ServiceTime:
         return self.per_token_s * tokens
 
 
-def fair_share_wait(own_tokens: int, queued: list[int], inflight_left_s: float, service: ServiceTime) -> float:
-    """Expected seconds until a request of ``own_tokens`` is answered when it joins a queue served fairly.
+def round_robin_wait(own: list[int], queued: list[list[int]], inflight_left_s: float, service: ServiceTime) -> float:
+    """Expected seconds until a new request is answered when it joins requests that take turns.
 
-    Requests take turns (one question each per turn), so before this one finishes every queued request is
-    served at most as many tokens as this one needs: the wait is the pass in flight plus
-    ``sum(min(q, own_tokens) for q in queued) + own_tokens`` tokens of model time.
+    Each turn takes one question from every waiting request, so before the new request's k-th (last)
+    question is answered, each queued request has had its first k questions answered too: the wait is the
+    pass in flight plus the tokens of ``own`` and of the first ``len(own)`` questions of each queued request.
 
     Args:
-        own_tokens: prompt tokens of the new request (all its questions).
-        queued: prompt tokens still waiting, one entry per queued request.
+        own: prompt tokens of each question of the new request.
+        queued: prompt tokens of each waiting question, one list per queued request, in its order.
         inflight_left_s: expected seconds left of the forward pass running now (0 when idle).
     """
-    ahead = sum(min(q, own_tokens) for q in queued)
-    return max(0.0, inflight_left_s) + service.seconds(ahead + own_tokens)
+    k = len(own)
+    ahead = sum(sum(q[:k]) for q in queued)
+    return max(0.0, inflight_left_s) + service.seconds(ahead + sum(own))
+
+
+def round_robin_finish(queued: list[list[int]], inflight_left_s: float, service: ServiceTime) -> list[float]:
+    """Expected seconds until each queued request (prompt tokens of its waiting questions, in turn order)
+    is answered, serving one question of each in turn."""
+    finish = [0.0] * len(queued)
+    t = max(0.0, inflight_left_s)
+    for turn in range(max((len(q) for q in queued), default=0)):
+        for i, q in enumerate(queued):
+            if turn < len(q):
+                t += service.seconds(q[turn])
+                if turn == len(q) - 1:
+                    finish[i] = t
+    return finish

@@ -186,6 +186,23 @@ class ServiceState:
         if self.batcher is not None:
             self.metrics.seconds_per_token.set(self.batcher.service_time.per_token_s)
 
+    def _refusal(self, e: Exception, n: int) -> ApiError:
+        """The answer to a request the batcher refused (``n`` questions), counted by reason."""
+        if isinstance(e, QueueFullError):
+            reason, error = "queue_full", ApiError(503, "overloaded", f"too many questions waiting ({e}); retry shortly",
+                                                   headers={"Retry-After": "1"})
+        elif isinstance(e, Overloaded):
+            reason, error = "capacity", ApiError(503, "overloaded", f"{e}; retry after the Retry-After seconds",
+                                                 headers={"Retry-After": str(max(1, math.ceil(e.retry_after)))})
+        elif isinstance(e, TooLarge):
+            reason, error = "too_large", ApiError(413, "too_large", str(e), "items" if n > 1 else None)
+        elif isinstance(e, ShuttingDown):
+            reason, error = "shutting_down", ApiError(503, "shutting_down", str(e), headers={"Retry-After": "1"})
+        else:
+            reason, error = "timeout", ApiError(504, "timeout", str(e))
+        self.metrics.rejected.labels(reason=reason).inc(n)
+        return error
+
     def deadline(self, request: Request) -> float:
         """``time.monotonic()`` by which ``request`` must be answered: from its arrival, the server's
         request timeout or the shorter ``X-Request-Timeout`` (seconds) the client sent."""
@@ -215,20 +232,8 @@ class ServiceState:
         rejected = self.metrics.rejected
         try:
             futures = await self.batcher.submit_many(questions, tokens, deadline)
-        except QueueFullError as e:
-            rejected.labels(reason="queue_full").inc(len(questions))
-            raise ApiError(503, "overloaded", f"too many questions waiting ({e}); retry shortly",
-                           headers={"Retry-After": "1"}) from e
-        except Overloaded as e:
-            rejected.labels(reason="capacity").inc(len(questions))
-            raise ApiError(503, "overloaded", f"{e}; retry after the Retry-After seconds",
-                           headers={"Retry-After": str(max(1, math.ceil(e.retry_after)))}) from e
-        except TooLarge as e:
-            rejected.labels(reason="too_large").inc(len(questions))
-            raise ApiError(413, "too_large", str(e), "items" if len(questions) > 1 else None) from e
-        except ShuttingDown as e:
-            rejected.labels(reason="shutting_down").inc(len(questions))
-            raise ApiError(503, "shutting_down", str(e), headers={"Retry-After": "1"}) from e
+        except (QueueFullError, Overloaded, TooLarge, ShuttingDown) as e:
+            raise self._refusal(e, len(questions)) from e
         everything = asyncio.gather(*futures)
         gone = asyncio.ensure_future(_disconnected(request))
         try:
@@ -249,12 +254,8 @@ class ServiceState:
             raise ApiError(504, "timeout", "no answer before the request's deadline; the service is busy")
         try:
             preds = list(everything.result())
-        except ShuttingDown as e:
-            rejected.labels(reason="shutting_down").inc(len(questions))
-            raise ApiError(503, "shutting_down", str(e), headers={"Retry-After": "1"}) from e
-        except DeadlineExceeded as e:
-            rejected.labels(reason="timeout").inc(len(questions))
-            raise ApiError(504, "timeout", str(e)) from e
+        except (Overloaded, ShuttingDown, DeadlineExceeded) as e:  # refused after admission, before its pass
+            raise self._refusal(e, len(questions)) from e
         broken = [i for i, p in enumerate(preds) if not finite_prediction(p)]
         if broken:
             self.metrics.nonfinite.inc(len(broken))

@@ -162,12 +162,13 @@ def test_admission_refuses_what_cannot_meet_its_deadline():
         running = await b.submit_many([q("a")], [5], now + 100)
         await gate.wait_entered()
         queued = await b.submit_many([q("b"), q("c")], [5, 5], now + 100)
-        # fair share for a new 4-token request: min(10, 4) queued + 4 own = 8 tokens = 0.8 s, plus <= 0.5 s in flight
-        wait = b.expected_wait(4)
-        assert 0.8 <= wait <= 1.3 + 1e-9
+        # a new 1-question request of 4 tokens waits one turn of the queued request (5) and its own 4 tokens:
+        # 0.9 s, plus at most 0.5 s left of the pass in flight
+        wait = b.expected_wait([4])
+        assert 0.9 <= wait <= 1.4 + 1e-9
         with pytest.raises(Overloaded) as refused:
             await b.submit_many([q("d")], [4], time.monotonic() + 0.7)
-        assert 0.1 - 1e-6 <= refused.value.retry_after <= 0.6 + 1e-6  # = expected wait - 0.7 s left
+        assert 0.2 - 1e-3 <= refused.value.retry_after <= 0.7 + 1e-3  # = expected wait - 0.7 s left
         admitted = await b.submit_many([q("e")], [4], time.monotonic() + 5)
         for _ in range(4):
             gate.release.release()
@@ -204,6 +205,27 @@ def test_abandoned_and_expired_questions_never_reach_the_model():
     assert results == ["running", "kept"]
     assert batches == [["running"], ["kept"]]
     assert isinstance(error[0], DeadlineExceeded)
+
+
+def test_a_queued_request_that_can_no_longer_finish_in_time_is_refused_before_its_pass():
+    async def main():
+        gate = Gate()
+        st = ServiceTime(0.01)
+        b = MicroBatcher(gate, max_batch_size=1, max_wait_ms=0, service_time=st)
+        b.start()
+        running = await b.submit_many([q("running")], [10])
+        await gate.wait_entered()
+        soon = await b.submit_many([q("soon")], [10], time.monotonic() + 2.0)  # admitted: 0.2 s expected
+        st.per_token_s = 1.0  # the machine slowed down: "soon" now needs 10 s
+        gate.release.release()
+        answered = await asyncio.gather(*running)
+        refused = await asyncio.gather(*soon, return_exceptions=True)
+        await b.stop()
+        return answered, refused, gate.batches
+
+    answered, refused, batches = run(main())
+    assert answered == ["running"] and batches == [["running"]]
+    assert isinstance(refused[0], Overloaded)
 
 
 def test_drain_answers_what_fits_in_the_grace_period_and_refuses_the_rest():
