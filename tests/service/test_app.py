@@ -66,6 +66,8 @@ class TestAbstention:
         assert body["abstained"] and body["abstain_reason"] == "max_uncertainty"
         body = client.post("/predict", json={**Q, "abstain": {"min_confidence": 1.0}}).json()
         assert body["abstained"] and body["abstain_reason"] == "min_confidence"
+        body = client.post("/predict", json={**Q, "abstain": {"min_confidence": 1}}).json()  # an int is a number
+        assert body["abstained"] and body["abstain_reason"] == "min_confidence"
 
     def test_requests_cannot_loosen_defaults(self, tiny_artifact, make_client, tmp_path):
         import shutil
@@ -90,6 +92,10 @@ class TestBadInput:
         ({"question": "q", "options": ["a", "b"], "bogus": 1}, 422, "bogus"),
         ({"question": "q"}, 422, "options"),
         ({"question": "q", "options": ["a", "b"], "abstain": {"max_uncertainty": 2}}, 422, "abstain.max_uncertainty"),
+        ({"question": "q", "options": ["a", "b"], "abstain": {"max_uncertainty": False}}, 422, "abstain.max_uncertainty"),
+        ({"question": "q", "options": ["a", "b"], "abstain": {"min_confidence": "0.5"}}, 422, "abstain.min_confidence"),
+        ({"question": "q", "options": ["a", "b"], "conformal": {"alpha": True}}, 422, "conformal.alpha"),
+        ({"question": "\x1c\u2003", "options": ["a", "b"]}, 422, "question"),
         ({"question": "q" * 5000, "options": ["a", "b"]}, 413, "question"),
         ({"question": "q", "options": ["a", "b" * 2000]}, 413, "options.1"),
         ({"question": "q", "options": ["a", "b"], "context": "word " * 300}, 413, "context"),
