@@ -75,6 +75,8 @@ def conformal_quantile(conformal: Conformal | None, req: PredictRequest,
     alpha = opts.alpha if opts and opts.alpha is not None else conformal.alpha
     score = opts.score if opts and opts.score is not None else conformal.score
     try:
+        if alpha not in conformal.alphas():  # exactly a stored alpha, not one that rounds to it (alpha_key)
+            raise KeyError(alpha)
         return conformal.quantile(alpha, score), alpha, score
     except (KeyError, ValueError):
         raise ApiError(422, "invalid_request", f"no stored prediction set for alpha {alpha} and score {score!r}; "

@@ -52,7 +52,8 @@ class PredictRequest(BaseModel):
 
     question: str = Field(..., min_length=1, description="the question stem")
     options: list[str] | dict[str, str] = Field(
-        ..., description="2..26 option texts, as a list or as a map of consecutive letters A.. to texts"
+        ..., description="2..max_options option texts (GET /v1/models; at most 26), as a list or as a map of "
+        "consecutive letters A.. to texts; none blank"
     )
     context: str | None = Field(None, description="an optional passage the question is about")
     abstain: AbstainOptions | None = None
