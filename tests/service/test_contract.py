@@ -1,6 +1,7 @@
 """The OpenAPI schema states what the app enforces (its settings, the loaded adapter), documents every status
-of a route."""
+of a route, and the docs pages load nothing from outside the app."""
 
+import re
 import shutil
 import threading
 
@@ -103,3 +104,18 @@ class TestStatuses:
         assert set(paths["/health/ready"]["get"]["responses"]) == {"200", "503"}
         assert set(paths["/health/live"]["get"]["responses"]) == {"200"}
 
+
+class TestDocsPages:
+    @pytest.mark.parametrize("page", ["/docs", "/redoc"])
+    def test_page_loads_nothing_from_outside(self, client, page):
+        r = client.get(page)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+        urls = re.findall(r"""(?:src|href|spec-url)=["']([^"']+)""", r.text) + re.findall(r"""url: ?["']([^"']+)""", r.text)
+        assert not re.search(r"https?://|//[a-z]", r.text), r.text
+        assert len(urls) >= 2, r.text  # the script (and style) and the favicon, or the schema
+        for url in urls:
+            asset = client.get(url)
+            assert asset.status_code == 200 and len(asset.content) > 0, url
+        scripts = re.findall(r"""src=["']([^"']+\.js)""", r.text)
+        assert scripts and all(client.get(s).headers["content-type"].startswith(("text/javascript", "application/javascript"))
+                               for s in scripts)
