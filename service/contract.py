@@ -27,7 +27,7 @@ STATUSES = {
     400: _error("`invalid_body`: the body is not UTF-8 text"),
     401: _error("`unauthorized`: `IBEDL_API_TOKEN` is set and the bearer token is missing or wrong",
                 {"WWW-Authenticate": {"description": "`Bearer`", "schema": {"type": "string"}}}),
-    408: _error("`request_timeout`: the body did not arrive within `IBEDL_BODY_TIMEOUT_S`"),
+    408: _error("`request_timeout`: the body did not arrive within the server's body-read timeout"),
     413: _error("`too_large`: over a limit: the characters of a field (the schema's maxLength), the prompt's "
                 "tokens after formatting (`IBEDL_MAX_TOKENS`), the body's bytes (`IBEDL_MAX_BODY_BYTES`), the "
                 "items of a batch (maxItems), or the model time a request may take; the message names it"),
