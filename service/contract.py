@@ -14,7 +14,8 @@ from service.requests import NOT_BLANK, max_options
 from service.schemas import ErrorResponse
 from service.state import ServiceState
 
-RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer", "minimum": 1}}}
+RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying",
+                               "schema": {"type": "integer", "minimum": 1}}}
 
 
 def _error(description: str, headers: dict | None = None) -> dict:

@@ -55,8 +55,8 @@ async def ready(state: State):
     return JSONResponse(health.model_dump(), status_code=code)
 
 
-@router.post("/predict", response_model=PredictResponse, dependencies=[Auth], responses=PREDICT_ERRORS, tags=["predict"],
-             openapi_extra=PREDICT_EXTRA)
+@router.post("/predict", response_model=PredictResponse, dependencies=[Auth], responses=PREDICT_ERRORS,
+             tags=["predict"], openapi_extra=PREDICT_EXTRA)
 async def predict(body: PredictRequest, request: Request, state: State) -> PredictResponse:
     state.require_ready(request)
     q = to_question(state, body)
