@@ -8,10 +8,10 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from service import contract, docs_ui
 from service.errors import error_body, install_handlers
 from service.middleware import RequestGuard
 from service.routes import router
-from service.schemas import ErrorResponse
 from service.settings import Settings
 from service.state import Loader, ServiceState, load_predictor
 
@@ -37,12 +37,15 @@ def create_app(settings: Settings | None = None, loader: Loader | None = None) -
         description="Answers multiple-choice questions with expected probabilities, Dirichlet belief masses, "
         "an uncertainty mass and an abstention decision.",
         lifespan=lifespan,
-        responses={422: {"model": ErrorResponse}, 503: {"model": ErrorResponse}},
+        docs_url=None,  # docs_ui serves /docs and /redoc with local assets
+        redoc_url=None,
     )
     app.state.service = state
     install_handlers(app)
     app.add_middleware(RequestGuard, state=state)
     app.include_router(router)
+    contract.install(app, state)
+    docs_ui.install(app)
     return app
 
 

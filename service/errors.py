@@ -51,7 +51,7 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        types = {404: "not_found", 405: "method_not_allowed"}
+        types = {400: "invalid_body", 404: "not_found", 405: "method_not_allowed"}  # 400: a body that is not UTF-8
         return error_response(exc.status_code, types.get(exc.status_code, "http_error"), str(exc.detail),
                               headers=getattr(exc, "headers", None))
 

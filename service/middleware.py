@@ -11,6 +11,8 @@ import secrets
 import time
 import uuid
 
+from starlette.routing import Match
+
 from service.errors import error_body
 
 UNMEASURED = ("/health/", "/metrics")
@@ -73,7 +75,7 @@ class RequestGuard:
                 status_holder["status"] = 401
                 return await self._reply(send, 401, "unauthorized", "a valid 'Authorization: Bearer <token>' header "
                                          "is required", request_id, [(b"www-authenticate", b"Bearer")])
-            if scope["method"] in BODY_METHODS:
+            if scope["method"] in BODY_METHODS and _routed(scope):
                 ctype = headers.get("content-type", "").split(";")[0].strip().lower()
                 if not (ctype == "application/json" or ctype.endswith("+json")):
                     status_holder["status"] = 415
@@ -108,6 +110,16 @@ class RequestGuard:
                 method = scope["method"] if scope["method"] in METHODS else "other"
                 metrics.requests.labels(route=template, method=method, status=str(status_holder["status"])).inc()
                 metrics.latency.labels(route=template).observe(time.perf_counter() - start)
+
+
+def _routed(scope) -> bool:
+    """Whether a route takes this path and method: the body checks are for those; the router answers the
+    others (404, or 405 with Allow)."""
+    app = scope.get("app")
+    routes = getattr(getattr(app, "router", None), "routes", None)
+    if routes is None:
+        return True  # not mounted in a Starlette app (unit tests): check every body
+    return any(route.matches(scope)[0] == Match.FULL for route in routes)
 
 
 async def _read_body(receive, limit: int) -> bytes | object | None:

@@ -3,12 +3,29 @@ conformal set asked for. Every refusal is an ApiError (422 invalid, 413 too larg
 
 from __future__ import annotations
 
+import re
+
 from evidential.artifact import Conformal
 from evidential.predictor import count_prompt_tokens
 from evidential.prompt import LETTERS, MCQuestion
 from service.errors import ApiError
 from service.schemas import PredictRequest
 from service.state import ServiceState
+
+# The characters str.isspace() calls whitespace, spelled out: Python's, ECMA's and Rust's \s each differ, and the
+# OpenAPI schema carries NOT_BLANK as a pattern that every client and validator must read the same way.
+WHITESPACE = r"\t\n\x0b\x0c\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+NOT_BLANK = f"[^{WHITESPACE}]"  # a text is blank unless it holds a character outside WHITESPACE
+_NOT_BLANK = re.compile(NOT_BLANK)
+
+
+def blank(text: str) -> bool:
+    return _NOT_BLANK.search(text) is None
+
+
+def max_options(state: ServiceState) -> int:
+    """The most options a question may have: ``IBEDL_MAX_OPTIONS``, or fewer when the head has fewer rows."""
+    return min(state.settings.max_options, state.predictor.num_rows if state.predictor else state.settings.max_options)
 
 
 def to_question(state: ServiceState, req: PredictRequest, prefix: str = "") -> tuple[MCQuestion, int]:
@@ -23,15 +40,15 @@ def to_question(state: ServiceState, req: PredictRequest, prefix: str = "") -> t
         options = [req.options[k] for k in expected]
     else:
         options = list(req.options)
-    max_options = min(s.max_options, state.predictor.num_rows if state.predictor else s.max_options)
-    if not 2 <= len(options) <= max_options:
-        raise ApiError(422, "invalid_request", f"a question needs 2..{max_options} options, got {len(options)}", prefix + "options")
-    if not req.question.strip():
+    limit = max_options(state)
+    if not 2 <= len(options) <= limit:
+        raise ApiError(422, "invalid_request", f"a question needs 2..{limit} options, got {len(options)}", prefix + "options")
+    if blank(req.question):
         raise ApiError(422, "invalid_request", "question must not be blank", prefix + "question")
     if len(req.question) > s.max_question_chars:
         raise ApiError(413, "too_large", f"question is {len(req.question)} characters; the limit is {s.max_question_chars}", prefix + "question")
     for i, text in enumerate(options):
-        if not text.strip():
+        if blank(text):
             raise ApiError(422, "invalid_request", f"option {LETTERS[i]} must not be blank", f"{prefix}options.{i}")
         if len(text) > s.max_option_chars:
             raise ApiError(413, "too_large", f"option {LETTERS[i]} is {len(text)} characters; the limit is {s.max_option_chars}", f"{prefix}options.{i}")
@@ -59,6 +76,8 @@ def conformal_quantile(conformal: Conformal | None, req: PredictRequest,
     alpha = opts.alpha if opts and opts.alpha is not None else conformal.alpha
     score = opts.score if opts and opts.score is not None else conformal.score
     try:
+        if alpha not in conformal.alphas():  # exactly a stored alpha, not one that rounds to it (alpha_key)
+            raise KeyError(alpha)
         return conformal.quantile(alpha, score), alpha, score
     except (KeyError, ValueError):
         raise ApiError(422, "invalid_request", f"no stored prediction set for alpha {alpha} and score {score!r}; "

@@ -7,7 +7,7 @@ from evidential.conformal import prediction_set
 from evidential.predictor import Prediction
 from evidential.prompt import LETTERS, MCQuestion
 from service import abstention
-from service.requests import conformal_quantile
+from service.requests import conformal_quantile, max_options
 from service.schemas import DriftStatus, PredictedOption, PredictRequest, PredictResponse
 from service.state import ServiceState
 
@@ -85,7 +85,7 @@ def model_card(state: ServiceState) -> dict:
             "alpha": c.alpha, "score": c.score, "n": c.n, "alphas": c.alphas(), "scores": sorted(c.quantiles)},
         "calibration": m.calibration or None,
         "prompt": {**m.prompt, "training_max_tokens": m.prompt_config().max_tokens, "max_tokens": settings.max_tokens},
-        "max_options": min(settings.max_options, head.num_rows),
+        "max_options": max_options(state),
         "head": {"kind": head.kind, "inference": head.inference, "zeta": head.zeta, "temperature": head.temperature,
                  "offset": head.offset},
         "drift_statistic": state.drift.statistic,

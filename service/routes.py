@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from service.contract import API_ERRORS, PREDICT_ERRORS, PREDICT_EXTRA
 from service.errors import ApiError
 from service.requests import to_question
 from service.responses import drift_status, model_card, respond
@@ -17,16 +18,12 @@ from service.schemas import (
     BatchRequest,
     BatchResponse,
     DriftStatus,
-    ErrorResponse,
     Health,
     ModelList,
     PredictRequest,
     PredictResponse,
 )
 from service.state import State
-
-ERRORS = {401: {"model": ErrorResponse}, 413: {"model": ErrorResponse}, 415: {"model": ErrorResponse},
-          504: {"model": ErrorResponse}}
 
 router = APIRouter()
 
@@ -36,13 +33,15 @@ async def live() -> Health:
     return Health(status="alive")
 
 
-@router.get("/health/ready", response_model=Health, tags=["health"], responses={503: {"model": Health}})
+@router.get("/health/ready", response_model=Health, tags=["health"],
+            responses={503: {"model": Health, "description": "`loading`, `failed` or `draining`, with a `reason`"}})
 async def ready(state: State):
     code, health = state.health()
     return JSONResponse(health.model_dump(), status_code=code)
 
 
-@router.post("/predict", response_model=PredictResponse, responses=ERRORS, tags=["predict"])
+@router.post("/predict", response_model=PredictResponse, responses=PREDICT_ERRORS,
+             tags=["predict"], openapi_extra=PREDICT_EXTRA)
 async def predict(body: PredictRequest, request: Request, state: State) -> PredictResponse:
     state.require_ready(request)
     q, tokens = to_question(state, body)
@@ -50,7 +49,8 @@ async def predict(body: PredictRequest, request: Request, state: State) -> Predi
     return respond(state, body, q, pred, request.state.request_id)
 
 
-@router.post("/predict/batch", response_model=BatchResponse, responses=ERRORS, tags=["predict"])
+@router.post("/predict/batch", response_model=BatchResponse, responses=PREDICT_ERRORS,
+             tags=["predict"], openapi_extra=PREDICT_EXTRA)
 async def predict_batch(body: BatchRequest, request: Request, state: State) -> BatchResponse:
     state.require_ready(request)
     limit = state.settings.max_batch_items
@@ -68,13 +68,13 @@ async def predict_batch(body: BatchRequest, request: Request, state: State) -> B
                                   enumerate(zip(body.items, questions, preds))])
 
 
-@router.get("/v1/models", response_model=ModelList, tags=["metadata"])
+@router.get("/v1/models", response_model=ModelList, responses=API_ERRORS, tags=["metadata"])
 async def models(request: Request, state: State) -> dict:
     state.require_ready(request)
     return {"data": [model_card(state)]}
 
 
-@router.get("/v1/drift", response_model=DriftStatus, tags=["metadata"])
+@router.get("/v1/drift", response_model=DriftStatus, responses=API_ERRORS, tags=["metadata"])
 async def drift(request: Request, state: State) -> DriftStatus:
     state.require_ready(request)
     return drift_status(state)

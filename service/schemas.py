@@ -10,7 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field
 class AbstainOptions(BaseModel):
     """Per-request thresholds; they can only tighten the adapter's defaults."""
 
-    model_config = ConfigDict(extra="forbid")
+    # strict: a threshold is a JSON number; `false` or "0.5" is a client's mistake (422), not 0.0 or 0.5
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     max_uncertainty: float | None = Field(None, ge=0.0, le=1.0, description="abstain when u is above this")
     min_confidence: float | None = Field(None, ge=0.0, le=1.0, description="abstain when max p is below this")
@@ -19,7 +20,7 @@ class AbstainOptions(BaseModel):
 class ConformalOptions(BaseModel):
     """Which stored prediction set to return; GET /v1/models lists the stored alphas and scores."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     alpha: float | None = Field(None, gt=0.0, lt=1.0, description="miscoverage: the set holds the answer with "
                                 "probability >= 1 - alpha (one of the adapter's stored alphas)")
@@ -51,7 +52,8 @@ class PredictRequest(BaseModel):
 
     question: str = Field(..., min_length=1, description="the question stem")
     options: list[str] | dict[str, str] = Field(
-        ..., description="2..26 option texts, as a list or as a map of consecutive letters A.. to texts"
+        ..., description="2..max_options option texts (GET /v1/models; at most 26), as a list or as a map of "
+        "consecutive letters A.. to texts; none blank"
     )
     context: str | None = Field(None, description="an optional passage the question is about")
     abstain: AbstainOptions | None = None

@@ -232,7 +232,13 @@ class ServiceState:
         rejected = self.metrics.rejected
         try:
             futures = await self.batcher.submit_many(questions, tokens, deadline)
-        except (QueueFullError, Overloaded, TooLarge, ShuttingDown) as e:
+        except TooLarge as e:
+            if deadline < request.scope.get("state", {}).get("arrived", 0.0) + self.settings.request_timeout_s:
+                # the client's X-Request-Timeout is what cannot be met, not the request's size
+                self.metrics.rejected.labels(reason="timeout").inc(len(questions))
+                raise ApiError(504, "timeout", f"{str(e).split(';')[0]}; its {TIMEOUT_HEADER} cannot be met") from e
+            raise self._refusal(e, len(questions)) from e
+        except (QueueFullError, Overloaded, ShuttingDown) as e:
             raise self._refusal(e, len(questions)) from e
         everything = asyncio.gather(*futures)
         gone = asyncio.ensure_future(_disconnected(request))

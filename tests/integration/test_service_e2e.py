@@ -166,6 +166,32 @@ def test_sigterm_drains_in_flight_requests(real_model_ref, tmp_path):
         proc.stop()
 
 
+def test_sigterm_under_load_answers_200_or_503_and_exits_0(real_model_ref, tmp_path):
+    """With more queued than a short grace period can answer, SIGTERM gives every request a 200 or a 503 with
+    Retry-After (a gateway retries those elsewhere), never a 504 or a dropped connection; the exit code is 0."""
+    proc = ServiceProcess(DEFAULT_ARTIFACT, {"IBEDL_SHUTDOWN_GRACE_S": "3", "IBEDL_MAX_BATCH_SIZE": "4"},
+                          tmp_path / "service.log")
+    try:
+        proc.wait_ready()
+        items = sciq(40)
+        with ThreadPoolExecutor(40) as pool:
+            futures = [pool.submit(ask, proc, item) for item in items]
+            deadline = time.monotonic() + 120
+            while inflight(proc) < 20 and not all(f.done() for f in futures):
+                assert time.monotonic() < deadline, "the requests never reached the service"
+                time.sleep(0.05)
+            proc.proc.send_signal(signal.SIGTERM)
+            responses = [f.result() for f in futures]
+        codes = [r.status_code for r in responses]
+        assert set(codes) <= {200, 503}, codes
+        for r in responses:
+            if r.status_code == 503:
+                assert r.headers["retry-after"] and r.json()["error"]["type"] in ("shutting_down", "overloaded", "not_ready")
+        assert proc.proc.wait(60) == 0, proc.log_text()
+    finally:
+        proc.stop()
+
+
 def test_decisions_in_distribution_and_under_shift(server):
     """The served default answers SciQ questions with their passage and turns away most of the same questions
     without it and RACE questions without their article, with the reason out_of_distribution; every answer

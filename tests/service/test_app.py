@@ -69,6 +69,8 @@ class TestAbstention:
         assert body["abstained"] and body["abstain_reason"] == "max_uncertainty"
         body = client.post("/predict", json={**Q, "abstain": {"min_confidence": 1.0}}).json()
         assert body["abstained"] and body["abstain_reason"] == "min_confidence"
+        body = client.post("/predict", json={**Q, "abstain": {"min_confidence": 1}}).json()  # an int is a number
+        assert body["abstained"] and body["abstain_reason"] == "min_confidence"
 
     def test_requests_cannot_loosen_defaults(self, tiny_artifact, make_client, tmp_path):
         import shutil
@@ -93,6 +95,10 @@ class TestBadInput:
         ({"question": "q", "options": ["a", "b"], "bogus": 1}, 422, "bogus"),
         ({"question": "q"}, 422, "options"),
         ({"question": "q", "options": ["a", "b"], "abstain": {"max_uncertainty": 2}}, 422, "abstain.max_uncertainty"),
+        ({"question": "q", "options": ["a", "b"], "abstain": {"max_uncertainty": False}}, 422, "abstain.max_uncertainty"),
+        ({"question": "q", "options": ["a", "b"], "abstain": {"min_confidence": "0.5"}}, 422, "abstain.min_confidence"),
+        ({"question": "q", "options": ["a", "b"], "conformal": {"alpha": True}}, 422, "conformal.alpha"),
+        ({"question": "\x1c\u2003", "options": ["a", "b"]}, 422, "question"),
         ({"question": "q" * 5000, "options": ["a", "b"]}, 413, "question"),
         ({"question": "q", "options": ["a", "b" * 2000]}, 413, "options.1"),
         ({"question": "q", "options": ["a", "b"], "context": "word " * 300}, 413, "context"),
@@ -150,6 +156,15 @@ class TestBadInput:
     def test_unknown_route_and_method(self, client):
         assert client.get("/nope").json()["error"]["type"] == "not_found"
         assert client.get("/predict").status_code == 405
+
+    def test_undeclared_body_method_is_405(self, client):
+        r = client.put("/health/live")
+        assert r.status_code == 405 and "GET" in r.headers["allow"], r.text
+
+    def test_body_not_utf8(self, client):
+        r = client.post("/predict", content=b'{"question": "\xff", "options": ["a", "b"]}',
+                        headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_body", r.text
 
 
 class TestLifecycle:
@@ -232,9 +247,13 @@ class TestCapacity:
             assert "'soon'" in r.json()["error"]["message"]
             for bad in ("0", "-1", "nan", "inf"):
                 assert c.post("/predict", json=Q, headers={"X-Request-Timeout": bad}).status_code == 422
-            # a deadline shorter than the question's model time alone: refused at once, saying why
+            # a deadline shorter than the question's model time alone: 504 at once, saying why
             r = c.post("/predict", json=Q, headers={"X-Request-Timeout": "0.01"})
-            assert r.status_code == 413 and "model time" in r.json()["error"]["message"]
+            assert r.status_code == 504 and "X-Request-Timeout cannot be met" in r.json()["error"]["message"]
+            # the same model time over the server's own deadline: the request is too large for this service
+            with make_client(loader=per_token_loader(0.01), request_timeout_s=0.05) as slow:
+                r = slow.post("/predict", json=Q)
+                assert r.status_code == 413 and "model time" in r.json()["error"]["message"]
             # a longer one than the server's maximum is cut to it, not refused
             assert c.post("/predict", json=Q, headers={"X-Request-Timeout": "3600"}).status_code == 200
 
