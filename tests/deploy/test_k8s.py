@@ -1,0 +1,239 @@
+"""The Kubernetes manifests (deploy/k8s): `kubectl kustomize deploy/k8s` renders; every document validates
+offline, the built-in kinds against the Kubernetes OpenAPI schemas of every version `kubernetes-validate`
+bundles (strict: unknown fields fail), the ServiceMonitor and PrometheusRule against the Prometheus operator's
+CRD types (`cloudcoil-models-prometheus-operator`); and the rendered objects keep what the service needs:
+probes on its health routes and port, a grace period longer than its drain, a non-root read-only pod, resources
+that match its threads, the alert rules of deploy/prometheus/alerts.yml, selectors that find its pods.
+
+kubectl is required (make test installs Debian's kubernetes-client when it is missing): no skip.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import re
+import subprocess
+
+import kubernetes_validate
+import pydantic
+import pytest
+import yaml
+from cloudcoil.models.prometheus_operator import v1 as monitoring_v1
+from kubernetes_validate.utils import all_versions
+
+from service.routes import router
+from service.settings import Settings
+from tests.deploy.render import ALERTS_YML, API_JOB, DEPLOY, DOCKERFILE, REPO, require_binary
+from tests.deploy.test_configs import exposed_metric_names
+
+pytestmark = pytest.mark.servers  # needs kubectl, like the other deploy checks need nginx and promtool
+
+K8S = DEPLOY / "k8s"
+KINDS = {"Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler", "ServiceMonitor", "PrometheusRule"}
+CRD_MODELS = {"ServiceMonitor": monitoring_v1.ServiceMonitor, "PrometheusRule": monitoring_v1.PrometheusRule}
+K8S_VERSIONS = sorted(set(all_versions()), key=lambda v: tuple(map(int, v.split("."))))
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, dict]:
+    """`kubectl kustomize deploy/k8s`, one document per kind."""
+    kubectl = require_binary("kubectl")
+    r = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True, timeout=60,
+                       stdin=subprocess.DEVNULL, check=False)
+    assert r.returncode == 0, f"kubectl kustomize {K8S} exited {r.returncode}:\n{r.stderr}"
+    docs = [d for d in yaml.safe_load_all(r.stdout) if d]
+    kinds = [d["kind"] for d in docs]
+    assert sorted(kinds) == sorted(KINDS), kinds
+    return {d["kind"]: d for d in docs}
+
+
+def pod_spec(rendered) -> dict:
+    return rendered["Deployment"]["spec"]["template"]["spec"]
+
+
+def container(rendered) -> dict:
+    containers = pod_spec(rendered)["containers"]
+    assert len(containers) == 1
+    return containers[0]
+
+
+def env(rendered) -> dict[str, dict]:
+    return {e["name"]: e for e in container(rendered).get("env", [])}
+
+
+def matches(selector: dict, labels: dict) -> bool:
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+# -- schemas ---------------------------------------------------------------------------------------------
+
+def test_builtin_kinds_validate_against_every_bundled_kubernetes_version(rendered):
+    assert K8S_VERSIONS[0] == "1.25.0" and len(K8S_VERSIONS) >= 13, K8S_VERSIONS
+    for version in K8S_VERSIONS:
+        for kind, doc in rendered.items():
+            if kind not in CRD_MODELS:
+                kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_kubernetes_validation_rejects_a_misspelt_field_and_a_wrong_type(rendered):
+    misspelt = copy.deepcopy(rendered["Deployment"])
+    misspelt["spec"]["template"]["spec"]["containers"][0]["livenessprobe"] = {"httpGet": {"path": "/", "port": 1}}
+    wrong_type = copy.deepcopy(rendered["Deployment"])
+    wrong_type["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = "45s"
+    for doc in (misspelt, wrong_type):
+        with pytest.raises(kubernetes_validate.ValidationError):
+            kubernetes_validate.validate(doc, K8S_VERSIONS[-1], strict=True)
+
+
+def crd_roundtrip(doc: dict) -> dict:
+    """The document as the operator's CRD types read it: types, enums and patterns are checked, and a field the
+    CRD does not know is dropped, so the result differs from `doc`."""
+    model = CRD_MODELS[doc["kind"]].model_validate(doc)
+    return model.model_dump(by_alias=True, exclude_unset=True, mode="json")
+
+
+def test_servicemonitor_and_prometheusrule_validate_against_the_operator_crds(rendered):
+    for kind in CRD_MODELS:
+        assert rendered[kind]["apiVersion"] == "monitoring.coreos.com/v1"
+        assert crd_roundtrip(rendered[kind]) == rendered[kind], f"{kind}: fields the CRD does not know"
+
+
+def test_crd_validation_rejects_an_unknown_field_and_a_bad_duration(rendered):
+    unknown = copy.deepcopy(rendered["ServiceMonitor"])
+    unknown["spec"]["endpoints"][0]["intervall"] = "15s"
+    assert crd_roundtrip(unknown) != unknown
+    bad = copy.deepcopy(rendered["PrometheusRule"])
+    bad["spec"]["groups"][0]["rules"][0]["for"] = "10 minutes"
+    with pytest.raises(pydantic.ValidationError):
+        crd_roundtrip(bad)
+
+
+# -- the alert rules -------------------------------------------------------------------------------------
+
+def test_prometheusrule_holds_exactly_the_rules_of_alerts_yml(rendered):
+    assert rendered["PrometheusRule"]["spec"] == yaml.safe_load(ALERTS_YML.read_text())
+
+
+def test_committed_prometheusrule_is_what_the_generator_writes():
+    spec = importlib.util.spec_from_file_location("prometheusrule", K8S / "prometheusrule.py")
+    generator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generator)
+    assert (K8S / "prometheusrule.yaml").read_text() == generator.render(ALERTS_YML.read_text()), (
+        "deploy/k8s/prometheusrule.yaml is stale: run python deploy/k8s/prometheusrule.py")
+
+
+def test_prometheus_labels_the_replicas_with_the_job_the_rules_select(rendered):
+    # A ServiceMonitor's targets get job = the Service's name unless jobLabel picks a Service label.
+    monitor, service = rendered["ServiceMonitor"], rendered["Service"]
+    assert "jobLabel" not in monitor["spec"]
+    assert service["metadata"]["name"] == API_JOB
+    assert matches(monitor["spec"]["selector"]["matchLabels"], service["metadata"]["labels"])
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+    assert endpoint["path"] == "/metrics" and any(r.path == "/metrics" for r in router.routes)
+
+
+# -- the pod ---------------------------------------------------------------------------------------------
+
+def served_port(rendered) -> int:
+    """The port the container's `python -m service` listens on: IBEDL_PORT of the manifest, else of the image."""
+    if "IBEDL_PORT" in env(rendered):
+        return int(env(rendered)["IBEDL_PORT"]["value"])
+    ports = re.findall(r"\bIBEDL_PORT=(\d+)", DOCKERFILE.read_text())
+    assert len(ports) == 1, ports
+    return int(ports[0])
+
+
+def test_probes_use_the_health_routes_on_the_served_port(rendered):
+    c = container(rendered)
+    assert "command" not in c and "args" not in c, "the image's entrypoint (python -m service --host 0.0.0.0) runs"
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"http": served_port(rendered)}
+    routes = {r.path for r in router.routes}
+    paths = {}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        get = c[probe]["httpGet"]
+        assert ports.get(get["port"], get["port"]) == served_port(rendered), probe
+        assert get["path"] in routes, (probe, get["path"])
+        paths[probe] = get["path"]
+    # Liveness must not fail while the model loads or the replica drains: that would restart a healthy process.
+    assert paths == {"startupProbe": "/health/ready", "readinessProbe": "/health/ready",
+                     "livenessProbe": "/health/live"}
+    startup = c["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 120, "too little time to load the model"
+
+
+def test_grace_period_outlasts_the_prestop_sleep_and_the_drain(rendered):
+    c = container(rendered)
+    command = c["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep" and len(command) == 2, command
+    pre_stop = float(command[1])
+    assert pre_stop >= 5, "the endpoint needs a few seconds to leave every node's Service routing"
+    drain = env(rendered).get("IBEDL_SHUTDOWN_GRACE_S", {}).get("value")
+    drain = float(drain) if drain is not None else Settings.model_fields["shutdown_grace_s"].default
+    assert pod_spec(rendered)["terminationGracePeriodSeconds"] >= pre_stop + drain + 5
+
+
+def test_pod_runs_as_non_root_on_a_read_only_root_without_capabilities_or_token(rendered):
+    pod, c = pod_spec(rendered), container(rendered)
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert re.search(rf"^USER {pod['securityContext']['runAsUser']}:", DOCKERFILE.read_text(), re.M), \
+        "runAsUser is the image's user"
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["enableServiceLinks"] is False
+    sc = c["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    tmp = [m for m in c["volumeMounts"] if m["mountPath"] == "/tmp"]
+    assert len(tmp) == 1 and "emptyDir" in volumes[tmp[0]["name"]], "torch writes under /tmp"
+
+
+def test_resources_are_set_and_match_the_threads(rendered):
+    resources = container(rendered)["resources"]
+    assert resources["requests"] == resources["limits"], "Guaranteed QoS"
+    assert set(resources["requests"]) == {"cpu", "memory"}
+    assert int(env(rendered)["IBEDL_THREADS"]["value"]) == int(resources["requests"]["cpu"])
+    memory = re.fullmatch(r"(\d+)(Mi|Gi)", resources["limits"]["memory"])
+    assert memory and int(memory[1]) * {"Mi": 1, "Gi": 1024}[memory[2]] >= 1536, "the torch replica needs ~1 GB"
+
+
+def test_api_token_comes_from_an_optional_secret(rendered):
+    token = env(rendered)["IBEDL_API_TOKEN"]
+    assert "value" not in token
+    assert token["valueFrom"]["secretKeyRef"]["optional"] is True
+    assert "api_token" in Settings.model_fields  # the variable is a setting
+
+
+def test_image_is_set_by_kustomize_to_the_project_version(rendered):
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    (image,) = kustomization["images"]
+    version = re.search(r'^version = "([^"]+)"$', (REPO / "pyproject.toml").read_text(), re.M)[1]
+    assert image == {"name": "ibedl-service", "newTag": version}
+    assert container(rendered)["image"] == f"ibedl-service:{version}"
+
+
+# -- the objects around the pods -------------------------------------------------------------------------
+
+def test_service_pdb_and_hpa_select_the_deployments_pods(rendered):
+    deployment = rendered["Deployment"]
+    pods = deployment["spec"]["template"]["metadata"]["labels"]
+    assert matches(deployment["spec"]["selector"]["matchLabels"], pods)
+    assert matches(rendered["Service"]["spec"]["selector"], pods)
+    assert rendered["Service"]["spec"]["ports"][0]["targetPort"] in {p["name"] for p in container(rendered)["ports"]}
+    assert matches(rendered["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"], pods)
+    hpa = rendered["HorizontalPodAutoscaler"]["spec"]
+    assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                     "name": deployment["metadata"]["name"]}
+    assert "replicas" not in deployment["spec"], "the autoscaler owns the replica count"
+    # A drain may take one replica; at least one other keeps answering.
+    assert rendered["PodDisruptionBudget"]["spec"]["maxUnavailable"] < hpa["minReplicas"]
+    assert [m["resource"]["name"] for m in hpa["metrics"]] == ["cpu"]
+
+
+def test_hpa_queue_depth_recipe_names_a_metric_the_service_exposes():
+    text = (K8S / "hpa.yaml").read_text()
+    names = set(re.findall(r"\bibedl_\w+", text))
+    assert names and names <= exposed_metric_names(), names - exposed_metric_names()
