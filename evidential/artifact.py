@@ -261,10 +261,13 @@ def read_manifest(directory: str | Path) -> Manifest:
     return Manifest.from_dict(data)
 
 
-def save_head(directory: str | Path, head: OptionHead) -> Path:
+def save_head(directory: str | Path, head: OptionHead, state_dict: dict | None = None) -> Path:
+    """The head's tensors as float32 safetensors; ``state_dict`` (default the head's own) is what a sharded
+    training run gathered for it."""
     path = Path(directory) / HEAD_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().float().cpu().contiguous() for k, v in head.state_dict().items()}
+    state = head.state_dict() if state_dict is None else state_dict
+    tensors = {k: v.detach().float().cpu().contiguous() for k, v in state.items()}
     save_file(tensors, str(path))
     return path
 

@@ -13,6 +13,9 @@ import yaml
 
 from evidential.head import check_evidence_scale
 
+PRECISIONS = ("no", "bf16", "fp16")  # mixed_precision: accelerate's names
+TRACKERS = ("tensorboard", "mlflow")  # track: accelerate's trackers this project logs to
+
 
 class _Loader(yaml.SafeLoader):
     """SafeLoader that reads 1e-3 as a float (YAML 1.1 wants 1.0e-3, which nobody writes)."""
@@ -102,6 +105,8 @@ class OptimSettings:
     warmup_ratio: float = 0.1
     schedule: str = "cosine"
     clip_grad_norm: float | None = None  # default: the method's (20 for the EDL family)
+    # Batches per optimizer step; one step then sees batch_size x processes x gradient_accumulation_steps questions.
+    gradient_accumulation_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -114,6 +119,8 @@ class OptimSettings:
             raise ValueError(f"optim.schedule must be cosine, linear or constant, got {self.schedule!r}")
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ValueError(f"optim.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.gradient_accumulation_steps < 1:
+            raise ValueError(f"optim.gradient_accumulation_steps must be >= 1, got {self.gradient_accumulation_steps}")
 
 
 @dataclass
@@ -145,10 +152,14 @@ class TrainConfig:
     fit_zeta: bool = True
     reference_size: int = 1000
     device: str | None = None
-    dtype: str | None = None  # float32 | bfloat16 | float16; default by device
+    dtype: str | None = None  # float32 | bfloat16 | float16; default by device (float32 under mixed_precision)
+    mixed_precision: str = "no"  # bf16 | fp16: autocast on CUDA (training.distributed); head and losses stay float32
+    fsdp: bool = False  # under accelerate launch: FSDP2 shards the base model instead of replicating it (DDP)
     load_in_4bit: bool = False
     threads: int | None = None
     progress: bool = True
+    track: str | None = None  # tensorboard | mlflow: losses, metrics and the manifest through accelerate's trackers
+    track_dir: str = "runs"  # TensorBoard logs under <track_dir>/<name>; MLflow's artifact location
 
     def __post_init__(self) -> None:
         if isinstance(self.data, dict):
@@ -165,6 +176,15 @@ class TrainConfig:
             raise ValueError(f"target_accuracy must be in (0, 1], got {self.target_accuracy}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.mixed_precision not in PRECISIONS:
+            raise ValueError(f"mixed_precision must be one of {list(PRECISIONS)}, got {self.mixed_precision!r}")
+        if self.track is not None and self.track not in TRACKERS:
+            raise ValueError(f"track must be one of {list(TRACKERS)}, got {self.track!r}")
+        if self.fsdp and self.load_in_4bit:
+            raise ValueError("fsdp cannot shard a 4-bit base (load_in_4bit); use one or the other")
+        if self.fsdp and self.eval_every:
+            raise ValueError("fsdp trains without periodic validation (eval_every must be 0): the head is sharded "
+                             "between steps; the artifact is still validated at the end")
         if not (self.evidence_bias in ("center", "none") or isinstance(self.evidence_bias, (int, float))):
             raise ValueError(f"evidence_bias must be 'center', 'none' or a number, got {self.evidence_bias!r}")
         check_evidence_scale(self.evidence_scale)

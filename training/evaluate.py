@@ -75,12 +75,22 @@ def predict_all(
     return out, time.perf_counter() - start  # type: ignore[return-value]
 
 
-def evaluate(predictor: Predictor, questions: list[MCQuestion], batch_size: int = 8, progress: bool = True, desc: str = "eval") -> EvalResult:
-    """Predict ``questions`` (all must carry an answer) and compute the metrics."""
+def evaluate(predictor: Predictor, questions: list[MCQuestion], batch_size: int = 8, progress: bool = True,
+             desc: str = "eval", accelerator=None) -> EvalResult:
+    """Predict ``questions`` (all must carry an answer) and compute the metrics.
+
+    With an ``accelerate.Accelerator`` of several processes (training under accelerate launch), each process
+    predicts its contiguous share and ``gather_for_metrics`` puts them back in question order on every process.
+    """
     missing = [i for i, q in enumerate(questions) if q.answer is None]
     if missing:
         raise ValueError(f"questions {missing[:5]} have no answer to evaluate against")
-    preds, seconds = predict_all(predictor, questions, batch_size, progress, desc)
+    if accelerator is not None and accelerator.num_processes > 1:
+        with accelerator.split_between_processes(questions) as share:
+            preds, seconds = predict_all(predictor, share, batch_size, progress and accelerator.is_main_process, desc)
+        preds = accelerator.gather_for_metrics(preds, use_gather_object=True)
+    else:
+        preds, seconds = predict_all(predictor, questions, batch_size, progress, desc)
     result = EvalResult(preds, [q.answer for q in questions])
     result.metrics = metrics.summarise(result.probs, result.labels, result.uncertainty)
     result.metrics["samples_per_s"] = len(questions) / seconds if seconds > 0 else float("inf")

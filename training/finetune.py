@@ -1,11 +1,12 @@
 """Fine-tune a LoRA adapter and an option head with one of the registry's methods; write an artifact.
 
     python -m training.finetune --config training/configs/smollm2_science_ib_edl.yaml [key.sub=value ...]
+    accelerate launch --multi_gpu --num_processes 4 -m training.finetune --config ...   (training.distributed)
 
-The loop is written out (no Trainer): seeded data order, AdamW with warmup + cosine decay, gradient
-clipping, a progress bar with loss and throughput, periodic validation, then the artifact: PEFT files,
-head safetensors and a manifest with validation/test metrics, abstention thresholds and a drift
-reference sample.
+The loop is written out (no Trainer) on an accelerate Accelerator (DDP/FSDP, gradient accumulation,
+autocast): seeded data order, AdamW with warmup + cosine decay, gradient clipping, a progress bar with loss
+and throughput, periodic validation, then the artifact: PEFT files, head safetensors and a manifest with
+validation/test metrics, abstention thresholds and a drift reference sample.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import random
 import shlex
 import sys
@@ -23,6 +25,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
 from tqdm import tqdm
 
 from evidential.artifact import Manifest, save_head, write_manifest
@@ -31,7 +35,8 @@ from evidential.head import CentredEvidence, HeadConfig, build_head
 from evidential.predictor import Predictor, fits, lm_head_rows
 from evidential.prompt import MCQuestion, option_token_ids
 from training.calibrate import CalibrationConfig, apply_sections, calibrate_predictor
-from training.config import DataPart, TrainConfig, load_config
+from training.config import TRACKERS, DataPart, TrainConfig, load_config
+from training.distributed import OptionScorer, flatten, make_accelerator, numbers, process_device
 from training.evaluate import EvalResult, evaluate
 from training.methods import LossContext, Method, get_method
 from training import warm_start
@@ -39,13 +44,6 @@ from training import warm_start
 log = logging.getLogger("training.finetune")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
-    if torch.cuda.is_available():
-        torch.cuda.manual_seed_all(seed)
 
 
 def subset_seed(cfg: TrainConfig) -> int:
@@ -86,6 +84,15 @@ def length_grouped_batches(questions: list[MCQuestion], batch_size: int, rng: ra
     return batches
 
 
+def micro_batches(idx: list[int], parts: int) -> list[list[int]]:
+    """One optimizer step's questions in ``parts`` contiguous near-equal micro-batches (gradient accumulation), so
+    a step sees the same questions whatever it is split into; a part left empty (a step shorter than ``parts``,
+    at the end of an epoch) repeats the step's last question."""
+    size, extra = divmod(len(idx), parts)
+    bounds = [i * size + min(i, extra) for i in range(parts + 1)]
+    return [idx[a:b] or idx[-1:] for a, b in zip(bounds, bounds[1:])]
+
+
 def lr_lambda(schedule: str, total: int, warmup: int):
     def f(step: int) -> float:
         if step < warmup:
@@ -98,16 +105,18 @@ def lr_lambda(schedule: str, total: int, warmup: int):
     return f
 
 
-def build(cfg: TrainConfig, method: Method):
-    """Base model with LoRA, the method's head initialised from the LM head's option rows, a Predictor."""
+def build(cfg: TrainConfig, method: Method, device: str | None = None):
+    """Base model with LoRA, the method's head initialised from the LM head's option rows, a Predictor; loaded
+    on ``device`` (default ``cfg.device``)."""
     from peft import LoraConfig, get_peft_model
 
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 training at TF32 matmul speed on Ampere+
         torch.backends.cudnn.allow_tf32 = True
     resolved = resolve_model(cfg.base_model)
-    dtype = DTYPES[cfg.dtype] if cfg.dtype else None
-    model, tokenizer = load_base_model(resolved, device=cfg.device, dtype=dtype, load_in_4bit=cfg.load_in_4bit)
+    # Mixed precision keeps float32 weights and lets autocast run the matmuls in half precision.
+    dtype = DTYPES[cfg.dtype] if cfg.dtype else (torch.float32 if cfg.mixed_precision != "no" else None)
+    model, tokenizer = load_base_model(resolved, device=device or cfg.device, dtype=dtype, load_in_4bit=cfg.load_in_4bit)
     if cfg.load_in_4bit:
         from peft import prepare_model_for_kbit_training
 
@@ -156,13 +165,20 @@ def drop_unfit(cfg: TrainConfig, train_q, val_q, test_q):
 
 
 def fit_member(cfg: TrainConfig, method: Method, params: dict, train_q, val_q, member_dir: Path, seed: int,
-               history_path: Path, member: int) -> dict:
-    """Train one adapter + head (one ensemble member, or the only one) and save it into ``member_dir``."""
-    seed_everything(seed)
-    predictor, resolved, ids, _, warm = build(cfg, method)
+               history_path: Path, member: int, accelerator: Accelerator) -> dict:
+    """Train one adapter + head (one ensemble member, or the only one) and save it into ``member_dir``.
+
+    Every process runs this. A step draws processes x batch_size x gradient_accumulation_steps questions (the
+    batch one process with that batch size would draw), splits them into micro-batches and each micro-batch
+    between the processes (training.distributed).
+    """
+    set_seed(seed)
+    predictor, resolved, ids, _, warm = build(cfg, method, device=process_device(cfg, accelerator))
     model, head = predictor.model, predictor.head
     rng = random.Random(seed)
-    steps_per_epoch = math.ceil(len(train_q) / cfg.optim.batch_size)
+    accumulation = cfg.optim.gradient_accumulation_steps
+    global_batch = cfg.optim.batch_size * accelerator.num_processes * accumulation  # questions per optimizer step
+    steps_per_epoch = math.ceil(len(train_q) / global_batch)
     total = cfg.optim.max_steps or max(1, math.ceil(steps_per_epoch * cfg.optim.epochs))
     warmup = max(1, int(cfg.optim.warmup_ratio * total))
     lora_params = [p for p in model.parameters() if p.requires_grad]
@@ -175,19 +191,21 @@ def fit_member(cfg: TrainConfig, method: Method, params: dict, train_q, val_q, m
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim.schedule, total, warmup))
     clip = cfg.optim.clip_grad_norm if cfg.optim.clip_grad_norm is not None else method.clip_grad_norm
-    generator = torch.Generator(device=model.device).manual_seed(seed)
     trainable = sum(p.numel() for p in lora_params + head_params)
-    log.info("method %s %s; member %d; %d trainable parameters; %d steps (warmup %d)",
-             method.name, params, member, trainable, total, warmup)
+    log.info("method %s %s; member %d; %d trainable parameters; %d steps (warmup %d) of %d questions "
+             "(%d processes x batch %d x accumulation %d)", method.name, params, member, trainable, total, warmup,
+             global_batch, accelerator.num_processes, cfg.optim.batch_size, accumulation)
 
     def batches():
         epoch = 0
         while True:
-            for b in length_grouped_batches(train_q, cfg.optim.batch_size, rng):
+            for b in length_grouped_batches(train_q, global_batch, rng):
                 yield epoch, b
             epoch += 1
 
     stream = batches()
+    member_path = member_dir.relative_to(history_path.parent)  # "." or members/<i>
+    suffix = "" if member_path == Path(".") else f"/{member_path}"  # tracker keys: train/loss, validation/nll, ...
     if isinstance(head, CentredEvidence) and cfg.evidence_bias != "none" and not (warm and warm["head"] == "all"):
         # Centre the pre-evidence on the first batches: the letter logits start near +17 (see EvidentialHead).
         with torch.no_grad():
@@ -198,54 +216,100 @@ def fit_member(cfg: TrainConfig, method: Method, params: dict, train_q, val_q, m
             if cfg.evidence_bias != "center":
                 bias = head.set_bias(bias + float(cfg.evidence_bias))
             log.info("head bias initialised to %.3f", bias)
-    model.train()
-    head.train()
+    # One process: the same module and optimizer back. Several: DDP (or FSDP) around trunk and head together.
+    scorer, optimizer = accelerator.prepare(OptionScorer(predictor), optimizer)
+    device = predictor.device
+    if accelerator.num_processes > 1:  # each process its own dropout masks (seed + process index)
+        set_seed(seed, device_specific=True)
+    generator = torch.Generator(device=device).manual_seed(seed + accelerator.process_index)
+    scorer.train()
     seen, running, t0 = 0, None, time.perf_counter()
     desc = f"train {method.name}" + (f" [{member}]" if member else "")
-    bar = tqdm(total=total, desc=desc, unit="step", disable=not cfg.progress, dynamic_ncols=True)
+    bar = tqdm(total=total, desc=desc, unit="step", disable=not (cfg.progress and accelerator.is_main_process),
+               dynamic_ncols=True)
     for step in range(total):
+        context = LossContext(progress=step / total, generator=generator)
         epoch, idx = next(stream)
-        batch_q = [train_q[i] for i in idx]
-        enc = predictor.encode(batch_q)
-        mask = enc.option_mask.to(model.device)
-        y = torch.tensor([q.answer for q in batch_q], device=model.device)
-        out = head(predictor.hidden(enc), mask)
-        parts = method.loss(out, y, mask, params, LossContext(progress=step / total, generator=generator))
-        loss = parts["loss"].mean()
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss.item()} at step {step}; lower optim.lr or check the data")
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(lora_params + head_params, clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        stats = []
+        for micro in micro_batches(idx, accumulation):
+            # This process's contiguous share (padded with the last question when it does not divide evenly).
+            with accelerator.split_between_processes(micro, apply_padding=True) as share:
+                batch_q = [train_q[i] for i in share]
+            with accelerator.accumulate(scorer):
+                enc = predictor.encode(batch_q).to(device)
+                y = torch.tensor([q.answer for q in batch_q], device=device)
+                out = scorer(enc.input_ids, enc.attention_mask, enc.last_index, enc.option_mask)
+                parts = method.loss(out, y, enc.option_mask, params, context)
+                loss = parts["loss"].mean()
+                stats.append(accelerator.reduce(step_stats(loss, parts, out, y), "mean"))  # the global batch's means
+                if not torch.isfinite(stats[-1][0]):
+                    raise FloatingPointError(f"loss is {stats[-1][0].item()} at step {step}; lower optim.lr or check the data")
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    grad_norm = accelerator.clip_grad_norm_(scorer.parameters(), clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
         seen += len(idx)
-        running = loss.item() if running is None else 0.95 * running + 0.05 * loss.item()
+        if not accelerator.optimizer_step_was_skipped:  # fp16: a step with inf gradients is skipped
+            scheduler.step()
+        values = dict(zip(stat_names(parts, out), torch.stack(stats).mean(0).tolist()))
+        running = values["loss"] if running is None else 0.95 * running + 0.05 * values["loss"]
         rate = seen / (time.perf_counter() - t0)
         bar.set_postfix(loss=f"{running:.4f}", samples_s=f"{rate:.2f}", epoch=epoch)
         bar.update(1)
-        record = {"member": member, "step": step + 1, "epoch": epoch, "loss": loss.item(), "lr": scheduler.get_last_lr()[0],
-                  "grad_norm": float(grad_norm), "batch_accuracy": (out.probs.argmax(-1) == y).float().mean().item(),
-                  **{k: v.mean().item() for k, v in parts.items() if k != "loss"}}
-        if out.alpha is not None:  # evidence dynamics: inflation (strength up, u down) or collapse (alpha -> 1)
-            record["strength"] = out.alpha.sum(-1).mean().item()
-            record["uncertainty"] = out.uncertainty.mean().item()
+        record = {"member": member, "step": step + 1, "epoch": epoch, "loss": values.pop("loss"),
+                  "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm), **values}
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < total:
-            val = evaluate(predictor, val_q[: cfg.eval_limit], cfg.eval_batch_size, progress=False)
+            val = evaluate(predictor, val_q[: cfg.eval_limit], cfg.eval_batch_size, progress=False, accelerator=accelerator)
             record["validation"] = {k: val.metrics[k] for k in ("accuracy", "ece", "nll", "brier")}
-            tqdm.write(f"step {step + 1}: validation " + " ".join(f"{k} {v:.4f}" for k, v in record["validation"].items()))
-            model.train()
-            head.train()
-        with history_path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+            if accelerator.is_main_process:
+                tqdm.write(f"step {step + 1}: validation " + " ".join(f"{k} {v:.4f}" for k, v in record["validation"].items()))
+            scorer.train()
+        if accelerator.is_main_process:
+            with history_path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        scalars = {f"train{suffix}": {k: v for k, v in record.items() if k not in ("member", "step", "validation")},
+                   f"validation{suffix}": record.get("validation", {})}
+        accelerator.log(numbers(flatten(scalars)), step=step + 1)
     bar.close()
     seconds = time.perf_counter() - t0
-    member_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(member_dir, safe_serialization=True)
-    save_head(member_dir, head)
+    save_member(accelerator, scorer, member_dir)
+    accelerator.free_memory()  # the accelerator lets go of this member's model and optimizer
     return {"seconds": seconds, "samples": seen, "steps": total, "samples_per_s": seen / seconds,
-            "trainable_parameters": trainable, "seed": seed, "resolved": resolved, "ids": ids,
+            "trainable_parameters": trainable, "seed": seed, "processes": accelerator.num_processes,
+            "global_batch_size": global_batch, "resolved": resolved, "ids": ids,
             "head": head.config.to_dict(), "device": str(predictor.device), "init_from": warm}
+
+
+def step_stats(loss: torch.Tensor, parts: dict, out, y: torch.Tensor) -> torch.Tensor:
+    """(K,) float32 statistics of one batch, in the order of :func:`stat_names`: loss, batch accuracy, the loss's
+    other parts, and for Dirichlet heads the mean strength and uncertainty (inflation: strength up, u down;
+    collapse: alpha -> 1)."""
+    values = [loss.detach(), (out.probs.argmax(-1) == y).float().mean()]
+    values += [v.detach().mean() for k, v in parts.items() if k != "loss"]
+    if out.alpha is not None:
+        values += [out.alpha.detach().sum(-1).mean(), out.uncertainty.detach().mean()]
+    return torch.stack([v.float() for v in values])
+
+
+def stat_names(parts: dict, out) -> list[str]:
+    return ["loss", "batch_accuracy", *(k for k in parts if k != "loss"),
+            *(("strength", "uncertainty") if out.alpha is not None else ())]
+
+
+def save_member(accelerator: Accelerator, scorer: torch.nn.Module, member_dir: Path) -> None:
+    """PEFT adapter files and head safetensors, written by the main process. Every process takes part in
+    ``get_state_dict`` (under FSDP it gathers the shards); under DDP and one process it is the module's own."""
+    state = accelerator.get_state_dict(scorer)
+    if accelerator.is_main_process:
+        scorer = accelerator.unwrap_model(scorer)
+        member_dir.mkdir(parents=True, exist_ok=True)
+        scorer.model.save_pretrained(member_dir, safe_serialization=True, state_dict=_part(state, "model."))
+        save_head(member_dir, scorer.head, state_dict=_part(state, "head."))
+
+
+def _part(state: dict, prefix: str) -> dict:
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
 
 
 def ceiling(method: str, params: dict, train_q: list[MCQuestion]) -> dict | None:
@@ -266,27 +330,37 @@ def train(cfg: TrainConfig, command: str = "") -> Path:
     returns the artifact directory.
 
     Metrics, zeta and thresholds are computed on the artifact as saved and reloaded, so what is
-    measured is exactly what the service will load.
+    measured is exactly what the service will load. Under several processes (``accelerate launch``) all of
+    them train; the main process alone then calibrates, evaluates and writes the manifest, so every method
+    runs there as it does in one process (Laplace's post-hoc fit included).
     """
     method = get_method(cfg.method)
     params = method.params(cfg.method_params)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    accelerator = make_accelerator(cfg)
+    if cfg.track:
+        accelerator.init_trackers(cfg.name, config=flatten(cfg.to_dict(), sep="."))
     started = time.time()
     train_q, val_q, test_q = load_splits(cfg)
     out_dir = Path(cfg.output)
-    history_path = start_history(out_dir)
+    history_path = start_history(out_dir) if accelerator.is_main_process else out_dir / "history.jsonl"
     dirs = member_dirs(method, params)
     train_q, val_q, test_q, dropped = drop_unfit(cfg, train_q, val_q, test_q)
-    runs = [fit_member(cfg, method, params, train_q, val_q, out_dir / d, cfg.seed + 1000 * i, history_path, i)
+    runs = [fit_member(cfg, method, params, train_q, val_q, out_dir / d, cfg.seed + 1000 * i, history_path, i, accelerator)
             for i, d in enumerate(dirs)]
-    manifest = loadable_manifest(cfg, method, params, dirs, runs[0])
-    write_manifest(out_dir, manifest)  # complete enough to load; metrics follow
-    predictor = load_trained(cfg, method, params, out_dir, train_q)
-    sections, metrics = calibrate_and_evaluate(cfg, method, predictor, val_q, test_q)
-    training = training_record(cfg, method, params, command, runs, started, sections, dropped, train_q, predictor)
-    complete_manifest(manifest, predictor, sections, metrics, training)
-    write_manifest(out_dir, manifest)
+    if accelerator.is_main_process:
+        manifest = loadable_manifest(cfg, method, params, dirs, runs[0])
+        write_manifest(out_dir, manifest)  # complete enough to load; metrics follow
+        predictor = load_trained(cfg, method, params, out_dir, train_q)
+        sections, metrics = calibrate_and_evaluate(cfg, method, predictor, val_q, test_q)
+        training = training_record(cfg, method, params, command, runs, started, sections, dropped, train_q, predictor)
+        complete_manifest(manifest, predictor, sections, metrics, training)
+        write_manifest(out_dir, manifest)
+        if cfg.track:  # the final metrics as scalars, the manifest as text
+            accelerator.log({**numbers(flatten({"final": manifest.metrics})),
+                             "manifest": (out_dir / "manifest.json").read_text()}, step=runs[0]["steps"])
+    accelerator.end_training()
     return out_dir
 
 
@@ -397,10 +471,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="YAML config (training/configs/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, values in YAML syntax")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--track", choices=TRACKERS, help="log losses, metrics and the manifest to this tracker "
+                        "under track_dir (default runs/); the same as the override track=NAME")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    main_process = int(os.environ.get("RANK", "0")) == 0  # accelerate launch / torchrun number the processes
+    logging.basicConfig(level=logging.INFO if main_process else logging.WARNING,
+                        format="%(asctime)s %(name)s: %(message)s")
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides + ([f"track={args.track}"] if args.track else []))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -412,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if not main_process:
+        return 0
     manifest = json.loads((out / "manifest.json").read_text())
     print(json.dumps({"artifact": str(out), "metrics": manifest["metrics"], "abstention": manifest["abstention"]}, indent=2))
     return 0

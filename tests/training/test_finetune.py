@@ -29,8 +29,9 @@ def jsonl_data(tmp_path_factory):
     return path
 
 
-def config(tmp_path, model_dir, data, method, **extra):
-    overrides = [
+def overrides(tmp_path, model_dir, data, method, **extra) -> list[str]:
+    """The toy run's ``key=value`` overrides (as ``python -m training.finetune`` takes them)."""
+    return [
         f"method={method}",
         f"base_model={model_dir}",
         f"output={tmp_path / method}",
@@ -43,7 +44,10 @@ def config(tmp_path, model_dir, data, method, **extra):
         "progress=false",
         "lora.targets=[q_proj, v_proj]",
     ] + [f"{k}={v}" for k, v in extra.items()]
-    return load_config(None, overrides)
+
+
+def config(tmp_path, model_dir, data, method, **extra):
+    return load_config(None, overrides(tmp_path, model_dir, data, method, **extra))
 
 
 EXTRA = {"ib_edl": {"method_params.num_samples": 4}, "ensemble": {"method_params.members": 2},
@@ -116,6 +120,19 @@ def test_training_is_seeded(tmp_path, tiny_model_dir, jsonl_data):
     la = [json.loads(x)["loss"] for x in (a / "history.jsonl").read_text().splitlines()]
     lb = [json.loads(x)["loss"] for x in (b / "history.jsonl").read_text().splitlines()]
     assert la == lb
+
+
+def test_one_process_trains_as_before_the_accelerate_loop(tmp_path, tiny_model_dir, jsonl_data):
+    # Recorded at 7e9f104, the hand-written loop before training ran through accelerate (training.distributed):
+    # IB-EDL samples, LoRA dropout and a validation pass at step 2. One process must reproduce them.
+    cfg = config(tmp_path, tiny_model_dir, jsonl_data, "ib_edl", **{"method_params.num_samples": 4, "optim.max_steps": 4,
+                                                                   "eval_every": 2, "eval_limit": 6})
+    steps = [json.loads(x) for x in (train(cfg) / "history.jsonl").read_text().splitlines()]
+    assert [h["loss"] for h in steps] == pytest.approx([0.8513070344924927, 0.7658528685569763, 0.8394085168838501,
+                                                        0.8825157284736633], rel=1e-5)
+    assert [h["grad_norm"] for h in steps] == pytest.approx([0.7445463538169861, 0.9311034083366394, 0.758976399898529,
+                                                             0.6347165107727051], rel=1e-5)
+    assert steps[1]["validation"]["nll"] == pytest.approx(1.380678170645752, rel=1e-5)
 
 
 def test_subset_seed_picks_the_training_subset_independently_of_the_run_seed(tmp_path, jsonl_data):
