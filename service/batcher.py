@@ -122,6 +122,7 @@ class MicroBatcher:
         self._stopping = False
         self._draining = False
         self._drain_timer: asyncio.TimerHandle | None = None
+        self._drain_end: float | None = None  # monotonic time queued work is refused from
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="predict")
 
     # -- state ------------------------------------------------------------------------------------
@@ -171,6 +172,7 @@ class MicroBatcher:
             self._fail(r, ShuttingDown("the service is shutting down and could not answer this request in time"))
         if late:
             log.info("draining: %d queued requests cannot finish within %.1f s and get 503", len(late), grace_s)
+        self._drain_end = time.monotonic() + max(0.0, end)
         self._drain_timer = asyncio.get_running_loop().call_later(max(0.0, end), self._fail_all_queued)
         self._signal()
 
@@ -192,13 +194,15 @@ class MicroBatcher:
     # -- submitting -------------------------------------------------------------------------------
 
     async def submit_many(self, questions: list[MCQuestion], tokens: list[int] | None = None,
-                          deadline: float | None = None) -> list[asyncio.Future]:
+                          deadline: float | None = None, admitted_before_drain: bool = False) -> list[asyncio.Future]:
         """Queue all questions of one request, or none. Returns one future per question.
 
         Args:
             questions: the request's questions, answered in this order.
             tokens: prompt tokens of each question (default 1 each: admission by count only).
             deadline: ``time.monotonic()`` by which the request must be answered (default: none).
+            admitted_before_drain: the request arrived before a drain began (its route ran later): it is still
+                queued if it can finish within the grace period.
 
         Raises:
             ShuttingDown: the service is draining.
@@ -208,7 +212,7 @@ class MicroBatcher:
         """
         if self._wakeup is None:
             raise RuntimeError("the batcher is not started")
-        if self._draining or self._stopping:
+        if self._stopping or (self._draining and not admitted_before_drain):
             raise ShuttingDown("the service is shutting down")
         tokens = [1] * len(questions) if tokens is None else list(tokens)
         if len(tokens) != len(questions):
@@ -217,6 +221,9 @@ class MicroBatcher:
             raise QueueFullError(f"{self.depth} questions are waiting; the queue holds {self.queue_size}")
         deadline = float("inf") if deadline is None else deadline
         own = sum(tokens)
+        if self._draining:
+            if self._drain_end is not None and self.margin * self.expected_wait(tokens) > self._drain_end - time.monotonic():
+                raise ShuttingDown("the service is shutting down and could not answer this request in time")
         if deadline != float("inf"):
             left = deadline - time.monotonic()
             alone = self.margin * self.service_time.seconds(own)

@@ -231,7 +231,8 @@ class ServiceState:
         deadline = self.deadline(request)
         rejected = self.metrics.rejected
         try:
-            futures = await self.batcher.submit_many(questions, tokens, deadline)
+            admitted = request.scope.get("state", {}).get("admitted", False)
+            futures = await self.batcher.submit_many(questions, tokens, deadline, admitted_before_drain=admitted)
         except TooLarge as e:
             if deadline < request.scope.get("state", {}).get("arrived", 0.0) + self.settings.request_timeout_s:
                 # the client's X-Request-Timeout is what cannot be met, not the request's size

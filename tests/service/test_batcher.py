@@ -240,15 +240,19 @@ def test_drain_answers_what_fits_in_the_grace_period_and_refuses_the_rest():
         b.begin_drain(3.0)
         with pytest.raises(ShuttingDown):
             await b.submit_many([q("after")], [1])
-        gate.release.release()
-        gate.release.release()
+        # a request that arrived before the drain but reaches the batcher after it: queued if it fits
+        with pytest.raises(ShuttingDown):
+            await b.submit_many([q("admitted-late")], [200], admitted_before_drain=True)
+        fits += await b.submit_many([q("admitted")], [1], admitted_before_drain=True)
+        for _ in range(3):
+            gate.release.release()
         answered = await asyncio.gather(*running, *fits)
         refused = await asyncio.gather(*late, return_exceptions=True)
         await b.stop()
         return answered, refused, gate.batches
 
     answered, refused, batches = run(main())
-    assert answered == ["running", "fits"] and batches == [["running"], ["fits"]]
+    assert answered == ["running", "fits", "admitted"] and batches == [["running"], ["fits"], ["admitted"]]
     assert isinstance(refused[0], ShuttingDown)
 
 
