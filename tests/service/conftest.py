@@ -39,6 +39,21 @@ def make_client(tiny_artifact):
 
 
 @pytest.fixture
+def uncalibrated_artifact(tiny_artifact, tmp_path):
+    """A copy of the tiny artifact as an adapter never calibrated for conformal sets (an empty section)."""
+    import shutil
+
+    from evidential.artifact import read_manifest, write_manifest
+
+    art = tmp_path / "uncalibrated"
+    shutil.copytree(tiny_artifact, art)
+    manifest = read_manifest(art)
+    manifest.conformal = {}
+    write_manifest(art, manifest)
+    return art
+
+
+@pytest.fixture
 def client(make_client):
     with make_client() as c:
         yield c

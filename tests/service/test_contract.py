@@ -2,13 +2,11 @@
 of a route, and the docs pages load nothing from outside the app."""
 
 import re
-import shutil
 import threading
 
 import jsonschema_rs
 import pytest
 
-from evidential.artifact import read_manifest, write_manifest
 from service.requests import NOT_BLANK
 from tests.service.test_app import Q
 
@@ -62,13 +60,8 @@ class TestLimits:
         assert admitted == (r.status_code == 200), (admitted, r.status_code, r.text)
         assert r.status_code in (200, 422), r.text
 
-    def test_uncalibrated_adapter_offers_no_prediction_set(self, tiny_artifact, make_client, tmp_path):
-        art = tmp_path / "uncalibrated"
-        shutil.copytree(tiny_artifact, art)
-        manifest = read_manifest(art)
-        manifest.conformal = {}
-        write_manifest(art, manifest)
-        with make_client(artifact=art) as c:
+    def test_uncalibrated_adapter_offers_no_prediction_set(self, uncalibrated_artifact, make_client):
+        with make_client(artifact=uncalibrated_artifact) as c:
             openapi = c.get("/openapi.json").json()
             body = {**Q, "conformal": {"alpha": 0.1}}
             assert not request_validator(openapi).is_valid(body)

@@ -55,13 +55,8 @@ class TestPredictionSets:
     def test_malformed_conformal_options_are_422(self, client, bad):
         assert client.post("/predict", json={**Q, "conformal": bad}).status_code == 422
 
-    def test_uncalibrated_adapter_answers_null_sets(self, tiny_artifact, make_client, tmp_path):
-        art = tmp_path / "old"
-        shutil.copytree(tiny_artifact, art)
-        m = read_manifest(art)
-        m.conformal = {}
-        write_manifest(art, m)
-        with make_client(artifact=art) as c:
+    def test_uncalibrated_adapter_answers_null_sets(self, uncalibrated_artifact, make_client):
+        with make_client(artifact=uncalibrated_artifact) as c:
             body = c.post("/predict", json=Q).json()
             assert body["prediction_set"] is None and body["prediction_set_coverage"] is None
             r = c.post("/predict", json={**Q, "conformal": {"alpha": 0.1}})
