@@ -18,7 +18,7 @@ class Settings(BaseSettings):
     artifact: Path = Field(Path("artifacts/default"), description="adapter directory to serve (one adapter)")
     artifacts: Annotated[list[Path], NoDecode] = Field(
         [], description="several adapter directories, comma-separated, served on one shared base model (the first "
-        "is the default; a request picks one with its 'adapter' field); replaces IBEDL_ARTIFACT")
+        "is the default; a request picks one with its 'adapter' field); when set, IBEDL_ARTIFACT is ignored")
     base_model: str | None = Field(None, description="override the manifest's base model reference")
     allow_base_mismatch: bool = Field(False, description="serve even if the base weights' sha256 differs")
     device: str | None = Field(None, description="cpu or cuda[:i]; default CUDA when present")
@@ -74,10 +74,7 @@ class Settings(BaseSettings):
         return v
 
     @model_validator(mode="after")
-    def _one_way(self):
-        if self.artifacts and "artifact" in self.model_fields_set:
-            raise ValueError(f"set IBEDL_ARTIFACTS ({','.join(map(str, self.artifacts))}) or IBEDL_ARTIFACT "
-                             f"({self.artifact}), not both")
+    def _distinct(self):
         names = [str(p) for p in self.artifacts]
         if len(set(names)) != len(names):
             raise ValueError(f"IBEDL_ARTIFACTS lists a directory twice: {names}")
