@@ -83,6 +83,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     IBEDL_CACHE_DIR=/opt/ibedl/cache \
     IBEDL_ARTIFACT=/app/artifacts/default \
     IBEDL_HOST=0.0.0.0 \
+    IBEDL_LOG_FORMAT=json \
     IBEDL_PORT=8000
 USER 10001:10001
 EXPOSE 8000

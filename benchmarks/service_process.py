@@ -12,6 +12,7 @@ class ServiceProcess:
     """``python -m service`` in a subprocess on a free loopback port; stopped with SIGTERM."""
 
     def __init__(self, artifact, env: dict | None = None, log_path=None):
+        """``artifact``: one adapter directory, or a list of them (served together, ``--artifacts``)."""
         import os
         import socket
         import subprocess
@@ -24,7 +25,9 @@ class ServiceProcess:
         self.log_path = log_path
         self._log = open(log_path, "w") if log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(self.port), "--artifact", str(artifact)],
+            [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(self.port),
+             *(["--artifacts", ",".join(map(str, artifact))] if isinstance(artifact, (list, tuple))
+               else ["--artifact", str(artifact)])],
             env={**os.environ, "TQDM_DISABLE": "1", **(env or {})},
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -50,6 +53,13 @@ class ServiceProcess:
                 pass
             time.sleep(0.2)
         raise AssertionError(f"service not ready within {timeout} s; log: {self.log_text()}")
+
+    def rss_mib(self) -> float:
+        """Resident memory of the service process now (VmRSS of /proc/<pid>/status), MiB."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        raise RuntimeError(f"no VmRSS in /proc/{self.proc.pid}/status")
 
     def log_text(self) -> str:
         return Path(self.log_path).read_text()[-3000:] if self.log_path else "(no log)"

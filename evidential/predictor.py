@@ -332,47 +332,97 @@ class Predictor:
             allow_base_mismatch: load even when the base weights' sha256 differs from the manifest's.
             backend: inference backend of the trunk (:mod:`evidential.backends`); ``auto`` picks one.
         """
+        (predictor,) = cls.from_artifacts([directory], base_model, device, dtype, load_in_4bit, allow_base_mismatch,
+                                          backend)
+        return predictor
+
+    @classmethod
+    def from_artifacts(
+        cls,
+        directories: list[str | Path],
+        base_model: str | None = None,
+        device: str | None = None,
+        dtype: torch.dtype | None = None,
+        load_in_4bit: bool = False,
+        allow_base_mismatch: bool = False,
+        backend: str = "torch",
+    ) -> list[Predictor]:
+        """Several artifacts on one base model, loaded once (PEFT multi-adapter): the adapters of artifact j are
+        added to the shared model as ``a{j}m{i}`` (``m{i}`` for the first), and each predictor switches the model
+        to its own before each forward pass (:meth:`_member_forward`). So the predictors share the trunk's
+        weights and must not run forward passes concurrently (the service runs them on one thread).
+
+        Refused with :class:`BaseModelMismatchError` when the artifacts were trained on different base weights
+        (one process holds one base model), and with ``ValueError`` for more than one artifact on a backend
+        other than torch or with an MC-Dropout artifact (its dropout stays active in the shared model).
+        """
         from peft import PeftModel
 
         from evidential.backends import build_trunk, check_backend
         from evidential.base_model import load_base_model, resolve_model
 
         check_backend(backend)
-        directory = Path(directory)
-        manifest = check_artifact(directory)
-        base, prompt = manifest.base_model_ref(), manifest.prompt_config()
+        directories = [Path(d) for d in directories]
+        if not directories:
+            raise ValueError("from_artifacts needs at least one artifact directory")
+        manifests = [check_artifact(d) for d in directories]
+        first, base = directories[0], manifests[0].base_model_ref()
+        if len(directories) > 1:
+            if backend != "torch":
+                raise ValueError(f"several adapters share one torch base model; backend {backend!r} builds one trunk "
+                                 "per adapter: serve them with backend torch")
+            for d, m in zip(directories, manifests):
+                other = m.base_model_ref()
+                if other.sha256 != base.sha256:
+                    raise BaseModelMismatchError(
+                        f"adapter {d} was trained on {other.name} (sha256 {other.sha256[:12]}) but adapter {first} on "
+                        f"{base.name} (sha256 {base.sha256[:12]}); adapters served together share one base model: "
+                        "serve them from separate services")
+                if m.mc_samples > 0:
+                    raise ValueError(f"adapter {d} uses MC-Dropout, whose dropout stays on in the shared base model; "
+                                     "serve it alone")
         resolved = resolve_model(base_model or base.ref)
         if resolved.sha256 != base.sha256 and not allow_base_mismatch:
             raise BaseModelMismatchError(
-                f"adapter {directory} was trained on {base.name} "
+                f"adapter {first} was trained on {base.name} "
                 f"(sha256 {base.sha256[:12]}), but {resolved.name} has sha256 "
                 f"{resolved.sha256[:12]}"
             )
         model, tokenizer = load_base_model(resolved, device=device, dtype=dtype, load_in_4bit=load_in_4bit)
-        ids = option_token_ids(tokenizer, manifest.head_config().num_rows)
-        if ids != manifest.option_token_ids:
-            raise BaseModelMismatchError(f"option token ids {ids} differ from the manifest's {manifest.option_token_ids}")
-        names = [f"m{i}" for i in range(len(manifest.members))]
-        for name, member in zip(names, manifest.members):
-            path = directory / member
-            if name == names[0]:
-                model = PeftModel.from_pretrained(model, path, adapter_name=name, use_safetensors=True)
-            else:
-                model.load_adapter(path, adapter_name=name, use_safetensors=True)
+        loaded = []
+        for j, (directory, manifest) in enumerate(zip(directories, manifests)):
+            ids = option_token_ids(tokenizer, manifest.head_config().num_rows)
+            if ids != manifest.option_token_ids:
+                raise BaseModelMismatchError(f"option token ids {ids} of adapter {directory} differ from its "
+                                             f"manifest's {manifest.option_token_ids}")
+            names = [f"{f'a{j}' if j else ''}m{i}" for i in range(len(manifest.members))]
+            for name, member in zip(names, manifest.members):
+                if not isinstance(model, PeftModel):
+                    model = PeftModel.from_pretrained(model, directory / member, adapter_name=name,
+                                                      use_safetensors=True)
+                else:
+                    model.load_adapter(directory / member, adapter_name=name, use_safetensors=True)
+            loaded.append(names)
         model.eval()
-        heads = [load_head(directory / member, manifest).to(model.device) for member in manifest.members]
-        predictor = cls(
-            model,
-            tokenizer,
-            heads,
-            template=prompt.template,
-            max_tokens=DEFAULT_MAX_TOKENS if prompt.max_tokens is None else prompt.max_tokens,
-            members=names,
-            mc_samples=manifest.mc_samples,
-            manifest=manifest,
-        )
-        predictor.trunk = build_trunk(backend, predictor, directory, resolved.sha256)
-        return predictor.eval()
+        predictors = []
+        for directory, manifest, names in zip(directories, manifests, loaded):
+            prompt = manifest.prompt_config()
+            heads = [load_head(directory / member, manifest).to(model.device) for member in manifest.members]
+            predictor = cls(
+                model,
+                tokenizer,
+                heads,
+                template=prompt.template,
+                max_tokens=DEFAULT_MAX_TOKENS if prompt.max_tokens is None else prompt.max_tokens,
+                members=names,
+                mc_samples=manifest.mc_samples,
+                manifest=manifest,
+            )
+            predictor.trunk = build_trunk(backend, predictor, directory, resolved.sha256)
+            predictors.append(predictor.eval())
+        if len(predictors) > 1:
+            predictors[0].model.set_adapter(predictors[0].members[0])
+        return predictors
 
 
 def temper(probs: torch.Tensor, mask: torch.Tensor, temperature: float) -> torch.Tensor:

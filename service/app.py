@@ -13,13 +13,14 @@ from service.errors import error_body, install_handlers
 from service.middleware import RequestGuard
 from service.routes import router
 from service.settings import Settings
+from service.runtime import load_predictors
 from service.state import Loader, ServiceState, load_predictor
 
 
 def create_app(settings: Settings | None = None, loader: Loader | None = None) -> FastAPI:
     """Build the app. ``loader`` (default: the artifact of ``settings``) lets tests inject a predictor."""
     settings = settings or Settings()
-    state = ServiceState(settings, loader or load_predictor)
+    state = ServiceState(settings, loader or load_predictors)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -49,4 +50,4 @@ def create_app(settings: Settings | None = None, loader: Loader | None = None) -
     return app
 
 
-__all__ = ["create_app", "load_predictor", "ServiceState", "error_body"]
+__all__ = ["create_app", "load_predictor", "load_predictors", "ServiceState", "error_body"]

@@ -2,7 +2,10 @@
 
 Each request's questions wait in a queue of their own; a single worker task builds a forward pass by taking
 one question from each waiting request in turn (round robin), for at most ``max_wait_ms`` after the first,
-until the pass holds ``max_batch_size`` questions or ``max_batch_tokens`` prompt tokens. So a large batch
+until the pass holds ``max_batch_size`` questions or ``max_batch_tokens`` prompt tokens. A request may name
+the model that answers it (``submit_many(..., predict=...)``, one per served adapter): a pass holds the
+questions of one model only, so adapters never share a forward pass, and every pass runs on the one worker
+thread, so passes of different adapters of a shared base model never overlap. So a large batch
 request shares the model with small requests that arrive after it instead of holding it until it is done.
 
 A request is admitted only if it can be answered before its deadline: its expected completion (the pass in
@@ -56,16 +59,21 @@ class DeadlineExceeded(TimeoutError):
     """The request's deadline passed while its question was queued; it never reached the model."""
 
 
+Predict = Callable[[list[MCQuestion]], list[Prediction]]
+
+
 @dataclass(eq=False)
 class _Item:
     question: MCQuestion
     tokens: int
     future: asyncio.Future
     deadline: float
+    predict: Predict
 
 
 @dataclass(eq=False)
 class _Request:
+    predict: Predict
     items: deque[_Item] = field(default_factory=deque)
 
     def live(self) -> list[int]:
@@ -80,7 +88,8 @@ class MicroBatcher:
     """Groups submitted questions into forward passes of ``predict(list[MCQuestion]) -> list[Prediction]``.
 
     Args:
-        predict: answers a list of questions in order (runs in a worker thread).
+        predict: answers a list of questions in order (runs in the worker thread); the default model of a
+            request that names none.
         max_batch_size: questions per forward pass.
         max_batch_tokens: prompt tokens per forward pass (a single longer question still runs alone).
         max_wait_ms: how long a pass waits for more questions after its first.
@@ -92,7 +101,7 @@ class MicroBatcher:
         on_depth: called with the number of waiting questions when it changes.
     """
 
-    def __init__(self, predict: Callable[[list[MCQuestion]], list[Prediction]], max_batch_size: int = 16,
+    def __init__(self, predict: Predict, max_batch_size: int = 16,
                  max_wait_ms: float = 5.0, queue_size: int = 256, on_batch: Callable[[int, float], None] | None = None,
                  on_depth: Callable[[int], None] | None = None, max_batch_tokens: int = 1 << 30,
                  service_time: ServiceTime | None = None, margin: float = 1.0) -> None:
@@ -194,13 +203,15 @@ class MicroBatcher:
     # -- submitting -------------------------------------------------------------------------------
 
     async def submit_many(self, questions: list[MCQuestion], tokens: list[int] | None = None,
-                          deadline: float | None = None, admitted_before_drain: bool = False) -> list[asyncio.Future]:
+                          deadline: float | None = None, predict: Predict | None = None,
+                          admitted_before_drain: bool = False) -> list[asyncio.Future]:
         """Queue all questions of one request, or none. Returns one future per question.
 
         Args:
             questions: the request's questions, answered in this order.
             tokens: prompt tokens of each question (default 1 each: admission by count only).
             deadline: ``time.monotonic()`` by which the request must be answered (default: none).
+            predict: the model that answers them (default: the batcher's); passes never mix models.
             admitted_before_drain: the request arrived before a drain began (its route ran later): it is still
                 queued if it can finish within the grace period.
 
@@ -235,11 +246,11 @@ class MicroBatcher:
                 raise Overloaded(f"the service is busy: an answer is expected in {expected:.1f} s and the deadline "
                                  f"leaves {left:.1f} s", retry_after=expected - left)
         loop = asyncio.get_running_loop()
-        request = _Request()
+        request = _Request(predict or self.predict)
         futures = []
         for q, n in zip(questions, tokens):
             fut = loop.create_future()
-            request.items.append(_Item(q, n, fut, deadline))
+            request.items.append(_Item(q, n, fut, deadline, request.predict))
             futures.append(fut)
         self._requests.append(request)
         self.on_depth(self.depth)
@@ -283,25 +294,27 @@ class MicroBatcher:
             log.warning("drain grace period ending: %d queued requests get 503", len(waiting))
         self._signal()
 
-    def _next(self, room_tokens: int | None) -> _Item | None:
+    def _next(self, room_tokens: int | None, predict: Predict | None = None) -> _Item | None:
         """Take the next live question in turn order (dropping abandoned and expired ones), or None. With
-        ``room_tokens``, a question longer than that stays queued and None is returned."""
+        ``room_tokens``, a question longer than that stays queued and None is returned. With ``predict``, only
+        requests answered by that model are looked at; the others keep their place in the turn order."""
         now = time.monotonic()
-        while self._requests:
-            request = self._requests[0]
+        for request in list(self._requests):
             while request.items and (request.items[0].future.done() or request.items[0].deadline <= now):
                 item = request.items.popleft()
                 if not item.future.done():
                     item.future.set_exception(DeadlineExceeded("the deadline passed while the question was queued"))
             if not request.items:
-                self._requests.popleft()
+                self._requests.remove(request)
+                continue
+            if predict is not None and request.predict is not predict:
                 continue
             if room_tokens is not None and request.items[0].tokens > room_tokens:
                 return None
             item = request.items.popleft()
-            self._requests.rotate(-1)  # this request goes to the back of the turn order
-            if not request.items:
-                self._requests.remove(request)
+            self._requests.remove(request)
+            if request.items:
+                self._requests.append(request)  # this request goes to the back of the turn order
             return item
         return None
 
@@ -319,13 +332,13 @@ class MicroBatcher:
         batch, tokens = [first], first.tokens
         deadline = time.monotonic() + self.max_wait
         while len(batch) < self.max_batch_size:
-            item = self._next(self.max_batch_tokens - tokens)
+            item = self._next(self.max_batch_tokens - tokens, first.predict)
             if item is not None:
                 batch.append(item)
                 tokens += item.tokens
                 continue
             if self._live_depth():
-                break  # what waits does not fit in this pass
+                break  # what waits does not fit in this pass, or is for another model: it goes next
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
@@ -357,7 +370,7 @@ class MicroBatcher:
         since = self._backlog_since
         start = time.perf_counter()
         try:
-            results = await loop.run_in_executor(self._executor, self.predict, [i.question for i in live])
+            results = await loop.run_in_executor(self._executor, live[0].predict, [i.question for i in live])
         except Exception as e:
             if len(live) > 1:
                 # One bad question must not fail the others it happened to share a batch with.

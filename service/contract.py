@@ -43,6 +43,7 @@ STATUSES = {
                 "`X-Request-Timeout` the client sent)"),
 }
 API_ERRORS = {code: STATUSES[code] for code in (401, 500, 503)}
+DRIFT_ERRORS = {code: STATUSES[code] for code in (401, 422, 500, 503)}  # 422: ?adapter= names none served
 PREDICT_ERRORS = {code: STATUSES[code] for code in (400, 401, 408, 413, 415, 422, 500, 503, 504)}
 
 TIMEOUT_HEADER = {
@@ -66,6 +67,9 @@ def install(app: FastAPI, state: ServiceState) -> None:
     def openapi() -> dict:
         schema = copy.deepcopy(shapes())
         write_limits(schema["components"]["schemas"], state)
+        if state.runtimes:  # GET /v1/drift?adapter= takes the served adapters' names
+            (param,) = [p for p in schema["paths"]["/v1/drift"]["get"]["parameters"] if p["name"] == "adapter"]
+            _not_null(param["schema"])["enum"] = list(state.runtimes)
         return schema
 
     app.openapi = openapi
@@ -75,7 +79,9 @@ def write_limits(schemas: dict, state: ServiceState) -> None:
     """Write into the request models' JSON schemas (``components.schemas``) what ``requests.to_question``,
     pydantic and the routes enforce beyond the models' shapes."""
     s = state.settings
-    n = max_options(state)
+    runtimes = list(state.runtimes.values())
+    # several adapters: a limit that differs between them is written as the loosest (the app checks each)
+    n = max(max_options(s, rt) for rt in runtimes) if runtimes else max_options(s, None)
 
     def text(limit: int) -> dict:
         return {"type": "string", "maxLength": limit, "pattern": NOT_BLANK}
@@ -94,20 +100,24 @@ def write_limits(schemas: dict, state: ServiceState) -> None:
     next(branch for branch in context if branch.get("type") == "string")["maxLength"] = s.max_context_chars
     schemas["BatchRequest"]["properties"]["items"]["maxItems"] = s.max_batch_items
 
-    if state.predictor is None:
-        return  # the adapter is not loaded: its stored prediction sets are not known yet
+    if not runtimes:
+        return  # the adapters are not loaded: their names and stored prediction sets are not known yet
+    _not_null(request["adapter"])["enum"] = list(state.runtimes)
     conformal = schemas["ConformalOptions"]["properties"]
-    c = state.conformal
-    if c is None:  # never calibrated: a request may not ask for a set
+    calibrated = [rt.conformal for rt in runtimes if rt.conformal is not None]
+    if not calibrated:  # never calibrated: a request may not ask for a set
         for name in ("alpha", "score"):
             conformal[name] = {"type": "null", "description": "this adapter has no prediction sets (never calibrated)"}
         return
     # A score may be asked alone (with the default alpha), an alpha alone (with the default score), or both:
     # the scores offered hold the default alpha, the alphas offered are stored for every one of those scores.
-    scores = sorted(name for name, stored in c.quantiles.items() if alpha_key(c.alpha) in stored)
-    alphas = sorted(set.intersection(*({float(a) for a in c.quantiles[name]} for name in scores)))
-    _not_null(conformal["alpha"])["enum"] = alphas
-    _not_null(conformal["score"])["enum"] = scores
+    alphas, scores = set(), set()
+    for c in calibrated:
+        offered = sorted(name for name, stored in c.quantiles.items() if alpha_key(c.alpha) in stored)
+        scores.update(offered)
+        alphas.update(set.intersection(*({float(a) for a in c.quantiles[name]} for name in offered)))
+    _not_null(conformal["alpha"])["enum"] = sorted(alphas)
+    _not_null(conformal["score"])["enum"] = sorted(scores)
 
 
 def _not_null(field: dict) -> dict:

@@ -1,19 +1,21 @@
-"""One error shape for every failure: ``{"error": {"type", "message", "field"}}``, and its handlers."""
+"""One error shape for every failure: ``{"error": {"type", "message", "field"}}``, and its handlers. FastAPI is
+imported by the handlers only: the Python API (``ibedl``) raises the same ApiError without it."""
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
 
 log = logging.getLogger("service")
 
 
 class ApiError(Exception):
-    """An error answered to the client as-is."""
+    """An error answered to the client as-is (the Python API raises it too: ``status``, ``type``, ``message``,
+    ``field``)."""
 
     def __init__(self, status: int, type_: str, message: str, field: str | None = None, headers: dict | None = None):
         super().__init__(message)
@@ -25,6 +27,8 @@ def error_body(type_: str, message: str, field: str | None = None) -> dict:
 
 
 def error_response(status: int, type_: str, message: str, field: str | None = None, headers: dict | None = None) -> JSONResponse:
+    from fastapi.responses import JSONResponse
+
     return JSONResponse(error_body(type_, message, field), status_code=status, headers=headers)
 
 
@@ -34,6 +38,10 @@ def _field(loc) -> str | None:
 
 
 def install_handlers(app: FastAPI) -> None:
+    from fastapi import Request
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
         return error_response(exc.status, exc.type, exc.message, exc.field, exc.headers)

@@ -1,4 +1,6 @@
-"""Prometheus metrics of one app instance, in its own registry (prefix ``ibedl_``)."""
+"""Prometheus metrics of one app instance, in its own registry (prefix ``ibedl_``). What belongs to one served
+adapter (answers, abstentions, predictions, confidence and uncertainty histograms, drift and accuracy gauges,
+model info) carries an ``adapter`` label; the request, queue and forward-pass series are the shared model's."""
 
 from __future__ import annotations
 
@@ -26,44 +28,45 @@ class Metrics:
                                  "503, never as an answer)", registry=r)
         self.seconds_per_token = Gauge("ibedl_seconds_per_token", "estimated model seconds per prompt token (the "
                                        "admission estimate, from recent forward passes)", registry=r)
-        self.uncertainty = Histogram("ibedl_uncertainty_mass", "uncertainty mass u of served answers",
+        self.uncertainty = Histogram("ibedl_uncertainty_mass", "uncertainty mass u of served answers", ["adapter"],
                                      buckets=PROBABILITY_BUCKETS, registry=r)
-        self.confidence = Histogram("ibedl_confidence", "max probability of served answers", buckets=PROBABILITY_BUCKETS, registry=r)
-        self.answers = Counter("ibedl_answers", "questions answered by the model (abstained or not)", registry=r)
-        self.abstentions = Counter("ibedl_abstentions", "abstentions by the threshold crossed", ["reason"], registry=r)
-        self.predictions = Counter("ibedl_predictions", "predicted letters", ["letter"], registry=r)
-        self.drift_ks = Gauge("ibedl_drift_ks", "KS statistic of the window against the reference", registry=r)
-        self.drift_psi = Gauge("ibedl_drift_psi", "population stability index of the window", registry=r)
-        self.drift_threshold = Gauge("ibedl_drift_ks_threshold", "KS alarm threshold (bootstrap)", registry=r)
-        self.drift_alarm = Gauge("ibedl_drift_alarm", "1 when the KS statistic of a full window exceeds the threshold", registry=r)
-        self.drift_window = Gauge("ibedl_drift_window", "values in the drift window", registry=r)
-        self.drift_window_mean = Gauge("ibedl_drift_window_mean", "mean of the monitored value in the window", registry=r)
-        self.drift_reference_mean = Gauge("ibedl_drift_reference_mean", "mean of the monitored value in the reference", registry=r)
+        self.confidence = Histogram("ibedl_confidence", "max probability of served answers", ["adapter"], buckets=PROBABILITY_BUCKETS, registry=r)
+        self.answers = Counter("ibedl_answers", "questions answered by the model (abstained or not)", ["adapter"],
+                               registry=r)
+        self.abstentions = Counter("ibedl_abstentions", "abstentions by the threshold crossed", ["adapter", "reason"], registry=r)
+        self.predictions = Counter("ibedl_predictions", "predicted letters", ["adapter", "letter"], registry=r)
+        self.drift_ks = Gauge("ibedl_drift_ks", "KS statistic of the window against the reference", ["adapter"], registry=r)
+        self.drift_psi = Gauge("ibedl_drift_psi", "population stability index of the window", ["adapter"], registry=r)
+        self.drift_threshold = Gauge("ibedl_drift_ks_threshold", "KS alarm threshold (bootstrap)", ["adapter"], registry=r)
+        self.drift_alarm = Gauge("ibedl_drift_alarm", "1 when the KS statistic of a full window exceeds the threshold", ["adapter"], registry=r)
+        self.drift_window = Gauge("ibedl_drift_window", "values in the drift window", ["adapter"], registry=r)
+        self.drift_window_mean = Gauge("ibedl_drift_window_mean", "mean of the monitored value in the window", ["adapter"], registry=r)
+        self.drift_reference_mean = Gauge("ibedl_drift_reference_mean", "mean of the monitored value in the reference", ["adapter"], registry=r)
         self.accuracy_estimate = Gauge("ibedl_estimated_accuracy", "label-free estimate of answered accuracy in the "
-                                       "window (mean calibrated confidence of answered questions)", registry=r)
-        self.accuracy_lower = Gauge("ibedl_estimated_accuracy_lower", "lower end of its 95% interval", registry=r)
-        self.accuracy_upper = Gauge("ibedl_estimated_accuracy_upper", "upper end of its 95% interval", registry=r)
+                                       "window (mean calibrated confidence of answered questions)", ["adapter"], registry=r)
+        self.accuracy_lower = Gauge("ibedl_estimated_accuracy_lower", "lower end of its 95% interval", ["adapter"], registry=r)
+        self.accuracy_upper = Gauge("ibedl_estimated_accuracy_upper", "upper end of its 95% interval", ["adapter"], registry=r)
         self.accuracy_window = Gauge("ibedl_estimated_accuracy_window", "answered questions in the estimate's window",
-                                     registry=r)
-        self.target_accuracy = Gauge("ibedl_target_accuracy", "accuracy the adapter's abstention guarantees", registry=r)
+                                     ["adapter"], registry=r)
+        self.target_accuracy = Gauge("ibedl_target_accuracy", "accuracy the adapter's abstention guarantees", ["adapter"], registry=r)
         self.ready = Gauge("ibedl_ready", "1 when the model is loaded and the service accepts requests", registry=r)
-        self.model_info = Info("ibedl_model", "the adapter being served", registry=r)
+        self.model_info = Info("ibedl_model", "a served adapter", ["adapter"], registry=r)
 
-    def set_drift(self, status: dict) -> None:
+    def set_drift(self, adapter: str, status: dict) -> None:
         nan = float("nan")
-        self.drift_ks.set(status["ks"] if status["ks"] is not None else nan)
-        self.drift_psi.set(status["psi"] if status["psi"] is not None else nan)
-        self.drift_threshold.set(status["ks_threshold"] if status["ks_threshold"] is not None else nan)
-        self.drift_alarm.set(1.0 if status["alarm"] else 0.0)
-        self.drift_window.set(status["window"])
-        self.drift_window_mean.set(status["window_mean"] if status["window_mean"] is not None else nan)
-        self.drift_reference_mean.set(status["reference_mean"] if status["reference_mean"] is not None else nan)
+        self.drift_ks.labels(adapter=adapter).set(status["ks"] if status["ks"] is not None else nan)
+        self.drift_psi.labels(adapter=adapter).set(status["psi"] if status["psi"] is not None else nan)
+        self.drift_threshold.labels(adapter=adapter).set(status["ks_threshold"] if status["ks_threshold"] is not None else nan)
+        self.drift_alarm.labels(adapter=adapter).set(1.0 if status["alarm"] else 0.0)
+        self.drift_window.labels(adapter=adapter).set(status["window"])
+        self.drift_window_mean.labels(adapter=adapter).set(status["window_mean"] if status["window_mean"] is not None else nan)
+        self.drift_reference_mean.labels(adapter=adapter).set(status["reference_mean"] if status["reference_mean"] is not None else nan)
 
-    def set_accuracy(self, status: dict) -> None:
+    def set_accuracy(self, adapter: str, status: dict) -> None:
         nan = float("nan")
         interval = status["estimated_accuracy_interval"] or (nan, nan)
-        self.accuracy_estimate.set(status["estimated_accuracy"] if status["estimated_accuracy"] is not None else nan)
-        self.accuracy_lower.set(interval[0])
-        self.accuracy_upper.set(interval[1])
-        self.accuracy_window.set(status["answered_in_window"])
-        self.target_accuracy.set(status["target_accuracy"] if status["target_accuracy"] is not None else nan)
+        self.accuracy_estimate.labels(adapter=adapter).set(status["estimated_accuracy"] if status["estimated_accuracy"] is not None else nan)
+        self.accuracy_lower.labels(adapter=adapter).set(interval[0])
+        self.accuracy_upper.labels(adapter=adapter).set(interval[1])
+        self.accuracy_window.labels(adapter=adapter).set(status["answered_in_window"])
+        self.target_accuracy.labels(adapter=adapter).set(status["target_accuracy"] if status["target_accuracy"] is not None else nan)

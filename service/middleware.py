@@ -1,7 +1,8 @@
 """One ASGI middleware in front of the routes, in the order a request meets them: request id and arrival
 time, admission (decided once, on arrival), the bearer token of the API routes (401 before the body is read),
 content type (415), body size (413) and body-read time (408) checks, and request count/latency metrics
-(probe and metrics paths stay out of them; label values are bounded)."""
+(probe and metrics paths stay out of them; label values are bounded), and the access log line; the request id
+is on every log record written while the request is served (``service.logs``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import uuid
 
 from starlette.routing import Match
 
+from service import logs
 from service.errors import error_body
 
 UNMEASURED = ("/health/", "/metrics")
@@ -48,6 +50,7 @@ class RequestGuard:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         request_id = headers.get("x-request-id") or uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
+        id_token = logs.request_id_var.set(request_id)
         scope["state"]["arrived"] = time.monotonic()  # deadlines count from here
         # Admission is decided here, once: a request that arrives before a shutdown begins is answered even if
         # SIGTERM lands before its route runs; one that arrives after it is refused (503) by the route.
@@ -103,13 +106,16 @@ class RequestGuard:
                 receive = _replay(body, receive)
             await self.app(scope, receive, send_wrapper)
         finally:
+            seconds = time.perf_counter() - start
+            template = getattr(scope.get("route"), "path", None) or "unmatched"
+            method = scope["method"] if scope["method"] in METHODS else "other"
             if measured:
                 metrics.inflight.dec()
-                route = scope.get("route")
-                template = getattr(route, "path", None) or "unmatched"
-                method = scope["method"] if scope["method"] in METHODS else "other"
                 metrics.requests.labels(route=template, method=method, status=str(status_holder["status"])).inc()
-                metrics.latency.labels(route=template).observe(time.perf_counter() - start)
+                metrics.latency.labels(route=template).observe(seconds)
+            logs.access(method, template, status_holder["status"], seconds, scope["state"].get("adapter"),
+                        request_id, probe=not measured)
+            logs.request_id_var.reset(id_token)
 
 
 def _routed(scope) -> bool:

@@ -9,8 +9,9 @@ from evidential.artifact import Conformal
 from evidential.predictor import count_prompt_tokens
 from evidential.prompt import LETTERS, MCQuestion
 from service.errors import ApiError
+from service.runtime import AdapterRuntime
 from service.schemas import PredictRequest
-from service.state import ServiceState
+from service.settings import Settings
 
 # The characters str.isspace() calls whitespace, spelled out: Python's, ECMA's and Rust's \s each differ, and the
 # OpenAPI schema carries NOT_BLANK as a pattern that every client and validator must read the same way.
@@ -23,15 +24,17 @@ def blank(text: str) -> bool:
     return _NOT_BLANK.search(text) is None
 
 
-def max_options(state: ServiceState) -> int:
-    """The most options a question may have: ``IBEDL_MAX_OPTIONS``, or fewer when the head has fewer rows."""
-    return min(state.settings.max_options, state.predictor.num_rows if state.predictor else state.settings.max_options)
+def max_options(settings: Settings, runtime: AdapterRuntime | None) -> int:
+    """The most options a question may have: ``IBEDL_MAX_OPTIONS``, or fewer when the adapter's head has fewer
+    rows (``runtime`` None: not loaded yet)."""
+    return min(settings.max_options, runtime.predictor.num_rows if runtime else settings.max_options)
 
 
-def to_question(state: ServiceState, req: PredictRequest, prefix: str = "") -> tuple[MCQuestion, int]:
-    """Check limits and convert; ``prefix`` locates the item in a batch (``items.3.``). Returns the question
-    and its prompt's token count."""
-    s = state.settings
+def to_question(runtime: AdapterRuntime, settings: Settings, req: PredictRequest,
+                prefix: str = "") -> tuple[MCQuestion, int]:
+    """Check limits and convert for the adapter ``runtime``; ``prefix`` locates the item in a batch
+    (``items.3.``). Returns the question and its prompt's token count."""
+    s = settings
     if isinstance(req.options, dict):
         keys = list(req.options)
         expected = list(LETTERS[: len(keys)])
@@ -40,7 +43,7 @@ def to_question(state: ServiceState, req: PredictRequest, prefix: str = "") -> t
         options = [req.options[k] for k in expected]
     else:
         options = list(req.options)
-    limit = max_options(state)
+    limit = max_options(settings, runtime)
     if not 2 <= len(options) <= limit:
         raise ApiError(422, "invalid_request", f"a question needs 2..{limit} options, got {len(options)}", prefix + "options")
     if blank(req.question):
@@ -55,9 +58,9 @@ def to_question(state: ServiceState, req: PredictRequest, prefix: str = "") -> t
     if req.context is not None and len(req.context) > s.max_context_chars:
         raise ApiError(413, "too_large", f"context is {len(req.context)} characters; the limit is {s.max_context_chars}", prefix + "context")
     if req.conformal is not None:
-        conformal_quantile(state.conformal, req, prefix)  # an alpha or score not stored is the client's error: 422
+        conformal_quantile(runtime.conformal, req, prefix)  # an alpha or score not stored is the client's error: 422
     q = MCQuestion(req.question, tuple(options), req.context or None, id=req.id)
-    tokens = count_tokens(state, q)
+    tokens = count_tokens(runtime, q)
     if tokens > s.max_tokens:
         raise ApiError(413, "too_large", f"the prompt is {tokens} tokens after formatting; the limit is {s.max_tokens}",
                        prefix + ("context" if q.context else "question"))
@@ -85,7 +88,6 @@ def conformal_quantile(conformal: Conformal | None, req: PredictRequest,
                        prefix + "conformal") from None
 
 
-def count_tokens(state: ServiceState, q: MCQuestion) -> int:
-    """Tokens of ``q``'s formatted prompt, counted on the event loop's own tokenizer copy."""
-    assert state.predictor is not None
-    return count_prompt_tokens(state.count_tokenizer, state.predictor.template, q)
+def count_tokens(runtime: AdapterRuntime, q: MCQuestion) -> int:
+    """Tokens of ``q``'s formatted prompt, counted on the runtime's own tokenizer copy."""
+    return count_prompt_tokens(runtime.count_tokenizer, runtime.predictor.template, q)

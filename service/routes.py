@@ -10,10 +10,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from service.contract import API_ERRORS, PREDICT_ERRORS, PREDICT_EXTRA
+from service.contract import API_ERRORS, DRIFT_ERRORS, PREDICT_ERRORS, PREDICT_EXTRA
 from service.errors import ApiError
 from service.requests import to_question
-from service.responses import drift_status, model_card, respond
+from service.responses import model_card
 from service.schemas import (
     BatchRequest,
     BatchResponse,
@@ -44,9 +44,11 @@ async def ready(state: State):
              tags=["predict"], openapi_extra=PREDICT_EXTRA)
 async def predict(body: PredictRequest, request: Request, state: State) -> PredictResponse:
     state.require_ready(request)
-    q, tokens = to_question(state, body)
-    (pred,) = await state.answer([q], [tokens], request)
-    return respond(state, body, q, pred, request.state.request_id)
+    runtime = state.runtime(body.adapter)
+    request.state.adapter = runtime.name  # for the access log line
+    q, tokens = to_question(runtime, state.settings, body)
+    (pred,) = await state.answer(runtime, [q], [tokens], request)
+    return state.respond(runtime, body, q, pred, request.state.request_id)
 
 
 @router.post("/predict/batch", response_model=BatchResponse, responses=PREDICT_ERRORS,
@@ -56,33 +58,40 @@ async def predict_batch(body: BatchRequest, request: Request, state: State) -> B
     limit = state.settings.max_batch_items
     if len(body.items) > limit:
         raise ApiError(413, "too_large", f"{len(body.items)} items; the limit is {limit}", "items")
-    checked = [to_question(state, item, f"items.{i}.") for i, item in enumerate(body.items)]
+    runtimes = [state.runtime(item.adapter, f"items.{i}.adapter") for i, item in enumerate(body.items)]
+    if len({rt.name for rt in runtimes}) > 1:
+        raise ApiError(422, "invalid_request", "the items of one batch must use one adapter, got "
+                       f"{sorted({rt.name for rt in runtimes})}; send one batch per adapter", "items")
+    runtime = runtimes[0]
+    request.state.adapter = runtime.name
+    checked = [to_question(runtime, state.settings, item, f"items.{i}.") for i, item in enumerate(body.items)]
     questions, tokens = [q for q, _ in checked], [n for _, n in checked]
     budget = state.settings.max_request_tokens
     if sum(tokens) > budget:
         raise ApiError(413, "too_large", f"the items' prompts are {sum(tokens)} tokens in all; the limit per request "
                        f"is {budget}: send them in smaller batches", "items")
-    preds = await state.answer(questions, tokens, request)
+    preds = await state.answer(runtime, questions, tokens, request)
     rid = request.state.request_id
-    return BatchResponse(results=[respond(state, item, q, p, f"{rid}-{i}") for i, (item, q, p) in
+    return BatchResponse(results=[state.respond(runtime, item, q, p, f"{rid}-{i}") for i, (item, q, p) in
                                   enumerate(zip(body.items, questions, preds))])
 
 
 @router.get("/v1/models", response_model=ModelList, responses=API_ERRORS, tags=["metadata"])
 async def models(request: Request, state: State) -> dict:
     state.require_ready(request)
-    return {"data": [model_card(state)]}
+    return {"data": [model_card(rt, state.settings) for rt in state.runtimes.values()]}
 
 
-@router.get("/v1/drift", response_model=DriftStatus, responses=API_ERRORS, tags=["metadata"])
-async def drift(request: Request, state: State) -> DriftStatus:
+@router.get("/v1/drift", response_model=DriftStatus, responses=DRIFT_ERRORS, tags=["metadata"])
+async def drift(request: Request, state: State, adapter: str | None = None) -> DriftStatus:
+    """The drift status of one adapter (``?adapter=NAME``; default the first)."""
     state.require_ready(request)
-    return drift_status(state)
+    return state.drift_status(state.runtime(adapter))
 
 
 @router.get("/metrics", tags=["metadata"], include_in_schema=False)
 async def metrics(state: State) -> Response:
-    if state.drift is not None:
-        state.metrics.set_drift(await asyncio.to_thread(state.drift.status))
-        state.metrics.set_accuracy(state.accuracy.status())
+    for name, rt in state.runtimes.items():
+        state.metrics.set_drift(name, await asyncio.to_thread(rt.drift.status))
+        state.metrics.set_accuracy(name, rt.accuracy.status())
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

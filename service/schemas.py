@@ -59,6 +59,8 @@ class PredictRequest(BaseModel):
     abstain: AbstainOptions | None = None
     conformal: ConformalOptions | None = None
     id: str | None = Field(None, max_length=256, description="echoed back in the response")
+    adapter: str | None = Field(None, description="which served adapter answers (GET /v1/models lists them); "
+                                "default the first; every item of a batch must name the same one")
 
 
 class BatchRequest(BaseModel):
@@ -163,7 +165,7 @@ class ModelCard(BaseModel):
     prompt: dict
     max_options: int
     head: dict
-    drift_statistic: str
+    drift_statistic: str = Field(..., description="what GET /v1/drift?adapter=<id> monitors")
 
 
 class ModelList(BaseModel):

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from typing import Annotated
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 class Settings(BaseSettings):
@@ -13,7 +15,10 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="IBEDL_", extra="ignore")
 
-    artifact: Path = Field(Path("artifacts/default"), description="adapter directory to serve")
+    artifact: Path = Field(Path("artifacts/default"), description="adapter directory to serve (one adapter)")
+    artifacts: Annotated[list[Path], NoDecode] = Field(
+        [], description="several adapter directories, comma-separated, served on one shared base model (the first "
+        "is the default; a request picks one with its 'adapter' field); when set, IBEDL_ARTIFACT is ignored")
     base_model: str | None = Field(None, description="override the manifest's base model reference")
     allow_base_mismatch: bool = Field(False, description="serve even if the base weights' sha256 differs")
     device: str | None = Field(None, description="cpu or cuda[:i]; default CUDA when present")
@@ -27,6 +32,8 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=1, le=65535)
     api_token: SecretStr | None = Field(None, description="require 'Authorization: Bearer <token>' on the API routes")
     log_level: str = "info"
+    log_format: str = Field("text", description="json: one JSON object per log line (the container images set "
+                            "it); text: human-readable lines")
 
     max_batch_size: int = Field(16, ge=1, le=512, description="questions per forward pass")
     max_batch_tokens: int = Field(4096, ge=16, description="prompt tokens per forward pass (bounds how long one "
@@ -54,6 +61,31 @@ class Settings(BaseSettings):
     drift_window: int = Field(500, ge=10, description="served uncertainty masses in the rolling window")
     drift_alarm_rate: float = Field(0.01, gt=0, lt=0.5, description="false-alarm rate the KS threshold is set for")
     drift_bootstrap: int = Field(1000, ge=50, description="bootstrap draws calibrating the KS threshold")
+
+    def served_artifacts(self) -> list[Path]:
+        """The adapter directories to serve, the default first."""
+        return list(self.artifacts) or [self.artifact]
+
+    @field_validator("artifacts", mode="before")
+    @classmethod
+    def _split(cls, v):
+        if isinstance(v, str):
+            v = [part.strip() for part in v.split(",") if part.strip()]
+        return v
+
+    @model_validator(mode="after")
+    def _distinct(self):
+        names = [str(p) for p in self.artifacts]
+        if len(set(names)) != len(names):
+            raise ValueError(f"IBEDL_ARTIFACTS lists a directory twice: {names}")
+        return self
+
+    @field_validator("log_format")
+    @classmethod
+    def _format(cls, v: str) -> str:
+        if v.lower() not in ("json", "text"):
+            raise ValueError(f"log_format must be json or text, got {v!r}")
+        return v.lower()
 
     @field_validator("backend")
     @classmethod

@@ -1,21 +1,19 @@
-"""The long-lived objects of one app (``app.state.service``): the predictor and its batcher, drift
-monitor, accuracy estimate and metrics; loading, health and shutdown. Routes get it through ``State``."""
+"""The long-lived objects of one app (``app.state.service``): the served adapters (one or several on one shared
+base model, each with its drift monitor and accuracy estimate), the batcher they share, and the metrics;
+loading, health and shutdown. Routes get it through ``State``."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import logging
 import math
 import re
 import time
 from typing import Annotated, Callable
 
-import torch
 from fastapi import Depends, Request
 
-from evidential.artifact import Abstention, Conformal
 from evidential.predictor import Prediction, Predictor, count_prompt_tokens
 from evidential.prompt import MCQuestion
 from service.batcher import DeadlineExceeded, MicroBatcher, Overloaded, QueueFullError, ShuttingDown, TooLarge
@@ -23,31 +21,28 @@ from service.capacity import ServiceTime
 from service.drift import AccuracyEstimate, DriftMonitor
 from service.errors import ApiError
 from service.metrics import Metrics
-from service.schemas import Health
+from service.responses import build_answer
+from service.runtime import AdapterRuntime, finite_prediction, load_predictors, make_runtimes
+from service.schemas import DriftStatus, Health, PredictRequest, PredictResponse
 from service.settings import Settings
 
 log = logging.getLogger("service")
 
-Loader = Callable[[Settings], Predictor]
+# A loader gives the predictors of the served adapters (the default first); one predictor for one adapter.
+Loader = Callable[[Settings], "list[Predictor] | Predictor"]
 TIMEOUT_HEADER = "X-Request-Timeout"
 
 
 def load_predictor(settings: Settings) -> Predictor:
-    """The default loader: base model + adapter of ``settings.artifact``."""
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
-    return Predictor.from_artifact(
-        settings.artifact,
-        base_model=settings.base_model,
-        device=settings.device,
-        load_in_4bit=settings.load_in_4bit,
-        allow_base_mismatch=settings.allow_base_mismatch,
-        backend=settings.backend,
-    )
+    """The predictor of the one adapter of ``settings`` (tests wrap it to slow or break the model)."""
+    predictors = load_predictors(settings)
+    if len(predictors) != 1:
+        raise ValueError(f"load_predictor loads one adapter; settings name {len(predictors)}: use load_predictors")
+    return predictors[0]
 
 
 class ServiceState:
-    """Long-lived objects of one app: the predictor, its batcher, drift monitor and metrics."""
+    """Long-lived objects of one app: the adapters' runtimes, the batcher they share, the metrics."""
 
     def __init__(self, settings: Settings, loader: Loader) -> None:
         self.settings = settings
@@ -55,55 +50,50 @@ class ServiceState:
         self.metrics = Metrics()
         self.status = "loading"
         self.reason: str | None = "the model is loading"
-        self.predictor: Predictor | None = None
-        self.thresholds: Abstention | None = None  # the adapter's default abstention thresholds
-        self.adapter: dict | None = None  # the "adapter" field of every answer
+        self.runtimes: dict[str, AdapterRuntime] = {}  # by adapter name, the default first
         self.batcher: MicroBatcher | None = None
-        self.drift: DriftMonitor | None = None
-        self.conformal: Conformal | None = None  # stored conformal quantiles (None: never calibrated)
-        self.accuracy: AccuracyEstimate | None = None
         self.server = None  # uvicorn.Server when run by service.__main__, to notice SIGTERM
-        self.count_tokenizer = None  # a copy for the event loop: the worker thread owns the predictor's
         self._watcher: asyncio.Task | None = None
+
+    @property
+    def default(self) -> AdapterRuntime | None:
+        """The adapter a request that names none gets (the first loaded); None until loaded."""
+        return next(iter(self.runtimes.values()), None)
+
+    def runtime(self, name: str | None, field: str = "adapter") -> AdapterRuntime:
+        """The served adapter called ``name`` (None: the default); 422 naming the served ones otherwise."""
+        if name is None:
+            assert self.default is not None
+            return self.default
+        if name not in self.runtimes:
+            raise ApiError(422, "invalid_request", f"no adapter {name!r} is served; choose one of "
+                           f"{list(self.runtimes)}", field)
+        return self.runtimes[name]
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def load(self) -> None:
         try:
-            predictor = await asyncio.to_thread(self.loader, self.settings)
-            manifest = predictor.manifest
-            if manifest is None:
-                raise ValueError("the loader returned a predictor without a manifest")
-            use_u = manifest.reference.get("uncertainty") is not None
-            drift = await asyncio.to_thread(
-                DriftMonitor,
-                manifest.reference.get("uncertainty" if use_u else "confidence"),
-                "uncertainty_mass" if use_u else "confidence",
-                self.settings.drift_window,
-                self.settings.drift_alarm_rate,
-                self.settings.drift_bootstrap,
-            )
-            bad = await asyncio.to_thread(nonfinite_weights, predictor)
-            if bad:
-                raise ValueError(f"{len(bad)} weight tensors hold NaN or inf (first: {', '.join(bad[:3])}); "
-                                 "the artifact is broken: retrain or restore it")
-            # Served prompts may be longer than the training cut (manifest prompt.max_tokens): the model reads
-            # them whole; only what exceeds this limit is refused.
-            predictor.max_tokens = self.settings.max_tokens
-            service_time = await asyncio.to_thread(warm_up, predictor)
+            loaded = await asyncio.to_thread(self.loader, self.settings)
+            predictors = loaded if isinstance(loaded, list) else [loaded]
+            runtimes = await asyncio.to_thread(make_runtimes, predictors, self.settings)
+            for rt in runtimes.values():
+                rt.drift = await asyncio.to_thread(
+                    DriftMonitor, rt.reference(), rt.drift_statistic, self.settings.drift_window,
+                    self.settings.drift_alarm_rate, self.settings.drift_bootstrap)
+                target = rt.thresholds.how.get("target_accuracy")
+                rt.accuracy = AccuracyEstimate(self.settings.drift_window, float(target) if target else None)
+            # one trunk: one estimate of seconds per token for every adapter (the heads' cost is negligible)
+            service_time = await asyncio.to_thread(warm_up, [rt.predictor for rt in runtimes.values()])
         except Exception as e:  # a broken artifact must not kill the process: readiness reports it
             log.exception("loading the adapter failed")  # the log keeps the server's paths; clients do not see them
             self.status, self.reason = "failed", redact_paths(f"{type(e).__name__}: {e}")
             return
-        self.count_tokenizer = copy.deepcopy(predictor.tokenizer)
-        self.thresholds = manifest.thresholds()
-        self.conformal = manifest.conformal_sets()
-        target = self.thresholds.how.get("target_accuracy")
-        self.accuracy = AccuracyEstimate(self.settings.drift_window, float(target) if target else None)
-        self.adapter = {"name": manifest.name, "method": manifest.method, "version": str(manifest.version)}
-        self.predictor, self.drift = predictor, drift
+        self.runtimes = runtimes
+        # one callable per adapter: the batcher keeps each pass to one of them (passes never mix adapters)
+        self._predict = {name: rt.predict for name, rt in runtimes.items()}
         self.batcher = MicroBatcher(
-            self._predict_batch,
+            self.default.predict,
             self.settings.max_batch_size,
             self.settings.max_wait_ms,
             self.settings.queue_size,
@@ -116,16 +106,16 @@ class ServiceState:
         self.batcher.start()
         self.metrics.seconds_per_token.set(service_time.per_token_s)
         self._watcher = asyncio.get_running_loop().create_task(self._watch_shutdown(), name="shutdown-watcher")
-        base = manifest.base_model_ref()
-        self.metrics.model_info.info(
-            {"adapter": manifest.name, "version": str(manifest.version), "method": manifest.method,
-             "base_model": base.name, "base_sha256": base.sha256[:12]}
-        )
-        self.metrics.set_drift(drift.status())
-        self.metrics.set_accuracy(self.accuracy.status())
+        for name, rt in runtimes.items():
+            manifest, base = rt.predictor.manifest, rt.predictor.manifest.base_model_ref()
+            self.metrics.model_info.labels(adapter=name).info(
+                {"version": str(manifest.version), "method": manifest.method, "base_model": base.name,
+                 "base_sha256": base.sha256[:12]})
+            self.metrics.set_drift(name, rt.drift.status())
+            self.metrics.set_accuracy(name, rt.accuracy.status())
+            log.info("serving adapter %s (%s) on %s", name, manifest.method, base.name)
         self.status, self.reason = "ready", None
         self.metrics.ready.set(1)
-        log.info("serving adapter %s (%s) on %s", manifest.name, manifest.method, base.name)
 
     def begin_drain(self) -> None:
         """Stop admitting (readiness 503) and let the batcher answer what can finish within the grace period."""
@@ -176,10 +166,6 @@ class ServiceState:
 
     # -- batching -------------------------------------------------------------------------------
 
-    def _predict_batch(self, questions: list[MCQuestion]) -> list[Prediction]:
-        assert self.predictor is not None
-        return self.predictor.predict(questions, truncate_context=False)
-
     def _on_batch(self, size: int, seconds: float) -> None:
         self.metrics.batch_size.observe(size)
         self.metrics.forward_seconds.observe(seconds)
@@ -220,8 +206,9 @@ class ServiceState:
         arrived = request.scope.get("state", {}).get("arrived", time.monotonic())
         return arrived + limit
 
-    async def answer(self, questions: list[MCQuestion], tokens: list[int], request: Request) -> list[Prediction]:
-        """The model's predictions for one request's ``questions`` (``tokens``: prompt tokens of each).
+    async def answer(self, runtime: AdapterRuntime, questions: list[MCQuestion], tokens: list[int],
+                     request: Request) -> list[Prediction]:
+        """The predictions of adapter ``runtime`` for one request's ``questions`` (``tokens``: prompt tokens of each).
 
         Refused at once with 503 + Retry-After when they cannot be answered before the request's deadline
         (or the service is draining), 413 when they could not be even on an idle model; a client that goes
@@ -232,7 +219,8 @@ class ServiceState:
         rejected = self.metrics.rejected
         try:
             admitted = request.scope.get("state", {}).get("admitted", False)
-            futures = await self.batcher.submit_many(questions, tokens, deadline, admitted_before_drain=admitted)
+            futures = await self.batcher.submit_many(questions, tokens, deadline, self._predict[runtime.name],
+                                                     admitted_before_drain=admitted)
         except TooLarge as e:
             if deadline < request.scope.get("state", {}).get("arrived", 0.0) + self.settings.request_timeout_s:
                 # the client's X-Request-Timeout is what cannot be met, not the request's size
@@ -272,6 +260,33 @@ class ServiceState:
                            + (f"items {broken}" if len(preds) > 1 else "this question") + "; it was not answered")
         return preds
 
+    # -- answers --------------------------------------------------------------------------------
+
+    def respond(self, runtime: AdapterRuntime, req: PredictRequest, q: MCQuestion, pred: Prediction,
+                answer_id: str) -> PredictResponse:
+        """The answer (built by :func:`service.responses.build_answer`, as the Python API builds it), recorded
+        in the adapter's metrics, drift window and accuracy estimate."""
+        answer = build_answer(runtime, req, q, pred, answer_id)
+        m, name = self.metrics, runtime.name
+        m.answers.labels(adapter=name).inc()
+        m.confidence.labels(adapter=name).observe(pred.confidence)
+        m.predictions.labels(adapter=name, letter=pred.letter).inc()
+        if pred.uncertainty is not None:
+            m.uncertainty.labels(adapter=name).observe(pred.uncertainty)
+        if answer.abstain_reason:
+            m.abstentions.labels(adapter=name, reason=answer.abstain_reason).inc()
+        else:  # an answered question feeds the accuracy estimate; every one feeds drift
+            runtime.accuracy.add([pred.confidence])
+        runtime.drift.add([pred.uncertainty if runtime.drift.statistic == "uncertainty_mass" else pred.confidence])
+        return answer
+
+    def drift_status(self, runtime: AdapterRuntime) -> DriftStatus:
+        """The adapter's drift monitor's and accuracy estimate's status, also set on their gauges."""
+        status, accuracy = runtime.drift.status(), runtime.accuracy.status()
+        self.metrics.set_drift(runtime.name, status)
+        self.metrics.set_accuracy(runtime.name, accuracy)
+        return DriftStatus(**status, **accuracy)
+
 
 PROBE = MCQuestion(  # short question and options: its passage is cut to fit any served token limit
     "Which one?",
@@ -280,13 +295,15 @@ PROBE = MCQuestion(  # short question and options: its passage is cut to fit any
 )
 
 
-def warm_up(predictor: Predictor) -> ServiceTime:
-    """Time the model on one question of typical length (the second of two passes: the first pays one-time
-    costs), as the first estimate of seconds per prompt token; every served pass refines it."""
-    tokens = min(count_prompt_tokens(predictor.tokenizer, predictor.template, PROBE), predictor.max_tokens)
-    predictor.predict([PROBE])  # its passage is cut to the served limit
+def warm_up(predictors: list[Predictor]) -> ServiceTime:
+    """Time the model on one question of typical length (the second pass of the first adapter: the first pass of
+    each pays its one-time costs), as the first estimate of seconds per prompt token; every served pass refines it."""
+    for predictor in predictors:
+        predictor.predict([PROBE])  # its passage is cut to the served limit
+    first = predictors[0]
+    tokens = min(count_prompt_tokens(first.tokenizer, first.template, PROBE), first.max_tokens)
     start = time.perf_counter()
-    predictor.predict([PROBE])
+    first.predict([PROBE])
     return ServiceTime((time.perf_counter() - start) / tokens)
 
 
@@ -302,27 +319,6 @@ async def _disconnected(request: Request) -> None:
     """Returns when the client disconnects (the body has been read, so the next message is the disconnect)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def finite_prediction(p: Prediction) -> bool:
-    """Every number of a prediction is finite (a NaN or inf must never become an answer)."""
-    values = [p.confidence, *p.probs, *(p.alpha or ()), *(p.belief or ()), *(p.sigma or ())]
-    if p.uncertainty is not None:
-        values.append(p.uncertainty)
-    return all(math.isfinite(v) for v in values)
-
-
-def nonfinite_weights(predictor: Predictor) -> list[str]:
-    """Names of the predictor's parameters and buffers (base, adapter and heads) that hold a NaN or inf."""
-    bad = []
-    modules = [("model", predictor.model)] + [(f"head{i}", h) for i, h in enumerate(predictor.heads)]
-    for prefix, module in modules:
-        if not isinstance(module, torch.nn.Module):
-            continue
-        for name, t in [*module.named_parameters(), *module.named_buffers()]:
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                bad.append(f"{prefix}.{name}")
-    return bad
 
 
 def get_state(request: Request) -> ServiceState:

@@ -90,6 +90,21 @@ def tiny_artifact(tiny_model_dir, tiny_jsonl, tmp_path_factory):
     return train(cfg)
 
 
+@pytest.fixture(scope="session")
+def tiny_map_artifact(tiny_model_dir, tiny_jsonl, tmp_path_factory):
+    """A MAP (softmax) adapter on the same tiny model as ``tiny_artifact``: a second adapter to serve beside it."""
+    from training.config import load_config
+    from training.finetune import train
+
+    root = tmp_path_factory.mktemp("artifact-map")
+    cfg = load_config(None, [
+        "method=map", f"base_model={tiny_model_dir}", f"output={root / 'adapter'}", "name=tiny-map",
+        f"data={{train: [{{dataset: jsonl, path: {tiny_jsonl}}}], validation: [{{dataset: jsonl, path: {tiny_jsonl}}}]}}",
+        "optim.max_steps=2", "max_tokens=96", "progress=false", "seed=1",
+    ])
+    return train(cfg)
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
     # Conversions and assembled GGUFs of unit tests go to a per-session temp dir, never ~/.cache;

@@ -150,6 +150,7 @@ CLIS = [
     ("training.experiments.benchmark", []),
     ("training.confidence_ceiling", []),
     ("service.__main__", []),
+    ("ibedl.batch", []),
     ("benchmarks.decisions", ["score"]),
     ("benchmarks.decisions", ["analyse"]),
     ("benchmarks.decisions", ["choose-rate"]),

@@ -122,7 +122,7 @@ def test_drift_in_distribution_quiet_then_shifted_alarms(real_model_ref, tmp_pat
         shifted = httpx.get(proc.url + "/v1/drift").json()
         assert shifted["alarm"] is True, shifted
         assert shifted["ks"] > calm["ks"]
-        assert "ibedl_drift_alarm 1.0" in httpx.get(proc.url + "/metrics").text
+        assert 'ibedl_drift_alarm{adapter="default"} 1.0' in httpx.get(proc.url + "/metrics").text
     finally:
         assert proc.stop() == 0
 

@@ -24,11 +24,24 @@ def wait_ready(client: TestClient, timeout: float = 60.0) -> None:
     raise AssertionError("service not ready in time")
 
 
+def wait_status(client: TestClient, status: str, timeout: float = 30.0) -> dict:
+    """The readiness body once it reports ``status`` (loading ends in ready or failed)."""
+    deadline = time.monotonic() + timeout
+    body = None
+    while time.monotonic() < deadline:
+        body = client.get("/health/ready").json()
+        if body["status"] == status:
+            return body
+        time.sleep(0.05)
+    raise AssertionError(f"the service never reported {status}: {body}")
+
+
 @pytest.fixture
 def make_client(tiny_artifact):
     @contextmanager
     def factory(loader=None, ready=True, **overrides):
-        settings = Settings(**{"artifact": tiny_artifact, "drift_bootstrap": 100, "max_tokens": 96, **overrides})
+        served = {} if "artifacts" in overrides else {"artifact": tiny_artifact}  # IBEDL_ARTIFACTS replaces it
+        settings = Settings(**{**served, "drift_bootstrap": 100, "max_tokens": 96, **overrides})
         app = create_app(settings, loader=loader)
         with TestClient(app, raise_server_exceptions=False) as client:
             if ready:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from evidential.artifact import read_manifest, write_manifest
-from tests.service.conftest import per_token_loader, slow_loader
+from tests.service.conftest import per_token_loader, slow_loader, wait_status
 
 Q = {"question": "Which is sun?", "options": ["sun", "moon", "tree", "fish"]}
 
@@ -294,7 +294,7 @@ class TestFailClosed:
         tensors[name] = torch.full_like(tensors[name], float("nan"))
         save_file(tensors, art / "head.safetensors")
         with make_client(artifact=art, ready=False) as c:
-            body = _wait_status(c, "failed")
+            body = wait_status(c, "failed")
             assert "NaN or inf" in body["reason"] and "head" in body["reason"]
             assert str(tmp_path) not in body["reason"]
             r = c.post("/predict", json=Q)
@@ -365,7 +365,7 @@ class TestMetadataAndMetrics:
             client.request(method, "/predict")
         text = client.get("/metrics").text
         assert 'method="other"' in text and "BREW" not in text and "XYZZY" not in text  # bounded label values
-        assert "ibedl_uncertainty_mass_count 1.0" in text
+        assert 'ibedl_uncertainty_mass_count{adapter="tiny"} 1.0' in text
         assert 'ibedl_model_info{adapter="tiny"' in text
         for name in ("ibedl_drift_ks", "ibedl_drift_psi", "ibedl_drift_alarm", "ibedl_queue_depth", "ibedl_ready 1.0"):
             assert name in text
@@ -381,16 +381,6 @@ class TestMetadataAndMetrics:
         assert client.get("/docs").status_code == 200
         paths = client.get("/openapi.json").json()["paths"]
         assert {"/predict", "/predict/batch", "/v1/models", "/v1/drift", "/health/ready"} <= set(paths)
-
-
-def _wait_status(client, status: str) -> dict:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        body = client.get("/health/ready").json()
-        if body["status"] == status:
-            return body
-        time.sleep(0.05)
-    raise AssertionError(f"the service never reported {status}: {body}")
 
 
 def _sample(text: str, name: str) -> str:

@@ -52,6 +52,31 @@ def test_concurrent_questions_share_a_batch():
     assert batches == [[f"q{i}" for i in range(5)]]
 
 
+def test_passes_never_mix_models_and_take_turns():
+    """Requests for two adapters (two predict functions) queued together: every pass holds one model's
+    questions, each question is answered by its own model, and the second model's request is not starved
+    behind a long request of the first."""
+
+    async def main():
+        first, second = FakePredict(delay=0.05), FakePredict(delay=0.05)
+        second.batches = first.batches  # one log of passes, in the order they ran
+        b = MicroBatcher(first, max_batch_size=8, max_wait_ms=50)
+        b.start()
+        long = await b.submit_many([q(f"a{i}") for i in range(12)], predict=first)
+        other = await b.submit_many([q(f"b{i}") for i in range(3)], predict=second)
+        default = await b.submit_many([q("a-default")])  # no model named: the batcher's own
+        answers = await asyncio.gather(*long, *other, *default)
+        await b.stop()
+        return first.batches, answers
+
+    batches, answers = run(main())
+    assert answers == [f"a{i}" for i in range(12)] + [f"b{i}" for i in range(3)] + ["a-default"]
+    assert [len({t[0] for t in batch}) for batch in batches] == [1] * len(batches)  # one model per pass
+    # round robin: the second model's request runs between the first's passes, not after all 13
+    assert batches == [["a0", "a-default", "a1", "a2", "a3", "a4", "a5", "a6"], ["b0", "b1", "b2"],
+                       ["a7", "a8", "a9", "a10", "a11"]]
+
+
 def test_one_failing_question_does_not_fail_its_batch_mates():
     async def main():
         predict = FakePredict()

@@ -98,8 +98,8 @@ class TestAccuracyEstimate:
             assert d["estimated_accuracy_interval"] == pytest.approx([max(0, mean - half), min(1, mean + half)], abs=1e-5)
             assert d["target_accuracy"] == read_manifest(open_artifact).abstention["how"]["target_accuracy"]
             metrics = c.get("/metrics").text
-            assert "ibedl_estimated_accuracy_window 5.0" in metrics
-            assert f"ibedl_target_accuracy {d['target_accuracy']}" in metrics
+            assert 'ibedl_estimated_accuracy_window{adapter="tiny"} 5.0' in metrics
+            assert f'ibedl_target_accuracy{{adapter="tiny"}} {d["target_accuracy"]}' in metrics
 
     def test_abstained_questions_do_not_count(self, open_artifact, make_client):
         with make_client(artifact=open_artifact) as c:
