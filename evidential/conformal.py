@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Literal, get_args
 
 import numpy as np
 
-SCORES = ("lac", "aps")
+ConformalScore = Literal["lac", "aps"]
+SCORES = get_args(ConformalScore)
 
 
 def _check_score(score: str) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import asdict, dataclass
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,8 @@ from torch import nn
 from evidential.dirichlet import alpha_from_logits, dirichlet_outputs, masked_softmax
 
 SIGMA_FLOOR = 1e-4  # keeps log(sigma) finite in the information term
+HeadKind = Literal["softmax", "evidential", "ib_edl"]
+HEAD_KINDS = get_args(HeadKind)
 
 
 @dataclass
@@ -75,11 +78,11 @@ class HeadConfig:
             the learning rates. 1 by default (the paper's head); softmax heads ignore it.
     """
 
-    kind: str
+    kind: HeadKind
     num_rows: int
     hidden_size: int
     offset: float = 1.0
-    inference: str = "mean"
+    inference: Literal["mean", "quadrature"] = "mean"
     quadrature_points: int = 16
     zeta: float = 0.0
     temperature: float = 1.0
@@ -112,12 +115,8 @@ class HeadConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> HeadConfig:
-        """A head config as a manifest stores it. Manifests written before ``extra`` was removed carry
-        ``"extra": {}``; nothing ever read it, so it is dropped."""
-        return cls(**{k: v for k, v in data.items() if k != "extra"})
-
-
-HEAD_KINDS = ("softmax", "evidential", "ib_edl")
+        """A head config as a manifest stores it (older manifests are migrated first: evidential.artifact)."""
+        return cls(**data)
 
 
 def check_evidence_scale(value) -> float:

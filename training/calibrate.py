@@ -38,6 +38,7 @@ import torch
 
 from evidential.artifact import Abstention, Conformal, Manifest, check_artifact, write_manifest
 from evidential.conformal import SCORES, alpha_key, calibrate_quantiles, prediction_set
+from evidential.model_card import write_card
 from evidential.prompt import MCQuestion
 from training import metrics
 from training.posthoc import adjust_alpha, fit_zeta
@@ -441,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     if target.resolve() != source.resolve():
         _share_files(source, target, manifest)
     write_manifest(target, manifest)
-    check_artifact(target)
+    write_card(target, manifest)  # the card shows the new thresholds
+    check_artifact(target, verify=True)
     cal = manifest.calibration
     print(json.dumps({"artifact": str(target), "version": manifest.version, "posthoc": cal["posthoc"],
                       "gate": cal["gate"], "risk_control": cal["risk_control"],

@@ -29,9 +29,10 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm import tqdm
 
-from evidential.artifact import Manifest, save_head, write_manifest
+from evidential.artifact import PEFT_TASK_TYPE, Manifest, files_sha256, save_head, write_manifest
 from evidential.base_model import load_base_model, resolve_model
 from evidential.head import CentredEvidence, HeadConfig, build_head
+from evidential.model_card import write_card
 from evidential.predictor import Predictor, fits, lm_head_rows
 from evidential.prompt import MCQuestion, option_token_ids
 from training.calibrate import CalibrationConfig, apply_sections, calibrate_predictor
@@ -132,8 +133,8 @@ def build(cfg: TrainConfig, method: Method, device: str | None = None):
                              centre_options=cfg.centre_options, evidence_scale=cfg.evidence_scale)
     head = build_head(head_config, rows).to(model.device)
     lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-                      target_modules=list(cfg.lora.targets), bias="none")
-    model = get_peft_model(model, lora)
+                      target_modules=list(cfg.lora.targets), bias="none", task_type=PEFT_TASK_TYPE)
+    model = get_peft_model(model, lora)  # adapter_config.json names the base by resolved.ref (load_base_model)
     warm = None
     if source is not None:
         same_kind = source.head_config().kind == head_config.kind
@@ -357,6 +358,7 @@ def train(cfg: TrainConfig, command: str = "") -> Path:
         training = training_record(cfg, method, params, command, runs, started, sections, dropped, train_q, predictor)
         complete_manifest(manifest, predictor, sections, metrics, training)
         write_manifest(out_dir, manifest)
+        write_card(out_dir, manifest)
         if cfg.track:  # the final metrics as scalars, the manifest as text
             accelerator.log({**numbers(flatten({"final": manifest.metrics})),
                              "manifest": (out_dir / "manifest.json").read_text()}, step=runs[0]["steps"])
@@ -388,12 +390,13 @@ def member_dirs(method: Method, params: dict) -> list[str]:
 
 
 def loadable_manifest(cfg: TrainConfig, method: Method, params: dict, dirs: list[str], first: dict) -> Manifest:
-    """The manifest of the trained members, before calibration: enough for Predictor.from_artifact."""
+    """The manifest of the trained members, before calibration: enough for Predictor.from_artifact, with the
+    sha256 of the weight files just saved."""
     return Manifest(
         name=cfg.name, version=cfg.version, method=method.name, method_config=params,
         base_model=first["resolved"].identity(), head=first["head"], option_token_ids=first["ids"],
         prompt={"template": cfg.template, "max_tokens": cfg.max_tokens}, members=dirs,
-        mc_samples=method.num_mc_samples(params),
+        mc_samples=method.num_mc_samples(params), files=files_sha256(cfg.output, dirs),
     )
 
 

@@ -104,11 +104,11 @@ class TestConfigChecks:
         with pytest.raises(ValueError, match=r"rows must have shape \(4, 8\), got \(3, 8\)"):
             build_head(HeadConfig("softmax", 4, 8), torch.zeros(3, 8))
 
-    def test_manifest_dict_with_the_removed_extra_key_still_loads(self):
-        # Manifests written before HeadConfig.extra was removed (artifacts/default among them) carry "extra": {}.
+    def test_unknown_key_is_refused(self):
+        # Schema version 1's never-read "extra" is dropped by the manifest migration (test_artifact.py).
         config = HeadConfig("ib_edl", 4, 8, zeta=0.5)
-        assert HeadConfig.from_dict({**config.to_dict(), "extra": {}}) == config
-        assert "extra" not in config.to_dict()
+        with pytest.raises(TypeError, match="extra"):
+            HeadConfig.from_dict({**config.to_dict(), "extra": {}})
 
     def test_committed_artifacts_still_load(self):
         from pathlib import Path

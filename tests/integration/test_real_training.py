@@ -32,6 +32,12 @@ def test_manifest_records_real_base_model(trained, real_model_ref):
     assert manifest["base_model"]["sha256"] == real_model_ref.sha256
     assert manifest["option_token_ids"][:4] == [330, 389, 340, 422]  # " A".." D" in SmolLM2's vocabulary
     assert manifest["prompt"]["template"] == "chat-v1"
+    # Portable: the adapter config names the base by its known name, not this machine's cache path.
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == manifest["base_model"]["ref"] == "smollm2-135m-instruct"
+    assert config["task_type"] == "CAUSAL_LM"
+    card = (out / "README.md").read_text()
+    assert 'base_model: "HuggingFaceTB/SmolLM2-135M-Instruct"' in card and real_model_ref.sha256 in card
 
 
 def test_reload_gives_identical_predictions(trained):
