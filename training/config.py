@@ -197,6 +197,34 @@ class TrainConfig:
         return asdict(self)
 
 
+def config_keys_help() -> str:
+    """Every config key with its default (``--help`` of the training commands), read from the dataclasses above,
+    so the list cannot drift from what ``load_config`` accepts."""
+    import dataclasses
+
+    def walk(cls, prefix: str):
+        for f in dataclasses.fields(cls):
+            key = prefix + f.name
+            nested = {"data": DataConfig, "lora": LoraSettings, "optim": OptimSettings}.get(f.name) if not prefix else None
+            if nested is not None:
+                yield from walk(nested, key + ".")
+                continue
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+            else:
+                default = "(required)"
+            if isinstance(default, list) and default and isinstance(default[0], DataPart):
+                default = "(required)"
+            yield f"  {key} = {default}"
+
+    lines = list(walk(TrainConfig, ""))
+    lines[lines.index("  data.train = (required)")] += "   (a list of {dataset, split?, limit?, path?})"
+    return ("config keys (YAML, or key.sub=value on the command line; what each means: docs/reference/config.md):\n"
+            + "\n".join(lines))
+
+
 def _parse_value(text: str) -> Any:
     return yaml_load(text)
 

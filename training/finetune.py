@@ -36,7 +36,7 @@ from evidential.model_card import write_card
 from evidential.predictor import Predictor, fits, lm_head_rows
 from evidential.prompt import MCQuestion, option_token_ids
 from training.calibrate import CalibrationConfig, apply_sections, calibrate_predictor
-from training.config import TRACKERS, DataPart, TrainConfig, load_config
+from training.config import TRACKERS, DataPart, TrainConfig, config_keys_help, load_config
 from training.distributed import OptionScorer, flatten, make_accelerator, numbers, process_device
 from training.evaluate import EvalResult, evaluate
 from training.methods import LossContext, Method, get_method
@@ -470,7 +470,8 @@ def complete_manifest(manifest: Manifest, predictor: Predictor, sections: dict, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training.finetune", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m training.finetune", description=__doc__.split("\n\n")[0],
+                                     epilog=config_keys_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML config (training/configs/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, values in YAML syntax")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")

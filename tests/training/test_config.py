@@ -1,6 +1,6 @@
 import pytest
 
-from training.config import apply_overrides, load_config, yaml_load
+from training.config import apply_overrides, config_keys_help, load_config, yaml_load
 
 BASE = ["method=map", "output=/tmp/x", "data={train: [{dataset: sciq}], validation: [{dataset: sciq, limit: 5}]}"]
 
@@ -39,3 +39,22 @@ def test_overrides_nested_and_typed():
 def test_bad_values_are_named(override, message):
     with pytest.raises(ValueError, match=message):
         load_config(None, BASE + [override])
+
+
+def test_help_lists_every_config_key_with_its_default():
+    cfg = load_config(None, ["method=map", "output=/tmp/x",
+                             "data={train: [{dataset: sciq}], validation: [{dataset: sciq}]}"])
+
+    def flat(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict) and k in ("data", "lora", "optim"):
+                yield from flat(v, prefix + k + ".")
+            else:
+                yield prefix + k, v
+
+    keys = dict(flat(cfg.to_dict()))
+    lines = config_keys_help().splitlines()[1:]
+    listed = {line.split(" = ")[0].strip(): line.split(" = ", 1)[1] for line in lines}
+    assert set(listed) == set(keys)
+    assert listed["optim.lr"] == "5e-05" and listed["lora.targets"] == "['q_proj', 'v_proj']"
+    assert listed["method"] == "(required)" and listed["data.validation"] == "(required)"
