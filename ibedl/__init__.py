@@ -11,6 +11,8 @@ The records are the service's (``service.schemas.PredictResponse``), checked and
 
 from __future__ import annotations
 
+import threading
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +42,9 @@ class Model:
     def __init__(self, runtimes: dict[str, AdapterRuntime], settings: Settings) -> None:
         self.runtimes = runtimes
         self.settings = settings
+        # One forward pass at a time: adapters share one base (PEFT switches the active adapter per pass) and
+        # one tokenizer, so threads that share a Model take turns.
+        self._lock = threading.Lock()
 
     @property
     def adapters(self) -> list[str]:
@@ -87,7 +92,8 @@ class Model:
             mine = [i for i, c in enumerate(checked) if c.runtime is runtime]
             for start in range(0, len(mine), size):
                 chunk = mine[start:start + size]
-                preds = runtime.predict([checked[i].question for i in chunk])
+                with self._lock:
+                    preds = runtime.predict([checked[i].question for i in chunk])
                 broken = [i for i, p in zip(chunk, preds) if not finite_prediction(p)]
                 if broken:
                     raise ApiError(503, "model_error", f"the model produced non-finite numbers for items {broken}")

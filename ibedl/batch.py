@@ -28,8 +28,20 @@ def error_record(line: int, type_: str, message: str, field: str | None = None) 
     return {"line": line, **error_body(type_, message, field)}
 
 
-def check_line(model: Model, line: int, text: str, adapter: str | None) -> Checked | dict:
+def decoded(raw_lines):
+    """(line number, text) of each line of a file opened in binary; a line that is not UTF-8 gives its
+    UnicodeDecodeError instead of stopping the run (a byte-order mark before line 1 is dropped)."""
+    for number, raw in enumerate(raw_lines, start=1):
+        try:
+            yield number, raw.decode("utf-8-sig" if number == 1 else "utf-8")
+        except UnicodeDecodeError as e:
+            yield number, e
+
+
+def check_line(model: Model, line: int, text: str | UnicodeDecodeError, adapter: str | None) -> Checked | dict:
     """The checked question of one input line, or its error record."""
+    if isinstance(text, UnicodeDecodeError):
+        return error_record(line, "invalid_body", f"line {line} is not UTF-8: {text.reason} at byte {text.start}")
     try:
         body = json.loads(text)
     except json.JSONDecodeError as e:
@@ -65,7 +77,7 @@ def score(model: Model, lines, out, batch_size: int, adapter: str | None = None,
         pending.clear()
 
     for number, text in lines:
-        if not text.strip():
+        if isinstance(text, str) and not text.strip():
             continue
         pending.append((number, check_line(model, number, text, adapter)))
         if len(pending) >= batch_size:
@@ -98,12 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     model = load(*args.artifact)
     if args.adapter is not None and args.adapter not in model.adapters:
         parser.error(f"--adapter {args.adapter!r} is not loaded; choose one of {model.adapters}")
-    total = sum(1 for text in args.input.open(encoding="utf-8") if text.strip())
+    with args.input.open("rb") as src:
+        total = sum(1 for raw in src if raw.strip())
     partial = args.output.with_name(args.output.name + ".partial")
-    with args.input.open(encoding="utf-8") as src, partial.open("w", encoding="utf-8") as out, \
+    with args.input.open("rb") as src, partial.open("w", encoding="utf-8") as out, \
             tqdm(total=total, unit="q", disable=args.no_progress, file=sys.stderr) as bar:
         try:
-            answered, refused = score(model, enumerate(src, start=1), out, args.batch_size, args.adapter, bar)
+            answered, refused = score(model, decoded(src), out, args.batch_size, args.adapter, bar)
         except ApiError as e:  # non-finite model outputs: the model is broken, not the line
             print(f"error: {e.message}; what was scored is in {partial}", file=sys.stderr)
             return 1

@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure(settings.log_level, settings.log_format)
     app = create_app(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            timeout_graceful_shutdown=settings.shutdown_grace_s, access_log=False)
+                            timeout_graceful_shutdown=settings.shutdown_grace_s, access_log=False,
+                            log_config=None)  # uvicorn's lines go through the service's handlers (JSON or text)
     server = uvicorn.Server(config)
     app.state.service.server = server
     # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal under the handler that was installed

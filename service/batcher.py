@@ -35,6 +35,9 @@ from service.capacity import ServiceTime, round_robin_finish, round_robin_wait
 log = logging.getLogger("service.batcher")
 
 
+SIMILAR = 2.0  # questions share a pass only if their prompt lengths are within this factor of its first one's
+
+
 class QueueFullError(RuntimeError):
     """More questions than the queue holds (a hard bound on memory, checked before capacity)."""
 
@@ -47,8 +50,9 @@ class Overloaded(RuntimeError):
         self.retry_after = retry_after
 
 
-class TooLarge(ValueError):
-    """The request alone needs more model time than its deadline allows, even on an idle service."""
+class TooLarge(Overloaded):
+    """The request alone needs more model time than its deadline allows at the current speed, even on an idle
+    service (the speed may recover: ``retry_after`` is how much too slow it is now)."""
 
 
 class ShuttingDown(RuntimeError):
@@ -125,6 +129,7 @@ class MicroBatcher:
         self._requests: deque[_Request] = deque()  # in turn order: the head gives the next question
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+        self._shedder: asyncio.Task | None = None  # sheds hopeless queued requests between passes too
         self._busy = False  # a gathered batch is being answered
         self._busy_until = 0.0  # monotonic time the pass in flight is expected to end
         self._backlog_since: float | None = None  # end of the last pass, when questions were waiting at its end
@@ -165,7 +170,9 @@ class MicroBatcher:
 
     def start(self) -> None:
         self._wakeup = asyncio.Event()
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="micro-batcher")
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._run(), name="micro-batcher")
+        self._shedder = loop.create_task(self._shed_periodically(), name="micro-batcher-shedder")
 
     def begin_drain(self, grace_s: float) -> None:
         """Stop admitting; fail (ShuttingDown) the queued requests that cannot finish within ``grace_s``, and
@@ -196,6 +203,8 @@ class MicroBatcher:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        if self._shedder is not None:
+            self._shedder.cancel()
         if self._drain_timer is not None:
             self._drain_timer.cancel()
         await asyncio.to_thread(self._executor.shutdown, wait=True)
@@ -240,7 +249,7 @@ class MicroBatcher:
             alone = self.margin * self.service_time.seconds(own)
             if alone > left:
                 raise TooLarge(f"the request needs about {alone:.1f} s of model time ({own} prompt tokens) and its "
-                               f"deadline leaves {max(left, 0):.1f} s; send fewer or shorter questions per request")
+                               f"deadline leaves {max(left, 0):.1f} s", retry_after=alone - left)
             expected = self.margin * self.expected_wait(tokens)
             if expected > left:
                 raise Overloaded(f"the service is busy: an answer is expected in {expected:.1f} s and the deadline "
@@ -273,18 +282,22 @@ class MicroBatcher:
         request.items.clear()
 
     def _shed_late(self) -> None:
-        """Answer Overloaded now to the queued requests the current estimate says will miss their deadline."""
-        requests = [r for r in self._requests if r.deadline() != float("inf")]
-        if not requests:
-            return
+        """Answer Overloaded now to each queued request that cannot finish before its deadline even if it went
+        next: the pass in flight plus its own remaining questions (never a request that still could)."""
         now = time.monotonic()
-        finish = round_robin_finish([r.live() for r in self._requests], self.inflight_left(), self.service_time)
-        late = [r for r, t in zip(self._requests, finish) if now < r.deadline() < now + t]  # passed: DeadlineExceeded
+        inflight = self.inflight_left()
+        late = [r for r in self._requests
+                if now < r.deadline() < now + inflight + self.service_time.seconds(sum(r.live()))]
         for r in late:
             self._fail(r, Overloaded("the service slowed down and could not answer this request before its deadline",
                                      retry_after=1.0))
         if late:
             log.warning("%d queued requests would miss their deadline; answered 503 now", len(late))
+
+    async def _shed_periodically(self, every_s: float = 0.25) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            self._shed_late()
 
     def _fail_all_queued(self) -> None:
         waiting = [r for r in self._requests if r.live()]
@@ -294,10 +307,8 @@ class MicroBatcher:
             log.warning("drain grace period ending: %d queued requests get 503", len(waiting))
         self._signal()
 
-    def _next(self, room_tokens: int | None, predict: Predict | None = None) -> _Item | None:
-        """Take the next live question in turn order (dropping abandoned and expired ones), or None. With
-        ``room_tokens``, a question longer than that stays queued and None is returned. With ``predict``, only
-        requests answered by that model are looked at; the others keep their place in the turn order."""
+    def _purge(self) -> None:
+        """Drop abandoned questions and those whose deadline passed (DeadlineExceeded), and empty requests."""
         now = time.monotonic()
         for request in list(self._requests):
             while request.items and (request.items[0].future.done() or request.items[0].deadline <= now):
@@ -306,39 +317,67 @@ class MicroBatcher:
                     item.future.set_exception(DeadlineExceeded("the deadline passed while the question was queued"))
             if not request.items:
                 self._requests.remove(request)
+
+    def _take(self, request: _Request) -> _Item:
+        """The request's next question; the request goes to the back of the turn order."""
+        item = request.items.popleft()
+        self._requests.remove(request)
+        if request.items:
+            self._requests.append(request)
+        return item
+
+    def _first(self) -> _Item | None:
+        """The question a new pass starts with: of a request that cannot afford to wait another pass (least
+        slack first), else the shortest waiting question (the earliest in turn order among equals), so a small
+        request that arrives behind a large one rides the next pass, and a short pass."""
+        self._purge()
+        if not self._requests:
+            return None
+        now = time.monotonic()
+        one_pass = self.service_time.seconds(self.max_batch_tokens)
+
+        def slack(r: _Request) -> float:
+            return r.deadline() - now - self.margin * self.service_time.seconds(sum(r.live()))
+
+        at_risk = [r for r in self._requests if slack(r) < one_pass]
+        chosen = min(at_risk, key=slack) if at_risk else min(self._requests, key=lambda r: r.items[0].tokens)
+        return self._take(chosen)
+
+    def _next(self, first: _Item, room_tokens: int) -> _Item | None:
+        """The next question in turn order that may share ``first``'s pass: the same model, at most
+        ``room_tokens`` tokens, and of a similar length (within ``SIMILAR`` times), or None."""
+        self._purge()
+        for request in list(self._requests):
+            head = request.items[0]
+            if request.predict is not first.predict or head.tokens > room_tokens:
                 continue
-            if predict is not None and request.predict is not predict:
+            if not first.tokens / SIMILAR <= head.tokens <= first.tokens * SIMILAR:
                 continue
-            if room_tokens is not None and request.items[0].tokens > room_tokens:
-                return None
-            item = request.items.popleft()
-            self._requests.remove(request)
-            if request.items:
-                self._requests.append(request)  # this request goes to the back of the turn order
-            return item
+            return self._take(request)
         return None
 
     async def _gather(self) -> list[_Item]:
         assert self._wakeup is not None
         self._shed_late()
         while True:
-            first = self._next(None)
+            first = self._first()
             if first is not None:
                 break
             self.on_depth(self.depth)
+            self._backlog_since = None  # idle: the next pass's time starts at the pass
             self._wakeup.clear()
             await self._wakeup.wait()
         self._busy = True  # from the first question taken: stop() must wait for it
         batch, tokens = [first], first.tokens
         deadline = time.monotonic() + self.max_wait
         while len(batch) < self.max_batch_size:
-            item = self._next(self.max_batch_tokens - tokens, first.predict)
+            item = self._next(first, self.max_batch_tokens - tokens)
             if item is not None:
                 batch.append(item)
                 tokens += item.tokens
                 continue
             if self._live_depth():
-                break  # what waits does not fit in this pass, or is for another model: it goes next
+                break  # what waits does not fit in this pass, is much longer or shorter, or for another model
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
@@ -362,6 +401,7 @@ class MicroBatcher:
         self.on_depth(self.depth)
         live = [item for item in batch if not item.future.done()]  # abandoned requests are skipped
         if not live:
+            self._backlog_since = None
             return
         tokens = sum(i.tokens for i in live)
         self._busy_until = time.monotonic() + self.service_time.seconds(tokens)
@@ -384,7 +424,9 @@ class MicroBatcher:
             return
         end = time.perf_counter()
         seconds = end - start
-        self.service_time.observe(tokens, end - since if since is not None and since <= start else seconds)
+        # the gap before a pass counts only while it is short beside the pass (gathering, the event loop's work)
+        backlogged = since is not None and 0 <= start - since <= max(0.5, seconds)
+        self.service_time.observe(tokens, end - since if backlogged else seconds)
         self._backlog_since = end if self._live_depth() else None
         self.on_batch(len(live), seconds)
         for item, result in zip(live, results):

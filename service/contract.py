@@ -31,14 +31,16 @@ STATUSES = {
     408: _error("`request_timeout`: the body did not arrive within the server's body-read timeout"),
     413: _error("`too_large`: over a limit: the characters of a field (the schema's maxLength), the prompt's "
                 "tokens after formatting (`IBEDL_MAX_TOKENS`), the body's bytes (`IBEDL_MAX_BODY_BYTES`), the "
-                "items of a batch (maxItems), or the model time a request may take; the message names it"),
+                "items of a batch (maxItems), or the prompt tokens of all a request's questions (`IBEDL_MAX_REQUEST_TOKENS`); "
+                "the message names it"),
     415: _error("`unsupported_media_type`: the body is not `application/json`"),
     422: _error("`invalid_request`: the input breaks the schema or a rule it states (the `field` names where); "
                 "`invalid_json`: the body is not JSON"),
     500: _error("`internal_error`: a bug; the service log has the traceback"),
     503: _error("`not_ready` (loading, broken or draining), `overloaded` (no answer possible before the "
                 "request's deadline), `shutting_down`: retry after `Retry-After` seconds, on another replica "
-                "behind a gateway", RETRY_AFTER),
+                "behind a gateway; `model_error` (the model's numbers for a question were not finite: never an "
+                "answer; no Retry-After, the same question gives the same numbers)", RETRY_AFTER),
     504: _error("`timeout`: no answer before the request's deadline (`IBEDL_REQUEST_TIMEOUT_S`, or the "
                 "`X-Request-Timeout` the client sent)"),
 }

@@ -7,6 +7,7 @@ is on every log record written while the request is served (``service.logs``).""
 from __future__ import annotations
 
 import asyncio
+import logging
 import json
 import secrets
 import time
@@ -21,6 +22,7 @@ UNMEASURED = ("/health/", "/metrics")
 PROTECTED = ("/predict", "/v1/")  # the API routes: a bearer token is required when one is configured
 BODY_METHODS = ("POST", "PUT", "PATCH")
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})  # others count as "other"
+log = logging.getLogger("service")
 CLIENT_GONE = object()  # what _read_body returns when the client disconnected
 
 
@@ -65,6 +67,7 @@ class RequestGuard:
         async def send_wrapper(message):
             if message["type"] == "http.response.start":
                 status_holder["status"] = message["status"]
+                status_holder["started"] = True
                 message.setdefault("headers", [])
                 message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode())]
             await send(message)
@@ -104,7 +107,13 @@ class RequestGuard:
                     status_holder["status"] = 413
                     return await self._reply(send, 413, "too_large", f"the body exceeds the limit of {limit} bytes", request_id)
                 receive = _replay(body, receive)
-            await self.app(scope, receive, send_wrapper)
+            try:
+                await self.app(scope, receive, send_wrapper)
+            except Exception:  # logged here, while the request id is still on every log line, and answered 500
+                log.exception("unhandled error on %s %s", scope["method"], path)
+                status_holder["status"] = 500
+                if not status_holder.get("started"):
+                    await self._reply(send, 500, "internal_error", "internal error; see the service log", request_id)
         finally:
             seconds = time.perf_counter() - start
             template = getattr(scope.get("route"), "path", None) or "unmatched"

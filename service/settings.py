@@ -36,7 +36,7 @@ class Settings(BaseSettings):
                             "it); text: human-readable lines")
 
     max_batch_size: int = Field(16, ge=1, le=512, description="questions per forward pass")
-    max_batch_tokens: int = Field(4096, ge=16, description="prompt tokens per forward pass (bounds how long one "
+    max_batch_tokens: int = Field(2048, ge=16, description="prompt tokens per forward pass (bounds how long one "
                                   "pass holds the model; a longer single question runs alone)")
     max_wait_ms: float = Field(5.0, ge=0, le=1000, description="how long a batch waits for more questions")
     queue_size: int = Field(256, ge=1, description="questions waiting, at most (a memory bound; admission by "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import re
@@ -180,8 +181,6 @@ class ServiceState:
         elif isinstance(e, Overloaded):
             reason, error = "capacity", ApiError(503, "overloaded", f"{e}; retry after the Retry-After seconds",
                                                  headers={"Retry-After": str(max(1, math.ceil(e.retry_after)))})
-        elif isinstance(e, TooLarge):
-            reason, error = "too_large", ApiError(413, "too_large", str(e), "items" if n > 1 else None)
         elif isinstance(e, ShuttingDown):
             reason, error = "shutting_down", ApiError(503, "shutting_down", str(e), headers={"Retry-After": "1"})
         else:
@@ -211,8 +210,9 @@ class ServiceState:
         """The predictions of adapter ``runtime`` for one request's ``questions`` (``tokens``: prompt tokens of each).
 
         Refused at once with 503 + Retry-After when they cannot be answered before the request's deadline
-        (or the service is draining), 413 when they could not be even on an idle model; a client that goes
-        away takes its queued questions with it; 503 model_error when the model's numbers are not finite.
+        (or the service is draining), 504 at once when a client's shorter deadline cannot be met even on an
+        idle model; a client that goes away takes its queued questions with it; 503 model_error when the
+        model's numbers are not finite.
         """
         assert self.batcher is not None
         deadline = self.deadline(request)
@@ -250,7 +250,11 @@ class ServiceState:
         try:
             preds = list(everything.result())
         except (Overloaded, ShuttingDown, DeadlineExceeded) as e:  # refused after admission, before its pass
+            _cancel(futures)
             raise self._refusal(e, len(questions)) from e
+        except BaseException:  # one question failed (a 500): its request-mates must not keep the model busy
+            _cancel(futures)
+            raise
         broken = [i for i, p in enumerate(preds) if not finite_prediction(p)]
         if broken:
             self.metrics.nonfinite.inc(len(broken))
@@ -298,12 +302,15 @@ PROBE = MCQuestion(  # short question and options: its passage is cut to fit any
 def warm_up(predictors: list[Predictor]) -> ServiceTime:
     """Time the model on one question of typical length (the second pass of the first adapter: the first pass of
     each pays its one-time costs), as the first estimate of seconds per prompt token; every served pass refines it."""
+    def probe(predictor: Predictor) -> MCQuestion:  # as many options as its head scores, at most four
+        return dataclasses.replace(PROBE, options=PROBE.options[: min(len(PROBE.options), predictor.num_rows)])
+
     for predictor in predictors:
-        predictor.predict([PROBE])  # its passage is cut to the served limit
+        predictor.predict([probe(predictor)])  # its passage is cut to the served limit
     first = predictors[0]
-    tokens = min(count_prompt_tokens(first.tokenizer, first.template, PROBE), first.max_tokens)
+    tokens = min(count_prompt_tokens(first.tokenizer, first.template, probe(first)), first.max_tokens)
     start = time.perf_counter()
-    first.predict([PROBE])
+    first.predict([probe(first)])
     return ServiceTime((time.perf_counter() - start) / tokens)
 
 
@@ -313,6 +320,11 @@ _PATH = re.compile(r"(?:[A-Za-z]:)?(?:[/\\][^\s/\\'\"():,]+)+[/\\]([^\s/\\'\"():
 def redact_paths(message: str) -> str:
     """``message`` with every file path cut to its last part: clients learn which file, not where it lives."""
     return _PATH.sub(r"\1", message)
+
+
+def _cancel(futures: list[asyncio.Future]) -> None:
+    for f in futures:
+        f.cancel()
 
 
 async def _disconnected(request: Request) -> None:

@@ -74,6 +74,18 @@ def test_batch_command_round_trip(model, tiny_artifact, tmp_path, capsys):
     assert "3 answered, 2 refused" in capsys.readouterr().err
 
 
+def test_batch_command_keeps_going_past_a_line_that_is_not_utf8(tiny_artifact, tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b"\xef\xbb\xbf" + json.dumps(QUESTIONS[0]).encode() + b"\n"  # a byte-order mark first
+                    + b'{"question": "\xff", "options": ["a", "b"]}\n' + json.dumps(QUESTIONS[1]).encode() + b"\n")
+    out = tmp_path / "out.jsonl"
+    assert batch_main(["--artifact", str(tiny_artifact), "--input", str(src), "--output", str(out),
+                       "--no-progress"]) == 0
+    first, bad, third = [json.loads(line) for line in out.read_text().splitlines()]
+    assert "prediction" in first and "prediction" in third
+    assert bad["line"] == 2 and bad["error"]["type"] == "invalid_body" and "not UTF-8" in bad["error"]["message"]
+
+
 def test_batch_command_help_and_bad_arguments(tmp_path):
     with pytest.raises(SystemExit) as e:
         batch_main(["--artifact", "x", "--input", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "o")])

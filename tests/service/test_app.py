@@ -238,7 +238,7 @@ class TestCapacity:
                     assert int(r.headers["retry-after"]) >= 1
             text = c.get("/metrics").text
             assert float(_sample(text, 'ibedl_rejected_total{reason="capacity"}')) == codes.count(503)
-            assert float(_sample(text, "ibedl_seconds_per_token")) == pytest.approx(0.01, rel=0.5)
+            assert float(_sample(text, "ibedl_seconds_per_token")) == pytest.approx(0.01, rel=1.0)
 
     def test_client_deadline_header(self, make_client):
         with make_client(loader=per_token_loader(0.01)) as c:
@@ -250,10 +250,11 @@ class TestCapacity:
             # a deadline shorter than the question's model time alone: 504 at once, saying why
             r = c.post("/predict", json=Q, headers={"X-Request-Timeout": "0.01"})
             assert r.status_code == 504 and "X-Request-Timeout cannot be met" in r.json()["error"]["message"]
-            # the same model time over the server's own deadline: the request is too large for this service
+            # the same model time over the server's own deadline: the model is too slow now (it may recover)
             with make_client(loader=per_token_loader(0.01), request_timeout_s=0.05) as slow:
                 r = slow.post("/predict", json=Q)
-                assert r.status_code == 413 and "model time" in r.json()["error"]["message"]
+                assert r.status_code == 503 and "model time" in r.json()["error"]["message"]
+                assert int(r.headers["retry-after"]) >= 1
             # a longer one than the server's maximum is cut to it, not refused
             assert c.post("/predict", json=Q, headers={"X-Request-Timeout": "3600"}).status_code == 200
 

@@ -160,6 +160,46 @@ def test_requests_take_turns_so_a_small_one_is_not_stuck_behind_a_large_one():
     assert batches == [["first"], ["big0", "small"], ["big1", "big2"], ["big3", "big4"]]
 
 
+def test_a_small_request_behind_a_large_one_rides_the_next_pass_alone():
+    async def main():
+        gate = Gate()
+        b = MicroBatcher(gate, max_batch_size=8, max_wait_ms=0, max_batch_tokens=4000)
+        b.start()
+        big = await b.submit_many([q(f"long{i}") for i in range(8)], [950] * 8)
+        await gate.wait_entered()  # the first pass (4 long questions) holds the model
+        small = await b.submit_many([q("short")], [150])
+        for _ in range(3):
+            gate.release.release()
+        results = await asyncio.gather(*big, *small)
+        await b.stop()
+        return gate.batches, results
+
+    batches, results = run(main())
+    assert results == [f"long{i}" for i in range(8)] + ["short"]
+    assert batches == [[f"long{i}" for i in range(4)], ["short"], [f"long{i}" for i in range(4, 8)]]
+
+
+def test_a_request_near_its_deadline_goes_before_shorter_ones():
+    async def main():
+        gate = Gate()
+        b = MicroBatcher(gate, max_batch_size=1, max_wait_ms=0, service_time=ServiceTime(0.01), max_batch_tokens=100)
+        b.start()
+        running = await b.submit_many([q("running")], [10])
+        await gate.wait_entered()
+        short = await b.submit_many([q("short")], [5])
+        relaxed = await b.submit_many([q("relaxed")], [50], time.monotonic() + 60)  # 0.5 s of work, 60 s left
+        urgent = await b.submit_many([q("urgent")], [50], time.monotonic() + 1.2)  # 0.5 s of work, 1.2 s left
+        for _ in range(4):
+            gate.release.release()
+        await asyncio.gather(*running, *short, *relaxed, *urgent)
+        await b.stop()
+        return gate.batches
+
+    # urgent's slack (1.2 s - 0.5 s of work) is under one pass (100 tokens = 1 s): it goes first; then the
+    # shortest question; relaxed (60 s of slack) waits its turn
+    assert run(main()) == [["running"], ["urgent"], ["short"], ["relaxed"]]
+
+
 def test_a_pass_holds_at_most_max_batch_tokens():
     async def main():
         predict = FakePredict()
@@ -172,8 +212,9 @@ def test_a_pass_holds_at_most_max_batch_tokens():
         await b.stop()
         return predict.batches
 
-    # a (6) leaves room 4: b waits; b + c = 9 fit; d alone exceeds the bound and still runs, alone
-    assert run(main()) == [["a"], ["b", "c"], ["d"]]
+    # the shortest first (c, 3 tokens) with what is of a similar length and fits (a: 3 + 6 <= 10); b does not fit
+    # beside them; d (12) is more than twice b's length, and alone exceeds the bound: it still runs, alone
+    assert run(main()) == [["c", "a"], ["b"], ["d"]]
 
 
 def test_admission_refuses_what_cannot_meet_its_deadline():
@@ -203,7 +244,7 @@ def test_admission_refuses_what_cannot_meet_its_deadline():
 
     results, batches = run(main())
     assert results == ["a", "b", "c", "e"]
-    assert batches == [["a"], ["b"], ["e"], ["c"]]  # e takes its turn before c
+    assert batches == [["a"], ["e"], ["b"], ["c"]]  # e (4 tokens) is the shortest waiting question
 
 
 def test_abandoned_and_expired_questions_never_reach_the_model():
@@ -277,7 +318,8 @@ def test_drain_answers_what_fits_in_the_grace_period_and_refuses_the_rest():
         return answered, refused, gate.batches
 
     answered, refused, batches = run(main())
-    assert answered == ["running", "fits", "admitted"] and batches == [["running"], ["fits"], ["admitted"]]
+    assert answered == ["running", "fits", "admitted"]
+    assert batches == [["running"], ["admitted"], ["fits"]]  # the shorter question goes first
     assert isinstance(refused[0], ShuttingDown)
 
 

@@ -29,7 +29,7 @@ def server(tiny_artifact):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     settings = Settings(artifact=tiny_artifact, drift_bootstrap=100, max_tokens=96, max_batch_size=1)
-    config = uvicorn.Config(create_app(settings, loader=slow_loader(0.6)), host="127.0.0.1", port=port,
+    config = uvicorn.Config(create_app(settings, loader=slow_loader(2.0)), host="127.0.0.1", port=port,
                             log_level="warning")
     srv = uvicorn.Server(config)
     thread = threading.Thread(target=srv.run, daemon=True)
@@ -52,7 +52,7 @@ def server(tiny_artifact):
 def test_a_gone_clients_question_never_reaches_the_model(server):
     with httpx.Client(timeout=30) as client:
         first = threading.Thread(target=lambda: client.post(server + "/predict", json=Q))
-        first.start()  # holds the model for 0.6 s
+        first.start()  # holds the model for 2 s
         deadline = time.monotonic() + 10
         while sample(client.get(server + "/metrics").text, "ibedl_inflight_requests") < 1:
             assert time.monotonic() < deadline, "the first request never arrived"

@@ -72,6 +72,23 @@ def test_access_line_and_request_id_on_every_line(make_client):
     assert bad["request_id"] == "req-bad"
 
 
+def test_an_unhandled_error_is_a_500_with_its_request_id_in_the_response_and_the_log(make_client):
+    with make_client() as c, json_log() as out:
+        state = c.app.state.service
+        runtime = next(iter(state.runtimes.values()))
+        original = runtime.thresholds
+        runtime.thresholds = None  # building the answer now fails: a bug, not a client error
+        try:
+            r = c.post("/predict", json=Q, headers={"X-Request-Id": "req-bug"})
+        finally:
+            runtime.thresholds = original
+    assert r.status_code == 500 and r.headers["x-request-id"] == "req-bug"
+    assert r.json()["error"]["type"] == "internal_error" and "Traceback" not in r.text
+    errors = [x for x in records(out) if x["level"] == "error"]
+    assert errors and all(x["request_id"] == "req-bug" for x in errors)
+    assert "unhandled error on POST /predict" in errors[0]["message"]
+
+
 def test_text_format_has_the_request_id():
     record = logging.LogRecord("service", logging.INFO, __file__, 1, "hello %s", ("world",), None)
     token = logs.request_id_var.set("abc")
