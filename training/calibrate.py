@@ -399,6 +399,9 @@ def main(argv: list[str] | None = None) -> int:
             posthoc=not args.no_posthoc,
         )
         manifest = check_artifact(source)
+        if not manifest.files:
+            raise ArtifactError(f"{source} was written by an older version (no weight checksums in its manifest): "
+                                f"run python -m evidential.migrate {source} first, then calibrate it")
         if args.outputs:
             kind, raw, labels = read_outputs(args.outputs, stream, source, manifest)
         else:

@@ -6,7 +6,9 @@ One process (plain ``python -m training.finetune``) stays the default and trains
 processes (DDP, or FSDP with ``fsdp: true``) every step draws one global batch of N x ``optim.batch_size``
 questions, the batch a single process with that batch size would draw, and each process takes its contiguous
 share of it; gradients are averaged across processes, so a step is the step of that single process up to
-float summation order. The main process alone writes the history, the artifact and the tracker logs.
+float summation order. One exception: an epoch's last, short batch is padded by repeating questions so every
+process gets a share (accelerate's ``apply_padding``), so those repeats weigh twice in that one step. The main
+process alone writes the history, the artifact and the tracker logs.
 """
 
 from __future__ import annotations
@@ -22,6 +24,16 @@ from evidential.head import HeadPrediction
 from evidential.predictor import EncodedBatch, Predictor
 
 INSTALLED = {"tensorboard": is_tensorboard_available, "mlflow": is_mlflow_available}  # config.TRACKERS
+
+
+def reset_accelerator() -> None:
+    """Forget accelerate's process-wide state after a run, so a later ``train()`` in the same process (a notebook,
+    a test) may choose another device or precision. In a single process only: a launched process trains once."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    if PartialState._shared_state and PartialState().num_processes > 1:
+        return
+    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def make_accelerator(cfg) -> Accelerator:

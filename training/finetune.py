@@ -37,7 +37,7 @@ from evidential.predictor import Predictor, fits, lm_head_rows
 from evidential.prompt import MCQuestion, option_token_ids
 from training.calibrate import CalibrationConfig, apply_sections, calibrate_predictor
 from training.config import TRACKERS, DataPart, TrainConfig, config_keys_help, load_config
-from training.distributed import OptionScorer, flatten, make_accelerator, numbers, process_device
+from training.distributed import OptionScorer, flatten, make_accelerator, numbers, process_device, reset_accelerator
 from training.evaluate import EvalResult, evaluate
 from training.methods import LossContext, Method, get_method
 from training import warm_start
@@ -305,7 +305,10 @@ def save_member(accelerator: Accelerator, scorer: torch.nn.Module, member_dir: P
     if accelerator.is_main_process:
         scorer = accelerator.unwrap_model(scorer)
         member_dir.mkdir(parents=True, exist_ok=True)
-        scorer.model.save_pretrained(member_dir, safe_serialization=True, state_dict=_part(state, "model."))
+        # save_embedding_layers=False: the base's embeddings are not trained, and PEFT would otherwise ask the Hub
+        # whether the base reference names a repo there (a network timeout on an offline machine)
+        scorer.model.save_pretrained(member_dir, safe_serialization=True, state_dict=_part(state, "model."),
+                                     save_embedding_layers=False)
         save_head(member_dir, scorer.head, state_dict=_part(state, "head."))
 
 
@@ -347,6 +350,8 @@ def train(cfg: TrainConfig, command: str = "") -> Path:
     out_dir = Path(cfg.output)
     history_path = start_history(out_dir) if accelerator.is_main_process else out_dir / "history.jsonl"
     dirs = member_dirs(method, params)
+    with accelerator.main_process_first():  # one process converts a base model the cache lacks; the others reuse it
+        resolve_model(cfg.base_model)
     train_q, val_q, test_q, dropped = drop_unfit(cfg, train_q, val_q, test_q)
     runs = [fit_member(cfg, method, params, train_q, val_q, out_dir / d, cfg.seed + 1000 * i, history_path, i, accelerator)
             for i, d in enumerate(dirs)]
@@ -363,6 +368,7 @@ def train(cfg: TrainConfig, command: str = "") -> Path:
             accelerator.log({**numbers(flatten({"final": manifest.metrics})),
                              "manifest": (out_dir / "manifest.json").read_text()}, step=runs[0]["steps"])
     accelerator.end_training()
+    reset_accelerator()  # the next train() in this process may want another device or precision
     return out_dir
 
 

@@ -212,9 +212,9 @@ def test_a_pass_holds_at_most_max_batch_tokens():
         await b.stop()
         return predict.batches
 
-    # the shortest first (c, 3 tokens) with what is of a similar length and fits (a: 3 + 6 <= 10); b does not fit
-    # beside them; d (12) is more than twice b's length, and alone exceeds the bound: it still runs, alone
-    assert run(main()) == [["c", "a"], ["b"], ["d"]]
+    # a first, with what is of a similar length and fits beside it (c: 6 + 3 <= 10; b would make 12); d (12) is
+    # more than twice b's length, and alone exceeds the bound: it still runs, alone
+    assert run(main()) == [["a", "c"], ["b"], ["d"]]
 
 
 def test_admission_refuses_what_cannot_meet_its_deadline():
@@ -244,7 +244,7 @@ def test_admission_refuses_what_cannot_meet_its_deadline():
 
     results, batches = run(main())
     assert results == ["a", "b", "c", "e"]
-    assert batches == [["a"], ["e"], ["b"], ["c"]]  # e (4 tokens) is the shortest waiting question
+    assert batches == [["a"], ["e"], ["b"], ["c"]]  # e has the least slack (the default max_batch_tokens makes one pass long: all are at risk)
 
 
 def test_abandoned_and_expired_questions_never_reach_the_model():
@@ -319,7 +319,7 @@ def test_drain_answers_what_fits_in_the_grace_period_and_refuses_the_rest():
 
     answered, refused, batches = run(main())
     assert answered == ["running", "fits", "admitted"]
-    assert batches == [["running"], ["admitted"], ["fits"]]  # the shorter question goes first
+    assert batches == [["running"], ["fits"], ["admitted"]]
     assert isinstance(refused[0], ShuttingDown)
 
 
