@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from evidential.artifact import read_manifest, write_manifest
-from tests.service.conftest import per_token_loader, slow_loader, wait_status
+from tests.service.conftest import per_token_loader, slow_loader, wait_status, wait_status
 
 Q = {"question": "Which is sun?", "options": ["sun", "moon", "tree", "fish"]}
 
@@ -288,12 +288,20 @@ class TestFailClosed:
 
         from safetensors.torch import load_file, save_file
 
+        from evidential.artifact import files_sha256
+
         art = tmp_path / "nan-head"
         shutil.copytree(tiny_artifact, art)
         tensors = load_file(art / "head.safetensors")
         name = sorted(tensors)[0]
         tensors[name] = torch.full_like(tensors[name], float("nan"))
         save_file(tensors, art / "head.safetensors")
+        with make_client(artifact=art, ready=False) as c:  # changed after its manifest: the checksum refuses it
+            body = wait_status(c, "failed")
+            assert "differ from the sha256 the manifest records" in body["reason"]
+        manifest = read_manifest(art)
+        manifest.files = files_sha256(art, manifest.members)  # as a run that diverged to NaN would record them
+        write_manifest(art, manifest)
         with make_client(artifact=art, ready=False) as c:
             body = wait_status(c, "failed")
             assert "NaN or inf" in body["reason"] and "head" in body["reason"]
