@@ -7,8 +7,9 @@ is on every log record written while the request is served (``service.logs``).""
 from __future__ import annotations
 
 import asyncio
-import logging
 import json
+import logging
+import math
 import secrets
 import time
 import uuid
@@ -19,7 +20,8 @@ from service import logs
 from service.errors import error_body
 
 UNMEASURED = ("/health/", "/metrics")
-PROTECTED = ("/predict", "/v1/")  # the API routes: a bearer token is required when one is configured
+PROTECTED = ("/predict", "/v1/")
+PREDICT_PATHS = ("/predict", "/predict/batch")  # the API routes: a bearer token is required when one is configured
 BODY_METHODS = ("POST", "PUT", "PATCH")
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})  # others count as "other"
 log = logging.getLogger("service")
@@ -81,6 +83,14 @@ class RequestGuard:
                 status_holder["status"] = 401
                 return await self._reply(send, 401, "unauthorized", "a valid 'Authorization: Bearer <token>' header "
                                          "is required", request_id, [(b"www-authenticate", b"Bearer")])
+            if scope["method"] == "POST" and path in PREDICT_PATHS and scope["state"]["admitted"]:
+                wait = self.state.busy_for(headers.get("x-request-timeout"), scope["state"]["arrived"])
+                if wait is not None:  # no body read, parsed or tokenized: a refusal costs next to nothing
+                    self.state.metrics.rejected.labels(reason="capacity").inc()
+                    status_holder["status"] = 503
+                    return await self._reply(send, 503, "overloaded", "the service is busy: no request could be "
+                                             "answered before its deadline now; retry after the Retry-After seconds",
+                                             request_id, [(b"retry-after", str(max(1, math.ceil(wait))).encode())])
             if scope["method"] in BODY_METHODS and _routed(scope):
                 ctype = headers.get("content-type", "").split(";")[0].strip().lower()
                 if not (ctype == "application/json" or ctype.endswith("+json")):

@@ -153,6 +153,25 @@ class ServiceState:
         """Whether a request arriving now is admitted: the model is loaded and no shutdown has begun."""
         return self.health()[0] == 200
 
+    def busy_for(self, timeout_header: str | None, arrived: float) -> float | None:
+        """Seconds to wait before retrying when not even the smallest request could be answered before a deadline
+        (given by the header, or the server's) counted from ``arrived``; None when one could. The bound needs no
+        body, so RequestGuard refuses with it before parsing and tokenizing: refusals stay cheap under overload."""
+        if self.batcher is None or self.status != "ready":
+            return None
+        limit = self.settings.request_timeout_s
+        if timeout_header is not None:
+            try:
+                given = float(timeout_header)
+            except ValueError:
+                return None  # the route answers 422
+            if not (given > 0 and math.isfinite(given)):
+                return None  # likewise
+            limit = min(limit, given)
+        left = arrived + limit - time.monotonic()
+        lower = self.batcher.margin * self.batcher.expected_wait([0])  # one question of no tokens: a lower bound
+        return lower - left if lower > left else None
+
     def require_ready(self, request: Request) -> None:
         """Refuse (503 not_ready + Retry-After) unless the model can answer this request. Admission is decided
         once, when the request arrives (RequestGuard sets ``admitted``): one that arrived before SIGTERM is

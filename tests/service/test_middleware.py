@@ -8,7 +8,7 @@ from service.middleware import RequestGuard
 from service.settings import Settings
 
 
-def guard(**settings):
+def guard(busy_for=None, **settings):
     reached = []
 
     async def app(scope, receive, send):
@@ -16,7 +16,8 @@ def guard(**settings):
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"{}"})
 
-    state = SimpleNamespace(settings=Settings(**settings), metrics=Metrics(), accepting=lambda: True)
+    state = SimpleNamespace(settings=Settings(**settings), metrics=Metrics(), accepting=lambda: True,
+                            busy_for=busy_for or (lambda header, arrived: None))
     return RequestGuard(app, state), reached, state
 
 
@@ -76,3 +77,16 @@ def _metrics(state) -> str:
     from prometheus_client import generate_latest
 
     return generate_latest(state.metrics.registry).decode()
+
+
+def test_when_nothing_could_be_answered_in_time_the_body_is_never_read():
+    seen = []
+    mw, reached, state = guard(busy_for=lambda header, arrived: seen.append(header) or 2.5)
+
+    async def receive():
+        raise AssertionError("the body was read")
+
+    sent = call(mw, receive)
+    assert sent[0]["status"] == 503 and (b"retry-after", b"3") in sent[0]["headers"]
+    assert b'"overloaded"' in sent[1]["body"] and reached == [] and seen == [None]
+    assert 'ibedl_rejected_total{reason="capacity"} 1.0' in _metrics(state)
