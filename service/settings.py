@@ -43,7 +43,7 @@ class Settings(BaseSettings):
                             "capacity refuses earlier)")
     request_timeout_s: float = Field(30.0, gt=0, description="a request's deadline from its arrival; a client may "
                                      "ask for a shorter one with the X-Request-Timeout header (seconds)")
-    admission_margin: float = Field(1.25, ge=1, le=10, description="admit a request only if this many times its "
+    admission_margin: float = Field(1.5, ge=1, le=10, description="admit a request only if this many times its "
                                     "expected completion fits before its deadline (else 503 + Retry-After at once)")
     max_request_tokens: int = Field(16384, ge=16, description="prompt tokens in one request, all its questions")
     body_timeout_s: float = Field(10.0, gt=0, description="time to receive a request body (else 408)")
