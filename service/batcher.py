@@ -356,15 +356,19 @@ class MicroBatcher:
         chosen = min(at_risk, key=slack) if at_risk else min(self._requests, key=_Request.turn)
         return self._take(chosen)
 
-    def _next(self, first: _Item, room_tokens: int) -> _Item | None:
+    def _next(self, first: _Item, room_tokens: int, ends_by: float) -> _Item | None:
         """The next question in turn order that may share ``first``'s pass: the same model, at most
-        ``room_tokens`` tokens, and of a similar length (within ``SIMILAR`` times), or None."""
+        ``room_tokens`` tokens, of a similar length (within ``SIMILAR`` times), and not making the pass end after
+        ``ends_by`` (the earliest deadline in it) or after its own deadline; or None."""
         self._purge()
+        now = time.monotonic()
         for request in self._in_turn():
             head = request.items[0]
             if request.predict is not first.predict or head.tokens > room_tokens:
                 continue
             if not first.tokens / SIMILAR <= head.tokens <= first.tokens * SIMILAR:
+                continue
+            if now + self.service_time.seconds(self.max_batch_tokens - room_tokens + head.tokens) > min(ends_by, head.deadline):
                 continue
             return self._take(request)
         return None
@@ -384,7 +388,7 @@ class MicroBatcher:
         batch, tokens = [first], first.tokens
         deadline = time.monotonic() + self.max_wait
         while len(batch) < self.max_batch_size:
-            item = self._next(first, self.max_batch_tokens - tokens)
+            item = self._next(first, self.max_batch_tokens - tokens, min(i.deadline for i in batch))
             if item is not None:
                 batch.append(item)
                 tokens += item.tokens
@@ -413,6 +417,12 @@ class MicroBatcher:
         loop = asyncio.get_running_loop()
         self.on_depth(self.depth)
         live = [item for item in batch if not item.future.done()]  # abandoned requests are skipped
+        # A question whose deadline falls before this pass is expected to end gets its 503 now, not a 504 later.
+        end = time.monotonic() + self.service_time.seconds(sum(i.tokens for i in live))
+        for item in [i for i in live if i.deadline < end]:
+            item.future.set_exception(Overloaded("the service is busy: this question would not be answered before "
+                                                 "its deadline", retry_after=1.0))
+        live = [item for item in live if not item.future.done()]
         if not live:
             self._backlog_since = None
             return

@@ -294,6 +294,39 @@ def test_a_queued_request_that_can_no_longer_finish_in_time_is_refused_before_it
     assert isinstance(refused[0], Overloaded)
 
 
+def test_a_pass_is_not_made_longer_than_the_deadlines_in_it_allow():
+    async def main():
+        predict = FakePredict()
+        b = MicroBatcher(predict, max_batch_size=4, max_wait_ms=50, service_time=ServiceTime(0.01))
+        b.start()
+        now = time.monotonic()
+        # each alone takes 0.5 s; together 1 s, past "tight"'s deadline: they run in two passes
+        tight = await b.submit_many([q("tight")], [50], now + 0.8)
+        ok = await b.submit_many([q("ok")], [50], now + 5.0)
+        results = await asyncio.gather(*tight, *ok)
+        await b.stop()
+        return predict.batches, results
+
+    batches, results = run(main())
+    assert batches == [["tight"], ["ok"]] and results == ["tight", "ok"]
+
+
+def test_a_question_whose_pass_would_end_after_its_deadline_gets_overloaded_not_a_late_answer():
+    async def main():
+        predict = FakePredict()
+        st = ServiceTime(0.01)
+        b = MicroBatcher(predict, max_batch_size=4, max_wait_ms=0, service_time=st)
+        b.start()
+        late = await b.submit_many([q("late")], [50], time.monotonic() + 0.8)  # admitted: 0.5 s expected
+        st.per_token_s = 0.02  # the machine slowed down before its pass: 1 s now
+        results = await asyncio.gather(*late, return_exceptions=True)
+        await b.stop()
+        return predict.batches, results
+
+    batches, results = run(main())
+    assert batches == [] and isinstance(results[0], Overloaded)
+
+
 def test_drain_answers_what_fits_in_the_grace_period_and_refuses_the_rest():
     async def main():
         gate = Gate()
