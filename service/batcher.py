@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +36,7 @@ from service.capacity import ServiceTime, round_robin_finish, round_robin_wait
 log = logging.getLogger("service.batcher")
 
 
+OVERRUN_MAX = 4.0  # the overrun factor's cap (see MicroBatcher._observe_wait)
 SIMILAR = 2.0  # questions share a pass only if their prompt lengths are within this factor of its first one's
 
 
@@ -73,6 +75,7 @@ class _Item:
     future: asyncio.Future
     deadline: float
     predict: Predict
+    owner: "_Request | None" = None
 
 
 @dataclass(eq=False)
@@ -81,6 +84,8 @@ class _Request:
     seq: int  # arrival order
     items: deque[_Item] = field(default_factory=deque)
     served: int = 0  # prompt tokens of its questions taken into passes so far
+    admitted_at: float = 0.0  # monotonic
+    expected_s: float = 0.0  # the wait the estimate expected at admission (without margin or overrun)
 
     def turn(self) -> tuple[int, int]:
         """Scheduling key: the least served first, then the earliest."""
@@ -133,7 +138,8 @@ class MicroBatcher:
         self.on_batch = on_batch or (lambda size, seconds: None)
         self.on_depth = on_depth or (lambda depth: None)
         self._requests: deque[_Request] = deque()
-        self._arrivals = 0  # in turn order: the head gives the next question
+        self._arrivals = 0
+        self.overrun = 1.0  # how much longer than estimated requests have recently taken (>= 1)  # in turn order: the head gives the next question
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._shedder: asyncio.Task | None = None  # sheds hopeless queued requests between passes too
@@ -257,17 +263,18 @@ class MicroBatcher:
             if alone > left:
                 raise TooLarge(f"the request needs about {alone:.1f} s of model time ({own} prompt tokens) and its "
                                f"deadline leaves {max(left, 0):.1f} s", retry_after=alone - left)
-            expected = self.margin * self.expected_wait(tokens)
+            expected = self.margin * self.overrun * self.expected_wait(tokens)
             if expected > left:
                 raise Overloaded(f"the service is busy: an answer is expected in {expected:.1f} s and the deadline "
                                  f"leaves {left:.1f} s", retry_after=expected - left)
         loop = asyncio.get_running_loop()
         self._arrivals += 1
-        request = _Request(predict or self.predict, self._arrivals)
+        request = _Request(predict or self.predict, self._arrivals, admitted_at=time.monotonic(),
+                           expected_s=self.expected_wait(tokens))
         futures = []
         for q, n in zip(questions, tokens):
             fut = loop.create_future()
-            request.items.append(_Item(q, n, fut, deadline, request.predict))
+            request.items.append(_Item(q, n, fut, deadline, request.predict, request))
             futures.append(fut)
         self._requests.append(request)
         self.on_depth(self.depth)
@@ -289,13 +296,23 @@ class MicroBatcher:
                 item.future.set_exception(error)
         request.items.clear()
 
+    def _observe_wait(self, ratio: float) -> None:
+        """Fold in how long a finished request took against what its estimate expected at admission. The
+        ``overrun`` factor rises at once toward a late ratio and falls back slowly, and multiplies the waits that
+        admission and shedding estimate: when the estimate runs behind the machine (other work takes the CPU),
+        admission becomes stricter before requests start to time out."""
+        if not math.isfinite(ratio):
+            return
+        step = 0.5 if ratio > self.overrun else 0.05
+        self.overrun = min(OVERRUN_MAX, max(1.0, self.overrun + step * (ratio - self.overrun)))
+
     def _shed_late(self) -> None:
         """Answer Overloaded now to each queued request the current estimate says will miss its deadline (served
         in turn order after the pass in flight), rather than 504 at the deadline."""
         now = time.monotonic()
         requests = self._in_turn()
         finish = round_robin_finish([r.live() for r in requests], self.inflight_left(), self.service_time)
-        late = [r for r, t in zip(requests, finish) if now < r.deadline() < now + t]
+        late = [r for r, t in zip(requests, finish) if now < r.deadline() < now + self.overrun * t]
         for r in late:
             self._fail(r, Overloaded("the service slowed down and could not answer this request before its deadline",
                                      retry_after=1.0))
@@ -455,3 +472,7 @@ class MicroBatcher:
         for item, result in zip(live, results):
             if not item.future.done():
                 item.future.set_result(result)
+        now = time.monotonic()
+        for owner in {id(i.owner): i.owner for i in live if i.owner is not None and not i.owner.items}.values():
+            # relative to at least 1 s: a short wait's fixed costs (gathering, the thread hop) are not an overrun
+            self._observe_wait(1.0 + (now - owner.admitted_at - owner.expected_s) / max(owner.expected_s, 1.0))

@@ -26,6 +26,8 @@ class Metrics:
                                 registry=r)
         self.nonfinite = Counter("ibedl_nonfinite_outputs", "questions whose model outputs held NaN or inf (answered "
                                  "503, never as an answer)", registry=r)
+        self.admission_overrun = Gauge("ibedl_admission_overrun", "how much longer than estimated recent requests "
+                                       "took (>= 1); admission and shedding multiply their estimates by it", registry=r)
         self.seconds_per_token = Gauge("ibedl_seconds_per_token", "estimated model seconds per prompt token (the "
                                        "admission estimate, from recent forward passes)", registry=r)
         self.uncertainty = Histogram("ibedl_uncertainty_mass", "uncertainty mass u of served answers", ["adapter"],

@@ -191,6 +191,7 @@ class ServiceState:
         self.metrics.forward_seconds.observe(seconds)
         if self.batcher is not None:
             self.metrics.seconds_per_token.set(self.batcher.service_time.per_token_s)
+            self.metrics.admission_overrun.set(self.batcher.overrun)
 
     def _refusal(self, e: Exception, n: int) -> ApiError:
         """The answer to a request the batcher refused (``n`` questions), counted by reason."""

@@ -327,6 +327,28 @@ def test_a_question_whose_pass_would_end_after_its_deadline_gets_overloaded_not_
     assert batches == [] and isinstance(results[0], Overloaded)
 
 
+def test_requests_that_took_longer_than_estimated_make_admission_stricter():
+    async def main():
+        b = MicroBatcher(FakePredict(), max_batch_size=1, service_time=ServiceTime(0.01), margin=1.0)
+        b.start()
+        assert b.overrun == 1.0
+        b._observe_wait(3.0)  # a request took 3x its estimate
+        raised = b.overrun
+        for _ in range(20):
+            b._observe_wait(1.0)  # then on time again
+        recovered = b.overrun
+        b._observe_wait(3.0)
+        now = time.monotonic()
+        with pytest.raises(Overloaded):  # 50 tokens = 0.5 s estimated; x overrun 2 > 0.8 s left
+            await b.submit_many([q("a")], [50], now + 0.8)
+        await b.stop()
+        return raised, recovered
+
+    raised, recovered = run(main())
+    assert raised == pytest.approx(2.0)  # half way at once
+    assert 1.0 < recovered < 1.5  # and back slowly
+
+
 def test_drain_answers_what_fits_in_the_grace_period_and_refuses_the_rest():
     async def main():
         gate = Gate()
