@@ -75,34 +75,31 @@ def tiny_jsonl(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def tiny_artifact(tiny_model_dir, tiny_jsonl, tmp_path_factory):
-    """An IB-EDL adapter trained for 2 steps on the tiny model (real artifact files, real loading)."""
+def train_tiny(tiny_model_dir, tiny_jsonl, root, *overrides: str):
+    """An adapter trained for 2 steps on the tiny model with ``overrides`` (method, name, ...) under ``root``."""
     from training.config import load_config
     from training.finetune import train
 
-    root = tmp_path_factory.mktemp("artifact")
     cfg = load_config(None, [
-        "method=ib_edl", f"base_model={tiny_model_dir}", f"output={root / 'adapter'}", "name=tiny",
+        f"base_model={tiny_model_dir}", f"output={root / 'adapter'}",
         f"data={{train: [{{dataset: jsonl, path: {tiny_jsonl}}}], validation: [{{dataset: jsonl, path: {tiny_jsonl}}}]}}",
-        "optim.max_steps=2", "max_tokens=96", "progress=false", "method_params.num_samples=2",
+        "optim.max_steps=2", "max_tokens=96", "progress=false", *overrides,
     ])
     return train(cfg)
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact(tiny_model_dir, tiny_jsonl, tmp_path_factory):
+    """An IB-EDL adapter trained for 2 steps on the tiny model (real artifact files, real loading)."""
+    return train_tiny(tiny_model_dir, tiny_jsonl, tmp_path_factory.mktemp("artifact"),
+                      "method=ib_edl", "name=tiny", "method_params.num_samples=2")
 
 
 @pytest.fixture(scope="session")
 def tiny_map_artifact(tiny_model_dir, tiny_jsonl, tmp_path_factory):
     """A MAP (softmax) adapter on the same tiny model as ``tiny_artifact``: a second adapter to serve beside it."""
-    from training.config import load_config
-    from training.finetune import train
-
-    root = tmp_path_factory.mktemp("artifact-map")
-    cfg = load_config(None, [
-        "method=map", f"base_model={tiny_model_dir}", f"output={root / 'adapter'}", "name=tiny-map",
-        f"data={{train: [{{dataset: jsonl, path: {tiny_jsonl}}}], validation: [{{dataset: jsonl, path: {tiny_jsonl}}}]}}",
-        "optim.max_steps=2", "max_tokens=96", "progress=false", "seed=1",
-    ])
-    return train(cfg)
+    return train_tiny(tiny_model_dir, tiny_jsonl, tmp_path_factory.mktemp("artifact-map"),
+                      "method=map", "name=tiny-map", "seed=1")
 
 
 @pytest.fixture(autouse=True)

@@ -127,6 +127,17 @@ def test_drift_in_distribution_quiet_then_shifted_alarms(real_model_ref, tmp_pat
         assert proc.stop() == 0
 
 
+def sigterm_when_inflight(proc, futures, n: int, finished=all) -> list:
+    """SIGTERM once the service counts ``n`` requests in flight (or ``finished`` of the futures are done);
+    then the responses of all ``futures``."""
+    deadline = time.monotonic() + 120
+    while inflight(proc) < n and not finished(f.done() for f in futures):
+        assert time.monotonic() < deadline, f"the requests never reached the service ({n} in flight awaited)"
+        time.sleep(0.05)
+    proc.proc.send_signal(signal.SIGTERM)
+    return [f.result() for f in futures]
+
+
 def inflight(proc) -> float:
     """The service's own count of requests being served (its /metrics gauge)."""
     for line in httpx.get(proc.url + "/metrics", timeout=10).text.splitlines():
@@ -150,13 +161,8 @@ def test_sigterm_drains_in_flight_requests(real_model_ref, tmp_path):
 
         with ThreadPoolExecutor(4) as pool:
             futures = [pool.submit(call, i) for i in range(4)]
-            deadline = time.monotonic() + 120
             # the requests are queued or in a forward pass (a fast machine may finish one first: drain the rest)
-            while inflight(proc) < 4 and not any(f.done() for f in futures):
-                assert time.monotonic() < deadline, "the four requests never reached the service"
-                time.sleep(0.05)
-            proc.proc.send_signal(signal.SIGTERM)
-            responses = [f.result() for f in futures]
+            responses = sigterm_when_inflight(proc, futures, 4, any)
         assert [r.status_code for r in responses] == [200] * 4
         assert all(len(r.json()["results"]) == 4 for r in responses)
         assert proc.proc.wait(60) == 0, proc.log_text()
@@ -176,12 +182,7 @@ def test_sigterm_under_load_answers_200_or_503_and_exits_0(real_model_ref, tmp_p
         items = sciq(40)
         with ThreadPoolExecutor(40) as pool:
             futures = [pool.submit(ask, proc, item) for item in items]
-            deadline = time.monotonic() + 120
-            while inflight(proc) < 20 and not all(f.done() for f in futures):
-                assert time.monotonic() < deadline, "the requests never reached the service"
-                time.sleep(0.05)
-            proc.proc.send_signal(signal.SIGTERM)
-            responses = [f.result() for f in futures]
+            responses = sigterm_when_inflight(proc, futures, 20, all)
         codes = [r.status_code for r in responses]
         assert set(codes) <= {200, 503}, codes
         for r in responses:
