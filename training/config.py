@@ -148,6 +148,7 @@ class TrainConfig:
     centre_options: bool = False  # evidential heads: pre-evidence minus its mean over the question's options
     evidence_scale: float = 1.0  # evidential heads: pre-evidence = s * (W h) + b (HeadConfig.evidence_scale)
     init_from: str | None = None  # an artifact whose LoRA weights and option rows start this run (training.warm_start)
+    train_layers: int | None = None  # LoRA trains in the top K decoder layers only; the states below are cached
     target_accuracy: float = 0.8
     fit_zeta: bool = True
     reference_size: int = 1000
@@ -190,6 +191,11 @@ class TrainConfig:
         check_evidence_scale(self.evidence_scale)
         if self.init_from is not None and not (Path(self.init_from) / "manifest.json").is_file():
             raise ValueError(f"init_from must be an artifact directory with a manifest.json, got {self.init_from!r}")
+        if self.train_layers is not None and (isinstance(self.train_layers, bool) or not isinstance(self.train_layers, int)
+                                              or self.train_layers < 1):
+            raise ValueError(f"train_layers must be a positive number of top layers or null, got {self.train_layers!r}")
+        if self.train_layers is not None and self.fsdp:
+            raise ValueError("train_layers runs the top layers on cached states, which fsdp cannot shard; use one or the other")
         if self.name is None:
             self.name = Path(self.output).name
 

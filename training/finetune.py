@@ -40,6 +40,7 @@ from training.config import TRACKERS, DataPart, TrainConfig, config_keys_help, l
 from training.distributed import OptionScorer, flatten, make_accelerator, numbers, process_device, reset_accelerator
 from training.evaluate import EvalResult, evaluate
 from training.methods import LossContext, Method, get_method
+from evidential import prefix_cache
 from training import warm_start
 
 log = logging.getLogger("training.finetune")
@@ -144,6 +145,10 @@ def build(cfg: TrainConfig, method: Method, device: str | None = None):
                 "lora_tensors": warm_start.load_lora(model, cfg.init_from), "head": "all" if same_kind else "rows"}
         log.info("warm start from %s (%s): LoRA and head %s", cfg.init_from, source.method, warm["head"])
     predictor = Predictor(model, tokenizer, head, template=cfg.template, max_tokens=cfg.max_tokens)
+    if cfg.train_layers is not None:  # only the top layers learn: freeze the rest and read their output from the cache
+        frozen = prefix_cache.freeze_below(model, prefix_cache.check_train_layers(model, cfg.train_layers))
+        prefix_cache.attach(predictor, cfg.train_layers, resolved.sha256)
+        log.info("train_layers %d: %d LoRA tensors below frozen", cfg.train_layers, frozen)
     return predictor, resolved, ids, params, warm
 
 
@@ -412,6 +417,7 @@ def load_trained(cfg: TrainConfig, method: Method, params: dict, out_dir: Path, 
     dtype = DTYPES[cfg.dtype] if cfg.dtype else None
     predictor = Predictor.from_artifact(out_dir, base_model=cfg.base_model, device=cfg.device, dtype=dtype,
                                         load_in_4bit=cfg.load_in_4bit)
+    prefix_cache.attach(predictor, cfg.train_layers, resolve_model(cfg.base_model).sha256)
     if method.posthoc is not None:
         fit_q = random.Random(cfg.seed).sample(train_q, min(method.posthoc.num_samples(params), len(train_q)))
         log.info("post-hoc %s on %d training questions", method.name, len(fit_q))

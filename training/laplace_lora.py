@@ -126,8 +126,11 @@ def fit_laplace(predictor: Predictor, questions: list[MCQuestion], prior_precisi
 
     if any(q.answer is None for q in questions):
         raise ValueError("fit_laplace needs questions with answers")
+    # The posterior is over the LoRA weights the predictor's forward differentiates: all of them, or with a
+    # prefix-cached trunk (evidential.prefix_cache) those of the layers it runs live.
+    differentiable = getattr(predictor.trunk, "differentiable", lambda name: True)
     for name, param in predictor.model.named_parameters():
-        param.requires_grad_("lora_" in name)  # the posterior is over the LoRA weights only
+        param.requires_grad_("lora_" in name and differentiable(name))
     for param in predictor.head.parameters():
         param.requires_grad_(False)
     predictor.model.eval()
