@@ -92,7 +92,7 @@ bench: setup
 
 # All methods on one contract (hours on CPU; resumes where it stopped).
 benchmark: setup-laplace
-	$(PY) -m training.experiments.benchmark --config benchmarks/smollm2_small.yaml
+	$(PY) -m training.experiments.benchmark --config benchmarks/sciq_grid.yaml --jobs 2
 
 clean:
 	rm -rf $(VENV) .pytest_cache runs site

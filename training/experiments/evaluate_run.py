@@ -11,6 +11,7 @@ masses and test throughput.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -24,21 +25,67 @@ def limits_for(limits: dict, dataset: str) -> dict:
     return {**limits.get("default", {}), **limits.get(dataset, {})}
 
 
+VARIANTS = ("no_context",)
+
+
+def load_eval_set(spec: str, limit: int | None, seed: int = 0) -> list:
+    """Test questions of ``name`` or ``name:no_context`` (the same questions without their passage or article)."""
+    from training.data import load_dataset
+
+    name, _, variant = spec.partition(":")
+    if variant and variant not in VARIANTS:
+        raise ValueError(f"unknown dataset variant {variant!r} in {spec!r}; known: {', '.join(VARIANTS)}")
+    questions = load_dataset(name, "test", limit=limit, seed=seed)
+    return [dataclasses.replace(q, context=None) for q in questions] if variant == "no_context" else questions
+
+
+def _auroc_pair(first: dict, ood: dict, keep_id, keep_ood) -> dict:
+    """AUROC by max probability (mp) and, for Dirichlet methods, by 1/u (um) on the kept questions."""
+    conf = lambda s, keep: np.array([max(p) for p, k in zip(s["probs"], keep) if k])  # noqa: E731
+    out = {"mp": metrics.auroc(conf(first, keep_id), conf(ood, keep_ood))}
+    if first["uncertainty"] is not None and ood["uncertainty"] is not None:
+        unc = lambda s, keep: -np.array([u for u, k in zip(s["uncertainty"], keep) if k])  # noqa: E731
+        out["um"] = metrics.auroc(unc(first, keep_id), unc(ood, keep_ood))
+    return out
+
+
 def summarise_run(preds: dict, eval_sets) -> dict:
-    """In-distribution metrics on the first set; OOD AUROC (ID positive) against each other set."""
+    """In-distribution metrics on the first set; OOD AUROC (ID positive) against each other set, on all questions
+    and with the option count matched (both sides restricted to the in-distribution set's most common count:
+    evidential scores shift with the number of options, so a count mismatch alone can separate the sets)."""
     first = preds["sets"][eval_sets[0]]
     out = metrics.summarise(first["probs"], first["labels"], first["uncertainty"])
-    conf_id = np.array([max(p) for p in first["probs"]])
+    counts_id = [len(p) for p in first["probs"]]
+    modal = max(set(counts_id), key=counts_id.count)
     for other in eval_sets[1:]:
         ood = preds["sets"][other]
-        conf_ood = np.array([max(p) for p in ood["probs"]])
-        out[f"ood/{other}/auroc_mp"] = metrics.auroc(conf_id, conf_ood)
-        if first["uncertainty"] is not None and ood["uncertainty"] is not None:
-            out[f"ood/{other}/auroc_um"] = metrics.auroc(-np.array(first["uncertainty"]), -np.array(ood["uncertainty"]))
+        for score, value in _auroc_pair(first, ood, [True] * len(counts_id), [True] * len(ood["probs"])).items():
+            out[f"ood/{other}/auroc_{score}"] = value
+        keep_ood = [len(p) == modal for p in ood["probs"]]
+        if sum(keep_ood) >= 10:
+            matched = _auroc_pair(first, ood, [c == modal for c in counts_id], keep_ood)
+            for score, value in matched.items():
+                out[f"ood/{other}/auroc_{score}_matched"] = value
+            out[f"ood/{other}/matched_options"] = modal
+            out[f"ood/{other}/matched_n"] = sum(keep_ood)
         ood_metrics = metrics.summarise(ood["probs"], ood["labels"])
         for key in ("accuracy", "ece", "nll"):
             out[f"ood/{other}/{key}"] = ood_metrics[key]
     return out
+
+
+def outputs(preds) -> dict:
+    """Probabilities (rounded to 7 digits) and uncertainty masses (None without a Dirichlet) of predictions."""
+    return {"probs": [[round(x, 7) for x in p.probs] for p in preds],
+            "uncertainty": None if preds[0].uncertainty is None else [p.uncertainty for p in preds]}
+
+
+def without_posthoc(preds: dict) -> dict | None:
+    """The predictions of a run with its post-hoc step undone (IB-EDL's zeta at 0), or None when it has none."""
+    sets = preds["sets"]
+    if not all("without_posthoc" in s for s in sets.values()):
+        return None
+    return {"sets": {name: {**s, **s["without_posthoc"]} for name, s in sets.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     args = parser.parse_args(argv)
 
+    from evidential import prefix_cache
     from evidential.predictor import Predictor
     from training.data import load_dataset
     from training.evaluate import predict_all
@@ -62,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     method = get_method(args.method)
     params = method.params(json.loads(args.method_params))
     predictor = Predictor.from_artifact(args.artifact)
+    trained = (predictor.manifest.training or {}).get("config", {})
+    if trained.get("train_layers"):  # only the top layers were trained: the states below come from the cache
+        prefix_cache.attach(predictor, trained["train_layers"], predictor.manifest.base_model["sha256"])
     if method.num_mc_samples(params):  # the predictive of a method trained as the artifact was (MC-Dropout on MAP)
         predictor.mc_samples = method.num_mc_samples(params)
         predictor.eval()
@@ -73,16 +124,18 @@ def main(argv: list[str] | None = None) -> int:
         predictor = method.posthoc.fit(predictor, fit_q, params)
     out = {"artifact": str(args.artifact), "method": args.method, "sets": {}}
     for dataset in args.dataset:
-        questions = load_dataset(dataset, "test", limit=limits_for(limits, dataset).get("test"), seed=0)
+        questions = load_eval_set(dataset, limits_for(limits, dataset).get("test"))
         preds, seconds = predict_all(predictor, questions, args.batch_size, progress=False)
-        probs = [p.probs for p in preds]
-        uncertainty = None if preds[0].uncertainty is None else [p.uncertainty for p in preds]
-        out["sets"][dataset] = {
-            "probs": [[round(x, 7) for x in p] for p in probs],
-            "labels": [q.answer for q in questions],
-            "uncertainty": uncertainty,
-            "samples_per_s": len(questions) / seconds,
-        }
+        out["sets"][dataset] = {**outputs(preds), "labels": [q.answer for q in questions],
+                                "samples_per_s": len(questions) / seconds}
+        zeta = getattr(getattr(predictor, "head", None), "config", None)
+        if zeta is not None and getattr(zeta, "zeta", 0.0):  # IB-EDL's post-hoc zeta: also without it
+            fitted, zeta.zeta = zeta.zeta, 0.0
+            try:
+                out["sets"][dataset]["without_posthoc"] = outputs(predict_all(predictor, questions, args.batch_size,
+                                                                              progress=False)[0])
+            finally:
+                zeta.zeta = fitted
     atomic_write_text(args.output, json.dumps(out))  # the runner takes a present file as finished
     return 0
 

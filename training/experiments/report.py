@@ -20,8 +20,33 @@ ID_METRICS = [("accuracy", "Acc (%) ↑", True, 100), ("ece", "ECE (%) ↓", Fal
               ("acc@90", "Acc@90% cov (%) ↑", True, 100)]
 
 
+def dataset_name(spec: str) -> str:
+    """Display name of a dataset or a variant (``sciq:no_context`` -> ``SciQ (no passage)``)."""
+    name, _, variant = spec.partition(":")
+    return DATASET_NAMES.get(name, name) + (" (no passage)" if variant == "no_context" else f" ({variant})" if variant else "")
+
+
+NO_POSTHOC = ":no_posthoc"  # a method's row with its post-hoc step undone (IB-EDL with zeta = 0)
+
+
 def _label(method: str) -> str:
+    if method.endswith(NO_POSTHOC):
+        return f"{_label(method[: -len(NO_POSTHOC)])}, ζ = 0"
     return METHODS[method].label if method in METHODS else method
+
+
+def _order(methods) -> list[str]:
+    """Registry order, each method's no-post-hoc row right after it."""
+    return [m for base in METHODS for m in (base, base + NO_POSTHOC) if m in methods]
+
+
+def _rows(results: list[dict], kind: str):
+    """(method, record, metrics) of a kind's results, plus a ``<method>:no_posthoc`` entry where one was measured."""
+    for r in results:
+        if r["kind"] == kind:
+            yield r["method"], r, r["metrics"]
+            if r.get("metrics_without_posthoc"):
+                yield r["method"] + NO_POSTHOC, r, r["metrics_without_posthoc"]
 
 
 def _cell(values: list[float], scale: float) -> tuple[float, str]:
@@ -34,7 +59,7 @@ def _cell(values: list[float], scale: float) -> tuple[float, str]:
 
 def _table(rows: dict, columns: list[str], higher: bool, scale: float, header: list[str]) -> list[str]:
     """rows[method][column] = list of values -> Markdown with the best mean per column in bold."""
-    methods = [m for m in METHODS if m in rows]
+    methods = _order(rows)
     cells = {m: {c: _cell(rows[m][c], scale) if rows[m].get(c) else (None, "–") for c in columns} for m in methods}
     best = {}
     for c in columns:
@@ -52,11 +77,10 @@ def _table(rows: dict, columns: list[str], higher: bool, scale: float, header: l
 
 def _group(results: list[dict], kind: str) -> dict:
     grouped: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
-    for r in results:
-        if r["kind"] == kind:
-            for key, value in r["metrics"].items():
-                if isinstance(value, (int, float)) and value is not None and np.isfinite(value):
-                    grouped[r["method"]][r["dataset"]][key].append(value)
+    for method, r, values in _rows(results, kind):
+        for key, value in values.items():
+            if isinstance(value, (int, float)) and value is not None and np.isfinite(value):
+                grouped[method][r["dataset"]][key].append(value)
     return grouped
 
 
@@ -66,7 +90,7 @@ def id_tables(results: list[dict], kind: str = "id", metric_list=ID_METRICS) -> 
     lines = []
     for key, label, higher, scale in metric_list:
         rows = {m: {d: grouped[m][d].get(key, []) for d in datasets} for m in grouped}
-        lines += [f"**{label}**", ""] + _table(rows, datasets, higher, scale, ["Method"] + [DATASET_NAMES.get(d, d) for d in datasets]) + [""]
+        lines += [f"**{label}**", ""] + _table(rows, datasets, higher, scale, ["Method"] + [dataset_name(d) for d in datasets]) + [""]
     return lines
 
 
@@ -74,21 +98,28 @@ def ood_tables(results: list[dict]) -> list[str]:
     runs = [r for r in results if r["kind"] == "ood"]
     if not runs:
         return []
-    rows: dict = defaultdict(lambda: defaultdict(list))
-    columns, header = [], ["Method"]
-    for r in runs:
-        for key, value in r["metrics"].items():
-            if key.startswith("ood/") and key.endswith(("auroc_mp", "auroc_um")):
-                rows[r["method"]][key].append(value)
-                if key not in columns:
-                    columns.append(key)
-    columns.sort()
-    for c in columns:
-        _, target, score = c.split("/")
-        header.append(f"{DATASET_NAMES.get(runs[0]['dataset'], runs[0]['dataset'])} → {DATASET_NAMES.get(target, target)} "
-                      f"{'MP' if score.endswith('mp') else 'UM'}")
-    return ["AUROC (%) ↑, in-distribution as the positive class; MP = max probability, UM = 1/u "
-            "(methods without a Dirichlet have no UM).", ""] + _table(rows, columns, True, 100, header) + [""]
+    source = dataset_name(runs[0]["dataset"])
+    lines = []
+    for suffix, title in (("", "all questions"), ("_matched", "option count matched")):
+        rows: dict = defaultdict(lambda: defaultdict(list))
+        columns = []
+        for method, r, values in _rows(results, "ood"):
+            for key, value in values.items():
+                if key.startswith("ood/") and key.endswith((f"auroc_mp{suffix}", f"auroc_um{suffix}")):
+                    rows[method][key].append(value)
+                    if key not in columns:
+                        columns.append(key)
+        if not columns:
+            continue
+        columns.sort()
+        header = ["Method"] + [f"{source} → {dataset_name(c.split('/')[1])} {'MP' if 'auroc_mp' in c else 'UM'}" for c in columns]
+        note = ""
+        if suffix:
+            counts = {r["metrics"].get(f"{c.rsplit('/', 1)[0]}/matched_options") for r in runs for c in columns}
+            note = f" Both sides restricted to {', '.join(str(c) for c in sorted(counts - {None}))}-option questions."
+        lines += [f"AUROC (%) ↑, {title}; in-distribution is the positive class; MP = max probability, UM = 1/u "
+                  f"(methods without a Dirichlet have no UM).{note}", ""] + _table(rows, columns, True, 100, header) + [""]
+    return lines
 
 
 def ece_bins_table(results: list[dict]) -> list[str]:
@@ -100,20 +131,31 @@ def ece_bins_table(results: list[dict]) -> list[str]:
 
 
 def efficiency_table(results: list[dict]) -> list[str]:
+    keys = ("train_samples_per_s", "test_samples_per_s", "train_peak_rss_mib", "eval_peak_rss_mib")
     rows: dict = defaultdict(lambda: defaultdict(list))
     for r in results:
-        for key in ("train_samples_per_s", "test_samples_per_s", "train_peak_rss_mib"):
+        for key in keys:
             value = r.get("efficiency", {}).get(key)
             if value:
                 rows[r["method"]][key].append(value)
     methods = [m for m in METHODS if m in rows]
-    lines = ["| Method | Train samples/s | Test samples/s | Peak train memory (MiB RSS) |", "|---|---|---|---|"]
+    mean = {m: {k: float(np.mean(rows[m][k])) if rows[m][k] else None for k in keys} for m in methods}
+    ref = mean.get("map", {})
+
+    def cell(m: str, k: str, fmt: str) -> str:
+        value = mean[m][k]
+        if value is None:
+            return "–"
+        ratio = f" ({value / ref[k]:.2f}x)" if ref.get(k) else ""
+        return f"{value:{fmt}}{ratio}"
+
+    lines = ["| Method | Train samples/s | Test samples/s | Peak train memory (MiB RSS) | Peak test memory (MiB RSS) |",
+             "|---|---|---|---|---|"]
     for m in methods:
-        cells = [f"{np.mean(rows[m][k]):.2f}" if rows[m][k] else "–" for k in ("train_samples_per_s", "test_samples_per_s")]
-        mem = f"{np.max(rows[m]['train_peak_rss_mib']):.0f}" if rows[m]["train_peak_rss_mib"] else "–"
-        lines.append(f"| {_label(m)} | {cells[0]} | {cells[1]} | {mem} |")
-    return ["MC-Dropout and Laplace reuse the MAP training run (their train columns repeat MAP's); "
-            "Ens trains three adapters.", ""] + lines + [""]
+        lines.append(f"| {_label(m)} | {cell(m, keys[0], '.2f')} | {cell(m, keys[1], '.2f')} | {cell(m, keys[2], '.0f')} | "
+                     f"{cell(m, keys[3], '.0f')} |")
+    return ["Means over the grid's runs, with the ratio to MAP in brackets. MC-Dropout and Laplace reuse the MAP "
+            "training run (their train columns repeat MAP's); Ens trains its members one after another.", ""] + lines + [""]
 
 
 def plots(results: list[dict], runs_root: Path, out_dir: Path) -> list[Path]:
@@ -127,10 +169,9 @@ def plots(results: list[dict], runs_root: Path, out_dir: Path) -> list[Path]:
         if r["kind"] != "id" or r["method"] in by_dataset[r["dataset"]]:
             continue
         trained = METHODS[r["method"]].trained_as
-        pred_path = runs_root / f"{r['dataset']}-{trained}-s{r['seed']}" / f"predictions-id-{r['method']}.json"
-        if pred_path.is_file():
-            sets = json.loads(pred_path.read_text())["sets"]
-            by_dataset[r["dataset"]][r["method"]] = sets[r["dataset"]]
+        pred_path = runs_root / f"{r['dataset']}-{trained}-s{r['seed']}" / f"predictions-{r['method']}-{r['dataset']}.json"
+        if pred_path.is_file():  # written by training.experiments.benchmark (Runner.evaluate)
+            by_dataset[r["dataset"]][r["method"]] = json.loads(pred_path.read_text())
     for dataset, methods in by_dataset.items():
         curves = {}
         for method in [m for m in METHODS if m in methods]:

@@ -55,7 +55,7 @@ def test_runner_end_to_end_and_resume(bench_config, tmp_path):
     assert "ood/arc_easy/auroc_um" not in by_key["ood-obqa-map-s0"]["metrics"]
     # MC-Dropout and Laplace-style post-hoc methods reuse the MAP training run
     assert not (runs_dir / "sciq-mc_dropout-s0").exists()
-    assert (runs_dir / "sciq-map-s0" / "predictions-id-mc_dropout.json").is_file()
+    assert (runs_dir / "sciq-map-s0" / "predictions-mc_dropout-sciq.json").is_file()
     manifest = json.loads((runs_dir / "arc_easy-noise0.5-map-s0" / "manifest.json").read_text())
     assert manifest["training"]["label_noise"] == 0.5
     report = results.with_suffix(".md").read_text()
@@ -78,3 +78,69 @@ def test_bad_config(tmp_path, capsys):
     bad.write_text("name: x\nmethods: [map]\nseeds: [0]\nexperiments: [{kind: weird}]\n")
     assert main(["--config", str(bad)]) == 2
     assert "experiment kind must be id, ood or noise" in capsys.readouterr().err
+
+
+def test_jobs_run_chains_side_by_side_with_the_same_results(bench_config, tmp_path):
+    path, config = bench_config
+    small = {**config, "methods": ["map", "ib_edl"], "experiments": [{"kind": "id", "datasets": ["sciq"]}]}
+    path.write_text(json.dumps(small))
+    records = {}
+    for jobs in (1, 2):
+        results = tmp_path / f"jobs{jobs}.json"
+        assert main(["--config", str(path), "--runs-dir", str(tmp_path / f"runs{jobs}"), "--results", str(results),
+                     "--jobs", str(jobs)]) == 0
+        records[jobs] = {r["key"]: r for r in json.loads(results.read_text())}
+    assert set(records[1]) == set(records[2]) == {"id-sciq-map-s0", "id-sciq-ib_edl-s0"}
+    for key, record in records[1].items():
+        for metric in ("accuracy", "nll", "ece"):  # one thread per job or torch's: the same runs up to rounding
+            assert records[2][key]["metrics"][metric] == pytest.approx(record["metrics"][metric], abs=1e-3)
+
+
+def test_bad_jobs(bench_config, capsys):
+    path, _ = bench_config
+    with pytest.raises(SystemExit):
+        main(["--config", str(path), "--jobs", "0"])
+    assert "must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_summarise_run_matches_option_counts():
+    from sklearn.metrics import roc_auc_score
+
+    from training.experiments.evaluate_run import summarise_run
+
+    id_probs = [[0.7, 0.1, 0.1, 0.1], [0.5, 0.2, 0.2, 0.1], [0.9, 0.05, 0.03, 0.02]] * 4
+    ood_probs = [[0.6, 0.2, 0.1, 0.1], [0.3, 0.3, 0.2, 0.2]] * 6 + [[0.2] * 5] * 6  # 5-option ones: least confident
+    preds = {"sets": {
+        "sciq": {"probs": id_probs, "labels": [0] * 12, "uncertainty": [0.1, 0.3, 0.05] * 4},
+        "arc_easy": {"probs": ood_probs, "labels": [0] * 18, "uncertainty": [0.2, 0.5] * 6 + [0.9] * 6},
+    }}
+    out = summarise_run(preds, ["sciq", "arc_easy"])
+    conf_id, conf_ood = [max(p) for p in id_probs], [max(p) for p in ood_probs]
+    auroc = lambda pos, neg: roc_auc_score([1] * len(pos) + [0] * len(neg), pos + neg)  # noqa: E731
+    assert out["ood/arc_easy/auroc_mp"] == pytest.approx(auroc(conf_id, conf_ood))
+    assert out["ood/arc_easy/auroc_mp_matched"] == pytest.approx(auroc(conf_id, conf_ood[:12]))
+    assert out["ood/arc_easy/auroc_mp_matched"] < out["ood/arc_easy/auroc_mp"]  # the 5-option questions were easy to reject
+    assert out["ood/arc_easy/auroc_um_matched"] == pytest.approx(auroc([-0.1, -0.3, -0.05] * 4, [-0.2, -0.5] * 6))
+    assert out["ood/arc_easy/matched_options"] == 4 and out["ood/arc_easy/matched_n"] == 12
+
+
+def test_eval_set_variants():
+    from training.experiments.evaluate_run import load_eval_set
+
+    plain = load_eval_set("sciq", 5)
+    bare = load_eval_set("sciq:no_context", 5)
+    assert [q.question for q in bare] == [q.question for q in plain]
+    assert any(q.context for q in plain) and all(q.context is None for q in bare)  # some SciQ questions have none
+    with pytest.raises(ValueError, match="unknown dataset variant 'shuffled' in 'sciq:shuffled'"):
+        load_eval_set("sciq:shuffled", 5)
+
+
+def test_without_posthoc_swaps_in_the_predictions_with_zeta_undone():
+    from training.experiments.evaluate_run import without_posthoc
+
+    served = {"probs": [[0.6, 0.4]], "labels": [0], "uncertainty": [0.3], "samples_per_s": 9.0,
+              "without_posthoc": {"probs": [[0.8, 0.2]], "uncertainty": [0.1]}}
+    bare = without_posthoc({"sets": {"sciq": served}})
+    assert bare["sets"]["sciq"]["probs"] == [[0.8, 0.2]] and bare["sets"]["sciq"]["uncertainty"] == [0.1]
+    assert bare["sets"]["sciq"]["labels"] == [0]
+    assert without_posthoc({"sets": {"sciq": {k: v for k, v in served.items() if k != "without_posthoc"}}}) is None

@@ -45,3 +45,26 @@ def test_report_layout_and_bold_best(tmp_path):
     assert "OBQA → SciQ UM" in ood and "| MAP |" in ood.split("\n| EDL")[0]
     assert "–" in [line for line in ood.splitlines() if line.startswith("| MAP |")][0]
     assert "## Efficiency" in text
+
+
+def test_report_rows_without_posthoc_and_matched_ood(tmp_path):
+    results = synthetic_results()
+    for r in results:
+        if r["method"] == "ib_edl":
+            r["metrics_without_posthoc"] = {**r["metrics"], "ece": 0.2}
+        if r["kind"] == "ood":
+            r["metrics"].update({"ood/sciq:no_context/auroc_mp_matched": 0.7, "ood/sciq:no_context/matched_options": 4})
+        if r["kind"] == "id" and r["method"] == "map":
+            r["efficiency"]["test_samples_per_s"] = 10.0
+    path = tmp_path / "bench.md"
+    write_report(results, {"name": "bench"}, path)
+    text = path.read_text()
+    ece_table = text.split("**ECE (%) ↓**")[1].split("**NLL")[0]
+    lines = ece_table.splitlines()
+    at = [i for i, line in enumerate(lines) if line.startswith("| IB-EDL |")][0]
+    assert lines[at + 1].startswith("| IB-EDL, ζ = 0 | 20.00 ± 0.00 |")  # right after the method, zeta undone
+    ood = text.split("## Out-of-distribution detection")[1]
+    assert "option count matched" in ood and "Both sides restricted to 4-option questions." in ood
+    assert "OBQA → SciQ (no passage) MP" in ood
+    eff = text.split("## Efficiency")[1]
+    assert "| MAP | 2.00 (1.00x) |" in eff and "| IB-EDL | 2.00 (1.00x) | 5.00 (0.50x) |" in eff
