@@ -60,6 +60,33 @@ def test_openvino_trunk_matches_torch_and_is_exported_once(tiny, monkeypatch):
         openvino_trunk(predictor.model, predictor.tokenizer, artifact, ".", "other-sha", "openvino-fp32")
 
 
+def bf16_capable() -> bool:
+    import openvino as ov
+
+    return "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+
+
+def test_bf16_runs_the_fp32_ir_in_bfloat16(tiny, monkeypatch):
+    predictor, artifact = tiny
+    if not bf16_capable():
+        with pytest.raises(ValueError, match="needs a CPU with native bfloat16"):
+            openvino_trunk(predictor.model, predictor.tokenizer, artifact, ".", "base-sha", "openvino-bf16")
+        return
+    batch = predictor.encode(QUESTIONS)
+    with torch.no_grad():
+        expected = predictor.hidden(batch)
+    fp32 = openvino_trunk(predictor.model, predictor.tokenizer, artifact, ".", "base-sha", "openvino-fp32")
+    monkeypatch.setattr(backends, "_export", lambda *a, **k: pytest.fail("bf16 should reuse the fp32 IR"))
+    bf16 = openvino_trunk(predictor.model, predictor.tokenizer, artifact, ".", "base-sha", "openvino-bf16")
+    assert bf16.path == fp32.path
+    assert bf16.compiled.get_property("INFERENCE_PRECISION_HINT").to_string() == "bf16"
+    got = bf16(batch)
+    # bfloat16 keeps 8 significant bits: close to fp32, and not equal to it (the hint took effect)
+    scale = expected.abs().max()
+    assert float((got - expected).abs().max() / scale) < 0.05
+    assert not torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_predictor_answers_through_the_backend_trunk(tiny):
     predictor, artifact = tiny
     with torch.no_grad():
