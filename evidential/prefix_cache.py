@@ -20,6 +20,7 @@ import os
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from evidential.base_model import cache_dir, decoder_of
@@ -37,6 +38,18 @@ def _view(decoder: torch.nn.Module, layers: list[torch.nn.Module], norm: torch.n
     view._modules["layers"] = torch.nn.ModuleList(layers)
     view._modules["norm"] = norm
     return view
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """An integer input as a plain tensor. Under torch.func transforms (laplace-torch's Jacobians) the inputs reach
+    the trunk wrapped, without storage to hash; token ids and masks carry no gradient, so unwrapping them is exact."""
+    from torch._C import _functorch
+
+    while _functorch.is_functorch_wrapped_tensor(t):
+        if _functorch.is_batchedtensor(t):
+            raise ValueError("the prefix cache cannot run under vmap over the batch of questions")
+        t = _functorch.get_unwrapped(t)
+    return t
 
 
 def layer_index(name: str) -> int | None:
@@ -116,8 +129,8 @@ class PrefixCachedTrunk:
             self._digests[adapter] = h.hexdigest()[:24]
         return self._digests[adapter]
 
-    def _path(self, ids: torch.Tensor) -> Path:
-        key = hashlib.sha256(ids.to(torch.int64).numpy().tobytes()).hexdigest()[:32]
+    def _path(self, ids: list[int]) -> Path:
+        key = hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes()).hexdigest()[:32]
         return self.root / self.digest() / key[:2] / f"{key}.safetensors"
 
     # -- states ---------------------------------------------------------------------------------
@@ -141,8 +154,9 @@ class PrefixCachedTrunk:
         from safetensors import SafetensorError
         from safetensors.torch import load_file, save_file
 
-        lengths = batch.attention_mask.sum(1).tolist()
-        rows = [batch.input_ids[i, :n] for i, n in enumerate(lengths)]
+        # Python lists and unwrapped tensors: under torch.func transforms every new tensor is a wrapper without storage
+        lengths = [sum(row) for row in batch.attention_mask.tolist()]
+        rows = [row[:n] for row, n in zip(batch.input_ids.tolist(), lengths)]
         paths = [self._path(r) for r in rows]
         out = torch.zeros(len(rows), batch.input_ids.shape[1], self.bottom.config.hidden_size)
         missing = []
@@ -152,9 +166,12 @@ class PrefixCachedTrunk:
             except (OSError, KeyError, RuntimeError, ValueError, SafetensorError):
                 missing.append(i)  # absent, or a torn file from a killed writer: compute it again
         if missing:
-            states = self._compute(batch.input_ids[missing], batch.attention_mask[missing]).cpu()
+            width = max(lengths[i] for i in missing)
+            ids = torch.tensor([rows[i] + [0] * (width - lengths[i]) for i in missing])
+            mask = torch.tensor([[1] * lengths[i] + [0] * (width - lengths[i]) for i in missing])
+            states = plain(self._compute(ids, mask)).cpu()
             for j, i in enumerate(missing):
-                h = states[j, : lengths[i]].contiguous()
+                h = plain(states[j, : lengths[i]].contiguous())
                 out[i, : lengths[i]] = h
                 paths[i].parent.mkdir(parents=True, exist_ok=True)
                 fd, tmp = tempfile.mkstemp(dir=paths[i].parent, suffix=".tmp")
@@ -165,6 +182,7 @@ class PrefixCachedTrunk:
 
     def __call__(self, batch) -> torch.Tensor:
         device = self.predictor.device
+        batch = type(batch)(plain(batch.input_ids), plain(batch.attention_mask), plain(batch.last_index), batch.option_mask)
         h = self.states(batch).to(device=device, dtype=self.bottom.embed_tokens.weight.dtype)
         out = self.top(inputs_embeds=h, attention_mask=batch.attention_mask.to(device), use_cache=False)
         states = out.last_hidden_state

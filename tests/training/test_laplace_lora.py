@@ -86,3 +86,23 @@ def test_laplace_hyper_parameters_checked_on_arrival():
         get_method("laplace").params({"fit_samples": 0})
     with pytest.raises(ValueError, match="prior_precision must be a finite number > 0 .*got -1"):
         get_method("laplace").params({"prior_precision": -1})
+
+
+def test_posterior_over_the_live_layers_of_a_prefix_cached_trunk(map_artifact, tmp_path, monkeypatch):
+    from evidential import prefix_cache
+
+    monkeypatch.setenv("IBEDL_CACHE_DIR", str(tmp_path))
+    artifact, data = map_artifact
+    questions = load_dataset("jsonl", "test", path=data)
+    full = fit_laplace(Predictor.from_artifact(artifact), questions[:20]).predict(questions[20:28], batch_size=4)[0]
+    predictor = Predictor.from_artifact(artifact)
+    trunk = prefix_cache.attach(predictor, 1, "sha")  # the tiny model has 2 layers: layer 0 cached
+    la = fit_laplace(predictor, questions[:20])
+    live = [n for n, p in predictor.model.named_parameters() if p.requires_grad]
+    assert live and all(prefix_cache.layer_index(n) == 1 for n in live)
+    probs = la.predict(questions[20:28], batch_size=4)[0]  # Jacobians through the cached states (torch.func)
+    assert list(tmp_path.rglob("*.safetensors")) and trunk.first == 1
+    for p, q, f in zip(probs, questions[20:28], full):
+        assert len(p) == q.num_options and sum(p) == pytest.approx(1.0, abs=1e-6)
+        # layer 0's LoRA leaves the posterior: the predictive is no wider than the one over both layers (+ rounding)
+        assert max(p) >= max(f) - 1e-3
