@@ -35,7 +35,7 @@ from pathlib import Path
 
 from evidential.artifact import atomic_write_text
 from training.config import apply_overrides, yaml_load
-from training.experiments.evaluate_run import summarise_run, without_posthoc
+from training.experiments.evaluate_run import limits_for, summarise_run, without_posthoc
 from training.experiments.report import write_report
 from training.methods import METHODS, get_method
 
@@ -170,7 +170,12 @@ class Runner:
         def cache(dataset: str) -> Path:
             return artifact / f"predictions-{run.method}-{dataset.replace(':', '-')}.json"
 
-        missing = [d for d in run.eval_sets if not cache(d).is_file()]
+        limits = {d: limits_for(self.config.get("sizes", {}), d).get("test") for d in run.eval_sets}
+
+        def cached(dataset: str) -> bool:  # present, and drawn with the configured size (a changed config redoes it)
+            return cache(dataset).is_file() and json.loads(cache(dataset).read_text()).get("limit", limits[dataset]) == limits[dataset]
+
+        missing = [d for d in run.eval_sets if not cached(d)]
         if missing and self.dry_run:
             print("evaluate", run.key, missing)
             return {}
@@ -186,7 +191,8 @@ class Runner:
                 raise RuntimeError(f"evaluating {run.key} failed; see {log_path}")
             out = json.loads(out_path.read_text())
             for dataset, preds in out["sets"].items():
-                atomic_write_text(cache(dataset), json.dumps({**preds, "eval_peak_rss_mib": info["peak_rss_mib"]}))
+                atomic_write_text(cache(dataset), json.dumps({**preds, "limit": limits[dataset],
+                                                              "eval_peak_rss_mib": info["peak_rss_mib"]}))
             out_path.unlink()
         sets = {d: json.loads(cache(d).read_text()) for d in run.eval_sets}
         return {"sets": sets, "eval_peak_rss_mib": max(s.get("eval_peak_rss_mib", 0) for s in sets.values())}
