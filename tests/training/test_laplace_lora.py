@@ -106,3 +106,18 @@ def test_posterior_over_the_live_layers_of_a_prefix_cached_trunk(map_artifact, t
         assert len(p) == q.num_options and sum(p) == pytest.approx(1.0, abs=1e-6)
         # layer 0's LoRA leaves the posterior: the predictive is no wider than the one over both layers (+ rounding)
         assert max(p) >= max(f) - 1e-3
+
+
+def test_mc_predictive_samples_the_posterior(map_artifact):
+    artifact, data = map_artifact
+    questions = load_dataset("jsonl", "test", path=data)
+    predictor = Predictor.from_artifact(artifact)
+    map_probs = [p.probs for p in predictor.predict(questions[20:28])]
+    la = fit_laplace(predictor, questions[:20], predictive="mc", samples=8)
+    probs = la.predict(questions[20:28], batch_size=4)[0]
+    for p, q, m in zip(probs, questions[20:28], map_probs):
+        assert len(p) == q.num_options and sum(p) == pytest.approx(1.0, abs=1e-6)
+    # weight samples moved the answer distribution away from MAP's
+    assert max(abs(a - b) for p, m in zip(probs, map_probs) for a, b in zip(p, m)) > 1e-4
+    with pytest.raises(ValueError, match="predictive must be one of"):
+        fit_laplace(predictor, questions[:20], predictive="laplace")
