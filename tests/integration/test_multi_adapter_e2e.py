@@ -16,7 +16,8 @@ ADAPTERS = ["default", "map", "map-twin"]
 def server(real_model_ref, tmp_path_factory):
     log = tmp_path_factory.mktemp("e2e-multi") / "service.log"
     proc = ServiceProcess([REPO / "artifacts" / name for name in ADAPTERS],
-                          {"IBEDL_DRIFT_BOOTSTRAP": "200", "IBEDL_LOG_FORMAT": "json"}, log)
+                          {"IBEDL_DRIFT_BOOTSTRAP": "200", "IBEDL_LOG_FORMAT": "json",
+                           "IBEDL_REQUEST_TIMEOUT_S": "600"}, log)  # answers, not admission, on any machine
     try:
         proc.wait_ready()
         yield proc

@@ -11,11 +11,16 @@ from tests.conftest import ServiceProcess
 from tests.integration.conftest import DEFAULT_ARTIFACT
 from training.data import load_dataset
 
+# A deadline far beyond any pass for the tests that check answers, not admission: on a slow or busy machine the
+# default 30 s would turn their requests into 503 overloaded (admission is checked by tests/service and the sigterm
+# tests below).
+SLACK = {"IBEDL_REQUEST_TIMEOUT_S": "600"}
+
 
 @pytest.fixture(scope="module")
 def server(real_model_ref, tmp_path_factory):
     log = tmp_path_factory.mktemp("e2e") / "service.log"
-    proc = ServiceProcess(DEFAULT_ARTIFACT, {"IBEDL_DRIFT_WINDOW": "40", "IBEDL_DRIFT_BOOTSTRAP": "300"}, log)
+    proc = ServiceProcess(DEFAULT_ARTIFACT, {"IBEDL_DRIFT_WINDOW": "40", "IBEDL_DRIFT_BOOTSTRAP": "300", **SLACK}, log)
     try:
         proc.wait_ready()
         yield proc
@@ -109,7 +114,8 @@ def test_metrics_and_models(server):
 
 def test_drift_in_distribution_quiet_then_shifted_alarms(real_model_ref, tmp_path):
     """40 SciQ validation questions with their passage do not alarm; 40 without it do."""
-    proc = ServiceProcess(DEFAULT_ARTIFACT, {"IBEDL_DRIFT_WINDOW": "40", "IBEDL_DRIFT_BOOTSTRAP": "500"}, tmp_path / "service.log")
+    proc = ServiceProcess(DEFAULT_ARTIFACT, {"IBEDL_DRIFT_WINDOW": "40", "IBEDL_DRIFT_BOOTSTRAP": "500", **SLACK},
+                          tmp_path / "service.log")
     try:
         proc.wait_ready()
         questions = sciq(80, "test")
