@@ -187,6 +187,18 @@ def plots(results: list[dict], runs_root: Path, out_dir: Path) -> list[Path]:
     return paths
 
 
+def coverage_table(results: list[dict]) -> list[str]:
+    """Which seeds each method has per experiment: a grid that is still running (or was stopped) says so."""
+    kinds = [k for k in ("id", "ood", "noise") if any(r["kind"] == k for r in results)]
+    seeds = defaultdict(list)
+    for r in results:
+        seeds[(r["method"], r["kind"])].append(r["seed"])
+    lines = ["| Method | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
+    for m in [m for m in METHODS if any(r["method"] == m for r in results)]:
+        lines.append(f"| {_label(m)} | " + " | ".join(", ".join(map(str, sorted(set(seeds[(m, k)])))) or "–" for k in kinds) + " |")
+    return ["Seeds in this file per method and experiment (a missing seed has not run yet).", ""] + lines + [""]
+
+
 def write_report(results: list[dict], config: dict, path: Path, runs_root: Path | None = None) -> list[Path]:
     """Write the Markdown report (and PNGs beside it when the runs' predictions exist)."""
     path = Path(path)
@@ -195,6 +207,7 @@ def write_report(results: list[dict], config: dict, path: Path, runs_root: Path 
              f"Base model `{config.get('train', {}).get('base_model', '?')}`; seeds {seeds}; "
              f"mean ± std over seeds; best mean in bold. Command: `python -m training.experiments.benchmark --config "
              f"{config.get('config_path', 'benchmarks/' + config.get('name', path.stem) + '.yaml')}`.", ""]
+    lines += ["## Runs", ""] + coverage_table(results)
     if any(r["kind"] == "id" for r in results):
         lines += ["## In-distribution calibration", ""] + id_tables(results) + ["## ECE bin sensitivity", ""] + ece_bins_table(results)
     if any(r["kind"] == "ood" for r in results):

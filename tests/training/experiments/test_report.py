@@ -68,3 +68,12 @@ def test_report_rows_without_posthoc_and_matched_ood(tmp_path):
     assert "OBQA → SciQ (no passage) MP" in ood
     eff = text.split("## Efficiency")[1]
     assert "| MAP | 2.00 (1.00x) |" in eff and "| IB-EDL | 2.00 (1.00x) | 5.00 (0.50x) |" in eff
+
+
+def test_report_lists_the_seeds_each_method_has(tmp_path):
+    results = [r for r in synthetic_results() if not (r["method"] == "edl" and r["seed"] == 1)]
+    path = tmp_path / "bench.md"
+    write_report(results, {"name": "bench"}, path)
+    runs = path.read_text().split("## Runs")[1].split("##")[0]
+    assert "| Method | id | ood |" in runs
+    assert "| EDL | 0 | 0 |" in runs and "| IB-EDL | 0, 1 | 0, 1 |" in runs
