@@ -172,8 +172,13 @@ class Runner:
 
         limits = {d: limits_for(self.config.get("sizes", {}), d).get("test") for d in run.eval_sets}
 
-        def cached(dataset: str) -> bool:  # present, and drawn with the configured size (a changed config redoes it)
-            return cache(dataset).is_file() and json.loads(cache(dataset).read_text()).get("limit", limits[dataset]) == limits[dataset]
+        params = self.config.get("method_params", {}).get(run.method, {})
+
+        def cached(dataset: str) -> bool:  # present, with the configured size and method parameters (else redone)
+            if not cache(dataset).is_file():
+                return False
+            found = json.loads(cache(dataset).read_text())
+            return found.get("limit", limits[dataset]) == limits[dataset] and found.get("method_params", params) == params
 
         missing = [d for d in run.eval_sets if not cached(d)]
         if missing and self.dry_run:
@@ -183,15 +188,14 @@ class Runner:
             out_path = artifact / f"predictions-{run.method}.partial.json"
             cmd = [sys.executable, "-m", "training.experiments.evaluate_run", "--artifact", str(artifact), "--method", run.method,
                    "--output", str(out_path), "--seed", str(run.seed), "--limits", json.dumps(self.config.get("sizes", {})),
-                   "--method-params", json.dumps(self.config.get("method_params", {}).get(run.method, {})),
-                   *[arg for d in missing for arg in ("--dataset", d)]]
+                   "--method-params", json.dumps(params), *[arg for d in missing for arg in ("--dataset", d)]]
             log_path = artifact / f"eval-{run.method}.log"
             info = run_child(cmd, log_path, self.threads)
             if info["returncode"] != 0:
                 raise RuntimeError(f"evaluating {run.key} failed; see {log_path}")
             out = json.loads(out_path.read_text())
             for dataset, preds in out["sets"].items():
-                atomic_write_text(cache(dataset), json.dumps({**preds, "limit": limits[dataset],
+                atomic_write_text(cache(dataset), json.dumps({**preds, "limit": limits[dataset], "method_params": params,
                                                               "eval_peak_rss_mib": info["peak_rss_mib"]}))
             out_path.unlink()
         sets = {d: json.loads(cache(d).read_text()) for d in run.eval_sets}

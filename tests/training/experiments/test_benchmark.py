@@ -146,15 +146,19 @@ def test_without_posthoc_swaps_in_the_predictions_with_zeta_undone():
     assert without_posthoc({"sets": {"sciq": {k: v for k, v in served.items() if k != "without_posthoc"}}}) is None
 
 
-def test_cached_predictions_of_another_size_are_redone(bench_config, tmp_path):
+def test_cached_predictions_of_another_size_or_parameters_are_redone(bench_config, tmp_path):
     path, config = bench_config
-    small = {**config, "methods": ["map"], "experiments": [{"kind": "id", "datasets": ["sciq"]}]}
+    small = {**config, "methods": ["map", "mc_dropout"], "experiments": [{"kind": "id", "datasets": ["sciq"]}]}
     path.write_text(json.dumps(small))
     results = tmp_path / "r.json"
     args = ["--config", str(path), "--runs-dir", str(tmp_path / "runs"), "--results", str(results)]
     assert main(args) == 0
-    cache = tmp_path / "runs" / "sciq-map-s0" / "predictions-map-sciq.json"
-    assert json.loads(cache.read_text())["limit"] == 6 and len(json.loads(cache.read_text())["probs"]) == 6
-    results.unlink()  # the cell is done again, with 4 test questions: the 6-question predictions are not reused
+    cache = tmp_path / "runs" / "sciq-map-s0" / "predictions-mc_dropout-sciq.json"
+    found = json.loads(cache.read_text())
+    assert found["limit"] == 6 and len(found["probs"]) == 6 and found["method_params"] == {"mc_samples": 2}
+    results.unlink()  # the cells are done again, with 4 test questions: the 6-question predictions are not reused
     assert main([*args, "sizes.default.test=4"]) == 0
     assert len(json.loads(cache.read_text())["probs"]) == 4
+    results.unlink()  # other method parameters: evaluated again too
+    assert main([*args, "sizes.default.test=4", "method_params.mc_dropout.mc_samples=3"]) == 0
+    assert json.loads(cache.read_text())["method_params"] == {"mc_samples": 3}
