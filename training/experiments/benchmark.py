@@ -233,14 +233,17 @@ def positive_int(text: str) -> int:
 
 def run_grid(runner: Runner, todo: list[Run], jobs: int) -> None:
     """Run the cells, ``jobs`` at a time. Cells that share a trained run (the id and ood cells of one training,
-    MC-Dropout and Laplace on MAP's) form one chain that a single worker runs in order; chains run side by side.
-    A failed cell is logged and the grid goes on."""
+    MC-Dropout and Laplace on MAP's) form one chain that a single worker runs in order; chains run side by side,
+    seed by seed (for each seed the clean-label chains, then the label-noise ones). A failed cell is logged and the
+    grid goes on."""
     from tqdm import tqdm
 
     chains: dict[str, list[Run]] = {}
     for run in todo:
         chains.setdefault(run.train_key(get_method(run.method).trained_as), []).append(run)
-    queue = list(chains.values())
+    # Seed by seed: a grid stopped early has every method and experiment on its first seeds, not some methods on
+    # all seeds and others on none.
+    queue = sorted(chains.values(), key=lambda chain: (chain[0].seed, chain[0].label_noise > 0))
     bar = tqdm(total=len(todo), desc="benchmark", unit="run", dynamic_ncols=True)
     lock = threading.Lock()
 
