@@ -156,6 +156,13 @@ class OpenVINOTrunk:
         return torch.from_numpy(out[0].copy())
 
 
+def native_bf16() -> bool:
+    """Whether OpenVINO's CPU plugin runs bfloat16 natively here (what ``openvino-bf16`` needs)."""
+    import openvino as ov
+
+    return "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+
+
 def openvino_trunk(model, tokenizer, artifact: Path, member: str, base_sha256: str, backend: str,
                    threads: int | None = None) -> OpenVINOTrunk:
     """Compile the cached IR of this adapter (exporting it once if missing)."""
@@ -165,7 +172,7 @@ def openvino_trunk(model, tokenizer, artifact: Path, member: str, base_sha256: s
         raise ImportError(f"backend {backend!r} needs openvino: pip install -e '.[serve]'") from e
     core = ov.Core()
     precision = PRECISION_OF[backend]
-    if precision == "bf16" and "BF16" not in core.get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
+    if precision == "bf16" and not native_bf16():
         raise ValueError(f"backend {backend!r} needs a CPU with native bfloat16 (AVX512-BF16 or AMX); this one has "
                          f"{', '.join(core.get_property('CPU', 'OPTIMIZATION_CAPABILITIES'))}: use openvino-fp32")
     ir = IR_OF[backend]

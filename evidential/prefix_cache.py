@@ -13,6 +13,7 @@ so MC-Dropout samples masks in the top layers only.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import logging
@@ -50,6 +51,19 @@ def plain(t: torch.Tensor) -> torch.Tensor:
             raise ValueError("the prefix cache cannot run under vmap over the batch of questions")
         t = _functorch.get_unwrapped(t)
     return t
+
+
+@contextlib.contextmanager
+def eval_mode(module: torch.nn.Module):
+    """``module`` and its children in eval mode (dropout off) inside the block; their modes restored after."""
+    modes = [(m, m.training) for m in module.modules()]
+    try:
+        for m, _ in modes:
+            m.training = False
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
 
 
 def layer_index(name: str) -> int | None:
@@ -137,16 +151,9 @@ class PrefixCachedTrunk:
 
     def _compute(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """(B, S, d) states entering layer ``first``, dropout off, no gradient."""
-        modes = [(m, m.training) for m in self.bottom.modules()]
-        try:
-            for m, _ in modes:
-                m.training = False
-            with torch.no_grad():
-                device = self.predictor.device
-                out = self.bottom(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
-        finally:
-            for m, mode in modes:
-                m.training = mode
+        with eval_mode(self.bottom), torch.no_grad():
+            device = self.predictor.device
+            out = self.bottom(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
         return out.last_hidden_state.float()
 
     def states(self, batch) -> torch.Tensor:
@@ -200,21 +207,14 @@ class PrefixCachedTrunk:
 
         p = self.predictor
         enc = p.encode([MCQuestion("probe", ("a", "b")), MCQuestion("a longer probe question here?", ("x", "y", "z"))])
-        modes = [(m, m.training) for m in p.model.modules()]
-        try:
-            for m, _ in modes:
-                m.training = False
-            with torch.no_grad():
-                device = p.device
-                full = p.decoder(input_ids=enc.input_ids.to(device), attention_mask=enc.attention_mask.to(device),
-                                 use_cache=False).last_hidden_state
-                full = full[torch.arange(full.shape[0], device=device), enc.last_index.to(device)]
-                h = self._compute(enc.input_ids, enc.attention_mask)
-                split = self.top(inputs_embeds=h, attention_mask=enc.attention_mask.to(device), use_cache=False).last_hidden_state
-                split = split[torch.arange(split.shape[0], device=device), enc.last_index.to(device)]
-        finally:
-            for m, mode in modes:
-                m.training = mode
+        with eval_mode(p.model), torch.no_grad():
+            device = p.device
+            full = p.decoder(input_ids=enc.input_ids.to(device), attention_mask=enc.attention_mask.to(device),
+                             use_cache=False).last_hidden_state
+            full = full[torch.arange(full.shape[0], device=device), enc.last_index.to(device)]
+            h = self._compute(enc.input_ids, enc.attention_mask)
+            split = self.top(inputs_embeds=h, attention_mask=enc.attention_mask.to(device), use_cache=False).last_hidden_state
+            split = split[torch.arange(split.shape[0], device=device), enc.last_index.to(device)]
         err = float((full - split).abs().max() / full.abs().max().clamp_min(1e-12))
         if not err <= PROBE_TOLERANCE:
             raise ValueError(f"cannot split {type(p.decoder).__name__} at layer {self.first}: the split forward differs "

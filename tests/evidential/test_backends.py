@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from evidential import backends
-from evidential.backends import check_backend, compress_int8_groups, openvino_trunk
+from evidential.backends import check_backend, compress_int8_groups, native_bf16, openvino_trunk
 from evidential.base_model import load_base_model, resolve_model
 from evidential.head import HeadConfig, build_head
 from evidential.predictor import Predictor, lm_head_rows
@@ -60,15 +60,10 @@ def test_openvino_trunk_matches_torch_and_is_exported_once(tiny, monkeypatch):
         openvino_trunk(predictor.model, predictor.tokenizer, artifact, ".", "other-sha", "openvino-fp32")
 
 
-def bf16_capable() -> bool:
-    import openvino as ov
-
-    return "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
-
 
 def test_bf16_runs_the_fp32_ir_in_bfloat16(tiny, monkeypatch):
     predictor, artifact = tiny
-    if not bf16_capable():
+    if not native_bf16():
         with pytest.raises(ValueError, match="needs a CPU with native bfloat16"):
             openvino_trunk(predictor.model, predictor.tokenizer, artifact, ".", "base-sha", "openvino-bf16")
         return

@@ -4,6 +4,7 @@ the service (IBEDL_BACKEND=openvino, and auto = openvino-fp32 on the CPU)."""
 import httpx
 import pytest
 
+from evidential.backends import native_bf16
 from evidential.predictor import Predictor
 from tests.conftest import ServiceProcess
 from tests.integration.conftest import DEFAULT_ARTIFACT
@@ -29,11 +30,6 @@ INT8_TOL = 0.06
 BF16_TOL = 0.05
 
 
-def bf16_capable() -> bool:
-    import openvino as ov
-
-    return "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
-
 
 def test_openvino_int8_agrees_with_torch(reference, questions):
     served = Predictor.from_artifact(DEFAULT_ARTIFACT, backend="openvino").predict(questions)
@@ -49,7 +45,7 @@ def test_openvino_int8_agrees_with_torch(reference, questions):
                                                ({"IBEDL_BACKEND": "auto"}, "openvino-fp32", 1e-4)],
                          ids=["openvino", "openvino-bf16", "auto"])
 def test_service_serves_the_chosen_backend(reference, questions, tmp_path, monkeypatch, env, chosen, tol):
-    if chosen == "openvino-bf16" and not bf16_capable():
+    if chosen == "openvino-bf16" and not native_bf16():
         pytest.skip("this CPU has no native bfloat16 (AVX512-BF16 or AMX)")
     monkeypatch.delenv("IBEDL_BACKEND", raising=False)
     proc = ServiceProcess(DEFAULT_ARTIFACT, env, tmp_path / "service.log")

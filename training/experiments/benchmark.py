@@ -171,16 +171,17 @@ class Runner:
             return artifact / f"predictions-{run.method}-{dataset.replace(':', '-')}.json"
 
         limits = {d: limits_for(self.config.get("sizes", {}), d).get("test") for d in run.eval_sets}
-
         params = self.config.get("method_params", {}).get(run.method, {})
 
-        def cached(dataset: str) -> bool:  # present, with the configured size and method parameters (else redone)
+        def load(dataset: str) -> dict | None:  # the cached predictions, if drawn with this size and these parameters
             if not cache(dataset).is_file():
-                return False
+                return None
             found = json.loads(cache(dataset).read_text())
-            return found.get("limit", limits[dataset]) == limits[dataset] and found.get("method_params", params) == params
+            same = found.get("limit", limits[dataset]) == limits[dataset] and found.get("method_params", params) == params
+            return found if same else None
 
-        missing = [d for d in run.eval_sets if not cached(d)]
+        sets = {d: load(d) for d in run.eval_sets}
+        missing = [d for d, found in sets.items() if found is None]
         if missing and self.dry_run:
             print("evaluate", run.key, missing)
             return {}
@@ -195,10 +196,10 @@ class Runner:
                 raise RuntimeError(f"evaluating {run.key} failed; see {log_path}")
             out = json.loads(out_path.read_text())
             for dataset, preds in out["sets"].items():
-                atomic_write_text(cache(dataset), json.dumps({**preds, "limit": limits[dataset], "method_params": params,
-                                                              "eval_peak_rss_mib": info["peak_rss_mib"]}))
+                sets[dataset] = {**preds, "limit": limits[dataset], "method_params": params,
+                                 "eval_peak_rss_mib": info["peak_rss_mib"]}
+                atomic_write_text(cache(dataset), json.dumps(sets[dataset]))
             out_path.unlink()
-        sets = {d: json.loads(cache(d).read_text()) for d in run.eval_sets}
         return {"sets": sets, "eval_peak_rss_mib": max(s.get("eval_peak_rss_mib", 0) for s in sets.values())}
 
     def run(self, run: Run) -> dict | None:
