@@ -53,22 +53,31 @@ def subset_seed(cfg: TrainConfig) -> int:
     return cfg.seed if cfg.data.subset_seed is None else cfg.data.subset_seed
 
 
-def load_parts(parts: list[DataPart], role: str, cfg: TrainConfig) -> list[MCQuestion]:
+def load_parts(parts: list[DataPart], role: str, cfg: TrainConfig | None = None) -> list[MCQuestion]:
+    """The questions of ``parts`` for ``role``: training subsets drawn with the run's seed and label noise (``cfg``
+    required), validation and test subsets with seed 0 and clean labels."""
     from training.data import load_dataset
 
+    if role == "train" and cfg is None:
+        raise ValueError("training parts need the run's config (subset seed, label noise)")
     questions: list[MCQuestion] = []
     for part in parts:
-        noise = cfg.data.label_noise if role == "train" else 0.0
+        train = role == "train"
         questions += load_dataset(
             part.dataset,
             part.split or role,
             path=part.path,
             limit=part.limit,
-            seed=subset_seed(cfg) if role == "train" else 0,
-            label_noise=noise,
-            noise_seed=cfg.data.noise_seed,
+            seed=subset_seed(cfg) if train else 0,
+            label_noise=cfg.data.label_noise if train else 0.0,
+            noise_seed=cfg.data.noise_seed if train else 0,
         )
     return questions
+
+
+def validation_questions(training: dict) -> list[MCQuestion]:
+    """The validation questions a run was calibrated on, from its manifest's ``training`` section."""
+    return load_parts([DataPart(**part) for part in training["data"]["validation"]], "validation")
 
 
 def length_grouped_batches(questions: list[MCQuestion], batch_size: int, rng: random.Random, group: int = 32) -> list[list[int]]:
@@ -363,7 +372,7 @@ def train(cfg: TrainConfig, command: str = "") -> Path:
     if accelerator.is_main_process:
         manifest = loadable_manifest(cfg, method, params, dirs, runs[0])
         write_manifest(out_dir, manifest)  # complete enough to load; metrics follow
-        predictor = load_trained(cfg, method, params, out_dir, train_q)
+        predictor = load_trained(cfg, method, params, out_dir, train_q, val_q)
         sections, metrics = calibrate_and_evaluate(cfg, method, predictor, val_q, test_q)
         training = training_record(cfg, method, params, command, runs, started, sections, dropped, train_q, predictor)
         complete_manifest(manifest, predictor, sections, metrics, training)
@@ -411,9 +420,10 @@ def loadable_manifest(cfg: TrainConfig, method: Method, params: dict, dirs: list
     )
 
 
-def load_trained(cfg: TrainConfig, method: Method, params: dict, out_dir: Path, train_q: list[MCQuestion]) -> Predictor:
+def load_trained(cfg: TrainConfig, method: Method, params: dict, out_dir: Path, train_q: list[MCQuestion],
+                 val_q: list[MCQuestion]) -> Predictor:
     """The artifact as the service will load it, with the method's post-hoc step fitted (e.g. Laplace:
-    a posterior over the saved adapter, so metrics use its predictive)."""
+    a posterior over the saved adapter, its prior chosen on ``val_q``, so metrics use its predictive)."""
     dtype = DTYPES[cfg.dtype] if cfg.dtype else None
     predictor = Predictor.from_artifact(out_dir, base_model=cfg.base_model, device=cfg.device, dtype=dtype,
                                         load_in_4bit=cfg.load_in_4bit)
@@ -421,7 +431,7 @@ def load_trained(cfg: TrainConfig, method: Method, params: dict, out_dir: Path, 
     if method.posthoc is not None:
         fit_q = random.Random(cfg.seed).sample(train_q, min(method.posthoc.num_samples(params), len(train_q)))
         log.info("post-hoc %s on %d training questions", method.name, len(fit_q))
-        predictor = method.posthoc.fit(predictor, fit_q, params)
+        predictor = method.posthoc.fit(predictor, fit_q, val_q, params)
     return predictor
 
 
@@ -464,6 +474,7 @@ def training_record(cfg: TrainConfig, method: Method, params: dict, command: str
         "label_noise": cfg.data.label_noise,
         "lora": vars(cfg.lora),
         "zeta": sections["calibration"]["posthoc"] if method.head == "ib_edl" and cfg.fit_zeta else None,
+        "posthoc": getattr(predictor, "posthoc_info", None),  # what a post-hoc step chose (Laplace's prior)
         "dropped_too_long": dropped,
         "run": run,
         "confidence_ceiling": ceiling(method.name, params, train_q),

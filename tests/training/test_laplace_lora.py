@@ -1,4 +1,4 @@
-"""Laplace-LoRA on the tiny model: a KFAC posterior over the LoRA weights and its GLM predictive."""
+"""Laplace-LoRA on the tiny model: a KFAC posterior over the LoRA weights, its prior precision and its GLM predictive."""
 
 import json
 import random
@@ -10,7 +10,7 @@ from evidential.predictor import Predictor
 from training.config import load_config
 from training.data import load_dataset
 from training.finetune import train
-from training.laplace_lora import fit_laplace
+from training.laplace_lora import PRIOR_GRID, fit_laplace
 
 WORDS = "sun moon water plant stone tree bird fish cloud river".split()
 
@@ -37,8 +37,8 @@ def test_glm_predictive_is_a_distribution_and_flatter_than_map(map_artifact):
     questions = load_dataset("jsonl", "test", path=data)
     predictor = Predictor.from_artifact(artifact)
     map_probs = [p.probs for p in predictor.predict(questions[20:32])]
-    la = fit_laplace(predictor, questions[:20])
-    assert float(la.la.prior_precision) > 0
+    la = fit_laplace(predictor, questions[:20], prior_precision="marglik")
+    assert float(la.la.prior_precision) > 0 and la.prior_info["prior"] == "marglik"
     probs, seconds = la.predict(questions[20:32], batch_size=4)
     assert seconds > 0 and len(probs) == 12
     for p, q, m in zip(probs, questions[20:32], map_probs):
@@ -65,11 +65,19 @@ def test_finetune_method_laplace_trains_map_then_fits_the_posterior(map_artifact
     from training.evaluate import evaluate
 
     _, data = map_artifact
-    cfg = load_config(None, ["method=laplace", f"output={tmp_path / 'laplace'}", "method_params={fit_samples: 12}",
+    # prior chosen on the 8 validation questions (the default): recorded in the manifest
+    cfg = load_config(None, ["method=laplace", f"output={tmp_path / 'chosen'}", "method_params={fit_samples: 12}",
                              *tiny_overrides(tiny_model_dir, data)])
+    chosen = json.loads((train(cfg) / "manifest.json").read_text())["training"]["posthoc"]
+    assert chosen["prior"] == "validation" and chosen["validation_questions"] == 8 and chosen["fit_questions"] == 12
+    assert chosen["prior_precision"] in PRIOR_GRID and chosen["validation_nll"] <= chosen["validation_nll_map"] + 1e-6
+    # a given (small) prior precision: a posterior wide enough to move the validation metrics off MAP's
+    cfg = load_config(None, ["method=laplace", f"output={tmp_path / 'laplace'}",
+                             "method_params={fit_samples: 12, prior_precision: 0.1}", *tiny_overrides(tiny_model_dir, data)])
     artifact = train(cfg)
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert manifest["method"] == "laplace" and manifest["method_config"]["fit_samples"] == 12
+    assert manifest["training"]["posthoc"]["prior"] == "given"
     assert manifest["head"]["kind"] == "softmax" and manifest["mc_samples"] == 0
     assert manifest["reference"]["uncertainty"] is None  # not a Dirichlet
     # The manifest's validation metrics are the GLM predictive's, not the saved MAP adapter's own.
@@ -84,8 +92,11 @@ def test_laplace_hyper_parameters_checked_on_arrival():
 
     with pytest.raises(ValueError, match="fit_samples must be an integer >= 1, got 0"):
         get_method("laplace").params({"fit_samples": 0})
-    with pytest.raises(ValueError, match="prior_precision must be a finite number > 0 .*got -1"):
+    with pytest.raises(ValueError, match="prior_precision must be validation, marglik or a finite number > 0, got -1"):
         get_method("laplace").params({"prior_precision": -1})
+    with pytest.raises(ValueError, match="got 'map'"):
+        get_method("laplace").params({"prior_precision": "map"})
+    assert get_method("laplace").params({})["prior_precision"] == "validation"
 
 
 def test_posterior_over_the_live_layers_of_a_prefix_cached_trunk(map_artifact, tmp_path, monkeypatch):
@@ -94,10 +105,11 @@ def test_posterior_over_the_live_layers_of_a_prefix_cached_trunk(map_artifact, t
     monkeypatch.setenv("IBEDL_CACHE_DIR", str(tmp_path))
     artifact, data = map_artifact
     questions = load_dataset("jsonl", "test", path=data)
-    full = fit_laplace(Predictor.from_artifact(artifact), questions[:20]).predict(questions[20:28], batch_size=4)[0]
+    full = fit_laplace(Predictor.from_artifact(artifact), questions[:20], prior_precision="marglik")
+    full = full.predict(questions[20:28], batch_size=4)[0]
     predictor = Predictor.from_artifact(artifact)
     trunk = prefix_cache.attach(predictor, 1, "sha")  # the tiny model has 2 layers: layer 0 cached
-    la = fit_laplace(predictor, questions[:20])
+    la = fit_laplace(predictor, questions[:20], prior_precision="marglik")
     live = [n for n, p in predictor.model.named_parameters() if p.requires_grad]
     assert live and all(prefix_cache.layer_index(n) == 1 for n in live)
     probs = la.predict(questions[20:28], batch_size=4)[0]  # Jacobians through the cached states (torch.func)
@@ -113,11 +125,67 @@ def test_mc_predictive_samples_the_posterior(map_artifact):
     questions = load_dataset("jsonl", "test", path=data)
     predictor = Predictor.from_artifact(artifact)
     map_probs = [p.probs for p in predictor.predict(questions[20:28])]
-    la = fit_laplace(predictor, questions[:20], predictive="mc", samples=8)
+    la = fit_laplace(predictor, questions[:20], prior_precision="marglik", predictive="mc", samples=8)
     probs = la.predict(questions[20:28], batch_size=4)[0]
     for p, q, m in zip(probs, questions[20:28], map_probs):
         assert len(p) == q.num_options and sum(p) == pytest.approx(1.0, abs=1e-6)
     # weight samples moved the answer distribution away from MAP's
     assert max(abs(a - b) for p, m in zip(probs, map_probs) for a, b in zip(p, m)) > 1e-4
     with pytest.raises(ValueError, match="predictive must be one of"):
-        fit_laplace(predictor, questions[:20], predictive="laplace")
+        fit_laplace(predictor, questions[:20], prior_precision="marglik", predictive="laplace")
+
+
+def test_glm_predictive_one_question_at_a_time_equals_laplace_torchs_batched_one(map_artifact):
+    from training.laplace_lora import _Batches
+
+    artifact, data = map_artifact
+    questions = load_dataset("jsonl", "test", path=data)
+    predictor = Predictor.from_artifact(artifact)
+    la = fit_laplace(predictor, questions[:20], prior_precision=0.5)
+    assert la.prior_info == {"prior": "given", "prior_precision": 0.5, "fit_questions": 20}
+    ours = la.predict(questions[20:28], batch_size=4)[0]
+    ref = []  # laplace-torch's own GLM probit predictive, four questions a Jacobian
+    for batch in _Batches(predictor, questions[20:28], 4, la.width).batches:
+        for row, mask in zip(la.la(batch, pred_type="glm", link_approx="probit").detach(), batch["option_mask"]):
+            ref.append((row[mask] / row[mask].sum()).tolist())
+    for a, b in zip(ours, ref):
+        assert a == pytest.approx(b, abs=1e-5)
+
+
+def test_prior_chosen_on_validation_has_the_lowest_validation_nll_of_the_grid(map_artifact):
+    artifact, data = map_artifact
+    questions = load_dataset("jsonl", "test", path=data)
+    validation = questions[28:40]
+    predictor = Predictor.from_artifact(artifact)
+    la = fit_laplace(predictor, questions[:20], validation=validation)
+    info = la.prior_info
+    assert info["prior"] == "validation" and info["validation_questions"] == 12 and info["fit_questions"] == 20
+    assert info["prior_precision"] in PRIOR_GRID and float(la.la.prior_precision) == info["prior_precision"]
+
+    def nll(value: float) -> float:
+        la.la.prior_precision = value
+        probs = la.predict(validation)[0]
+        return -float(np.mean([np.log(p[q.answer]) for p, q in zip(probs, validation)]))
+
+    chosen = nll(info["prior_precision"])
+    assert chosen == pytest.approx(info["validation_nll"], rel=1e-4)
+    for value in PRIOR_GRID[::4]:
+        assert chosen <= nll(value) + 1e-6
+    # without the posterior (MAP): the NLL of the softmax itself, what a huge prior precision tends to
+    assert info["validation_nll_map"] == pytest.approx(nll(1e12), rel=1e-3)
+
+
+def test_prior_on_validation_needs_validation_questions_with_answers(map_artifact):
+    from evidential.prompt import MCQuestion
+
+    artifact, data = map_artifact
+    questions = load_dataset("jsonl", "test", path=data)
+    predictor = Predictor.from_artifact(artifact)
+    with pytest.raises(ValueError, match="needs validation questions with answers"):
+        fit_laplace(predictor, questions[:20])
+    with pytest.raises(ValueError, match="needs validation questions with answers"):
+        fit_laplace(predictor, questions[:20], validation=[MCQuestion(q.question, q.options) for q in questions[30:]])
+    with pytest.raises(ValueError, match="got 'bayes'"):
+        fit_laplace(predictor, questions[:20], prior_precision="bayes")
+    with pytest.raises(ValueError, match="got -2"):
+        fit_laplace(predictor, questions[:20], prior_precision=-2)

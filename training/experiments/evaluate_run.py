@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     from evidential.predictor import Predictor
     from training.data import load_dataset
     from training.evaluate import predict_all
+    from training.finetune import validation_questions
     from training.methods import get_method
 
     limits = json.loads(args.limits)
@@ -121,8 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         train_set = manifest.training["data"]["train"][0]
         fit_q = load_dataset(train_set["dataset"], "train", limit=method.posthoc.num_samples(params), seed=args.seed,
                              label_noise=manifest.training.get("label_noise", 0.0), noise_seed=args.seed)
-        predictor = method.posthoc.fit(predictor, fit_q, params)
+        predictor = method.posthoc.fit(predictor, fit_q, validation_questions(manifest.training), params)
     out = {"artifact": str(args.artifact), "method": args.method, "sets": {}}
+    if getattr(predictor, "posthoc_info", None):  # what the post-hoc step chose (Laplace's prior precision)
+        out["posthoc"] = predictor.posthoc_info
     for dataset in args.dataset:
         questions = load_eval_set(dataset, limits_for(limits, dataset).get("test"))
         preds, seconds = predict_all(predictor, questions, args.batch_size, progress=False)

@@ -32,8 +32,9 @@ class PostHoc:
     """A step fitted on training questions once the adapter is saved; its predictor replaces the artifact's.
 
     Attributes:
-        fit: ``fit(predictor, questions, params) -> predictor``; the returned object answers ``predict`` and
-            ``eval`` like :class:`evidential.predictor.Predictor` (``training.evaluate`` runs it unchanged).
+        fit: ``fit(predictor, questions, validation, params) -> predictor``, fitted on the training ``questions``
+            with any hyper-parameter chosen on the ``validation`` questions; the returned object answers ``predict``
+            and ``eval`` like :class:`evidential.predictor.Predictor` (``training.evaluate`` runs it unchanged).
         samples: the hyper-parameter holding how many training questions it is fitted on.
     """
 

@@ -1,7 +1,8 @@
 """Laplace-LoRA: trained as MAP; after training, a KFAC Laplace posterior over the LoRA weights is fitted on
-``fit_samples`` training questions (prior precision by marginal likelihood unless ``prior_precision`` is set)
-and predicts with the GLM probit approximation, or with ``predictive: mc`` the mean over ``samples`` weight draws
-from the posterior (``training.laplace_lora``, the ``laplace`` extra).
+``fit_samples`` training questions (prior precision: by default the value whose predictive has the lowest NLL on the
+run's validation questions; ``marglik``: the marginal likelihood; or a number) and predicts with the GLM probit
+approximation, or with ``predictive: mc`` the mean over ``samples`` weight draws from the posterior
+(``training.laplace_lora``, the ``laplace`` extra).
 
 The artifact holds the MAP adapter; the posterior is fitted again from it and the training data (it is
 not saved), so the service serves such an artifact's MAP predictive.
@@ -23,19 +24,21 @@ def check_params(params: dict) -> None:
         if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
             raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
     prior = params["prior_precision"]
-    if prior is not None and not (isinstance(prior, (int, float)) and math.isfinite(prior) and prior > 0):
-        raise ValueError(f"prior_precision must be a finite number > 0 (or null: marginal likelihood), got {prior!r}")
+    number = isinstance(prior, (int, float)) and not isinstance(prior, bool)
+    if not (prior in ("validation", "marglik") or (number and math.isfinite(prior) and prior > 0)):
+        raise ValueError(f"prior_precision must be validation, marglik or a finite number > 0, got {prior!r}")
     if params["predictive"] not in ("glm", "mc"):
         raise ValueError(f"predictive must be glm or mc, got {params['predictive']!r}")
 
 
-def fit(predictor, questions, params):
+def fit(predictor, questions, validation, params):
     """The MAP predictor with the predictive (``glm`` or ``mc``) of a posterior fitted on the first ``fit_samples``
-    questions."""
+    questions, its prior precision chosen on ``validation`` unless ``prior_precision`` says otherwise."""
     from training.laplace_lora import LaplacePredictor, fit_laplace
 
     laplace = fit_laplace(predictor, questions[: params["fit_samples"]], prior_precision=params["prior_precision"],
-                          batch_size=params["batch_size"], predictive=params["predictive"], samples=params["samples"])
+                          validation=validation, batch_size=params["batch_size"], predictive=params["predictive"],
+                          samples=params["samples"])
     return LaplacePredictor(laplace, batch_size=params["batch_size"])
 
 
@@ -44,7 +47,7 @@ METHOD = Method(
     label="LA",
     head="softmax",
     loss=map_loss,
-    defaults={"fit_samples": 200, "prior_precision": None, "batch_size": 4, "predictive": "glm", "samples": 10},
+    defaults={"fit_samples": 200, "prior_precision": "validation", "batch_size": 4, "predictive": "glm", "samples": 10},
     check=check_params,
     posthoc=PostHoc(fit=fit),
     reuses="map",
