@@ -160,30 +160,41 @@ def efficiency_table(results: list[dict]) -> list[str]:
 
 def plots(results: list[dict], runs_root: Path, out_dir: Path) -> list[Path]:
     """Per in-distribution dataset (seed of the first run): risk-coverage of every method, and a
-    reliability diagram per method."""
+    reliability diagram per method. A plot whose predictions are no longer on disk (the runs of another machine)
+    is kept as drawn before, and so is the risk-coverage plot unless every method's predictions are there."""
     from training.plots import reliability_diagram, risk_coverage_plot
 
     paths = []
     by_dataset: dict = defaultdict(dict)
+    wanted: dict = defaultdict(list)
     for r in results:
-        if r["kind"] != "id" or r["method"] in by_dataset[r["dataset"]]:
+        if r["kind"] != "id" or r["method"] in wanted[r["dataset"]]:
             continue
+        wanted[r["dataset"]].append(r["method"])
         trained = METHODS[r["method"]].trained_as
         pred_path = runs_root / f"{r['dataset']}-{trained}-s{r['seed']}" / f"predictions-{r['method']}-{r['dataset']}.json"
         if pred_path.is_file():  # written by training.experiments.benchmark (Runner.evaluate)
             by_dataset[r["dataset"]][r["method"]] = json.loads(pred_path.read_text())
-    for dataset, methods in by_dataset.items():
+    for dataset, names in wanted.items():
+        methods = by_dataset[dataset]
         curves = {}
-        for method in [m for m in METHODS if m in methods]:
+        for method in [m for m in METHODS if m in names]:
+            path = out_dir / f"reliability-{dataset}-{method}.png"
+            if method not in methods:
+                paths += [path] if path.is_file() else []
+                continue
             s = methods[method]
             conf = [max(p) for p in s["probs"]]
             hits = [float(int(np.argmax(p)) == y) for p, y in zip(s["probs"], s["labels"])]
             curves[_label(method)] = (conf, hits)
-            paths.append(reliability_diagram(s["probs"], s["labels"], out_dir / f"reliability-{dataset}-{method}.png",
+            paths.append(reliability_diagram(s["probs"], s["labels"], path,
                                              title=f"{_label(method)} on {DATASET_NAMES.get(dataset, dataset)}"))
-        if curves:
-            paths.append(risk_coverage_plot(curves, out_dir / f"risk-coverage-{dataset}.png",
+        path = out_dir / f"risk-coverage-{dataset}.png"
+        if curves and (len(curves) == len(names) or not path.is_file()):
+            paths.append(risk_coverage_plot(curves, path,
                                             title=f"Selective prediction on {DATASET_NAMES.get(dataset, dataset)} (score: max prob)"))
+        elif path.is_file():
+            paths.append(path)
     return paths
 
 

@@ -1,5 +1,9 @@
 """The report generator on a small synthetic results file."""
 
+import json
+import shutil
+from pathlib import Path
+
 import numpy as np
 
 from training.experiments.report import write_report
@@ -77,3 +81,34 @@ def test_report_lists_the_seeds_each_method_has(tmp_path):
     runs = path.read_text().split("## Runs")[1].split("##")[0]
     assert "| Method | id | ood |" in runs
     assert "| EDL | 0 | 0 |" in runs and "| IB-EDL | 0, 1 | 0, 1 |" in runs
+
+
+def write_predictions(runs: Path, dataset: str, method: str, rng) -> None:
+    probs = rng.dirichlet(np.ones(4), size=20)
+    out = runs / f"{dataset}-{method}-s0"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"predictions-{method}-{dataset}.json").write_text(
+        json.dumps({"probs": probs.tolist(), "labels": rng.integers(0, 4, size=20).tolist()}))
+
+
+def test_report_keeps_plots_whose_predictions_are_gone(tmp_path):
+    """Plots are drawn from the runs' predictions; a method whose runs are not on this machine keeps the plot drawn
+    before, and the risk-coverage plot is only redrawn when every method's predictions are there."""
+    rng = np.random.default_rng(1)
+    results = [r for r in synthetic_results() if r["dataset"] == "sciq"]
+    runs, path = tmp_path / "runs", tmp_path / "bench.md"
+    plots = tmp_path / "bench-plots"
+    for method in ("map", "ib_edl", "edl"):
+        write_predictions(runs, "sciq", method, rng)
+    write_report(results, {"name": "bench"}, path, runs)
+    drawn = {p.name: p.read_bytes() for p in plots.iterdir()}
+    assert set(drawn) == {"reliability-sciq-map.png", "reliability-sciq-ib_edl.png", "reliability-sciq-edl.png",
+                          "risk-coverage-sciq.png"}
+    shutil.rmtree(runs / "sciq-edl-s0")
+    write_predictions(runs, "sciq", "map", rng)  # MAP trained again: new predictions
+    written = write_report(results, {"name": "bench"}, path, runs)
+    assert {p.name for p in written[1:]} == set(drawn)
+    assert plots.joinpath("reliability-sciq-edl.png").read_bytes() == drawn["reliability-sciq-edl.png"]
+    assert plots.joinpath("risk-coverage-sciq.png").read_bytes() == drawn["risk-coverage-sciq.png"]
+    assert plots.joinpath("reliability-sciq-map.png").read_bytes() != drawn["reliability-sciq-map.png"]
+    assert "![reliability-sciq-edl](bench-plots/reliability-sciq-edl.png)" in path.read_text()
