@@ -159,6 +159,7 @@ CLIS = [
     ("benchmarks.decisions", ["choose-rate"]),
     ("benchmarks.paired_bootstrap", []),
     ("benchmarks.drift_streams", []),
+    ("benchmarks.method_efficiency", []),
 ]
 
 

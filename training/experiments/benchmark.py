@@ -221,6 +221,9 @@ class Runner:
                 "eval_peak_rss_mib": preds.get("eval_peak_rss_mib"),
             },
         }
+        posthoc = preds["sets"][run.eval_sets[0]].get("posthoc")
+        if posthoc is not None:  # what a post-hoc step chose (Laplace's prior precision) and its fit's seconds
+            record["posthoc"] = posthoc
         self.add(record)
         return record
 

@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 
 import numpy as np
 
@@ -120,17 +121,24 @@ def main(argv: list[str] | None = None) -> int:
     if method.posthoc is not None:
         manifest = predictor.manifest
         train_set = manifest.training["data"]["train"][0]
-        fit_q = load_dataset(train_set["dataset"], "train", limit=method.posthoc.num_samples(params), seed=args.seed,
+        fit_q = load_dataset(train_set["dataset"], "train", path=train_set.get("path"),
+                             limit=method.posthoc.num_samples(params), seed=args.seed,
                              label_noise=manifest.training.get("label_noise", 0.0), noise_seed=args.seed)
+        start = time.perf_counter()
         predictor = method.posthoc.fit(predictor, fit_q, validation_questions(manifest.training), params)
+        fit_seconds = time.perf_counter() - start
     out = {"artifact": str(args.artifact), "method": args.method, "sets": {}}
-    if getattr(predictor, "posthoc_info", None):  # what the post-hoc step chose (Laplace's prior precision)
-        out["posthoc"] = predictor.posthoc_info
+    posthoc = None
+    if method.posthoc is not None:  # what the post-hoc step chose (Laplace's prior precision) and its cost
+        posthoc = {**(getattr(predictor, "posthoc_info", None) or {}), "fit_seconds": fit_seconds}
+        out["posthoc"] = posthoc
     for dataset in args.dataset:
         questions = load_eval_set(dataset, limits_for(limits, dataset).get("test"))
         preds, seconds = predict_all(predictor, questions, args.batch_size, progress=False)
         out["sets"][dataset] = {**outputs(preds), "labels": [q.answer for q in questions],
                                 "samples_per_s": len(questions) / seconds}
+        if posthoc is not None:  # with every set, as the benchmark caches predictions per set
+            out["sets"][dataset]["posthoc"] = posthoc
         zeta = getattr(getattr(predictor, "head", None), "config", None)
         if zeta is not None and getattr(zeta, "zeta", 0.0):  # IB-EDL's post-hoc zeta: also without it
             fitted, zeta.zeta = zeta.zeta, 0.0

@@ -155,7 +155,31 @@ def efficiency_table(results: list[dict]) -> list[str]:
         lines.append(f"| {_label(m)} | {cell(m, keys[0], '.2f')} | {cell(m, keys[1], '.2f')} | {cell(m, keys[2], '.0f')} | "
                      f"{cell(m, keys[3], '.0f')} |")
     return ["Means over the grid's runs, with the ratio to MAP in brackets. MC-Dropout and Laplace reuse the MAP "
-            "training run (their train columns repeat MAP's); Ens trains its members one after another.", ""] + lines + [""]
+            "training run (their train columns repeat MAP's); Ens trains its members one after another; Laplace's test "
+            "column leaves out its post-hoc fit (below). Runs side by side (`--jobs`) share the cores, and with "
+            "`train_layers` the first run on a seed's questions (MAP's) also fills the prefix cache the others read: "
+            "`python -m benchmarks.method_efficiency` measures one run at a time.", ""] + lines + [""]
+
+
+def posthoc_table(results: list[dict]) -> list[str]:
+    """What each run's post-hoc step chose (Laplace's prior precision) and what its fit cost."""
+    runs = sorted((r for r in results if r.get("posthoc")), key=lambda r: (list(METHODS).index(r["method"]), r["key"]))
+    if not runs:
+        return []
+
+    def number(value, fmt: str) -> str:
+        return "–" if value is None else f"{value:{fmt}}"
+
+    lines = ["| Run | Prior | Prior precision | Validation NLL | Validation NLL without it | Fit (s) |",
+             "|---|---|---|---|---|---|"]
+    for r in runs:
+        p = r["posthoc"]
+        lines.append(f"| {r['key']} | {p.get('prior', '–')} | {number(p.get('prior_precision'), '.3g')} | "
+                     f"{number(p.get('validation_nll'), '.3f')} | {number(p.get('validation_nll_map'), '.3f')} | "
+                     f"{number(p.get('fit_seconds'), '.0f')} |")
+    return ["Laplace's prior precision per run (`validation`: the grid value whose predictive has the lowest NLL on the "
+            "run's validation questions) and the fit's seconds (curvature and prior choice; the id and ood cells of a "
+            "run each fit once).", ""] + lines + [""]
 
 
 def plots(results: list[dict], runs_root: Path, out_dir: Path) -> list[Path]:
@@ -228,6 +252,8 @@ def write_report(results: list[dict], config: dict, path: Path, runs_root: Path 
         lines += [f"## Label noise ({fraction:.0%} of training labels moved; clean test data)", ""]
         lines += id_tables(results, "noise", ID_METRICS[:3])
     lines += ["## Efficiency", ""] + efficiency_table(results)
+    if posthoc := posthoc_table(results):
+        lines += ["## Post-hoc steps", ""] + posthoc
     written = [path]
     if runs_root is not None:
         images = plots(results, Path(runs_root), path.parent / f"{path.stem}-plots")

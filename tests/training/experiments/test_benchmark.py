@@ -162,3 +162,18 @@ def test_cached_predictions_of_another_size_or_parameters_are_redone(bench_confi
     results.unlink()  # other method parameters: evaluated again too
     assert main([*args, "sizes.default.test=4", "method_params.mc_dropout.mc_samples=3"]) == 0
     assert json.loads(cache.read_text())["method_params"] == {"mc_samples": 3}
+
+
+def test_runner_records_what_laplaces_post_hoc_step_chose(bench_config, tmp_path):
+    path, config = bench_config
+    config = {**config, "methods": ["map", "laplace"], "experiments": [{"kind": "id", "datasets": ["sciq"]}],
+              "method_params": {"laplace": {"fit_samples": 8}}}
+    path.write_text(json.dumps(config))
+    runs_dir, results = tmp_path / "runs", tmp_path / "tiny-results.json"
+    assert main(["--config", str(path), "--runs-dir", str(runs_dir), "--results", str(results)]) == 0
+    by_method = {r["method"]: r for r in json.loads(results.read_text())}
+    assert "posthoc" not in by_method["map"]
+    posthoc = by_method["laplace"]["posthoc"]
+    assert posthoc["prior"] == "validation" and posthoc["validation_questions"] == 8 and posthoc["fit_questions"] == 8
+    assert posthoc["fit_seconds"] > 0 and posthoc["prior_precision"] > 0
+    assert not (runs_dir / "sciq-laplace-s0").exists()  # fitted on MAP's run

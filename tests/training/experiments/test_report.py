@@ -112,3 +112,17 @@ def test_report_keeps_plots_whose_predictions_are_gone(tmp_path):
     assert plots.joinpath("risk-coverage-sciq.png").read_bytes() == drawn["risk-coverage-sciq.png"]
     assert plots.joinpath("reliability-sciq-map.png").read_bytes() != drawn["reliability-sciq-map.png"]
     assert "![reliability-sciq-edl](bench-plots/reliability-sciq-edl.png)" in path.read_text()
+
+
+def test_report_lists_what_each_post_hoc_step_chose(tmp_path):
+    results = synthetic_results()
+    results.append({"key": "id-sciq-laplace-s0", "kind": "id", "experiment": "id", "method": "laplace",
+                    "dataset": "sciq", "seed": 0, "label_noise": 0.0, "metrics": results[0]["metrics"], "efficiency": {},
+                    "posthoc": {"prior": "validation", "prior_precision": 177.8279, "validation_nll": 0.3412,
+                                "validation_nll_map": 0.3523, "fit_seconds": 241.4}})
+    path = tmp_path / "bench.md"
+    write_report(results, {"name": "bench"}, path)
+    section = path.read_text().split("## Post-hoc steps")[1]
+    assert "| id-sciq-laplace-s0 | validation | 178 | 0.341 | 0.352 | 241 |" in section
+    write_report(synthetic_results(), {"name": "bench"}, path)
+    assert "## Post-hoc steps" not in path.read_text()
