@@ -26,9 +26,8 @@ from pathlib import Path
 from benchmarks.common import write_result
 from training.config import yaml_load
 from training.experiments.benchmark import Run, Runner
+from training.experiments.report import EFFICIENCY_KEYS
 from training.methods import METHODS, get_method
-
-KEYS = ("train_samples_per_s", "test_samples_per_s", "train_peak_rss_mib", "eval_peak_rss_mib")
 
 
 def efficiency_config(config: dict, methods: list[str], train: int, validation: int, test: int) -> dict:
@@ -46,9 +45,10 @@ def measure(config: dict, root: Path) -> dict:
     out = {}
     for method in [m for m in METHODS if m in config["methods"]]:
         logging.getLogger("benchmarks.method_efficiency").info("measuring %s", method)
-        record = runner.run(Run("id", "id", "sciq", method, 0, ("sciq",)))
+        cell = Run("id", "id", "sciq", method, 0, ("sciq",))
+        record = runner.run(cell)
         trained = get_method(method).trained_as
-        run = json.loads((root / "runs" / f"sciq-{trained}-s0" / "manifest.json").read_text())["training"]["run"]
+        run = json.loads((root / "runs" / cell.train_key(trained) / "manifest.json").read_text())["training"]["run"]
         out[method] = {**record["efficiency"], "accuracy": record["metrics"]["accuracy"],
                        "train_seconds": run["seconds"], "train_samples": run["samples"],
                        "reuses_training_of": trained if trained != method else None}
@@ -60,18 +60,23 @@ def measure(config: dict, root: Path) -> dict:
 def with_ratios(methods: dict) -> dict:
     """Each method's numbers with ``ratio_to_map``: throughputs and peak memories divided by MAP's."""
     ref = methods["map"]
-    return {m: {**v, "ratio_to_map": {k: v[k] / ref[k] for k in (*KEYS, "train_seconds") if v.get(k) and ref.get(k)}}
+    return {m: {**v, "ratio_to_map": {k: v[k] / ref[k] for k in (*EFFICIENCY_KEYS, "train_seconds")
+                                      if v.get(k) and ref.get(k)}}
             for m, v in methods.items()}
 
 
 def table(methods: dict) -> str:
-    lines = [f"{'method':<11} {'train/s':>8} {'x MAP':>6} {'test/s':>8} {'x MAP':>6} {'train MiB':>9} {'x MAP':>6} "
-             f"{'test MiB':>8} {'x MAP':>6}"]
+    """One line per method: each efficiency column and its ratio to MAP ("–" where it was not measured)."""
+    heads = {"train_samples_per_s": ("train/s", ".2f"), "test_samples_per_s": ("test/s", ".2f"),
+             "train_peak_rss_mib": ("train MiB", ".0f"), "eval_peak_rss_mib": ("test MiB", ".0f")}
+    lines = [f"{'method':<11}" + "".join(f" {heads[k][0]:>9} {'x MAP':>6}" for k in EFFICIENCY_KEYS)]
     for m, v in methods.items():
-        r = v["ratio_to_map"]
-        lines.append(f"{m:<11} {v['train_samples_per_s']:8.2f} {r['train_samples_per_s']:6.2f} "
-                     f"{v['test_samples_per_s']:8.2f} {r['test_samples_per_s']:6.2f} {v['train_peak_rss_mib']:9.0f} "
-                     f"{r['train_peak_rss_mib']:6.2f} {v['eval_peak_rss_mib']:8.0f} {r['eval_peak_rss_mib']:6.2f}")
+        cells = []
+        for k in EFFICIENCY_KEYS:
+            value, ratio = v.get(k), v["ratio_to_map"].get(k)
+            cells.append(f" {'–' if value is None else format(value, heads[k][1]):>9} "
+                         f"{'–' if ratio is None else format(ratio, '.2f'):>6}")
+        lines.append(f"{m:<11}" + "".join(cells))
     return "\n".join(lines)
 
 
@@ -101,15 +106,16 @@ def main(argv: list[str] | None = None) -> int:
                                args.validation, args.test)
     with tempfile.TemporaryDirectory(prefix="method-efficiency-") as tmp:
         measured = with_ratios(measure(config, Path(tmp)))
-    print(table(measured))
     write_result(args.output, {
         "command": "python -m benchmarks.method_efficiency " + " ".join(argv if argv is not None else sys.argv[1:]),
         "config": args.config, "sizes": config["sizes"]["default"], "base_model": config["train"]["base_model"],
         "cpu_count": os.cpu_count(), "machine": platform.processor() or platform.machine(),
         "note": "one run at a time; MC-Dropout and Laplace reuse MAP's training; Laplace's test samples/s exclude its "
-                "post-hoc fit (posthoc.fit_seconds)",
+                "post-hoc fit (posthoc fit_seconds), its test peak memory includes it (the fit and the test pass are "
+                "one child process)",
         "methods": measured,
     }, echo=False)
+    print(table(measured))
     print(f"wrote {args.output}")
     return 0
 

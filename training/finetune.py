@@ -75,9 +75,19 @@ def load_parts(parts: list[DataPart], role: str, cfg: TrainConfig | None = None)
     return questions
 
 
-def validation_questions(training: dict) -> list[MCQuestion]:
-    """The validation questions a run was calibrated on, from its manifest's ``training`` section."""
-    return load_parts([DataPart(**part) for part in training["data"]["validation"]], "validation")
+def run_questions(training: dict) -> tuple[TrainConfig, list[MCQuestion], list[MCQuestion]]:
+    """A trained run's config and its training and validation questions, from its manifest's ``training`` section:
+    drawn with the run's seeds and label noise, those too long for ``max_tokens`` left out, as when it trained."""
+    cfg = TrainConfig(**training["config"])
+    train_q = load_parts(cfg.data.train, "train", cfg)
+    val_q = load_parts(cfg.data.validation, "validation", cfg)
+    train_q, val_q, _, _ = drop_unfit(cfg, train_q, val_q, [])
+    return cfg, train_q, val_q
+
+
+def posthoc_questions(method: Method, params: dict, train_q: list[MCQuestion], seed: int) -> list[MCQuestion]:
+    """The training questions a method's post-hoc step is fitted on: ``num_samples`` of them drawn with ``seed``."""
+    return random.Random(seed).sample(train_q, min(method.posthoc.num_samples(params), len(train_q)))
 
 
 def length_grouped_batches(questions: list[MCQuestion], batch_size: int, rng: random.Random, group: int = 32) -> list[list[int]]:
@@ -429,7 +439,7 @@ def load_trained(cfg: TrainConfig, method: Method, params: dict, out_dir: Path, 
                                         load_in_4bit=cfg.load_in_4bit)
     prefix_cache.attach(predictor, cfg.train_layers, resolve_model(cfg.base_model).sha256)
     if method.posthoc is not None:
-        fit_q = random.Random(cfg.seed).sample(train_q, min(method.posthoc.num_samples(params), len(train_q)))
+        fit_q = posthoc_questions(method, params, train_q, cfg.seed)
         log.info("post-hoc %s on %d training questions", method.name, len(fit_q))
         predictor = method.posthoc.fit(predictor, fit_q, val_q, params)
     return predictor

@@ -11,15 +11,19 @@ References:
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import UserDict
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from evidential.predictor import EncodedBatch, Prediction, Predictor
 from evidential.prompt import LETTERS, MCQuestion
+
+log = logging.getLogger("training.laplace_lora")
 
 # glm: the linearised model with the probit approximation (Laplace-LoRA's predictive; per-question Jacobians over
 # the LoRA weights: about 0.4-0.9 s a SciQ question on one CPU core for the top 4 layers of SmolLM2); mc: the mean
@@ -99,7 +103,8 @@ def glm_moments(la, batch) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def logit_variance(la, js: torch.Tensor) -> torch.Tensor:
-    """(B, C) variances of the linearised logits, diag(J Sigma J^T), at ``la``'s current prior precision."""
+    """(B, C) variances of the linearised logits, diag(J Sigma J^T), from (B, C, P) Jacobians ``js`` over the
+    posterior's P weights, at ``la``'s current prior precision."""
     return torch.diagonal(la.functional_variance(js), dim1=-2, dim2=-1)
 
 
@@ -140,14 +145,27 @@ class LaplaceLoRA:
         return probs, time.perf_counter() - start
 
 
-def choose_prior_on_validation(laplace: LaplaceLoRA, questions: list[MCQuestion], grid=PRIOR_GRID) -> dict:
+def choose_prior_on_validation(laplace: LaplaceLoRA, questions: list[MCQuestion], grid=PRIOR_GRID,
+                               progress: bool = False) -> dict:
     """Set the prior precision to the value of ``grid`` whose GLM probit predictive has the lowest NLL on
     ``questions`` (validation questions with answers); returns what was chosen. Each question's Jacobian is taken
-    once; the grid only changes the posterior covariance."""
+    once; the grid only changes the posterior covariance.
+
+    ``at_grid_edge`` is ``"top"`` when the largest value won (the narrowest posterior on the grid: the predictive is
+    then within a hair of MAP's, and a larger value could only move it closer), ``"bottom"`` when the smallest did
+    (a wider posterior might do better), else None; either edge is logged as a warning."""
+    grid = tuple(grid)
+    if not grid or not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in grid):
+        raise ValueError(f"grid must be finite numbers > 0, got {grid!r}")
+    if not questions or any(q.answer is None for q in questions):
+        given = ("none" if not questions else
+                 f"{sum(q.answer is None for q in questions)} of {len(questions)} without an answer")
+        raise ValueError(f"choosing the prior precision on validation needs questions with answers, got {given}")
     la = laplace.la
     nll = torch.zeros(len(grid), dtype=torch.float64)
     map_nll = 0.0
-    for batch in laplace.batches(questions, 1):
+    for batch in tqdm(laplace.batches(questions, 1), desc="Laplace prior (validation)", unit="q", leave=False,
+                      disable=not progress):
         f, js = glm_moments(la, batch)
         label = int(batch["labels"][0])
         map_nll -= float(torch.log_softmax(f[0].double(), -1)[label])
@@ -157,9 +175,15 @@ def choose_prior_on_validation(laplace: LaplaceLoRA, questions: list[MCQuestion]
             nll[i] -= torch.log(p[label].clamp_min(1e-12))
     best = int(torch.argmin(nll))
     la.prior_precision = grid[best]
+    edge = None
+    if len(set(grid)) > 1:
+        edge = "top" if grid[best] == max(grid) else "bottom" if grid[best] == min(grid) else None
+    if edge:
+        log.warning("Laplace prior precision %.3g is the grid's %s value: %s", grid[best], edge,
+                    "the predictive is MAP's within a hair" if edge == "top" else "a wider posterior may do better")
     n = len(questions)
-    return {"prior": "validation", "prior_precision": float(grid[best]), "validation_nll": float(nll[best]) / n,
-            "validation_nll_map": map_nll / n, "validation_questions": n}
+    return {"prior": "validation", "prior_precision": float(grid[best]), "at_grid_edge": edge,
+            "validation_nll": float(nll[best]) / n, "validation_nll_map": map_nll / n, "validation_questions": n}
 
 
 class LaplacePredictor:
@@ -210,8 +234,11 @@ def fit_laplace(predictor: Predictor, questions: list[MCQuestion], prior_precisi
         if prior_precision not in PRIORS:
             raise ValueError(f"prior_precision must be a number > 0 or one of {PRIORS}, got {prior_precision!r}")
         if prior_precision == "validation" and (not validation or any(q.answer is None for q in validation)):
-            raise ValueError("prior_precision 'validation' needs validation questions with answers")
-    elif not (isinstance(prior_precision, (int, float)) and math.isfinite(prior_precision) and prior_precision > 0):
+            given = ("none" if not validation else
+                     f"{sum(q.answer is None for q in validation)} of {len(validation)} without an answer")
+            raise ValueError(f"prior_precision 'validation' needs validation questions with answers, got {given}")
+    elif not (isinstance(prior_precision, (int, float)) and not isinstance(prior_precision, bool)
+              and math.isfinite(prior_precision) and prior_precision > 0):
         raise ValueError(f"prior_precision must be a number > 0 or one of {PRIORS}, got {prior_precision!r}")
     # The posterior is over the LoRA weights the predictor's forward differentiates: all of them, or with a
     # prefix-cached trunk (evidential.prefix_cache) those of the layers it runs live.

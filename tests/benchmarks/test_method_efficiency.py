@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from benchmarks.method_efficiency import main
+from benchmarks.method_efficiency import main, table, with_ratios
 
 
 @pytest.fixture
@@ -28,14 +28,29 @@ def test_ratios_to_map_and_reused_training(tiny_grid, tmp_path, capsys):
     result = json.loads(out.read_text())
     methods = result["methods"]
     assert list(methods) == ["map", "mc_dropout", "edl"] and result["sizes"] == {"train": 8, "validation": 8, "test": 8}
-    assert all(value == pytest.approx(1.0) for value in methods["map"]["ratio_to_map"].values())
+    assert set(methods["map"]["ratio_to_map"]) >= {"train_samples_per_s", "test_samples_per_s", "train_seconds"}
     edl, mcd, ref = methods["edl"], methods["mc_dropout"], methods["map"]
     for key in ("train_samples_per_s", "test_samples_per_s", "train_peak_rss_mib", "eval_peak_rss_mib"):
         assert edl[key] > 0 and edl["ratio_to_map"][key] == pytest.approx(edl[key] / ref[key])
     # MC-Dropout is evaluated on MAP's training run: the same training numbers, its own test pass
     assert mcd["reuses_training_of"] == "map" and edl["reuses_training_of"] is None
     assert mcd["train_samples_per_s"] == ref["train_samples_per_s"] and mcd["train_samples"] == ref["train_samples"]
-    assert "mc_dropout" in capsys.readouterr().out
+    printed = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in printed[1:4]] == ["map", "mc_dropout", "edl"]
+    assert printed[-1] == f"wrote {out}"
+
+
+def test_missing_numbers_show_as_a_dash_not_an_error():
+    methods = with_ratios({
+        "map": {"train_samples_per_s": 4.0, "test_samples_per_s": 10.0, "train_peak_rss_mib": 800.0,
+                "eval_peak_rss_mib": 700.0},
+        "laplace": {"train_samples_per_s": 4.0, "test_samples_per_s": 2.5, "train_peak_rss_mib": None,
+                    "eval_peak_rss_mib": 1400.0},
+    })
+    assert methods["laplace"]["ratio_to_map"] == {"train_samples_per_s": 1.0, "test_samples_per_s": 0.25,
+                                                  "eval_peak_rss_mib": 2.0}
+    row = table(methods).splitlines()[2].split()
+    assert row == ["laplace", "4.00", "1.00", "2.50", "0.25", "–", "–", "1400", "2.00"]
 
 
 def test_bad_arguments_are_reported(tiny_grid, capsys):

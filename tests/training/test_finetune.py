@@ -12,7 +12,7 @@ from training.config import load_config
 from training.evaluate import evaluate
 from training.data import load_dataset
 from training.confidence_ceiling import confidence_ceiling
-from training.finetune import load_parts, main, train
+from training.finetune import load_parts, main, run_questions, train
 
 WORDS = "sun moon water plant stone tree bird fish cloud river".split()
 
@@ -144,6 +144,16 @@ def test_subset_seed_picks_the_training_subset_independently_of_the_run_seed(tmp
     first, other = subset("seed=0"), subset("seed=1")
     assert len(first) == 10 and set(first) != set(other)  # the run's seed picks the subset by default
     assert subset("seed=1", "data.subset_seed=0") == first  # a second stage can see the first stage's questions
+
+
+def test_run_questions_rebuild_a_noisy_runs_training_and_validation_questions(tmp_path, tiny_model_dir, jsonl_data):
+    # what evaluate_run fits a post-hoc step on: the training draw and noisy labels the run trained with
+    cfg = config(tmp_path, tiny_model_dir, jsonl_data, "map", seed=1, **{"data.label_noise": 0.5, "data.noise_seed": 3})
+    rebuilt_cfg, train_q, val_q = run_questions({"config": cfg.to_dict()})
+    assert rebuilt_cfg.seed == 1 and rebuilt_cfg.data.label_noise == 0.5
+    assert train_q == load_parts(cfg.data.train, "train", cfg) and val_q == load_parts(cfg.data.validation, "validation")
+    assert len(val_q) == 12 and sum(q.answer != 0 for q in train_q) > 0  # every toy answer is A: moved labels differ
+    assert all(q.answer == 0 for q in val_q)  # validation keeps clean labels
 
 
 def test_cli_reports_bad_config(tmp_path, capsys):

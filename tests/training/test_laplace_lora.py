@@ -10,7 +10,7 @@ from evidential.predictor import Predictor
 from training.config import load_config
 from training.data import load_dataset
 from training.finetune import train
-from training.laplace_lora import PRIOR_GRID, fit_laplace
+from training.laplace_lora import PRIOR_GRID, choose_prior_on_validation, fit_laplace
 
 WORDS = "sun moon water plant stone tree bird fish cloud river".split()
 
@@ -92,7 +92,7 @@ def test_laplace_hyper_parameters_checked_on_arrival():
 
     with pytest.raises(ValueError, match="fit_samples must be an integer >= 1, got 0"):
         get_method("laplace").params({"fit_samples": 0})
-    with pytest.raises(ValueError, match="prior_precision must be validation, marglik or a finite number > 0, got -1"):
+    with pytest.raises(ValueError, match=r"prior_precision must be one of \(.validation., .marglik.\) or a finite number > 0, got -1"):
         get_method("laplace").params({"prior_precision": -1})
     with pytest.raises(ValueError, match="got 'map'"):
         get_method("laplace").params({"prior_precision": "map"})
@@ -181,11 +181,29 @@ def test_prior_on_validation_needs_validation_questions_with_answers(map_artifac
     artifact, data = map_artifact
     questions = load_dataset("jsonl", "test", path=data)
     predictor = Predictor.from_artifact(artifact)
-    with pytest.raises(ValueError, match="needs validation questions with answers"):
+    with pytest.raises(ValueError, match="needs validation questions with answers, got none"):
         fit_laplace(predictor, questions[:20])
-    with pytest.raises(ValueError, match="needs validation questions with answers"):
+    with pytest.raises(ValueError, match="needs validation questions with answers, got 10 of 10 without an answer"):
         fit_laplace(predictor, questions[:20], validation=[MCQuestion(q.question, q.options) for q in questions[30:]])
     with pytest.raises(ValueError, match="got 'bayes'"):
         fit_laplace(predictor, questions[:20], prior_precision="bayes")
     with pytest.raises(ValueError, match="got -2"):
         fit_laplace(predictor, questions[:20], prior_precision=-2)
+    with pytest.raises(ValueError, match="got True"):
+        fit_laplace(predictor, questions[:20], prior_precision=True)
+    la = fit_laplace(predictor, questions[:20], prior_precision=1.0)
+    with pytest.raises(ValueError, match=r"grid must be finite numbers > 0, got \(\)"):
+        choose_prior_on_validation(la, questions[30:], grid=())
+    with pytest.raises(ValueError, match="got none"):
+        choose_prior_on_validation(la, [])
+
+
+def test_a_prior_at_the_grids_edge_is_flagged(map_artifact, caplog):
+    artifact, data = map_artifact
+    questions = load_dataset("jsonl", "test", path=data)
+    la = fit_laplace(Predictor.from_artifact(artifact), questions[:20], prior_precision=1.0)
+    # two values: whichever wins is an edge, named for where it is
+    info = choose_prior_on_validation(la, questions[28:40], grid=(1e-3, 1e8))
+    assert info["at_grid_edge"] == ("top" if info["prior_precision"] == 1e8 else "bottom")
+    assert f"is the grid's {info['at_grid_edge']} value" in caplog.text
+    assert choose_prior_on_validation(la, questions[28:40], grid=(3.0,))["at_grid_edge"] is None

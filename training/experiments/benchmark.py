@@ -171,14 +171,18 @@ class Runner:
             return artifact / f"predictions-{run.method}-{dataset.replace(':', '-')}.json"
 
         limits = {d: limits_for(self.config.get("sizes", {}), d).get("test") for d in run.eval_sets}
-        params = self.config.get("method_params", {}).get(run.method, {})
+        method = get_method(run.method)
+        params = method.params(self.config.get("method_params", {}).get(run.method, {}))  # with the defaults
 
         def load(dataset: str) -> dict | None:  # the cached predictions, if drawn with this size and these parameters
             if not cache(dataset).is_file():
                 return None
             found = json.loads(cache(dataset).read_text())
-            same = found.get("limit", limits[dataset]) == limits[dataset] and found.get("method_params", params) == params
-            return found if same else None
+            try:
+                same = method.params(found.get("method_params", params)) == params
+            except ValueError:  # drawn with parameters the method no longer has
+                return None
+            return found if same and found.get("limit", limits[dataset]) == limits[dataset] else None
 
         sets = {d: load(d) for d in run.eval_sets}
         missing = [d for d, found in sets.items() if found is None]
@@ -188,7 +192,7 @@ class Runner:
         if missing:
             out_path = artifact / f"predictions-{run.method}.partial.json"
             cmd = [sys.executable, "-m", "training.experiments.evaluate_run", "--artifact", str(artifact), "--method", run.method,
-                   "--output", str(out_path), "--seed", str(run.seed), "--limits", json.dumps(self.config.get("sizes", {})),
+                   "--output", str(out_path), "--limits", json.dumps(self.config.get("sizes", {})),
                    "--method-params", json.dumps(params), *[arg for d in missing for arg in ("--dataset", d)]]
             log_path = artifact / f"eval-{run.method}.log"
             info = run_child(cmd, log_path, self.threads)
@@ -221,11 +225,27 @@ class Runner:
                 "eval_peak_rss_mib": preds.get("eval_peak_rss_mib"),
             },
         }
-        posthoc = preds["sets"][run.eval_sets[0]].get("posthoc")
-        if posthoc is not None:  # what a post-hoc step chose (Laplace's prior precision) and its fit's seconds
-            record["posthoc"] = posthoc
+        if fits := posthoc_fits(preds["sets"], run.eval_sets):
+            record["posthoc"] = fits
         self.add(record)
         return record
+
+
+def posthoc_fits(sets: dict, eval_sets) -> list[dict]:
+    """The post-hoc fits behind a cell's predictions (Laplace: its prior precision and the fit's seconds), each with
+    the sets it predicted. An ood cell reads its in-distribution predictions from the id cell of the same trained
+    run, so those come from that cell's fit and the shifted streams from its own."""
+    fits: list[dict] = []
+    for dataset in eval_sets:
+        info = sets[dataset].get("posthoc")
+        if info is None:
+            continue
+        same = next((f for f in fits if {k: v for k, v in f.items() if k != "sets"} == info), None)
+        if same is None:
+            fits.append({**info, "sets": [dataset]})
+        else:
+            same["sets"].append(dataset)
+    return fits
 
 
 def positive_int(text: str) -> int:

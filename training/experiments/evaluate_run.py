@@ -95,7 +95,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--method", required=True)
     parser.add_argument("--dataset", action="append", required=True)
     parser.add_argument("--output", required=True)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--limits", default="{}", help="JSON {dataset|default: {test: N, train: N}}")
     parser.add_argument("--method-params", default="{}", help="JSON of the method's hyper-parameters")
     parser.add_argument("--batch-size", type=int, default=8)
@@ -103,9 +102,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from evidential import prefix_cache
     from evidential.predictor import Predictor
-    from training.data import load_dataset
     from training.evaluate import predict_all
-    from training.finetune import validation_questions
+    from training.finetune import posthoc_questions, run_questions
     from training.methods import get_method
 
     limits = json.loads(args.limits)
@@ -118,27 +116,22 @@ def main(argv: list[str] | None = None) -> int:
     if method.num_mc_samples(params):  # the predictive of a method trained as the artifact was (MC-Dropout on MAP)
         predictor.mc_samples = method.num_mc_samples(params)
         predictor.eval()
-    if method.posthoc is not None:
-        manifest = predictor.manifest
-        train_set = manifest.training["data"]["train"][0]
-        fit_q = load_dataset(train_set["dataset"], "train", path=train_set.get("path"),
-                             limit=method.posthoc.num_samples(params), seed=args.seed,
-                             label_noise=manifest.training.get("label_noise", 0.0), noise_seed=args.seed)
-        start = time.perf_counter()
-        predictor = method.posthoc.fit(predictor, fit_q, validation_questions(manifest.training), params)
-        fit_seconds = time.perf_counter() - start
-    out = {"artifact": str(args.artifact), "method": args.method, "sets": {}}
     posthoc = None
-    if method.posthoc is not None:  # what the post-hoc step chose (Laplace's prior precision) and its cost
-        posthoc = {**(getattr(predictor, "posthoc_info", None) or {}), "fit_seconds": fit_seconds}
-        out["posthoc"] = posthoc
+    if method.posthoc is not None:  # fitted on the questions the run trained and was calibrated on, as finetune does
+        cfg, train_q, val_q = run_questions(predictor.manifest.training)
+        fit_q = posthoc_questions(method, params, train_q, cfg.seed)
+        start = time.perf_counter()
+        predictor = method.posthoc.fit(predictor, fit_q, val_q, params)
+        # what the post-hoc step chose (Laplace's prior precision) and its cost, data loading left out
+        posthoc = {**(getattr(predictor, "posthoc_info", None) or {}), "fit_seconds": time.perf_counter() - start}
+    out = {"artifact": str(args.artifact), "method": args.method, "sets": {}}
     for dataset in args.dataset:
         questions = load_eval_set(dataset, limits_for(limits, dataset).get("test"))
         preds, seconds = predict_all(predictor, questions, args.batch_size, progress=False)
         out["sets"][dataset] = {**outputs(preds), "labels": [q.answer for q in questions],
                                 "samples_per_s": len(questions) / seconds}
-        if posthoc is not None:  # with every set, as the benchmark caches predictions per set
-            out["sets"][dataset]["posthoc"] = posthoc
+        if posthoc is not None:  # with every set: the benchmark caches predictions per set, and a cell's record
+            out["sets"][dataset]["posthoc"] = posthoc  # names the fit behind each of its sets
         zeta = getattr(getattr(predictor, "head", None), "config", None)
         if zeta is not None and getattr(zeta, "zeta", 0.0):  # IB-EDL's post-hoc zeta: also without it
             fitted, zeta.zeta = zeta.zeta, 0.0

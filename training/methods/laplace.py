@@ -13,6 +13,7 @@ References:
 
 import math
 
+from training.laplace_lora import PREDICTIVES, PRIORS, LaplacePredictor, fit_laplace
 from training.methods.base import Method, PostHoc
 from training.methods.map import map_loss
 
@@ -25,17 +26,15 @@ def check_params(params: dict) -> None:
             raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
     prior = params["prior_precision"]
     number = isinstance(prior, (int, float)) and not isinstance(prior, bool)
-    if not (prior in ("validation", "marglik") or (number and math.isfinite(prior) and prior > 0)):
-        raise ValueError(f"prior_precision must be validation, marglik or a finite number > 0, got {prior!r}")
-    if params["predictive"] not in ("glm", "mc"):
-        raise ValueError(f"predictive must be glm or mc, got {params['predictive']!r}")
+    if not (prior in PRIORS or (number and math.isfinite(prior) and prior > 0)):
+        raise ValueError(f"prior_precision must be one of {PRIORS} or a finite number > 0, got {prior!r}")
+    if params["predictive"] not in PREDICTIVES:
+        raise ValueError(f"predictive must be one of {PREDICTIVES}, got {params['predictive']!r}")
 
 
 def fit(predictor, questions, validation, params):
     """The MAP predictor with the predictive (``glm`` or ``mc``) of a posterior fitted on the first ``fit_samples``
     questions, its prior precision chosen on ``validation`` unless ``prior_precision`` says otherwise."""
-    from training.laplace_lora import LaplacePredictor, fit_laplace
-
     laplace = fit_laplace(predictor, questions[: params["fit_samples"]], prior_precision=params["prior_precision"],
                           validation=validation, batch_size=params["batch_size"], predictive=params["predictive"],
                           samples=params["samples"])

@@ -166,14 +166,19 @@ def test_cached_predictions_of_another_size_or_parameters_are_redone(bench_confi
 
 def test_runner_records_what_laplaces_post_hoc_step_chose(bench_config, tmp_path):
     path, config = bench_config
-    config = {**config, "methods": ["map", "laplace"], "experiments": [{"kind": "id", "datasets": ["sciq"]}],
-              "method_params": {"laplace": {"fit_samples": 8}}}
+    config = {**config, "methods": ["map", "laplace"], "method_params": {"laplace": {"fit_samples": 8}},
+              "experiments": [{"kind": "id", "datasets": ["sciq"]}, {"kind": "ood", "train": "sciq", "ood": ["obqa"]}]}
     path.write_text(json.dumps(config))
     runs_dir, results = tmp_path / "runs", tmp_path / "tiny-results.json"
     assert main(["--config", str(path), "--runs-dir", str(runs_dir), "--results", str(results)]) == 0
-    by_method = {r["method"]: r for r in json.loads(results.read_text())}
-    assert "posthoc" not in by_method["map"]
-    posthoc = by_method["laplace"]["posthoc"]
-    assert posthoc["prior"] == "validation" and posthoc["validation_questions"] == 8 and posthoc["fit_questions"] == 8
-    assert posthoc["fit_seconds"] > 0 and posthoc["prior_precision"] > 0
+    by_key = {r["key"]: r for r in json.loads(results.read_text())}
+    assert "posthoc" not in by_key["id-sciq-map-s0"]
+    [own] = by_key["id-sciq-laplace-s0"]["posthoc"]
+    assert own["sets"] == ["sciq"] and own["prior"] == "validation" and own["prior_precision"] > 0
+    assert own["validation_questions"] == 8 and own["fit_questions"] == 8 and own["fit_seconds"] > 0
+    assert own["at_grid_edge"] in (None, "top", "bottom")
+    # the ood cell reads its SciQ predictions from the id cell (that cell's fit) and fits again for OBQA
+    shared, fitted = by_key["ood-sciq-laplace-s0"]["posthoc"]
+    assert shared == own and fitted["sets"] == ["obqa"] and fitted["fit_seconds"] != own["fit_seconds"]
+    assert fitted["prior_precision"] == own["prior_precision"]  # the same questions, the same choice
     assert not (runs_dir / "sciq-laplace-s0").exists()  # fitted on MAP's run

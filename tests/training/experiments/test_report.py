@@ -116,13 +116,19 @@ def test_report_keeps_plots_whose_predictions_are_gone(tmp_path):
 
 def test_report_lists_what_each_post_hoc_step_chose(tmp_path):
     results = synthetic_results()
-    results.append({"key": "id-sciq-laplace-s0", "kind": "id", "experiment": "id", "method": "laplace",
-                    "dataset": "sciq", "seed": 0, "label_noise": 0.0, "metrics": results[0]["metrics"], "efficiency": {},
-                    "posthoc": {"prior": "validation", "prior_precision": 177.8279, "validation_nll": 0.3412,
-                                "validation_nll_map": 0.3523, "fit_seconds": 241.4}})
+    own = {"prior": "validation", "prior_precision": 177.8279, "at_grid_edge": None, "validation_nll": 0.3412,
+           "validation_nll_map": 0.3523, "fit_seconds": 241.4}
+    ood = {**own, "prior_precision": 1e6, "at_grid_edge": "top", "fit_seconds": 250.2}
+    cell = {"kind": "id", "experiment": "id", "method": "laplace", "dataset": "sciq", "seed": 0, "label_noise": 0.0,
+            "metrics": results[0]["metrics"], "efficiency": {}}
+    results += [{**cell, "key": "id-sciq-laplace-s0", "posthoc": [{**own, "sets": ["sciq"]}]},
+                {**cell, "key": "ood-sciq-laplace-s0", "kind": "ood", "experiment": "ood",
+                 "posthoc": [{**own, "sets": ["sciq"]}, {**ood, "sets": ["obqa", "arc_easy"]}]}]
     path = tmp_path / "bench.md"
     write_report(results, {"name": "bench"}, path)
-    section = path.read_text().split("## Post-hoc steps")[1]
-    assert "| id-sciq-laplace-s0 | validation | 178 | 0.341 | 0.352 | 241 |" in section
+    rows = [line for line in path.read_text().split("## Post-hoc steps")[1].splitlines() if "laplace" in line]
+    # one row per fit: the id cell's, which the ood cell also reads, and the ood cell's own
+    assert rows == ["| id-sciq-laplace-s0, ood-sciq-laplace-s0 | sciq | validation | 178 | 0.341 | 0.352 | 241 |",
+                    "| ood-sciq-laplace-s0 | obqa, arc_easy | validation | 1e+06 (grid top) | 0.341 | 0.352 | 250 |"]
     write_report(synthetic_results(), {"name": "bench"}, path)
     assert "## Post-hoc steps" not in path.read_text()
