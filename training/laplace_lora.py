@@ -145,45 +145,71 @@ class LaplaceLoRA:
         return probs, time.perf_counter() - start
 
 
+def _check_grid(grid) -> tuple[float, ...]:
+    grid = tuple(grid)
+    if not grid or not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in grid):
+        raise ValueError(f"grid must be finite numbers > 0, got {grid!r}")
+    return grid
+
+
+def _check_answered(questions: list[MCQuestion], what: str) -> None:
+    if not questions or any(q.answer is None for q in questions):
+        given = ("none" if not questions else
+                 f"{sum(q.answer is None for q in questions)} of {len(questions)} without an answer")
+        raise ValueError(f"{what} needs questions with answers, got {given}")
+
+
+def predictives_over_grid(laplace: LaplaceLoRA, questions: list[MCQuestion], grid=PRIOR_GRID,
+                          progress: bool = False) -> tuple[list[list[list[float]]], list[list[float]]]:
+    """The GLM probit predictive of ``questions`` at every prior precision of ``grid`` (G lists of N probability
+    rows over each question's real options) and the MAP softmax (N rows). Each question's Jacobian is taken once;
+    the grid only changes the posterior covariance. Leaves the prior precision at the grid's last value."""
+    grid = _check_grid(grid)
+    la = laplace.la
+    over_grid: list[list[list[float]]] = [[] for _ in grid]
+    map_probs: list[list[float]] = []
+    for batch in tqdm(laplace.batches(questions, 1), desc="Laplace prior grid", unit="q", leave=False,
+                      disable=not progress):
+        f, js = glm_moments(la, batch)
+        mask = batch["option_mask"][0]
+        real = lambda p: (p[0][mask].double() / p[0][mask].double().sum()).tolist()  # noqa: E731
+        map_probs.append(real(torch.softmax(f.double(), -1)))
+        for i, value in enumerate(grid):
+            la.prior_precision = value
+            over_grid[i].append(real(probit(f, logit_variance(la, js))))
+    return over_grid, map_probs
+
+
+def grid_edge(grid, value: float) -> str | None:
+    """``"top"`` when ``value`` is the largest of ``grid``, ``"bottom"`` when the smallest, else None (also for a grid
+    of one value)."""
+    if len(set(grid)) < 2:
+        return None
+    return "top" if value == max(grid) else "bottom" if value == min(grid) else None
+
+
 def choose_prior_on_validation(laplace: LaplaceLoRA, questions: list[MCQuestion], grid=PRIOR_GRID,
                                progress: bool = False) -> dict:
     """Set the prior precision to the value of ``grid`` whose GLM probit predictive has the lowest NLL on
-    ``questions`` (validation questions with answers); returns what was chosen. Each question's Jacobian is taken
-    once; the grid only changes the posterior covariance.
+    ``questions`` (validation questions with answers); returns what was chosen.
 
     ``at_grid_edge`` is ``"top"`` when the largest value won (the narrowest posterior on the grid: the predictive is
     then within a hair of MAP's, and a larger value could only move it closer), ``"bottom"`` when the smallest did
     (a wider posterior might do better), else None; either edge is logged as a warning."""
-    grid = tuple(grid)
-    if not grid or not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in grid):
-        raise ValueError(f"grid must be finite numbers > 0, got {grid!r}")
-    if not questions or any(q.answer is None for q in questions):
-        given = ("none" if not questions else
-                 f"{sum(q.answer is None for q in questions)} of {len(questions)} without an answer")
-        raise ValueError(f"choosing the prior precision on validation needs questions with answers, got {given}")
-    la = laplace.la
-    nll = torch.zeros(len(grid), dtype=torch.float64)
-    map_nll = 0.0
-    for batch in tqdm(laplace.batches(questions, 1), desc="Laplace prior (validation)", unit="q", leave=False,
-                      disable=not progress):
-        f, js = glm_moments(la, batch)
-        label = int(batch["labels"][0])
-        map_nll -= float(torch.log_softmax(f[0].double(), -1)[label])
-        for i, value in enumerate(grid):
-            la.prior_precision = value
-            p = probit(f, logit_variance(la, js))[0].double()
-            nll[i] -= torch.log(p[label].clamp_min(1e-12))
-    best = int(torch.argmin(nll))
-    la.prior_precision = grid[best]
-    edge = None
-    if len(set(grid)) > 1:
-        edge = "top" if grid[best] == max(grid) else "bottom" if grid[best] == min(grid) else None
+    grid = _check_grid(grid)
+    _check_answered(questions, "choosing the prior precision on validation")
+    over_grid, map_probs = predictives_over_grid(laplace, questions, grid, progress)
+    labels = [q.answer for q in questions]
+    nll = lambda rows: -sum(math.log(max(p[y], 1e-12)) for p, y in zip(rows, labels)) / len(labels)  # noqa: E731
+    nlls = [nll(rows) for rows in over_grid]
+    best = min(range(len(grid)), key=nlls.__getitem__)
+    laplace.la.prior_precision = grid[best]
+    edge = grid_edge(grid, grid[best])
     if edge:
         log.warning("Laplace prior precision %.3g is the grid's %s value: %s", grid[best], edge,
                     "the predictive is MAP's within a hair" if edge == "top" else "a wider posterior may do better")
-    n = len(questions)
     return {"prior": "validation", "prior_precision": float(grid[best]), "at_grid_edge": edge,
-            "validation_nll": float(nll[best]) / n, "validation_nll_map": map_nll / n, "validation_questions": n}
+            "validation_nll": nlls[best], "validation_nll_map": nll(map_probs), "validation_questions": len(questions)}
 
 
 class LaplacePredictor:
@@ -233,10 +259,8 @@ def fit_laplace(predictor: Predictor, questions: list[MCQuestion], prior_precisi
     if isinstance(prior_precision, str):
         if prior_precision not in PRIORS:
             raise ValueError(f"prior_precision must be a number > 0 or one of {PRIORS}, got {prior_precision!r}")
-        if prior_precision == "validation" and (not validation or any(q.answer is None for q in validation)):
-            given = ("none" if not validation else
-                     f"{sum(q.answer is None for q in validation)} of {len(validation)} without an answer")
-            raise ValueError(f"prior_precision 'validation' needs validation questions with answers, got {given}")
+        if prior_precision == "validation":
+            _check_answered(validation or [], "prior_precision 'validation'")
     elif not (isinstance(prior_precision, (int, float)) and not isinstance(prior_precision, bool)
               and math.isfinite(prior_precision) and prior_precision > 0):
         raise ValueError(f"prior_precision must be a number > 0 or one of {PRIORS}, got {prior_precision!r}")

@@ -181,9 +181,9 @@ def test_prior_on_validation_needs_validation_questions_with_answers(map_artifac
     artifact, data = map_artifact
     questions = load_dataset("jsonl", "test", path=data)
     predictor = Predictor.from_artifact(artifact)
-    with pytest.raises(ValueError, match="needs validation questions with answers, got none"):
+    with pytest.raises(ValueError, match="prior_precision .validation. needs questions with answers, got none"):
         fit_laplace(predictor, questions[:20])
-    with pytest.raises(ValueError, match="needs validation questions with answers, got 10 of 10 without an answer"):
+    with pytest.raises(ValueError, match="needs questions with answers, got 10 of 10 without an answer"):
         fit_laplace(predictor, questions[:20], validation=[MCQuestion(q.question, q.options) for q in questions[30:]])
     with pytest.raises(ValueError, match="got 'bayes'"):
         fit_laplace(predictor, questions[:20], prior_precision="bayes")
