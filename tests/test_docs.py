@@ -160,6 +160,7 @@ CLIS = [
     ("benchmarks.paired_bootstrap", []),
     ("benchmarks.drift_streams", []),
     ("benchmarks.method_efficiency", []),
+    ("benchmarks.laplace_prior", []),
 ]
 
 
