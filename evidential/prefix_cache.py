@@ -128,7 +128,8 @@ class PrefixCachedTrunk:
 
     def digest(self) -> str:
         """Digest of what the cached states depend on: base model, the frozen layers' weights of the active
-        adapter (LoRA and any others that a run may have changed), the split and the cache format."""
+        adapter (LoRA and any others that a run may have changed; not the adapter's name), the split and the cache
+        format."""
         adapter = self._adapter()
         if adapter not in self._digests:
             h = hashlib.sha256(f"{self.base_sha256}\0{self.first}\0{CACHE_FORMAT}\0".encode())
@@ -138,7 +139,9 @@ class PrefixCachedTrunk:
                     continue
                 if ".lora_" in name and f".{adapter}." not in name:
                     continue  # another ensemble member's weights
-                h.update(name.encode())
+                # by value, not by adapter name: ensemble members whose frozen layers hold the same weights (all
+                # warm-started from one MAP adapter) share one cache with it
+                h.update(name.replace(f".{adapter}.", ".").encode())
                 h.update(param.detach().float().cpu().numpy().tobytes())
             self._digests[adapter] = h.hexdigest()[:24]
         return self._digests[adapter]

@@ -80,6 +80,25 @@ def test_cache_is_keyed_by_the_frozen_layers_weights(predictor, tmp_path):
     assert PrefixCachedTrunk(p, 1, "another-base", root=tmp_path).digest() != before
 
 
+def test_ensemble_members_with_the_same_frozen_weights_share_the_cache(predictor, tmp_path):
+    p, sha = predictor
+    before = PrefixCachedTrunk(p, 1, sha, root=tmp_path).digest()
+    p.model.add_adapter("m1", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    params = dict(p.model.named_parameters())
+    with torch.no_grad():
+        for name, param in params.items():
+            if ".m1." in name:
+                param.copy_(params[name.replace(".m1.", ".default.")])
+    p.model.set_adapter("m1")
+    member = PrefixCachedTrunk(p, 1, sha, root=tmp_path)
+    assert member.digest() == before  # a member named m1 with the default's weights reads the default's cache
+    with torch.no_grad():
+        next(param for name, param in params.items() if ".m1." in name and layer_index(name) == 0).add_(1.0)
+    assert PrefixCachedTrunk(p, 1, sha, root=tmp_path).digest() != before
+    p.model.set_adapter("default")
+    assert PrefixCachedTrunk(p, 1, sha, root=tmp_path).digest() == before
+
+
 def test_layer_helpers_and_bad_values(predictor):
     p, _ = predictor
     assert layer_index("base_model.model.model.layers.12.self_attn.q_proj.lora_A.default.weight") == 12
