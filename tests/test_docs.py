@@ -161,6 +161,7 @@ CLIS = [
     ("benchmarks.drift_streams", []),
     ("benchmarks.method_efficiency", []),
     ("benchmarks.laplace_prior", []),
+    ("benchmarks.paper_comparison", []),
 ]
 
 

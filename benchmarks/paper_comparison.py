@@ -1,0 +1,326 @@
+"""The nine-method grid's tables beside the paper's own numbers, generated into docs/results.md.
+
+    python -m benchmarks.paper_comparison [--results benchmarks/results/sciq_grid.json]
+        [--efficiency benchmarks/results/method_efficiency.json] [--paper PATH.tex] [--docs docs/results.md] [--check]
+
+Our numbers come from the grid's results file (mean ± std over the seeds it holds) and the per-method cost
+benchmark (``python -m benchmarks.method_efficiency``, ratios to MAP); the paper's are read from its LaTeX source
+(``$IBEDL_PAPER``, by default ``<repo root>/../shared/paper/ib-edl-iclr2025.tex``): the SciQ column of Tables 1-2
+(calibration, Llama2-7B and Llama3-8B), the appendix's full label-noise tables for the same models, Table 3 (OOD
+detection, OBQA as in-distribution) and the appendix's cost table (Llama3-8B on OBQA). Each table is written between the markers
+``<!-- begin generated: paper-comparison NAME -->`` and ``<!-- end generated: paper-comparison NAME -->`` in the docs
+page, so the prose around them stays hand-written and the numbers cannot drift from the committed results;
+``--check`` exits 1 when the page is not what the results and the paper give (tests/benchmarks runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from training.experiments.report import NO_POSTHOC, dataset_name
+from training.methods import METHODS
+
+REPO = Path(__file__).resolve().parent.parent
+PAPER_ENV = "IBEDL_PAPER"
+MODELS = ("Llama2-7B", "Llama3-8B")
+# the paper's tables this page reads, by LaTeX label: (experiment, model)
+TABLES = {"tab:id_llama2_7b": ("id", "Llama2-7B"), "tab:id_llama3_8b": ("id", "Llama3-8B"),
+          "tab:full_noisy_llama2_7b": ("noise", "Llama2-7B"), "tab:full_noisy_llama3_8b": ("noise", "Llama3-8B"),
+          "tab:ood_llama2_7b_llama3_8b": ("ood", None), "tab:train_test_consumption": ("cost", "Llama3-8B")}
+PAPER_METRICS = {"Acc": "accuracy", "ECE": "ece", "NLL": "nll"}
+LABELS = {spec.label: name for name, spec in METHODS.items()}
+CELL = re.compile(r"\\ms\{(-?[\d.]+)\}\{([\d.]+)\}(?:\[[bu]\])?|\$-\$")
+ROW = re.compile(r"&\s*(" + "|".join(re.escape(label) for label in LABELS) + r")\s*&(.*?)\\\\")
+# the cost table's rows start with the method, e.g. ``MCD (10 forwards) & \ms{9.79}{1.21} & - & - \\``
+COST_ROW = re.compile(r"^\s*(" + "|".join(re.escape(label) for label in LABELS) + r")(?: \([^)]*\))?\s*&(.*?)\\\\")
+COST_COLUMNS = ("test_samples_per_s", "train_samples_per_s", "train_memory_gb")  # the paper's column order
+BLOCK = re.compile(r"\\multirow\{\d+\}\{\*\}\{([A-Za-z0-9-]+)")
+
+
+def default_paper() -> Path:
+    """``$IBEDL_PAPER`` if set, else the paper beside the checkout (``../shared/paper``)."""
+    return Path(os.environ.get(PAPER_ENV) or REPO.parent / "shared" / "paper" / "ib-edl-iclr2025.tex")
+
+
+def _cells(text: str) -> list[tuple[float, float] | None]:
+    """``\\ms{mean}{std}`` cells of one table row, ``$-$`` as None."""
+    return [(float(m.group(1)), float(m.group(2))) if m.group(1) else None for m in CELL.finditer(text)]
+
+
+def parse_paper(tex: str) -> dict:
+    """The paper's numbers from its LaTeX source.
+
+    Returns:
+        ``{"id"|"noise": {model: {method: {"accuracy"|"ece"|"nll": (mean, std)}}}`` for the SciQ column, and
+        ``{"ood": {model: {method: {target: {"mp": (mean, std), "um": (mean, std) | None}}}}}`` for OBQA -> target,
+        ``{"cost": {method: {"test_samples_per_s"|"train_samples_per_s"|"train_memory_gb": (mean, std) | None}}}``;
+        percentages as printed (x100), methods by this project's names (``ib_edl``).
+    Raises:
+        ValueError: a table this page needs is missing or has no SciQ column.
+    """
+    out: dict = {"id": {}, "noise": {}, "ood": {}, "cost": {}}
+    tables = re.findall(r"\\begin\{table\}(.*?)\\end\{table\}", tex, flags=re.S)
+    found = set()
+    for table in tables:
+        label = re.search(r"\\label\{([^}]*)\}", table)
+        if not label or label.group(1) not in TABLES:
+            continue
+        experiment, model = TABLES[label.group(1)]
+        found.add(label.group(1))
+        if experiment == "cost":
+            for line in table.splitlines():
+                if row := COST_ROW.search(line):
+                    cells = [_cells(c)[0] if _cells(c) else None for c in row.group(2).split("&")]
+                    out["cost"][LABELS[row.group(1)]] = dict(zip(COST_COLUMNS, cells))
+            continue
+        if experiment == "ood":
+            targets = re.findall(r"\{OBQA \$\\rightarrow\$ ([A-Za-z-]+)\}", table)
+            block = None
+            for line in table.splitlines():
+                if m := BLOCK.search(line):
+                    block = m.group(1)
+                if (row := ROW.search(line)) and block in MODELS:
+                    cells = _cells(row.group(2))
+                    out["ood"].setdefault(block, {})[LABELS[row.group(1)]] = {
+                        t: {"mp": cells[2 * i], "um": cells[2 * i + 1]} for i, t in enumerate(targets)}
+            continue
+        header = next((line for line in table.splitlines() if "Method" in line and "SciQ" in line), None)
+        if header is None:
+            raise ValueError(f"table {label.group(1)} has no SciQ column")
+        column = [c.strip() for c in header.split("&")][2:].index("SciQ")
+        metric = None
+        for line in table.splitlines():
+            if (m := BLOCK.search(line)) and m.group(1) in PAPER_METRICS:
+                metric = PAPER_METRICS[m.group(1)]
+            if (row := ROW.search(line)) and metric:
+                out[experiment].setdefault(model, {}).setdefault(LABELS[row.group(1)], {})[metric] = \
+                    _cells(row.group(2))[column]
+    missing = sorted(set(TABLES) - found)
+    if missing:
+        raise ValueError(f"the paper's source has no table labelled {missing}")
+    return out
+
+
+def _values(runs: list[dict], method: str, key: str) -> tuple[list[int], list[float]]:
+    """Seeds and values of ``key`` over the runs of ``method`` (``<method>:no_posthoc`` reads the metrics without
+    the post-hoc step, where a run has them)."""
+    base, _, variant = method.partition(":")
+    seeds, values = [], []
+    for r in sorted(runs, key=lambda r: r["seed"]):
+        if r["method"] != base:
+            continue
+        metrics = r.get("metrics_without_posthoc") if variant else r["metrics"]
+        if metrics and metrics.get(key) is not None and np.isfinite(metrics[key]):
+            seeds.append(r["seed"])
+            values.append(float(metrics[key]))
+    return seeds, values
+
+
+def _ours(values: list[float], scale: float, digits: int) -> str:
+    if not values:
+        return "–"
+    arr = np.asarray(values) * scale
+    text = f"{arr.mean():.{digits}f}"
+    return text + (f" ± {arr.std(ddof=0):.{digits}f}" if len(arr) > 1 else "")
+
+
+def _paper(cells: dict | None, keys=("accuracy", "ece", "nll")) -> str:
+    if not cells:
+        return ""
+    return " / ".join("–" if cells.get(k) is None else f"{cells[k][0]:.2f}" for k in keys)
+
+
+def _methods(runs: list[dict]) -> list[str]:
+    """Registry order; IB-EDL's ζ = 0 row after it where a run measured one."""
+    present = {r["method"] for r in runs}
+    out = []
+    for name in METHODS:
+        if name in present:
+            out.append(name)
+            if any(r["method"] == name and r.get("metrics_without_posthoc") for r in runs):
+                out.append(name + NO_POSTHOC)
+    return out
+
+
+def _label(method: str) -> str:
+    base, _, variant = method.partition(":")
+    return METHODS[base].label + (", ζ = 0" if variant else "")
+
+
+def _seeds(runs: list[dict], method: str) -> str:
+    seeds, _ = _values(runs, method, "accuracy")
+    return ",".join(str(s) for s in seeds) or "–"
+
+
+def calibration_table(runs: list[dict], paper: dict, selective: bool) -> list[str]:
+    """Ours (Acc, ECE, NLL and, with ``selective``, AURC and accuracy at 80% coverage) beside the paper's SciQ
+    Acc / ECE / NLL for both models."""
+    cols = [("accuracy", "Acc (%)", 100, 2), ("ece", "ECE (%)", 100, 2), ("nll", "NLL", 1, 2)]
+    if selective:
+        cols += [("aurc", "AURC", 1, 3), ("acc@80", "Acc@80% cov (%)", 100, 2)]
+    head = ["Method", "seeds", *(c[1] for c in cols), *(f"paper {m} Acc / ECE / NLL" for m in MODELS)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for method in _methods(runs):
+        base = method.partition(":")[0]
+        ours = [_ours(_values(runs, method, key)[1], scale, digits) for key, _, scale, digits in cols]
+        theirs = [_paper(paper.get(m, {}).get(base)) if method == base else "" for m in MODELS]
+        lines.append(f"| {_label(method)} | {_seeds(runs, method)} | " + " | ".join(ours + theirs) + " |")
+    return lines
+
+
+def ood_table(runs: list[dict]) -> list[str]:
+    """AUROC (%) MP / UM per shifted stream, mean over seeds, SciQ test as the positive class."""
+    streams = []
+    for r in runs:
+        for key in r["metrics"]:
+            if key.startswith("ood/") and key.endswith("/auroc_mp") and key.split("/")[1] not in streams:
+                streams.append(key.split("/")[1])
+    head = ["Method", "seeds", *(f"{dataset_name(s)} MP / UM" for s in streams)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for method in _methods(runs):
+        cells = []
+        for s in streams:
+            mp, um = (_ours(_values(runs, method, f"ood/{s}/auroc_{k}")[1], 100, 1) for k in ("mp", "um"))
+            cells.append(f"{mp} / {um}")
+        lines.append(f"| {_label(method)} | {_seeds(runs, method)} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def matched_shift(runs: list[dict]) -> float:
+    """The largest change of any mean AUROC (points) when both sides keep only the matched option count."""
+    worst = 0.0
+    for method in _methods(runs):
+        keys = {k for r in runs for k in r["metrics"] if k.startswith("ood/") and "/auroc_" in k
+                and not k.endswith("_matched")}
+        for key in keys:
+            full, matched = _values(runs, method, key)[1], _values(runs, method, key + "_matched")[1]
+            if full and matched:
+                worst = max(worst, abs(np.mean(full) - np.mean(matched)) * 100)
+    return worst
+
+
+def paper_ood_table(paper: dict) -> list[str]:
+    """Table 3: OBQA as in-distribution, AUROC (%) MP / UM per target, both models."""
+    targets = list(next(iter(next(iter(paper.values())).values())))
+    head = ["Method", *(f"{m} OBQA → {t} MP / UM" for m in MODELS for t in targets)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for method in METHODS:
+        cells = []
+        for m in MODELS:
+            for t in targets:
+                c = paper.get(m, {}).get(method, {}).get(t)
+                cells.append("" if c is None else " / ".join("–" if c[k] is None else f"{c[k][0]:.1f}"
+                                                              for k in ("mp", "um")))
+        lines.append(f"| {METHODS[method].label} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _ratio(value, ref) -> str:
+    return f"{value / ref:.2f}x" if value and ref else "–"
+
+
+def cost_table(efficiency: dict, paper: dict) -> list[str]:
+    """Ours (``benchmarks.method_efficiency``: one run at a time, each pass in its own process) beside the paper's
+    Llama3-8B figures, both as ratios to MAP; absolute numbers in brackets for ours."""
+    methods = efficiency["methods"]
+    ref, paper_ref = methods["map"], paper.get("map", {})
+    cols = [("train_samples_per_s", ".2f", "q/s"), ("test_samples_per_s", ".2f", "q/s"),
+            ("train_peak_rss_mib", ".0f", "MiB"), ("eval_peak_rss_mib", ".0f", "MiB")]
+    head = ["Method", "train samples/s", "test samples/s", "peak train memory", "peak test memory",
+            "paper test samples/s", "paper train samples/s", "paper train memory"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for method in [m for m in METHODS if m in methods]:
+        v = methods[method]
+        reused = v.get("reuses_training_of")
+        cells = []
+        for key, fmt, unit in cols:
+            if key.startswith("train") and reused:
+                cells.append(f"{METHODS[reused].label}'s")
+            elif v.get(key) is None:
+                cells.append("–")
+            else:
+                cells.append(f"{_ratio(v[key], ref.get(key))} ({v[key]:{fmt}} {unit})")
+        theirs = paper.get(method, {})
+        cells += [_ratio((theirs.get(k) or (None,))[0], (paper_ref.get(k) or (None,))[0])
+                  for k in ("test_samples_per_s", "train_samples_per_s", "train_memory_gb")]
+        lines.append(f"| {METHODS[method].label} | " + " | ".join(cells) + " |")
+    fits = [f"{fit['fit_seconds']:.0f} s" for fit in methods.get("laplace", {}).get("posthoc") or []
+            if fit.get("fit_seconds") is not None]
+    if fits:
+        lines += ["", f"Laplace's post-hoc fit (curvature and prior choice) took {', '.join(fits)} on top of MAP's "
+                      f"training ({ref['train_seconds']:.0f} s); its test samples/s leave the fit out."]
+    return lines
+
+
+def sections(results: list[dict], paper: dict, efficiency: dict | None = None) -> dict[str, str]:
+    """The generated blocks of the docs page, by marker name (``cost`` only with the efficiency results)."""
+    by_kind = {kind: [r for r in results if r["kind"] == kind] for kind in ("id", "ood", "noise")}
+    shift = matched_shift(by_kind["ood"])
+    return {
+        "id": "\n".join(calibration_table(by_kind["id"], paper["id"], selective=True)),
+        "ood": "\n".join(ood_table(by_kind["ood"]) + [
+            "", f"With the option count matched (both sides restricted to the same number of options) no mean AUROC "
+                f"above moves by more than {shift:.1f} points; the report has both tables."]),
+        "paper-ood": "\n".join(paper_ood_table(paper["ood"])),
+        "noise": "\n".join(calibration_table(by_kind["noise"], paper["noise"], selective=False)),
+        **({"cost": "\n".join(cost_table(efficiency, paper["cost"]))} if efficiency else {}),
+    }
+
+
+def fill(page: str, blocks: dict[str, str]) -> str:
+    """``page`` with each ``<!-- begin generated: paper-comparison NAME -->`` block replaced by ``blocks[NAME]``.
+
+    Raises:
+        ValueError: a block has no markers in the page.
+    """
+    for name, body in blocks.items():
+        begin = f"<!-- begin generated: paper-comparison {name} -->"
+        end = f"<!-- end generated: paper-comparison {name} -->"
+        pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), flags=re.S)
+        if not pattern.search(page):
+            raise ValueError(f"the docs page has no '{begin}' ... '{end}' markers")
+        page = pattern.sub(lambda _: f"{begin}\n{body}\n{end}", page)
+    return page
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.paper_comparison", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", default="benchmarks/results/sciq_grid.json", help="the grid's results file")
+    parser.add_argument("--efficiency", default="benchmarks/results/method_efficiency.json",
+                        help="python -m benchmarks.method_efficiency's results (the cost table)")
+    parser.add_argument("--paper", help=f"the paper's LaTeX source (default ${PAPER_ENV} or ../shared/paper/...)")
+    parser.add_argument("--docs", default="docs/results.md", help="the page whose generated blocks are (re)written")
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if the page is out of date")
+    args = parser.parse_args(argv)
+    paper_path = Path(args.paper) if args.paper else default_paper()
+    try:
+        results = json.loads(Path(args.results).read_text())
+        efficiency = json.loads(Path(args.efficiency).read_text())
+        paper = parse_paper(paper_path.read_text())
+        docs = Path(args.docs)
+        page = docs.read_text()
+        updated = fill(page, sections(results, paper, efficiency))
+    except (OSError, ValueError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.check:
+        if updated != page:
+            print(f"{docs} is out of date with {args.results}: run python -m benchmarks.paper_comparison",
+                  file=sys.stderr)
+            return 1
+        print(f"{docs} matches {args.results}")
+        return 0
+    docs.write_text(updated)
+    print(f"wrote the generated tables of {docs}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

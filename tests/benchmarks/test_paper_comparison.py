@@ -1,0 +1,149 @@
+"""The grid's tables beside the paper's: the paper's numbers read from LaTeX, ours as mean ± std, the docs page kept
+in step with the committed results."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from benchmarks.paper_comparison import default_paper, fill, main, parse_paper, sections
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def calibration_table(label: str, sciq: dict[str, tuple[str, str, str]]) -> str:
+    """A table in the paper's layout: Acc/ECE/NLL blocks, six dataset columns, SciQ the fifth."""
+    lines = [r"\begin{table}[t]", r"\begin{tabular}{c| c | c c c c c c}",
+             r"         Metrics & Method & ARC-C & ARC-E & OBQA & CSQA & SciQ & RACE\\"]
+    for i, metric in enumerate(("Acc", "ECE", "NLL")):
+        lines.append(rf"         \multirow{{9}}{{*}}{{{metric} $\uparrow$}}")
+        for method, values in sciq.items():
+            cells = [r"\ms{1.00}{0.10}"] * 4 + [rf"\ms{{{values[i]}}}{{0.20}}[b]", r"\ms{2.00}{0.10}"]
+            lines.append(rf"            & {method} & " + " & ".join(cells) + r" \\")
+    return "\n".join(lines + [r"\end{tabular}", rf"\label{{{label}}}", r"\end{table}"])
+
+
+TEX = "\n".join([
+    calibration_table("tab:id_llama2_7b", {"MAP": ("91.30", "6.85", "0.38"), "IB-EDL": ("91.10", "5.01", "0.29")}),
+    calibration_table("tab:id_llama3_8b", {"MAP": ("93.37", "5.74", "0.36")}),
+    calibration_table("tab:full_noisy_llama2_7b", {"MAP": ("88.63", "19.05", "0.50")}),
+    calibration_table("tab:full_noisy_llama3_8b", {"IB-EDL": ("93.46", "25.00", "0.46")}),
+    r"""\begin{table}[t]
+        \multirow{3}{*}{Model} & \multirow{3}{*}{Method} & \multicolumn{2}{c|}{OBQA $\rightarrow$ ARC-C} & \multicolumn{2}{c}{OBQA $\rightarrow$ CSQA} \\
+        \multirow{9}{*}{Llama2-7B} & MAP    & \ms{76.07}{0.71} & $-$ & \ms{72.45}{0.20} & $-$ \\
+        & IB-EDL & \ms{87.47}{0.91}[b] & \ms{88.34}{3.07}[b] & \ms{86.38}{0.53}[b] & \ms{79.79}{4.64}[b] \\
+        \multirow{9}{*}{Llama3-8B} & IB-EDL & \ms{88.85}{0.96}[b] & \ms{92.58}{0.37}[b] & \ms{89.16}{1.01}[b] & \ms{85.45}{0.55}[b] \\
+    \label{tab:ood_llama2_7b_llama3_8b}
+\end{table}""",
+    r"""\begin{table}[t]
+        Method & Test Samples/s $\uparrow$ & Training Samples/s $\uparrow$ & Memory (GB) at Training$\downarrow$ \\
+        MAP & \ms{69.55}{2.86} & \ms{26.57}{1.96} & \ms{21.21}{0.35} \\
+        MCD (10 forwards) & \ms{9.79}{1.21} & - & - \\
+        IB-EDL & \ms{68.08}{1.75} & \ms{26.41}{1.04} & \ms{21.88}{0.66} \\
+    \label{tab:train_test_consumption}
+\end{table}"""])
+
+
+def test_the_papers_sciq_column_and_ood_table_are_read():
+    paper = parse_paper(TEX)
+    assert paper["id"]["Llama2-7B"]["map"] == {"accuracy": (91.30, 0.20), "ece": (6.85, 0.20), "nll": (0.38, 0.20)}
+    assert paper["id"]["Llama2-7B"]["ib_edl"]["ece"] == (5.01, 0.20)
+    assert paper["noise"]["Llama3-8B"] == {"ib_edl": {"accuracy": (93.46, 0.2), "ece": (25.0, 0.2), "nll": (0.46, 0.2)}}
+    assert paper["ood"]["Llama2-7B"]["map"] == {"ARC-C": {"mp": (76.07, 0.71), "um": None},
+                                               "CSQA": {"mp": (72.45, 0.20), "um": None}}
+    assert paper["ood"]["Llama3-8B"]["ib_edl"]["CSQA"] == {"mp": (89.16, 1.01), "um": (85.45, 0.55)}
+    assert paper["cost"]["mc_dropout"] == {"test_samples_per_s": (9.79, 1.21), "train_samples_per_s": None,
+                                           "train_memory_gb": None}
+    assert paper["cost"]["ib_edl"]["train_memory_gb"] == (21.88, 0.66)
+
+
+def test_a_missing_table_is_named():
+    with pytest.raises(ValueError, match=r"no table labelled \['tab:id_llama3_8b'\]"):
+        parse_paper(TEX.replace("tab:id_llama3_8b", "tab:something_else"))
+
+
+def record(kind: str, method: str, seed: int, **metrics) -> dict:
+    return {"kind": kind, "method": method, "seed": seed, "dataset": "sciq", "metrics": metrics,
+            "metrics_without_posthoc": metrics.pop("without", None)}
+
+
+RESULTS = [
+    record("id", "map", 0, accuracy=0.80, ece=0.05, nll=0.4, aurc=0.02, **{"acc@80": 0.9}),
+    record("id", "map", 1, accuracy=0.90, ece=0.07, nll=0.4, aurc=0.04, **{"acc@80": 0.9}),
+    record("id", "ib_edl", 0, accuracy=0.85, ece=0.10, nll=0.5, aurc=0.03, **{"acc@80": 0.95},
+           without={"accuracy": 0.84, "ece": 0.12, "nll": 0.6, "aurc": 0.03, "acc@80": 0.93}),
+    record("id", "ib_edl", 1, accuracy=0.86, ece=0.11, nll=0.5, aurc=0.03, **{"acc@80": 0.95}),
+    record("ood", "map", 0, accuracy=0.8, **{"ood/obqa/auroc_mp": 0.90, "ood/obqa/auroc_mp_matched": 0.91}),
+    record("ood", "ib_edl", 0, accuracy=0.85, **{"ood/obqa/auroc_mp": 0.80, "ood/obqa/auroc_um": 0.95,
+                                                 "ood/obqa/auroc_mp_matched": 0.82, "ood/obqa/auroc_um_matched": 0.95}),
+    record("noise", "map", 0, accuracy=0.70, ece=0.2, nll=0.7),
+]
+
+
+def test_ours_are_mean_and_population_std_over_seeds_beside_the_paper():
+    blocks = sections(RESULTS, parse_paper(TEX))
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in blocks["id"].splitlines()[2:]}
+    # MAP: accuracy 80 and 90 -> 85.00 ± 5.00; AURC 0.02 and 0.04 -> 0.030 ± 0.010; no Llama3 IB-EDL in this paper
+    assert rows["MAP"][1:6] == ["0,1", "85.00 ± 5.00", "6.00 ± 1.00", "0.40 ± 0.00", "0.030 ± 0.010"]
+    assert rows["MAP"][7:] == ["91.30 / 6.85 / 0.38", "93.37 / 5.74 / 0.36 |"]
+    assert rows["IB-EDL"][-2:] == ["91.10 / 5.01 / 0.29", " |"]
+    # the ζ = 0 row holds only the seed that measured it, and no paper numbers
+    assert rows["IB-EDL, ζ = 0"][1:4] == ["0", "84.00", "12.00"]
+    ood = {line.split(" | ")[0].strip("| "): line for line in blocks["ood"].splitlines()[2:4]}
+    assert ood["MAP"].endswith("| 0 | 90.0 / – |") and ood["IB-EDL"].endswith("| 0 | 80.0 / 95.0 |")
+    assert "no mean AUROC above moves by more than 2.0 points" in blocks["ood"]
+    assert blocks["noise"].splitlines()[2] == "| MAP | 0 | 70.00 | 20.00 | 0.70 | 88.63 / 19.05 / 0.50 |  |"
+    assert "| IB-EDL | 87.5 / 88.3 | 86.4 / 79.8 | 88.8 / 92.6 | 89.2 / 85.5 |" in blocks["paper-ood"]
+
+
+EFFICIENCY = {"methods": {
+    "map": {"train_samples_per_s": 4.0, "test_samples_per_s": 10.0, "train_peak_rss_mib": 800.0,
+            "eval_peak_rss_mib": 700.0, "train_seconds": 24.0, "reuses_training_of": None},
+    "mc_dropout": {"train_samples_per_s": 4.0, "test_samples_per_s": 1.0, "train_peak_rss_mib": 800.0,
+                   "eval_peak_rss_mib": 710.0, "train_seconds": 24.0, "reuses_training_of": "map"},
+    "ib_edl": {"train_samples_per_s": 3.0, "test_samples_per_s": 9.0, "train_peak_rss_mib": 880.0,
+               "eval_peak_rss_mib": None, "train_seconds": 32.0, "reuses_training_of": None},
+}}
+
+
+def test_cost_is_ratios_to_map_beside_the_papers_ratios():
+    rows = {line.split(" | ")[0].strip("| "): line for line in
+            sections(RESULTS, parse_paper(TEX), EFFICIENCY)["cost"].splitlines()[2:]}
+    # ours: 3/4 = 0.75x, 9/10 = 0.90x, 880/800 = 1.10x, no test memory; the paper's: 68.08/69.55, 26.41/26.57,
+    # 21.88/21.21
+    assert rows["IB-EDL"] == ("| IB-EDL | 0.75x (3.00 q/s) | 0.90x (9.00 q/s) | 1.10x (880 MiB) | – | 0.98x | 0.99x | "
+                              "1.03x |")
+    # MC-Dropout reuses MAP's training run: its train columns say so, and the paper has no train numbers for it
+    assert rows["MCD"] == "| MCD | MAP's | 0.10x (1.00 q/s) | MAP's | 1.01x (710 MiB) | 0.14x | – | – |"
+    assert "cost" not in sections(RESULTS, parse_paper(TEX))
+
+
+def test_fill_replaces_only_between_the_markers():
+    page = ("intro\n<!-- begin generated: paper-comparison id -->\nold\n<!-- end generated: paper-comparison id -->\n"
+            "prose\n")
+    assert fill(page, {"id": "new\ntable"}) == page.replace("old", "new\ntable")
+    with pytest.raises(ValueError, match="no '<!-- begin generated: paper-comparison ood -->'"):
+        fill(page, {"ood": "x"})
+
+
+@pytest.mark.skipif(not default_paper().is_file(), reason=f"the paper's source {default_paper()} is not here")
+def test_the_docs_page_matches_the_committed_results(tmp_path, capsys):
+    results, docs = REPO / "benchmarks/results/sciq_grid.json", REPO / "docs/results.md"
+    efficiency = ["--efficiency", str(REPO / "benchmarks/results/method_efficiency.json")]
+    assert main(["--results", str(results), "--docs", str(docs), "--check", *efficiency]) == 0
+    # a results file that changed makes the check fail, and a run without --check brings the page back in step
+    changed = json.loads(results.read_text())
+    changed[0]["metrics"]["accuracy"] = 0.5
+    (tmp_path / "r.json").write_text(json.dumps(changed))
+    shutil.copy(docs, tmp_path / "results.md")
+    args = ["--results", str(tmp_path / "r.json"), "--docs", str(tmp_path / "results.md"), *efficiency]
+    assert main(args + ["--check"]) == 1
+    assert "out of date" in capsys.readouterr().err
+    assert main(args) == 0 and main(args + ["--check"]) == 0
+    assert (tmp_path / "results.md").read_text() != docs.read_text()
+
+
+def test_bad_input_is_an_error_message(tmp_path, capsys):
+    assert main(["--results", str(tmp_path / "missing.json"), "--paper", str(tmp_path / "p.tex")]) == 2
+    assert "missing.json" in capsys.readouterr().err
