@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from training.experiments.report import NO_POSTHOC, dataset_name
+from training.experiments.report import dataset_name, mean_std, method_label, method_metrics, method_order
 from training.methods import METHODS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -77,7 +77,7 @@ def parse_paper(tex: str) -> dict:
         if experiment == "cost":
             for line in table.splitlines():
                 if row := COST_ROW.search(line):
-                    cells = [_cells(c)[0] if _cells(c) else None for c in row.group(2).split("&")]
+                    cells = [next(iter(_cells(c)), None) for c in row.group(2).split("&")]
                     out["cost"][LABELS[row.group(1)]] = dict(zip(COST_COLUMNS, cells))
             continue
         if experiment == "ood":
@@ -108,27 +108,16 @@ def parse_paper(tex: str) -> dict:
     return out
 
 
-def _values(runs: list[dict], method: str, key: str) -> tuple[list[int], list[float]]:
-    """Seeds and values of ``key`` over the runs of ``method`` (``<method>:no_posthoc`` reads the metrics without
-    the post-hoc step, where a run has them)."""
-    base, _, variant = method.partition(":")
-    seeds, values = [], []
-    for r in sorted(runs, key=lambda r: r["seed"]):
-        if r["method"] != base:
-            continue
-        metrics = r.get("metrics_without_posthoc") if variant else r["metrics"]
-        if metrics and metrics.get(key) is not None and np.isfinite(metrics[key]):
-            seeds.append(r["seed"])
-            values.append(float(metrics[key]))
-    return seeds, values
+def _values(results: list[dict], kind: str, method: str, key: str) -> tuple[list[int], list[float]]:
+    """Seeds and finite values of ``key`` over the ``kind`` runs of ``method`` (a ``<method>:no_posthoc`` row reads
+    the metrics without the post-hoc step, as the report does)."""
+    pairs = sorted((r["seed"], float(m[key])) for name, r, m in method_metrics(results, kind)
+                   if name == method and m.get(key) is not None and np.isfinite(m[key]))
+    return [seed for seed, _ in pairs], [value for _, value in pairs]
 
 
 def _ours(values: list[float], scale: float, digits: int) -> str:
-    if not values:
-        return "–"
-    arr = np.asarray(values) * scale
-    text = f"{arr.mean():.{digits}f}"
-    return text + (f" ± {arr.std(ddof=0):.{digits}f}" if len(arr) > 1 else "")
+    return mean_std(values, scale, digits)[1] if values else "–"
 
 
 def _paper(cells: dict | None, keys=("accuracy", "ece", "nll")) -> str:
@@ -137,29 +126,17 @@ def _paper(cells: dict | None, keys=("accuracy", "ece", "nll")) -> str:
     return " / ".join("–" if cells.get(k) is None else f"{cells[k][0]:.2f}" for k in keys)
 
 
-def _methods(runs: list[dict]) -> list[str]:
+def _methods(results: list[dict], kind: str) -> list[str]:
     """Registry order; IB-EDL's ζ = 0 row after it where a run measured one."""
-    present = {r["method"] for r in runs}
-    out = []
-    for name in METHODS:
-        if name in present:
-            out.append(name)
-            if any(r["method"] == name and r.get("metrics_without_posthoc") for r in runs):
-                out.append(name + NO_POSTHOC)
-    return out
+    return method_order({name for name, _, _ in method_metrics(results, kind)})
 
 
-def _label(method: str) -> str:
-    base, _, variant = method.partition(":")
-    return METHODS[base].label + (", ζ = 0" if variant else "")
-
-
-def _seeds(runs: list[dict], method: str) -> str:
-    seeds, _ = _values(runs, method, "accuracy")
+def _seeds(results: list[dict], kind: str, method: str) -> str:
+    seeds, _ = _values(results, kind, method, "accuracy")
     return ",".join(str(s) for s in seeds) or "–"
 
 
-def calibration_table(runs: list[dict], paper: dict, selective: bool) -> list[str]:
+def calibration_table(results: list[dict], kind: str, paper: dict, selective: bool) -> list[str]:
     """Ours (Acc, ECE, NLL and, with ``selective``, AURC and accuracy at 80% coverage) beside the paper's SciQ
     Acc / ECE / NLL for both models."""
     cols = [("accuracy", "Acc (%)", 100, 2), ("ece", "ECE (%)", 100, 2), ("nll", "NLL", 1, 2)]
@@ -167,40 +144,39 @@ def calibration_table(runs: list[dict], paper: dict, selective: bool) -> list[st
         cols += [("aurc", "AURC", 1, 3), ("acc@80", "Acc@80% cov (%)", 100, 2)]
     head = ["Method", "seeds", *(c[1] for c in cols), *(f"paper {m} Acc / ECE / NLL" for m in MODELS)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for method in _methods(runs):
-        base = method.partition(":")[0]
-        ours = [_ours(_values(runs, method, key)[1], scale, digits) for key, _, scale, digits in cols]
-        theirs = [_paper(paper.get(m, {}).get(base)) if method == base else "" for m in MODELS]
-        lines.append(f"| {_label(method)} | {_seeds(runs, method)} | " + " | ".join(ours + theirs) + " |")
+    for method in _methods(results, kind):
+        ours = [_ours(_values(results, kind, method, key)[1], scale, digits) for key, _, scale, digits in cols]
+        theirs = [_paper(paper.get(m, {}).get(method)) for m in MODELS]  # none for a ζ = 0 row
+        lines.append(f"| {method_label(method)} | {_seeds(results, kind, method)} | " + " | ".join(ours + theirs) + " |")
     return lines
 
 
-def ood_table(runs: list[dict]) -> list[str]:
+def ood_table(results: list[dict]) -> list[str]:
     """AUROC (%) MP / UM per shifted stream, mean over seeds, SciQ test as the positive class."""
     streams = []
-    for r in runs:
+    for r in (r for r in results if r["kind"] == "ood"):
         for key in r["metrics"]:
             if key.startswith("ood/") and key.endswith("/auroc_mp") and key.split("/")[1] not in streams:
                 streams.append(key.split("/")[1])
     head = ["Method", "seeds", *(f"{dataset_name(s)} MP / UM" for s in streams)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for method in _methods(runs):
+    for method in _methods(results, "ood"):
         cells = []
         for s in streams:
-            mp, um = (_ours(_values(runs, method, f"ood/{s}/auroc_{k}")[1], 100, 1) for k in ("mp", "um"))
+            mp, um = (_ours(_values(results, "ood", method, f"ood/{s}/auroc_{k}")[1], 100, 1) for k in ("mp", "um"))
             cells.append(f"{mp} / {um}")
-        lines.append(f"| {_label(method)} | {_seeds(runs, method)} | " + " | ".join(cells) + " |")
+        lines.append(f"| {method_label(method)} | {_seeds(results, 'ood', method)} | " + " | ".join(cells) + " |")
     return lines
 
 
-def matched_shift(runs: list[dict]) -> float:
+def matched_shift(results: list[dict]) -> float:
     """The largest change of any mean AUROC (points) when both sides keep only the matched option count."""
+    keys = {k for r in results if r["kind"] == "ood" for k in r["metrics"]
+            if k.startswith("ood/") and "/auroc_" in k and not k.endswith("_matched")}
     worst = 0.0
-    for method in _methods(runs):
-        keys = {k for r in runs for k in r["metrics"] if k.startswith("ood/") and "/auroc_" in k
-                and not k.endswith("_matched")}
+    for method in _methods(results, "ood"):
         for key in keys:
-            full, matched = _values(runs, method, key)[1], _values(runs, method, key + "_matched")[1]
+            full, matched = (_values(results, "ood", method, k)[1] for k in (key, key + "_matched"))
             if full and matched:
                 worst = max(worst, abs(np.mean(full) - np.mean(matched)) * 100)
     return worst
@@ -261,15 +237,14 @@ def cost_table(efficiency: dict, paper: dict) -> list[str]:
 
 def sections(results: list[dict], paper: dict, efficiency: dict | None = None) -> dict[str, str]:
     """The generated blocks of the docs page, by marker name (``cost`` only with the efficiency results)."""
-    by_kind = {kind: [r for r in results if r["kind"] == kind] for kind in ("id", "ood", "noise")}
-    shift = matched_shift(by_kind["ood"])
+    shift = matched_shift(results)
     return {
-        "id": "\n".join(calibration_table(by_kind["id"], paper["id"], selective=True)),
-        "ood": "\n".join(ood_table(by_kind["ood"]) + [
+        "id": "\n".join(calibration_table(results, "id", paper["id"], selective=True)),
+        "ood": "\n".join(ood_table(results) + [
             "", f"With the option count matched (both sides restricted to the same number of options) no mean AUROC "
                 f"above moves by more than {shift:.1f} points; the report has both tables."]),
         "paper-ood": "\n".join(paper_ood_table(paper["ood"])),
-        "noise": "\n".join(calibration_table(by_kind["noise"], paper["noise"], selective=False)),
+        "noise": "\n".join(calibration_table(results, "noise", paper["noise"], selective=False)),
         **({"cost": "\n".join(cost_table(efficiency, paper["cost"]))} if efficiency else {}),
     }
 

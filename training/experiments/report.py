@@ -31,18 +31,19 @@ EFFICIENCY_KEYS = ("train_samples_per_s", "test_samples_per_s", "train_peak_rss_
 NO_POSTHOC = ":no_posthoc"  # a method's row with its post-hoc step undone (IB-EDL with zeta = 0)
 
 
-def _label(method: str) -> str:
+def method_label(method: str) -> str:
+    """Display label of a method or its no-post-hoc row (``ib_edl:no_posthoc`` -> ``IB-EDL, ζ = 0``)."""
     if method.endswith(NO_POSTHOC):
-        return f"{_label(method[: -len(NO_POSTHOC)])}, ζ = 0"
+        return f"{method_label(method[: -len(NO_POSTHOC)])}, ζ = 0"
     return METHODS[method].label if method in METHODS else method
 
 
-def _order(methods) -> list[str]:
+def method_order(methods) -> list[str]:
     """Registry order, each method's no-post-hoc row right after it."""
     return [m for base in METHODS for m in (base, base + NO_POSTHOC) if m in methods]
 
 
-def _rows(results: list[dict], kind: str):
+def method_metrics(results: list[dict], kind: str):
     """(method, record, metrics) of a kind's results, plus a ``<method>:no_posthoc`` entry where one was measured."""
     for r in results:
         if r["kind"] == kind:
@@ -51,18 +52,19 @@ def _rows(results: list[dict], kind: str):
                 yield r["method"] + NO_POSTHOC, r, r["metrics_without_posthoc"]
 
 
-def _cell(values: list[float], scale: float) -> tuple[float, str]:
+def mean_std(values: list[float], scale: float, digits: int = 2) -> tuple[float, str]:
+    """Mean of ``values`` x ``scale`` and its text, ``mean ± population std`` over more than one value."""
     arr = np.asarray(values, dtype=float) * scale
     mean = float(arr.mean())
     if len(arr) > 1:
-        return mean, f"{mean:.2f} ± {arr.std(ddof=0):.2f}"
-    return mean, f"{mean:.2f}"
+        return mean, f"{mean:.{digits}f} ± {arr.std(ddof=0):.{digits}f}"
+    return mean, f"{mean:.{digits}f}"
 
 
 def _table(rows: dict, columns: list[str], higher: bool, scale: float, header: list[str]) -> list[str]:
     """rows[method][column] = list of values -> Markdown with the best mean per column in bold."""
-    methods = _order(rows)
-    cells = {m: {c: _cell(rows[m][c], scale) if rows[m].get(c) else (None, "–") for c in columns} for m in methods}
+    methods = method_order(rows)
+    cells = {m: {c: mean_std(rows[m][c], scale) if rows[m].get(c) else (None, "–") for c in columns} for m in methods}
     best = {}
     for c in columns:
         means = [cells[m][c][0] for m in methods if cells[m][c][0] is not None]
@@ -73,13 +75,13 @@ def _table(rows: dict, columns: list[str], higher: bool, scale: float, header: l
         for c in columns:
             mean, text = cells[m][c]
             parts.append(f"**{text}**" if mean is not None and np.isclose(mean, best[c]) else text)
-        lines.append(f"| {_label(m)} | " + " | ".join(parts) + " |")
+        lines.append(f"| {method_label(m)} | " + " | ".join(parts) + " |")
     return lines
 
 
 def _group(results: list[dict], kind: str) -> dict:
     grouped: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
-    for method, r, values in _rows(results, kind):
+    for method, r, values in method_metrics(results, kind):
         for key, value in values.items():
             if isinstance(value, (int, float)) and value is not None and np.isfinite(value):
                 grouped[method][r["dataset"]][key].append(value)
@@ -105,7 +107,7 @@ def ood_tables(results: list[dict]) -> list[str]:
     for suffix, title in (("", "all questions"), ("_matched", "option count matched")):
         rows: dict = defaultdict(lambda: defaultdict(list))
         columns = []
-        for method, r, values in _rows(results, "ood"):
+        for method, r, values in method_metrics(results, "ood"):
             for key, value in values.items():
                 if key.startswith("ood/") and key.endswith((f"auroc_mp{suffix}", f"auroc_um{suffix}")):
                     rows[method][key].append(value)
@@ -154,7 +156,7 @@ def efficiency_table(results: list[dict]) -> list[str]:
     lines = ["| Method | Train samples/s | Test samples/s | Peak train memory (MiB RSS) | Peak test memory (MiB RSS) |",
              "|---|---|---|---|---|"]
     for m in methods:
-        lines.append(f"| {_label(m)} | {cell(m, keys[0], '.2f')} | {cell(m, keys[1], '.2f')} | {cell(m, keys[2], '.0f')} | "
+        lines.append(f"| {method_label(m)} | {cell(m, keys[0], '.2f')} | {cell(m, keys[1], '.2f')} | {cell(m, keys[2], '.0f')} | "
                      f"{cell(m, keys[3], '.0f')} |")
     return ["Means over the grid's runs, with the ratio to MAP in brackets. MC-Dropout and Laplace reuse the MAP "
             "training run (their train columns repeat MAP's); Ens trains its members one after another; Laplace's test "
@@ -223,9 +225,9 @@ def plots(results: list[dict], runs_root: Path, out_dir: Path) -> list[Path]:
             s = methods[method]
             conf = [max(p) for p in s["probs"]]
             hits = [float(int(np.argmax(p)) == y) for p, y in zip(s["probs"], s["labels"])]
-            curves[_label(method)] = (conf, hits)
+            curves[method_label(method)] = (conf, hits)
             paths.append(reliability_diagram(s["probs"], s["labels"], path,
-                                             title=f"{_label(method)} on {DATASET_NAMES.get(dataset, dataset)}"))
+                                             title=f"{method_label(method)} on {DATASET_NAMES.get(dataset, dataset)}"))
         path = out_dir / f"risk-coverage-{dataset}.png"
         if curves and (len(curves) == len(names) or not path.is_file()):
             paths.append(risk_coverage_plot(curves, path,
@@ -243,7 +245,7 @@ def coverage_table(results: list[dict]) -> list[str]:
         seeds[(r["method"], r["kind"])].append(r["seed"])
     lines = ["| Method | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
     for m in [m for m in METHODS if any(r["method"] == m for r in results)]:
-        lines.append(f"| {_label(m)} | " + " | ".join(", ".join(map(str, sorted(set(seeds[(m, k)])))) or "–" for k in kinds) + " |")
+        lines.append(f"| {method_label(m)} | " + " | ".join(", ".join(map(str, sorted(set(seeds[(m, k)])))) or "–" for k in kinds) + " |")
     return ["Seeds in this file per method and experiment (a missing seed has not run yet).", ""] + lines + [""]
 
 
