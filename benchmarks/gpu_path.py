@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import write_result
-from evidential.predictor import Predictor
-from training.config import load_config
-from training.data import load_dataset
-from training.evaluate import evaluate
-from training.finetune import train
+from ibedl.core.predictor import Predictor
+from ibedl.training.config import load_config
+from ibedl.training.data import load_dataset
+from ibedl.training.evaluate import evaluate
+from ibedl.training.finetune import train
 
 VARIANTS = {
     "fp32": ["dtype=float32"],
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     for name, extra in VARIANTS.items():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        cfg = load_config("training/configs/smollm2_science_ib_edl.yaml", [
+        cfg = load_config("ibedl/training/configs/smollm2_science_ib_edl.yaml", [
             f"base_model={args.base_model}", f"output={args.runs_dir}/{name}", f"optim.max_steps={args.steps}",
             "optim.batch_size=8", "data.test=[]", "progress=false", "device=cuda", *extra,
         ])

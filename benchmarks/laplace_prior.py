@@ -4,7 +4,7 @@ confidence at every value of the prior-precision grid, at the marginal likelihoo
     python -m benchmarks.laplace_prior [--run DIR ...] [--fit-samples 100]
         [--output benchmarks/results/laplace_prior.json]
 
-Each ``--run`` is a trained MAP run (default: the SciQ grid's, which ``python -m training.experiments.benchmark
+Each ``--run`` is a trained MAP run (default: the SciQ grid's, which ``python -m ibedl.training.experiments.benchmark
 --config benchmarks/sciq_grid.yaml`` writes under ``runs/benchmark/sciq_grid``). The KFAC posterior is fitted as the
 grid's Laplace cells fit it (``fit_samples`` of the run's own training draw, its labels as trained) and evaluated
 on the run's validation questions; the test split is not read.
@@ -26,12 +26,12 @@ KEPT = ("accuracy", "nll", "ece", "mean_confidence")  # the metrics kept per pri
 
 def measure(run: Path, fit_samples: int) -> dict:
     """One run: the validation metrics of MAP, of the marginal likelihood's prior and of every grid value."""
-    from evidential import prefix_cache
-    from evidential.predictor import Predictor
-    from training import metrics
-    from training.finetune import posthoc_questions, run_questions
-    from training.laplace_lora import PRIOR_GRID, fit_laplace, grid_edge, predictives_over_grid
-    from training.methods import get_method
+    from ibedl.core import prefix_cache
+    from ibedl.core.predictor import Predictor
+    from ibedl.training import metrics
+    from ibedl.training.finetune import posthoc_questions, run_questions
+    from ibedl.training.laplace_lora import PRIOR_GRID, fit_laplace, grid_edge, predictives_over_grid
+    from ibedl.training.methods import get_method
 
     predictor = Predictor.from_artifact(run)
     training = predictor.manifest.training or {}
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     missing = [str(r) for r in runs if not (r / "manifest.json").is_file()]
     if missing:
         print(f"error: no trained run at {', '.join(missing)} (the SciQ grid writes them: python -m "
-              "training.experiments.benchmark --config benchmarks/sciq_grid.yaml)", file=sys.stderr)
+              "ibedl.training.experiments.benchmark --config benchmarks/sciq_grid.yaml)", file=sys.stderr)
         return 2
     if args.fit_samples < 1:
         print(f"error: --fit-samples must be >= 1, got {args.fit_samples}", file=sys.stderr)

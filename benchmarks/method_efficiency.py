@@ -6,7 +6,7 @@
 The grid's recipe (the config's ``train`` section and ``method_params``) on a smaller SciQ draw, seed 0. The grid
 itself records the same columns, but its runs share the cores (``--jobs``) and the first run of each seed, MAP's,
 fills the prefix cache the later ones read; here one run goes at a time, every training and every test pass in its
-own child process (peak RSS from wait4, ``training.experiments.benchmark.Runner``), after an untimed MAP run that
+own child process (peak RSS from wait4, ``ibedl.training.experiments.benchmark.Runner``), after an untimed MAP run that
 fills the prefix cache for these questions. MC-Dropout and Laplace reuse MAP's training (their train columns are
 MAP's); Laplace's post-hoc fit (KFAC curvature on ``fit_samples`` training questions and its prior precision chosen
 on the validation questions) is reported on its own, apart from its test samples/s.
@@ -24,10 +24,10 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import write_result
-from training.config import yaml_load
-from training.experiments.benchmark import Run, Runner
-from training.experiments.report import EFFICIENCY_KEYS
-from training.methods import METHODS, get_method
+from ibedl.training.config import yaml_load
+from ibedl.training.experiments.benchmark import Run, Runner
+from ibedl.training.experiments.report import EFFICIENCY_KEYS
+from ibedl.training.methods import METHODS, get_method
 
 
 def efficiency_config(config: dict, methods: list[str], train: int, validation: int, test: int) -> dict:

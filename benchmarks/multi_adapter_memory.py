@@ -1,7 +1,7 @@
 """Resident memory of the service serving 1 vs 3 adapters on one shared base model (SmolLM2-135M, CPU):
 ``python -m benchmarks.multi_adapter_memory`` -> benchmarks/results/multi_adapter_memory.json.
 
-Each configuration is a fresh ``python -m service`` process (benchmarks.service_process); VmRSS is read from
+Each configuration is a fresh ``python -m ibedl.serve`` process (benchmarks.service_process); VmRSS is read from
 /proc/<pid>/status once it is ready and again after 10 requests per adapter."""
 
 from __future__ import annotations

@@ -28,12 +28,12 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import write_result
-from evidential.base_model import load_base_model, resolve_model
-from evidential.head import HeadConfig, build_head
-from evidential.predictor import Predictor, lm_head_rows
-from evidential.prompt import option_token_ids
-from training.data import load_dataset
-from training.losses import cross_entropy, ib_edl_risk, sample_pre_evidence
+from ibedl.core.base_model import load_base_model, resolve_model
+from ibedl.core.head import HeadConfig, build_head
+from ibedl.core.predictor import Predictor, lm_head_rows
+from ibedl.core.prompt import option_token_ids
+from ibedl.training.data import load_dataset
+from ibedl.training.losses import cross_entropy, ib_edl_risk, sample_pre_evidence
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

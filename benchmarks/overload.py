@@ -40,7 +40,7 @@ import numpy as np
 
 from benchmarks.common import write_result
 from benchmarks.service_process import ServiceProcess
-from training.data import load_dataset
+from ibedl.training.data import load_dataset
 
 
 def pct(values, q) -> float | None:
@@ -176,7 +176,7 @@ def main(argv=None) -> int:
 
     questions = load_dataset("sciq", "validation", limit=400, seed=5)
     payloads = [{"question": q.question, "options": list(q.options), "context": q.context} for q in questions]
-    from service.settings import Settings
+    from ibedl.serve.settings import Settings
 
     settings = Settings()
     timeout_s, margin = settings.request_timeout_s, settings.admission_margin

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import write_result
-from training import metrics
+from ibedl.training import metrics
 
 METRICS = ("accuracy", "ece", "nll", "brier")
 HIGHER_IS_BETTER = {"accuracy"}
@@ -40,7 +40,7 @@ class PerQuestion:
     def from_probs(cls, probs, labels) -> "PerQuestion":
         """``probs``: N rows of C probabilities (C may vary per row); ``labels``: (N,) option indices.
 
-        A label outside its row's options raises ValueError (``training.metrics`` checks it).
+        A label outside its row's options raises ValueError (``ibedl.training.metrics`` checks it).
         """
         if len(probs) != len(labels) or len(labels) == 0:
             raise ValueError(f"need one probability row per label and at least one, got {len(probs)} rows and {len(labels)} labels")
@@ -50,7 +50,7 @@ class PerQuestion:
     def metrics(self, index: np.ndarray, num_bins: int = 15) -> dict[str, np.ndarray]:
         """Each metric on each resample. ``index``: (R, N) question indices -> {metric: (R,)}.
 
-        ECE bins are ``training.metrics.bin_index``, as in ``training.metrics.ece``.
+        ECE bins are ``ibedl.training.metrics.bin_index``, as in ``ibedl.training.metrics.ece``.
         """
         conf, hit = self.confidence[index], self.hit[index]
         bins = metrics.bin_index(conf, num_bins)
@@ -108,9 +108,9 @@ def main(argv=None) -> int:
         if not (Path(path) / "manifest.json").is_file():
             parser.error(f"{path} is not an adapter directory (no manifest.json)")
 
-    from evidential.predictor import Predictor
-    from training.data import load_dataset
-    from training.evaluate import predict_all
+    from ibedl.core.predictor import Predictor
+    from ibedl.training.data import load_dataset
+    from ibedl.training.evaluate import predict_all
 
     questions = load_dataset(args.dataset, args.split, limit=args.limit, seed=0)
     labels = [q.answer for q in questions]

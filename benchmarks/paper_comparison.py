@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from training.experiments.report import dataset_name, mean_std, method_label, method_metrics, method_order
-from training.methods import METHODS
+from ibedl.training.experiments.report import dataset_name, mean_std, method_label, method_metrics, method_order
+from ibedl.training.methods import METHODS
 
 REPO = Path(__file__).resolve().parent.parent
 PAPER_ENV = "IBEDL_PAPER"

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
-from evidential.head import HeadConfig, build_head
-from evidential.predictor import Predictor, lm_head_rows
-from evidential.prompt import MCQuestion, option_token_ids
-from training.losses import cross_entropy, gaussian_information, ib_edl_risk
+from ibedl.core.head import HeadConfig, build_head
+from ibedl.core.predictor import Predictor, lm_head_rows
+from ibedl.core.prompt import MCQuestion, option_token_ids
+from ibedl.training.losses import cross_entropy, gaussian_information, ib_edl_risk
 
 PAPER_H100 = {"ib_edl_train_samples_per_s": 26.41, "ib_edl_test_samples_per_s": 68.08, "ib_edl_peak_memory_gb": 21.88,
               "source": "IB-EDL (ICLR 2025), Llama3-8B, one H100"}

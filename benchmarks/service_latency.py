@@ -22,8 +22,8 @@ import numpy as np
 
 from benchmarks.common import write_result
 from benchmarks.service_process import ServiceProcess  # the same harness the end-to-end tests use
-from evidential.predictor import Predictor
-from training.data import load_dataset
+from ibedl.core.predictor import Predictor
+from ibedl.training.data import load_dataset
 
 
 def pct(values, q):

@@ -1,4 +1,4 @@
-"""``python -m service`` in a subprocess on a free loopback port: the harness of the end-to-end tests and of
+"""``python -m ibedl.serve`` in a subprocess on a free loopback port: the harness of the end-to-end tests and of
 ``benchmarks.service_latency`` (tests/conftest.py re-exports it)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class ServiceProcess:
-    """``python -m service`` in a subprocess on a free loopback port; stopped with SIGTERM."""
+    """``python -m ibedl.serve`` in a subprocess on a free loopback port; stopped with SIGTERM."""
 
     def __init__(self, artifact, env: dict | None = None, log_path=None):
         """``artifact``: one adapter directory, or a list of them (served together, ``--artifacts``)."""
@@ -25,7 +25,7 @@ class ServiceProcess:
         self.log_path = log_path
         self._log = open(log_path, "w") if log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(self.port),
+            [sys.executable, "-m", "ibedl.serve", "--host", "127.0.0.1", "--port", str(self.port),
              *(["--artifacts", ",".join(map(str, artifact))] if isinstance(artifact, (list, tuple))
                else ["--artifact", str(artifact)])],
             env={**os.environ, "TQDM_DISABLE": "1", **(env or {})},

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from ibedl import Checked, Model, load
-from service.errors import ApiError, error_body
+from ibedl.api import Checked, Model, load
+from ibedl.serve.errors import ApiError, error_body
 
 
 def error_record(line: int, type_: str, message: str, field: str | None = None) -> dict:
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m ibedl.batch", description="Score a JSONL file of POST /predict bodies into a JSONL file of "
         "the service's answers (bad lines become error records with their line number).",
         epilog="Service settings (IBEDL_MAX_TOKENS, IBEDL_DEVICE, IBEDL_THREADS, ...) apply as in the service: see "
-        "python -m service --help.")
+        "python -m ibedl.serve --help.")
     parser.add_argument("--artifact", action="append", required=True,
                         help="adapter directory; repeat for several adapters on one base model (the first is the "
                         "default; a line picks another with its 'adapter' field)")

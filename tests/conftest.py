@@ -77,8 +77,8 @@ def tiny_jsonl(tmp_path_factory) -> Path:
 
 def train_tiny(tiny_model_dir, tiny_jsonl, root, *overrides: str):
     """An adapter trained for 2 steps on the tiny model with ``overrides`` (method, name, ...) under ``root``."""
-    from training.config import load_config
-    from training.finetune import train
+    from ibedl.training.config import load_config
+    from ibedl.training.finetune import train
 
     cfg = load_config(None, [
         f"base_model={tiny_model_dir}", f"output={root / 'adapter'}",

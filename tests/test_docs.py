@@ -103,7 +103,7 @@ class TestLinks:
 
 class TestSettingsReference:
     def test_every_setting_is_documented(self):
-        from service.settings import Settings
+        from ibedl.serve.settings import Settings
 
         text = page("settings.md")
         missing = [f"IBEDL_{name.upper()}" for name in Settings.model_fields if f"`IBEDL_{name.upper()}`" not in text]
@@ -112,8 +112,8 @@ class TestSettingsReference:
     def test_every_environment_variable_the_code_reads_is_documented(self):
         text = page("settings.md")
         names = set()
-        for package in ("evidential", "training", "service"):
-            for source in (ROOT / package).rglob("*.py"):
+        for package in ("core", "training", "serve"):
+            for source in (ROOT / "ibedl" / package).rglob("*.py"):
                 names |= set(re.findall(r"IBEDL_[A-Z][A-Z0-9_]*", source.read_text()))
         missing = sorted(n for n in names if f"`{n}`" not in text)
         assert not missing, f"environment variables missing from docs/reference/settings.md: {missing}"
@@ -121,7 +121,7 @@ class TestSettingsReference:
 
 class TestConfigReference:
     def test_every_config_key_is_documented(self):
-        from training.config import DataConfig, DataPart, LoraSettings, OptimSettings, TrainConfig
+        from ibedl.training.config import DataConfig, DataPart, LoraSettings, OptimSettings, TrainConfig
 
         text = page("config.md")
         keys = [f.name for f in dataclasses.fields(TrainConfig)]
@@ -132,7 +132,7 @@ class TestConfigReference:
         assert not missing, f"config keys missing from docs/reference/config.md: {missing}"
 
     def test_every_method_and_its_parameters_are_documented(self):
-        from training.methods import METHODS
+        from ibedl.training.methods import METHODS
 
         text = page("config.md")
         missing = [name for name in METHODS if f"`{name}`" not in text]
@@ -144,15 +144,15 @@ class TestConfigReference:
 
 # Every command-line entry point: module, and the argv that prints its help (sub-commands too).
 CLIS = [
-    ("training.finetune", []),
-    ("training.evaluate", []),
-    ("training.calibrate", []),
-    ("training.experiments.benchmark", []),
-    ("training.confidence_ceiling", []),
-    ("evidential.migrate", []),
-    ("evidential.model_card", []),
-    ("evidential.manifest_schema", []),
-    ("service.__main__", []),
+    ("ibedl.training.finetune", []),
+    ("ibedl.training.evaluate", []),
+    ("ibedl.training.calibrate", []),
+    ("ibedl.training.experiments.benchmark", []),
+    ("ibedl.training.confidence_ceiling", []),
+    ("ibedl.core.migrate", []),
+    ("ibedl.core.model_card", []),
+    ("ibedl.core.manifest_schema", []),
+    ("ibedl.serve.__main__", []),
     ("ibedl.batch", []),
     ("benchmarks.decisions", ["score"]),
     ("benchmarks.decisions", ["analyse"]),
@@ -183,8 +183,8 @@ class TestCliReference:
 
 class TestApiReference:
     def test_every_route_is_documented(self, tmp_path):
-        from service.app import create_app
-        from service.settings import Settings
+        from ibedl.serve.app import create_app
+        from ibedl.serve.settings import Settings
 
         app = create_app(Settings(artifact=tmp_path))
         text = page("api.md")
@@ -197,7 +197,7 @@ class TestApiReference:
     def test_every_field_is_documented(self):
         from pydantic import BaseModel
 
-        import service.schemas as schemas
+        import ibedl.serve.schemas as schemas
 
         text = page("api.md")
         missing = []
@@ -209,8 +209,8 @@ class TestApiReference:
 
 class TestArtifactReference:
     def test_every_manifest_and_head_field_is_documented(self):
-        from evidential.artifact import Manifest
-        from evidential.head import HeadConfig
+        from ibedl.core.artifact import Manifest
+        from ibedl.core.head import HeadConfig
 
         text = page("artifact.md")
         missing = [f"manifest {f.name}" for f in dataclasses.fields(Manifest) if f"`{f.name}`" not in text]
@@ -220,7 +220,7 @@ class TestArtifactReference:
 
 class TestMetricsReference:
     def test_every_prometheus_metric_is_documented(self):
-        from service.metrics import Metrics
+        from ibedl.serve.metrics import Metrics
 
         text = page("metrics.md")
         names = [family.name for family in Metrics().registry.collect()]
@@ -230,7 +230,7 @@ class TestMetricsReference:
     def test_every_evaluation_metric_is_documented(self):
         import numpy as np
 
-        from training.metrics import summarise
+        from ibedl.training.metrics import summarise
 
         keys = summarise(np.array([[0.7, 0.3], [0.4, 0.6]]), np.array([0, 0]), uncertainty=[0.2, 0.5])
         text = page("metrics.md")

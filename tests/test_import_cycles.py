@@ -5,7 +5,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("evidential", "training", "service", "benchmarks")
+PACKAGES = ("ibedl", "benchmarks")
 
 
 def modules() -> dict[str, Path]:

@@ -1,5 +1,6 @@
-"""What ``pip install ibedl`` puts into an environment: the four packages users import (`ibedl`, the Python API, and the three it is built on), nothing else at the top
-level (no ``tests``, ``benchmarks``, ``deploy``); the plan for the names is in docs/development.md."""
+"""What ``pip install ibedl`` puts into an environment: one top-level package, ``ibedl`` (``ibedl.core``,
+``ibedl.training``, ``ibedl.serve``, the Python API), nothing else at the top level (no ``tests``, ``benchmarks``,
+``deploy``); the layout is in docs/development.md#packaging."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-INSTALLED = {"ibedl", "evidential", "training", "service"}
+INSTALLED = {"ibedl"}
 
 
 def test_the_wheel_holds_only_the_packages_users_import(tmp_path):
@@ -27,4 +28,10 @@ def test_the_wheel_holds_only_the_packages_users_import(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert top == INSTALLED, f"the wheel installs {sorted(top)} at the top level"
-    assert {"ibedl/__init__.py", "evidential/migrate.py", "training/data/__init__.py", "service/app.py"} <= set(names)
+    assert {"ibedl/__init__.py", "ibedl/api.py", "ibedl/batch.py", "ibedl/core/migrate.py", "ibedl/training/data/__init__.py",
+            "ibedl/serve/app.py", "ibedl/serve/__main__.py"} <= set(names)
+    (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+    scripts = dict(line.split(" = ") for line in zipfile.ZipFile(wheel).read(entry_points).decode().splitlines()
+                   if " = " in line)
+    assert scripts == {"ibedl-finetune": "ibedl.training.finetune:main", "ibedl-evaluate": "ibedl.training.evaluate:main",
+                       "ibedl-serve": "ibedl.serve.__main__:main", "ibedl-batch": "ibedl.batch:main"}

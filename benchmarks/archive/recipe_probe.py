@@ -2,7 +2,7 @@
 
     python -m benchmarks.archive.recipe_probe --grid benchmarks/archive/recipe_probe.yaml [--device cuda] [--only NAME ...]
 
-Each grid entry is a set of ``training.finetune`` overrides on top of the grid's ``base``; runs that
+Each grid entry is a set of ``ibedl.training.finetune`` overrides on top of the grid's ``base``; runs that
 already have a result in the output JSON are skipped (safe to interrupt and resume). The results file
 lists, per run, its overrides, test accuracy/NLL/ECE, training samples/s and seconds.
 """
@@ -15,8 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from training.config import load_config, yaml_load
-from training.finetune import train
+from ibedl.training.config import load_config, yaml_load
+from ibedl.training.finetune import train
 
 
 def main(argv=None) -> int:

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from benchmarks.collect_runs import collect, main
-from training.confidence_ceiling import confidence_ceiling
+from ibedl.training.confidence_ceiling import confidence_ceiling
 
 
 def fake_run(tmp_path, name, method="ib_edl", method_config=None, ceiling=None, accuracy=0.8):
@@ -13,7 +13,7 @@ def fake_run(tmp_path, name, method="ib_edl", method_config=None, ceiling=None, 
     run.mkdir()
     manifest = {
         "name": "default", "method": method, "method_config": method_config or {},
-        "training": {"command": f"python -m training.finetune output={name}", "run": {"seconds": 12.5, "steps": 3},
+        "training": {"command": f"python -m ibedl.training.finetune output={name}", "run": {"seconds": 12.5, "steps": 3},
                      "confidence_ceiling": ceiling, "zeta": None},
         "metrics": {"test": {"accuracy": accuracy, "ece": 0.05, "nll": 0.4}},
     }
@@ -35,7 +35,7 @@ def test_entries_are_named_by_directory_and_replaced_not_duplicated(tmp_path):
     assert [r["name"] for r in data["runs"]] == ["b", "a"]
     a = data["runs"][1]
     assert a["metrics"]["test"]["accuracy"] == 0.9
-    assert a["command"] == "python -m training.finetune output=a"
+    assert a["command"] == "python -m ibedl.training.finetune output=a"
     assert a["validation_during_training"] == [{"step": 2, "accuracy": 0.5, "nll": 1.2}]
     assert (a["train_seconds"], a["steps"], a["confidence_ceiling"]) == (12.5, 3, None)
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from benchmarks.decisions import SHIFTED, main
-from evidential.artifact import read_manifest, write_manifest
-from service.abstention import decide
-from training.calibrate import CalibrationConfig, calibrate_outputs, save_outputs
+from ibedl.core.artifact import read_manifest, write_manifest
+from ibedl.serve.abstention import decide
+from ibedl.training.calibrate import CalibrationConfig, calibrate_outputs, save_outputs
 
 
 def stream(rng, n, sharp):
@@ -36,7 +36,7 @@ def setup(tiny_artifact, tmp_path):
     streams = {"sciq_validation": stream(rng, 600, True), "sciq_test": stream(rng, 400, True)}
     streams.update({name: stream(rng, 100, False) for name in SHIFTED})
     streams["obqa_dev"] = stream(rng, 50, False)
-    # Calibrate the artifact on the dump's validation stream, as training.calibrate --outputs would.
+    # Calibrate the artifact on the dump's validation stream, as ibedl.training.calibrate --outputs would.
     manifest = read_manifest(art)
     raw = {**streams["sciq_validation"], "offset": 1.0}
     head_update, _, sections = calibrate_outputs("ib_edl", raw, raw["labels"], CalibrationConfig())

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from benchmarks.laplace_prior import main
-from evidential.predictor import Predictor
-from training import metrics
-from training.config import load_config
-from training.finetune import run_questions, train
-from training.laplace_lora import PRIOR_GRID
+from ibedl.core.predictor import Predictor
+from ibedl.training import metrics
+from ibedl.training.config import load_config
+from ibedl.training.finetune import run_questions, train
+from ibedl.training.laplace_lora import PRIOR_GRID
 
 WORDS = "sun moon water plant stone tree bird fish cloud river".split()
 

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from benchmarks.paired_bootstrap import PerQuestion, paired_bootstrap
-from training import metrics
+from ibedl.training import metrics
 
 
 def calibrated_sample(n: int, options: int = 4, seed: int = 0):

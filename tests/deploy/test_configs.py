@@ -83,8 +83,8 @@ def promql_metric_names(expr: str) -> set[str]:
 
 
 def exposed_metric_names() -> set[str]:
-    """Every sample name the service's registry can expose, from a real `service.metrics.Metrics()`."""
-    from service.metrics import Metrics
+    """Every sample name the service's registry can expose, from a real `ibedl.serve.metrics.Metrics()`."""
+    from ibedl.serve.metrics import Metrics
 
     suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_count", "_sum", "_created"),
                 "summary": ("", "_count", "_sum", "_created"), "gauge": ("",), "info": ("_info",)}
@@ -203,7 +203,7 @@ def test_nginx_config_has_the_gateway_logic():
     retry = re.search(r"proxy_next_upstream ([^;]*);", text).group(1).split()
     assert {"error", "http_502", "http_503", "non_idempotent"} <= set(retry)
     # the gateway waits longer than the service's own request timeout (30 s), so the service's 504 comes through
-    from service.settings import Settings
+    from ibedl.serve.settings import Settings
 
     read_timeout = int(re.search(r"proxy_read_timeout (\d+)s;", text).group(1))
     assert read_timeout > Settings().request_timeout_s
@@ -350,7 +350,7 @@ def test_dockerfile_structure():
     for word in ("ENTRYPOINT", "CMD"):
         (value,) = [rest for w, rest in runtime if w == word]
         assert isinstance(json.loads(value), list), f"{word} must be in exec form so SIGTERM reaches the service"
-    assert json.loads(next(rest for w, rest in runtime if w == "ENTRYPOINT")) == ["python", "-m", "service"]
+    assert json.loads(next(rest for w, rest in runtime if w == "ENTRYPOINT")) == ["python", "-m", "ibedl.serve"]
     text = DOCKERFILE.read_text()
     assert "resolve_model('smollm2-135m-instruct')" in text and "ENV IBEDL_CACHE_DIR=" in text
     assert "download.pytorch.org/whl/cpu" in text
@@ -376,7 +376,7 @@ def test_dockerignore_keeps_the_context_small_but_complete():
                    or fnmatch.fnmatch(path, p.replace("**/", "")) or fnmatch.fnmatch(parts[-1], p.replace("**/", ""))
                    for p in patterns)
 
-    for path in [".venv", ".git", "runs", ".device-carry", ".pytest_cache", "tests", "service/__pycache__"]:
+    for path in [".venv", ".git", "runs", ".device-carry", ".pytest_cache", "tests", "ibedl/serve/__pycache__"]:
         assert ignored(path), f".dockerignore should exclude {path}"
     copied = re.findall(r"^COPY (?!--from)(?:--\S+ )*(.+) \S+$", DOCKERFILE.read_text(), re.MULTILINE)
     for sources in copied:

@@ -22,8 +22,8 @@ import yaml
 from cloudcoil.models.prometheus_operator import v1 as monitoring_v1
 from kubernetes_validate.utils import all_versions
 
-from service.routes import router
-from service.settings import Settings
+from ibedl.serve.routes import router
+from ibedl.serve.settings import Settings
 from tests.deploy.render import ALERTS_YML, API_JOB, DEPLOY, DOCKERFILE, REPO, require_binary
 from tests.deploy.test_configs import exposed_metric_names
 
@@ -137,7 +137,7 @@ def test_prometheus_labels_the_replicas_with_the_job_the_rules_select(rendered):
 # -- the pod ---------------------------------------------------------------------------------------------
 
 def served_port(rendered) -> int:
-    """The port the container's `python -m service` listens on: IBEDL_PORT of the manifest, else of the image."""
+    """The port the container's `python -m ibedl.serve` listens on: IBEDL_PORT of the manifest, else of the image."""
     if "IBEDL_PORT" in env(rendered):
         return int(env(rendered)["IBEDL_PORT"]["value"])
     ports = re.findall(r"\bIBEDL_PORT=(\d+)", DOCKERFILE.read_text())
@@ -147,7 +147,7 @@ def served_port(rendered) -> int:
 
 def test_probes_use_the_health_routes_on_the_served_port(rendered):
     c = container(rendered)
-    assert "command" not in c and "args" not in c, "the image's entrypoint (python -m service --host 0.0.0.0) runs"
+    assert "command" not in c and "args" not in c, "the image's entrypoint (python -m ibedl.serve --host 0.0.0.0) runs"
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports == {"http": served_port(rendered)}
     routes = {r.path for r in router.routes}

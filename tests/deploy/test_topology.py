@@ -1,6 +1,6 @@
 """The docker-compose topology, run for real on loopback without Docker.
 
-Two `python -m service` replicas on the real base model, the nginx gateway from deploy/nginx/nginx.conf in
+Two `python -m ibedl.serve` replicas on the real base model, the nginx gateway from deploy/nginx/nginx.conf in
 front of them, and Prometheus from deploy/prometheus/ (the committed alert rules, `for:` shortened) scraping
 both. The tests show that the gateway spreads requests over both replicas and keeps request ids, that
 Prometheus scrapes both replicas and evaluates the dashboard's queries, that an in-distribution stream
@@ -214,7 +214,7 @@ def topology(tmp_path_factory):
         PYTHONUNBUFFERED="1",
     )
     replicas = [
-        Proc(f"replica-{i + 1}", [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port),
+        Proc(f"replica-{i + 1}", [sys.executable, "-m", "ibedl.serve", "--host", "127.0.0.1", "--port", str(port),
                                   "--artifact", str(artifact)], work / f"replica-{i + 1}.log", env)
         for i, port in enumerate(ports[:2])
     ]
@@ -262,9 +262,9 @@ def artifact_dir() -> Path:
 @pytest.fixture(scope="module")
 def sciq_validation():
     """The SciQ validation questions the adapter's drift reference was computed on (as the manifest records
-    them: training.finetune loads validation parts with seed 0), or 500 of them for an adapter trained on
+    them: ibedl.training.finetune loads validation parts with seed 0), or 500 of them for an adapter trained on
     other validation data."""
-    from training.data import load_dataset
+    from ibedl.training.data import load_dataset
 
     manifest = json.loads((artifact_dir() / "manifest.json").read_text())
     parts = [p for p in manifest.get("training", {}).get("data", {}).get("validation") or []
@@ -288,7 +288,7 @@ def shifted():
     questions about an article it cannot see move the uncertainty mass u well away from the validation
     reference (measured numbers: deploy/README.md, "Drift").
     """
-    from training.data import load_dataset
+    from ibedl.training.data import load_dataset
 
     return [as_request(q, with_context=False) for q in load_dataset("race", "validation", limit=400, seed=1)]
 

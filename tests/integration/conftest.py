@@ -28,7 +28,7 @@ def _isolated_cache(monkeypatch):
 
 @pytest.fixture(scope="session")
 def real_model_ref():
-    from evidential.base_model import resolve_model
+    from ibedl.core.base_model import resolve_model
 
     os.environ.setdefault("IBEDL_CACHE_DIR", str(Path.home() / ".cache" / "ibedl"))
     resolved = resolve_model("smollm2-135m-instruct")  # converts once (~20 s), then reuses the cache

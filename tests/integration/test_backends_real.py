@@ -4,11 +4,11 @@ the service (IBEDL_BACKEND=openvino, and auto = openvino-fp32 on the CPU)."""
 import httpx
 import pytest
 
-from evidential.backends import native_bf16
-from evidential.predictor import Predictor
+from ibedl.core.backends import native_bf16
+from ibedl.core.predictor import Predictor
+from ibedl.training.data import load_dataset
 from tests.conftest import ServiceProcess
 from tests.integration.conftest import DEFAULT_ARTIFACT
-from training.data import load_dataset
 
 pytest.importorskip("openvino")
 
@@ -76,7 +76,7 @@ def test_auto_backend_evaluates_like_torch(questions):
 def test_service_refuses_an_unknown_backend(tmp_path):
     from pydantic import ValidationError
 
-    from service.settings import Settings
+    from ibedl.serve.settings import Settings
 
     with pytest.raises(ValidationError, match="unknown inference backend 'fast'"):
         Settings(backend="fast")

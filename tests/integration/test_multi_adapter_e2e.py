@@ -5,9 +5,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from ibedl.training.data import load_dataset
 from tests.conftest import ServiceProcess
 from tests.integration.conftest import REPO
-from training.data import load_dataset
 
 ADAPTERS = ["default", "map", "map-twin"]
 

@@ -29,9 +29,9 @@ import torch
 from peft import PeftModel, get_peft_model_state_dict
 from safetensors.torch import load_file
 
-from evidential.base_model import cache_dir, load_base_model, resolve_model
-from evidential.predictor import Predictor
-from evidential.prompt import MCQuestion
+from ibedl.core.base_model import cache_dir, load_base_model, resolve_model
+from ibedl.core.predictor import Predictor
+from ibedl.core.prompt import MCQuestion
 
 artifact = Path(sys.argv[1])
 questions = [MCQuestion(q["question"], tuple(q["options"]), context=q["context"]) for q in json.loads(sys.argv[2])]
@@ -50,9 +50,9 @@ print(json.dumps({
 
 
 def test_the_default_adapter_loads_elsewhere_by_name(tmp_path):
-    from evidential.artifact import read_manifest
-    from evidential.predictor import Predictor
-    from evidential.prompt import MCQuestion
+    from ibedl.core.artifact import read_manifest
+    from ibedl.core.predictor import Predictor
+    from ibedl.core.prompt import MCQuestion
 
     copy = tmp_path / "another-machine" / "adapters" / "default"
     shutil.copytree(DEFAULT_ARTIFACT, copy)

@@ -6,17 +6,17 @@ import json
 import pytest
 import torch
 
-from evidential.predictor import Predictor
-from training.config import load_config
-from training.data import load_dataset
-from training.evaluate import main as evaluate_main
-from training.finetune import train
+from ibedl.core.predictor import Predictor
+from ibedl.training.config import load_config
+from ibedl.training.data import load_dataset
+from ibedl.training.evaluate import main as evaluate_main
+from ibedl.training.finetune import train
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, real_model_ref):
     out = tmp_path_factory.mktemp("real") / "ib_edl"
-    cfg = load_config("training/configs/smollm2_science_ib_edl.yaml", [
+    cfg = load_config("ibedl/training/configs/smollm2_science_ib_edl.yaml", [
         f"output={out}", "optim.max_steps=3", "optim.batch_size=2",
         "data.train=[{dataset: sciq, limit: 6}]", "data.validation=[{dataset: sciq, limit: 8}]",
         "data.test=[{dataset: sciq, limit: 6}]", "eval_every=0", "progress=false", "method_params.num_samples=4",
@@ -52,7 +52,7 @@ def test_reload_gives_identical_predictions(trained):
     torch.testing.assert_close(a.sigma, b.sigma, rtol=0, atol=0)
     # and equal to what training recorded on its validation split
     manifest = json.loads((out / "manifest.json").read_text())
-    from training.evaluate import evaluate
+    from ibedl.training.evaluate import evaluate
 
     val = evaluate(first, load_dataset("sciq", "validation", limit=8), progress=False)
     assert val.metrics["nll"] == pytest.approx(manifest["metrics"]["validation"]["nll"], abs=1e-5)

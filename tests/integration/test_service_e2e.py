@@ -7,12 +7,12 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from ibedl.training.data import load_dataset
 from tests.conftest import ServiceProcess
 from tests.integration.conftest import DEFAULT_ARTIFACT
-from training.data import load_dataset
 
 # A deadline far beyond any pass for the tests that check answers, not admission: on a slow or busy machine the
-# default 30 s would turn their requests into 503 overloaded (admission is checked by tests/service and the sigterm
+# default 30 s would turn their requests into 503 overloaded (admission is checked by tests/serve and the sigterm
 # tests below).
 SLACK = {"IBEDL_REQUEST_TIMEOUT_S": "600"}
 

@@ -1,4 +1,4 @@
-"""training.calibrate: the gate's quantile, temperature fitting, the sections it writes, and the CLI."""
+"""ibedl.training.calibrate: the gate's quantile, temperature fitting, the sections it writes, and the CLI."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from evidential.artifact import Abstention, Conformal, check_artifact, read_manifest
-from evidential.model_card import num
-from evidential.predictor import temper as torch_temper
-from training.calibrate import (
+from ibedl.core.artifact import Abstention, Conformal, check_artifact, read_manifest
+from ibedl.core.model_card import num
+from ibedl.core.predictor import temper as torch_temper
+from ibedl.training.calibrate import (
     CalibrationConfig,
     calibrate_outputs,
     fit_temperature,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy.optimize import minimize
 
-from training.confidence_ceiling import confidence_ceiling, main, objective
+from ibedl.training.confidence_ceiling import confidence_ceiling, main, objective
 
 
 def scipy_ceiling(beta: float, num_options: int, risk: str) -> float:

@@ -1,6 +1,6 @@
 import pytest
 
-from training.config import apply_overrides, config_keys_help, load_config, yaml_load
+from ibedl.training.config import apply_overrides, config_keys_help, load_config, yaml_load
 
 BASE = ["method=map", "output=/tmp/x", "data={train: [{dataset: sciq}], validation: [{dataset: sciq, limit: 5}]}"]
 
@@ -8,9 +8,9 @@ BASE = ["method=map", "output=/tmp/x", "data={train: [{dataset: sciq}], validati
 def test_every_shipped_config_loads():
     from pathlib import Path
 
-    for path in sorted(Path("training/configs").glob("*.yaml")):
+    for path in sorted(Path("ibedl/training/configs").glob("*.yaml")):
         first = path.read_text().splitlines()[0]
-        assert first == f"# python -m training.finetune --config {path}", path  # configs start with their command
+        assert first == f"# python -m ibedl.training.finetune --config {path}", path  # configs start with their command
         cfg = load_config(path)
         assert cfg.data.train and cfg.data.validation
 

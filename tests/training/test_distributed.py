@@ -12,12 +12,12 @@ import pytest
 import safetensors.torch
 import yaml
 
-from evidential.artifact import read_manifest
+from ibedl.core.artifact import read_manifest
+from ibedl.training import distributed
+from ibedl.training.config import load_config
+from ibedl.training.distributed import fsdp_plugin, make_accelerator
+from ibedl.training.finetune import micro_batches, train
 from tests.training.test_finetune import config, jsonl_data, overrides  # noqa: F401 - the toy data fixture
-from training import distributed
-from training.config import load_config
-from training.distributed import fsdp_plugin, make_accelerator
-from training.finetune import micro_batches, train
 
 REPO = Path(__file__).resolve().parents[2]
 # MAP without LoRA dropout is deterministic: runs that see the same questions at every step differ only by float
@@ -69,7 +69,7 @@ def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path, ti
               "--main_process_port", str(free_port())]  # not 29500: another run on this machine may hold it
     args = overrides(tmp_path, tiny_model_dir, jsonl_data, "map", **RUN, **{"optim.batch_size": 2, "track_dir": tmp_path / "runs"})
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf")}  # no accelerate config file of this machine's user
-    done = subprocess.run([*launch, "-m", "training.finetune", "--track", "tensorboard", *args],
+    done = subprocess.run([*launch, "-m", "ibedl.training.finetune", "--track", "tensorboard", *args],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     artifact = tmp_path / "map"

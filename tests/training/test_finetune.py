@@ -6,13 +6,13 @@ import pytest
 import safetensors.torch
 import torch
 
-from evidential.artifact import read_manifest
-from evidential.predictor import Predictor
-from training.config import load_config
-from training.evaluate import evaluate
-from training.data import load_dataset
-from training.confidence_ceiling import confidence_ceiling
-from training.finetune import load_parts, main, run_questions, train
+from ibedl.core.artifact import read_manifest
+from ibedl.core.predictor import Predictor
+from ibedl.training.config import load_config
+from ibedl.training.evaluate import evaluate
+from ibedl.training.data import load_dataset
+from ibedl.training.confidence_ceiling import confidence_ceiling
+from ibedl.training.finetune import load_parts, main, run_questions, train
 
 WORDS = "sun moon water plant stone tree bird fish cloud river".split()
 
@@ -30,7 +30,7 @@ def jsonl_data(tmp_path_factory):
 
 
 def overrides(tmp_path, model_dir, data, method, **extra) -> list[str]:
-    """The toy run's ``key=value`` overrides (as ``python -m training.finetune`` takes them)."""
+    """The toy run's ``key=value`` overrides (as ``python -m ibedl.training.finetune`` takes them)."""
     return [
         f"method={method}",
         f"base_model={model_dir}",
@@ -74,7 +74,7 @@ def test_train_save_reload_identical(tmp_path, tiny_model_dir, jsonl_data, metho
     assert manifest.members == members
     assert manifest.mc_samples == (3 if method == "mc_dropout" else 0)
     ceiling = manifest.training["confidence_ceiling"]
-    if method == "ib_edl":  # the beta and option count of this run, as training.confidence_ceiling computes it
+    if method == "ib_edl":  # the beta and option count of this run, as ibedl.training.confidence_ceiling computes it
         expected = confidence_ceiling(manifest.method_config["beta"], ceiling["num_options"], "mse")
         assert ceiling["confidence"] == pytest.approx(expected.confidence)
         counts = Counter(len(q.options) for q in load_dataset("jsonl", "train", path=jsonl_data))
@@ -123,7 +123,7 @@ def test_training_is_seeded(tmp_path, tiny_model_dir, jsonl_data):
 
 
 def test_one_process_trains_as_before_the_accelerate_loop(tmp_path, tiny_model_dir, jsonl_data):
-    # Recorded at 7e9f104, the hand-written loop before training ran through accelerate (training.distributed):
+    # Recorded at 7e9f104, the hand-written loop before training ran through accelerate (ibedl.training.distributed):
     # IB-EDL samples, LoRA dropout and a validation pass at step 2. One process must reproduce them.
     cfg = config(tmp_path, tiny_model_dir, jsonl_data, "ib_edl", **{"method_params.num_samples": 4, "optim.max_steps": 4,
                                                                    "eval_every": 2, "eval_limit": 6})

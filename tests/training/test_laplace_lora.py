@@ -6,11 +6,11 @@ import random
 import numpy as np
 import pytest
 
-from evidential.predictor import Predictor
-from training.config import load_config
-from training.data import load_dataset
-from training.finetune import train
-from training.laplace_lora import PRIOR_GRID, choose_prior_on_validation, fit_laplace
+from ibedl.core.predictor import Predictor
+from ibedl.training.config import load_config
+from ibedl.training.data import load_dataset
+from ibedl.training.finetune import train
+from ibedl.training.laplace_lora import PRIOR_GRID, choose_prior_on_validation, fit_laplace
 
 WORDS = "sun moon water plant stone tree bird fish cloud river".split()
 
@@ -54,7 +54,7 @@ def test_needs_answers(map_artifact):
     artifact, data = map_artifact
     predictor = Predictor.from_artifact(artifact)
     q = load_dataset("jsonl", "test", path=data)[0]
-    from evidential.prompt import MCQuestion
+    from ibedl.core.prompt import MCQuestion
 
     with pytest.raises(ValueError, match="needs questions with answers"):
         fit_laplace(predictor, [MCQuestion(q.question, q.options)])
@@ -62,7 +62,7 @@ def test_needs_answers(map_artifact):
 
 
 def test_finetune_method_laplace_trains_map_then_fits_the_posterior(map_artifact, tiny_model_dir, tmp_path):
-    from training.evaluate import evaluate
+    from ibedl.training.evaluate import evaluate
 
     _, data = map_artifact
     # prior chosen on the 8 validation questions (the default): recorded in the manifest
@@ -88,7 +88,7 @@ def test_finetune_method_laplace_trains_map_then_fits_the_posterior(map_artifact
 
 
 def test_laplace_hyper_parameters_checked_on_arrival():
-    from training.methods import get_method
+    from ibedl.training.methods import get_method
 
     with pytest.raises(ValueError, match="fit_samples must be an integer >= 1, got 0"):
         get_method("laplace").params({"fit_samples": 0})
@@ -100,7 +100,7 @@ def test_laplace_hyper_parameters_checked_on_arrival():
 
 
 def test_posterior_over_the_live_layers_of_a_prefix_cached_trunk(map_artifact, tmp_path, monkeypatch):
-    from evidential import prefix_cache
+    from ibedl.core import prefix_cache
 
     monkeypatch.setenv("IBEDL_CACHE_DIR", str(tmp_path))
     artifact, data = map_artifact
@@ -136,7 +136,7 @@ def test_mc_predictive_samples_the_posterior(map_artifact):
 
 
 def test_glm_predictive_one_question_at_a_time_equals_laplace_torchs_batched_one(map_artifact):
-    from training.laplace_lora import _Batches
+    from ibedl.training.laplace_lora import _Batches
 
     artifact, data = map_artifact
     questions = load_dataset("jsonl", "test", path=data)
@@ -176,7 +176,7 @@ def test_prior_chosen_on_validation_has_the_lowest_validation_nll_of_the_grid(ma
 
 
 def test_prior_on_validation_needs_validation_questions_with_answers(map_artifact):
-    from evidential.prompt import MCQuestion
+    from ibedl.core.prompt import MCQuestion
 
     artifact, data = map_artifact
     questions = load_dataset("jsonl", "test", path=data)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.distributions import Dirichlet, Normal, kl_divergence
 
-from training.losses import (
+from ibedl.training.losses import (
     annealing,
     cross_entropy,
     digamma_ce_risk,
@@ -148,7 +148,7 @@ def test_cross_entropy_matches_log_softmax():
 
 class TestBaselineLosses:
     def test_fisher_mse_against_hand_computation(self, batch):
-        from training.losses import fisher_mse
+        from ibedl.training.losses import fisher_mse
 
         alpha, y, mask = batch
         risk, log_det = fisher_mse(alpha, y, mask)
@@ -164,7 +164,7 @@ class TestBaselineLosses:
         torch.testing.assert_close(log_det.double(), torch.logdet(fim), rtol=1e-4, atol=1e-4)
 
     def test_relaxed_mse_has_no_variance_term(self, batch):
-        from training.losses import relaxed_mse
+        from ibedl.training.losses import relaxed_mse
 
         alpha, y, mask = batch
         p = alpha / alpha.sum(-1, keepdim=True)
@@ -172,7 +172,7 @@ class TestBaselineLosses:
         torch.testing.assert_close(relaxed_mse(alpha, y, mask), ((t - p) ** 2).sum(-1))
 
     def test_wrong_evidence_kl_with_eta_prior(self, batch):
-        from training.losses import wrong_evidence_kl
+        from ibedl.training.losses import wrong_evidence_kl
 
         alpha, y, mask = batch
         tilde = alpha.clone()
@@ -181,7 +181,7 @@ class TestBaselineLosses:
         torch.testing.assert_close(wrong_evidence_kl(alpha, y, mask, 0.1), ref, rtol=1e-4, atol=1e-4)
 
     def test_nll_risk_of_ib_edl(self, batch):
-        from training.losses import dirichlet_mean_nll
+        from ibedl.training.losses import dirichlet_mean_nll
 
         alpha, y, mask = batch
         p = alpha / alpha.sum(-1, keepdim=True)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from evidential.head import HeadConfig, build_head
-from training.methods import METHODS, LossContext, get_method
+from ibedl.core.head import HeadConfig, build_head
+from ibedl.training.methods import METHODS, LossContext, get_method
 
 
 @pytest.mark.parametrize("name", sorted(METHODS))

@@ -4,7 +4,7 @@ import torch
 from sklearn.metrics import roc_auc_score
 from torchmetrics.classification import MulticlassCalibrationError
 
-from training import metrics
+from ibedl.training import metrics
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from math import comb
 import numpy as np
 import pytest
 
-from training.risk_control import accuracy_lower_bound, binomial_p_value, control_accuracy
+from ibedl.training.risk_control import accuracy_lower_bound, binomial_p_value, control_accuracy
 
 
 def test_p_value_is_the_binomial_lower_tail():

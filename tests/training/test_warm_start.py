@@ -6,13 +6,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from evidential.artifact import read_manifest
-from evidential.predictor import Predictor
-from training.config import load_config
-from training.data import load_dataset
-from training.evaluate import evaluate
-from training.finetune import build, train
-from training.methods import get_method
+from ibedl.core.artifact import read_manifest
+from ibedl.core.predictor import Predictor
+from ibedl.training.config import load_config
+from ibedl.training.data import load_dataset
+from ibedl.training.evaluate import evaluate
+from ibedl.training.finetune import build, train
+from ibedl.training.methods import get_method
 
 from tests.training.test_finetune import config, jsonl_data  # noqa: F401 - the toy data fixture
 

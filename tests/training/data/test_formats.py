@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from training.data import DATASETS, DatasetError, data_dir, load_dataset
-from training.data.race import read_race_file
-from training.data.sciq import read_sciq_file
+from ibedl.training.data import DATASETS, DatasetError, data_dir, load_dataset
+from ibedl.training.data.race import read_race_file
+from ibedl.training.data.sciq import read_sciq_file
 
 
 def _write(path: Path, lines: list[str]) -> Path:

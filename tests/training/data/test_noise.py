@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from evidential.prompt import MCQuestion
-from training.data import load_dataset, perturb_labels, subset
+from ibedl.core.prompt import MCQuestion
+from ibedl.training.data import load_dataset, perturb_labels, subset
 
 
 def _questions(n: int = 200) -> list[MCQuestion]:

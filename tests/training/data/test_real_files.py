@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from training.data import data_dir, load_dataset
+from ibedl.training.data import data_dir, load_dataset
 
 DATA = data_dir()
 pytestmark = pytest.mark.skipif(

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from training.experiments.benchmark import Run, expand, main
+from ibedl.training.experiments.benchmark import Run, expand, main
 
 
 @pytest.fixture
@@ -106,7 +106,7 @@ def test_bad_jobs(bench_config, capsys):
 def test_summarise_run_matches_option_counts():
     from sklearn.metrics import roc_auc_score
 
-    from training.experiments.evaluate_run import summarise_run
+    from ibedl.training.experiments.evaluate_run import summarise_run
 
     id_probs = [[0.7, 0.1, 0.1, 0.1], [0.5, 0.2, 0.2, 0.1], [0.9, 0.05, 0.03, 0.02]] * 4
     ood_probs = [[0.6, 0.2, 0.1, 0.1], [0.3, 0.3, 0.2, 0.2]] * 6 + [[0.2] * 5] * 6  # 5-option ones: least confident
@@ -125,7 +125,7 @@ def test_summarise_run_matches_option_counts():
 
 
 def test_eval_set_variants():
-    from training.experiments.evaluate_run import load_eval_set
+    from ibedl.training.experiments.evaluate_run import load_eval_set
 
     plain = load_eval_set("sciq", 5)
     bare = load_eval_set("sciq:no_context", 5)
@@ -136,7 +136,7 @@ def test_eval_set_variants():
 
 
 def test_without_posthoc_swaps_in_the_predictions_with_zeta_undone():
-    from training.experiments.evaluate_run import without_posthoc
+    from ibedl.training.experiments.evaluate_run import without_posthoc
 
     served = {"probs": [[0.6, 0.4]], "labels": [0], "uncertainty": [0.3], "samples_per_s": 9.0,
               "without_posthoc": {"probs": [[0.8, 0.2]], "uncertainty": [0.1]}}

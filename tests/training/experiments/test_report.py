@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from training.experiments.report import write_report
+from ibedl.training.experiments.report import write_report
 
 
 def synthetic_results():

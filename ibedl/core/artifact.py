@@ -1,0 +1,446 @@
+"""A trained adapter directory: PEFT adapter files, the head's safetensors and ``manifest.json``.
+
+Layout::
+
+    manifest.json                 what this adapter is (see Manifest; JSON Schema: ibedl.core.manifest_schema)
+    README.md                     model card generated from the manifest (ibedl.core.model_card)
+    head.safetensors              option head tensors      } one set at the top, or one set per
+    adapter_config.json           PEFT LoRA config         } ensemble member under members/<i>/
+    adapter_model.safetensors     PEFT LoRA weights        } (the manifest's ``members``)
+
+Loading reads JSON and safetensors only; nothing is unpickled. A manifest of an older ``schema_version`` is
+migrated when read (:func:`migrate`, the one place that knows the format's history); ``python -m
+ibedl.core.migrate DIR`` writes it back in the current version.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal, get_args
+
+from safetensors.torch import load_file, save_file
+
+from ibedl.core.base_model import portable_ref, sha256_file
+from ibedl.core.conformal import ConformalScore, alpha_key
+from ibedl.core.head import HeadConfig, OptionHead, build_head
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 2
+MIGRATE_COMMAND = "python -m ibedl.core.migrate"
+MANIFEST = "manifest.json"
+HEAD_FILE = "head.safetensors"
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+WEIGHT_FILES = (ADAPTER_FILES[1], HEAD_FILE)  # what the manifest's ``files`` records the sha256 of
+# adapter_config.json's task_type: the adapter sits on a causal LM's trunk, so PeftModel.from_pretrained on the
+# loaded base builds a PeftModelForCausalLM (AutoPeftModelForCausalLM cannot: a known model's name is not a Hub
+# repo); the option head is this package's, beside it.
+PEFT_TASK_TYPE = "CAUSAL_LM"
+
+
+class ArtifactError(ValueError):
+    """An artifact directory that is missing files or holds an invalid manifest."""
+
+
+OodScore = Literal["inverse_uncertainty", "max_probability"]
+OOD_SCORES = get_args(OodScore)
+
+
+@dataclass
+class Abstention:
+    """Default abstention rule, checked in this order:
+
+    1. out of distribution: the question's OOD score (``ood_score``: 1/u for Dirichlet methods, max p for
+       the others) is below ``ood_threshold`` (0 disables the gate);
+    2. u > max_uncertainty;
+    3. max p < min_confidence.
+
+    ``how`` records how they were chosen (ibedl.training.calibrate: the gate's rejection rate, the risk-control
+    target, delta and bound).
+
+    Attributes:
+        max_uncertainty: abstain when the uncertainty mass u exceeds it, in [0, 1] (1: never).
+        min_confidence: abstain when the top probability is below it, in [0, 1].
+        ood_score: the out-of-distribution score of the gate, or null for no gate.
+        ood_threshold: abstain as out of distribution below this score, >= 0 (0: no gate).
+        how: how the thresholds were chosen: rule, guarantee, target, delta, bound, coverage, n.
+    """
+
+    max_uncertainty: float = 1.0
+    min_confidence: float = 0.0
+    ood_score: OodScore | None = None
+    ood_threshold: float = 0.0
+    how: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("max_uncertainty", "min_confidence"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+        if self.ood_score is not None and self.ood_score not in OOD_SCORES:
+            raise ValueError(f"ood_score must be one of {OOD_SCORES} or null, got {self.ood_score!r}")
+        if isinstance(self.ood_threshold, bool) or not 0.0 <= self.ood_threshold < float("inf"):
+            raise ValueError(f"ood_threshold must be a finite number >= 0, got {self.ood_threshold!r}")
+
+
+@dataclass
+class Conformal:
+    """Split-conformal quantiles (ibedl.core.conformal) stored at calibration: ``quantiles[score][alpha]``,
+    None where the calibration sample was too small for that alpha (every option is then in the set).
+    ``alpha`` and ``score`` are what a response uses unless the request asks for another stored pair.
+
+    Attributes:
+        alpha: default miscoverage of served prediction sets (one of the stored alphas).
+        score: default conformal score.
+        quantiles: score -> alpha (as a string, e.g. "0.1") -> quantile, or null where the calibration
+            sample was too small for that alpha.
+        n: calibration questions the quantiles rest on.
+    """
+
+    alpha: float
+    score: ConformalScore
+    quantiles: dict[str, dict[str, float | None]]
+    n: int
+
+    def __post_init__(self) -> None:
+        if self.score not in self.quantiles:
+            raise ValueError(f"conformal score {self.score!r} has no stored quantiles ({sorted(self.quantiles)})")
+        if alpha_key(self.alpha) not in self.quantiles[self.score]:
+            raise ValueError(f"conformal alpha {self.alpha} has no stored quantile for {self.score!r}")
+        if self.n < 1:
+            raise ValueError(f"conformal n must be >= 1, got {self.n}")
+
+    def quantile(self, alpha: float | None = None, score: str | None = None) -> float:
+        """The stored quantile of (alpha, score), defaults where None; KeyError names what is stored."""
+        alpha = self.alpha if alpha is None else alpha
+        score = self.score if score is None else score
+        stored = self.quantiles.get(score, {})
+        key = alpha_key(alpha)
+        if key not in stored:
+            raise KeyError(f"no conformal quantile for alpha {alpha} and score {score!r}; stored: "
+                           f"{ {s: sorted(map(float, q)) for s, q in self.quantiles.items()} }")
+        q = stored[key]
+        return float("inf") if q is None else float(q)
+
+    def alphas(self) -> list[float]:
+        return sorted({float(a) for q in self.quantiles.values() for a in q})
+
+
+@dataclass(frozen=True)
+class BaseModelRef:
+    """The manifest's ``base_model``: the base weights an adapter was trained on.
+
+    Attributes:
+        name: the base model's name.
+        sha256: of its source weights; loading refuses other weights unless told to allow a mismatch.
+        ref: what ibedl.core.base_model.resolve_model finds it by on any machine: a known name or a Hugging
+            Face Hub repo id (ibedl.core.base_model.portable_ref), or a path the user gave.
+    """
+
+    name: str
+    sha256: str
+    ref: str
+
+    @classmethod
+    def from_dict(cls, data: dict) -> BaseModelRef:
+        return _section(cls, "base_model", data)
+
+
+@dataclass(frozen=True)
+class PromptConfig:
+    """The manifest's ``prompt``.
+
+    Attributes:
+        template: the prompt template the adapter was trained with (ibedl.core.prompt).
+        max_tokens: the training token cut of a formatted prompt (null where not recorded).
+    """
+
+    template: str
+    max_tokens: int | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict) -> PromptConfig:
+        return _section(cls, "prompt", data)
+
+
+def _section(cls, name: str, data):
+    """``cls(**data)`` for the manifest section ``name``; ArtifactError naming what is wrong."""
+    if not isinstance(data, dict):
+        raise ArtifactError(f"manifest {name} must be a JSON object, got {data!r}")
+    try:
+        return cls(**data)
+    except TypeError as e:
+        raise ArtifactError(f"invalid manifest {name} {data}: {e}") from e
+
+
+@dataclass
+class Manifest:
+    """Everything needed to serve and to trust an adapter, besides its tensors.
+
+    The typed sections (``base_model``, ``head``, ``prompt``, ``abstention``, ``conformal``) are stored as
+    dicts and name their dataclass in the field's ``section`` metadata: loading validates through it and the
+    JSON Schema (ibedl.core.manifest_schema) is derived from it.
+
+    Attributes:
+        method: registry key of the training method (``map``, ``edl``, ``ib_edl``, ...).
+        base_model: the base weights the adapter was trained on.
+        head: the option head's configuration.
+        option_token_ids: tokenizer ids of " A", " B", ... used to initialise the head rows.
+        prompt: the prompt template and training token cut.
+        name, version: how the service names the adapter.
+        method_config: the method's hyper-parameters (beta, K, ...).
+        members: adapter sub-directories ("." for a single adapter; members/<i> for an ensemble).
+        mc_samples: forward passes with dropout on at inference (MC-Dropout), 0 for none.
+        training: data, sizes, seeds, steps, the command that produced the artifact.
+        metrics: split name -> evaluation metrics (``validation``, ``test``, ``test_before_calibration``).
+        abstention: default thresholds and how they were chosen.
+        conformal: split-conformal quantiles, or empty when the adapter was never calibrated.
+        calibration: what ibedl.training.calibrate did (data, post-hoc fit, gate, risk control), or empty.
+        reference: ``uncertainty`` and ``confidence`` samples and their ``split``, for drift monitoring.
+        files: sha256 of each weight file (adapter and head safetensors of every member) by its path
+            relative to the artifact; empty where not recorded (artifacts migrated from schema version 1
+            before ``python -m ibedl.core.migrate`` wrote them).
+        limitations: what a user must know that the numbers do not say (measured limits); the model card
+            lists them under "Intended use and limits".
+        schema_version: the manifest format's version (older ones are migrated when read).
+    """
+
+    method: str
+    base_model: dict = field(metadata={"section": BaseModelRef})
+    head: dict = field(metadata={"section": HeadConfig})
+    option_token_ids: list[int]
+    prompt: dict = field(metadata={"section": PromptConfig})
+    name: str = "adapter"
+    version: str = "0"
+    method_config: dict = field(default_factory=dict)
+    members: list[str] = field(default_factory=lambda: ["."])
+    mc_samples: int = 0
+    training: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)
+    abstention: dict = field(default_factory=lambda: asdict(Abstention()), metadata={"section": Abstention})
+    conformal: dict = field(default_factory=dict, metadata={"section": Conformal, "may_be_empty": True})
+    calibration: dict = field(default_factory=dict)
+    reference: dict = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)
+    limitations: list[str] = field(default_factory=list)
+    schema_version: int = field(default=SCHEMA_VERSION, metadata={"const": True})
+
+    def __post_init__(self) -> None:
+        if self.schema_version != SCHEMA_VERSION:
+            raise ArtifactError(f"manifest schema_version {self.schema_version} is not {SCHEMA_VERSION}; "
+                                "read manifests with Manifest.from_dict or read_manifest, which migrate older ones")
+        self.base_model_ref()  # validates
+        self.prompt_config()  # validates
+        head = self.head_config()  # validates
+        try:
+            Abstention(**self.abstention)
+            self.conformal_sets()
+        except (TypeError, ValueError) as e:
+            raise ArtifactError(f"invalid abstention or conformal section in manifest: {e}") from e
+        if len(self.option_token_ids) != head.num_rows:
+            raise ArtifactError(
+                f"{len(self.option_token_ids)} option_token_ids for a head of {head.num_rows} rows"
+            )
+        if not self.members:
+            raise ArtifactError("manifest members must name at least one adapter directory")
+        if self.mc_samples < 0:
+            raise ArtifactError(f"mc_samples must be >= 0, got {self.mc_samples}")
+        if not all(isinstance(x, str) for x in self.limitations):
+            raise ArtifactError(f"manifest limitations must be a list of strings, got {self.limitations!r}")
+
+    def base_model_ref(self) -> BaseModelRef:
+        return BaseModelRef.from_dict(self.base_model)
+
+    def prompt_config(self) -> PromptConfig:
+        return PromptConfig.from_dict(self.prompt)
+
+    def head_config(self) -> HeadConfig:
+        try:
+            return HeadConfig.from_dict(self.head)
+        except (TypeError, ValueError) as e:
+            raise ArtifactError(f"invalid head config in manifest: {e}") from e
+
+    def thresholds(self) -> Abstention:
+        return Abstention(**self.abstention)
+
+    def conformal_sets(self) -> Conformal | None:
+        return Conformal(**self.conformal) if self.conformal else None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Manifest:
+        """A manifest as stored, of this schema version or an older one (migrated: :func:`migrate`)."""
+        data = migrate(data)
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ArtifactError(f"manifest has unknown keys {unknown}")
+        try:
+            return cls(**data)
+        except TypeError as e:
+            raise ArtifactError(f"invalid manifest: {e}") from e
+
+
+# -- versions ---------------------------------------------------------------------------------------------
+
+
+def _v1_to_v2(data: dict) -> dict:
+    """Version 2: ``head`` no longer carries ``extra`` (nothing ever read it); ``base_model.ref`` is required and
+    portable (a known name instead of this machine's conversion-cache path; the name where it was missing);
+    ``files`` and ``limitations`` are new (empty: python -m ibedl.core.migrate records the files' sha256)."""
+    if isinstance(data.get("head"), dict):
+        data["head"].pop("extra", None)
+    base = data.get("base_model")
+    if isinstance(base, dict) and "name" in base:
+        base["ref"] = portable_ref(base.get("ref") or base["name"], str(base.get("sha256", "")))
+    return data
+
+
+# MIGRATIONS[k] turns a version-k manifest dict into version k + 1. A format change adds one function here,
+# bumps SCHEMA_VERSION, and regenerates the JSON Schema (python -m ibedl.core.manifest_schema).
+MIGRATIONS = {1: _v1_to_v2}
+
+
+def migrate(data: dict) -> dict:
+    """A manifest dict of any known schema version as the current version (a new dict; ``data`` is untouched).
+
+    Raises ArtifactError naming the version found and what to do: a newer version needs a newer ibedl, an
+    unknown or missing one cannot be read.
+    """
+    if not isinstance(data, dict):
+        raise ArtifactError(f"a manifest is a JSON object, got {type(data).__name__}")
+    found = data.get("schema_version")
+    oldest = min(MIGRATIONS, default=SCHEMA_VERSION)
+    if isinstance(found, bool) or not isinstance(found, int) or found < oldest:
+        raise ArtifactError(
+            f"manifest schema_version is {found!r}; this ibedl reads versions {oldest} to {SCHEMA_VERSION} "
+            f"(older ones are migrated when read, and written back by {MIGRATE_COMMAND} DIR). A manifest "
+            "without a known version was not written by ibedl: retrain the adapter with python -m ibedl.training.finetune"
+        )
+    if found > SCHEMA_VERSION:
+        raise ArtifactError(
+            f"manifest schema_version {found} is newer than this ibedl reads ({SCHEMA_VERSION}): upgrade ibedl "
+            "(pip install -U ibedl) to load this adapter"
+        )
+    data = copy.deepcopy(data)
+    for version in range(found, SCHEMA_VERSION):
+        data = MIGRATIONS[version](data)
+        data["schema_version"] = version + 1
+    return data
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: readers see the old or the new file, never half."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def manifest_json(manifest: Manifest) -> str:
+    """``manifest.json`` as written: indented JSON in field order, with a final newline."""
+    return json.dumps(manifest.to_dict(), indent=2, sort_keys=False) + "\n"
+
+
+def write_manifest(directory: str | Path, manifest: Manifest) -> Path:
+    path = Path(directory) / MANIFEST
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, manifest_json(manifest))
+    return path
+
+
+def read_manifest_data(directory: str | Path) -> dict:
+    """``manifest.json`` of ``directory`` as stored (not migrated), checked to be a JSON object."""
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise ArtifactError(f"{path} not found: is {directory} an adapter directory?")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ArtifactError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from e
+    if not isinstance(data, dict):
+        raise ArtifactError(f"{path}: expected a JSON object")
+    return data
+
+
+def read_manifest(directory: str | Path) -> Manifest:
+    """The manifest of ``directory``; one of an older schema version is migrated (and a warning says how to
+    write it back)."""
+    data = read_manifest_data(directory)
+    manifest = Manifest.from_dict(data)
+    if data.get("schema_version") != SCHEMA_VERSION:
+        log.warning("%s has manifest schema_version %s, read as %s; write it in the current version with: %s %s",
+                    directory, data.get("schema_version"), SCHEMA_VERSION, MIGRATE_COMMAND, directory)
+    return manifest
+
+
+def save_head(directory: str | Path, head: OptionHead, state_dict: dict | None = None) -> Path:
+    """The head's tensors as float32 safetensors; ``state_dict`` (default the head's own) is what a sharded
+    training run gathered for it."""
+    path = Path(directory) / HEAD_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = head.state_dict() if state_dict is None else state_dict
+    tensors = {k: v.detach().float().cpu().contiguous() for k, v in state.items()}
+    save_file(tensors, str(path))
+    return path
+
+
+def load_head(directory: str | Path, manifest: Manifest) -> OptionHead:
+    path = Path(directory) / HEAD_FILE
+    if not path.is_file():
+        raise ArtifactError(f"{path} not found")
+    head = build_head(manifest.head_config())
+    tensors = load_file(str(path))
+    missing, unexpected = head.load_state_dict(tensors, strict=False)
+    if missing or unexpected:
+        raise ArtifactError(f"{path}: missing tensors {missing}, unexpected tensors {unexpected}")
+    return head
+
+
+def check_artifact(directory: str | Path, verify: bool = False) -> Manifest:
+    """Read the manifest and check every file it implies exists. Returns the manifest.
+
+    Args:
+        verify: also check each weight file against the sha256 the manifest's ``files`` records.
+    """
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    for member in manifest.members:
+        for name in (*ADAPTER_FILES, HEAD_FILE):
+            if not (directory / member / name).is_file():
+                raise ArtifactError(f"{directory / member / name} not found")
+    if verify:
+        verify_files(directory, manifest)
+    return manifest
+
+
+def weight_files(members: list[str]) -> list[str]:
+    """Paths of the weight files of ``members``, relative to the artifact ("adapter_model.safetensors",
+    "members/0/head.safetensors", ...)."""
+    return [(Path(member) / name).as_posix() for member in members for name in WEIGHT_FILES]
+
+
+def files_sha256(directory: str | Path, members: list[str]) -> dict[str, str]:
+    """The manifest's ``files`` section: sha256 of every weight file of ``members`` under ``directory``."""
+    return {path: sha256_file(Path(directory) / path) for path in weight_files(members)}
+
+
+def verify_files(directory: str | Path, manifest: Manifest) -> None:
+    """ArtifactError naming each weight file whose sha256 differs from the manifest's ``files`` (or that the
+    manifest does not record); nothing to check when ``files`` is empty."""
+    if not manifest.files:
+        return
+    actual = files_sha256(directory, manifest.members)
+    bad = sorted(p for p in set(actual) | set(manifest.files) if actual.get(p) != manifest.files.get(p))
+    if bad:
+        raise ArtifactError(f"{directory}: weight files {bad} differ from the sha256 the manifest records: "
+                            "the weights changed after the manifest was written; retrain or restore them")

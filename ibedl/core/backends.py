@@ -1,0 +1,228 @@
+"""Inference backends for the trunk: the part of :class:`~ibedl.core.predictor.Predictor` that turns an encoded
+batch into the (B, d) hidden state of each prompt's last real token. The option head, Dirichlet outputs and
+abstention stay the predictor's own code whatever the backend.
+
+``torch`` (the default): the PEFT model as loaded (fp32 eager on CPU). ``auto``: ``openvino-fp32`` for a single
+adapter on the CPU with openvino installed, else ``torch`` (CUDA, MC-Dropout, ensembles). ``openvino-bf16``: the
+fp32 IR run with bfloat16 matmuls (fp32 accumulation) on CPUs with native bf16 instructions (AVX512-BF16, AMX). ``openvino``: the LoRA-merged trunk converted once to
+OpenVINO IR with int8 weights (asymmetric, one scale per 64 input channels), decompressed inside the CPU
+plugin's matmul kernels; activations stay fp32. ``openvino-fp32``: the same IR without compression (to separate conversion from
+quantisation). IR are cached under ``IBEDL_CACHE_DIR/backends``, keyed by base model, adapter and backend.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ibedl.core.base_model import MARKER, cache_dir, sha256_file
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("torch", "openvino", "openvino-fp32", "openvino-bf16", "auto")
+# torch stays the default: on 200 SciQ test questions on quiet cores (benchmarks/results/cpu_backends.json) the fp32
+# IR served 1.52x torch's batch-8 throughput (1.63x at batch 1) with torch's answers, under the 2x that would justify
+# its cost: a served replica holds both models (2.7-2.9 GB RSS against the compose file's 2 GB limit). bf16 served
+# 2.42x but moved probabilities by up to 0.090 and changed 1 answer in 200; int8 was no faster (1.36x) and moved
+# them by up to 0.053.
+DEFAULT_BACKEND = "torch"
+# What ``auto`` runs on the CPU.
+AUTO_CPU_BACKEND = "openvino-fp32"
+CACHE_FORMAT = 1  # bump when the exported graph or its compression changes
+# Measured on 30 SciQ validation questions (max |p - p_torch|): int8 per output channel (nncf's INT8 modes)
+# 0.026-0.04; per 64 input channels 0.003. The plugin's dynamic int8 activations (groups of 16 / 64) added
+# 0.017 / 0.034, so they are off (DYNAMIC_QUANTIZATION_GROUP_SIZE 0).
+GROUP_SIZE = 64
+# The IR each OpenVINO backend runs and the precision its matmuls compute in. bf16 keeps the fp32 IR (exported
+# once for both) and lets the CPU plugin run matmuls in bfloat16; on 96 SciQ validation questions it served 2.6x
+# torch's batch-8 throughput with torch's answers and max |p - p_torch| 0.030. The plugin's per-node "keep fp32"
+# marks did not change that error here.
+IR_OF = {"openvino": "openvino", "openvino-fp32": "openvino-fp32", "openvino-bf16": "openvino-fp32"}
+PRECISION_OF = {"openvino": "f32", "openvino-fp32": "f32", "openvino-bf16": "bf16"}
+
+
+def check_backend(name: str) -> str:
+    """``name`` if it is a known backend, else a ValueError naming it and the choices."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown inference backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    return name
+
+
+class LastTokenTrunk(torch.nn.Module):
+    """Decoder trunk + gather: (input_ids, attention_mask, last_index) -> (B, d) last-token hidden state."""
+
+    def __init__(self, decoder: torch.nn.Module) -> None:
+        super().__init__()
+        self.decoder = decoder
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, last_index: torch.Tensor) -> torch.Tensor:
+        states = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        return states[torch.arange(states.shape[0]), last_index]
+
+
+def adapter_key(artifact: Path, member: str, base_sha256: str, backend: str) -> str:
+    """Cache key of an exported trunk: base weights, adapter weights and config, backend, export format."""
+    import openvino
+
+    digest = hashlib.sha256()
+    for part in (base_sha256, backend, str(CACHE_FORMAT), openvino.__version__):
+        digest.update(part.encode() + b"\0")
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        digest.update(sha256_file(artifact / member / name).encode())
+    return digest.hexdigest()
+
+
+def compress_int8_groups(ir, group: int) -> int:
+    """Replace each fp32 linear weight of an OpenVINO model by u8 values with a scale and zero point per group of
+    ``group`` input channels, in the decompression pattern the CPU plugin fuses into int8 matmuls. Returns how
+    many weights were replaced (those whose input size ``group`` does not divide stay fp32)."""
+    import numpy as np
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    replaced = 0
+    for node in ir.get_ordered_ops():
+        if node.get_type_name() != "MatMul" or not node.get_attributes().get("transpose_b"):
+            continue
+        source = node.input_value(1).get_node()
+        if source.get_type_name() != "Constant" or source.get_element_type() != ov.Type.f32:
+            continue
+        weight = source.get_data()  # (out, in)
+        if weight.ndim != 2 or weight.shape[1] % group:
+            continue
+        w = weight.reshape(weight.shape[0], -1, group)  # (out, in / group, group)
+        lo, hi = w.min(-1, keepdims=True), w.max(-1, keepdims=True)
+        scale = np.maximum(hi - lo, 1e-8) / 255.0
+        zero = np.clip(np.round(-lo / scale), 0, 255)
+        q = np.clip(np.round(w / scale) + zero, 0, 255).astype(np.uint8)
+        deq = ops.multiply(
+            ops.subtract(ops.convert(ops.constant(q), ov.Type.f32),
+                         ops.convert(ops.constant(zero.astype(np.uint8)), ov.Type.f32)),
+            ops.constant(scale.astype(np.float32)),
+        )
+        node.input(1).replace_source_output(ops.reshape(deq, ops.constant(np.array(weight.shape, np.int64)), False).output(0))
+        replaced += 1
+    return replaced
+
+
+def _export(model, tokenizer, target: Path, compress: bool) -> None:
+    """LoRA-merged trunk -> OpenVINO IR in ``target`` (written to a temporary directory, then renamed)."""
+    import openvino as ov
+
+    from ibedl.core.base_model import decoder_of
+
+    start = time.perf_counter()
+    merged = copy.deepcopy(model)
+    merged = merged.merge_and_unload() if hasattr(merged, "merge_and_unload") else merged
+    trunk = LastTokenTrunk(decoder_of(merged)).eval()
+    ids = tokenizer("a b c d e f g h")["input_ids"]
+    example = (torch.tensor([ids, ids]), torch.ones(2, len(ids), dtype=torch.long), torch.tensor([len(ids) - 1] * 2))
+    with torch.no_grad():
+        ir = ov.convert_model(
+            trunk,
+            example_input=example,
+            input=[("input_ids", [-1, -1], ov.Type.i64), ("attention_mask", [-1, -1], ov.Type.i64),
+                   ("last_index", [-1], ov.Type.i64)],
+        )
+    if compress:
+        compress_int8_groups(ir, GROUP_SIZE)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    ov.save_model(ir, tmp / "trunk.xml", compress_to_fp16=False)
+    (tmp / MARKER).write_text(json.dumps({"compress": compress, "seconds": round(time.perf_counter() - start, 1)}))
+    if target.exists():
+        shutil.rmtree(target)
+    tmp.replace(target)
+
+
+@dataclass
+class OpenVINOTrunk:
+    """A compiled OpenVINO trunk; ``trunk(batch)`` -> (B, d) float32 hidden states on the CPU."""
+
+    compiled: object
+    path: Path
+
+    def __call__(self, batch) -> torch.Tensor:
+        out = self.compiled([batch.input_ids.numpy(), batch.attention_mask.numpy(), batch.last_index.numpy()])
+        return torch.from_numpy(out[0].copy())
+
+
+def native_bf16() -> bool:
+    """Whether OpenVINO's CPU plugin runs bfloat16 natively here (what ``openvino-bf16`` needs)."""
+    import openvino as ov
+
+    return "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+
+
+def openvino_trunk(model, tokenizer, artifact: Path, member: str, base_sha256: str, backend: str,
+                   threads: int | None = None) -> OpenVINOTrunk:
+    """Compile the cached IR of this adapter (exporting it once if missing)."""
+    try:
+        import openvino as ov
+    except ImportError as e:
+        raise ImportError(f"backend {backend!r} needs openvino: pip install -e '.[serve]'") from e
+    core = ov.Core()
+    precision = PRECISION_OF[backend]
+    if precision == "bf16" and not native_bf16():
+        raise ValueError(f"backend {backend!r} needs a CPU with native bfloat16 (AVX512-BF16 or AMX); this one has "
+                         f"{', '.join(core.get_property('CPU', 'OPTIMIZATION_CAPABILITIES'))}: use openvino-fp32")
+    ir = IR_OF[backend]
+    target = cache_dir() / "backends" / f"{ir}-{adapter_key(artifact, member, base_sha256, ir)[:16]}"
+    if not (target / MARKER).is_file():
+        log.info("exporting the trunk of %s for backend %s into %s: once per adapter, about a minute",
+                 artifact, backend, target)
+        _export(model, tokenizer, target, compress=ir == "openvino")
+        log.info("exported %s; later starts load it in seconds", target)
+    config = {"INFERENCE_PRECISION_HINT": precision, "PERFORMANCE_HINT": "LATENCY", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0,
+              "INFERENCE_NUM_THREADS": threads or torch.get_num_threads()}
+    return OpenVINOTrunk(core.compile_model(target / "trunk.xml", "CPU", config), target)
+
+
+def choose_backend(backend: str, predictor) -> str:
+    """The concrete backend ``auto`` means for this predictor (other names unchanged)."""
+    if check_backend(backend) != "auto":
+        return backend
+    reason = None
+    if predictor.device.type != "cpu":
+        reason = f"device {predictor.device}"
+    elif len(predictor.heads) > 1 or predictor.mc_samples > 0:
+        reason = "MC-Dropout and ensembles run on torch"
+    else:
+        try:
+            import openvino  # noqa: F401
+        except ImportError:
+            reason = "openvino is not installed (pip install -e '.[serve]')"
+    if reason:
+        log.info("inference backend auto -> torch (%s)", reason)
+        return "torch"
+    log.info("inference backend auto -> %s", AUTO_CPU_BACKEND)
+    return AUTO_CPU_BACKEND
+
+
+def build_trunk(backend: str, predictor, artifact: Path, base_sha256: str):
+    """The trunk callable of ``backend`` for a loaded predictor; None for ``torch`` (the predictor's own path).
+    Records the concrete backend (``auto`` resolved) as ``predictor.backend``."""
+    backend = choose_backend(backend, predictor)
+    predictor.backend = backend
+    if backend == "torch":
+        return None
+    if len(predictor.heads) > 1 or predictor.mc_samples > 0:
+        raise ValueError(
+            f"backend {backend!r} serves single adapters only; MC-Dropout and ensembles need IBEDL_BACKEND=torch"
+        )
+    if predictor.device.type != "cpu":
+        raise ValueError(f"backend {backend!r} runs on the CPU; got device {predictor.device}")
+    member = predictor.manifest.members[0] if predictor.manifest else "."
+    return openvino_trunk(predictor.model, predictor.tokenizer, artifact, member, base_sha256, backend)
+
+
+__all__ = ["BACKENDS", "DEFAULT_BACKEND", "AUTO_CPU_BACKEND", "check_backend", "choose_backend", "build_trunk", "LastTokenTrunk", "OpenVINOTrunk"]

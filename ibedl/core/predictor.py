@@ -1,0 +1,452 @@
+"""Base model + adapter + head -> predictions. The one path used by training, evaluation and serving.
+
+Only the hidden state of each prompt's last real token is taken from the trunk, and only the C option
+rows of the head are applied to it: full-vocabulary logits (B x S x V) are never formed. Prompts are
+right-padded and gathered at the last attention-mask position, so a question's answer does not depend
+on the other questions of its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ibedl.core.artifact import Manifest, check_artifact, load_head
+from ibedl.core.base_model import decoder_of
+from ibedl.core.head import HeadPrediction, OptionHead
+from ibedl.core.prompt import LETTERS, MCQuestion, format_prompt, option_token_ids
+
+DEFAULT_MAX_TOKENS = 512
+MC_SEED = 20250101  # MC-Dropout's dropout masks are drawn from this seed on every call
+
+
+class PromptTooLongError(ValueError):
+    """A formatted prompt longer than the token limit (and no context that could be shortened)."""
+
+    def __init__(self, index: int, num_tokens: int, limit: int) -> None:
+        super().__init__(f"question {index} is {num_tokens} tokens after prompt formatting; the limit is {limit}")
+        self.index, self.num_tokens, self.limit = index, num_tokens, limit
+
+
+class BaseModelMismatchError(ValueError):
+    """The adapter was trained on other base weights than the ones loaded."""
+
+
+@dataclass
+class EncodedBatch:
+    """Tokenised prompts of a batch.
+
+    Attributes:
+        input_ids: (B, S) right-padded token ids.
+        attention_mask: (B, S).
+        last_index: (B,) position of each prompt's last real token.
+        option_mask: (B, C) True for the real options of each question, C = max options in the batch.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    last_index: torch.Tensor
+    option_mask: torch.Tensor
+
+    def to(self, device) -> EncodedBatch:
+        return EncodedBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.last_index, self.option_mask)))
+
+
+@dataclass
+class Prediction:
+    """One question's answer and its uncertainty, as plain Python values."""
+
+    index: int
+    letter: str
+    confidence: float
+    probs: list[float]
+    alpha: list[float] | None
+    belief: list[float] | None
+    uncertainty: float | None
+    sigma: list[float] | None
+
+    @property
+    def num_options(self) -> int:
+        return len(self.probs)
+
+
+def _rows(t: torch.Tensor | None, i: int, n: int) -> list[float] | None:
+    return None if t is None else [float(x) for x in t[i, :n]]
+
+
+def to_predictions(out: HeadPrediction, num_options: list[int]) -> list[Prediction]:
+    """Split a batch's head outputs into per-question :class:`Prediction` records."""
+    preds = []
+    probs = out.probs.detach().float().cpu()
+    rest = {k: None if v is None else v.detach().float().cpu() for k, v in
+            (("alpha", out.alpha), ("belief", out.belief), ("sigma", out.sigma), ("u", out.uncertainty))}
+    for i, n in enumerate(num_options):
+        p = probs[i, :n]
+        idx = int(p.argmax())
+        preds.append(
+            Prediction(
+                index=idx,
+                letter=LETTERS[idx],
+                confidence=float(p[idx]),
+                probs=[float(x) for x in p],
+                alpha=_rows(rest["alpha"], i, n),
+                belief=_rows(rest["belief"], i, n),
+                uncertainty=None if rest["u"] is None else float(rest["u"][i]),
+                sigma=_rows(rest["sigma"], i, n),
+            )
+        )
+    return preds
+
+
+def length_groups(lengths: list[int], max_padding: float = 1.25) -> list[list[int]]:
+    """Indices grouped by length so that each group's padded size (longest x count) stays within
+    ``max_padding`` times its real tokens. Groups come shortest first; indices within a group ascend by length."""
+    if max_padding < 1:
+        raise ValueError(f"max_padding must be >= 1, got {max_padding}")
+    groups: list[list[int]] = []
+    current: list[int] = []
+    real = 0
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        if current and lengths[i] * (len(current) + 1) > max_padding * (real + lengths[i]):
+            groups.append(current)
+            current, real = [], 0
+        current.append(i)
+        real += lengths[i]
+    if current:
+        groups.append(current)
+    return groups
+
+
+def count_prompt_tokens(tokenizer, template: str, q: MCQuestion) -> int:
+    """Tokens of the formatted prompt of ``q`` (with its whole passage)."""
+    return len(tokenizer(format_prompt(q, template, tokenizer))["input_ids"])
+
+
+def fits(tokenizer, template: str, max_tokens: int, q: MCQuestion) -> bool:
+    """Whether ``q`` fits ``max_tokens`` once its passage (if any) is shortened as far as needed."""
+    if count_prompt_tokens(tokenizer, template, q) <= max_tokens:
+        return True
+    if not q.context:
+        return False
+    # The same arithmetic as Predictor._encode_one: the prompt with an empty passage, plus 2 spare tokens.
+    bare = len(tokenizer(format_prompt(q, template, tokenizer, context=""))["input_ids"])
+    return bare <= max_tokens - 2
+
+
+def lm_head_rows(model, token_ids: list[int]) -> torch.Tensor:
+    """The LM head's rows of ``token_ids``: (len(token_ids), d), float32, detached."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    weight = base.get_output_embeddings().weight
+    return weight[torch.tensor(token_ids, device=weight.device)].detach().float().cpu().clone()
+
+
+class Predictor:
+    """Turns batches of :class:`MCQuestion` into head outputs and :class:`Prediction` records.
+
+    Args:
+        model: causal LM, usually a PEFT model carrying the adapter(s).
+        tokenizer: its tokenizer.
+        heads: one head per ensemble member (one for a single adapter).
+        template: prompt template name.
+        max_tokens: token limit of a formatted prompt.
+        members: PEFT adapter names, parallel to ``heads`` (None: use the model as it is).
+        mc_samples: > 0 averages that many dropout-on passes (MC-Dropout).
+        max_padding: ``predict`` splits a batch into groups of similar length whose padded size stays
+            within this factor of their real tokens.
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        heads: list[OptionHead] | OptionHead,
+        template: str,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        members: list[str] | None = None,
+        mc_samples: int = 0,
+        manifest: Manifest | None = None,
+        max_padding: float = 1.25,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.heads = heads if isinstance(heads, list) else [heads]
+        self.template = template
+        self.max_tokens = max_tokens
+        self.members = members
+        self.mc_samples = mc_samples
+        self.manifest = manifest
+        self.max_padding = max_padding
+        if members is not None and len(members) != len(self.heads):
+            raise ValueError(f"{len(members)} adapter members for {len(self.heads)} heads")
+        if max_tokens < 8:
+            raise ValueError(f"max_tokens must be >= 8, got {max_tokens}")
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        self.decoder = decoder_of(model)
+        self.trunk = None  # an inference backend's trunk (ibedl.core.backends); None: the model's own forward
+        self.backend = "torch"  # the inference backend's name (set by ibedl.core.backends.build_trunk)
+        self.num_rows = self.heads[0].config.num_rows
+        format_prompt(MCQuestion("probe", ("a", "b")), template, tokenizer)  # fails early on a bad template
+
+    @property
+    def head(self) -> OptionHead:
+        return self.heads[0]
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # -- tokenisation ---------------------------------------------------------------------------
+
+    def _encode_one(self, index: int, q: MCQuestion, truncate_context: bool) -> list[int]:
+        ids = self.tokenizer(format_prompt(q, self.template, self.tokenizer))["input_ids"]
+        if len(ids) <= self.max_tokens:
+            return ids
+        if not (truncate_context and q.context):
+            raise PromptTooLongError(index, len(ids), self.max_tokens)
+        # Keep the question and options whole; cut the passage's tail to fit.
+        bare = len(self.tokenizer(format_prompt(q, self.template, self.tokenizer, context=""))["input_ids"])
+        budget = self.max_tokens - bare - 2
+        if budget < 0:
+            raise PromptTooLongError(index, bare, self.max_tokens)
+        ctx_ids = self.tokenizer(q.context, add_special_tokens=False)["input_ids"]
+        for keep in (budget, budget - 8, budget - 32):
+            context = self.tokenizer.decode(ctx_ids[: max(keep, 0)])
+            ids = self.tokenizer(format_prompt(q, self.template, self.tokenizer, context=context))["input_ids"]
+            if len(ids) <= self.max_tokens:
+                return ids
+        raise PromptTooLongError(index, len(ids), self.max_tokens)
+
+    def count_tokens(self, q: MCQuestion) -> int:
+        """Tokens of the formatted prompt of ``q``, untruncated."""
+        return count_prompt_tokens(self.tokenizer, self.template, q)
+
+    def encode(self, questions: list[MCQuestion], truncate_context: bool = True) -> EncodedBatch:
+        """Tokenise and right-pad a batch. Raises :class:`PromptTooLongError` past ``max_tokens``."""
+        if not questions:
+            raise ValueError("encode needs at least one question")
+        return self._pad([self._encode_one(i, q, truncate_context) for i, q in enumerate(questions)], questions)
+
+    def _pad(self, seqs: list[list[int]], questions: list[MCQuestion]) -> EncodedBatch:
+        width = max(len(s) for s in seqs)
+        pad = self.tokenizer.pad_token_id
+        input_ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+        attention = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            input_ids[i, : len(s)] = torch.tensor(s)
+            attention[i, : len(s)] = 1
+        num_options = max(q.num_options for q in questions)
+        if num_options > self.num_rows:
+            raise ValueError(f"the head scores at most {self.num_rows} options, got {num_options}")
+        option_mask = torch.zeros((len(seqs), num_options), dtype=torch.bool)
+        for i, q in enumerate(questions):
+            option_mask[i, : q.num_options] = True
+        last = torch.tensor([len(s) - 1 for s in seqs])
+        return EncodedBatch(input_ids, attention, last, option_mask)
+
+    # -- forward --------------------------------------------------------------------------------
+
+    def hidden(self, batch: EncodedBatch) -> torch.Tensor:
+        """(B, d) hidden state of each prompt's last real token (after the final norm)."""
+        if self.trunk is not None:
+            return self.trunk(batch)
+        batch = batch.to(self.device)
+        out = self.decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+        states = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        return states[torch.arange(states.shape[0], device=states.device), batch.last_index]
+
+    def _member_forward(self, batch: EncodedBatch, k: int) -> HeadPrediction:
+        if self.members is not None and hasattr(self.model, "set_adapter"):
+            self.model.set_adapter(self.members[k])
+        head = self.heads[k]
+        mask = batch.option_mask.to(self.device)
+        if self.mc_samples <= 0:
+            return head(self.hidden(batch), mask)
+        # Fixed dropout masks per call: the same batch always gets the same answer (a request alone in
+        # its batch is deterministic; under micro-batching its masks depend on its batch position).
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(MC_SEED + k)
+            runs = [head(self.hidden(batch), mask) for _ in range(self.mc_samples)]
+        return _average(runs)
+
+    def forward(self, batch: EncodedBatch) -> HeadPrediction:
+        """Head outputs for an encoded batch; ensembles average member probabilities, then the head's
+        post-hoc temperature (softmax methods) applies to the predictive probabilities."""
+        outs = [self._member_forward(batch, k) for k in range(len(self.heads))]
+        out = outs[0] if len(outs) == 1 else _average(outs)
+        temperature = self.head.config.temperature
+        if temperature != 1.0 and out.alpha is None:
+            out.probs = temper(out.probs, batch.option_mask.to(out.probs.device), temperature)
+        return out
+
+    @torch.no_grad()
+    def predict_outputs(self, questions: list[MCQuestion], truncate_context: bool = True) -> HeadPrediction:
+        return self.forward(self.encode(questions, truncate_context))
+
+    @torch.no_grad()
+    def predict(self, questions: list[MCQuestion], truncate_context: bool = True) -> list[Prediction]:
+        """Predictions in input order. The questions run in sub-batches of similar prompt length:
+        padding is computed like real tokens, and on a CPU a batch padded to its longest prompt can be
+        slower than its questions one by one."""
+        seqs = [self._encode_one(i, q, truncate_context) for i, q in enumerate(questions)]
+        out: list[Prediction | None] = [None] * len(questions)
+        for group in length_groups([len(s) for s in seqs], self.max_padding):
+            sub = [questions[i] for i in group]
+            preds = to_predictions(self.forward(self._pad([seqs[i] for i in group], sub)), [q.num_options for q in sub])
+            for i, pred in zip(group, preds):
+                out[i] = pred
+        return out  # type: ignore[return-value]
+
+    def eval(self) -> Predictor:
+        """Inference mode; MC-Dropout keeps its LoRA dropout layers active."""
+        self.model.eval()
+        for head in self.heads:
+            head.eval()
+        if self.mc_samples > 0:
+            for module in self.model.modules():
+                if isinstance(module, torch.nn.Dropout):
+                    module.train()
+        return self
+
+    # -- loading --------------------------------------------------------------------------------
+
+    @classmethod
+    def from_artifact(
+        cls,
+        directory: str | Path,
+        base_model: str | None = None,
+        device: str | None = None,
+        dtype: torch.dtype | None = None,
+        load_in_4bit: bool = False,
+        allow_base_mismatch: bool = False,
+        backend: str = "torch",
+    ) -> Predictor:
+        """Load base model + adapter(s) + head(s) of an artifact directory.
+
+        Args:
+            directory: the artifact.
+            base_model: a model reference overriding the manifest's base model name.
+            allow_base_mismatch: load even when the base weights' sha256 differs from the manifest's.
+            backend: inference backend of the trunk (:mod:`ibedl.core.backends`); ``auto`` picks one.
+        """
+        (predictor,) = cls.from_artifacts([directory], base_model, device, dtype, load_in_4bit, allow_base_mismatch,
+                                          backend)
+        return predictor
+
+    @classmethod
+    def from_artifacts(
+        cls,
+        directories: list[str | Path],
+        base_model: str | None = None,
+        device: str | None = None,
+        dtype: torch.dtype | None = None,
+        load_in_4bit: bool = False,
+        allow_base_mismatch: bool = False,
+        backend: str = "torch",
+    ) -> list[Predictor]:
+        """Several artifacts on one base model, loaded once (PEFT multi-adapter): the adapters of artifact j are
+        added to the shared model as ``a{j}m{i}`` (``m{i}`` for the first), and each predictor switches the model
+        to its own before each forward pass (:meth:`_member_forward`). So the predictors share the trunk's
+        weights and must not run forward passes concurrently (the service runs them on one thread).
+
+        Refused with :class:`BaseModelMismatchError` when the artifacts were trained on different base weights
+        (one process holds one base model), and with ``ValueError`` for more than one artifact on a backend
+        other than torch or with an MC-Dropout artifact (its dropout stays active in the shared model).
+        """
+        from peft import PeftModel
+
+        from ibedl.core.backends import build_trunk, check_backend
+        from ibedl.core.base_model import load_base_model, resolve_model
+
+        check_backend(backend)
+        directories = [Path(d) for d in directories]
+        if not directories:
+            raise ValueError("from_artifacts needs at least one artifact directory")
+        manifests = [check_artifact(d, verify=True) for d in directories]
+        first, base = directories[0], manifests[0].base_model_ref()
+        if len(directories) > 1:
+            if backend != "torch":
+                raise ValueError(f"several adapters share one torch base model; backend {backend!r} builds one trunk "
+                                 "per adapter: serve them with backend torch")
+            for d, m in zip(directories, manifests):
+                other = m.base_model_ref()
+                if other.sha256 != base.sha256:
+                    raise BaseModelMismatchError(
+                        f"adapter {d} was trained on {other.name} (sha256 {other.sha256[:12]}) but adapter {first} on "
+                        f"{base.name} (sha256 {base.sha256[:12]}); adapters served together share one base model: "
+                        "serve them from separate services")
+                if m.mc_samples > 0:
+                    raise ValueError(f"adapter {d} uses MC-Dropout, whose dropout stays on in the shared base model; "
+                                     "serve it alone")
+        resolved = resolve_model(base_model or base.ref)
+        if resolved.sha256 != base.sha256 and not allow_base_mismatch:
+            raise BaseModelMismatchError(
+                f"adapter {first} was trained on {base.name} "
+                f"(sha256 {base.sha256[:12]}), but {resolved.name} has sha256 "
+                f"{resolved.sha256[:12]}"
+            )
+        model, tokenizer = load_base_model(resolved, device=device, dtype=dtype, load_in_4bit=load_in_4bit)
+        loaded = []
+        for j, (directory, manifest) in enumerate(zip(directories, manifests)):
+            ids = option_token_ids(tokenizer, manifest.head_config().num_rows)
+            if ids != manifest.option_token_ids:
+                raise BaseModelMismatchError(f"option token ids {ids} of adapter {directory} differ from its "
+                                             f"manifest's {manifest.option_token_ids}")
+            names = [f"{f'a{j}' if j else ''}m{i}" for i in range(len(manifest.members))]
+            for name, member in zip(names, manifest.members):
+                if not isinstance(model, PeftModel):
+                    model = PeftModel.from_pretrained(model, directory / member, adapter_name=name,
+                                                      use_safetensors=True)
+                else:
+                    model.load_adapter(directory / member, adapter_name=name, use_safetensors=True)
+            loaded.append(names)
+        model.eval()
+        predictors = []
+        for directory, manifest, names in zip(directories, manifests, loaded):
+            prompt = manifest.prompt_config()
+            heads = [load_head(directory / member, manifest).to(model.device) for member in manifest.members]
+            predictor = cls(
+                model,
+                tokenizer,
+                heads,
+                template=prompt.template,
+                max_tokens=DEFAULT_MAX_TOKENS if prompt.max_tokens is None else prompt.max_tokens,
+                members=names,
+                mc_samples=manifest.mc_samples,
+                manifest=manifest,
+            )
+            predictor.trunk = build_trunk(backend, predictor, directory, resolved.sha256)
+            predictors.append(predictor.eval())
+        if len(predictors) > 1:
+            predictors[0].model.set_adapter(predictors[0].members[0])
+        return predictors
+
+
+def temper(probs: torch.Tensor, mask: torch.Tensor, temperature: float) -> torch.Tensor:
+    """softmax(log p / T) over the real options: probs (B, C), mask (B, C) -> (B, C); padded options stay 0.
+    For one softmax head this equals softmax(z / T) of its logits z."""
+    logp = torch.log(probs.float().clamp_min(torch.finfo(torch.float32).tiny)) / temperature
+    return torch.softmax(logp.masked_fill(~mask, float("-inf")), dim=-1).to(probs.dtype)
+
+
+def _average(outs: list[HeadPrediction]) -> HeadPrediction:
+    """Mean of probabilities (and of the Dirichlet quantities, when every member has them)."""
+
+    def mean(name: str):
+        values = [getattr(o, name) for o in outs]
+        return None if any(v is None for v in values) else torch.stack(values).mean(0)
+
+    return HeadPrediction(
+        probs=mean("probs"),
+        logits=mean("logits"),
+        alpha=mean("alpha"),
+        belief=mean("belief"),
+        uncertainty=mean("uncertainty"),
+        sigma=mean("sigma"),
+    )
+
+
+__all__ = ["Predictor", "Prediction", "EncodedBatch", "PromptTooLongError", "BaseModelMismatchError"]

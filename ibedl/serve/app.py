@@ -1,0 +1,53 @@
+"""The app factory: ``create_app(settings)`` builds the FastAPI app; the model loads in the lifespan
+(in a thread, so liveness answers at once and readiness says 503 until the adapter is ready)."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from ibedl.serve import contract, docs_ui
+from ibedl.serve.errors import error_body, install_handlers
+from ibedl.serve.middleware import RequestGuard
+from ibedl.serve.routes import router
+from ibedl.serve.settings import Settings
+from ibedl.serve.runtime import load_predictors
+from ibedl.serve.state import Loader, ServiceState, load_predictor
+
+
+def create_app(settings: Settings | None = None, loader: Loader | None = None) -> FastAPI:
+    """Build the app. ``loader`` (default: the artifact of ``settings``) lets tests inject a predictor."""
+    settings = settings or Settings()
+    state = ServiceState(settings, loader or load_predictors)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(state.load(), name="load-model")
+        try:
+            yield
+        finally:
+            if not task.done():
+                task.cancel()
+            await state.shutdown()
+
+    app = FastAPI(
+        title="IB-EDL multiple-choice service",
+        version="1.0",
+        description="Answers multiple-choice questions with expected probabilities, Dirichlet belief masses, "
+        "an uncertainty mass and an abstention decision.",
+        lifespan=lifespan,
+        docs_url=None,  # docs_ui serves /docs and /redoc with local assets
+        redoc_url=None,
+    )
+    app.state.service = state
+    install_handlers(app)
+    app.add_middleware(RequestGuard, state=state)
+    app.include_router(router)
+    contract.install(app, state)
+    docs_ui.install(app)
+    return app
+
+
+__all__ = ["create_app", "load_predictor", "load_predictors", "ServiceState", "error_body"]

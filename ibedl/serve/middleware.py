@@ -1,0 +1,173 @@
+"""One ASGI middleware in front of the routes, in the order a request meets them: request id and arrival
+time, admission (decided once, on arrival), the bearer token of the API routes (401 before the body is read),
+content type (415), body size (413) and body-read time (408) checks, and request count/latency metrics
+(probe and metrics paths stay out of them; label values are bounded), and the access log line; the request id
+is on every log record written while the request is served (``ibedl.serve.logs``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import secrets
+import time
+import uuid
+
+from starlette.routing import Match
+
+from ibedl.serve import logs
+from ibedl.serve.errors import error_body
+
+UNMEASURED = ("/health/", "/metrics")
+PROTECTED = ("/predict", "/v1/")
+PREDICT_PATHS = ("/predict", "/predict/batch")  # the API routes: a bearer token is required when one is configured
+BODY_METHODS = ("POST", "PUT", "PATCH")
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})  # others count as "other"
+log = logging.getLogger("ibedl.serve")
+CLIENT_GONE = object()  # what _read_body returns when the client disconnected
+
+
+def token_ok(expected: str | None, authorization: str) -> bool:
+    """Whether an ``Authorization`` header carries the bearer token (always, when none is configured)."""
+    if not expected:
+        return True
+    scheme, _, given = authorization.partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(given.strip().encode(), expected.encode())
+
+
+class RequestGuard:
+    def __init__(self, app, state) -> None:
+        self.app = app
+        self.state = state
+
+    async def _reply(self, send, status: int, type_: str, message: str, request_id: str, headers=()) -> None:
+        body = json.dumps(error_body(type_, message)).encode()
+        await send({"type": "http.response.start", "status": status, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"x-request-id", request_id.encode()), *headers]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        request_id = headers.get("x-request-id") or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        id_token = logs.request_id_var.set(request_id)
+        scope["state"]["arrived"] = time.monotonic()  # deadlines count from here
+        # Admission is decided here, once: a request that arrives before a shutdown begins is answered even if
+        # SIGTERM lands before its route runs; one that arrives after it is refused (503) by the route.
+        scope["state"]["admitted"] = self.state.accepting()
+        path = scope.get("path", "")
+        measured = not path.startswith(UNMEASURED)
+        metrics = self.state.metrics
+        status_holder = {"status": 500}
+        start = time.perf_counter()
+        limit = self.state.settings.max_body_bytes
+
+        async def send_wrapper(message):
+            if message["type"] == "http.response.start":
+                status_holder["status"] = message["status"]
+                status_holder["started"] = True
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode())]
+            await send(message)
+
+        if measured:
+            metrics.inflight.inc()
+        try:
+            token = self.state.settings.api_token
+            if path.startswith(PROTECTED) and not token_ok(token.get_secret_value() if token else None,
+                                                          headers.get("authorization", "")):
+                status_holder["status"] = 401
+                return await self._reply(send, 401, "unauthorized", "a valid 'Authorization: Bearer <token>' header "
+                                         "is required", request_id, [(b"www-authenticate", b"Bearer")])
+            if scope["method"] == "POST" and path in PREDICT_PATHS and scope["state"]["admitted"]:
+                wait = self.state.busy_for(headers.get("x-request-timeout"), scope["state"]["arrived"])
+                if wait is not None:  # no body read, parsed or tokenized: a refusal costs next to nothing
+                    self.state.metrics.rejected.labels(reason="capacity").inc()
+                    status_holder["status"] = 503
+                    return await self._reply(send, 503, "overloaded", "the service is busy: no request could be "
+                                             "answered before its deadline now; retry after the Retry-After seconds",
+                                             request_id, [(b"retry-after", str(max(1, math.ceil(wait))).encode())])
+            if scope["method"] in BODY_METHODS and _routed(scope):
+                ctype = headers.get("content-type", "").split(";")[0].strip().lower()
+                if not (ctype == "application/json" or ctype.endswith("+json")):
+                    status_holder["status"] = 415
+                    return await self._reply(send, 415, "unsupported_media_type",
+                                             f"send the body as application/json, not {ctype or 'no content type'}", request_id)
+                length = headers.get("content-length")
+                if length is not None and length.isdigit() and int(length) > limit:
+                    status_holder["status"] = 413
+                    return await self._reply(send, 413, "too_large", f"the body is {length} bytes; the limit is {limit}", request_id)
+                # Without a Content-Length (chunked) the size is only known while reading: read the body
+                # here, bounded by the limit, and hand the app the buffered copy.
+                try:
+                    body = await asyncio.wait_for(_read_body(receive, limit), self.state.settings.body_timeout_s)
+                except (asyncio.TimeoutError, TimeoutError):
+                    status_holder["status"] = 408
+                    return await self._reply(send, 408, "request_timeout", "the request body did not arrive within "
+                                             f"{self.state.settings.body_timeout_s:g} s", request_id,
+                                             [(b"connection", b"close")])
+                if body is CLIENT_GONE:
+                    status_holder["status"] = 499  # nginx's code for a client that closed the request
+                    return None
+                if body is None:
+                    status_holder["status"] = 413
+                    return await self._reply(send, 413, "too_large", f"the body exceeds the limit of {limit} bytes", request_id)
+                receive = _replay(body, receive)
+            try:
+                await self.app(scope, receive, send_wrapper)
+            except Exception:  # logged here, while the request id is still on every log line, and answered 500
+                log.exception("unhandled error on %s %s", scope["method"], path)
+                status_holder["status"] = 500
+                if not status_holder.get("started"):
+                    await self._reply(send, 500, "internal_error", "internal error; see the service log", request_id)
+        finally:
+            seconds = time.perf_counter() - start
+            template = getattr(scope.get("route"), "path", None) or "unmatched"
+            method = scope["method"] if scope["method"] in METHODS else "other"
+            if measured:
+                metrics.inflight.dec()
+                metrics.requests.labels(route=template, method=method, status=str(status_holder["status"])).inc()
+                metrics.latency.labels(route=template).observe(seconds)
+            logs.access(method, template, status_holder["status"], seconds, scope["state"].get("adapter"),
+                        request_id, probe=not measured)
+            logs.request_id_var.reset(id_token)
+
+
+def _routed(scope) -> bool:
+    """Whether a route takes this path and method: the body checks are for those; the router answers the
+    others (404, or 405 with Allow)."""
+    app = scope.get("app")
+    routes = getattr(getattr(app, "router", None), "routes", None)
+    if routes is None:
+        return True  # not mounted in a Starlette app (unit tests): check every body
+    return any(route.matches(scope)[0] == Match.FULL for route in routes)
+
+
+async def _read_body(receive, limit: int) -> bytes | object | None:
+    """The whole request body; None once it exceeds ``limit`` bytes; CLIENT_GONE on a disconnect."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return CLIENT_GONE
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive):
+    """A receive callable that gives ``body`` once, then defers to the real one (disconnect)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replayed():
+        return pending.pop() if pending else await receive()
+
+    return replayed

@@ -1,0 +1,78 @@
+"""Building answers from predictions, one pure function shared by the service and the Python API (``ibedl``):
+the abstention decision and conformal set of each answer, and the model card. Nothing here records metrics or
+drift (the service does: ``ServiceState.respond``) or imports FastAPI."""
+
+from __future__ import annotations
+
+from ibedl.core.conformal import prediction_set
+from ibedl.core.predictor import Prediction
+from ibedl.core.prompt import LETTERS, MCQuestion
+from ibedl.serve import abstention
+from ibedl.serve.requests import conformal_quantile, max_options
+from ibedl.serve.runtime import AdapterRuntime
+from ibedl.serve.schemas import PredictedOption, PredictRequest, PredictResponse
+from ibedl.serve.settings import Settings
+
+
+def r6(value) -> float:
+    """Responses carry 6 decimals."""
+    return round(float(value), 6)
+
+
+def build_answer(runtime: AdapterRuntime, req: PredictRequest, q: MCQuestion, pred: Prediction,
+                 answer_id: str) -> PredictResponse:
+    """The answer to one question by the adapter ``runtime``: the prediction, its abstention decision and
+    conformal set; ``answer_id`` when the request carries no ``id``."""
+    opts = req.abstain
+    limits = abstention.effective(
+        runtime.thresholds,
+        opts.max_uncertainty if opts else None,
+        opts.min_confidence if opts else None,
+    )
+    reason = abstention.decide(pred.uncertainty, pred.confidence, limits)
+    letters = LETTERS[: q.num_options]
+    conformal = conformal_quantile(runtime.conformal, req)
+    pset = None if conformal is None else [letters[i] for i in prediction_set(pred.probs, conformal[0], conformal[2])]
+    return PredictResponse(
+        id=req.id or answer_id,
+        prediction=PredictedOption(letter=pred.letter, index=pred.index, text=q.options[pred.index]),
+        probabilities={k: r6(v) for k, v in zip(letters, pred.probs)},
+        belief_masses=None if pred.belief is None else {k: r6(v) for k, v in zip(letters, pred.belief)},
+        uncertainty_mass=None if pred.uncertainty is None else r6(pred.uncertainty),
+        confidence=r6(pred.confidence),
+        sigma=None if pred.sigma is None else {k: r6(v) for k, v in zip(letters, pred.sigma)},
+        ood_score=r6(abstention.ood_score(pred.uncertainty, pred.confidence, limits.ood_score)),
+        prediction_set=pset,
+        prediction_set_coverage=None if conformal is None else r6(1.0 - conformal[1]),
+        prediction_set_score=None if conformal is None else conformal[2],
+        abstained=reason is not None,
+        abstain_reason=reason,
+        adapter=runtime.ref,
+    )
+
+
+def model_card(runtime: AdapterRuntime, settings: Settings) -> dict:
+    """What /v1/models says of a served adapter."""
+    m, c = runtime.predictor.manifest, runtime.conformal
+    head = m.head_config()
+    return {
+        "id": m.name,
+        "name": m.name,
+        "version": str(m.version),
+        "method": m.method,
+        "method_config": m.method_config,
+        "base_model": m.base_model,
+        "training_data": m.training.get("data"),
+        "label_noise": m.training.get("label_noise"),
+        "created": m.training.get("created"),
+        "metrics": m.metrics,
+        "abstention": m.abstention,
+        "conformal": None if c is None else {
+            "alpha": c.alpha, "score": c.score, "n": c.n, "alphas": c.alphas(), "scores": sorted(c.quantiles)},
+        "calibration": m.calibration or None,
+        "prompt": {**m.prompt, "training_max_tokens": m.prompt_config().max_tokens, "max_tokens": settings.max_tokens},
+        "max_options": max_options(settings, runtime),
+        "head": {"kind": head.kind, "inference": head.inference, "zeta": head.zeta, "temperature": head.temperature,
+                 "offset": head.offset},
+        "drift_statistic": runtime.drift_statistic,
+    }

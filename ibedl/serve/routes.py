@@ -1,0 +1,97 @@
+"""The HTTP routes: health, predict (one question or a batch), model metadata, drift and Prometheus metrics.
+Each gets the app's ServiceState through ``State``; RequestGuard (ibedl/serve/middleware.py) has checked the
+bearer token of the API routes, the content type, body size and admission before a route runs."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ibedl.serve.contract import API_ERRORS, DRIFT_ERRORS, PREDICT_ERRORS, PREDICT_EXTRA
+from ibedl.serve.errors import ApiError
+from ibedl.serve.requests import to_question
+from ibedl.serve.responses import model_card
+from ibedl.serve.schemas import (
+    BatchRequest,
+    BatchResponse,
+    DriftStatus,
+    Health,
+    ModelList,
+    PredictRequest,
+    PredictResponse,
+)
+from ibedl.serve.state import State
+
+router = APIRouter()
+
+
+@router.get("/health/live", response_model=Health, tags=["health"])
+async def live() -> Health:
+    return Health(status="alive")
+
+
+@router.get("/health/ready", response_model=Health, tags=["health"],
+            responses={503: {"model": Health, "description": "`loading`, `failed` or `draining`, with a `reason`"}})
+async def ready(state: State):
+    code, health = state.health()
+    return JSONResponse(health.model_dump(), status_code=code)
+
+
+@router.post("/predict", response_model=PredictResponse, responses=PREDICT_ERRORS,
+             tags=["predict"], openapi_extra=PREDICT_EXTRA)
+async def predict(body: PredictRequest, request: Request, state: State) -> PredictResponse:
+    state.require_ready(request)
+    runtime = state.runtime(body.adapter)
+    request.state.adapter = runtime.name  # for the access log line
+    q, tokens = to_question(runtime, state.settings, body)
+    (pred,) = await state.answer(runtime, [q], [tokens], request)
+    return state.respond(runtime, body, q, pred, request.state.request_id)
+
+
+@router.post("/predict/batch", response_model=BatchResponse, responses=PREDICT_ERRORS,
+             tags=["predict"], openapi_extra=PREDICT_EXTRA)
+async def predict_batch(body: BatchRequest, request: Request, state: State) -> BatchResponse:
+    state.require_ready(request)
+    limit = state.settings.max_batch_items
+    if len(body.items) > limit:
+        raise ApiError(413, "too_large", f"{len(body.items)} items; the limit is {limit}", "items")
+    runtimes = [state.runtime(item.adapter, f"items.{i}.adapter") for i, item in enumerate(body.items)]
+    if len({rt.name for rt in runtimes}) > 1:
+        raise ApiError(422, "invalid_request", "the items of one batch must use one adapter, got "
+                       f"{sorted({rt.name for rt in runtimes})}; send one batch per adapter", "items")
+    runtime = runtimes[0]
+    request.state.adapter = runtime.name
+    checked = [to_question(runtime, state.settings, item, f"items.{i}.") for i, item in enumerate(body.items)]
+    questions, tokens = [q for q, _ in checked], [n for _, n in checked]
+    budget = state.settings.max_request_tokens
+    if sum(tokens) > budget:
+        raise ApiError(413, "too_large", f"the items' prompts are {sum(tokens)} tokens in all; the limit per request "
+                       f"is {budget}: send them in smaller batches", "items")
+    preds = await state.answer(runtime, questions, tokens, request)
+    rid = request.state.request_id
+    return BatchResponse(results=[state.respond(runtime, item, q, p, f"{rid}-{i}") for i, (item, q, p) in
+                                  enumerate(zip(body.items, questions, preds))])
+
+
+@router.get("/v1/models", response_model=ModelList, responses=API_ERRORS, tags=["metadata"])
+async def models(request: Request, state: State) -> dict:
+    state.require_ready(request)
+    return {"data": [model_card(rt, state.settings) for rt in state.runtimes.values()]}
+
+
+@router.get("/v1/drift", response_model=DriftStatus, responses=DRIFT_ERRORS, tags=["metadata"])
+async def drift(request: Request, state: State, adapter: str | None = None) -> DriftStatus:
+    """The drift status of one adapter (``?adapter=NAME``; default the first)."""
+    state.require_ready(request)
+    return state.drift_status(state.runtime(adapter))
+
+
+@router.get("/metrics", tags=["metadata"], include_in_schema=False)
+async def metrics(state: State) -> Response:
+    for name, rt in state.runtimes.items():
+        state.metrics.set_drift(name, await asyncio.to_thread(rt.drift.status))
+        state.metrics.set_accuracy(name, rt.accuracy.status())
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

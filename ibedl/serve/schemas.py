@@ -1,0 +1,172 @@
+"""Request and response bodies of the API (pydantic models; they make the OpenAPI schema)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class AbstainOptions(BaseModel):
+    """Per-request thresholds; they can only tighten the adapter's defaults."""
+
+    # strict: a threshold is a JSON number; `false` or "0.5" is a client's mistake (422), not 0.0 or 0.5
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    max_uncertainty: float | None = Field(None, ge=0.0, le=1.0, description="abstain when u is above this")
+    min_confidence: float | None = Field(None, ge=0.0, le=1.0, description="abstain when max p is below this")
+
+
+class ConformalOptions(BaseModel):
+    """Which stored prediction set to return; GET /v1/models lists the stored alphas and scores."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    alpha: float | None = Field(None, gt=0.0, lt=1.0, description="miscoverage: the set holds the answer with "
+                                "probability >= 1 - alpha (one of the adapter's stored alphas)")
+    score: Literal["lac", "aps"] | None = Field(None, description="non-conformity score: lac (smallest sets) or aps "
+                                                "(adaptive); default the adapter's")
+
+
+class PredictRequest(BaseModel):
+    """One multiple-choice question."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "question": "Which gas do plants take in for photosynthesis?",
+                    "options": ["oxygen", "carbon dioxide", "nitrogen", "helium"],
+                },
+                {
+                    "question": "What does the passage say the boy bought?",
+                    "options": {"A": "apples", "B": "bread", "C": "milk"},
+                    "context": "The boy went to the market and bought bread.",
+                    "abstain": {"max_uncertainty": 0.5},
+                    "id": "q-17",
+                },
+            ]
+        },
+    )
+
+    question: str = Field(..., min_length=1, description="the question stem")
+    options: list[str] | dict[str, str] = Field(
+        ..., description="2..max_options option texts (GET /v1/models; at most 26), as a list or as a map of "
+        "consecutive letters A.. to texts; none blank"
+    )
+    context: str | None = Field(None, description="an optional passage the question is about")
+    abstain: AbstainOptions | None = None
+    conformal: ConformalOptions | None = None
+    id: str | None = Field(None, max_length=256, description="echoed back in the response")
+    adapter: str | None = Field(None, description="which served adapter answers (GET /v1/models lists them); "
+                                "default the first; every item of a batch must name the same one")
+
+
+class BatchRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    items: list[PredictRequest] = Field(..., min_length=1, description="questions, answered in order")
+
+
+class PredictedOption(BaseModel):
+    letter: str
+    index: int
+    text: str
+
+
+class AdapterRef(BaseModel):
+    name: str
+    method: str
+    version: str
+
+
+class PredictResponse(BaseModel):
+    id: str
+    prediction: PredictedOption
+    probabilities: dict[str, float] = Field(..., description="expected probabilities per letter")
+    belief_masses: dict[str, float] | None = Field(..., description="Dirichlet belief masses (null without a Dirichlet)")
+    uncertainty_mass: float | None = Field(..., description="u = C / alpha0 (null without a Dirichlet)")
+    confidence: float = Field(..., description="max probability")
+    sigma: dict[str, float] | None = Field(..., description="std of the pre-evidence per letter (IB-EDL)")
+    ood_score: float = Field(..., description="in-distribution score the gate compares with its threshold: 1/u "
+                             "with a Dirichlet, max probability without; higher is more typical")
+    prediction_set: list[str] | None = Field(..., description="conformal prediction set (letters, most probable "
+                                             "first): holds the right answer with probability >= "
+                                             "prediction_set_coverage on in-distribution questions; null when the "
+                                             "adapter was never calibrated (ibedl.training.calibrate)")
+    prediction_set_coverage: float | None = Field(..., description="1 - alpha of the set")
+    prediction_set_score: Literal["lac", "aps"] | None = Field(..., description="the set's non-conformity score")
+    abstained: bool
+    abstain_reason: Literal["out_of_distribution", "max_uncertainty", "min_confidence"] | None = Field(
+        ..., description="null when answered; 'out_of_distribution' when the OOD score is below the gate's "
+        "threshold, 'max_uncertainty' when u is above the limit, 'min_confidence' when max p is below the "
+        "risk-controlled threshold")
+    adapter: AdapterRef
+
+
+class BatchResponse(BaseModel):
+    results: list[PredictResponse]
+
+
+class ErrorDetail(BaseModel):
+    type: str
+    message: str
+    field: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Health(BaseModel):
+    status: str
+    reason: str | None = None
+
+
+class DriftStatus(BaseModel):
+    statistic: str = Field(..., description="the monitored quantity: uncertainty_mass, or confidence without a Dirichlet")
+    window: int = Field(..., description="values in the rolling window")
+    window_size: int
+    reference_size: int
+    ks: float | None
+    psi: float | None
+    ks_threshold: float | None
+    alarm: bool
+    window_mean: float | None
+    reference_mean: float | None
+    answered_in_window: int = Field(..., description="answered (not abstained) questions in the accuracy window")
+    estimated_accuracy: float | None = Field(..., description="label-free estimate of the accuracy of answered "
+                                             "questions in the window: the mean of their calibrated confidence")
+    estimated_accuracy_interval: list[float] | None = Field(
+        ..., description="95% interval of that estimate, assuming the probabilities are calibrated")
+    target_accuracy: float | None = Field(..., description="the accuracy the adapter's abstention guarantees")
+
+
+class ModelCard(BaseModel):
+    """One served adapter, as GET /v1/models lists it."""
+
+    id: str
+    name: str
+    version: str
+    method: str
+    method_config: dict
+    base_model: dict
+    training_data: dict | None
+    label_noise: float | None
+    created: str | None
+    metrics: dict = Field(..., description="validation/test metrics recorded in the manifest")
+    abstention: dict = Field(..., description="default thresholds: max_uncertainty, min_confidence, ood_score, "
+                             "ood_threshold, and how they were chosen (target, delta, bound, coverage)")
+    conformal: dict | None = Field(..., description="prediction sets: default alpha and score, the stored alphas "
+                                   "a request may ask for, calibration size n; null when never calibrated")
+    calibration: dict | None = Field(..., description="what ibedl.training.calibrate did: data, post-hoc fit, OOD gate, "
+                                     "risk control; null when never calibrated")
+    prompt: dict
+    max_options: int
+    head: dict
+    drift_statistic: str = Field(..., description="what GET /v1/drift?adapter=<id> monitors")
+
+
+class ModelList(BaseModel):
+    data: list[ModelCard]

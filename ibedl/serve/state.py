@@ -1,0 +1,360 @@
+"""The long-lived objects of one app (``app.state.service``): the served adapters (one or several on one shared
+base model, each with its drift monitor and accuracy estimate), the batcher they share, and the metrics;
+loading, health and shutdown. Routes get it through ``State``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import math
+import re
+import time
+from typing import Annotated, Callable
+
+from fastapi import Depends, Request
+
+from ibedl.core.predictor import Prediction, Predictor, count_prompt_tokens
+from ibedl.core.prompt import MCQuestion
+from ibedl.serve.batcher import DeadlineExceeded, MicroBatcher, Overloaded, QueueFullError, ShuttingDown, TooLarge
+from ibedl.serve.capacity import ServiceTime
+from ibedl.serve.drift import AccuracyEstimate, DriftMonitor
+from ibedl.serve.errors import ApiError
+from ibedl.serve.metrics import Metrics
+from ibedl.serve.responses import build_answer
+from ibedl.serve.runtime import AdapterRuntime, finite_prediction, load_predictors, make_runtimes
+from ibedl.serve.schemas import DriftStatus, Health, PredictRequest, PredictResponse
+from ibedl.serve.settings import Settings
+
+log = logging.getLogger("ibedl.serve")
+
+# A loader gives the predictors of the served adapters (the default first); one predictor for one adapter.
+Loader = Callable[[Settings], "list[Predictor] | Predictor"]
+TIMEOUT_HEADER = "X-Request-Timeout"
+
+
+def load_predictor(settings: Settings) -> Predictor:
+    """The predictor of the one adapter of ``settings`` (tests wrap it to slow or break the model)."""
+    predictors = load_predictors(settings)
+    if len(predictors) != 1:
+        raise ValueError(f"load_predictor loads one adapter; settings name {len(predictors)}: use load_predictors")
+    return predictors[0]
+
+
+class ServiceState:
+    """Long-lived objects of one app: the adapters' runtimes, the batcher they share, the metrics."""
+
+    def __init__(self, settings: Settings, loader: Loader) -> None:
+        self.settings = settings
+        self.loader = loader
+        self.metrics = Metrics()
+        self.status = "loading"
+        self.reason: str | None = "the model is loading"
+        self.runtimes: dict[str, AdapterRuntime] = {}  # by adapter name, the default first
+        self.batcher: MicroBatcher | None = None
+        self.server = None  # uvicorn.Server when run by ibedl.serve.__main__, to notice SIGTERM
+        self._watcher: asyncio.Task | None = None
+
+    @property
+    def default(self) -> AdapterRuntime | None:
+        """The adapter a request that names none gets (the first loaded); None until loaded."""
+        return next(iter(self.runtimes.values()), None)
+
+    def runtime(self, name: str | None, field: str = "adapter") -> AdapterRuntime:
+        """The served adapter called ``name`` (None: the default); 422 naming the served ones otherwise."""
+        if name is None:
+            assert self.default is not None
+            return self.default
+        if name not in self.runtimes:
+            raise ApiError(422, "invalid_request", f"no adapter {name!r} is served; choose one of "
+                           f"{list(self.runtimes)}", field)
+        return self.runtimes[name]
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def load(self) -> None:
+        try:
+            loaded = await asyncio.to_thread(self.loader, self.settings)
+            predictors = loaded if isinstance(loaded, list) else [loaded]
+            runtimes = await asyncio.to_thread(make_runtimes, predictors, self.settings)
+            for rt in runtimes.values():
+                rt.drift = await asyncio.to_thread(
+                    DriftMonitor, rt.reference(), rt.drift_statistic, self.settings.drift_window,
+                    self.settings.drift_alarm_rate, self.settings.drift_bootstrap)
+                target = rt.thresholds.how.get("target_accuracy")
+                rt.accuracy = AccuracyEstimate(self.settings.drift_window, float(target) if target else None)
+            # one trunk: one estimate of seconds per token for every adapter (the heads' cost is negligible)
+            service_time = await asyncio.to_thread(warm_up, [rt.predictor for rt in runtimes.values()])
+        except Exception as e:  # a broken artifact must not kill the process: readiness reports it
+            log.exception("loading the adapter failed")  # the log keeps the server's paths; clients do not see them
+            self.status, self.reason = "failed", redact_paths(f"{type(e).__name__}: {e}")
+            return
+        self.runtimes = runtimes
+        # one callable per adapter: the batcher keeps each pass to one of them (passes never mix adapters)
+        self._predict = {name: rt.predict for name, rt in runtimes.items()}
+        self.batcher = MicroBatcher(
+            self.default.predict,
+            self.settings.max_batch_size,
+            self.settings.max_wait_ms,
+            self.settings.queue_size,
+            on_batch=self._on_batch,
+            on_depth=self.metrics.queue_depth.set,
+            max_batch_tokens=self.settings.max_batch_tokens,
+            service_time=service_time,
+            margin=self.settings.admission_margin,
+        )
+        self.batcher.start()
+        self.metrics.seconds_per_token.set(service_time.per_token_s)
+        self._watcher = asyncio.get_running_loop().create_task(self._watch_shutdown(), name="shutdown-watcher")
+        for name, rt in runtimes.items():
+            manifest, base = rt.predictor.manifest, rt.predictor.manifest.base_model_ref()
+            self.metrics.model_info.labels(adapter=name).info(
+                {"version": str(manifest.version), "method": manifest.method, "base_model": base.name,
+                 "base_sha256": base.sha256[:12]})
+            self.metrics.set_drift(name, rt.drift.status())
+            self.metrics.set_accuracy(name, rt.accuracy.status())
+            log.info("serving adapter %s (%s) on %s", name, manifest.method, base.name)
+        self.status, self.reason = "ready", None
+        self.metrics.ready.set(1)
+
+    def begin_drain(self) -> None:
+        """Stop admitting (readiness 503) and let the batcher answer what can finish within the grace period."""
+        if self.status != "draining":
+            log.info("shutting down: draining for up to %.0f s", self.settings.shutdown_grace_s)
+        self.status, self.reason = "draining", "the service is shutting down"
+        self.metrics.ready.set(0)
+        if self.batcher is not None:
+            self.batcher.begin_drain(self.settings.shutdown_grace_s)
+
+    async def _watch_shutdown(self) -> None:
+        """Notice uvicorn's SIGTERM (``server.should_exit``) at once, not at the next readiness probe."""
+        while True:
+            if self.server is not None and getattr(self.server, "should_exit", False):
+                self.begin_drain()
+                return
+            await asyncio.sleep(0.05)
+
+    async def shutdown(self) -> None:
+        self.begin_drain()
+        if self._watcher is not None:
+            self._watcher.cancel()
+        if self.batcher is not None:
+            await self.batcher.stop()
+
+    def health(self) -> tuple[int, Health]:
+        if self.status == "ready" and self.server is not None and getattr(self.server, "should_exit", False):
+            self.begin_drain()
+        if self.status == "ready":
+            return 200, Health(status="ready")
+        return 503, Health(status=self.status, reason=self.reason)
+
+    def accepting(self) -> bool:
+        """Whether a request arriving now is admitted: the model is loaded and no shutdown has begun."""
+        return self.health()[0] == 200
+
+    def busy_for(self, timeout_header: str | None, arrived: float) -> float | None:
+        """Seconds to wait before retrying when not even the smallest request could be answered before a deadline
+        (given by the header, or the server's) counted from ``arrived``; None when one could. The bound needs no
+        body, so RequestGuard refuses with it before parsing and tokenizing: refusals stay cheap under overload."""
+        if self.batcher is None or self.status != "ready":
+            return None
+        limit = self.settings.request_timeout_s
+        if timeout_header is not None:
+            try:
+                given = float(timeout_header)
+            except ValueError:
+                return None  # the route answers 422
+            if not (given > 0 and math.isfinite(given)):
+                return None  # likewise
+            limit = min(limit, given)
+        left = arrived + limit - time.monotonic()
+        lower = self.batcher.margin * self.batcher.expected_wait([0])  # one question of no tokens: a lower bound
+        return lower - left if lower > left else None
+
+    def require_ready(self, request: Request) -> None:
+        """Refuse (503 not_ready + Retry-After) unless the model can answer this request. Admission is decided
+        once, when the request arrives (RequestGuard sets ``admitted``): one that arrived before SIGTERM is
+        answered while the batcher drains; one that arrives after it is refused, so a gateway retries it on
+        another replica."""
+        code, health = self.health()
+        if code == 200:
+            return
+        admitted = request.scope.get("state", {}).get("admitted", False)
+        if not (admitted and self.status == "draining" and self.batcher is not None and self.batcher.running):
+            raise ApiError(503, "not_ready", f"the service is {health.status}: {health.reason}", headers={"Retry-After": "5"})
+
+    # -- batching -------------------------------------------------------------------------------
+
+    def _on_batch(self, size: int, seconds: float) -> None:
+        self.metrics.batch_size.observe(size)
+        self.metrics.forward_seconds.observe(seconds)
+        if self.batcher is not None:
+            self.metrics.seconds_per_token.set(self.batcher.service_time.per_token_s)
+            self.metrics.admission_overrun.set(self.batcher.overrun)
+
+    def _refusal(self, e: Exception, n: int) -> ApiError:
+        """The answer to a request the batcher refused (``n`` questions), counted by reason."""
+        if isinstance(e, QueueFullError):
+            reason, error = "queue_full", ApiError(503, "overloaded", f"too many questions waiting ({e}); retry shortly",
+                                                   headers={"Retry-After": "1"})
+        elif isinstance(e, Overloaded):
+            reason, error = "capacity", ApiError(503, "overloaded", f"{e}; retry after the Retry-After seconds",
+                                                 headers={"Retry-After": str(max(1, math.ceil(e.retry_after)))})
+        elif isinstance(e, ShuttingDown):
+            reason, error = "shutting_down", ApiError(503, "shutting_down", str(e), headers={"Retry-After": "1"})
+        else:
+            reason, error = "timeout", ApiError(504, "timeout", str(e))
+        self.metrics.rejected.labels(reason=reason).inc(n)
+        return error
+
+    def deadline(self, request: Request) -> float:
+        """``time.monotonic()`` by which ``request`` must be answered: from its arrival, the server's
+        request timeout or the shorter ``X-Request-Timeout`` (seconds) the client sent."""
+        limit = self.settings.request_timeout_s
+        given = request.headers.get(TIMEOUT_HEADER)
+        if given is not None:
+            try:
+                seconds = float(given)
+            except ValueError:
+                seconds = float("nan")
+            if not (seconds > 0 and math.isfinite(seconds)):
+                raise ApiError(422, "invalid_request", f"{TIMEOUT_HEADER} must be a positive number of seconds, "
+                               f"got {given[:40]!r}", TIMEOUT_HEADER)
+            limit = min(limit, seconds)
+        arrived = request.scope.get("state", {}).get("arrived", time.monotonic())
+        return arrived + limit
+
+    async def answer(self, runtime: AdapterRuntime, questions: list[MCQuestion], tokens: list[int],
+                     request: Request) -> list[Prediction]:
+        """The predictions of adapter ``runtime`` for one request's ``questions`` (``tokens``: prompt tokens of each).
+
+        Refused at once with 503 + Retry-After when they cannot be answered before the request's deadline
+        (or the service is draining), 504 at once when a client's shorter deadline cannot be met even on an
+        idle model; a client that goes away takes its queued questions with it; 503 model_error when the
+        model's numbers are not finite.
+        """
+        assert self.batcher is not None
+        deadline = self.deadline(request)
+        rejected = self.metrics.rejected
+        try:
+            admitted = request.scope.get("state", {}).get("admitted", False)
+            futures = await self.batcher.submit_many(questions, tokens, deadline, self._predict[runtime.name],
+                                                     admitted_before_drain=admitted)
+        except TooLarge as e:
+            if deadline < request.scope.get("state", {}).get("arrived", 0.0) + self.settings.request_timeout_s:
+                # the client's X-Request-Timeout is what cannot be met, not the request's size
+                self.metrics.rejected.labels(reason="timeout").inc(len(questions))
+                raise ApiError(504, "timeout", f"{str(e).split(';')[0]}; its {TIMEOUT_HEADER} cannot be met") from e
+            raise self._refusal(e, len(questions)) from e
+        except (QueueFullError, Overloaded, ShuttingDown) as e:
+            raise self._refusal(e, len(questions)) from e
+        everything = asyncio.gather(*futures)
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            done, _ = await asyncio.wait({everything, gone}, timeout=max(0.0, deadline - time.monotonic()),
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if everything not in done:
+            everything.cancel()
+            for f in futures:
+                f.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await everything
+            if gone in done:
+                rejected.labels(reason="client_gone").inc(len(questions))
+                raise ApiError(499, "client_closed_request", "the client went away before the answer")
+            rejected.labels(reason="timeout").inc(len(questions))
+            raise ApiError(504, "timeout", "no answer before the request's deadline; the service is busy")
+        try:
+            preds = list(everything.result())
+        except (Overloaded, ShuttingDown, DeadlineExceeded) as e:  # refused after admission, before its pass
+            _cancel(futures)
+            raise self._refusal(e, len(questions)) from e
+        except BaseException:  # one question failed (a 500): its request-mates must not keep the model busy
+            _cancel(futures)
+            raise
+        broken = [i for i, p in enumerate(preds) if not finite_prediction(p)]
+        if broken:
+            self.metrics.nonfinite.inc(len(broken))
+            log.error("the model gave non-finite numbers for %d of %d questions (request %s); not answered",
+                      len(broken), len(preds), request.scope.get("state", {}).get("request_id"))
+            raise ApiError(503, "model_error", "the model produced non-finite numbers for "
+                           + (f"items {broken}" if len(preds) > 1 else "this question") + "; it was not answered")
+        return preds
+
+    # -- answers --------------------------------------------------------------------------------
+
+    def respond(self, runtime: AdapterRuntime, req: PredictRequest, q: MCQuestion, pred: Prediction,
+                answer_id: str) -> PredictResponse:
+        """The answer (built by :func:`ibedl.serve.responses.build_answer`, as the Python API builds it), recorded
+        in the adapter's metrics, drift window and accuracy estimate."""
+        answer = build_answer(runtime, req, q, pred, answer_id)
+        m, name = self.metrics, runtime.name
+        m.answers.labels(adapter=name).inc()
+        m.confidence.labels(adapter=name).observe(pred.confidence)
+        m.predictions.labels(adapter=name, letter=pred.letter).inc()
+        if pred.uncertainty is not None:
+            m.uncertainty.labels(adapter=name).observe(pred.uncertainty)
+        if answer.abstain_reason:
+            m.abstentions.labels(adapter=name, reason=answer.abstain_reason).inc()
+        else:  # an answered question feeds the accuracy estimate; every one feeds drift
+            runtime.accuracy.add([pred.confidence])
+        runtime.drift.add([pred.uncertainty if runtime.drift.statistic == "uncertainty_mass" else pred.confidence])
+        return answer
+
+    def drift_status(self, runtime: AdapterRuntime) -> DriftStatus:
+        """The adapter's drift monitor's and accuracy estimate's status, also set on their gauges."""
+        status, accuracy = runtime.drift.status(), runtime.accuracy.status()
+        self.metrics.set_drift(runtime.name, status)
+        self.metrics.set_accuracy(runtime.name, accuracy)
+        return DriftStatus(**status, **accuracy)
+
+
+PROBE = MCQuestion(  # short question and options: its passage is cut to fit any served token limit
+    "Which one?",
+    ("this", "that", "neither", "both"),
+    " ".join(["The service times one forward pass of a question of typical length before it reports ready."] * 8),
+)
+
+
+def warm_up(predictors: list[Predictor]) -> ServiceTime:
+    """Time the model on one question of typical length (the second pass of the first adapter: the first pass of
+    each pays its one-time costs), as the first estimate of seconds per prompt token; every served pass refines it."""
+    def probe(predictor: Predictor) -> MCQuestion:  # as many options as its head scores, at most four
+        return dataclasses.replace(PROBE, options=PROBE.options[: min(len(PROBE.options), predictor.num_rows)])
+
+    for predictor in predictors:
+        predictor.predict([probe(predictor)])  # its passage is cut to the served limit
+    first = predictors[0]
+    tokens = min(count_prompt_tokens(first.tokenizer, first.template, probe(first)), first.max_tokens)
+    start = time.perf_counter()
+    first.predict([probe(first)])
+    return ServiceTime((time.perf_counter() - start) / tokens)
+
+
+_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[/\\][^\s/\\'\"():,]+)+[/\\]([^\s/\\'\"():,]+)")
+
+
+def redact_paths(message: str) -> str:
+    """``message`` with every file path cut to its last part: clients learn which file, not where it lives."""
+    return _PATH.sub(r"\1", message)
+
+
+def _cancel(futures: list[asyncio.Future]) -> None:
+    for f in futures:
+        f.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read, so the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def get_state(request: Request) -> ServiceState:
+    return request.app.state.service
+
+
+State = Annotated[ServiceState, Depends(get_state)]

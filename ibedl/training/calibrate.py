@@ -1,0 +1,529 @@
+"""Calibrate an adapter's decisions on labelled data, without retraining: the post-hoc step (zeta for IB-EDL,
+temperature for softmax methods), the out-of-distribution gate, risk-controlled abstention, conformal
+prediction sets and the drift reference. Training calls the same code on its validation split.
+
+    python -m ibedl.training.calibrate --artifact artifacts/default --dataset sciq --split validation \
+        [--output DIR] [--target-accuracy 0.9] [--delta 0.1] [--alpha 0.1] [--ood-rejection-rate 0.05]
+
+The labelled sample is split once (seeded) in two parts:
+
+- the *fit* part (``--fit-fraction``, 30%) fits the post-hoc parameter and the gate threshold;
+- the *calibration* part (the rest) chooses the risk-controlled confidence threshold (ibedl.training.risk_control)
+  and the conformal quantiles (ibedl.core.conformal), so that their guarantees rest on data that chose
+  nothing else.
+
+``--save-outputs FILE`` keeps the model's raw outputs, and ``--outputs FILE`` recalibrates from them (other
+targets, rates or seeds) without running the model again.
+
+Without ``--output`` the artifact is updated in place; with it, a new artifact directory is written whose
+adapter and head weights are hard links to (or, across file systems, copies of) the original's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import shlex
+import shutil
+import sys
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ibedl.core.artifact import Abstention, Conformal, Manifest, check_artifact, write_manifest
+from ibedl.core.conformal import SCORES, alpha_key, calibrate_quantiles, prediction_set
+from ibedl.core.model_card import write_card
+from ibedl.core.prompt import MCQuestion
+from ibedl.training import metrics
+from ibedl.training.posthoc import adjust_alpha, fit_zeta
+from ibedl.training.risk_control import control_accuracy
+
+log = logging.getLogger("ibedl.training.calibrate")
+
+ALPHAS = (0.01, 0.02, 0.05, 0.1, 0.2)  # conformal levels stored for requests to choose from
+TEMPERATURE_GRID = tuple(float(t) for t in np.round(np.exp(np.linspace(np.log(0.05), np.log(20.0), 241)), 6))
+
+
+@dataclass
+class CalibrationConfig:
+    """What to calibrate for.
+
+    Attributes:
+        target_accuracy: accuracy guaranteed on answered in-distribution questions.
+        delta: probability that the guarantee may fail (over the draw of the calibration sample).
+        alpha: default miscoverage of the served prediction sets (one of ``alphas``).
+        alphas: conformal levels stored; a request may pick any of them.
+        score: default conformal score, ``lac`` or ``aps``.
+        ood_rejection_rate: share of in-distribution questions the gate may refuse (its threshold is that
+            conformal quantile of the fit part's OOD scores; 0 turns the gate off).
+        fit_fraction: share of the labelled sample that fits the post-hoc parameter and the gate.
+        seed: seed of the split.
+        posthoc: refit zeta (IB-EDL) or the temperature (softmax methods).
+        reference_size: drift reference values kept in the manifest.
+    """
+
+    target_accuracy: float = 0.9
+    delta: float = 0.1
+    alpha: float = 0.1
+    alphas: tuple[float, ...] = ALPHAS
+    score: str = "lac"
+    ood_rejection_rate: float = 0.05
+    fit_fraction: float = 0.3
+    seed: int = 0
+    posthoc: bool = True
+    reference_size: int = 1000
+
+    def __post_init__(self) -> None:
+        for name in ("target_accuracy", "delta", "fit_fraction"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not 0.0 < value < 1.0:
+                raise ValueError(f"{name} must be in (0, 1), got {value!r}")
+        if isinstance(self.ood_rejection_rate, bool) or not 0.0 <= self.ood_rejection_rate < 1.0:
+            raise ValueError(f"ood_rejection_rate must be in [0, 1), got {self.ood_rejection_rate!r}")
+        self.alphas = tuple(sorted({float(a) for a in (*self.alphas, self.alpha)}))
+        for a in self.alphas:
+            alpha_key(a)  # checks 0 < a < 1
+        if self.score not in SCORES:
+            raise ValueError(f"score must be one of {SCORES}, got {self.score!r}")
+        if self.reference_size < 10:
+            raise ValueError(f"reference_size must be >= 10, got {self.reference_size}")
+
+
+@dataclass
+class Outputs:
+    """Predictive quantities of N questions after the post-hoc step.
+
+    Attributes:
+        probs: N rows of (C_i,) probabilities.
+        uncertainty: (N,) u = C / alpha0, or None without a Dirichlet.
+    """
+
+    probs: list[np.ndarray]
+    uncertainty: np.ndarray | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def confidence(self) -> np.ndarray:
+        return np.asarray([p.max() for p in self.probs])
+
+    def ood_score(self) -> np.ndarray:
+        """(N,) in-distribution score, higher = more typical: 1/u with a Dirichlet, max p without."""
+        return 1.0 / self.uncertainty if self.uncertainty is not None else self.confidence
+
+
+def _dirichlet(alphas: list[np.ndarray], offset: float) -> Outputs:
+    """Probabilities alpha / alpha0 and u = C * offset / alpha0 (ibedl.core.dirichlet.dirichlet_outputs)."""
+    probs = [a / a.sum() for a in alphas]
+    return Outputs(probs, np.asarray([len(a) * offset / a.sum() for a in alphas]))
+
+
+def temper(probs: list[np.ndarray], temperature: float) -> list[np.ndarray]:
+    """softmax(log p / T) per question (the same map as ibedl.core.predictor.temper)."""
+    out = []
+    for p in probs:
+        z = np.log(np.maximum(p, np.finfo(np.float32).tiny)) / temperature
+        z = np.exp(z - z.max())
+        out.append(z / z.sum())
+    return out
+
+
+def fit_temperature(probs: list[np.ndarray], labels, grid=TEMPERATURE_GRID) -> tuple[float, dict]:
+    """The grid temperature with the lowest NLL of softmax(log p / T) (T = 1 wins ties). Returns (T, info)."""
+    if not len(labels):
+        raise ValueError("fit_temperature needs at least one labelled question")
+    width = max(len(p) for p in probs)
+    logp = np.full((len(probs), width), -np.inf)
+    for i, p in enumerate(probs):
+        logp[i, : len(p)] = np.log(np.maximum(p, np.finfo(np.float32).tiny))
+    y = np.asarray(labels)
+
+    def nll(t: float) -> float:
+        z = logp / t
+        top = z.max(axis=1, keepdims=True)
+        lse = top[:, 0] + np.log(np.exp(z - top).sum(axis=1))
+        return float(np.mean(lse - z[np.arange(len(y)), y]))
+
+    scores = {t: nll(t) for t in (*grid, 1.0)}
+    best = min(scores, key=lambda t: (round(scores[t], 12), abs(math.log(t))))
+    return best, {"criterion": "NLL on the fit part", "nll_at_1": scores[1.0], "nll_at_temperature": scores[best],
+                  "grid": [min(grid), max(grid), len(grid)]}
+
+
+def gate_threshold(scores, rejection_rate: float) -> float:
+    """The k-th smallest of n in-distribution scores, k = floor(rate * (n + 1)); 0 (no gate) when k = 0.
+    A new exchangeable question falls below it with probability k / (n + 1) <= rate."""
+    s = np.sort(np.asarray(scores, dtype=np.float64))
+    k = math.floor(rejection_rate * (len(s) + 1))
+    return 0.0 if k == 0 else float(s[k - 1])
+
+
+def split(n: int, fit_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Seeded (fit, calibration) index arrays; both non-empty."""
+    if n < 2:
+        raise ValueError(f"calibration needs at least 2 labelled questions, got {n}")
+    order = np.random.default_rng(seed).permutation(n)
+    k = min(max(1, round(fit_fraction * n)), n - 1)
+    return np.sort(order[:k]), np.sort(order[k:])
+
+
+def posthoc_outputs(kind: str, raw: dict, head_update: dict) -> Outputs:
+    """The predictive outputs of raw head outputs (see :func:`calibrate_outputs`) once the post-hoc parameter
+    in ``head_update`` (``zeta`` or ``temperature``; absent = neutral) is applied, as the served head does."""
+    if kind == "ib_edl":
+        zeta = head_update.get("zeta", 0.0)
+        return _dirichlet([adjust_alpha(a, s, zeta, raw["offset"]) for a, s in zip(raw["alpha"], raw["sigma"])],
+                          raw["offset"])
+    if kind == "softmax":
+        probs = [np.asarray(p, dtype=np.float64) for p in raw["probs"]]
+        temperature = head_update.get("temperature", 1.0)
+        return Outputs(temper(probs, temperature) if temperature != 1.0 else probs)
+    return _dirichlet([np.asarray(a, dtype=np.float64) for a in raw["alpha"]], raw["offset"])
+
+
+def calibrate_outputs(kind: str, raw: dict, labels, config: CalibrationConfig) -> tuple[dict, Outputs, dict]:
+    """Everything ibedl.training.calibrate decides, from the raw head outputs of N labelled questions.
+
+    Args:
+        kind: the head kind (``softmax``, ``evidential``, ``ib_edl``).
+        raw: per-question lists with the head's post-hoc parameter at its neutral value: ``probs`` always,
+            ``alpha`` and ``uncertainty`` for Dirichlet heads, ``sigma`` for IB-EDL.
+        labels: (N,) answer indices.
+
+    Returns:
+        (head_update, outputs, sections): the head config keys to set (``zeta`` or ``temperature``), the
+        post-hoc outputs of all N questions, and the manifest's ``abstention``, ``conformal``,
+        ``calibration`` and ``reference`` sections.
+    """
+    labels = np.asarray(labels, dtype=np.int64)
+    n = len(labels)
+    fit, cal = split(n, config.fit_fraction, config.seed)
+    # Without the post-hoc step the parameter is set neutral: the thresholds below assume it.
+    head_update: dict = {"ib_edl": {"zeta": 0.0}, "softmax": {"temperature": 1.0}}.get(kind, {})
+    posthoc: dict = {"kind": None}
+    if kind == "ib_edl" and config.posthoc:
+        zeta, info = fit_zeta([np.asarray(raw["alpha"][i], dtype=np.float64) for i in fit],
+                              [np.asarray(raw["sigma"][i], dtype=np.float64) for i in fit], labels[fit],
+                              offset=raw["offset"])
+        head_update, posthoc = {"zeta": zeta}, {"kind": "zeta", "zeta": zeta, **info}
+    elif kind == "softmax" and config.posthoc:
+        temperature, info = fit_temperature([np.asarray(raw["probs"][i], dtype=np.float64) for i in fit], labels[fit])
+        head_update, posthoc = {"temperature": temperature}, {"kind": "temperature", "temperature": temperature, **info}
+    outputs = posthoc_outputs(kind, raw, head_update)
+    conf = outputs.confidence
+    hits = np.asarray([float(np.argmax(p) == y) for p, y in zip(outputs.probs, labels)])
+    score = outputs.ood_score()
+    ood_name = "inverse_uncertainty" if outputs.uncertainty is not None else "max_probability"
+    threshold = gate_threshold(score[fit], config.ood_rejection_rate)
+    passed = score >= threshold
+    risk = control_accuracy(conf[cal][passed[cal]], hits[cal][passed[cal]], config.target_accuracy, config.delta)
+    answered_cal = passed[cal] & (conf[cal] >= risk.min_confidence)
+    gate = {
+        "score": ood_name, "rejection_rate": config.ood_rejection_rate, "threshold": threshold, "n": len(fit),
+        "rejected_on_calibration_part": float(1.0 - passed[cal].mean()),
+    }
+    if risk.certified:
+        log.info("risk control: answer when confidence >= %.4f (accuracy %.3f >= %.3f bound on %d of %d)",
+                 risk.min_confidence, risk.accuracy, risk.accuracy_lower_bound, risk.answered, risk.n)
+    else:
+        log.warning("risk control: no confidence threshold is certified for accuracy %.2f at delta %.2f; "
+                    "the adapter will abstain unless confidence is 1", config.target_accuracy, config.delta)
+    abstention = Abstention(
+        max_uncertainty=1.0, min_confidence=risk.min_confidence, ood_score=ood_name, ood_threshold=threshold,
+        how={
+            "rule": "abstain 'out_of_distribution' when the OOD score < ood_threshold, else 'min_confidence' "
+                    "when max p < min_confidence ('max_uncertainty' only when a request tightens it)",
+            "guarantee": f"accuracy on answered in-distribution questions >= {config.target_accuracy} with "
+                         f"probability >= {1 - config.delta:g}, if served questions are exchangeable with the "
+                         "calibration sample",
+            "target_accuracy": config.target_accuracy, "delta": config.delta, "certified": risk.certified,
+            "answered_accuracy": risk.accuracy, "accuracy_lower_bound": risk.accuracy_lower_bound,
+            "coverage": float(answered_cal.mean()), "n": int(len(cal)), "split": "calibration part",
+        },
+    )
+    quantiles = calibrate_quantiles([outputs.probs[i] for i in cal], labels[cal], config.alphas)
+    conformal = Conformal(alpha=config.alpha, score=config.score, quantiles=quantiles, n=int(len(cal)))
+    sets = {}
+    for s in SCORES:
+        q = conformal.quantile(config.alpha, s)
+        members = [prediction_set(outputs.probs[i], q, s) for i in cal]
+        sets[s] = {"coverage": float(np.mean([y in m for y, m in zip(labels[cal], members)])),
+                   "mean_size": float(np.mean([len(m) for m in members]))}
+    rng = np.random.default_rng(config.seed)
+    ref_idx = np.sort(rng.choice(n, size=min(config.reference_size, n), replace=False))
+    reference = {
+        "split": "calibration sample (fit and calibration parts)",
+        "uncertainty": None if outputs.uncertainty is None else [round(float(outputs.uncertainty[i]), 6) for i in ref_idx],
+        "confidence": [round(float(conf[i]), 6) for i in ref_idx],
+    }
+    calibration = {
+        "n": n, "n_fit": int(len(fit)), "n_calibration": int(len(cal)), "seed": config.seed,
+        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()},
+        "posthoc": posthoc, "gate": gate, "risk_control": risk.to_dict(),
+        "conformal_in_sample": {"alpha": config.alpha, **sets},
+        "metrics": metrics.summarise([outputs.probs[i] for i in cal], labels[cal],
+                                     None if outputs.uncertainty is None else outputs.uncertainty[cal]),
+    }
+    sections = {"abstention": asdict(abstention), "conformal": asdict(conformal), "calibration": calibration,
+                "reference": reference}
+    return head_update, outputs, sections
+
+
+def raw_outputs(predictor, questions: list[MCQuestion], batch_size: int = 8, progress: bool = True) -> tuple[str, dict]:
+    """Predict ``questions`` with the head's post-hoc parameter neutral; returns (head kind, raw dict)."""
+    from ibedl.training.evaluate import predict_all
+
+    config = predictor.head.config
+    saved = (config.zeta, config.temperature)
+    for head in predictor.heads:
+        head.config.zeta, head.config.temperature = 0.0, 1.0
+    try:
+        preds, _ = predict_all(predictor, questions, batch_size, progress, desc="calibration")
+    finally:
+        for head in predictor.heads:
+            head.config.zeta, head.config.temperature = saved
+    raw = {"probs": [p.probs for p in preds], "offset": config.offset}
+    if preds[0].alpha is not None:
+        raw["alpha"] = [p.alpha for p in preds]
+        raw["sigma"] = [p.sigma for p in preds] if preds[0].sigma is not None else None
+    kind = config.kind
+    if kind == "ib_edl" and raw.get("sigma") is None:
+        kind = "evidential"
+    if kind != "softmax" and "alpha" not in raw:
+        kind = "softmax"  # e.g. an ensemble of Dirichlet members averaged without alpha
+    return kind, raw
+
+
+def calibrate_predictor(predictor, questions: list[MCQuestion], config: CalibrationConfig, batch_size: int = 8,
+                        progress: bool = True) -> dict:
+    """Run the model on labelled ``questions``, calibrate, set the heads' post-hoc parameter and return the
+    manifest sections (``abstention``, ``conformal``, ``calibration``, ``reference``)."""
+    missing = [i for i, q in enumerate(questions) if q.answer is None]
+    if missing:
+        raise ValueError(f"questions {missing[:5]} have no answer to calibrate on")
+    kind, raw = raw_outputs(predictor, questions, batch_size, progress)
+    head_update, _, sections = calibrate_outputs(kind, raw, [q.answer for q in questions], config)
+    for head in predictor.heads:
+        for key, value in head_update.items():
+            setattr(head.config, key, value)
+    return sections
+
+
+def apply_sections(manifest: Manifest, head: dict, sections: dict) -> None:
+    """Write the (calibrated) head config and the calibration's sections into ``manifest``."""
+    manifest.head = head
+    for key in ("abstention", "conformal", "calibration", "reference"):
+        setattr(manifest, key, sections[key])
+
+
+def _share_files(source: Path, target: Path, manifest: Manifest) -> None:
+    """Hard-link (or copy) every member's adapter and head files from ``source`` into ``target``."""
+    from ibedl.core.artifact import ADAPTER_FILES, HEAD_FILE
+
+    for member in manifest.members:
+        (target / member).mkdir(parents=True, exist_ok=True)
+        for name in (*ADAPTER_FILES, HEAD_FILE):
+            src, dst = source / member / name, target / member / name
+            if dst.exists():
+                dst.unlink()
+            try:
+                os.link(src, dst)
+            except OSError:
+                shutil.copy2(src, dst)
+
+
+def next_version(version: str) -> str:
+    """"3" -> "4"; a version that is not an integer gets ".recal" appended."""
+    return str(int(version) + 1) if str(version).isdigit() else f"{version}.recal"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ibedl.core.artifact import ArtifactError
+    from ibedl.training.data import DATASETS, load_dataset
+    from ibedl.training.data.errors import DatasetError
+
+    defaults = CalibrationConfig()
+    parser = argparse.ArgumentParser(prog="python -m ibedl.training.calibrate", description=__doc__.split("\n\n")[0],
+                                     epilog="Run it on data like the traffic you serve: the guarantees hold for "
+                                     "questions exchangeable with the calibration sample.")
+    parser.add_argument("--artifact", required=True, help="adapter directory (with manifest.json)")
+    parser.add_argument("--dataset", required=True, help=f"labelled data: one of {sorted(DATASETS)}")
+    parser.add_argument("--split", default="validation", help="split to calibrate on (default validation)")
+    parser.add_argument("--path", help="file for --dataset jsonl")
+    parser.add_argument("--limit", type=int, help="a seeded random subset of this size")
+    parser.add_argument("--output", help="write a new artifact directory here (default: update --artifact in place)")
+    parser.add_argument("--target-accuracy", type=float, default=defaults.target_accuracy,
+                        help=f"accuracy guaranteed on answered questions (default {defaults.target_accuracy})")
+    parser.add_argument("--delta", type=float, default=defaults.delta,
+                        help=f"allowed failure probability of that guarantee (default {defaults.delta})")
+    parser.add_argument("--alpha", type=float, default=defaults.alpha,
+                        help=f"miscoverage of the served prediction sets (default {defaults.alpha})")
+    parser.add_argument("--score", default=defaults.score, choices=SCORES, help="conformal score served by default")
+    parser.add_argument("--ood-rejection-rate", type=float, default=defaults.ood_rejection_rate,
+                        help=f"in-distribution questions the gate may refuse (default {defaults.ood_rejection_rate}; 0: no gate)")
+    parser.add_argument("--fit-fraction", type=float, default=defaults.fit_fraction,
+                        help=f"share fitting the post-hoc step and the gate (default {defaults.fit_fraction})")
+    parser.add_argument("--no-posthoc", action="store_true", help="keep zeta / temperature neutral")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the --limit subset and of the split")
+    parser.add_argument("--outputs", help="read the model's raw outputs on --dataset/--split from this file "
+                        "(written by --save-outputs or python -m benchmarks.decisions score) instead of running the model")
+    parser.add_argument("--evaluate-split", help="after calibrating, measure the adapter as calibrated on this split of "
+                        "--dataset (e.g. test) and record it as the manifest's metrics for that split")
+    parser.add_argument("--save-outputs", help="write the model's raw outputs here, to recalibrate later without the model")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=1024,
+                        help="prompt token limit, as served (the service's IBEDL_MAX_TOKENS, default 1024): "
+                        "calibrate on the prompts the service will read")
+    parser.add_argument("--base-model", help="override the manifest's base model reference")
+    parser.add_argument("--device", help="cpu or cuda (default: CUDA when present)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        help="model dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.limit is not None and args.limit < 2:
+        parser.error(f"--limit must be >= 2, got {args.limit}")
+    if args.outputs and (args.limit or args.save_outputs):
+        parser.error("--outputs reads a whole stored split: it takes neither --limit nor --save-outputs")
+    source = Path(args.artifact)
+    stream = f"{args.dataset}_{args.split}"
+    try:
+        config = CalibrationConfig(
+            target_accuracy=args.target_accuracy, delta=args.delta, alpha=args.alpha, score=args.score,
+            ood_rejection_rate=args.ood_rejection_rate, fit_fraction=args.fit_fraction, seed=args.seed,
+            posthoc=not args.no_posthoc,
+        )
+        manifest = check_artifact(source)
+        if not manifest.files:
+            raise ArtifactError(f"{source} was written by an older version (no weight checksums in its manifest): "
+                                f"run python -m ibedl.core.migrate {source} first, then calibrate it")
+        if args.outputs:
+            kind, raw, labels = read_outputs(args.outputs, stream, source, manifest)
+        else:
+            kind, raw, labels = run_model(args, source, load_dataset)
+    except (DatasetError, ArtifactError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.save_outputs:
+        save_outputs(args.save_outputs, source, manifest, {stream: {"labels": labels, **raw}}, kind, raw["offset"],
+                     args.max_tokens)
+    head_update, _, sections = calibrate_outputs(kind, raw, labels, config)
+    evaluated = None
+    if args.evaluate_split:
+        eval_args = argparse.Namespace(**{**vars(args), "split": args.evaluate_split, "limit": None})
+        try:
+            if args.outputs:
+                ekind, eraw, elabels = read_outputs(args.outputs, f"{args.dataset}_{args.evaluate_split}", source, manifest)
+            else:
+                ekind, eraw, elabels = run_model(eval_args, source, load_dataset)
+        except (DatasetError, ValueError, FileNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        out = posthoc_outputs(ekind, eraw, head_update)
+        evaluated = metrics.summarise(out.probs, elabels, out.uncertainty)
+    before = (manifest.head.get("zeta", 0.0), manifest.head.get("temperature", 1.0))
+    apply_sections(manifest, {**manifest.head, **head_update}, sections)
+    if (manifest.head.get("zeta", 0.0), manifest.head.get("temperature", 1.0)) != before and "test" in manifest.metrics:
+        # Measured with the old post-hoc parameter: kept for the record, under a name that says so.
+        manifest.metrics["test_before_calibration"] = manifest.metrics.pop("test")
+    if evaluated is not None:
+        manifest.metrics[args.evaluate_split] = evaluated
+    manifest.calibration.update({
+        "dataset": args.dataset, "split": args.split, "path": args.path, "limit": args.limit,
+        "outputs": args.outputs, "max_tokens": args.max_tokens, "evaluated_split": args.evaluate_split,
+        "command": "python -m ibedl.training.calibrate " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "previous_version": str(manifest.version),
+    })
+    manifest.version = next_version(str(manifest.version))
+    target = Path(args.output) if args.output else source
+    if target.resolve() != source.resolve():
+        _share_files(source, target, manifest)
+    write_manifest(target, manifest)
+    write_card(target, manifest)  # the card shows the new thresholds
+    check_artifact(target, verify=True)
+    cal = manifest.calibration
+    print(json.dumps({"artifact": str(target), "version": manifest.version, "posthoc": cal["posthoc"],
+                      "gate": cal["gate"], "risk_control": cal["risk_control"],
+                      "conformal_in_sample": cal["conformal_in_sample"]}, indent=2))
+    return 0
+
+
+def run_model(args, source: Path, load_dataset) -> tuple[str, dict, list[int]]:
+    """Load the artifact and its labelled data and answer them with the post-hoc parameter neutral."""
+    from ibedl.core.predictor import Predictor
+
+    questions = load_dataset(args.dataset, args.split, path=args.path, limit=args.limit, seed=args.seed)
+    missing = [i for i, q in enumerate(questions) if q.answer is None]
+    if missing:
+        raise ValueError(f"questions {missing[:5]} of {args.dataset}/{args.split} have no answer to calibrate on")
+    predictor = Predictor.from_artifact(source, base_model=args.base_model, device=args.device,
+                                        dtype=getattr(torch, args.dtype) if args.dtype else None)
+    predictor.max_tokens = args.max_tokens
+    kind, raw = raw_outputs(predictor, questions, args.batch_size, progress=not args.no_progress)
+    return kind, raw, [q.answer for q in questions]
+
+
+OUTPUTS_FORMAT = "ibedl-raw-outputs/1"
+
+
+def weights_sha256(directory: Path, manifest: Manifest) -> str:
+    """sha256 over every member's adapter and head weights: what raw outputs depend on besides the base model."""
+    import hashlib
+
+    from ibedl.core.artifact import HEAD_FILE
+
+    digest = hashlib.sha256()
+    for member in manifest.members:
+        for name in ("adapter_model.safetensors", HEAD_FILE):
+            digest.update((Path(directory) / member / name).read_bytes())
+    return digest.hexdigest()
+
+
+def save_outputs(path, directory: Path, manifest: Manifest, streams: dict, kind: str, offset: float,
+                 max_tokens: int, extra: dict | None = None) -> Path:
+    """Raw outputs (post-hoc parameter neutral) of named streams: ``{name: {labels, probs, alpha, sigma}}``."""
+    rnd = lambda rows: None if rows is None else [[round(float(x), 6) for x in r] for r in rows]  # noqa: E731
+    data = {
+        "format": OUTPUTS_FORMAT, "artifact": str(directory), "method": manifest.method, "version": manifest.version,
+        "base_model_sha256": manifest.base_model_ref().sha256, "weights_sha256": weights_sha256(directory, manifest),
+        "kind": kind, "offset": offset, "max_tokens": max_tokens, **(extra or {}),
+        "streams": {name: {"labels": [int(y) for y in s["labels"]], "probs": rnd(s["probs"]),
+                           "alpha": rnd(s.get("alpha")), "sigma": rnd(s.get("sigma")),
+                           **({"device": s["device"]} if "device" in s else {})} for name, s in streams.items()},
+    }
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, separators=(",", ":")) + "\n")
+    return path
+
+
+def read_outputs(path, stream: str, directory: Path, manifest: Manifest) -> tuple[str, dict, list[int]]:
+    """(kind, raw, labels) of ``stream`` in a raw-outputs file; refuses outputs of other weights."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from e
+    if not isinstance(data, dict) or data.get("format") != OUTPUTS_FORMAT:
+        raise ValueError(f"{path} is not a raw-outputs file ({OUTPUTS_FORMAT})")
+    if data["weights_sha256"] != weights_sha256(directory, manifest) or \
+            data["base_model_sha256"] != manifest.base_model_ref().sha256:
+        raise ValueError(f"{path} holds outputs of other weights than {directory}: answer the data again")
+    if stream not in data["streams"]:
+        raise ValueError(f"{path} has no stream {stream!r}; it has {sorted(data['streams'])}")
+    s = data["streams"][stream]
+    raw = {"probs": s["probs"], "alpha": s.get("alpha"), "sigma": s.get("sigma"), "offset": data["offset"]}
+    return data["kind"], raw, s["labels"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = ["CalibrationConfig", "Outputs", "calibrate_outputs", "posthoc_outputs", "save_outputs", "read_outputs", "calibrate_predictor", "apply_sections",
+           "fit_temperature", "gate_threshold", "temper", "split", "raw_outputs"]

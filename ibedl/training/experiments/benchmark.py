@@ -1,0 +1,335 @@
+"""Run methods x datasets x seeds on one evaluation contract and write results, a report and plots.
+
+    python -m ibedl.training.experiments.benchmark --config benchmarks/sciq_grid.yaml [--jobs N] [--only-methods map ib_edl] [--dry-run]
+
+Experiments (each a list entry under ``experiments`` in the config):
+    id     train on a dataset, evaluate on its test split (accuracy, ECE 10/15/25/35, NLL, Brier,
+           selective prediction);
+    ood    train on one dataset, evaluate on its test split and on other datasets' test splits;
+           AUROC with in-distribution as the positive class, scores max probability (MP) and 1/u (UM), also
+           with the option count matched; ``name:no_context`` is a dataset without its passage/article;
+    noise  train with a fraction of training labels moved to another option; evaluate on clean test data.
+
+Every run trains in a child process (so a crash costs one run and its peak memory is measured) into
+``runs/benchmark/<name>/<run key>/``; a run whose artifact and predictions exist is not trained again,
+so the command is safe to interrupt and resume; each finished cell is written to the results at once.
+``--jobs N`` runs N chains of cells side by side (a chain: the cells that share one trained run), each child
+process with cores / N threads. A method that ``reuses`` another's training run (MC-Dropout
+and Laplace reuse MAP's, see ``ibedl.training.methods``) is evaluated on that run of the same key. Results go to ``benchmarks/results/<name>.json`` (a list of runs), the report to
+``benchmarks/results/<name>.md`` with PNG plots beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ibedl.core.artifact import atomic_write_text
+from ibedl.training.config import apply_overrides, yaml_load
+from ibedl.training.experiments.evaluate_run import limits_for, summarise_run, without_posthoc
+from ibedl.training.experiments.report import write_report
+from ibedl.training.methods import METHODS, get_method
+
+log = logging.getLogger("ibedl.training.experiments.benchmark")
+
+@dataclass(frozen=True)
+class Run:
+    """One (experiment, train dataset, method, seed) cell of the grid."""
+
+    experiment: str
+    kind: str
+    dataset: str
+    method: str
+    seed: int
+    eval_sets: tuple[str, ...]  # test datasets; the first is in-distribution
+    label_noise: float = 0.0
+
+    @property
+    def key(self) -> str:
+        noise = f"-noise{self.label_noise:g}" if self.label_noise else ""
+        return f"{self.kind}-{self.dataset}{noise}-{self.method}-s{self.seed}"
+
+    def train_key(self, method: str | None = None) -> str:
+        """The trained run behind this cell: shared by id and ood cells of the same dataset."""
+        noise = f"-noise{self.label_noise:g}" if self.label_noise else ""
+        return f"{self.dataset}{noise}-{method or self.method}-s{self.seed}"
+
+
+def expand(config: dict) -> list[Run]:
+    """The grid of runs a benchmark config describes, in a stable order."""
+    methods = [m for m in METHODS if m in config["methods"]]
+    unknown = sorted(set(config["methods"]) - set(METHODS))
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; known: {list(METHODS)}")
+    runs = []
+    for exp in config["experiments"]:
+        kind = exp["kind"]
+        if kind == "id":
+            cells = [(d, (d,), 0.0) for d in exp["datasets"]]
+        elif kind == "ood":
+            cells = [(exp["train"], (exp["train"], *exp["ood"]), 0.0)]
+        elif kind == "noise":
+            cells = [(d, (d,), float(exp.get("fraction", 0.3))) for d in exp["datasets"]]
+        else:
+            raise ValueError(f"experiment kind must be id, ood or noise, got {kind!r}")
+        for dataset, eval_sets, noise in cells:
+            for method in methods:
+                for seed in exp.get("seeds", config["seeds"]):  # an experiment may run fewer seeds
+                    runs.append(Run(exp.get("name", kind), kind, dataset, method, int(seed), eval_sets, noise))
+    return runs
+
+
+def train_overrides(config: dict, run: Run, method: str, out: Path) -> list[str]:
+    """``ibedl.training.finetune`` overrides for the trained run behind ``run``."""
+    sizes = config.get("sizes", {})
+    limits = {**sizes.get("default", {}), **sizes.get(run.dataset, {})}
+    data = {
+        "train": [{"dataset": run.dataset, "limit": limits.get("train")}],
+        "validation": [{"dataset": run.dataset, "limit": limits.get("validation")}],
+        "test": [],
+        "label_noise": run.label_noise,
+        "noise_seed": run.seed,
+    }
+    base = json.loads(json.dumps(config.get("train", {})))
+    params = config.get("method_params", {}).get(method, {})
+    pairs = {**base, "method": method, "seed": run.seed, "output": str(out), "name": run.train_key(method),
+             "data": data, "progress": False}
+    if params:
+        pairs["method_params"] = params
+    return [f"{k}={json.dumps(v)}" for k, v in pairs.items()]
+
+
+def run_child(cmd: list[str], log_path: Path, threads: int | None = None) -> dict:
+    """Run a command (with ``threads`` intra-op threads when given), returning its exit code, seconds and peak RSS
+    (MiB) from wait4."""
+    start = time.time()
+    env = {**os.environ, "TQDM_DISABLE": "1"}
+    if threads:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    with open(log_path, "a") as logf:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    return {"returncode": code, "seconds": time.time() - start, "peak_rss_mib": usage.ru_maxrss / 1024}
+
+
+class Runner:
+    """Trains and evaluates the cells of a grid; ``threads`` intra-op threads per child process (None: torch's)."""
+
+    def __init__(self, config: dict, root: Path, results_path: Path, dry_run: bool = False, threads: int | None = None) -> None:
+        self.config = config
+        self.root = root
+        self.results_path = results_path
+        self.dry_run = dry_run
+        self.threads = threads
+        self.results = json.loads(results_path.read_text()) if results_path.is_file() else []
+        self.lock = threading.Lock()  # results are shared by the --jobs worker threads
+
+    def done(self, run: Run) -> bool:
+        with self.lock:
+            return any(r["key"] == run.key for r in self.results)
+
+    def add(self, record: dict) -> None:
+        """Append a finished cell and write the results file at once (an interrupted grid resumes after it)."""
+        with self.lock:
+            self.results.append(record)
+            self.results_path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.results_path, json.dumps(self.results, indent=1) + "\n")
+
+    def ensure_trained(self, run: Run, method: str) -> tuple[Path, dict]:
+        out = self.root / run.train_key(method)
+        info_path = out / "benchmark-train.json"
+        if (out / "manifest.json").is_file() and info_path.is_file():
+            return out, json.loads(info_path.read_text())
+        if self.dry_run:
+            print("train", out)
+            return out, {}
+        if out.exists():
+            shutil.rmtree(out)  # an interrupted run: start it again
+        out.mkdir(parents=True)
+        cmd = [sys.executable, "-m", "ibedl.training.finetune", *train_overrides(self.config, run, method, out)]
+        log.info("training %s", out.name)
+        info = run_child(cmd, out / "train.log", self.threads)
+        if info["returncode"] != 0:
+            raise RuntimeError(f"training {out.name} failed with {info['returncode']}; see {out / 'train.log'}")
+        atomic_write_text(info_path, json.dumps(info))
+        return out, info
+
+    def evaluate(self, run: Run, artifact: Path) -> dict:
+        """Predictions on every evaluation set, cached per (method, set) as JSON beside the artifact: an id and
+        an ood cell of the same trained run share their in-distribution predictions."""
+        def cache(dataset: str) -> Path:
+            return artifact / f"predictions-{run.method}-{dataset.replace(':', '-')}.json"
+
+        limits = {d: limits_for(self.config.get("sizes", {}), d).get("test") for d in run.eval_sets}
+        method = get_method(run.method)
+        params = method.params(self.config.get("method_params", {}).get(run.method, {}))  # with the defaults
+
+        def load(dataset: str) -> dict | None:  # the cached predictions, if drawn with this size and these parameters
+            if not cache(dataset).is_file():
+                return None
+            found = json.loads(cache(dataset).read_text())
+            try:
+                same = method.params(found.get("method_params", params)) == params
+            except ValueError:  # drawn with parameters the method no longer has
+                return None
+            return found if same and found.get("limit", limits[dataset]) == limits[dataset] else None
+
+        sets = {d: load(d) for d in run.eval_sets}
+        missing = [d for d, found in sets.items() if found is None]
+        if missing and self.dry_run:
+            print("evaluate", run.key, missing)
+            return {}
+        if missing:
+            out_path = artifact / f"predictions-{run.method}.partial.json"
+            cmd = [sys.executable, "-m", "ibedl.training.experiments.evaluate_run", "--artifact", str(artifact), "--method", run.method,
+                   "--output", str(out_path), "--limits", json.dumps(self.config.get("sizes", {})),
+                   "--method-params", json.dumps(params), *[arg for d in missing for arg in ("--dataset", d)]]
+            log_path = artifact / f"eval-{run.method}.log"
+            info = run_child(cmd, log_path, self.threads)
+            if info["returncode"] != 0:
+                raise RuntimeError(f"evaluating {run.key} failed; see {log_path}")
+            out = json.loads(out_path.read_text())
+            for dataset, preds in out["sets"].items():
+                sets[dataset] = {**preds, "limit": limits[dataset], "method_params": params,
+                                 "eval_peak_rss_mib": info["peak_rss_mib"]}
+                atomic_write_text(cache(dataset), json.dumps(sets[dataset]))
+            out_path.unlink()
+        return {"sets": sets, "eval_peak_rss_mib": max(s.get("eval_peak_rss_mib", 0) for s in sets.values())}
+
+    def run(self, run: Run) -> dict | None:
+        if self.done(run):
+            return None
+        artifact, train_info = self.ensure_trained(run, get_method(run.method).trained_as)
+        preds = self.evaluate(run, artifact)
+        if self.dry_run:
+            return None
+        record = {
+            "key": run.key, "experiment": run.experiment, "kind": run.kind, "method": run.method,
+            "dataset": run.dataset, "seed": run.seed, "label_noise": run.label_noise,
+            "metrics": summarise_run(preds, run.eval_sets),
+            "metrics_without_posthoc": summarise_run(bare, run.eval_sets) if (bare := without_posthoc(preds)) else None,
+            "efficiency": {
+                "train_samples_per_s": json.loads((artifact / "manifest.json").read_text())["training"]["run"].get("samples_per_s"),
+                "train_peak_rss_mib": train_info.get("peak_rss_mib"),
+                "test_samples_per_s": preds["sets"][run.eval_sets[0]]["samples_per_s"],
+                "eval_peak_rss_mib": preds.get("eval_peak_rss_mib"),
+            },
+        }
+        if fits := posthoc_fits(preds["sets"], run.eval_sets):
+            record["posthoc"] = fits
+        self.add(record)
+        return record
+
+
+def posthoc_fits(sets: dict, eval_sets) -> list[dict]:
+    """The post-hoc fits behind a cell's predictions (Laplace: its prior precision and the fit's seconds), each with
+    the sets it predicted. An ood cell reads its in-distribution predictions from the id cell of the same trained
+    run, so those come from that cell's fit and the shifted streams from its own."""
+    fits: list[dict] = []
+    for dataset in eval_sets:
+        info = sets[dataset].get("posthoc")
+        if info is None:
+            continue
+        same = next((f for f in fits if {k: v for k, v in f.items() if k != "sets"} == info), None)
+        if same is None:
+            fits.append({**info, "sets": [dataset]})
+        else:
+            same["sets"].append(dataset)
+    return fits
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def run_grid(runner: Runner, todo: list[Run], jobs: int) -> None:
+    """Run the cells, ``jobs`` at a time. Cells that share a trained run (the id and ood cells of one training,
+    MC-Dropout and Laplace on MAP's) form one chain that a single worker runs in order; chains run side by side,
+    seed by seed (for each seed the clean-label chains, then the label-noise ones). A failed cell is logged and the
+    grid goes on."""
+    from tqdm import tqdm
+
+    chains: dict[str, list[Run]] = {}
+    for run in todo:
+        chains.setdefault(run.train_key(get_method(run.method).trained_as), []).append(run)
+    # Seed by seed: a grid stopped early has every method and experiment on its first seeds, not some methods on
+    # all seeds and others on none.
+    queue = sorted(chains.values(), key=lambda chain: (chain[0].seed, chain[0].label_noise > 0))
+    bar = tqdm(total=len(todo), desc="benchmark", unit="run", dynamic_ncols=True)
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not queue:
+                    return
+                chain = queue.pop(0)
+            for run in chain:
+                try:
+                    record = runner.run(run)
+                except RuntimeError as e:
+                    log.error("%s", e)
+                    record = None
+                with lock:
+                    if record:
+                        m = record["metrics"]
+                        tqdm.write(f"{run.key}: acc {m['accuracy']:.3f} ece {m['ece']:.3f} nll {m['nll']:.3f}")
+                    bar.update(1)
+
+    threads = [threading.Thread(target=worker, name=f"job-{i}") for i in range(min(jobs, len(queue)) or 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    bar.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ibedl.training.experiments.benchmark", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--only-methods", nargs="*", help="restrict to these methods")
+    parser.add_argument("--only-kinds", nargs="*", help="restrict to these experiment kinds (id, ood, noise)")
+    parser.add_argument("--runs-dir", help="where trained runs go (default runs/benchmark/<name>)")
+    parser.add_argument("--results", help="results JSON (default benchmarks/results/<name>.json)")
+    parser.add_argument("--report-only", action="store_true", help="only (re)write the report from the results")
+    parser.add_argument("--dry-run", action="store_true", help="list what would be trained and evaluated")
+    parser.add_argument("--jobs", type=positive_int, default=1,
+                        help="runs side by side, each in its own process with cores/jobs threads (default 1)")
+    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides of the benchmark config")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        config = apply_overrides(yaml_load(Path(args.config).read_text()), args.overrides)
+        runs = expand(config)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    name = config.get("name", Path(args.config).stem)
+    results = Path(args.results or f"benchmarks/results/{name}.json")
+    threads = max(1, (os.cpu_count() or 1) // args.jobs) if args.jobs > 1 else None
+    runner = Runner(config, Path(args.runs_dir or f"runs/benchmark/{name}"), results, args.dry_run, threads)
+    if not args.report_only:
+        todo = [r for r in runs if (not args.only_methods or r.method in args.only_methods)
+                and (not args.only_kinds or r.kind in args.only_kinds)]
+        run_grid(runner, todo, args.jobs)
+    if not args.dry_run and runner.results:
+        paths = write_report(runner.results, config, results.with_suffix(".md"), runner.root)
+        print(f"wrote {results} and {', '.join(str(p) for p in paths)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

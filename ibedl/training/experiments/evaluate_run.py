@@ -1,0 +1,148 @@
+"""One benchmark evaluation in its own process: an artifact, a method's predictive, several test sets.
+
+    python -m ibedl.training.experiments.evaluate_run --artifact DIR --method METHOD --dataset D [--dataset D2 ...] --output FILE
+
+The method's record says how the artifact predicts: its dropout-on passes (MC-Dropout on a MAP artifact)
+and its post-hoc step, fitted on the artifact's training data (Laplace: a KFAC posterior over the LoRA
+weights, the ``laplace`` extra). Writes, per dataset, the predictive probabilities, labels, uncertainty
+masses and test throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+
+import numpy as np
+
+from ibedl.core.artifact import atomic_write_text
+from ibedl.training import metrics
+
+
+def limits_for(limits: dict, dataset: str) -> dict:
+    return {**limits.get("default", {}), **limits.get(dataset, {})}
+
+
+VARIANTS = ("no_context",)
+
+
+def load_eval_set(spec: str, limit: int | None, seed: int = 0) -> list:
+    """Test questions of ``name`` or ``name:no_context`` (the same questions without their passage or article)."""
+    from ibedl.training.data import load_dataset
+
+    name, _, variant = spec.partition(":")
+    if variant and variant not in VARIANTS:
+        raise ValueError(f"unknown dataset variant {variant!r} in {spec!r}; known: {', '.join(VARIANTS)}")
+    questions = load_dataset(name, "test", limit=limit, seed=seed)
+    return [dataclasses.replace(q, context=None) for q in questions] if variant == "no_context" else questions
+
+
+def _auroc_pair(first: dict, ood: dict, keep_id, keep_ood) -> dict:
+    """AUROC by max probability (mp) and, for Dirichlet methods, by 1/u (um) on the kept questions."""
+    conf = lambda s, keep: np.array([max(p) for p, k in zip(s["probs"], keep) if k])  # noqa: E731
+    out = {"mp": metrics.auroc(conf(first, keep_id), conf(ood, keep_ood))}
+    if first["uncertainty"] is not None and ood["uncertainty"] is not None:
+        unc = lambda s, keep: -np.array([u for u, k in zip(s["uncertainty"], keep) if k])  # noqa: E731
+        out["um"] = metrics.auroc(unc(first, keep_id), unc(ood, keep_ood))
+    return out
+
+
+def summarise_run(preds: dict, eval_sets) -> dict:
+    """In-distribution metrics on the first set; OOD AUROC (ID positive) against each other set, on all questions
+    and with the option count matched (both sides restricted to the in-distribution set's most common count:
+    evidential scores shift with the number of options, so a count mismatch alone can separate the sets)."""
+    first = preds["sets"][eval_sets[0]]
+    out = metrics.summarise(first["probs"], first["labels"], first["uncertainty"])
+    counts_id = [len(p) for p in first["probs"]]
+    modal = max(set(counts_id), key=counts_id.count)
+    for other in eval_sets[1:]:
+        ood = preds["sets"][other]
+        for score, value in _auroc_pair(first, ood, [True] * len(counts_id), [True] * len(ood["probs"])).items():
+            out[f"ood/{other}/auroc_{score}"] = value
+        keep_ood = [len(p) == modal for p in ood["probs"]]
+        if sum(keep_ood) >= 10:
+            matched = _auroc_pair(first, ood, [c == modal for c in counts_id], keep_ood)
+            for score, value in matched.items():
+                out[f"ood/{other}/auroc_{score}_matched"] = value
+            out[f"ood/{other}/matched_options"] = modal
+            out[f"ood/{other}/matched_n"] = sum(keep_ood)
+        ood_metrics = metrics.summarise(ood["probs"], ood["labels"])
+        for key in ("accuracy", "ece", "nll"):
+            out[f"ood/{other}/{key}"] = ood_metrics[key]
+    return out
+
+
+def outputs(preds) -> dict:
+    """Probabilities (rounded to 7 digits) and uncertainty masses (None without a Dirichlet) of predictions."""
+    return {"probs": [[round(x, 7) for x in p.probs] for p in preds],
+            "uncertainty": None if preds[0].uncertainty is None else [p.uncertainty for p in preds]}
+
+
+def without_posthoc(preds: dict) -> dict | None:
+    """The predictions of a run with its post-hoc step undone (IB-EDL's zeta at 0), or None when it has none."""
+    sets = preds["sets"]
+    if not all("without_posthoc" in s for s in sets.values()):
+        return None
+    return {"sets": {name: {**s, **s["without_posthoc"]} for name, s in sets.items()}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ibedl.training.experiments.evaluate_run", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--artifact", required=True)
+    parser.add_argument("--method", required=True)
+    parser.add_argument("--dataset", action="append", required=True)
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--limits", default="{}", help="JSON {dataset|default: {test: N, train: N}}")
+    parser.add_argument("--method-params", default="{}", help="JSON of the method's hyper-parameters")
+    parser.add_argument("--batch-size", type=int, default=8)
+    args = parser.parse_args(argv)
+
+    from ibedl.core import prefix_cache
+    from ibedl.core.predictor import Predictor
+    from ibedl.training.evaluate import predict_all
+    from ibedl.training.finetune import posthoc_questions, run_questions
+    from ibedl.training.methods import get_method
+
+    limits = json.loads(args.limits)
+    method = get_method(args.method)
+    params = method.params(json.loads(args.method_params))
+    predictor = Predictor.from_artifact(args.artifact)
+    trained = (predictor.manifest.training or {}).get("config", {})
+    if trained.get("train_layers"):  # only the top layers were trained: the states below come from the cache
+        prefix_cache.attach(predictor, trained["train_layers"], predictor.manifest.base_model["sha256"])
+    if method.num_mc_samples(params):  # the predictive of a method trained as the artifact was (MC-Dropout on MAP)
+        predictor.mc_samples = method.num_mc_samples(params)
+        predictor.eval()
+    posthoc = None
+    if method.posthoc is not None:  # fitted on the questions the run trained and was calibrated on, as finetune does
+        cfg, train_q, val_q = run_questions(predictor.manifest.training)
+        fit_q = posthoc_questions(method, params, train_q, cfg.seed)
+        start = time.perf_counter()
+        predictor = method.posthoc.fit(predictor, fit_q, val_q, params)
+        # what the post-hoc step chose (Laplace's prior precision) and its cost, data loading left out
+        posthoc = {**(getattr(predictor, "posthoc_info", None) or {}), "fit_seconds": time.perf_counter() - start}
+    out = {"artifact": str(args.artifact), "method": args.method, "sets": {}}
+    for dataset in args.dataset:
+        questions = load_eval_set(dataset, limits_for(limits, dataset).get("test"))
+        preds, seconds = predict_all(predictor, questions, args.batch_size, progress=False)
+        out["sets"][dataset] = {**outputs(preds), "labels": [q.answer for q in questions],
+                                "samples_per_s": len(questions) / seconds}
+        if posthoc is not None:  # with every set: the benchmark caches predictions per set, and a cell's record
+            out["sets"][dataset]["posthoc"] = posthoc  # names the fit behind each of its sets
+        zeta = getattr(getattr(predictor, "head", None), "config", None)
+        if zeta is not None and getattr(zeta, "zeta", 0.0):  # IB-EDL's post-hoc zeta: also without it
+            fitted, zeta.zeta = zeta.zeta, 0.0
+            try:
+                out["sets"][dataset]["without_posthoc"] = outputs(predict_all(predictor, questions, args.batch_size,
+                                                                              progress=False)[0])
+            finally:
+                zeta.zeta = fitted
+    atomic_write_text(args.output, json.dumps(out))  # the runner takes a present file as finished
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

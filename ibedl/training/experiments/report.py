@@ -1,0 +1,280 @@
+"""Benchmark report in the paper's layout: Markdown tables (mean +- std over seeds, best in bold) for
+in-distribution calibration, OOD detection, label noise, ECE bin sensitivity and efficiency, plus
+reliability diagrams and risk-coverage plots as PNG."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from ibedl.training.methods import METHODS
+
+DATASET_NAMES = {"arc_easy": "ARC-E", "arc_challenge": "ARC-C", "obqa": "OBQA", "sciq": "SciQ", "race": "RACE",
+                 "csqa": "CSQA", "mmlu": "MMLU"}
+# metric key, label, higher is better, scale (x100 for percentages as in the paper)
+ID_METRICS = [("accuracy", "Acc (%) ↑", True, 100), ("ece", "ECE (%) ↓", False, 100), ("nll", "NLL ↓", False, 1),
+              ("brier", "Brier ↓", False, 1), ("aurc", "AURC ↓", False, 1), ("acc@80", "Acc@80% cov (%) ↑", True, 100),
+              ("acc@90", "Acc@90% cov (%) ↑", True, 100)]
+
+
+def dataset_name(spec: str) -> str:
+    """Display name of a dataset or a variant (``sciq:no_context`` -> ``SciQ (no passage)``)."""
+    name, _, variant = spec.partition(":")
+    return DATASET_NAMES.get(name, name) + (" (no passage)" if variant == "no_context" else f" ({variant})" if variant else "")
+
+
+# a cell record's efficiency columns: throughputs (questions/s) and peak memories (MiB RSS of the child process)
+EFFICIENCY_KEYS = ("train_samples_per_s", "test_samples_per_s", "train_peak_rss_mib", "eval_peak_rss_mib")
+NO_POSTHOC = ":no_posthoc"  # a method's row with its post-hoc step undone (IB-EDL with zeta = 0)
+
+
+def method_label(method: str) -> str:
+    """Display label of a method or its no-post-hoc row (``ib_edl:no_posthoc`` -> ``IB-EDL, ζ = 0``)."""
+    if method.endswith(NO_POSTHOC):
+        return f"{method_label(method[: -len(NO_POSTHOC)])}, ζ = 0"
+    return METHODS[method].label if method in METHODS else method
+
+
+def method_order(methods) -> list[str]:
+    """Registry order, each method's no-post-hoc row right after it."""
+    return [m for base in METHODS for m in (base, base + NO_POSTHOC) if m in methods]
+
+
+def method_metrics(results: list[dict], kind: str):
+    """(method, record, metrics) of a kind's results, plus a ``<method>:no_posthoc`` entry where one was measured."""
+    for r in results:
+        if r["kind"] == kind:
+            yield r["method"], r, r["metrics"]
+            if r.get("metrics_without_posthoc"):
+                yield r["method"] + NO_POSTHOC, r, r["metrics_without_posthoc"]
+
+
+def mean_std(values: list[float], scale: float, digits: int = 2) -> tuple[float, str]:
+    """Mean of ``values`` x ``scale`` and its text, ``mean ± population std`` over more than one value."""
+    arr = np.asarray(values, dtype=float) * scale
+    mean = float(arr.mean())
+    if len(arr) > 1:
+        return mean, f"{mean:.{digits}f} ± {arr.std(ddof=0):.{digits}f}"
+    return mean, f"{mean:.{digits}f}"
+
+
+def _table(rows: dict, columns: list[str], higher: bool, scale: float, header: list[str]) -> list[str]:
+    """rows[method][column] = list of values -> Markdown with the best mean per column in bold."""
+    methods = method_order(rows)
+    cells = {m: {c: mean_std(rows[m][c], scale) if rows[m].get(c) else (None, "–") for c in columns} for m in methods}
+    best = {}
+    for c in columns:
+        means = [cells[m][c][0] for m in methods if cells[m][c][0] is not None]
+        best[c] = (max(means) if higher else min(means)) if means else None
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for m in methods:
+        parts = []
+        for c in columns:
+            mean, text = cells[m][c]
+            parts.append(f"**{text}**" if mean is not None and np.isclose(mean, best[c]) else text)
+        lines.append(f"| {method_label(m)} | " + " | ".join(parts) + " |")
+    return lines
+
+
+def _group(results: list[dict], kind: str) -> dict:
+    grouped: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    for method, r, values in method_metrics(results, kind):
+        for key, value in values.items():
+            if isinstance(value, (int, float)) and value is not None and np.isfinite(value):
+                grouped[method][r["dataset"]][key].append(value)
+    return grouped
+
+
+def id_tables(results: list[dict], kind: str = "id", metric_list=ID_METRICS) -> list[str]:
+    grouped = _group(results, kind)
+    datasets = sorted({r["dataset"] for r in results if r["kind"] == kind}, key=lambda d: list(DATASET_NAMES).index(d) if d in DATASET_NAMES else 99)
+    lines = []
+    for key, label, higher, scale in metric_list:
+        rows = {m: {d: grouped[m][d].get(key, []) for d in datasets} for m in grouped}
+        lines += [f"**{label}**", ""] + _table(rows, datasets, higher, scale, ["Method"] + [dataset_name(d) for d in datasets]) + [""]
+    return lines
+
+
+def ood_tables(results: list[dict]) -> list[str]:
+    runs = [r for r in results if r["kind"] == "ood"]
+    if not runs:
+        return []
+    source = dataset_name(runs[0]["dataset"])
+    lines = []
+    for suffix, title in (("", "all questions"), ("_matched", "option count matched")):
+        rows: dict = defaultdict(lambda: defaultdict(list))
+        columns = []
+        for method, r, values in method_metrics(results, "ood"):
+            for key, value in values.items():
+                if key.startswith("ood/") and key.endswith((f"auroc_mp{suffix}", f"auroc_um{suffix}")):
+                    rows[method][key].append(value)
+                    if key not in columns:
+                        columns.append(key)
+        if not columns:
+            continue
+        columns.sort()
+        header = ["Method"] + [f"{source} → {dataset_name(c.split('/')[1])} {'MP' if 'auroc_mp' in c else 'UM'}" for c in columns]
+        note = ""
+        if suffix:
+            counts = {r["metrics"].get(f"{c.rsplit('/', 1)[0]}/matched_options") for r in runs for c in columns}
+            note = f" Both sides restricted to {', '.join(str(c) for c in sorted(counts - {None}))}-option questions."
+        lines += [f"AUROC (%) ↑, {title}; in-distribution is the positive class; MP = max probability, UM = 1/u "
+                  f"(methods without a Dirichlet have no UM).{note}", ""] + _table(rows, columns, True, 100, header) + [""]
+    return lines
+
+
+def ece_bins_table(results: list[dict]) -> list[str]:
+    grouped = _group(results, "id")
+    rows = {m: {f"ece_{b}": [v for d in grouped[m] for v in grouped[m][d].get(f"ece_{b}", [])] for b in (10, 15, 25, 35)}
+            for m in grouped}
+    return ["ECE (%) ↓ with 10/15/25/35 bins, averaged over in-distribution datasets and seeds.", ""] + _table(
+        rows, [f"ece_{b}" for b in (10, 15, 25, 35)], False, 100, ["Method", "10 bins", "15 bins", "25 bins", "35 bins"]) + [""]
+
+
+def efficiency_table(results: list[dict]) -> list[str]:
+    keys = EFFICIENCY_KEYS
+    rows: dict = defaultdict(lambda: defaultdict(list))
+    for r in results:
+        for key in keys:
+            value = r.get("efficiency", {}).get(key)
+            if value:
+                rows[r["method"]][key].append(value)
+    methods = [m for m in METHODS if m in rows]
+    mean = {m: {k: float(np.mean(rows[m][k])) if rows[m][k] else None for k in keys} for m in methods}
+    ref = mean.get("map", {})
+
+    def cell(m: str, k: str, fmt: str) -> str:
+        value = mean[m][k]
+        if value is None:
+            return "–"
+        ratio = f" ({value / ref[k]:.2f}x)" if ref.get(k) else ""
+        return f"{value:{fmt}}{ratio}"
+
+    lines = ["| Method | Train samples/s | Test samples/s | Peak train memory (MiB RSS) | Peak test memory (MiB RSS) |",
+             "|---|---|---|---|---|"]
+    for m in methods:
+        lines.append(f"| {method_label(m)} | {cell(m, keys[0], '.2f')} | {cell(m, keys[1], '.2f')} | {cell(m, keys[2], '.0f')} | "
+                     f"{cell(m, keys[3], '.0f')} |")
+    return ["Means over the grid's runs, with the ratio to MAP in brackets. MC-Dropout and Laplace reuse the MAP "
+            "training run (their train columns repeat MAP's); Ens trains its members one after another; Laplace's test "
+            "column leaves out its post-hoc fit (below). Runs side by side (`--jobs`) share the cores, and with "
+            "`train_layers` the first run on a seed's questions (MAP's) also fills the prefix cache the others read: "
+            "`python -m benchmarks.method_efficiency` measures one run at a time.", ""] + lines + [""]
+
+
+def posthoc_table(results: list[dict]) -> list[str]:
+    """What each post-hoc fit chose (Laplace's prior precision), what it cost and which cells and sets use it: an
+    ood cell's in-distribution predictions come from its id cell's fit, its shifted streams from its own."""
+    fits: dict = {}
+    for r in sorted(results, key=lambda r: (list(METHODS).index(r["method"]), r["seed"], r["label_noise"], r["key"])):
+        for fit in r.get("posthoc") or []:
+            info = {k: v for k, v in fit.items() if k != "sets"}
+            row = fits.setdefault((r["method"], r["seed"], r["label_noise"], json.dumps(info, sort_keys=True)),
+                                  {"info": info, "cells": [], "sets": []})
+            row["cells"] += [r["key"]] if r["key"] not in row["cells"] else []
+            row["sets"] += [d for d in fit["sets"] if d not in row["sets"]]
+    if not fits:
+        return []
+
+    def number(value, fmt: str) -> str:
+        return "–" if value is None else f"{value:{fmt}}"
+
+    lines = ["| Cells | Sets | Prior | Prior precision | Validation NLL | Validation NLL without it | Fit (s) |",
+             "|---|---|---|---|---|---|---|"]
+    for row in fits.values():
+        p = row["info"]
+        edge = f" (grid {p['at_grid_edge']})" if p.get("at_grid_edge") else ""
+        lines.append(f"| {', '.join(row['cells'])} | {', '.join(row['sets'])} | {p.get('prior', '–')} | "
+                     f"{number(p.get('prior_precision'), '.3g')}{edge} | {number(p.get('validation_nll'), '.3f')} | "
+                     f"{number(p.get('validation_nll_map'), '.3f')} | {number(p.get('fit_seconds'), '.0f')} |")
+    return ["Laplace's fits: the prior precision (`validation`: the grid value whose predictive has the lowest NLL on "
+            "the run's validation questions; *grid top* means the narrowest posterior on the grid won, a predictive "
+            "within a hair of MAP's) and the fit's seconds (curvature and prior choice, data loading left out). Each "
+            "evaluation fits its own posterior: an ood cell reads its in-distribution predictions from the id cell "
+            "of the same training run and fits again for the shifted streams.", ""] + lines + [""]
+
+
+def plots(results: list[dict], runs_root: Path, out_dir: Path) -> list[Path]:
+    """Per in-distribution dataset (seed of the first run): risk-coverage of every method, and a
+    reliability diagram per method. A plot whose predictions are no longer on disk (the runs of another machine)
+    is kept as drawn before, and so is the risk-coverage plot unless every method's predictions are there."""
+    from ibedl.training.plots import reliability_diagram, risk_coverage_plot
+
+    paths = []
+    by_dataset: dict = defaultdict(dict)
+    wanted: dict = defaultdict(list)
+    for r in results:
+        if r["kind"] != "id" or r["method"] in wanted[r["dataset"]]:
+            continue
+        wanted[r["dataset"]].append(r["method"])
+        trained = METHODS[r["method"]].trained_as
+        pred_path = runs_root / f"{r['dataset']}-{trained}-s{r['seed']}" / f"predictions-{r['method']}-{r['dataset']}.json"
+        if pred_path.is_file():  # written by ibedl.training.experiments.benchmark (Runner.evaluate)
+            by_dataset[r["dataset"]][r["method"]] = json.loads(pred_path.read_text())
+    for dataset, names in wanted.items():
+        methods = by_dataset[dataset]
+        curves = {}
+        for method in [m for m in METHODS if m in names]:
+            path = out_dir / f"reliability-{dataset}-{method}.png"
+            if method not in methods:
+                paths += [path] if path.is_file() else []
+                continue
+            s = methods[method]
+            conf = [max(p) for p in s["probs"]]
+            hits = [float(int(np.argmax(p)) == y) for p, y in zip(s["probs"], s["labels"])]
+            curves[method_label(method)] = (conf, hits)
+            paths.append(reliability_diagram(s["probs"], s["labels"], path,
+                                             title=f"{method_label(method)} on {DATASET_NAMES.get(dataset, dataset)}"))
+        path = out_dir / f"risk-coverage-{dataset}.png"
+        if curves and (len(curves) == len(names) or not path.is_file()):
+            paths.append(risk_coverage_plot(curves, path,
+                                            title=f"Selective prediction on {DATASET_NAMES.get(dataset, dataset)} (score: max prob)"))
+        elif path.is_file():
+            paths.append(path)
+    return paths
+
+
+def coverage_table(results: list[dict]) -> list[str]:
+    """Which seeds each method has per experiment: a grid that is still running (or was stopped) says so."""
+    kinds = [k for k in ("id", "ood", "noise") if any(r["kind"] == k for r in results)]
+    seeds = defaultdict(list)
+    for r in results:
+        seeds[(r["method"], r["kind"])].append(r["seed"])
+    lines = ["| Method | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
+    for m in [m for m in METHODS if any(r["method"] == m for r in results)]:
+        lines.append(f"| {method_label(m)} | " + " | ".join(", ".join(map(str, sorted(set(seeds[(m, k)])))) or "–" for k in kinds) + " |")
+    return ["Seeds in this file per method and experiment (a missing seed has not run yet).", ""] + lines + [""]
+
+
+def write_report(results: list[dict], config: dict, path: Path, runs_root: Path | None = None) -> list[Path]:
+    """Write the Markdown report (and PNGs beside it when the runs' predictions exist)."""
+    path = Path(path)
+    seeds = sorted({r["seed"] for r in results})
+    lines = [f"# Benchmark: {config.get('name', path.stem)}", "",
+             f"Base model `{config.get('train', {}).get('base_model', '?')}`; seeds {seeds}; "
+             f"mean ± std over seeds; best mean in bold. Command: `python -m ibedl.training.experiments.benchmark --config "
+             f"{config.get('config_path', 'benchmarks/' + config.get('name', path.stem) + '.yaml')}`.", ""]
+    lines += ["## Runs", ""] + coverage_table(results)
+    if any(r["kind"] == "id" for r in results):
+        lines += ["## In-distribution calibration", ""] + id_tables(results) + ["## ECE bin sensitivity", ""] + ece_bins_table(results)
+    if any(r["kind"] == "ood" for r in results):
+        lines += ["## Out-of-distribution detection", ""] + ood_tables(results)
+    if any(r["kind"] == "noise" for r in results):
+        fraction = next(r["label_noise"] for r in results if r["kind"] == "noise")
+        lines += [f"## Label noise ({fraction:.0%} of training labels moved; clean test data)", ""]
+        lines += id_tables(results, "noise", ID_METRICS[:3])
+    lines += ["## Efficiency", ""] + efficiency_table(results)
+    if posthoc := posthoc_table(results):
+        lines += ["## Post-hoc steps", ""] + posthoc
+    written = [path]
+    if runs_root is not None:
+        images = plots(results, Path(runs_root), path.parent / f"{path.stem}-plots")
+        if images:
+            lines += ["## Plots", ""] + [f"![{p.stem}]({p.parent.name}/{p.name})" for p in images] + [""]
+            written += images
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return written

@@ -1,0 +1,538 @@
+"""Fine-tune a LoRA adapter and an option head with one of the registry's methods; write an artifact.
+
+    python -m ibedl.training.finetune --config ibedl/training/configs/smollm2_science_ib_edl.yaml [key.sub=value ...]
+    accelerate launch --multi_gpu --num_processes 4 -m ibedl.training.finetune --config ...   (ibedl.training.distributed)
+
+The loop is written out (no Trainer) on an accelerate Accelerator (DDP/FSDP, gradient accumulation,
+autocast): seeded data order, AdamW with warmup + cosine decay, gradient clipping, a progress bar with loss
+and throughput, periodic validation, then the artifact: PEFT files, head safetensors and a manifest with
+validation/test metrics, abstention thresholds and a drift reference sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import random
+import shlex
+import sys
+import time
+from collections import Counter
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tqdm import tqdm
+
+from ibedl.core.artifact import PEFT_TASK_TYPE, Manifest, files_sha256, save_head, write_manifest
+from ibedl.core.base_model import load_base_model, resolve_model
+from ibedl.core.head import CentredEvidence, HeadConfig, build_head
+from ibedl.core.model_card import write_card
+from ibedl.core.predictor import Predictor, fits, lm_head_rows
+from ibedl.core.prompt import MCQuestion, option_token_ids
+from ibedl.training.calibrate import CalibrationConfig, apply_sections, calibrate_predictor
+from ibedl.training.config import TRACKERS, DataPart, TrainConfig, config_keys_help, load_config
+from ibedl.training.distributed import OptionScorer, flatten, make_accelerator, numbers, process_device, reset_accelerator
+from ibedl.training.evaluate import EvalResult, evaluate
+from ibedl.training.methods import LossContext, Method, get_method
+from ibedl.core import prefix_cache
+from ibedl.training import warm_start
+
+log = logging.getLogger("ibedl.training.finetune")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def subset_seed(cfg: TrainConfig) -> int:
+    """The seed that picks the training subsets: ``data.subset_seed``, else the run's seed."""
+    return cfg.seed if cfg.data.subset_seed is None else cfg.data.subset_seed
+
+
+def load_parts(parts: list[DataPart], role: str, cfg: TrainConfig | None = None) -> list[MCQuestion]:
+    """The questions of ``parts`` for ``role``: training subsets drawn with the run's seed and label noise (``cfg``
+    required), validation and test subsets with seed 0 and clean labels."""
+    from ibedl.training.data import load_dataset
+
+    if role == "train" and cfg is None:
+        raise ValueError("training parts need the run's config (subset seed, label noise)")
+    questions: list[MCQuestion] = []
+    for part in parts:
+        train = role == "train"
+        questions += load_dataset(
+            part.dataset,
+            part.split or role,
+            path=part.path,
+            limit=part.limit,
+            seed=subset_seed(cfg) if train else 0,
+            label_noise=cfg.data.label_noise if train else 0.0,
+            noise_seed=cfg.data.noise_seed if train else 0,
+        )
+    return questions
+
+
+def run_questions(training: dict) -> tuple[TrainConfig, list[MCQuestion], list[MCQuestion]]:
+    """A trained run's config and its training and validation questions, from its manifest's ``training`` section:
+    drawn with the run's seeds and label noise, those too long for ``max_tokens`` left out, as when it trained."""
+    cfg = TrainConfig(**training["config"])
+    train_q = load_parts(cfg.data.train, "train", cfg)
+    val_q = load_parts(cfg.data.validation, "validation", cfg)
+    train_q, val_q, _, _ = drop_unfit(cfg, train_q, val_q, [])
+    return cfg, train_q, val_q
+
+
+def posthoc_questions(method: Method, params: dict, train_q: list[MCQuestion], seed: int) -> list[MCQuestion]:
+    """The training questions a method's post-hoc step is fitted on: ``num_samples`` of them drawn with ``seed``."""
+    return random.Random(seed).sample(train_q, min(method.posthoc.num_samples(params), len(train_q)))
+
+
+def length_grouped_batches(questions: list[MCQuestion], batch_size: int, rng: random.Random, group: int = 32) -> list[list[int]]:
+    """Shuffled batches of indices; within windows of ``group`` batches, similar lengths go together
+    (less padding on long-context data, still a random order)."""
+    order = list(range(len(questions)))
+    rng.shuffle(order)
+    size = lambda i: len(questions[i].context or "") + len(questions[i].question) + sum(map(len, questions[i].options))  # noqa: E731
+    window = batch_size * group
+    batches = []
+    for start in range(0, len(order), window):
+        chunk = sorted(order[start : start + window], key=size)
+        batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+def micro_batches(idx: list[int], parts: int) -> list[list[int]]:
+    """One optimizer step's questions in ``parts`` contiguous near-equal micro-batches (gradient accumulation), so
+    a step sees the same questions whatever it is split into; a part left empty (a step shorter than ``parts``,
+    at the end of an epoch) repeats the step's last question."""
+    size, extra = divmod(len(idx), parts)
+    bounds = [i * size + min(i, extra) for i in range(parts + 1)]
+    return [idx[a:b] or idx[-1:] for a, b in zip(bounds, bounds[1:])]
+
+
+def lr_lambda(schedule: str, total: int, warmup: int):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if schedule == "constant":
+            return 1.0
+        frac = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 1.0 - frac if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
+
+    return f
+
+
+def build(cfg: TrainConfig, method: Method, device: str | None = None):
+    """Base model with LoRA, the method's head initialised from the LM head's option rows, a Predictor; loaded
+    on ``device`` (default ``cfg.device``)."""
+    from peft import LoraConfig, get_peft_model
+
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 training at TF32 matmul speed on Ampere+
+        torch.backends.cudnn.allow_tf32 = True
+    resolved = resolve_model(cfg.base_model)
+    # Mixed precision keeps float32 weights and lets autocast run the matmuls in half precision.
+    dtype = DTYPES[cfg.dtype] if cfg.dtype else (torch.float32 if cfg.mixed_precision != "no" else None)
+    model, tokenizer = load_base_model(resolved, device=device or cfg.device, dtype=dtype, load_in_4bit=cfg.load_in_4bit)
+    if cfg.load_in_4bit:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    ids = option_token_ids(tokenizer, cfg.num_rows)
+    rows = lm_head_rows(model, ids)
+    source = None
+    if cfg.init_from:  # warm start (ibedl.training.warm_start): the source's option rows replace the LM head's
+        source = warm_start.read_source(cfg.init_from, resolved.sha256, ids, cfg.lora)
+        rows = warm_start.source_rows(cfg.init_from, source).to(rows.device)
+    params = method.params(cfg.method_params)
+    head_config = HeadConfig(kind=method.head, num_rows=cfg.num_rows, hidden_size=rows.shape[1], offset=method.offset(params),
+                             centre_options=cfg.centre_options, evidence_scale=cfg.evidence_scale)
+    head = build_head(head_config, rows).to(model.device)
+    lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+                      target_modules=list(cfg.lora.targets), bias="none", task_type=PEFT_TASK_TYPE)
+    model = get_peft_model(model, lora)  # adapter_config.json names the base by resolved.ref (load_base_model)
+    warm = None
+    if source is not None:
+        same_kind = source.head_config().kind == head_config.kind
+        if same_kind:
+            warm_start.load_head_tensors(head, cfg.init_from)
+        warm = {"path": str(cfg.init_from), "name": source.name, "version": source.version, "method": source.method,
+                "lora_tensors": warm_start.load_lora(model, cfg.init_from), "head": "all" if same_kind else "rows"}
+        log.info("warm start from %s (%s): LoRA and head %s", cfg.init_from, source.method, warm["head"])
+    predictor = Predictor(model, tokenizer, head, template=cfg.template, max_tokens=cfg.max_tokens)
+    if cfg.train_layers is not None:  # only the top layers learn: freeze the rest and read their output from the cache
+        frozen = prefix_cache.freeze_below(model, prefix_cache.check_train_layers(model, cfg.train_layers))
+        prefix_cache.attach(predictor, cfg.train_layers, resolved.sha256)
+        log.info("train_layers %d: %d LoRA tensors below frozen", cfg.train_layers, frozen)
+    return predictor, resolved, ids, params, warm
+
+
+def drop_unfit(cfg: TrainConfig, train_q, val_q, test_q):
+    """Leave out questions whose prompt exceeds max_tokens even without their passage (logged and counted)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(cfg.base_model).path)
+    kept, dropped = [], {}
+    for role, questions in (("train", train_q), ("validation", val_q), ("test", test_q)):
+        fit = [q for q in questions if fits(tokenizer, cfg.template, cfg.max_tokens, q)]
+        dropped[role] = len(questions) - len(fit)
+        if dropped[role]:
+            log.warning("%d %s questions do not fit max_tokens=%d even without a passage; left out",
+                        dropped[role], role, cfg.max_tokens)
+        kept.append(fit)
+    if not kept[0] or not kept[1]:
+        raise ValueError(f"no training or validation question fits max_tokens={cfg.max_tokens}")
+    return (*kept, dropped)
+
+
+def fit_member(cfg: TrainConfig, method: Method, params: dict, train_q, val_q, member_dir: Path, seed: int,
+               history_path: Path, member: int, accelerator: Accelerator) -> dict:
+    """Train one adapter + head (one ensemble member, or the only one) and save it into ``member_dir``.
+
+    Every process runs this. A step draws processes x batch_size x gradient_accumulation_steps questions (the
+    batch one process with that batch size would draw), splits them into micro-batches and each micro-batch
+    between the processes (ibedl.training.distributed).
+    """
+    set_seed(seed)
+    predictor, resolved, ids, _, warm = build(cfg, method, device=process_device(cfg, accelerator))
+    model, head = predictor.model, predictor.head
+    rng = random.Random(seed)
+    accumulation = cfg.optim.gradient_accumulation_steps
+    global_batch = cfg.optim.batch_size * accelerator.num_processes * accumulation  # questions per optimizer step
+    steps_per_epoch = math.ceil(len(train_q) / global_batch)
+    total = cfg.optim.max_steps or max(1, math.ceil(steps_per_epoch * cfg.optim.epochs))
+    warmup = max(1, int(cfg.optim.warmup_ratio * total))
+    lora_params = [p for p in model.parameters() if p.requires_grad]
+    if not cfg.train_evidence_bias and isinstance(head, CentredEvidence):
+        getattr(head, head.bias_name).requires_grad_(False)
+    head_params = [p for p in head.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        [{"params": lora_params}, {"params": head_params, "lr": cfg.optim.head_lr or cfg.optim.lr}],
+        lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim.schedule, total, warmup))
+    clip = cfg.optim.clip_grad_norm if cfg.optim.clip_grad_norm is not None else method.clip_grad_norm
+    trainable = sum(p.numel() for p in lora_params + head_params)
+    log.info("method %s %s; member %d; %d trainable parameters; %d steps (warmup %d) of %d questions "
+             "(%d processes x batch %d x accumulation %d)", method.name, params, member, trainable, total, warmup,
+             global_batch, accelerator.num_processes, cfg.optim.batch_size, accumulation)
+
+    def batches():
+        epoch = 0
+        while True:
+            for b in length_grouped_batches(train_q, global_batch, rng):
+                yield epoch, b
+            epoch += 1
+
+    stream = batches()
+    member_path = member_dir.relative_to(history_path.parent)  # "." or members/<i>
+    suffix = "" if member_path == Path(".") else f"/{member_path}"  # tracker keys: train/loss, validation/nll, ...
+    if isinstance(head, CentredEvidence) and cfg.evidence_bias != "none" and not (warm and warm["head"] == "all"):
+        # Centre the pre-evidence on the first batches: the letter logits start near +17 (see EvidentialHead).
+        with torch.no_grad():
+            model.eval()
+            probe = [train_q[i] for i in rng.sample(range(len(train_q)), min(16, len(train_q)))]
+            enc = predictor.encode(probe)
+            bias = head.init_bias_from(predictor.hidden(enc), enc.option_mask.to(model.device))
+            if cfg.evidence_bias != "center":
+                bias = head.set_bias(bias + float(cfg.evidence_bias))
+            log.info("head bias initialised to %.3f", bias)
+    # One process: the same module and optimizer back. Several: DDP (or FSDP) around trunk and head together.
+    scorer, optimizer = accelerator.prepare(OptionScorer(predictor), optimizer)
+    device = predictor.device
+    if accelerator.num_processes > 1:  # each process its own dropout masks (seed + process index)
+        set_seed(seed, device_specific=True)
+    generator = torch.Generator(device=device).manual_seed(seed + accelerator.process_index)
+    scorer.train()
+    seen, running, t0 = 0, None, time.perf_counter()
+    desc = f"train {method.name}" + (f" [{member}]" if member else "")
+    bar = tqdm(total=total, desc=desc, unit="step", disable=not (cfg.progress and accelerator.is_main_process),
+               dynamic_ncols=True)
+    for step in range(total):
+        context = LossContext(progress=step / total, generator=generator)
+        epoch, idx = next(stream)
+        stats = []
+        for micro in micro_batches(idx, accumulation):
+            # This process's contiguous share (padded with the last question when it does not divide evenly).
+            with accelerator.split_between_processes(micro, apply_padding=True) as share:
+                batch_q = [train_q[i] for i in share]
+            with accelerator.accumulate(scorer):
+                enc = predictor.encode(batch_q).to(device)
+                y = torch.tensor([q.answer for q in batch_q], device=device)
+                out = scorer(enc.input_ids, enc.attention_mask, enc.last_index, enc.option_mask)
+                parts = method.loss(out, y, enc.option_mask, params, context)
+                loss = parts["loss"].mean()
+                stats.append(accelerator.reduce(step_stats(loss, parts, out, y), "mean"))  # the global batch's means
+                if not torch.isfinite(stats[-1][0]):
+                    raise FloatingPointError(f"loss is {stats[-1][0].item()} at step {step}; lower optim.lr or check the data")
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    grad_norm = accelerator.clip_grad_norm_(scorer.parameters(), clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        seen += len(idx)
+        if not accelerator.optimizer_step_was_skipped:  # fp16: a step with inf gradients is skipped
+            scheduler.step()
+        values = dict(zip(stat_names(parts, out), torch.stack(stats).mean(0).tolist()))
+        running = values["loss"] if running is None else 0.95 * running + 0.05 * values["loss"]
+        rate = seen / (time.perf_counter() - t0)
+        bar.set_postfix(loss=f"{running:.4f}", samples_s=f"{rate:.2f}", epoch=epoch)
+        bar.update(1)
+        record = {"member": member, "step": step + 1, "epoch": epoch, "loss": values.pop("loss"),
+                  "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm), **values}
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < total:
+            val = evaluate(predictor, val_q[: cfg.eval_limit], cfg.eval_batch_size, progress=False, accelerator=accelerator)
+            record["validation"] = {k: val.metrics[k] for k in ("accuracy", "ece", "nll", "brier")}
+            if accelerator.is_main_process:
+                tqdm.write(f"step {step + 1}: validation " + " ".join(f"{k} {v:.4f}" for k, v in record["validation"].items()))
+            scorer.train()
+        if accelerator.is_main_process:
+            with history_path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        scalars = {f"train{suffix}": {k: v for k, v in record.items() if k not in ("member", "step", "validation")},
+                   f"validation{suffix}": record.get("validation", {})}
+        accelerator.log(numbers(flatten(scalars)), step=step + 1)
+    bar.close()
+    seconds = time.perf_counter() - t0
+    save_member(accelerator, scorer, member_dir)
+    accelerator.free_memory()  # the accelerator lets go of this member's model and optimizer
+    return {"seconds": seconds, "samples": seen, "steps": total, "samples_per_s": seen / seconds,
+            "trainable_parameters": trainable, "seed": seed, "processes": accelerator.num_processes,
+            "global_batch_size": global_batch, "resolved": resolved, "ids": ids,
+            "head": head.config.to_dict(), "device": str(predictor.device), "init_from": warm}
+
+
+def step_stats(loss: torch.Tensor, parts: dict, out, y: torch.Tensor) -> torch.Tensor:
+    """(K,) float32 statistics of one batch, in the order of :func:`stat_names`: loss, batch accuracy, the loss's
+    other parts, and for Dirichlet heads the mean strength and uncertainty (inflation: strength up, u down;
+    collapse: alpha -> 1)."""
+    values = [loss.detach(), (out.probs.argmax(-1) == y).float().mean()]
+    values += [v.detach().mean() for k, v in parts.items() if k != "loss"]
+    if out.alpha is not None:
+        values += [out.alpha.detach().sum(-1).mean(), out.uncertainty.detach().mean()]
+    return torch.stack([v.float() for v in values])
+
+
+def stat_names(parts: dict, out) -> list[str]:
+    return ["loss", "batch_accuracy", *(k for k in parts if k != "loss"),
+            *(("strength", "uncertainty") if out.alpha is not None else ())]
+
+
+def save_member(accelerator: Accelerator, scorer: torch.nn.Module, member_dir: Path) -> None:
+    """PEFT adapter files and head safetensors, written by the main process. Every process takes part in
+    ``get_state_dict`` (under FSDP it gathers the shards); under DDP and one process it is the module's own."""
+    state = accelerator.get_state_dict(scorer)
+    if accelerator.is_main_process:
+        scorer = accelerator.unwrap_model(scorer)
+        member_dir.mkdir(parents=True, exist_ok=True)
+        # save_embedding_layers=False: the base's embeddings are not trained, and PEFT would otherwise ask the Hub
+        # whether the base reference names a repo there (a network timeout on an offline machine)
+        scorer.model.save_pretrained(member_dir, safe_serialization=True, state_dict=_part(state, "model."),
+                                     save_embedding_layers=False)
+        save_head(member_dir, scorer.head, state_dict=_part(state, "head."))
+
+
+def _part(state: dict, prefix: str) -> dict:
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def ceiling(method: str, params: dict, train_q: list[MCQuestion]) -> dict | None:
+    """The method's confidence ceiling (IB-EDL's, ibedl.training.confidence_ceiling) at the training data's most
+    common option count; None for a method without one."""
+    record = get_method(method)
+    if record.confidence_ceiling is None:
+        return None
+    counts = Counter(len(q.options) for q in train_q)
+    result = record.confidence_ceiling(params, counts.most_common(1)[0][0])
+    if result is not None:
+        log.info("%s confidence ceiling: %.3f (%d options)", record.label, result["confidence"], result["num_options"])
+    return result
+
+
+def train(cfg: TrainConfig, command: str = "") -> Path:
+    """Run one fine-tuning job (M jobs for an ensemble, then a post-hoc step if the method has one);
+    returns the artifact directory.
+
+    Metrics, zeta and thresholds are computed on the artifact as saved and reloaded, so what is
+    measured is exactly what the service will load. Under several processes (``accelerate launch``) all of
+    them train; the main process alone then calibrates, evaluates and writes the manifest, so every method
+    runs there as it does in one process (Laplace's post-hoc fit included).
+    """
+    method = get_method(cfg.method)
+    params = method.params(cfg.method_params)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    accelerator = make_accelerator(cfg)
+    if cfg.track:
+        accelerator.init_trackers(cfg.name, config=flatten(cfg.to_dict(), sep="."))
+    started = time.time()
+    train_q, val_q, test_q = load_splits(cfg)
+    out_dir = Path(cfg.output)
+    history_path = start_history(out_dir) if accelerator.is_main_process else out_dir / "history.jsonl"
+    dirs = member_dirs(method, params)
+    with accelerator.main_process_first():  # one process converts a base model the cache lacks; the others reuse it
+        resolve_model(cfg.base_model)
+    train_q, val_q, test_q, dropped = drop_unfit(cfg, train_q, val_q, test_q)
+    runs = [fit_member(cfg, method, params, train_q, val_q, out_dir / d, cfg.seed + 1000 * i, history_path, i, accelerator)
+            for i, d in enumerate(dirs)]
+    if accelerator.is_main_process:
+        manifest = loadable_manifest(cfg, method, params, dirs, runs[0])
+        write_manifest(out_dir, manifest)  # complete enough to load; metrics follow
+        predictor = load_trained(cfg, method, params, out_dir, train_q, val_q)
+        sections, metrics = calibrate_and_evaluate(cfg, method, predictor, val_q, test_q)
+        training = training_record(cfg, method, params, command, runs, started, sections, dropped, train_q, predictor)
+        complete_manifest(manifest, predictor, sections, metrics, training)
+        write_manifest(out_dir, manifest)
+        write_card(out_dir, manifest)
+        if cfg.track:  # the final metrics as scalars, the manifest as text
+            accelerator.log({**numbers(flatten({"final": manifest.metrics})),
+                             "manifest": (out_dir / "manifest.json").read_text()}, step=runs[0]["steps"])
+    accelerator.end_training()
+    reset_accelerator()  # the next train() in this process may want another device or precision
+    return out_dir
+
+
+def load_splits(cfg: TrainConfig) -> tuple[list[MCQuestion], list[MCQuestion], list[MCQuestion]]:
+    """The configured train, validation and test questions (test may be empty)."""
+    train_q = load_parts(cfg.data.train, "train", cfg)
+    val_q = load_parts(cfg.data.validation, "validation", cfg)
+    test_q = load_parts(cfg.data.test, "test", cfg) if cfg.data.test else []
+    log.info("data: %d train, %d validation, %d test", len(train_q), len(val_q), len(test_q))
+    return train_q, val_q, test_q
+
+
+def start_history(out_dir: Path) -> Path:
+    """Create the artifact directory and an empty ``history.jsonl`` (one line per step, every member)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    history_path = out_dir / "history.jsonl"
+    history_path.write_text("")
+    return history_path
+
+
+def member_dirs(method: Method, params: dict) -> list[str]:
+    """Adapter sub-directories: "." for a single adapter, members/<i> for an ensemble."""
+    members = method.num_members(params)
+    return ["."] if members == 1 else [f"members/{i}" for i in range(members)]
+
+
+def loadable_manifest(cfg: TrainConfig, method: Method, params: dict, dirs: list[str], first: dict) -> Manifest:
+    """The manifest of the trained members, before calibration: enough for Predictor.from_artifact, with the
+    sha256 of the weight files just saved."""
+    return Manifest(
+        name=cfg.name, version=cfg.version, method=method.name, method_config=params,
+        base_model=first["resolved"].identity(), head=first["head"], option_token_ids=first["ids"],
+        prompt={"template": cfg.template, "max_tokens": cfg.max_tokens}, members=dirs,
+        mc_samples=method.num_mc_samples(params), files=files_sha256(cfg.output, dirs),
+    )
+
+
+def load_trained(cfg: TrainConfig, method: Method, params: dict, out_dir: Path, train_q: list[MCQuestion],
+                 val_q: list[MCQuestion]) -> Predictor:
+    """The artifact as the service will load it, with the method's post-hoc step fitted (e.g. Laplace:
+    a posterior over the saved adapter, its prior chosen on ``val_q``, so metrics use its predictive)."""
+    dtype = DTYPES[cfg.dtype] if cfg.dtype else None
+    predictor = Predictor.from_artifact(out_dir, base_model=cfg.base_model, device=cfg.device, dtype=dtype,
+                                        load_in_4bit=cfg.load_in_4bit)
+    prefix_cache.attach(predictor, cfg.train_layers, resolve_model(cfg.base_model).sha256)
+    if method.posthoc is not None:
+        fit_q = posthoc_questions(method, params, train_q, cfg.seed)
+        log.info("post-hoc %s on %d training questions", method.name, len(fit_q))
+        predictor = method.posthoc.fit(predictor, fit_q, val_q, params)
+    return predictor
+
+
+def calibrate_and_evaluate(cfg: TrainConfig, method: Method, predictor: Predictor, val_q: list[MCQuestion],
+                           test_q: list[MCQuestion]) -> tuple[dict, dict]:
+    """Manifest sections from calibration and the validation (and test) metrics, in that order.
+
+    Post-hoc step (IB-EDL's zeta), OOD gate, risk-controlled abstention, conformal sets and the drift
+    reference: the same code as python -m ibedl.training.calibrate, on the validation split.
+    """
+    calibration = CalibrationConfig(target_accuracy=cfg.target_accuracy, posthoc=method.head == "ib_edl" and cfg.fit_zeta,
+                                    reference_size=cfg.reference_size, seed=cfg.seed)
+    sections = calibrate_predictor(predictor, val_q, calibration, cfg.eval_batch_size, progress=cfg.progress)
+    val = evaluate(predictor, val_q, cfg.eval_batch_size, progress=cfg.progress, desc="validation")
+    test = evaluate(predictor, test_q, cfg.eval_batch_size, progress=cfg.progress, desc="test") if test_q else None
+    return sections, {"validation": val.metrics, **({"test": test.metrics} if test else {})}
+
+
+def run_record(runs: list[dict], started: float) -> dict:
+    """Time, samples and throughput of the run (per member for an ensemble)."""
+    not_run = ("resolved", "ids", "head", "init_from")  # recorded elsewhere in the manifest
+    run = {k: v for k, v in runs[0].items() if k not in not_run}
+    if len(runs) > 1:
+        run = {"members": [{k: v for k, v in r.items() if k not in not_run} for r in runs],
+               "seconds": sum(r["seconds"] for r in runs), "samples": sum(r["samples"] for r in runs),
+               "samples_per_s": sum(r["samples"] for r in runs) / sum(r["seconds"] for r in runs)}
+    run["wall_seconds"] = time.time() - started
+    return run
+
+
+def training_record(cfg: TrainConfig, method: Method, params: dict, command: str, runs: list[dict], started: float,
+                    sections: dict, dropped: dict, train_q: list[MCQuestion], predictor: Predictor) -> dict:
+    """The manifest's ``training`` section: how the artifact was produced."""
+    run = run_record(runs, started)
+    return {
+        "command": command,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "config": cfg.to_dict(),
+        "data": {role: [vars(p) for p in getattr(cfg.data, role)] for role in ("train", "validation", "test")},
+        "label_noise": cfg.data.label_noise,
+        "lora": vars(cfg.lora),
+        "zeta": sections["calibration"]["posthoc"] if method.head == "ib_edl" and cfg.fit_zeta else None,
+        "posthoc": getattr(predictor, "posthoc_info", None),  # what a post-hoc step chose (Laplace's prior)
+        "dropped_too_long": dropped,
+        "run": run,
+        "confidence_ceiling": ceiling(method.name, params, train_q),
+        "init_from": runs[0]["init_from"],
+        "device": str(predictor.device),
+        "torch": torch.__version__,
+    }
+
+
+def complete_manifest(manifest: Manifest, predictor: Predictor, sections: dict, metrics: dict, training: dict) -> None:
+    """Fill the loadable manifest's remaining sections: head as calibrated, training, metrics, calibration."""
+    manifest.training = training
+    manifest.metrics = metrics
+    apply_sections(manifest, predictor.head.config.to_dict(), sections)
+    manifest.calibration.update({"dataset": "the run's validation data", "split": "validation"})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ibedl.training.finetune", description=__doc__.split("\n\n")[0],
+                                     epilog=config_keys_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML config (ibedl/training/configs/*.yaml)")
+    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, values in YAML syntax")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--track", choices=TRACKERS, help="log losses, metrics and the manifest to this tracker "
+                        "under track_dir (default runs/); the same as the override track=NAME")
+    args = parser.parse_args(argv)
+    main_process = int(os.environ.get("RANK", "0")) == 0  # accelerate launch / torchrun number the processes
+    logging.basicConfig(level=logging.INFO if main_process else logging.WARNING,
+                        format="%(asctime)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(args.config, args.overrides + ([f"track={args.track}"] if args.track else []))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.quiet:
+        cfg.progress = False
+    command = "python -m ibedl.training.finetune " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    try:
+        out = train(cfg, command)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not main_process:
+        return 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    print(json.dumps({"artifact": str(out), "metrics": manifest["metrics"], "abstention": manifest["abstention"]}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""What a method is, in one record: its head and training objective, its hyper-parameters, how many adapters
+it trains, its predictive (dropout passes) and an optional post-hoc step fitted after training."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ibedl.core.head import HeadPrediction
+
+
+@dataclass
+class LossContext:
+    """What a loss may need beyond outputs and targets.
+
+    Attributes:
+        progress: fraction of training done, in [0, 1] (for annealed regularisers).
+        generator: RNG for sampling losses (IB-EDL), seeded by the training loop.
+    """
+
+    progress: float = 1.0
+    generator: torch.Generator | None = None
+
+
+LossFn = Callable[[HeadPrediction, torch.Tensor, torch.Tensor, dict, LossContext], dict]
+
+
+@dataclass(frozen=True)
+class PostHoc:
+    """A step fitted on training questions once the adapter is saved; its predictor replaces the artifact's.
+
+    Attributes:
+        fit: ``fit(predictor, questions, validation, params) -> predictor``, fitted on the training ``questions``
+            with any hyper-parameter chosen on the ``validation`` questions; the returned object answers ``predict``
+            and ``eval`` like :class:`ibedl.core.predictor.Predictor` (``ibedl.training.evaluate`` runs it unchanged).
+        samples: the hyper-parameter holding how many training questions it is fitted on.
+    """
+
+    fit: Callable
+    samples: str = "fit_samples"
+
+    def num_samples(self, params: dict) -> int:
+        return int(params[self.samples])
+
+
+@dataclass(frozen=True)
+class Method:
+    """A training method of the registry.
+
+    Attributes:
+        name: registry key (``map``, ``edl``, ``ib_edl``, ...).
+        head: head kind in ``ibedl.core.head.HEADS``.
+        loss: ``loss(out, y, mask, params, ctx) -> {"loss": (B,), <parts>: (B,)}``.
+        defaults: hyper-parameters with their default values; a config may override them.
+        clip_grad_norm: gradient clipping (20 for the EDL family as in the paper, 1 otherwise).
+        head_offset: alpha = evidence + offset, from ``params`` key when a str, else the number.
+        check: ``check(params)`` raises ValueError naming a bad hyper-parameter value (optional).
+        label: the method's short name in reports (``IB-EDL``).
+        members: adapters trained with seeds seed, seed + 1000, ... and averaged (a deep ensemble);
+            from ``params`` when a str, else the number.
+        mc_samples: the predictive's forward passes with dropout on (MC-Dropout), 0 for one deterministic
+            pass; from ``params`` when a str, else the number.
+        posthoc: a :class:`PostHoc` step fitted after training (Laplace), or None.
+        confidence_ceiling: ``f(params, num_options) -> dict | None``, the highest confidence the
+            objective allows at that option count (IB-EDL), or None when it has no ceiling.
+        reuses: a method whose training run is the same as this one's (``map`` for MC-Dropout and
+            Laplace); the benchmark trains that run once and evaluates both on it.
+    """
+
+    name: str
+    head: str
+    loss: LossFn
+    defaults: dict = field(default_factory=dict)
+    clip_grad_norm: float = 1.0
+    head_offset: float | str = 1.0
+    check: Callable[[dict], None] | None = None
+    label: str = ""
+    members: int | str = 1
+    mc_samples: int | str = 0
+    posthoc: PostHoc | None = None
+    confidence_ceiling: Callable[[dict, int], dict | None] | None = None
+    reuses: str | None = None
+
+    def params(self, overrides: dict | None = None) -> dict:
+        """Defaults updated by ``overrides``; unknown keys are an error naming them."""
+        overrides = dict(overrides or {})
+        unknown = sorted(set(overrides) - set(self.defaults))
+        if unknown:
+            raise ValueError(f"method {self.name!r} has no hyper-parameters {unknown}; known: {sorted(self.defaults)}")
+        params = {**self.defaults, **overrides}
+        if self.check is not None:
+            self.check(params)
+        return params
+
+    @property
+    def trained_as(self) -> str:
+        """The method whose training run this one evaluates (itself unless it ``reuses`` another's)."""
+        return self.reuses or self.name
+
+    def offset(self, params: dict) -> float:
+        return float(_value(self.head_offset, params))
+
+    def num_members(self, params: dict) -> int:
+        members = int(_value(self.members, params))
+        if members < 1:
+            raise ValueError(f"members must be >= 1, got {members}")
+        return members
+
+    def num_mc_samples(self, params: dict) -> int:
+        return int(_value(self.mc_samples, params))
+
+
+def _value(spec: float | int | str, params: dict):
+    """A record field that is a number, or the name of the hyper-parameter that holds it."""
+    return params[spec] if isinstance(spec, str) else spec

@@ -1,0 +1,17 @@
+"""EDL: MSE Bayes risk of Dir(softplus(z) + 1) plus an annealed KL that removes wrong-option evidence.
+
+References:
+    Sensoy, Kaplan, Kandemir. Evidential Deep Learning to Quantify Classification Uncertainty. NeurIPS 2018.
+"""
+
+from ibedl.training.losses import annealing, edl_kl_regulariser, mse_bayes_risk
+from ibedl.training.methods.base import Method
+
+
+def edl_loss(out, y, mask, params, ctx):
+    risk = mse_bayes_risk(out.alpha, y, mask)
+    kl = edl_kl_regulariser(out.alpha, y, mask)
+    return {"loss": risk + annealing(ctx.progress, params["kl_weight"]) * kl, "risk": risk, "kl": kl}
+
+
+METHOD = Method(name="edl", label="EDL", head="evidential", loss=edl_loss, defaults={"kl_weight": 1.0}, clip_grad_norm=20.0)

@@ -1,0 +1,12 @@
+"""MC-Dropout: trained as MAP; predicts the mean softmax of ``mc_samples`` forward passes with the LoRA
+dropout layers left on.
+
+References:
+    Gal and Ghahramani. Dropout as a Bayesian Approximation. ICML 2016.
+"""
+
+from ibedl.training.methods.base import Method
+from ibedl.training.methods.map import map_loss
+
+METHOD = Method(name="mc_dropout", label="MCD", head="softmax", loss=map_loss, defaults={"mc_samples": 10},
+                mc_samples="mc_samples", reuses="map")

@@ -1,5 +1,0 @@
-"""The FastAPI service: POST /predict answers multiple-choice questions with Dirichlet uncertainty,
-abstains when unsure, and exposes health, model metadata, drift and Prometheus metrics.
-
-It depends on ``evidential`` only, never on ``training``.
-"""

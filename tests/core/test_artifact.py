@@ -1,0 +1,173 @@
+"""ibedl.core.artifact versions and weight hashes, and python -m ibedl.core.migrate on real committed artifacts."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ibedl.core import migrate as migrate_cli
+from ibedl.core.artifact import (MIGRATIONS, SCHEMA_VERSION, ArtifactError, Manifest, check_artifact, migrate,
+                                 read_manifest)
+from ibedl.core.model_card import render_card
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMITTED = [ROOT / "artifacts" / name for name in ("default", "map", "map-twin")]
+CACHE_PATH = "/root/.cache/ibedl/models/smollm2-135m-instruct-b179c9523d0e"  # what version 1 artifacts carried
+
+
+def committed(name: str = "default") -> dict:
+    return json.loads((ROOT / "artifacts" / name / "manifest.json").read_text())
+
+
+def as_version_1(data: dict, ref: str | None = None) -> dict:
+    """The same adapter's manifest as schema version 1 wrote it: ``"extra": {}`` in head, no ``files`` nor
+    ``limitations``, and (``ref``) base_model.ref as a run given the conversion-cache directory recorded it."""
+    v1 = copy.deepcopy(data)
+    v1["schema_version"] = 1
+    v1["head"]["extra"] = {}
+    del v1["files"], v1["limitations"]
+    if ref is not None:
+        v1["base_model"]["ref"] = ref
+    return v1
+
+
+class TestVersions:
+    def test_the_committed_manifests_are_the_current_version(self):
+        assert SCHEMA_VERSION == 2 and sorted(MIGRATIONS) == list(range(1, SCHEMA_VERSION))
+        for directory in COMMITTED:
+            assert json.loads((directory / "manifest.json").read_text())["schema_version"] == SCHEMA_VERSION
+
+    def test_version_1_is_migrated_when_read(self, tmp_path, caplog):
+        v2 = committed()
+        (tmp_path / "manifest.json").write_text(json.dumps(as_version_1(v2, ref=CACHE_PATH)))
+        with caplog.at_level(logging.WARNING, logger="ibedl.core.artifact"):
+            manifest = read_manifest(tmp_path)
+        assert f"python -m ibedl.core.migrate {tmp_path}" in caplog.text
+        assert "schema_version 1, read as 2" in caplog.text
+        assert manifest.schema_version == SCHEMA_VERSION
+        assert "extra" not in manifest.head and manifest.head == v2["head"]
+        assert manifest.base_model == v2["base_model"]  # the cache path became the known name
+        assert manifest.base_model_ref().ref == "smollm2-135m-instruct"
+        assert manifest.files == {} and manifest.limitations == []
+        assert {k: v for k, v in manifest.to_dict().items() if k not in ("files", "limitations")} == \
+            {k: v for k, v in v2.items() if k not in ("files", "limitations")}
+
+    def test_version_1_without_ref_gets_the_name(self):
+        v1 = as_version_1(committed("map"))
+        del v1["base_model"]["ref"]
+        assert Manifest.from_dict(v1).base_model_ref().ref == "smollm2-135m-instruct"
+
+    def test_migration_leaves_its_input_alone(self):
+        v1 = as_version_1(committed(), ref=CACHE_PATH)
+        before = copy.deepcopy(v1)
+        migrate(v1)
+        assert v1 == before
+
+    def test_a_newer_version_asks_for_a_newer_ibedl(self):
+        with pytest.raises(ArtifactError, match=r"schema_version 3 is newer than this ibedl reads \(2\): upgrade "
+                                                r"ibedl \(pip install -U ibedl\)"):
+            Manifest.from_dict({**committed(), "schema_version": 3})
+
+    @pytest.mark.parametrize("version", [None, 0, "2", True, 1.0])
+    def test_an_unknown_version_names_it_and_what_is_read(self, version):
+        data = {k: v for k, v in committed().items() if k != "schema_version"}
+        if version is not None:
+            data["schema_version"] = version
+        with pytest.raises(ArtifactError, match=rf"schema_version is {version!r}; this ibedl reads versions 1 to 2 "
+                                                r".*python -m ibedl.core.migrate DIR"):
+            Manifest.from_dict(data)
+
+    def test_constructing_another_version_directly_is_refused(self):
+        with pytest.raises(ArtifactError, match="schema_version 1 is not 2"):
+            Manifest(**{**committed(), "schema_version": 1})
+
+
+class TestFiles:
+    def test_weights_are_checked_against_the_recorded_sha256(self, tmp_path):
+        copy_dir = tmp_path / "default"
+        shutil.copytree(ROOT / "artifacts" / "default", copy_dir)
+        manifest = check_artifact(copy_dir, verify=True)
+        assert sorted(manifest.files) == ["adapter_model.safetensors", "head.safetensors"]
+        head = copy_dir / "head.safetensors"
+        head.write_bytes(head.read_bytes()[:-1] + bytes([head.read_bytes()[-1] ^ 1]))
+        check_artifact(copy_dir)  # loading alone does not hash
+        with pytest.raises(ArtifactError, match=r"weight files \['head.safetensors'\] differ from the sha256"):
+            check_artifact(copy_dir, verify=True)
+
+
+def downgrade(directory: Path) -> None:
+    """Turn a committed artifact copy back into what schema version 1 training wrote: its manifest, the
+    adapter_config.json naming the training machine's cache path without a task type, no model card."""
+    (directory / "manifest.json").write_text(json.dumps(as_version_1(committed(directory.name)), indent=2) + "\n")
+    config = json.loads((directory / "adapter_config.json").read_text())
+    config.update(base_model_name_or_path=CACHE_PATH, task_type=None)
+    (directory / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    (directory / "README.md").unlink()
+
+
+class TestMigrateCommand:
+    def test_committed_artifacts_are_in_the_current_format(self, capsys):
+        """What CI checks: manifests, adapter configs and model cards are what the migration writes."""
+        assert migrate_cli.main([*map(str, COMMITTED), "--check"]) == 0, capsys.readouterr().err
+        for directory in COMMITTED:
+            config = json.loads((directory / "adapter_config.json").read_text())
+            assert config["base_model_name_or_path"] == "smollm2-135m-instruct" and config["task_type"] == "CAUSAL_LM"
+            assert (directory / "README.md").read_text() == render_card(read_manifest(directory))
+
+    @pytest.mark.parametrize("name", ["default", "map"])
+    def test_a_version_1_artifact_becomes_the_committed_one_without_touching_weights(self, name, tmp_path, capsys):
+        source, target = ROOT / "artifacts" / name, tmp_path / name
+        shutil.copytree(source, target)
+        downgrade(target)
+        weights = {p.name: p.read_bytes() for p in target.glob("*.safetensors")}
+        assert migrate_cli.main([str(target), "--check"]) == 1
+        capsys.readouterr()
+        assert migrate_cli.main([str(target)]) == 0
+        report = json.loads(capsys.readouterr().out)[0]["changes"]
+        assert report[0] == "manifest.json: schema_version 1 -> 2; sha256 of 2 weight files recorded"
+        assert f"adapter_config.json: base_model_name_or_path {CACHE_PATH!r} -> 'smollm2-135m-instruct'" in report
+        assert {p.name: p.read_bytes() for p in target.glob("*.safetensors")} == weights
+        assert (target / "adapter_config.json").read_bytes() == (source / "adapter_config.json").read_bytes()
+        migrated, expected = json.loads((target / "manifest.json").read_text()), committed(name)
+        assert migrated["limitations"] == [] and migrated == {**expected, "limitations": []}
+        assert (target / "README.md").read_text() == render_card(read_manifest(target))
+        assert migrate_cli.main([str(target)]) == 0 and json.loads(capsys.readouterr().out)[0]["changes"] == []
+
+    def test_changed_weights_are_refused(self, tmp_path, capsys):
+        target = tmp_path / "map"
+        shutil.copytree(ROOT / "artifacts" / "map", target)
+        (target / "adapter_model.safetensors").write_bytes(b"not the trained weights")
+        assert migrate_cli.main([str(target)]) == 2
+        assert "['adapter_model.safetensors'] differ from the sha256" in capsys.readouterr().err
+
+    def test_another_task_type_is_refused(self, tmp_path, capsys):
+        target = tmp_path / "map"
+        shutil.copytree(ROOT / "artifacts" / "map", target)
+        config = json.loads((target / "adapter_config.json").read_text())
+        (target / "adapter_config.json").write_text(json.dumps({**config, "task_type": "SEQ_CLS"}))
+        assert migrate_cli.main([str(target)]) == 2
+        assert "task_type 'SEQ_CLS'" in capsys.readouterr().err
+
+
+def test_plain_peft_loads_a_trained_adapter_by_its_config(tiny_artifact):
+    """adapter_config.json names the base by the manifest's portable ref with task_type CAUSAL_LM, and a plain
+    PeftModel.from_pretrained on that base restores exactly the saved LoRA tensors."""
+    import torch
+    from peft import PeftModel, PeftModelForCausalLM, get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from ibedl.core.base_model import load_base_model, resolve_model
+
+    config = json.loads((tiny_artifact / "adapter_config.json").read_text())
+    assert config["task_type"] == "CAUSAL_LM"
+    assert config["base_model_name_or_path"] == read_manifest(tiny_artifact).base_model_ref().ref
+    model, _ = load_base_model(resolve_model(config["base_model_name_or_path"]), device="cpu")
+    peft_model = PeftModel.from_pretrained(model, tiny_artifact)
+    assert isinstance(peft_model, PeftModelForCausalLM)
+    saved, state = load_file(tiny_artifact / "adapter_model.safetensors"), get_peft_model_state_dict(peft_model)
+    assert set(state) == set(saved) and all(torch.equal(state[k], saved[k]) for k in saved)

@@ -1,0 +1,147 @@
+"""Inference backends: the switch, the export cache, int8 group compression (tiny model; real model in
+tests/integration/test_backends_real.py)."""
+
+import numpy as np
+import pytest
+import torch
+
+from ibedl.core import backends
+from ibedl.core.backends import check_backend, compress_int8_groups, native_bf16, openvino_trunk
+from ibedl.core.base_model import load_base_model, resolve_model
+from ibedl.core.head import HeadConfig, build_head
+from ibedl.core.predictor import Predictor, lm_head_rows
+from ibedl.core.prompt import MCQuestion, option_token_ids
+
+ov = pytest.importorskip("openvino")
+
+QUESTIONS = [
+    MCQuestion("What do plants need?", ("sunlight", "sand", "salt", "iron")),
+    MCQuestion("Read the passage. What did the boy buy?", ("apples", "bread", "milk"),
+               context="The boy went to the market to buy apples and bread for his mother. " * 2),
+]
+
+
+def test_unknown_backend_is_named():
+    assert check_backend("openvino") == "openvino"
+    with pytest.raises(ValueError, match="unknown inference backend 'onnx'; choose one of torch, openvino"):
+        check_backend("onnx")
+    with pytest.raises(ValueError, match="'tensorrt'"):
+        Predictor.from_artifact("no/such/artifact", backend="tensorrt")  # checked before anything loads
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir, tmp_path_factory):
+    from peft import LoraConfig, get_peft_model
+
+    model, tok = load_base_model(resolve_model(tiny_model_dir), device="cpu")
+    rows = lm_head_rows(model, option_token_ids(tok, 26))
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    artifact = tmp_path_factory.mktemp("adapter")
+    model.save_pretrained(artifact)
+    head = build_head(HeadConfig("ib_edl", 26, rows.shape[1]), rows)
+    return Predictor(model, tok, head, template="plain-v1", max_tokens=256).eval(), artifact
+
+
+def test_openvino_trunk_matches_torch_and_is_exported_once(tiny, monkeypatch):
+    predictor, artifact = tiny
+    batch = predictor.encode(QUESTIONS)
+    with torch.no_grad():
+        expected = predictor.hidden(batch)
+    trunk = openvino_trunk(predictor.model, predictor.tokenizer, artifact, ".", "base-sha", "openvino-fp32")
+    torch.testing.assert_close(trunk(batch), expected, rtol=1e-4, atol=1e-4)  # LoRA merged, same last token
+
+    def no_export(*args, **kwargs):
+        raise AssertionError("the cached IR should have been reused")
+
+    monkeypatch.setattr(backends, "_export", no_export)
+    again = openvino_trunk(predictor.model, predictor.tokenizer, artifact, ".", "base-sha", "openvino-fp32")
+    assert again.path == trunk.path
+    with pytest.raises(AssertionError, match="reused"):  # another base model is another key
+        openvino_trunk(predictor.model, predictor.tokenizer, artifact, ".", "other-sha", "openvino-fp32")
+
+
+
+def test_bf16_runs_the_fp32_ir_in_bfloat16(tiny, monkeypatch):
+    predictor, artifact = tiny
+    if not native_bf16():
+        with pytest.raises(ValueError, match="needs a CPU with native bfloat16"):
+            openvino_trunk(predictor.model, predictor.tokenizer, artifact, ".", "base-sha", "openvino-bf16")
+        return
+    batch = predictor.encode(QUESTIONS)
+    with torch.no_grad():
+        expected = predictor.hidden(batch)
+    fp32 = openvino_trunk(predictor.model, predictor.tokenizer, artifact, ".", "base-sha", "openvino-fp32")
+    monkeypatch.setattr(backends, "_export", lambda *a, **k: pytest.fail("bf16 should reuse the fp32 IR"))
+    bf16 = openvino_trunk(predictor.model, predictor.tokenizer, artifact, ".", "base-sha", "openvino-bf16")
+    assert bf16.path == fp32.path
+    assert bf16.compiled.get_property("INFERENCE_PRECISION_HINT").to_string() == "bf16"
+    got = bf16(batch)
+    # bfloat16 keeps 8 significant bits: close to fp32, and not equal to it (the hint took effect)
+    scale = expected.abs().max()
+    assert float((got - expected).abs().max() / scale) < 0.05
+    assert not torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_predictor_answers_through_the_backend_trunk(tiny):
+    predictor, artifact = tiny
+    with torch.no_grad():
+        reference = predictor.predict(QUESTIONS)
+    predictor.trunk = openvino_trunk(predictor.model, predictor.tokenizer, artifact, ".", "base-sha", "openvino-fp32")
+    try:
+        with torch.no_grad():
+            served = predictor.predict(QUESTIONS)
+    finally:
+        predictor.trunk = None
+    for a, b in zip(reference, served):
+        assert a.letter == b.letter
+        assert a.probs == pytest.approx(b.probs, abs=1e-4)
+        assert a.uncertainty == pytest.approx(b.uncertainty, abs=1e-4)
+
+
+def test_int8_groups_replace_linear_weights_within_a_step():
+    import openvino.opset13 as ops
+
+    rng = np.random.default_rng(0)
+    weight = rng.normal(size=(8, 128)).astype(np.float32)
+    x = ops.parameter([-1, 128], ov.Type.f32)
+    model = ov.Model([ops.matmul(x, ops.constant(weight), False, True)], [x])
+    assert compress_int8_groups(model, 64) == 1
+    inputs = rng.normal(size=(3, 128)).astype(np.float32)
+    compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"})
+    out = compiled([inputs])[0]
+    step = (np.ptp(weight.reshape(8, 2, 64), -1) / 255).max()
+    assert np.abs(out - inputs @ weight.T).max() <= step * np.abs(inputs).sum(1).max() / 2 + 1e-4
+    assert compress_int8_groups(model, 64) == 0  # already int8: nothing left to replace
+
+
+def test_backends_refuse_mc_dropout_and_ensembles(tiny):
+    predictor, artifact = tiny
+    predictor.mc_samples = 4
+    try:
+        with pytest.raises(ValueError, match="MC-Dropout and ensembles need IBEDL_BACKEND=torch"):
+            backends.build_trunk("openvino", predictor, artifact, "base-sha")
+    finally:
+        predictor.mc_samples = 0
+    assert backends.build_trunk("torch", predictor, artifact, "base-sha") is None
+
+
+def test_torch_is_the_default_and_auto_picks_openvino_fp32_on_the_cpu(tiny, monkeypatch):
+    from ibedl.serve.settings import Settings
+
+    monkeypatch.delenv("IBEDL_BACKEND", raising=False)
+    assert Settings().backend == backends.DEFAULT_BACKEND == "torch"
+    predictor, artifact = tiny
+    monkeypatch.setattr(backends, "openvino_trunk", lambda *args: args[-1])  # the backend it was asked for
+    try:
+        assert backends.build_trunk("auto", predictor, artifact, "base-sha") == backends.AUTO_CPU_BACKEND
+        assert predictor.backend == backends.AUTO_CPU_BACKEND == "openvino-fp32"
+        predictor.mc_samples = 4  # MC-Dropout (and ensembles, CUDA) fall back to torch instead of failing
+        assert backends.build_trunk("auto", predictor, artifact, "base-sha") is None
+        assert predictor.backend == "torch"
+        predictor.mc_samples = 0
+        monkeypatch.setitem(__import__("sys").modules, "openvino", None)  # not installed: torch
+        assert backends.choose_backend("auto", predictor) == "torch"
+        assert backends.choose_backend("openvino", predictor) == "openvino"  # a named backend is kept
+    finally:
+        predictor.mc_samples = 0
+        predictor.backend = "torch"

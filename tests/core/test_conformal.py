@@ -1,0 +1,98 @@
+"""Conformal prediction sets: scores against their closed forms, the quantile's rank, and coverage on
+synthetic exchangeable data with 2..26 options."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from ibedl.core.conformal import (
+    alpha_key,
+    calibrate_quantiles,
+    conformal_quantile,
+    label_scores,
+    option_scores,
+    prediction_set,
+)
+
+
+class TestScores:
+    def test_lac_is_one_minus_probability(self):
+        p = [0.5, 0.2, 0.3]
+        assert option_scores(p, "lac") == pytest.approx([0.5, 0.8, 0.7])
+
+    def test_aps_is_the_mass_ranked_above_plus_half_its_own(self):
+        p = [0.2, 0.5, 0.3]  # ranked B (0.5), C (0.3), A (0.2)
+        assert option_scores(p, "aps") == pytest.approx([0.8 + 0.1, 0.25, 0.5 + 0.15])
+
+    def test_label_scores_mix_option_counts(self):
+        probs = [[0.7, 0.3], [0.1, 0.2, 0.3, 0.4], [1 / 26] * 26]
+        s = label_scores(probs, [1, 3, 25], "lac")
+        assert s == pytest.approx([0.7, 0.6, 1 - 1 / 26])
+
+    @pytest.mark.parametrize("bad", [[0.5], [[0.5, 0.5]]])
+    def test_one_question_needs_two_options(self, bad):
+        with pytest.raises(ValueError, match="C >= 2"):
+            option_scores(bad, "lac")
+
+    def test_unknown_score_and_label_outside_options_are_refused(self):
+        with pytest.raises(ValueError, match="'raps'"):
+            option_scores([0.5, 0.5], "raps")
+        with pytest.raises(ValueError, match="label 2 of question 0"):
+            label_scores([[0.5, 0.5]], [2], "lac")
+
+
+class TestQuantile:
+    def test_rank_is_ceil_n_plus_one_times_one_minus_alpha(self):
+        scores = np.arange(1, 20) / 20  # n = 19
+        # ceil(20 * 0.9) = 18 -> the 18th smallest
+        assert conformal_quantile(scores, 0.1) == pytest.approx(18 / 20)
+        assert conformal_quantile(scores, 0.5) == pytest.approx(10 / 20)
+
+    def test_too_few_scores_for_alpha_give_infinity(self):
+        assert math.isinf(conformal_quantile([0.1, 0.2, 0.3], 0.1))  # ceil(4 * 0.9) = 4 > 3
+
+    @pytest.mark.parametrize("alpha", [0, 1, -0.1, True])
+    def test_alpha_outside_zero_one_is_refused(self, alpha):
+        with pytest.raises(ValueError, match="alpha must be in"):
+            conformal_quantile([0.1, 0.2], alpha)
+
+    def test_calibrate_quantiles_writes_none_for_infinity(self):
+        q = calibrate_quantiles([[0.9, 0.1]] * 5, [0] * 5, [0.01, 0.5])
+        assert q["lac"][alpha_key(0.01)] is None
+        assert q["lac"]["0.5"] == pytest.approx(0.1)
+
+
+class TestSets:
+    def test_set_is_options_under_quantile_most_probable_first(self):
+        assert prediction_set([0.1, 0.6, 0.3], 0.75, "lac") == [1, 2]
+        assert prediction_set([0.1, 0.6, 0.3], 0.8, "aps") == [1, 2]  # scores 0.95, 0.3, 0.75
+
+    def test_never_empty(self):
+        assert prediction_set([0.4, 0.35, 0.25], 0.1, "lac") == [0]
+
+    def test_infinite_quantile_keeps_every_option(self):
+        assert sorted(prediction_set([0.4, 0.35, 0.25], math.inf, "aps")) == [0, 1, 2]
+
+    @pytest.mark.parametrize("score", ["lac", "aps"])
+    @pytest.mark.parametrize("alpha", [0.05, 0.2])
+    def test_marginal_coverage_on_exchangeable_data(self, score, alpha):
+        """Labels drawn from a known categorical model (2..26 options): averaged over random splits, the true
+        answer's score is under the quantile between 1 - alpha and 1 - alpha + 1/(n + 1) of the time (up to
+        simulation noise), and the served sets (never empty) cover at least that."""
+        rng = np.random.default_rng(0)
+        n_cal, n_test, splits = 300, 300, 60
+        coverage, exact = [], []
+        for _ in range(splits):
+            counts = rng.integers(2, 27, size=n_cal + n_test)
+            probs = [rng.dirichlet(np.full(c, 0.5)) for c in counts]
+            labels = [int(rng.choice(len(p), p=p)) for p in probs]
+            q = conformal_quantile(label_scores(probs[:n_cal], labels[:n_cal], score), alpha)
+            hits = [y in prediction_set(p, q, score) for p, y in zip(probs[n_cal:], labels[n_cal:])]
+            coverage.append(np.mean(hits))
+            exact.append(np.mean(label_scores(probs[n_cal:], labels[n_cal:], score) <= q))
+        noise = 3 * math.sqrt(alpha * (1 - alpha) / (n_test * splits)) + 3 * math.sqrt(alpha / (n_cal * splits))
+        assert 1 - alpha - noise <= np.mean(exact) <= 1 - alpha + 1 / (n_cal + 1) + noise
+        assert np.mean(coverage) >= np.mean(exact)

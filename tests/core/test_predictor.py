@@ -1,0 +1,107 @@
+import pytest
+import torch
+
+from ibedl.core.base_model import load_base_model, resolve_model
+from ibedl.core.head import HeadConfig, build_head
+from ibedl.core.predictor import Predictor, PromptTooLongError, fits, lm_head_rows
+from ibedl.core.prompt import MCQuestion, option_token_ids
+
+QUESTIONS = [
+    MCQuestion("What do plants need?", ("sunlight", "sand", "salt", "iron")),
+    MCQuestion("Which planet is closest to the sun?", ("Mercury", "Venus", "Earth")),
+    MCQuestion("Read the passage. What did the boy buy?", ("apples", "bread", "milk", "eggs", "rice"),
+               context="The boy went to the market to buy apples and bread for his mother. " * 3),
+]
+
+
+@pytest.fixture(scope="module")
+def predictor(tiny_model_dir):
+    resolved = resolve_model(tiny_model_dir)
+    model, tok = load_base_model(resolved, device="cpu")
+    ids = option_token_ids(tok, 26)
+    head = build_head(HeadConfig("ib_edl", 26, model.config.hidden_size), lm_head_rows(model, ids))
+    return Predictor(model, tok, head, template="plain-v1", max_tokens=256)
+
+
+def test_last_token_hidden_equals_full_forward(predictor):
+    # The option-rows path must equal the LM's own next-token logits at the last real position.
+    enc = predictor.encode(QUESTIONS)
+    h = predictor.hidden(enc)
+    ids = option_token_ids(predictor.tokenizer, 5)
+    with torch.no_grad():
+        for i in range(len(QUESTIONS)):
+            n = int(enc.attention_mask[i].sum())
+            full = predictor.model(input_ids=enc.input_ids[i : i + 1, :n]).logits[0, -1, ids]
+            torch.testing.assert_close(h[i] @ lm_head_rows(predictor.model, ids).T, full, rtol=1e-4, atol=1e-4)
+
+
+def test_batch_invariance(predictor):
+    together = predictor.predict(QUESTIONS)
+    alone = [predictor.predict([q])[0] for q in QUESTIONS]
+    for a, b in zip(together, alone):
+        assert a.letter == b.letter
+        assert a.probs == pytest.approx(b.probs, abs=1e-5)
+        assert a.uncertainty == pytest.approx(b.uncertainty, abs=1e-5)
+
+
+def test_prediction_invariants(predictor):
+    for q, p in zip(QUESTIONS, predictor.predict(QUESTIONS)):
+        assert p.num_options == q.num_options
+        assert sum(p.probs) == pytest.approx(1.0, abs=1e-5)
+        assert sum(p.belief) + p.uncertainty == pytest.approx(1.0, abs=1e-5)
+        for pj, bj in zip(p.probs, p.belief):
+            assert pj == pytest.approx(bj + p.uncertainty / q.num_options, abs=1e-6)
+        assert p.confidence == max(p.probs)
+        assert len(p.sigma) == q.num_options
+
+
+def test_long_context_is_truncated_or_rejected(tiny_model_dir, predictor):
+    q = MCQuestion("What did the boy buy?", ("apples", "bread"), context="word " * 2000)
+    short = Predictor(predictor.model, predictor.tokenizer, predictor.heads, "plain-v1", max_tokens=64)
+    enc = short.encode([q])
+    assert enc.input_ids.shape[1] <= 64
+    with pytest.raises(PromptTooLongError, match="the limit is 64"):
+        short.encode([q], truncate_context=False)
+    assert short.count_tokens(q) > 64
+
+
+def test_question_too_long_even_without_context(predictor):
+    short = Predictor(predictor.model, predictor.tokenizer, predictor.heads, "plain-v1", max_tokens=16)
+    with pytest.raises(PromptTooLongError):
+        short.encode([MCQuestion("why " * 50, ("a", "b"), context="x")])
+
+
+def test_fits_agrees_with_encode_at_every_limit(predictor):
+    """Training drops questions that do not fit; every one it keeps must encode (no error mid-run)."""
+    q = MCQuestion("What did the boy buy?", ("apples", "bread"), context="word " * 40)
+    whole = predictor.count_tokens(q)
+    for limit in range(8, whole + 2):
+        short = Predictor(predictor.model, predictor.tokenizer, predictor.heads, "plain-v1", max_tokens=limit)
+        try:
+            short.encode([q])
+            encodes = True
+        except PromptTooLongError:
+            encodes = False
+        assert fits(predictor.tokenizer, "plain-v1", limit, q) == encodes, limit
+
+
+def test_length_groups_bound_padding():
+    from ibedl.core.predictor import length_groups
+
+    lengths = [100, 12, 95, 10, 300, 11, 98]
+    groups = length_groups(lengths, 1.25)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        assert max(lengths[i] for i in g) * len(g) <= 1.25 * sum(lengths[i] for i in g)
+    assert [sorted(g) for g in groups] == [[1, 3, 5], [0, 2, 6], [4]]
+    assert length_groups([5, 500], 100.0) == [[0, 1]]
+    with pytest.raises(ValueError, match="max_padding must be >= 1, got 0.5"):
+        length_groups([1], 0.5)
+
+
+def test_grouped_predict_equals_one_batch(predictor):
+    # QUESTIONS have very different lengths: predict() splits them, predict_outputs() pads them together.
+    grouped = predictor.predict(QUESTIONS)
+    together = predictor.predict_outputs(QUESTIONS)
+    for i, p in enumerate(grouped):
+        assert p.probs == pytest.approx(together.probs[i, : len(p.probs)].tolist(), abs=1e-5)

@@ -1,3 +1,0 @@
-"""Python API fixtures: the service tests' app factory (to compare the API with the HTTP answers)."""
-
-from tests.service.conftest import make_client  # noqa: F401

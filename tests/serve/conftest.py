@@ -1,0 +1,111 @@
+"""Service test fixtures: an app factory on the tiny trained artifact (tests/conftest.py) that waits until ready."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import pytest
+from fastapi.testclient import TestClient
+
+from ibedl.serve.app import create_app, load_predictor
+from ibedl.serve.settings import Settings
+
+
+def wait_ready(client: TestClient, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r = client.get("/health/ready")
+        if r.status_code == 200:
+            return
+        if r.json().get("status") == "failed":
+            raise AssertionError(f"service failed to load: {r.json()}")
+        time.sleep(0.05)
+    raise AssertionError("service not ready in time")
+
+
+def wait_status(client: TestClient, status: str, timeout: float = 30.0) -> dict:
+    """The readiness body once it reports ``status`` (loading ends in ready or failed)."""
+    deadline = time.monotonic() + timeout
+    body = None
+    while time.monotonic() < deadline:
+        body = client.get("/health/ready").json()
+        if body["status"] == status:
+            return body
+        time.sleep(0.05)
+    raise AssertionError(f"the service never reported {status}: {body}")
+
+
+@pytest.fixture
+def make_client(tiny_artifact):
+    @contextmanager
+    def factory(loader=None, ready=True, **overrides):
+        served = {} if "artifacts" in overrides else {"artifact": tiny_artifact}  # IBEDL_ARTIFACTS replaces it
+        settings = Settings(**{**served, "drift_bootstrap": 100, "max_tokens": 96, **overrides})
+        app = create_app(settings, loader=loader)
+        with TestClient(app, raise_server_exceptions=False) as client:
+            if ready:
+                wait_ready(client)
+            yield client
+
+    return factory
+
+
+@pytest.fixture
+def uncalibrated_artifact(tiny_artifact, tmp_path):
+    """A copy of the tiny artifact as an adapter never calibrated for conformal sets (an empty section)."""
+    import shutil
+
+    from ibedl.core.artifact import read_manifest, write_manifest
+
+    art = tmp_path / "uncalibrated"
+    shutil.copytree(tiny_artifact, art)
+    manifest = read_manifest(art)
+    manifest.conformal = {}
+    write_manifest(art, manifest)
+    return art
+
+
+@pytest.fixture
+def client(make_client):
+    with make_client() as c:
+        yield c
+
+
+def slow_loader(delay: float):
+    """A loader whose predictor sleeps ``delay`` seconds per batch (to fill queues and batch requests)."""
+
+    def load(settings):
+        predictor = load_predictor(settings)
+        original = predictor.predict
+
+        def predict(questions, truncate_context=True):
+            time.sleep(delay)
+            return original(questions, truncate_context)
+
+        predictor.predict = predict
+        return predictor
+
+    return load
+
+
+def per_token_loader(seconds_per_token: float):
+    """A loader whose predictor sleeps ``seconds_per_token`` per prompt token of each batch: a model whose time
+    is what the admission estimate (ibedl/serve/capacity.py) assumes."""
+
+    def load(settings):
+        from ibedl.core.predictor import count_prompt_tokens
+
+        predictor = load_predictor(settings)
+        original = predictor.predict
+
+        def predict(questions, truncate_context=True):
+            tokens = sum(min(count_prompt_tokens(predictor.tokenizer, predictor.template, q), predictor.max_tokens)
+                         for q in questions)
+            time.sleep(seconds_per_token * tokens)
+            return original(questions, truncate_context)
+
+        predictor.predict = predict
+        return predictor
+
+    return load

@@ -1,0 +1,399 @@
+import dataclasses
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from ibedl.core.artifact import read_manifest, write_manifest
+from tests.serve.conftest import per_token_loader, slow_loader, wait_status, wait_status
+
+Q = {"question": "Which is sun?", "options": ["sun", "moon", "tree", "fish"]}
+
+
+def check_invariants(body, n):
+    letters = [chr(65 + i) for i in range(n)]
+    assert list(body["probabilities"]) == letters
+    assert sum(body["probabilities"].values()) == pytest.approx(1, abs=1e-5)
+    u = body["uncertainty_mass"]
+    assert sum(body["belief_masses"].values()) + u == pytest.approx(1, abs=1e-5)
+    for k in letters:
+        assert body["probabilities"][k] == pytest.approx(body["belief_masses"][k] + u / n, abs=2e-6)
+    assert body["confidence"] == max(body["probabilities"].values())
+    assert body["prediction"]["letter"] == max(body["probabilities"], key=body["probabilities"].get)
+
+
+class TestPredict:
+    def test_schema_and_invariants(self, client):
+        r = client.post("/predict", json={**Q, "id": "q1"})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["id"] == "q1"
+        assert set(body) == {"id", "prediction", "probabilities", "belief_masses", "uncertainty_mass", "confidence",
+                             "sigma", "ood_score", "prediction_set", "prediction_set_coverage", "prediction_set_score",
+                             "abstained", "abstain_reason", "adapter"}
+        check_invariants(body, 4)
+        assert body["prediction"]["text"] == Q["options"][body["prediction"]["index"]]
+        assert body["adapter"] == {"name": "tiny", "method": "ib_edl", "version": "1"}
+        assert set(body["sigma"]) == {"A", "B", "C", "D"}
+        assert r.headers["x-request-id"]
+
+    def test_deterministic(self, client):
+        a = client.post("/predict", json=Q).json()
+        b = client.post("/predict", json=Q).json()
+        a.pop("id"), b.pop("id")
+        assert a == b
+
+    def test_letter_map_and_five_options(self, client):
+        r = client.post("/predict", json={"question": "Which?", "options": {"A": "a", "B": "b", "C": "c", "D": "d", "E": "e"},
+                                          "context": "a passage"})
+        assert r.status_code == 200
+        check_invariants(r.json(), 5)
+
+    def test_batch_in_order_equals_singles(self, client):
+        items = [{**Q, "id": "x"}, {"question": "Which is tree?", "options": ["tree", "bird", "fish"], "id": "y"}]
+        r = client.post("/predict/batch", json={"items": items})
+        assert r.status_code == 200
+        results = r.json()["results"]
+        assert [x["id"] for x in results] == ["x", "y"]
+        for item, res in zip(items, results):
+            single = client.post("/predict", json=item).json()
+            assert single["probabilities"] == pytest.approx(res["probabilities"], abs=1e-5)
+
+
+class TestAbstention:
+    def test_tightened_threshold_abstains(self, client):
+        body = client.post("/predict", json={**Q, "abstain": {"max_uncertainty": 0.0}}).json()
+        assert body["abstained"] and body["abstain_reason"] == "max_uncertainty"
+        body = client.post("/predict", json={**Q, "abstain": {"min_confidence": 1.0}}).json()
+        assert body["abstained"] and body["abstain_reason"] == "min_confidence"
+        body = client.post("/predict", json={**Q, "abstain": {"min_confidence": 1}}).json()  # an int is a number
+        assert body["abstained"] and body["abstain_reason"] == "min_confidence"
+
+    def test_requests_cannot_loosen_defaults(self, tiny_artifact, make_client, tmp_path):
+        import shutil
+
+        art = tmp_path / "strict"
+        shutil.copytree(tiny_artifact, art)
+        manifest = read_manifest(art)
+        manifest.abstention["max_uncertainty"] = 0.0  # the adapter's default abstains on everything
+        write_manifest(art, manifest)
+        with make_client(artifact=art) as c:
+            body = c.post("/predict", json={**Q, "abstain": {"max_uncertainty": 1.0}}).json()
+            assert body["abstained"] and body["abstain_reason"] == "max_uncertainty"
+
+
+class TestBadInput:
+    @pytest.mark.parametrize("payload,status,field", [
+        ({"question": "q", "options": ["only one"]}, 422, "options"),
+        ({"question": "q", "options": [f"o{i}" for i in range(27)]}, 422, "options"),
+        ({"question": "q", "options": {"A": "a", "C": "c"}}, 422, "options"),
+        ({"question": "   ", "options": ["a", "b"]}, 422, "question"),
+        ({"question": "q", "options": ["a", " "]}, 422, "options.1"),
+        ({"question": "q", "options": ["a", "b"], "bogus": 1}, 422, "bogus"),
+        ({"question": "q"}, 422, "options"),
+        ({"question": "q", "options": ["a", "b"], "abstain": {"max_uncertainty": 2}}, 422, "abstain.max_uncertainty"),
+        ({"question": "q", "options": ["a", "b"], "abstain": {"max_uncertainty": False}}, 422, "abstain.max_uncertainty"),
+        ({"question": "q", "options": ["a", "b"], "abstain": {"min_confidence": "0.5"}}, 422, "abstain.min_confidence"),
+        ({"question": "q", "options": ["a", "b"], "conformal": {"alpha": True}}, 422, "conformal.alpha"),
+        ({"question": "\x1c\u2003", "options": ["a", "b"]}, 422, "question"),
+        ({"question": "q" * 5000, "options": ["a", "b"]}, 413, "question"),
+        ({"question": "q", "options": ["a", "b" * 2000]}, 413, "options.1"),
+        ({"question": "q", "options": ["a", "b"], "context": "word " * 300}, 413, "context"),
+    ])
+    def test_rejected_with_error_shape(self, client, payload, status, field):
+        r = client.post("/predict", json=payload)
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert set(err) == {"type", "message", "field"}
+        assert err["field"] == field
+        assert err["message"]
+
+    def test_invalid_json(self, client):
+        r = client.post("/predict", content=b"{not json", headers={"content-type": "application/json"})
+        assert r.status_code == 422
+        assert r.json()["error"]["type"] == "invalid_json"
+
+    def test_wrong_content_type(self, client):
+        r = client.post("/predict", content=json.dumps(Q), headers={"content-type": "text/plain"})
+        assert r.status_code == 415
+        assert r.json()["error"]["type"] == "unsupported_media_type"
+
+    def test_body_too_large(self, make_client):
+        with make_client(max_body_bytes=2048) as c:
+            r = c.post("/predict", json={"question": "q", "options": ["a", "b"], "context": "x" * 5000})
+            assert r.status_code == 413
+            assert r.json()["error"]["type"] == "too_large"
+
+    def test_chunked_body_too_large(self, make_client):
+        """Without a Content-Length the limit is enforced while reading the stream."""
+        def chunks():
+            yield b'{"question": "q", "options": ["a", "b"], "context": "'
+            for _ in range(10):
+                yield b"x" * 500
+            yield b'"}'
+
+        with make_client(max_body_bytes=2048) as c:
+            r = c.post("/predict", content=chunks(), headers={"content-type": "application/json"})
+            assert "content-length" not in r.request.headers
+            assert r.status_code == 413
+            assert r.json()["error"]["type"] == "too_large"
+            small = iter([json.dumps(Q).encode()])
+            r = c.post("/predict", content=small, headers={"content-type": "application/json"})
+            assert r.status_code == 200, r.text
+
+    def test_batch_limits(self, make_client):
+        with make_client(max_batch_items=2) as c:
+            r = c.post("/predict/batch", json={"items": [Q, Q, Q]})
+            assert r.status_code == 413 and r.json()["error"]["field"] == "items"
+            r = c.post("/predict/batch", json={"items": [Q, {"question": "q", "options": ["a"]}]})
+            assert r.status_code == 422 and r.json()["error"]["field"] == "items.1.options"
+            r = c.post("/predict/batch", json={"items": []})
+            assert r.status_code == 422
+
+    def test_unknown_route_and_method(self, client):
+        assert client.get("/nope").json()["error"]["type"] == "not_found"
+        assert client.get("/predict").status_code == 405
+
+    def test_undeclared_body_method_is_405(self, client):
+        r = client.put("/health/live")
+        assert r.status_code == 405 and "GET" in r.headers["allow"], r.text
+
+    def test_body_not_utf8(self, client):
+        r = client.post("/predict", content=b'{"question": "\xff", "options": ["a", "b"]}',
+                        headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_body", r.text
+
+
+class TestLifecycle:
+    def test_ready_503_while_loading_then_200(self, make_client):
+        gate = threading.Event()
+
+        def loader(settings):
+            gate.wait(10)
+            from ibedl.serve.app import load_predictor
+            return load_predictor(settings)
+
+        with make_client(loader=loader, ready=False) as c:
+            assert c.get("/health/live").status_code == 200
+            r = c.get("/health/ready")
+            assert r.status_code == 503 and r.json()["status"] == "loading"
+            r = c.post("/predict", json=Q)
+            assert r.status_code == 503 and r.json()["error"]["type"] == "not_ready"
+            gate.set()
+            from tests.serve.conftest import wait_ready
+            wait_ready(c)
+
+    def test_broken_artifact_reports_reason(self, make_client, tmp_path):
+        (tmp_path / "manifest.json").write_text("{}")
+        with make_client(artifact=tmp_path, ready=False) as c:
+            import time
+            for _ in range(100):
+                r = c.get("/health/ready")
+                if r.json()["status"] == "failed":
+                    break
+                time.sleep(0.05)
+            assert r.status_code == 503
+            assert "manifest" in r.json()["reason"]
+            assert str(tmp_path) not in r.json()["reason"]  # the log keeps the path; clients do not see it
+
+
+class TestBatchingAndQueue:
+    def test_concurrent_requests_share_forward_passes(self, make_client):
+        with make_client(loader=slow_loader(0.3), max_wait_ms=50) as c:
+            with ThreadPoolExecutor(8) as pool:
+                codes = list(pool.map(lambda _: c.post("/predict", json=Q).status_code, range(8)))
+            assert codes == [200] * 8
+            text = c.get("/metrics").text
+            count = float(_sample(text, "ibedl_batch_size_count"))
+            total = float(_sample(text, "ibedl_batch_size_sum"))
+            assert total == 8 and count < 8  # fewer forward passes than questions
+
+    def test_queue_full_answers_503_with_retry_after(self, make_client):
+        with make_client(loader=slow_loader(0.5), queue_size=2, max_batch_size=1) as c:
+            with ThreadPoolExecutor(10) as pool:
+                responses = list(pool.map(lambda _: c.post("/predict", json=Q), range(10)))
+            full = [r for r in responses if r.status_code == 503]
+            assert full, [r.status_code for r in responses]
+            assert all(r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "overloaded" for r in full)
+            assert any(r.status_code == 200 for r in responses)
+
+
+
+class TestCapacity:
+    """Admission by expected completion (ibedl/serve/capacity.py), with a model whose time is per prompt token, the
+    estimator's own assumption: 0.01 s per token plus the tiny model's few milliseconds."""
+
+    def test_overload_is_refused_at_once_with_retry_after_and_nothing_times_out(self, make_client):
+        with make_client(loader=per_token_loader(0.01), max_batch_size=1, request_timeout_s=1.5) as c:
+            with ThreadPoolExecutor(12) as pool:
+                responses = list(pool.map(lambda _: c.post("/predict", json=Q), range(12)))
+            codes = [r.status_code for r in responses]
+            assert set(codes) == {200, 503}, codes
+            for r in responses:
+                if r.status_code == 503:
+                    assert r.json()["error"]["type"] == "overloaded"
+                    assert int(r.headers["retry-after"]) >= 1
+            text = c.get("/metrics").text
+            assert float(_sample(text, 'ibedl_rejected_total{reason="capacity"}')) == codes.count(503)
+            assert float(_sample(text, "ibedl_seconds_per_token")) == pytest.approx(0.01, rel=1.0)
+
+    def test_client_deadline_header(self, make_client):
+        with make_client(loader=per_token_loader(0.01)) as c:
+            r = c.post("/predict", json=Q, headers={"X-Request-Timeout": "soon"})
+            assert r.status_code == 422 and r.json()["error"]["field"] == "X-Request-Timeout"
+            assert "'soon'" in r.json()["error"]["message"]
+            for bad in ("0", "-1", "nan", "inf"):
+                assert c.post("/predict", json=Q, headers={"X-Request-Timeout": bad}).status_code == 422
+            # a deadline shorter than the question's model time alone: 504 at once, saying why
+            r = c.post("/predict", json=Q, headers={"X-Request-Timeout": "0.01"})
+            assert r.status_code == 504 and "X-Request-Timeout cannot be met" in r.json()["error"]["message"]
+            # the same model time over the server's own deadline: the model is too slow now (it may recover)
+            with make_client(loader=per_token_loader(0.01), request_timeout_s=0.05) as slow:
+                r = slow.post("/predict", json=Q)
+                assert r.status_code == 503 and "model time" in r.json()["error"]["message"]
+                assert int(r.headers["retry-after"]) >= 1
+            # a longer one than the server's maximum is cut to it, not refused
+            assert c.post("/predict", json=Q, headers={"X-Request-Timeout": "3600"}).status_code == 200
+
+    def test_batch_over_the_token_budget_is_413(self, make_client):
+        with make_client(max_request_tokens=60) as c:
+            assert c.post("/predict/batch", json={"items": [Q]}).status_code == 200
+            r = c.post("/predict/batch", json={"items": [Q] * 4})
+            assert r.status_code == 413 and r.json()["error"]["field"] == "items"
+            assert "limit per request is 60" in r.json()["error"]["message"]
+
+    def test_requests_admitted_before_a_drain_are_answered_later_ones_refused(self, make_client):
+        with make_client(loader=slow_loader(0.5), max_batch_size=1) as c:
+            state = c.app.state.service
+            with ThreadPoolExecutor(1) as pool:
+                first = pool.submit(c.post, "/predict", json=Q)
+                deadline = time.monotonic() + 30
+                while float(_sample(c.get("/metrics").text, "ibedl_inflight_requests")) < 1:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+                c.portal.call(state.begin_drain)
+                late = c.post("/predict", json=Q)
+                assert late.status_code == 503 and late.json()["error"]["type"] == "not_ready"
+                assert late.headers["retry-after"]
+                assert c.get("/health/ready").json()["status"] == "draining"
+                assert first.result().status_code == 200
+
+
+class TestFailClosed:
+    def test_nan_weights_are_not_ready(self, tiny_artifact, make_client, tmp_path):
+        import shutil
+
+        from safetensors.torch import load_file, save_file
+
+        from ibedl.core.artifact import files_sha256
+
+        art = tmp_path / "nan-head"
+        shutil.copytree(tiny_artifact, art)
+        tensors = load_file(art / "head.safetensors")
+        name = sorted(tensors)[0]
+        tensors[name] = torch.full_like(tensors[name], float("nan"))
+        save_file(tensors, art / "head.safetensors")
+        with make_client(artifact=art, ready=False) as c:  # changed after its manifest: the checksum refuses it
+            body = wait_status(c, "failed")
+            assert "differ from the sha256 the manifest records" in body["reason"]
+        manifest = read_manifest(art)
+        manifest.files = files_sha256(art, manifest.members)  # as a run that diverged to NaN would record them
+        write_manifest(art, manifest)
+        with make_client(artifact=art, ready=False) as c:
+            body = wait_status(c, "failed")
+            assert "NaN or inf" in body["reason"] and "head" in body["reason"]
+            assert str(tmp_path) not in body["reason"]
+            r = c.post("/predict", json=Q)
+            assert r.status_code == 503 and str(tmp_path) not in r.text
+
+    def test_non_finite_outputs_are_never_an_answer(self, make_client):
+        def loader(settings):
+            from ibedl.serve.app import load_predictor
+
+            predictor = load_predictor(settings)
+            original = predictor.predict
+
+            def predict(questions, truncate_context=True):
+                preds = original(questions, truncate_context)
+                if any(q.question == "break" for q in questions):
+                    preds = [dataclasses.replace(p, probs=[float("nan")] * len(p.probs)) if q.question == "break"
+                             else p for q, p in zip(questions, preds)]
+                return preds
+
+            predictor.predict = predict
+            return predictor
+
+        with make_client(loader=loader) as c:
+            r = c.post("/predict", json={**Q, "question": "break"})
+            assert r.status_code == 503 and r.json()["error"]["type"] == "model_error"
+            r = c.post("/predict/batch", json={"items": [Q, {**Q, "question": "break"}]})
+            assert r.status_code == 503 and "items [1]" in r.json()["error"]["message"]
+            assert c.post("/predict", json=Q).status_code == 200
+            assert float(_sample(c.get("/metrics").text, "ibedl_nonfinite_outputs_total")) == 2
+
+
+class TestAuth:
+    def test_token_required_on_api_not_on_probes(self, make_client):
+        with make_client(api_token="s3cret") as c:
+            assert c.post("/predict", json=Q).status_code == 401
+            r = c.post("/predict", json=Q, headers={"Authorization": "Bearer wrong"})
+            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+            assert c.post("/predict", json=Q, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+            assert c.get("/v1/models").status_code == 401
+            assert c.get("/health/ready").status_code == 200
+            assert c.get("/metrics").status_code == 200
+
+    def test_token_is_checked_before_the_body_is_read(self, make_client):
+        with make_client(api_token="s3cret") as c:
+            r = c.post("/predict", content=b"{not json", headers={"content-type": "application/json"})
+            assert r.status_code == 401
+            r = c.post("/predict", content=b"x" * 2_000_000, headers={"content-type": "application/json"})
+            assert r.status_code == 401  # not 413: an unauthenticated client learns nothing of the limits
+
+
+class TestMetadataAndMetrics:
+    def test_models(self, client):
+        data = client.get("/v1/models").json()["data"][0]
+        assert data["method"] == "ib_edl" and data["name"] == "tiny"
+        assert {"validation"} <= set(data["metrics"])
+        assert "max_uncertainty" in data["abstention"]
+        assert data["training_data"]["train"][0]["dataset"] == "jsonl"
+
+    def test_metrics_count_predictions_not_probes(self, client):
+        client.post("/predict", json=Q)
+        client.post("/predict", json={"question": "q", "options": ["a"]})
+        client.get("/health/ready")
+        text = client.get("/metrics").text
+        assert 'ibedl_requests_total{method="POST",route="/predict",status="200"} 1.0' in text
+        assert 'ibedl_requests_total{method="POST",route="/predict",status="422"} 1.0' in text
+        assert "/health" not in text and 'route="/metrics"' not in text
+        for method in ("BREW", "XYZZY1", "XYZZY2"):
+            client.request(method, "/predict")
+        text = client.get("/metrics").text
+        assert 'method="other"' in text and "BREW" not in text and "XYZZY" not in text  # bounded label values
+        assert 'ibedl_uncertainty_mass_count{adapter="tiny"} 1.0' in text
+        assert 'ibedl_model_info{adapter="tiny"' in text
+        for name in ("ibedl_drift_ks", "ibedl_drift_psi", "ibedl_drift_alarm", "ibedl_queue_depth", "ibedl_ready 1.0"):
+            assert name in text
+
+    def test_drift_endpoint(self, client):
+        for _ in range(3):
+            client.post("/predict", json=Q)
+        d = client.get("/v1/drift").json()
+        assert d["statistic"] == "uncertainty_mass" and d["window"] == 3 and d["alarm"] is False
+        assert d["ks_threshold"] > 0
+
+    def test_openapi_docs(self, client):
+        assert client.get("/docs").status_code == 200
+        paths = client.get("/openapi.json").json()["paths"]
+        assert {"/predict", "/predict/batch", "/v1/models", "/v1/drift", "/health/ready"} <= set(paths)
+
+
+def _sample(text: str, name: str) -> str:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return line.split()[-1]
+    raise AssertionError(f"{name} not in metrics")

@@ -1,0 +1,125 @@
+"""Decisions in responses: conformal prediction sets, the out-of-distribution gate and the label-free accuracy
+estimate, end to end through the app on the tiny calibrated artifact."""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+
+from ibedl.core.artifact import read_manifest, write_manifest
+from ibedl.core.conformal import prediction_set
+
+Q = {"question": "Which is sun?", "options": ["sun", "moon", "water", "plant"], "context": "The sun is bright."}
+
+
+@pytest.fixture
+def open_artifact(tiny_artifact, tmp_path):
+    """The tiny artifact with a rule that answers everything (so the accuracy estimate has answers to use)."""
+    art = tmp_path / "open"
+    shutil.copytree(tiny_artifact, art)
+    m = read_manifest(art)
+    m.abstention.update(min_confidence=0.0, max_uncertainty=1.0, ood_threshold=0.0)
+    write_manifest(art, m)
+    return art
+
+
+class TestPredictionSets:
+    def test_default_set_follows_the_stored_quantile(self, client, tiny_artifact):
+        body = client.post("/predict", json=Q).json()
+        conformal = read_manifest(tiny_artifact).conformal_sets()
+        assert body["prediction_set_coverage"] == pytest.approx(1 - conformal.alpha)
+        assert body["prediction_set_score"] == conformal.score
+        probs = [body["probabilities"][k] for k in "ABCD"]
+        expected = ["ABCD"[i] for i in prediction_set(probs, conformal.quantile(), conformal.score)]
+        assert body["prediction_set"] == expected
+        assert body["prediction_set"][0] == body["prediction"]["letter"]
+
+    @pytest.mark.parametrize("score", ["lac", "aps"])
+    def test_smaller_alpha_gives_a_superset(self, client, score):
+        sets = [client.post("/predict", json={**Q, "conformal": {"alpha": a, "score": score}}).json()
+                for a in (0.2, 0.1, 0.01)]
+        assert [s["prediction_set_coverage"] for s in sets] == pytest.approx([0.8, 0.9, 0.99])
+        assert set(sets[0]["prediction_set"]) <= set(sets[1]["prediction_set"]) <= set(sets[2]["prediction_set"])
+
+    def test_alpha_not_stored_is_a_422_naming_the_stored_ones(self, client):
+        r = client.post("/predict", json={**Q, "conformal": {"alpha": 0.3}})
+        assert r.status_code == 422
+        err = r.json()["error"]
+        assert err["field"] == "conformal" and "0.01, 0.02, 0.05, 0.1, 0.2" in err["message"]
+        r = client.post("/predict/batch", json={"items": [Q, {**Q, "conformal": {"alpha": 0.3}}]})
+        assert r.status_code == 422 and r.json()["error"]["field"] == "items.1.conformal"
+
+    @pytest.mark.parametrize("bad", [{"alpha": 0}, {"alpha": 1}, {"score": "raps"}, {"alpha": "0.1x"}])
+    def test_malformed_conformal_options_are_422(self, client, bad):
+        assert client.post("/predict", json={**Q, "conformal": bad}).status_code == 422
+
+    def test_uncalibrated_adapter_answers_null_sets(self, uncalibrated_artifact, make_client):
+        with make_client(artifact=uncalibrated_artifact) as c:
+            body = c.post("/predict", json=Q).json()
+            assert body["prediction_set"] is None and body["prediction_set_coverage"] is None
+            r = c.post("/predict", json={**Q, "conformal": {"alpha": 0.1}})
+            assert r.status_code == 422 and "ibedl.training.calibrate" in r.json()["error"]["message"]
+
+
+class TestGate:
+    def test_ood_score_is_inverse_uncertainty(self, client):
+        body = client.post("/predict", json=Q).json()
+        assert body["ood_score"] == pytest.approx(1 / body["uncertainty_mass"], rel=1e-5)
+
+    @pytest.mark.parametrize("threshold, reason", [(1e9, "out_of_distribution"), (0.0, None)])
+    def test_gate_abstains_below_its_threshold(self, open_artifact, make_client, threshold, reason):
+        m = read_manifest(open_artifact)
+        m.abstention["ood_threshold"] = threshold
+        write_manifest(open_artifact, m)
+        with make_client(artifact=open_artifact) as c:
+            body = c.post("/predict", json=Q).json()
+            assert body["abstain_reason"] == reason and body["abstained"] == (reason is not None)
+            # the set is still there: a user may show it instead of an answer
+            assert body["prediction_set"]
+
+
+class TestAccuracyEstimate:
+    def test_estimate_is_the_mean_confidence_of_answered_questions(self, open_artifact, make_client):
+        with make_client(artifact=open_artifact) as c:
+            before = c.get("/v1/drift").json()
+            assert before["answered_in_window"] == 0 and before["estimated_accuracy"] is None
+            confs = []
+            for i in range(5):
+                body = c.post("/predict", json={**Q, "question": f"Which is sun? ({i})"}).json()
+                assert not body["abstained"]
+                confs.append(body["confidence"])
+            d = c.get("/v1/drift").json()
+            mean = sum(confs) / 5
+            half = 1.959964 * math.sqrt(sum(p * (1 - p) for p in confs)) / 5
+            assert d["answered_in_window"] == 5
+            assert d["estimated_accuracy"] == pytest.approx(mean, abs=1e-5)
+            assert d["estimated_accuracy_interval"] == pytest.approx([max(0, mean - half), min(1, mean + half)], abs=1e-5)
+            assert d["target_accuracy"] == read_manifest(open_artifact).abstention["how"]["target_accuracy"]
+            metrics = c.get("/metrics").text
+            assert 'ibedl_estimated_accuracy_window{adapter="tiny"} 5.0' in metrics
+            assert f'ibedl_target_accuracy{{adapter="tiny"}} {d["target_accuracy"]}' in metrics
+
+    def test_abstained_questions_do_not_count(self, open_artifact, make_client):
+        with make_client(artifact=open_artifact) as c:
+            c.post("/predict", json={**Q, "abstain": {"min_confidence": 1.0}})
+            assert c.get("/v1/drift").json()["answered_in_window"] == 0
+
+
+def test_models_list_the_stored_sets_and_calibration(client):
+    card = client.get("/v1/models").json()["data"][0]
+    assert card["conformal"]["alphas"] == [0.01, 0.02, 0.05, 0.1, 0.2]
+    assert card["conformal"]["scores"] == ["aps", "lac"]
+    assert card["calibration"]["risk_control"]["target_accuracy"] == card["abstention"]["how"]["target_accuracy"]
+    assert card["abstention"]["ood_score"] == "inverse_uncertainty"
+
+
+def test_openapi_documents_the_new_fields(client):
+    schemas = client.get("/openapi.json").json()["components"]["schemas"]
+    response = schemas["PredictResponse"]["properties"]
+    for key in ("prediction_set", "prediction_set_coverage", "prediction_set_score", "ood_score", "abstain_reason"):
+        assert "description" in response[key], key
+    assert "conformal" in schemas["PredictRequest"]["properties"]
+    assert {"conformal", "calibration", "abstention"} <= set(schemas["ModelCard"]["properties"])
+    assert "estimated_accuracy" in schemas["DriftStatus"]["properties"]
