@@ -8,6 +8,8 @@ Heads:
     ``softmax``    z = W h; probs = softmax(z).  (MAP, MC-Dropout, Ensemble, Laplace)
     ``evidential`` alpha = softplus(s W h + b) + offset (s = ``evidence_scale``, 1 by default).  (EDL, VID, I-EDL with offset 1; R-EDL with eta)
     ``ib_edl``     mu = s W_mu h + b_mu, sigma = softplus(W_sigma h + b_sigma); alpha from E[pre-evidence].
+                   Both row sets start from the option rows (the paper: both heads from the pretrained LM
+                   head); with ``centre_sigma`` the sigma rows are centred over the options like mu's.
 """
 
 from __future__ import annotations
@@ -63,8 +65,14 @@ class HeadConfig:
         zeta: post-hoc IB-EDL calibration, alpha <- max(alpha - zeta * sigma, offset).
         temperature: post-hoc calibration of methods without a Dirichlet: the predictive probabilities
             (after averaging MC-Dropout passes or ensemble members) become softmax(log p / T). 1 is none.
-        sigma_init_scale, sigma_init_bias: IB-EDL sigma head starts as scale * rows with this bias,
-            so that sigma starts small (softplus(-4) ~ 0.018) and the K samples are not noise.
+        sigma_init_scale, sigma_init_bias: IB-EDL's sigma rows start as scale * option rows with this bias.
+            The paper initialises both heads from the pretrained LM head (scale 1); training then sets the
+            bias from the first batch like mu's (``init_bias_from``), so that sigma starts at softplus(0) ~ 0.69
+            in the middle and varies with the question. (The earlier 0.01 x rows with bias -4 kept sigma at
+            ~0.018 for every question: the K samples changed nothing; such artifacts still load as they were.)
+        centre_sigma: IB-EDL's sigma rows are centred over the question's real options before the bias, as mu's
+            are with ``centre_options`` (what tells options apart, not the component all letter rows share).
+            Off for artifacts written before it existed.
         centre_options: evidential heads subtract, per question, the mean of W h over its real options
             before the shared bias: pre-evidence then carries only how the options differ, and a change
             of the hidden state that moves every option's letter logit together (the letter rows share
@@ -86,8 +94,9 @@ class HeadConfig:
     quadrature_points: int = 16
     zeta: float = 0.0
     temperature: float = 1.0
-    sigma_init_scale: float = 0.01
-    sigma_init_bias: float = -4.0
+    sigma_init_scale: float = 1.0
+    sigma_init_bias: float = 0.0
+    centre_sigma: bool = False
     centre_options: bool = False
     evidence_scale: float = 1.0
 
@@ -157,9 +166,9 @@ class OptionHead(nn.Module):
         # (B, d) x (C, d)^T -> (B, C), in float32 so that bf16 trunks keep a float32 head.
         return hidden.float() @ weight[:num_options].float().T
 
-    def _centred(self, z: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """z: (B, C) -> z minus its mean over each row's real options when ``centre_options`` is on."""
-        if not self.config.centre_options:
+    def _centred(self, z: torch.Tensor, mask: torch.Tensor, on: bool | None = None) -> torch.Tensor:
+        """z: (B, C) -> z minus its mean over each row's real options when ``on`` (default ``centre_options``)."""
+        if not (self.config.centre_options if on is None else on):
             return z
         real = mask.to(z.dtype)
         return z - (z * real).sum(-1, keepdim=True) / real.sum(-1, keepdim=True).clamp_min(1.0)
@@ -269,13 +278,25 @@ class IBEDLHead(CentredEvidence, OptionHead):
         self.sigma_weight = nn.Parameter(init.clone() * config.sigma_init_scale)
         self.sigma_bias = nn.Parameter(torch.full((), float(config.sigma_init_bias)))
 
+    def _sigma_term(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(B, d) -> (B, C) W_sigma h, centred over real options with ``centre_sigma``; before its bias."""
+        raw = self._linear(hidden, self.sigma_weight, self._check(hidden, mask))
+        return self._centred(raw, mask, self.config.centre_sigma)
+
     def gaussian(self, hidden: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, d) -> mu (B, C), sigma (B, C) >= SIGMA_FLOOR; padded entries mu 0, sigma 1."""
-        num_options = self._check(hidden, mask)
         mu = self._evidence_term(hidden, self.mu_weight, mask) + self.mu_bias.float()
-        raw = self._linear(hidden, self.sigma_weight, num_options) + self.sigma_bias.float()
-        sigma = F.softplus(raw) + SIGMA_FLOOR
+        sigma = F.softplus(self._sigma_term(hidden, mask) + self.sigma_bias.float()) + SIGMA_FLOOR
         return mu.masked_fill(~mask, 0.0), sigma.masked_fill(~mask, 1.0)
+
+    @torch.no_grad()
+    def init_bias_from(self, hidden: torch.Tensor, mask: torch.Tensor) -> float:
+        """Centre mu's pre-evidence (as every evidential head) and sigma's pre-activation on this batch: the mean of
+        W_sigma h + b_sigma over real options becomes 0, so sigma starts at softplus(0) ~ 0.69 on average and
+        varies with the question. Returns mu's bias."""
+        raw = self._sigma_term(hidden, mask)
+        self.sigma_bias.fill_(-(raw * mask).sum().item() / mask.sum().item())
+        return super().init_bias_from(hidden, mask)
 
     def expected_evidence(self, mu: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
         """Deterministic evidence estimate, (B, C)."""

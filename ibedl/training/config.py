@@ -107,6 +107,9 @@ class OptimSettings:
     clip_grad_norm: float | None = None  # default: the method's (20 for the EDL family)
     # Batches per optimizer step; one step then sees batch_size x processes x gradient_accumulation_steps questions.
     gradient_accumulation_steps: int = 1
+    # Early stopping: validation after every epoch (or every eval_every steps); training stops after this many passes
+    # without a lower validation NLL and keeps the best state. None trains the whole budget (epochs / max_steps).
+    patience: int | None = None
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -121,6 +124,9 @@ class OptimSettings:
             raise ValueError(f"optim.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.gradient_accumulation_steps < 1:
             raise ValueError(f"optim.gradient_accumulation_steps must be >= 1, got {self.gradient_accumulation_steps}")
+        if self.patience is not None and (isinstance(self.patience, bool) or not isinstance(self.patience, int)
+                                          or self.patience < 1):
+            raise ValueError(f"optim.patience must be an integer >= 1 or null, got {self.patience!r}")
 
 
 @dataclass
@@ -183,6 +189,9 @@ class TrainConfig:
             raise ValueError(f"track must be one of {list(TRACKERS)}, got {self.track!r}")
         if self.fsdp and self.load_in_4bit:
             raise ValueError("fsdp cannot shard a 4-bit base (load_in_4bit); use one or the other")
+        if self.fsdp and self.optim.patience:
+            raise ValueError("fsdp trains without early stopping (optim.patience must be null): the head is sharded "
+                             "between steps")
         if self.fsdp and self.eval_every:
             raise ValueError("fsdp trains without periodic validation (eval_every must be 0): the head is sharded "
                              "between steps; the artifact is still validated at the end")

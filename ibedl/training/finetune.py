@@ -150,7 +150,8 @@ def build(cfg: TrainConfig, method: Method, device: str | None = None):
         rows = warm_start.source_rows(cfg.init_from, source).to(rows.device)
     params = method.params(cfg.method_params)
     head_config = HeadConfig(kind=method.head, num_rows=cfg.num_rows, hidden_size=rows.shape[1], offset=method.offset(params),
-                             centre_options=cfg.centre_options, evidence_scale=cfg.evidence_scale)
+                             centre_options=cfg.centre_options, evidence_scale=cfg.evidence_scale,
+                             centre_sigma=cfg.centre_options and method.head == "ib_edl")
     head = build_head(head_config, rows).to(model.device)
     lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                       target_modules=list(cfg.lora.targets), bias="none", task_type=PEFT_TASK_TYPE)
@@ -247,14 +248,19 @@ def fit_member(cfg: TrainConfig, method: Method, params: dict, train_q, val_q, m
     if accelerator.num_processes > 1:  # each process its own dropout masks (seed + process index)
         set_seed(seed, device_specific=True)
     generator = torch.Generator(device=device).manual_seed(seed + accelerator.process_index)
+    stopper = EarlyStopping(cfg.optim.patience, accelerator.unwrap_model(scorer))
+    start_val = validation_metrics(predictor, val_q[: cfg.eval_limit], cfg.eval_batch_size, accelerator)
+    stopper.observe(0, start_val)
     scorer.train()
     seen, running, t0 = 0, None, time.perf_counter()
     desc = f"train {method.name}" + (f" [{member}]" if member else "")
     bar = tqdm(total=total, desc=desc, unit="step", disable=not (cfg.progress and accelerator.is_main_process),
                dynamic_ncols=True)
+    epochs = total / steps_per_epoch  # the epoch budget (max_steps may cut or extend optim.epochs)
+    last = 0
     for step in range(total):
-        context = LossContext(progress=step / total, generator=generator)
         epoch, idx = next(stream)
+        context = LossContext(progress=step / total, epoch=epoch, epochs=epochs, generator=generator)
         stats = []
         for micro in micro_batches(idx, accumulation):
             # This process's contiguous share (padded with the last question when it does not divide evenly).
@@ -284,11 +290,12 @@ def fit_member(cfg: TrainConfig, method: Method, params: dict, train_q, val_q, m
         bar.update(1)
         record = {"member": member, "step": step + 1, "epoch": epoch, "loss": values.pop("loss"),
                   "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm), **values}
-        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < total:
-            val = evaluate(predictor, val_q[: cfg.eval_limit], cfg.eval_batch_size, progress=False, accelerator=accelerator)
-            record["validation"] = {k: val.metrics[k] for k in ("accuracy", "ece", "nll", "brier")}
+        last = step + 1
+        if validation_due(cfg, step + 1, total, steps_per_epoch):
+            record["validation"] = validation_metrics(predictor, val_q[: cfg.eval_limit], cfg.eval_batch_size, accelerator)
             if accelerator.is_main_process:
                 tqdm.write(f"step {step + 1}: validation " + " ".join(f"{k} {v:.4f}" for k, v in record["validation"].items()))
+            stopper.observe(step + 1, record["validation"])
             scorer.train()
         if accelerator.is_main_process:
             with history_path.open("a") as f:
@@ -296,14 +303,82 @@ def fit_member(cfg: TrainConfig, method: Method, params: dict, train_q, val_q, m
         scalars = {f"train{suffix}": {k: v for k, v in record.items() if k not in ("member", "step", "validation")},
                    f"validation{suffix}": record.get("validation", {})}
         accelerator.log(numbers(flatten(scalars)), step=step + 1)
+        if stopper.should_stop:
+            log.info("early stopping at step %d: no lower validation NLL for %d passes; keeping step %d",
+                     step + 1, stopper.patience, stopper.best_step)
+            break
     bar.close()
     seconds = time.perf_counter() - t0
+    stopper.restore()
+    end_val = stopper.best_metrics if stopper.active else validation_metrics(
+        predictor, val_q[: cfg.eval_limit], cfg.eval_batch_size, accelerator)
+    stopping = {"validation_start": start_val, "validation_end": end_val,
+                "best_step": stopper.best_step if stopper.active else last, "stopped_step": last,
+                "stopped_by": "patience" if stopper.should_stop else "budget", "budget_steps": total}
     save_member(accelerator, scorer, member_dir)
     accelerator.free_memory()  # the accelerator lets go of this member's model and optimizer
-    return {"seconds": seconds, "samples": seen, "steps": total, "samples_per_s": seen / seconds,
+    return {"seconds": seconds, "samples": seen, "steps": last, "samples_per_s": seen / seconds, **stopping,
             "trainable_parameters": trainable, "seed": seed, "processes": accelerator.num_processes,
             "global_batch_size": global_batch, "resolved": resolved, "ids": ids,
             "head": head.config.to_dict(), "device": str(predictor.device), "init_from": warm}
+
+
+VALIDATION_KEYS = ("accuracy", "mean_confidence", "ece", "nll", "brier")
+
+
+def validation_metrics(predictor: Predictor, questions: list[MCQuestion], batch_size: int, accelerator) -> dict:
+    """Accuracy, mean confidence, ECE, NLL and Brier of the model as it is now on ``questions``."""
+    val = evaluate(predictor, questions, batch_size, progress=False, accelerator=accelerator)
+    return {k: val.metrics[k] for k in VALIDATION_KEYS}
+
+
+def validation_due(cfg: TrainConfig, step: int, total: int, steps_per_epoch: int) -> bool:
+    """Whether a validation pass follows optimizer step ``step`` (1-based): every ``eval_every`` steps; with early
+    stopping also at each epoch's end and at the budget's end (the stopping rule compares the last state too)."""
+    if cfg.eval_every and step % cfg.eval_every == 0 and (step < total or cfg.optim.patience):
+        return True
+    return bool(cfg.optim.patience) and not cfg.eval_every and (step % steps_per_epoch == 0 or step == total)
+
+
+class EarlyStopping:
+    """Keeps the trainable parameters of the pass with the lowest validation NLL; ``should_stop`` after ``patience``
+    passes without a lower one. Inactive (``patience`` None): observes nothing, restores nothing."""
+
+    def __init__(self, patience: int | None, module: torch.nn.Module) -> None:
+        self.patience = patience
+        self.module = module
+        self.best_nll = float("inf")
+        self.best_step = 0
+        self.best_metrics: dict | None = None
+        self.best_state: dict[str, torch.Tensor] | None = None
+        self.waited = 0
+
+    @property
+    def active(self) -> bool:
+        return self.patience is not None
+
+    @property
+    def should_stop(self) -> bool:
+        return self.active and self.waited >= self.patience
+
+    def observe(self, step: int, metrics: dict) -> None:
+        """A validation pass after ``step`` optimizer steps (0: the start)."""
+        if not self.active:
+            return
+        if metrics["nll"] < self.best_nll:
+            self.best_nll, self.best_step, self.best_metrics, self.waited = metrics["nll"], step, dict(metrics), 0
+            self.best_state = {n: p.detach().clone() for n, p in self.module.named_parameters() if p.requires_grad}
+        else:
+            self.waited += 1
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Put the best pass's parameters back (nothing to do when the last pass was the best)."""
+        if not self.active or self.best_state is None:
+            return
+        for name, param in self.module.named_parameters():
+            if name in self.best_state:
+                param.copy_(self.best_state[name])
 
 
 def step_stats(loss: torch.Tensor, parts: dict, out, y: torch.Tensor) -> torch.Tensor:

@@ -124,11 +124,15 @@ def vid_loss(alpha: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.
     return digamma_ce_risk(alpha, y, mask) + dirichlet_kl(alpha, prior, mask)
 
 
-def annealing(progress: float, lam: float = 1.0) -> float:
-    """lambda_t = lam * min(1, progress) for progress = step / total steps (Sensoy's annealing)."""
+def annealing(epoch: int, epochs: float, lam: float = 1.0) -> float:
+    """lambda_t = lam * min(1, epoch / epochs), constant within an epoch (Sensoy's annealing as the reference
+    code applies it: ``UpdateRegWeightCallback.on_epoch_begin`` sets min(1, epoch / num_epochs) at each epoch's
+    start, so the KL term is off for the whole first epoch)."""
     if lam < 0:
         raise ValueError(f"lambda must be >= 0, got {lam}")
-    return lam * min(1.0, max(0.0, progress))
+    if not epochs > 0:
+        raise ValueError(f"epochs must be > 0, got {epochs}")
+    return lam * min(1.0, max(0, epoch) / epochs)
 
 
 def fisher_mse(alpha: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

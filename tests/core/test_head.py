@@ -60,11 +60,34 @@ class TestIBEDLHead:
         torch.testing.assert_close(a.alpha, F.softplus(hidden @ rows.T) + 1)
         torch.testing.assert_close(a.belief.sum(-1) + a.uncertainty, torch.ones(5))
 
-    def test_sigma_starts_small(self, hidden, rows):
+    def test_both_heads_start_from_the_option_rows(self, hidden, rows):
+        # The paper: mu and sigma heads both initialised from the pretrained LM head's rows.
         head = IBEDLHead(HeadConfig("ib_edl", 4, 8), rows)
         mu, sigma = head.gaussian(hidden, torch.ones(5, 4, dtype=torch.bool))
-        assert sigma.min() >= SIGMA_FLOOR
-        assert sigma.max() < 0.1  # softplus(-4 + 0.01 * z) with |z| of order 1
+        torch.testing.assert_close(mu, hidden @ rows.T)
+        torch.testing.assert_close(sigma, F.softplus(hidden @ rows.T) + SIGMA_FLOOR)
+
+    def test_centred_sigma_and_its_bias_from_a_batch(self, hidden, rows):
+        mask = mask_for([4, 3, 4, 2, 4], 4)
+        head = IBEDLHead(HeadConfig("ib_edl", 4, 8, centre_options=True, centre_sigma=True), rows)
+        head.init_bias_from(hidden, mask)
+        z = (hidden @ rows.T).masked_fill(~mask, 0.0)
+        centred = z - z.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)
+        assert head.sigma_bias.item() == pytest.approx(0.0, abs=1e-6)  # centred rows average 0 already
+        _, sigma = head.gaussian(hidden, mask)
+        torch.testing.assert_close(sigma[mask], (F.softplus(centred) + SIGMA_FLOOR)[mask])
+        assert (sigma[~mask] == 1.0).all()
+        # Uncentred, the bias moves the batch's mean pre-activation to 0.
+        plain = IBEDLHead(HeadConfig("ib_edl", 4, 8), rows)
+        plain.init_bias_from(hidden, mask)
+        assert plain.sigma_bias.item() == pytest.approx(-(z[mask]).mean().item(), rel=1e-5)
+
+    def test_sigma_varies_with_the_question(self, hidden, rows):
+        head = IBEDLHead(HeadConfig("ib_edl", 4, 8, centre_options=True, centre_sigma=True), rows)
+        mask = torch.ones(5, 4, dtype=torch.bool)
+        head.init_bias_from(hidden, mask)
+        _, sigma = head.gaussian(hidden, mask)
+        assert sigma.median() > 0.1 and sigma.std() / sigma.mean() > 0.1
 
     def test_quadrature_matches_monte_carlo(self, hidden, rows):
         head = IBEDLHead(HeadConfig("ib_edl", 4, 8, inference="quadrature", quadrature_points=20), rows)

@@ -83,6 +83,11 @@ def test_train_save_reload_identical(tmp_path, tiny_model_dir, jsonl_data, metho
         assert ceiling is None
     history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
     assert [h["step"] for h in history] == [1, 2, 3] * len(members)
+    runs = manifest.training["run"].get("members", [manifest.training["run"]])  # validation at the start and the end
+    keys = {"accuracy", "mean_confidence", "ece", "nll", "brier"}
+    assert all(set(r["validation_start"]) == keys and set(r["validation_end"]) == keys for r in runs)
+    assert runs[-1]["validation_end"] != runs[-1]["validation_start"]  # three steps at lr 1e-3 moved the model
+    assert all(r["stopped_by"] == "budget" and r["stopped_step"] == r["best_step"] == 3 for r in runs)
     # The reloaded adapter reproduces the validation metrics recorded at training time.
     reloaded = Predictor.from_artifact(out)
     val = evaluate(reloaded, load_dataset("jsonl", "validation", path=jsonl_data, limit=12), progress=False)
@@ -123,16 +128,18 @@ def test_training_is_seeded(tmp_path, tiny_model_dir, jsonl_data):
 
 
 def test_one_process_trains_as_before_the_accelerate_loop(tmp_path, tiny_model_dir, jsonl_data):
-    # Recorded at 7e9f104, the hand-written loop before training ran through accelerate (ibedl.training.distributed):
-    # IB-EDL samples, LoRA dropout and a validation pass at step 2. One process must reproduce them.
+    # Recorded at 7e9f104, the hand-written loop before training ran through accelerate (training.distributed):
+    # IB-EDL samples, LoRA dropout and a validation pass at step 2. One process must reproduce them. Re-recorded
+    # once since, when IB-EDL's sigma rows started from the option rows instead of 0.01 x them with bias -4 (the
+    # loop unchanged: the validation NLL, which mean inference reads from mu alone, moved by 6e-5).
     cfg = config(tmp_path, tiny_model_dir, jsonl_data, "ib_edl", **{"method_params.num_samples": 4, "optim.max_steps": 4,
                                                                    "eval_every": 2, "eval_limit": 6})
     steps = [json.loads(x) for x in (train(cfg) / "history.jsonl").read_text().splitlines()]
-    assert [h["loss"] for h in steps] == pytest.approx([0.8513070344924927, 0.7658528685569763, 0.8394085168838501,
-                                                        0.8825157284736633], rel=1e-5)
-    assert [h["grad_norm"] for h in steps] == pytest.approx([0.7445463538169861, 0.9311034083366394, 0.758976399898529,
-                                                             0.6347165107727051], rel=1e-5)
-    assert steps[1]["validation"]["nll"] == pytest.approx(1.380678170645752, rel=1e-5)
+    assert [h["loss"] for h in steps] == pytest.approx([0.8608139753341675, 0.8135029077529907, 0.8216605186462402,
+                                                        0.8812224268913269], rel=1e-5)
+    assert [h["grad_norm"] for h in steps] == pytest.approx([0.7055407762527466, 0.8597203493118286, 0.7531123757362366,
+                                                             0.5911774635314941], rel=1e-5)
+    assert steps[1]["validation"]["nll"] == pytest.approx(1.3807639930859954, rel=1e-5)
 
 
 def test_subset_seed_picks_the_training_subset_independently_of_the_run_seed(tmp_path, jsonl_data):
@@ -168,3 +175,46 @@ def test_unknown_method_param(tmp_path, tiny_model_dir, jsonl_data):
     cfg = config(tmp_path, tiny_model_dir, jsonl_data, "edl", **{"method_params.beta": 1})
     with pytest.raises(ValueError, match=r"method 'edl' has no hyper-parameters \['beta'\]"):
         train(cfg)
+
+
+def test_early_stopping_keeps_the_state_of_the_lowest_validation_nll():
+    from training.finetune import EarlyStopping
+
+    module = torch.nn.Linear(2, 1)
+    stopper = EarlyStopping(2, module)
+    states = []
+    for step, nll in enumerate([1.0, 0.8, 0.9, 0.95]):
+        with torch.no_grad():
+            module.weight.fill_(float(step))
+        states.append(module.weight.detach().clone())
+        assert not stopper.should_stop
+        stopper.observe(step, {"nll": nll})
+    assert stopper.should_stop and stopper.best_step == 1 and stopper.best_metrics == {"nll": 0.8}
+    stopper.restore()
+    torch.testing.assert_close(module.weight, states[1])
+    inactive = EarlyStopping(None, module)
+    inactive.observe(0, {"nll": 0.1})
+    assert not inactive.should_stop and inactive.best_state is None
+
+
+def test_patience_validates_each_epoch_and_saves_the_best_state(tmp_path, tiny_model_dir, jsonl_data):
+    # 40 questions, batch 4: 10 steps an epoch; a budget of 6 epochs at a high learning rate.
+    cfg = config(tmp_path, tiny_model_dir, jsonl_data, "map", **{"optim.max_steps": "null", "optim.epochs": 6,
+                                                                 "optim.patience": 2, "optim.lr": 3e-2})
+    out = train(cfg)
+    history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    passes = [h for h in history if "validation" in h]
+    assert [h["step"] for h in passes] == list(range(10, history[-1]["step"] + 1, 10))  # at every epoch's end
+    run = read_manifest(out).training["run"]
+    nlls = [run["validation_start"]["nll"]] + [h["validation"]["nll"] for h in passes]
+    assert run["validation_end"]["nll"] == min(nlls)
+    assert run["best_step"] == ([0] + [h["step"] for h in passes])[nlls.index(min(nlls))]
+    assert run["stopped_step"] == history[-1]["step"] and run["budget_steps"] == 60
+    if run["stopped_by"] == "patience":
+        assert run["stopped_step"] - run["best_step"] == 20 and run["stopped_step"] < 60
+    else:
+        assert run["stopped_step"] == 60
+    # What was saved is the best state: the reloaded adapter has its validation NLL (MAP: no post-hoc step).
+    reloaded = Predictor.from_artifact(out)
+    val = evaluate(reloaded, load_dataset("jsonl", "validation", path=jsonl_data, limit=12), progress=False)
+    assert val.metrics["nll"] == pytest.approx(run["validation_end"]["nll"], abs=1e-5)

@@ -104,12 +104,14 @@ class TestRegularisers:
         loss.sum().backward()
         assert torch.isfinite(alpha.grad).all()
 
-    def test_annealing(self):
-        assert annealing(0.0) == 0.0
-        assert annealing(0.5, 2.0) == 1.0
-        assert annealing(3.0) == 1.0
+    def test_annealing_is_per_epoch_as_the_reference_code(self):
+        # min(1, epoch / num_epochs) set at each epoch's start: 0 through the first epoch.
+        assert [annealing(e, 4) for e in range(6)] == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+        assert annealing(1, 2, lam=2.0) == 1.0
         with pytest.raises(ValueError, match="-1"):
-            annealing(0.5, -1)
+            annealing(1, 2, -1)
+        with pytest.raises(ValueError, match="epochs must be > 0, got 0"):
+            annealing(1, 0)
 
 
 class TestIBEDLRisk:

@@ -79,3 +79,20 @@ def test_ib_edl_beta_is_constant_without_beta_start(progress):
 def test_ib_edl_rejects_bad_hyper_parameters_on_arrival(params, message):
     with pytest.raises(ValueError, match=message):
         get_method("ib_edl").params(params)
+
+
+@pytest.mark.parametrize("name", ["edl", "i_edl", "r_edl"])
+def test_edl_family_kl_weight_follows_the_epoch(name):
+    method = get_method(name)
+    torch.manual_seed(0)
+    head = build_head(HeadConfig("evidential", 4, 16), torch.randn(4, 16))
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    out, y = head(torch.randn(3, 16), mask), torch.tensor([0, 1, 2])
+    params = method.params()
+
+    def loss(epoch):
+        return method.loss(out, y, mask, params, LossContext(epoch=epoch, epochs=4))
+
+    first, third = loss(0), loss(2)
+    assert (first["kl"] > 0).all()
+    torch.testing.assert_close(first["loss"] - third["loss"], -0.5 * params["kl_weight"] * third["kl"])

@@ -16,11 +16,16 @@ class LossContext:
     """What a loss may need beyond outputs and targets.
 
     Attributes:
-        progress: fraction of training done, in [0, 1] (for annealed regularisers).
+        progress: fraction of the step budget done, in [0, 1] (IB-EDL's optional beta annealing).
+        epoch: the epoch this step belongs to, from 0.
+        epochs: the epoch budget (``optim.epochs``); the EDL family's KL weight is min(1, epoch / epochs), set at
+            each epoch's start as the reference code does (0 throughout the first epoch).
         generator: RNG for sampling losses (IB-EDL), seeded by the training loop.
     """
 
     progress: float = 1.0
+    epoch: int = 0
+    epochs: float = 1.0
     generator: torch.Generator | None = None
 
 

@@ -11,7 +11,7 @@ from ibedl.training.methods.base import Method
 def edl_loss(out, y, mask, params, ctx):
     risk = mse_bayes_risk(out.alpha, y, mask)
     kl = edl_kl_regulariser(out.alpha, y, mask)
-    return {"loss": risk + annealing(ctx.progress, params["kl_weight"]) * kl, "risk": risk, "kl": kl}
+    return {"loss": risk + annealing(ctx.epoch, ctx.epochs, params["kl_weight"]) * kl, "risk": risk, "kl": kl}
 
 
 METHOD = Method(name="edl", label="EDL", head="evidential", loss=edl_loss, defaults={"kl_weight": 1.0}, clip_grad_norm=20.0)

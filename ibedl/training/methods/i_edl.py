@@ -13,7 +13,7 @@ from ibedl.training.methods.base import Method
 def loss(out, y, mask, params, ctx):
     risk, log_det = fisher_mse(out.alpha, y, mask)
     kl = edl_kl_regulariser(out.alpha, y, mask)
-    total = risk - params["fisher_weight"] * log_det + annealing(ctx.progress, params["kl_weight"]) * kl
+    total = risk - params["fisher_weight"] * log_det + annealing(ctx.epoch, ctx.epochs, params["kl_weight"]) * kl
     return {"loss": total, "risk": risk, "log_det_fisher": log_det, "kl": kl}
 
 

@@ -12,7 +12,7 @@ from ibedl.training.methods.base import Method
 def loss(out, y, mask, params, ctx):
     risk = relaxed_mse(out.alpha, y, mask)
     kl = wrong_evidence_kl(out.alpha, y, mask, params["eta"])
-    return {"loss": risk + annealing(ctx.progress, params["kl_weight"]) * kl, "risk": risk, "kl": kl}
+    return {"loss": risk + annealing(ctx.epoch, ctx.epochs, params["kl_weight"]) * kl, "risk": risk, "kl": kl}
 
 
 METHOD = Method(
