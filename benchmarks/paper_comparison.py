@@ -158,13 +158,15 @@ def ood_table(results: list[dict]) -> list[str]:
         for key in r["metrics"]:
             if key.startswith("ood/") and key.endswith("/auroc_mp") and key.split("/")[1] not in streams:
                 streams.append(key.split("/")[1])
-    head = ["Method", "seeds", *(f"{dataset_name(s)} MP / UM" for s in streams)]
+    scores = [k for k in ("mp", "um", "energy", "maha")
+              if any(f"ood/{s}/auroc_{k}" in r["metrics"] for r in results if r["kind"] == "ood" for s in streams)]
+    names = {"mp": "MP", "um": "UM", "energy": "EN", "maha": "MD"}
+    head = ["Method", "seeds", *(f"{dataset_name(s)} {' / '.join(names[k] for k in scores)}" for s in streams)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for method in _methods(results, "ood"):
         cells = []
         for s in streams:
-            mp, um = (_ours(_values(results, "ood", method, f"ood/{s}/auroc_{k}")[1], 100, 1) for k in ("mp", "um"))
-            cells.append(f"{mp} / {um}")
+            cells.append(" / ".join(_ours(_values(results, "ood", method, f"ood/{s}/auroc_{k}")[1], 100, 1) for k in scores))
         lines.append(f"| {method_label(method)} | {_seeds(results, 'ood', method)} | " + " | ".join(cells) + " |")
     return lines
 
@@ -187,7 +189,7 @@ def paper_ood_table(paper: dict) -> list[str]:
     targets = list(next(iter(next(iter(paper.values())).values())))
     head = ["Method", *(f"{m} OBQA → {t} MP / UM" for m in MODELS for t in targets)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for method in METHODS:
+    for method in [m for m in METHODS if any(m in paper.get(model, {}) for model in MODELS)]:  # the paper's methods
         cells = []
         for m in MODELS:
             for t in targets:

@@ -527,7 +527,7 @@ def calibrate_and_evaluate(cfg: TrainConfig, method: Method, predictor: Predicto
     Post-hoc step (IB-EDL's zeta), OOD gate, risk-controlled abstention, conformal sets and the drift
     reference: the same code as python -m ibedl.training.calibrate, on the validation split.
     """
-    calibration = CalibrationConfig(target_accuracy=cfg.target_accuracy, posthoc=method.head == "ib_edl" and cfg.fit_zeta,
+    calibration = CalibrationConfig(target_accuracy=cfg.target_accuracy, posthoc=method.calibrates_posthoc and cfg.fit_zeta,
                                     reference_size=cfg.reference_size, seed=cfg.seed)
     sections = calibrate_predictor(predictor, val_q, calibration, cfg.eval_batch_size, progress=cfg.progress)
     val = evaluate(predictor, val_q, cfg.eval_batch_size, progress=cfg.progress, desc="validation")
@@ -558,7 +558,7 @@ def training_record(cfg: TrainConfig, method: Method, params: dict, command: str
         "data": {role: [vars(p) for p in getattr(cfg.data, role)] for role in ("train", "validation", "test")},
         "label_noise": cfg.data.label_noise,
         "lora": vars(cfg.lora),
-        "zeta": sections["calibration"]["posthoc"] if method.head == "ib_edl" and cfg.fit_zeta else None,
+        "zeta": sections["calibration"]["posthoc"] if method.calibrates_posthoc and cfg.fit_zeta else None,
         "posthoc": getattr(predictor, "posthoc_info", None),  # what a post-hoc step chose (Laplace's prior)
         "dropped_too_long": dropped,
         "run": run,

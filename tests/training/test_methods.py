@@ -96,3 +96,20 @@ def test_edl_family_kl_weight_follows_the_epoch(name):
     first, third = loss(0), loss(2)
     assert (first["kl"] > 0).all()
     torch.testing.assert_close(first["loss"] - third["loss"], -0.5 * params["kl_weight"] * third["kl"])
+
+
+def test_ib_edl_sigma_constant_replaces_the_learned_sigma_in_the_loss():
+    method = get_method("ib_edl")
+    torch.manual_seed(0)
+    head = build_head(HeadConfig("ib_edl", 4, 16), torch.randn(4, 16))
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    out, y = head(torch.randn(3, 16), mask), torch.tensor([0, 1, 2])
+    params = method.params({"sigma_constant": 0.5, "beta": 1e-2})
+    parts = method.loss(out, y, mask, params, LossContext(generator=torch.Generator().manual_seed(3)))
+    # KL(N(mu, 0.25) || N(0, 1)) per option, summed: 0.5 (mu^2 + 0.25 - 2 log 0.5 - 1)
+    expected = 0.5 * (out.logits**2 + 0.25 - 2 * torch.log(torch.tensor(0.5)) - 1).sum(-1)
+    torch.testing.assert_close(parts["info"], expected)
+    parts["loss"].sum().backward()
+    assert head.sigma_weight.grad is None and head.mu_weight.grad is not None
+    with pytest.raises(ValueError, match="sigma_constant must be a finite number > 0 .* got -1"):
+        method.params({"sigma_constant": -1})

@@ -33,11 +33,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ibedl.core.artifact import atomic_write_text
-from ibedl.training.config import apply_overrides, yaml_load
-from ibedl.training.experiments.evaluate_run import limits_for, summarise_run, without_posthoc
-from ibedl.training.experiments.report import write_report
-from ibedl.training.methods import METHODS, get_method
+import numpy as np
+
+from evidential.artifact import atomic_write_text
+from training.config import apply_overrides, yaml_load
+from training.experiments.evaluate_run import limits_for, summarise_run, without_posthoc
+from training.experiments.report import write_report
+from training.methods import METHODS, get_method
 
 log = logging.getLogger("ibedl.training.experiments.benchmark")
 
@@ -227,8 +229,30 @@ class Runner:
         }
         if fits := posthoc_fits(preds["sets"], run.eval_sets):
             record["posthoc"] = fits
+        record["training"] = training_summary(json.loads((artifact / "manifest.json").read_text()))
         self.add(record)
         return record
+
+
+def training_summary(manifest: dict) -> dict:
+    """What training did to a cell's run, from its manifest: validation metrics at the start and the end (before any
+    post-hoc step; an ensemble's members' means), the steps run of the budget and what stopped them, and the
+    calibration's post-hoc fit (IB-EDL's zeta) with the validation metrics after it."""
+    training = manifest.get("training") or {}
+    run = training.get("run") or {}
+    members = run.get("members") or [run]
+
+    def mean_of(key: str) -> dict | None:
+        values = [m[key] for m in members if m.get(key)]
+        return {k: float(np.mean([v[k] for v in values])) for k in values[0]} if values else None
+
+    return {
+        "validation_start": mean_of("validation_start"), "validation_end": mean_of("validation_end"),
+        "steps": [m.get("stopped_step", m.get("steps")) for m in members],
+        "best_steps": [m.get("best_step") for m in members], "budget_steps": members[0].get("budget_steps"),
+        "stopped_by": [m.get("stopped_by") for m in members],
+        "zeta": training.get("zeta"), "validation_after_posthoc": (manifest.get("metrics") or {}).get("validation"),
+    }
 
 
 def posthoc_fits(sets: dict, eval_sets) -> list[dict]:

@@ -40,13 +40,25 @@ def load_eval_set(spec: str, limit: int | None, seed: int = 0) -> list:
     return [dataclasses.replace(q, context=None) for q in questions] if variant == "no_context" else questions
 
 
+# AUROC scores beside max probability (mp): 1/u (um, Dirichlet methods), energy and Mahalanobis (training.ood_scores)
+FEATURE_SCORES = {"energy": "energy", "maha": "mahalanobis"}
+
+
 def _auroc_pair(first: dict, ood: dict, keep_id, keep_ood) -> dict:
-    """AUROC by max probability (mp) and, for Dirichlet methods, by 1/u (um) on the kept questions."""
-    conf = lambda s, keep: np.array([max(p) for p, k in zip(s["probs"], keep) if k])  # noqa: E731
-    out = {"mp": metrics.auroc(conf(first, keep_id), conf(ood, keep_ood))}
+    """AUROC by max probability (mp), by 1/u (um) for Dirichlet methods, and by the energy and Mahalanobis scores
+    where the predictions carry them, on the kept questions."""
+    def kept(values, keep) -> np.ndarray:
+        values, keep = list(values), list(keep)
+        if len(values) != len(keep):
+            raise ValueError(f"{len(values)} scores for {len(keep)} questions")
+        return np.array([v for v, k in zip(values, keep) if k], dtype=np.float64)
+
+    out = {"mp": metrics.auroc(kept(map(max, first["probs"]), keep_id), kept(map(max, ood["probs"]), keep_ood))}
     if first["uncertainty"] is not None and ood["uncertainty"] is not None:
-        unc = lambda s, keep: -np.array([u for u, k in zip(s["uncertainty"], keep) if k])  # noqa: E731
-        out["um"] = metrics.auroc(unc(first, keep_id), unc(ood, keep_ood))
+        out["um"] = metrics.auroc(-kept(first["uncertainty"], keep_id), -kept(ood["uncertainty"], keep_ood))
+    for name, key in FEATURE_SCORES.items():
+        if first.get(key) is not None and ood.get(key) is not None:
+            out[name] = metrics.auroc(kept(first[key], keep_id), kept(ood[key], keep_ood))
     return out
 
 
@@ -56,6 +68,8 @@ def summarise_run(preds: dict, eval_sets) -> dict:
     evidential scores shift with the number of options, so a count mismatch alone can separate the sets)."""
     first = preds["sets"][eval_sets[0]]
     out = metrics.summarise(first["probs"], first["labels"], first["uncertainty"])
+    if first.get("sigma") is not None:  # IB-EDL: does sigma differ between questions, and between streams?
+        out.update({f"sigma/{k}": v for k, v in sigma_summary(first["sigma"]).items()})
     counts_id = [len(p) for p in first["probs"]]
     modal = max(set(counts_id), key=counts_id.count)
     for other in eval_sets[1:]:
@@ -69,6 +83,8 @@ def summarise_run(preds: dict, eval_sets) -> dict:
                 out[f"ood/{other}/auroc_{score}_matched"] = value
             out[f"ood/{other}/matched_options"] = modal
             out[f"ood/{other}/matched_n"] = sum(keep_ood)
+        if ood.get("sigma") is not None:
+            out[f"ood/{other}/sigma_median"] = sigma_summary(ood["sigma"])["median"]
         ood_metrics = metrics.summarise(ood["probs"], ood["labels"])
         for key in ("accuracy", "ece", "nll"):
             out[f"ood/{other}/{key}"] = ood_metrics[key]
@@ -76,9 +92,18 @@ def summarise_run(preds: dict, eval_sets) -> dict:
 
 
 def outputs(preds) -> dict:
-    """Probabilities (rounded to 7 digits) and uncertainty masses (None without a Dirichlet) of predictions."""
+    """Probabilities (rounded to 7 digits), uncertainty masses (None without a Dirichlet) and IB-EDL's sigma averaged
+    over each question's options (None for other methods) of predictions."""
     return {"probs": [[round(x, 7) for x in p.probs] for p in preds],
-            "uncertainty": None if preds[0].uncertainty is None else [p.uncertainty for p in preds]}
+            "uncertainty": None if preds[0].uncertainty is None else [p.uncertainty for p in preds],
+            "sigma": None if preds[0].sigma is None else [round(float(np.mean(p.sigma)), 6) for p in preds]}
+
+
+def sigma_summary(values) -> dict:
+    """Median, interquartile range and coefficient of variation (std / mean) of per-question sigma."""
+    v = np.asarray(values, dtype=np.float64)
+    q1, median, q3 = np.percentile(v, [25, 50, 75])
+    return {"median": float(median), "iqr": float(q3 - q1), "cv": float(v.std() / v.mean()) if v.mean() > 0 else 0.0}
 
 
 def without_posthoc(preds: dict) -> dict | None:
@@ -100,11 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     args = parser.parse_args(argv)
 
-    from ibedl.core import prefix_cache
-    from ibedl.core.predictor import Predictor
-    from ibedl.training.evaluate import predict_all
-    from ibedl.training.finetune import posthoc_questions, run_questions
-    from ibedl.training.methods import get_method
+    from evidential import prefix_cache
+    from evidential.predictor import Predictor
+    from training.evaluate import predict_all
+    from training.finetune import posthoc_questions, run_questions
+    from training.methods import get_method
+    from training.ood_scores import Mahalanobis, features
 
     limits = json.loads(args.limits)
     method = get_method(args.method)
@@ -124,12 +150,19 @@ def main(argv: list[str] | None = None) -> int:
         predictor = method.posthoc.fit(predictor, fit_q, val_q, params)
         # what the post-hoc step chose (Laplace's prior precision) and its cost, data loading left out
         posthoc = {**(getattr(predictor, "posthoc_info", None) or {}), "fit_seconds": time.perf_counter() - start}
-    out = {"artifact": str(args.artifact), "method": args.method, "sets": {}}
+    # Feature-space OOD score: class-conditional Gaussians on the run's validation (calibration) questions.
+    val_q = run_questions(predictor.manifest.training)[2] if predictor.manifest.training else []
+    maha = Mahalanobis.fit(features(predictor, val_q, args.batch_size)[1], [q.answer for q in val_q]) if val_q else None
+    out = {"artifact": str(args.artifact), "method": args.method, "sets": {},
+           "mahalanobis": None if maha is None else {"n": len(val_q), "shrinkage": maha.shrinkage}}
     for dataset in args.dataset:
         questions = load_eval_set(dataset, limits_for(limits, dataset).get("test"))
         preds, seconds = predict_all(predictor, questions, args.batch_size, progress=False)
         out["sets"][dataset] = {**outputs(preds), "labels": [q.answer for q in questions],
                                 "samples_per_s": len(questions) / seconds}
+        energies, hidden = features(predictor, questions, args.batch_size)
+        out["sets"][dataset]["energy"] = [round(float(e), 6) for e in energies]
+        out["sets"][dataset]["mahalanobis"] = None if maha is None else [round(float(m), 4) for m in maha.score(hidden)]
         if posthoc is not None:  # with every set: the benchmark caches predictions per set, and a cell's record
             out["sets"][dataset]["posthoc"] = posthoc  # names the fit behind each of its sets
         zeta = getattr(getattr(predictor, "head", None), "config", None)

@@ -98,32 +98,120 @@ def id_tables(results: list[dict], kind: str = "id", metric_list=ID_METRICS) -> 
     return lines
 
 
+# OOD scores of a cell's metrics (training.experiments.evaluate_run): key suffix -> label
+OOD_SCORES = {"mp": "max probability (MP)", "um": "1/u (UM)", "energy": "energy (logsumexp of the option logits)",
+              "maha": "Mahalanobis distance of the head's hidden state"}
+
+
 def ood_tables(results: list[dict]) -> list[str]:
+    """One AUROC table per score (columns: the shifted streams and their mean), on all questions, then the streams'
+    mean per score with the option count matched."""
     runs = [r for r in results if r["kind"] == "ood"]
     if not runs:
         return []
     source = dataset_name(runs[0]["dataset"])
+    streams = sorted({k.split("/")[1] for r in runs for k in r["metrics"] if k.startswith("ood/")})
     lines = []
-    for suffix, title in (("", "all questions"), ("_matched", "option count matched")):
+    for score, label in OOD_SCORES.items():
         rows: dict = defaultdict(lambda: defaultdict(list))
-        columns = []
         for method, r, values in method_metrics(results, "ood"):
-            for key, value in values.items():
-                if key.startswith("ood/") and key.endswith((f"auroc_mp{suffix}", f"auroc_um{suffix}")):
-                    rows[method][key].append(value)
-                    if key not in columns:
-                        columns.append(key)
-        if not columns:
+            found = [values.get(f"ood/{s}/auroc_{score}") for s in streams]
+            for s, v in zip(streams, found, strict=True):
+                if v is not None:
+                    rows[method][s].append(v)
+            if all(v is not None for v in found):
+                rows[method]["mean"].append(float(np.mean(found)))
+        if not rows:
             continue
-        columns.sort()
-        header = ["Method"] + [f"{source} → {dataset_name(c.split('/')[1])} {'MP' if 'auroc_mp' in c else 'UM'}" for c in columns]
-        note = ""
-        if suffix:
-            counts = {r["metrics"].get(f"{c.rsplit('/', 1)[0]}/matched_options") for r in runs for c in columns}
-            note = f" Both sides restricted to {', '.join(str(c) for c in sorted(counts - {None}))}-option questions."
-        lines += [f"AUROC (%) ↑, {title}; in-distribution is the positive class; MP = max probability, UM = 1/u "
-                  f"(methods without a Dirichlet have no UM).{note}", ""] + _table(rows, columns, True, 100, header) + [""]
+        header = ["Method"] + [dataset_name(s) for s in streams] + ["mean"]
+        lines += [f"AUROC (%) ↑ by {label}, {source} against each shifted stream (in-distribution is the positive "
+                  "class).", ""] + _table(rows, [*streams, "mean"], True, 100, header) + [""]
+    matched: dict = defaultdict(lambda: defaultdict(list))
+    for method, r, values in method_metrics(results, "ood"):
+        for score in OOD_SCORES:
+            found = [values.get(f"ood/{s}/auroc_{score}_matched") for s in streams]
+            found = [v for v in found if v is not None]
+            if found:
+                matched[method][score].append(float(np.mean(found)))
+    if matched:
+        counts = {r["metrics"].get(f"ood/{s}/matched_options") for r in runs for s in streams} - {None}
+        columns = [c for c in OOD_SCORES if any(matched[m].get(c) for m in matched)]
+        lines += [f"AUROC (%) ↑ with the option count matched (both sides restricted to "
+                  f"{', '.join(str(c) for c in sorted(counts))}-option questions), mean over the streams that have "
+                  "enough such questions.", ""]
+        lines += _table(matched, columns, True, 100, ["Method"] + [c.upper() if len(c) == 2 else c for c in columns]) + [""]
     return lines
+
+
+def training_table(results: list[dict]) -> list[str]:
+    """Validation metrics at the start and the end of each method's training (means over the seeds' runs, before
+    any post-hoc step), and the steps run: a reader sees that training moved each method."""
+    rows: dict = defaultdict(lambda: defaultdict(list))
+    seen = set()
+    for r in results:
+        t = r.get("training") or {}
+        key = (r["method"], r["seed"], r["label_noise"])
+        if r["kind"] == "ood" or key in seen or not t.get("validation_start") or not t.get("validation_end"):
+            continue
+        seen.add(key)
+        group = (r["method"], "noise" if r["label_noise"] else "clean")
+        for k in ("accuracy", "mean_confidence", "ece", "nll"):
+            rows[group][f"{k}_start"].append(t["validation_start"][k])
+            rows[group][f"{k}_end"].append(t["validation_end"][k])
+        rows[group]["steps"] += [s for s in t["steps"] if s is not None]
+        rows[group]["best"] += [s for s in t["best_steps"] if s is not None]
+        rows[group]["patience"] += [b == "patience" for b in t["stopped_by"]]
+        rows[group]["budget"].append(t["budget_steps"])
+    if not rows:
+        return []
+    lines = ["| Method | Labels | Acc (%) start → end | Confidence start → end | ECE (%) start → end | NLL start → end | "
+             "Steps run (best) of budget | Stopped by patience |", "|---|---|---|---|---|---|---|---|"]
+    order = {m: i for i, m in enumerate(METHODS)}
+    for (method, labels), v in sorted(rows.items(), key=lambda kv: (kv[0][1] != "clean", order.get(kv[0][0], 99))):
+        def pair(k: str, scale: float, digits: int) -> str:
+            return f"{np.mean(v[k + '_start']) * scale:.{digits}f} → {np.mean(v[k + '_end']) * scale:.{digits}f}"
+
+        budget = ", ".join(str(b) for b in sorted(set(v["budget"])))
+        lines.append(f"| {method_label(method)} | {labels} | {pair('accuracy', 100, 1)} | {pair('mean_confidence', 1, 3)} | "
+                     f"{pair('ece', 100, 1)} | {pair('nll', 1, 3)} | {np.mean(v['steps']):.0f} ({np.mean(v['best']):.0f}) "
+                     f"of {budget} | {sum(v['patience'])} of {len(v['patience'])} |")
+    return ["Validation metrics of each trained run at its start and at its end (the kept state, before post-hoc steps; "
+            "means over seeds; an ensemble's members averaged). MC-Dropout, Laplace and MAP+TS evaluate MAP's runs.",
+            ""] + lines + [""]
+
+
+def sigma_table(results: list[dict]) -> list[str]:
+    """IB-EDL's per-question sigma (mean over options) on the in-distribution test set and each shifted stream, and
+    the fitted zeta with the validation ECE it moved."""
+    runs = [r for r in results if r["kind"] in ("id", "ood") and "sigma/median" in r["metrics"]]
+    if not runs:
+        return []
+    lines = []
+    rows: dict = defaultdict(lambda: defaultdict(list))
+    streams: list[str] = []
+    for r in runs:
+        group = f"{method_label(r['method'])} ({r['kind']}{', noise' if r['label_noise'] else ''})"
+        for k in ("median", "iqr", "cv"):
+            rows[group][k].append(r["metrics"][f"sigma/{k}"])
+        for key, value in r["metrics"].items():
+            if key.endswith("/sigma_median"):
+                stream = key.split("/")[1]
+                streams += [stream] if stream not in streams else []
+                rows[group][stream].append(value)
+        t = r.get("training") or {}
+        if r["kind"] == "id" and t.get("zeta") and t.get("validation_end") and t.get("validation_after_posthoc"):
+            rows[group]["zeta"].append(t["zeta"].get("zeta", 0.0))
+            rows[group]["ece_moved"].append(t["validation_after_posthoc"]["ece"] - t["validation_end"]["ece"])
+    header = ["Run", "median σ", "IQR", "CV"] + [f"median σ, {dataset_name(s)}" for s in streams] + ["ζ", "validation ECE (pts) moved by ζ"]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for group, v in rows.items():
+        cells = [f"{np.mean(v[k]):.3f}" if v.get(k) else "–" for k in ("median", "iqr", "cv", *streams)]
+        cells += [f"{np.mean(v['zeta']):.2f}" if v.get("zeta") else "–",
+                  f"{np.mean(v['ece_moved']) * 100:+.2f}" if v.get("ece_moved") else "–"]
+        lines.append(f"| {group} | " + " | ".join(cells) + " |")
+    return ["IB-EDL's σ per question (its mean over the options) on the in-distribution test questions: median, "
+            "interquartile range and coefficient of variation; then its median on each shifted stream; means over seeds.",
+            ""] + lines + [""]
 
 
 def ece_bins_table(results: list[dict]) -> list[str]:
@@ -262,6 +350,10 @@ def write_report(results: list[dict], config: dict, path: Path, runs_root: Path 
         lines += ["## In-distribution calibration", ""] + id_tables(results) + ["## ECE bin sensitivity", ""] + ece_bins_table(results)
     if any(r["kind"] == "ood" for r in results):
         lines += ["## Out-of-distribution detection", ""] + ood_tables(results)
+    if moved := training_table(results):
+        lines += ["## Training: validation at the start and the end", ""] + moved
+    if sigma := sigma_table(results):
+        lines += ["## IB-EDL's σ", ""] + sigma
     if any(r["kind"] == "noise" for r in results):
         fraction = next(r["label_noise"] for r in results if r["kind"] == "noise")
         lines += [f"## Label noise ({fraction:.0%} of training labels moved; clean test data)", ""]

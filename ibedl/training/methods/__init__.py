@@ -1,10 +1,11 @@
 """The method registry: one module per method, one line here per method, in the order reports list them."""
 
-from ibedl.training.methods import edl, ensemble, i_edl, ib_edl, laplace, map, mc_dropout, r_edl, vid
-from ibedl.training.methods.base import LossContext, Method, PostHoc
+from training.methods import edl, ensemble, i_edl, ib_edl, laplace, map, map_ts, mc_dropout, r_edl, vid
+from training.methods.base import LossContext, Method, PostHoc
 
 METHODS: dict[str, Method] = {}
 METHODS["map"] = map.METHOD
+METHODS["map_ts"] = map_ts.METHOD
 METHODS["mc_dropout"] = mc_dropout.METHOD
 METHODS["ensemble"] = ensemble.METHOD
 METHODS["laplace"] = laplace.METHOD

@@ -39,15 +39,16 @@ class PostHoc:
     Attributes:
         fit: ``fit(predictor, questions, validation, params) -> predictor``, fitted on the training ``questions``
             with any hyper-parameter chosen on the ``validation`` questions; the returned object answers ``predict``
-            and ``eval`` like :class:`ibedl.core.predictor.Predictor` (``ibedl.training.evaluate`` runs it unchanged).
-        samples: the hyper-parameter holding how many training questions it is fitted on.
+            and ``eval`` like :class:`evidential.predictor.Predictor` (``training.evaluate`` runs it unchanged).
+        samples: the hyper-parameter holding how many training questions it is fitted on; None for a step fitted on
+            the validation questions alone (temperature scaling).
     """
 
     fit: Callable
-    samples: str = "fit_samples"
+    samples: str | None = "fit_samples"
 
     def num_samples(self, params: dict) -> int:
-        return int(params[self.samples])
+        return 0 if self.samples is None else int(params[self.samples])
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,10 @@ class Method:
         posthoc: a :class:`PostHoc` step fitted after training (Laplace), or None.
         confidence_ceiling: ``f(params, num_options) -> dict | None``, the highest confidence the
             objective allows at that option count (IB-EDL), or None when it has no ceiling.
-        reuses: a method whose training run is the same as this one's (``map`` for MC-Dropout and
-            Laplace); the benchmark trains that run once and evaluates both on it.
+        reuses: a method whose training run is the same as this one's (``map`` for MC-Dropout, Laplace and
+            MAP+TS); the benchmark trains that run once and evaluates both on it.
+        calibrates_posthoc: the calibration step (``training.calibrate``) refits the head's post-hoc parameter:
+            IB-EDL's zeta, MAP+TS's temperature; otherwise it stays neutral.
     """
 
     name: str
@@ -87,6 +90,7 @@ class Method:
     posthoc: PostHoc | None = None
     confidence_ceiling: Callable[[dict, int], dict | None] | None = None
     reuses: str | None = None
+    calibrates_posthoc: bool = False
 
     def params(self, overrides: dict | None = None) -> dict:
         """Defaults updated by ``overrides``; unknown keys are an error naming them."""

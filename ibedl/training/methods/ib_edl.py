@@ -3,6 +3,9 @@
 ``risk`` picks the paper's expected loss under the sampled pre-evidence: ``mse`` (eq. L_IB-MSE, the
 paper's default) or ``nll`` (eq. L_IB-NLL: log alpha0 - log alpha_y, the exact -log p(y | z)).
 
+``sigma_constant`` (off by default) is the ablation of the learned sigma: training samples e~ = mu + c * eps with this
+constant c for every option and question (the sigma head gets no gradient and stays as initialised).
+
 ``beta_start`` (off by default) anneals the information weight: it starts at ``beta_start`` and moves
 log-linearly to ``beta`` over the first ``beta_anneal`` fraction of training, then stays at ``beta``.
 Why: while the model is still at chance, the Dirichlet mean is flattened most cheaply by raising every
@@ -42,6 +45,9 @@ def check_params(params: dict) -> None:
             raise ValueError(f"beta_start must be a finite number > 0 (or null for a constant beta), got {start!r}")
         if not params["beta"] > 0:
             raise ValueError(f"beta_start needs beta > 0 to anneal to (log-linear), got beta {params['beta']!r}")
+    constant = params["sigma_constant"]
+    if constant is not None and not (_finite(constant) and constant > 0):
+        raise ValueError(f"sigma_constant must be a finite number > 0 (or null for the learned sigma), got {constant!r}")
     if not (_finite(params["beta_anneal"]) and 0 < params["beta_anneal"] <= 1):
         raise ValueError(f"beta_anneal must be in (0, 1], got {params['beta_anneal']!r}")
 
@@ -64,8 +70,9 @@ def ceiling(params: dict, num_options: int) -> dict | None:
 
 
 def ib_edl_loss(out, y, mask, params, ctx):
-    risk = ib_edl_risk(out.logits, out.sigma, y, mask, params["num_samples"], ctx.generator, params["risk"])
-    info = gaussian_information(out.logits, out.sigma, mask)
+    sigma = out.sigma if params["sigma_constant"] is None else torch.full_like(out.sigma, params["sigma_constant"])
+    risk = ib_edl_risk(out.logits, sigma, y, mask, params["num_samples"], ctx.generator, params["risk"])
+    info = gaussian_information(out.logits, sigma, mask)
     beta = beta_at(params, ctx.progress)
     return {"loss": risk + beta * info, "risk": risk, "info": info, "beta": torch.full_like(risk, beta)}
 
@@ -75,8 +82,10 @@ METHOD = Method(
     label="IB-EDL",
     head="ib_edl",
     loss=ib_edl_loss,
-    defaults={"beta": 1e-3, "num_samples": 20, "risk": "mse", "beta_start": None, "beta_anneal": 0.5},
+    defaults={"beta": 1e-3, "num_samples": 20, "risk": "mse", "beta_start": None, "beta_anneal": 0.5,
+              "sigma_constant": None},
     clip_grad_norm=20.0,
     check=check_params,
     confidence_ceiling=ceiling,
+    calibrates_posthoc=True,
 )

@@ -46,8 +46,8 @@ def test_report_layout_and_bold_best(tmp_path):
     assert "| MAP | 10.00 ± 0.00 |" in ece_table and "**5.50 ± 0.50**" in ece_table
     # methods without a Dirichlet have no UM column value
     ood = text.split("## Out-of-distribution detection")[1]
-    assert "OBQA → SciQ UM" in ood and "| MAP |" in ood.split("\n| EDL")[0]
-    assert "–" in [line for line in ood.splitlines() if line.startswith("| MAP |")][0]
+    um = ood.split("AUROC (%) ↑ by 1/u (UM)")[1].split("AUROC")[0].split("##")[0]
+    assert "| Method | SciQ | mean |" in um and "| MAP |" not in um and "| EDL |" in um
     assert "## Efficiency" in text
 
 
@@ -68,8 +68,11 @@ def test_report_rows_without_posthoc_and_matched_ood(tmp_path):
     at = [i for i, line in enumerate(lines) if line.startswith("| IB-EDL |")][0]
     assert lines[at + 1].startswith("| IB-EDL, ζ = 0 | 20.00 ± 0.00 |")  # right after the method, zeta undone
     ood = text.split("## Out-of-distribution detection")[1]
-    assert "option count matched" in ood and "Both sides restricted to 4-option questions." in ood
-    assert "OBQA → SciQ (no passage) MP" in ood
+    assert "option count matched (both sides restricted to 4-option questions)" in ood
+    mp = ood.split("AUROC (%) ↑ by max probability (MP)")[1].split("AUROC")[0]
+    assert "| Method | SciQ | SciQ (no passage) | mean |" in mp
+    matched = ood.split("option count matched")[1].split("##")[0]
+    assert "| Method | MP |" in matched and "| MAP | **70.00 ± 0.00** |" in matched
     eff = text.split("## Efficiency")[1]
     assert "| MAP | 2.00 (1.00x) |" in eff and "| IB-EDL | 2.00 (1.00x) | 5.00 (0.50x) |" in eff
 
@@ -132,3 +135,29 @@ def test_report_lists_what_each_post_hoc_step_chose(tmp_path):
                     "| ood-sciq-laplace-s0 | obqa, arc_easy | validation | 1e+06 (grid top) | 0.341 | 0.352 | 250 |"]
     write_report(synthetic_results(), {"name": "bench"}, path)
     assert "## Post-hoc steps" not in path.read_text()
+
+
+def test_report_shows_training_start_and_end_and_ib_edl_sigma(tmp_path):
+    results = synthetic_results()
+    for r in results:
+        if r["kind"] != "id" or r["dataset"] != "sciq":
+            continue
+        start = {"accuracy": 0.5, "mean_confidence": 0.6, "ece": 0.2, "nll": 1.0, "brier": 0.5}
+        end = {"accuracy": 0.7 + r["seed"] * 0.1, "mean_confidence": 0.75, "ece": 0.05, "nll": 0.7, "brier": 0.4}
+        r["training"] = {"validation_start": start, "validation_end": end, "steps": [40], "best_steps": [30],
+                         "budget_steps": 100, "stopped_by": ["patience" if r["seed"] else "budget"],
+                         "zeta": {"zeta": 0.5} if r["method"] == "ib_edl" else None,
+                         "validation_after_posthoc": {**end, "ece": 0.04}}
+        if r["method"] == "ib_edl":
+            r["metrics"].update({"sigma/median": 0.6 + r["seed"] * 0.2, "sigma/iqr": 0.3, "sigma/cv": 0.4})
+    results.append({**results[-1], "kind": "ood", "key": "ood-sciq-ib_edl-s0", "method": "ib_edl", "training": None,
+                    "metrics": {"sigma/median": 0.7, "sigma/iqr": 0.3, "sigma/cv": 0.4, "ood/obqa/sigma_median": 1.5}})
+    path = tmp_path / "bench.md"
+    write_report(results, {"name": "bench"}, path)
+    text = path.read_text()
+    moved = text.split("## Training: validation at the start and the end")[1].split("##")[0]
+    # mean over seeds 0 and 1: accuracy 70% and 80% at the end
+    assert "| IB-EDL | clean | 50.0 → 75.0 | 0.600 → 0.750 | 20.0 → 5.0 | 1.000 → 0.700 | 40 (30) of 100 | 1 of 2 |" in moved
+    sigma = text.split("## IB-EDL's σ")[1].split("##")[0]
+    assert "| IB-EDL (id) | 0.700 | 0.300 | 0.400 | – | 0.50 | -1.00 |" in sigma
+    assert "| IB-EDL (ood) | 0.700 | 0.300 | 0.400 | 1.500 | – | – |" in sigma
