@@ -107,7 +107,9 @@ def train_overrides(config: dict, run: Run, method: str, out: Path) -> list[str]
              "data": data, "progress": False}
     if params:
         pairs["method_params"] = params
-    return [f"{k}={json.dumps(v)}" for k, v in pairs.items()]
+    # a method's own training settings (``method_train``: dotted keys, e.g. the head learning rate its search chose)
+    own = config.get("method_train", {}).get(method, {})
+    return [f"{k}={json.dumps(v)}" for k, v in pairs.items()] + [f"{k}={json.dumps(v)}" for k, v in own.items()]
 
 
 def run_child(cmd: list[str], log_path: Path, threads: int | None = None) -> dict:
