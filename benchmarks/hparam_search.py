@@ -23,8 +23,7 @@ import threading
 from pathlib import Path
 
 from evidential.artifact import atomic_write_text
-from training.config import apply_overrides, yaml_load
-from training.experiments.benchmark import Run, run_child, train_overrides
+from training.experiments.benchmark import Run, load_benchmark_config, run_child, train_overrides
 from training.methods import get_method
 
 log = logging.getLogger("benchmarks.hparam_search")
@@ -93,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
-        config = apply_overrides(yaml_load(Path(args.config).read_text()), [])
+        config = load_benchmark_config(args.config)
         todo = [c for c in candidates(config) if not args.only_methods or c[0] in args.only_methods]
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

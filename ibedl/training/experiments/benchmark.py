@@ -66,6 +66,26 @@ class Run:
         return f"{self.dataset}{noise}-{method or self.method}-s{self.seed}"
 
 
+def load_benchmark_config(path: str | Path, overrides: list[str] = ()) -> dict:
+    """A benchmark config, read from YAML. ``base: OTHER.yaml`` starts from another config (read the same way) and
+    replaces its top-level keys, except ``method_params`` and ``method_train``, merged per method and key; ``search``
+    is not inherited. Then ``key.sub=value`` overrides."""
+    path = Path(path)
+    config = yaml_load(path.read_text())
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level")
+    if "base" in config:
+        base = load_benchmark_config(Path(config.pop("base")))
+        base.pop("search", None)
+        merged = {**base, **config}
+        for key in ("method_params", "method_train"):
+            if key in config:
+                merged[key] = {m: {**base.get(key, {}).get(m, {}), **config[key].get(m, {})}
+                               for m in {**base.get(key, {}), **config[key]}}
+        config = merged
+    return apply_overrides(config, list(overrides))
+
+
 def expand(config: dict) -> list[Run]:
     """The grid of runs a benchmark config describes, in a stable order."""
     methods = [m for m in METHODS if m in config["methods"]]
@@ -338,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
-        config = apply_overrides(yaml_load(Path(args.config).read_text()), args.overrides)
+        config = load_benchmark_config(args.config, args.overrides)
         runs = expand(config)
     except (OSError, ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)

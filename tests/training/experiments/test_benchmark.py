@@ -182,3 +182,20 @@ def test_runner_records_what_laplaces_post_hoc_step_chose(bench_config, tmp_path
     assert shared == own and fitted["sets"] == ["obqa"] and fitted["fit_seconds"] != own["fit_seconds"]
     assert fitted["prior_precision"] == own["prior_precision"]  # the same questions, the same choice
     assert not (runs_dir / "sciq-laplace-s0").exists()  # fitted on MAP's run
+
+
+def test_a_config_can_start_from_another(tmp_path):
+    from training.experiments.benchmark import load_benchmark_config
+
+    (tmp_path / "grid.yaml").write_text(
+        "name: grid\nmethods: [map, ib_edl]\nseeds: [0, 1]\n"
+        "method_params:\n  ib_edl: {beta: 1.0e-5, risk: nll}\n  ensemble: {members: 3}\n"
+        "search:\n  candidates: {map: [{optim.head_lr: 1.0e-3}]}\n")
+    (tmp_path / "ablation.yaml").write_text(
+        f"name: ablation\nbase: {tmp_path / 'grid.yaml'}\nmethods: [ib_edl]\n"
+        "method_params:\n  ib_edl: {sigma_constant: 0.5}\n")
+    config = load_benchmark_config(tmp_path / "ablation.yaml", ["seeds=[2]"])
+    assert config["name"] == "ablation" and config["methods"] == ["ib_edl"] and config["seeds"] == [2]
+    assert config["method_params"] == {"ib_edl": {"beta": 1e-5, "risk": "nll", "sigma_constant": 0.5},
+                                       "ensemble": {"members": 3}}
+    assert "search" not in config and "base" not in config
