@@ -3,7 +3,7 @@
     python -m benchmarks.hparam_search --config benchmarks/sciq_grid.yaml [--jobs 2] [--only-methods ib_edl]
 
 The config's ``search`` section names a seed and, per method, candidate overrides of its training run (dotted
-keys as ``training.finetune`` takes them: ``optim.head_lr``, ``method_params.beta``, ...). Every candidate trains as
+keys as ``ibedl.training.finetune`` takes them: ``optim.head_lr``, ``method_params.beta``, ...). Every candidate trains as
 the grid's runs do (same data sizes, warm start, early stopping) into ``runs/search/<name>/``; the criterion is the
 validation NLL of the state early stopping kept (before any post-hoc step), read from the run's manifest. The test
 split is never read. Results (every candidate's start and end validation metrics, the choice per method) go to
@@ -22,9 +22,9 @@ import sys
 import threading
 from pathlib import Path
 
-from evidential.artifact import atomic_write_text
-from training.experiments.benchmark import Run, load_benchmark_config, run_child, train_overrides
-from training.methods import get_method
+from ibedl.core.artifact import atomic_write_text
+from ibedl.training.experiments.benchmark import Run, load_benchmark_config, run_child, train_overrides
+from ibedl.training.methods import get_method
 
 log = logging.getLogger("benchmarks.hparam_search")
 
@@ -57,7 +57,7 @@ def train_candidate(config: dict, root: Path, method: str, index: int, overrides
             shutil.rmtree(out)
         out.mkdir(parents=True)
         extra = [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
-        cmd = [sys.executable, "-m", "training.finetune", *train_overrides(config, run, method, out), *extra,
+        cmd = [sys.executable, "-m", "ibedl.training.finetune", *train_overrides(config, run, method, out), *extra,
                f"name={out.name}"]
         log.info("training %s %s", out.name, overrides)
         info = run_child(cmd, out / "train.log", threads)

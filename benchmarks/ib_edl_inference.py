@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import write_result
-from evidential.dirichlet import dirichlet_outputs
-from evidential.head import gauss_hermite
-from evidential.predictor import Predictor
-from training import metrics
-from training.experiments.evaluate_run import sigma_summary
+from ibedl.core.dirichlet import dirichlet_outputs
+from ibedl.core.head import gauss_hermite
+from ibedl.core.predictor import Predictor
+from ibedl.training import metrics
+from ibedl.training.experiments.evaluate_run import sigma_summary
 
 MODES = ("mean", "quadrature", "sampled")
 
@@ -76,8 +76,8 @@ def main(argv=None) -> int:
     parser.add_argument("--samples", type=int, default=20)
     parser.add_argument("--output", default="benchmarks/results/ib_edl_inference.json")
     args = parser.parse_args(argv)
-    from evidential import prefix_cache
-    from training.finetune import run_questions
+    from ibedl.core import prefix_cache
+    from ibedl.training.finetune import run_questions
 
     predictor = Predictor.from_artifact(args.artifact)
     if predictor.head.config.kind != "ib_edl":

@@ -128,7 +128,7 @@ def test_training_is_seeded(tmp_path, tiny_model_dir, jsonl_data):
 
 
 def test_one_process_trains_as_before_the_accelerate_loop(tmp_path, tiny_model_dir, jsonl_data):
-    # Recorded at 7e9f104, the hand-written loop before training ran through accelerate (training.distributed):
+    # Recorded at 7e9f104, the hand-written loop before training ran through accelerate (ibedl.training.distributed):
     # IB-EDL samples, LoRA dropout and a validation pass at step 2. One process must reproduce them. Re-recorded
     # once since, when IB-EDL's sigma rows started from the option rows instead of 0.01 x them with bias -4 (the
     # loop unchanged: the validation NLL, which mean inference reads from mu alone, moved by 6e-5).
@@ -178,7 +178,7 @@ def test_unknown_method_param(tmp_path, tiny_model_dir, jsonl_data):
 
 
 def test_early_stopping_keeps_the_state_of_the_lowest_validation_nll():
-    from training.finetune import EarlyStopping
+    from ibedl.training.finetune import EarlyStopping
 
     module = torch.nn.Linear(2, 1)
     stopper = EarlyStopping(2, module)

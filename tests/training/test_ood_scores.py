@@ -3,7 +3,7 @@ import pytest
 import torch
 from sklearn.covariance import LedoitWolf
 
-from training.ood_scores import Mahalanobis, energy
+from ibedl.training.ood_scores import Mahalanobis, energy
 
 
 def test_energy_is_logsumexp_over_real_options():

@@ -35,11 +35,11 @@ from pathlib import Path
 
 import numpy as np
 
-from evidential.artifact import atomic_write_text
-from training.config import apply_overrides, yaml_load
-from training.experiments.evaluate_run import limits_for, summarise_run, without_posthoc
-from training.experiments.report import write_report
-from training.methods import METHODS, get_method
+from ibedl.core.artifact import atomic_write_text
+from ibedl.training.config import apply_overrides, yaml_load
+from ibedl.training.experiments.evaluate_run import limits_for, summarise_run, without_posthoc
+from ibedl.training.experiments.report import write_report
+from ibedl.training.methods import METHODS, get_method
 
 log = logging.getLogger("ibedl.training.experiments.benchmark")
 

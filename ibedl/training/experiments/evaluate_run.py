@@ -40,7 +40,7 @@ def load_eval_set(spec: str, limit: int | None, seed: int = 0) -> list:
     return [dataclasses.replace(q, context=None) for q in questions] if variant == "no_context" else questions
 
 
-# AUROC scores beside max probability (mp): 1/u (um, Dirichlet methods), energy and Mahalanobis (training.ood_scores)
+# AUROC scores beside max probability (mp): 1/u (um, Dirichlet methods), energy and Mahalanobis (ibedl.training.ood_scores)
 FEATURE_SCORES = {"energy": "energy", "maha": "mahalanobis"}
 
 
@@ -125,12 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     args = parser.parse_args(argv)
 
-    from evidential import prefix_cache
-    from evidential.predictor import Predictor
-    from training.evaluate import predict_all
-    from training.finetune import posthoc_questions, run_questions
-    from training.methods import get_method
-    from training.ood_scores import Mahalanobis, features
+    from ibedl.core import prefix_cache
+    from ibedl.core.predictor import Predictor
+    from ibedl.training.evaluate import predict_all
+    from ibedl.training.finetune import posthoc_questions, run_questions
+    from ibedl.training.methods import get_method
+    from ibedl.training.ood_scores import Mahalanobis, features
 
     limits = json.loads(args.limits)
     method = get_method(args.method)

@@ -98,7 +98,7 @@ def id_tables(results: list[dict], kind: str = "id", metric_list=ID_METRICS) -> 
     return lines
 
 
-# OOD scores of a cell's metrics (training.experiments.evaluate_run): key suffix -> label
+# OOD scores of a cell's metrics (ibedl.training.experiments.evaluate_run): key suffix -> label
 OOD_SCORES = {"mp": "max probability (MP)", "um": "1/u (UM)", "energy": "energy (logsumexp of the option logits)",
               "maha": "Mahalanobis distance of the head's hidden state"}
 

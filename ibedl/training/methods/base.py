@@ -39,7 +39,7 @@ class PostHoc:
     Attributes:
         fit: ``fit(predictor, questions, validation, params) -> predictor``, fitted on the training ``questions``
             with any hyper-parameter chosen on the ``validation`` questions; the returned object answers ``predict``
-            and ``eval`` like :class:`evidential.predictor.Predictor` (``training.evaluate`` runs it unchanged).
+            and ``eval`` like :class:`ibedl.core.predictor.Predictor` (``ibedl.training.evaluate`` runs it unchanged).
         samples: the hyper-parameter holding how many training questions it is fitted on; None for a step fitted on
             the validation questions alone (temperature scaling).
     """
@@ -73,7 +73,7 @@ class Method:
             objective allows at that option count (IB-EDL), or None when it has no ceiling.
         reuses: a method whose training run is the same as this one's (``map`` for MC-Dropout, Laplace and
             MAP+TS); the benchmark trains that run once and evaluates both on it.
-        calibrates_posthoc: the calibration step (``training.calibrate``) refits the head's post-hoc parameter:
+        calibrates_posthoc: the calibration step (``ibedl.training.calibrate``) refits the head's post-hoc parameter:
             IB-EDL's zeta, MAP+TS's temperature; otherwise it stays neutral.
     """
 

@@ -1,7 +1,7 @@
 """MAP with temperature scaling: trained as MAP; the predictive probabilities become softmax(log p / T) with the
 temperature T of the lowest NLL on the run's validation questions (the baseline a user reaches for first).
 
-The grid evaluates it on MAP's trained run (``reuses``); ``python -m training.finetune`` with ``method: map_ts``
+The grid evaluates it on MAP's trained run (``reuses``); ``python -m ibedl.training.finetune`` with ``method: map_ts``
 trains MAP and fits T in its calibration step, on the validation split's fit part, as IB-EDL fits zeta.
 
 References:
@@ -10,14 +10,14 @@ References:
 
 import numpy as np
 
-from training.methods.base import Method, PostHoc
-from training.methods.map import map_loss
+from ibedl.training.methods.base import Method, PostHoc
+from ibedl.training.methods.map import map_loss
 
 
 def fit(predictor, questions, validation, params):
     """The MAP predictor with its head's temperature fitted on ``validation`` (NLL over calibrate's grid)."""
-    from training.calibrate import fit_temperature
-    from training.evaluate import predict_all
+    from ibedl.training.calibrate import fit_temperature
+    from ibedl.training.evaluate import predict_all
 
     predictor.head.config.temperature = 1.0
     preds, _ = predict_all(predictor, validation, progress=False)

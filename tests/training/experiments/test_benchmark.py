@@ -185,7 +185,7 @@ def test_runner_records_what_laplaces_post_hoc_step_chose(bench_config, tmp_path
 
 
 def test_a_config_can_start_from_another(tmp_path):
-    from training.experiments.benchmark import load_benchmark_config
+    from ibedl.training.experiments.benchmark import load_benchmark_config
 
     (tmp_path / "grid.yaml").write_text(
         "name: grid\nmethods: [map, ib_edl]\nseeds: [0, 1]\n"
