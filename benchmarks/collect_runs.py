@@ -3,8 +3,9 @@
     python -m benchmarks.collect_runs OUTPUT.json RUN_DIR [RUN_DIR ...] [--note TEXT]
 
 Each RUN_DIR is a finetune output (``manifest.json`` + ``history.jsonl``), named in OUTPUT by its
-directory name. An entry of OUTPUT with the same name is replaced, others are kept, so runs of several sessions accumulate in one file. The adapters
-themselves are not needed afterwards; the entry keeps the exact command that made them.
+directory name. An entry of OUTPUT with the same name is replaced, others are kept, so runs of several sessions
+accumulate in one file. The adapters themselves are not needed afterwards; the entry keeps the exact command that
+made them.
 """
 
 from __future__ import annotations

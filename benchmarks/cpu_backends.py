@@ -153,7 +153,8 @@ def llama_cpp_reference(predictor, questions, torch_latency) -> dict:
         from llama_cpp import Llama, __version__
     except ImportError:
         return {"skipped": "llama-cpp-python is not installed (pip install -e '.[bench]' compiles it)"}
-    llm = Llama(model_path=str(gguf), n_ctx=1024, n_batch=1024, n_threads=threads, n_threads_batch=threads, verbose=False)
+    llm = Llama(model_path=str(gguf), n_ctx=1024, n_batch=1024, n_threads=threads, n_threads_batch=threads,
+                verbose=False)
     tokenize = lambda text: llm.tokenize(text.encode(), add_bos=False, special=True)  # noqa: E731
     reset, evaluate, binding = llm.reset, llm.eval, f"llama-cpp-python {__version__}"
     ids = [tokenize(p) for p in prompts]
@@ -166,7 +167,8 @@ def llama_cpp_reference(predictor, questions, torch_latency) -> dict:
         evaluate(seq)
         times.append(time.perf_counter() - start)
     p50 = float(np.percentile(times, 50))
-    return {"binding": binding, "gguf": gguf.name, "threads": threads, "mean_prompt_tokens": float(np.mean([len(s) for s in ids])),
+    return {"binding": binding, "gguf": gguf.name, "threads": threads,
+            "mean_prompt_tokens": float(np.mean([len(s) for s in ids])),
             "prompt_latency_p50_s": p50, "prompt_latency_p99_s": float(np.percentile(times, 99)),
             "prompt_tokens_per_s": float(sum(len(s) for s in ids) / sum(times)),
             "p50_speedup_vs_torch": float(np.percentile(torch_latency, 50)) / p50,

@@ -3,8 +3,10 @@ measured on in-distribution and shifted question streams.
 
 Two steps, so that the model runs once (a GPU helps) and the analysis reruns anywhere in seconds:
 
-    python -m benchmarks.decisions score --artifact artifacts/default --output benchmarks/results/decision_scores/default.json
-    python -m benchmarks.decisions score --artifact artifacts/map-twin --output benchmarks/results/decision_scores/map-twin.json
+    python -m benchmarks.decisions score --artifact artifacts/default \
+        --output benchmarks/results/decision_scores/default.json
+    python -m benchmarks.decisions score --artifact artifacts/map-twin \
+        --output benchmarks/results/decision_scores/map-twin.json
     python -m benchmarks.decisions analyse --adapter default=artifacts/default --adapter map-twin=artifacts/map-twin \
         [--scores-dir benchmarks/results/decision_scores] [--splits 200] [--output benchmarks/results/decisions.json]
 
@@ -59,7 +61,8 @@ def streams(limit: int, dev_limit: int = DEV_LIMIT) -> dict:
     sciq_val, sciq_test = load_dataset("sciq", "validation"), load_dataset("sciq", "test")
     out = {"sciq_validation": sciq_val, "sciq_test": sciq_test}
     for split, suffix, n in (("validation", "_dev", dev_limit), ("test", "", limit)):
-        out["sciq_no_passage" + suffix] = bare(load_dataset("sciq", "validation", limit=n, seed=0) if suffix else sciq_test)
+        out["sciq_no_passage" + suffix] = bare(load_dataset("sciq", "validation", limit=n, seed=0) if suffix
+                                               else sciq_test)
         for name in ("obqa", "arc_easy", "arc_challenge"):
             out[name + suffix] = load_dataset(name, split, limit=n, seed=0)
         out["race_no_article" + suffix] = bare(load_dataset("race", split, limit=n, seed=0))
@@ -95,7 +98,8 @@ def load_dump(scores_dir: str, name: str, manifest) -> dict:
     """The stored raw outputs ``<scores_dir>/<name>.json``, refused when other weights than the artifact's made them."""
     dump = json.loads((Path(scores_dir) / f"{name}.json").read_text())
     if dump["weights_sha256"] != weights_sha256(Path(dump["artifact"]), manifest):
-        raise SystemExit(f"the scores in {name}.json were produced by other weights than {dump['artifact']}: score again")
+        raise SystemExit(f"the scores in {name}.json were produced by other weights than {dump['artifact']}: "
+                         "score again")
     return dump
 
 
@@ -172,7 +176,8 @@ def repeated_splits(s: dict, manifest, splits: int, seed: int = 0) -> dict:
                       "coverage_p5_p95": [float(np.quantile(cover[sc], 0.05)), float(np.quantile(cover[sc], 0.95))],
                       "mean_size": float(np.mean(size[sc]))} for sc in SCORES},
         "risk": {"share_of_splits_guarantee_held": float(np.mean(held)), "required": 1 - delta,
-                 "mean_answered": float(np.mean(answered_share)), "mean_answered_accuracy": float(np.mean(answered_acc))},
+                 "mean_answered": float(np.mean(answered_share)),
+                 "mean_answered_accuracy": float(np.mean(answered_acc))},
     }
 
 
@@ -284,8 +289,8 @@ def choose_rate(args) -> int:
               f"shifted (dev) answered at most {row['max_dev_answered']:.3f}{'  <- meets both' if ok else ''}")
         if ok and chosen is None:
             chosen = rate
-    result = {"adapter": name, "artifact": directory, "max_shifted": args.max_shifted, "min_answered": args.min_answered,
-              "rates": rows, "chosen": chosen,
+    result = {"adapter": name, "artifact": directory, "max_shifted": args.max_shifted,
+              "min_answered": args.min_answered, "rates": rows, "chosen": chosen,
               "command": "python -m benchmarks.decisions choose-rate " + " ".join(sys.argv[2:])}
     write_result(args.output, result, echo=False)
     print(f"chosen rate: {chosen} (wrote {args.output})")
@@ -302,7 +307,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=1024)
     p.add_argument("--device")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--dev-limit", type=int, default=DEV_LIMIT, help="questions per <shifted>_dev stream")
     p.add_argument("--streams", help="comma-separated stream names (default: all)")
     p.add_argument("--resume", action="store_true", help="keep the streams already in --output")

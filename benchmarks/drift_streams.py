@@ -38,8 +38,10 @@ def streams(window: int) -> dict[str, list]:
         "sciq_shuffled_options": [
             dataclasses.replace(q, options=o.options, answer=None) for q, o in zip(sciq, others)
         ],
-        "arc_easy": [q for q in load_dataset("arc_easy", "test", limit=2 * window, seed=1) if len(q.options) == 4][:window],
-        "race_no_article": [dataclasses.replace(q, context=None) for q in load_dataset("race", "test", limit=window, seed=1)],
+        "arc_easy": [q for q in load_dataset("arc_easy", "test", limit=2 * window, seed=1)
+                     if len(q.options) == 4][:window],
+        "race_no_article": [dataclasses.replace(q, context=None)
+                            for q in load_dataset("race", "test", limit=window, seed=1)],
     }
 
 

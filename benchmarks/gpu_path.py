@@ -54,7 +54,8 @@ def main(argv=None) -> int:
         manifest = json.loads((artifact / "manifest.json").read_text())
         run = manifest["training"]["run"]
         peak = torch.cuda.max_memory_allocated() / 2**20
-        predictor = Predictor.from_artifact(artifact, base_model=args.base_model, dtype=cfg.dtype and getattr(torch, cfg.dtype),
+        predictor = Predictor.from_artifact(artifact, base_model=args.base_model,
+                                            dtype=cfg.dtype and getattr(torch, cfg.dtype),
                                             load_in_4bit=cfg.load_in_4bit)
         res = evaluate(predictor, test_q, batch_size=32, progress=False)
         results["runs"][name] = {

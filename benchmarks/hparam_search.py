@@ -3,8 +3,9 @@
     python -m benchmarks.hparam_search --config benchmarks/sciq_grid.yaml [--jobs 2] [--only-methods ib_edl]
 
 The config's ``search`` section names a seed and, per method, candidate overrides of its training run (dotted
-keys as ``ibedl.training.finetune`` takes them: ``optim.head_lr``, ``method_params.beta``, ...). Every candidate trains as
-the grid's runs do (same data sizes, warm start, early stopping) into ``runs/search/<name>/``; the criterion is the
+keys as ``ibedl.training.finetune`` takes them: ``optim.head_lr``, ``method_params.beta``, ...). Every candidate
+trains as the grid's runs do (same data sizes, warm start, early stopping) into ``runs/search/<name>/``;
+the criterion is the
 validation NLL of the state early stopping kept (before any post-hoc step), read from the run's manifest. The test
 split is never read. Results (every candidate's start and end validation metrics, the choice per method) go to
 ``benchmarks/results/<name>_search.json``; the grid's ``method_params`` and ``train`` sections are then set from the
@@ -105,16 +106,29 @@ def main(argv: list[str] | None = None) -> int:
     output = Path(args.output or f"benchmarks/results/{name}_search.json")
     threads = max(1, (os.cpu_count() or 1) // args.jobs) if args.jobs > 1 else None
     previous = json.loads(output.read_text())["candidates"] if output.is_file() else []
-    records = {(r["method"], r["index"]): r for r in previous if (r["method"], r["index"]) in {(m, i) for m, i, _ in todo}}
+    records = {
+        (r["method"], r["index"]): r for r in previous if (r["method"], r["index"]) in {(m, i) for m, i, _ in todo}
+    }
     lock = threading.Lock()
     queue = list(todo)
 
     def write() -> None:
         done = sorted(records.values(), key=lambda r: (r["method"], r["index"]))
-        atomic_write_text(output, json.dumps({"config": args.config, "seed": config["search"].get("seed", 0),
-                                              "criterion": "validation NLL of the state early stopping kept",
-                                              "command": "python -m benchmarks.hparam_search " + " ".join(argv or sys.argv[1:]),
-                                              "candidates": done, "chosen": choose(done)}, indent=1) + "\n")
+        atomic_write_text(
+            output,
+            json.dumps(
+                {
+                    "config": args.config,
+                    "seed": config["search"].get("seed", 0),
+                    "criterion": "validation NLL of the state early stopping kept",
+                    "command": "python -m benchmarks.hparam_search " + " ".join(argv or sys.argv[1:]),
+                    "candidates": done,
+                    "chosen": choose(done),
+                },
+                indent=1,
+            )
+            + "\n",
+        )
 
     def worker() -> None:
         while True:
@@ -130,10 +144,18 @@ def main(argv: list[str] | None = None) -> int:
             with lock:
                 records[(method, index)] = record
                 write()
-                log.info("%s[%d] %s: validation NLL %.4f -> %.4f, ECE %.3f -> %.3f, %d steps (%s)", method, index, overrides,
-                         record["validation_start"]["nll"], record["validation_end"]["nll"],
-                         record["validation_start"]["ece"], record["validation_end"]["ece"], record["steps"],
-                         record["stopped_by"])
+                log.info(
+                    "%s[%d] %s: validation NLL %.4f -> %.4f, ECE %.3f -> %.3f, %d steps (%s)",
+                    method,
+                    index,
+                    overrides,
+                    record["validation_start"]["nll"],
+                    record["validation_end"]["nll"],
+                    record["validation_start"]["ece"],
+                    record["validation_end"]["ece"],
+                    record["steps"],
+                    record["stopped_by"],
+                )
 
     threads_ = [threading.Thread(target=worker) for _ in range(min(args.jobs, len(queue)) or 1)]
     for t in threads_:

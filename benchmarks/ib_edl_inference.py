@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 

@@ -20,7 +20,8 @@ from pathlib import Path
 from benchmarks.common import write_result
 
 GRID_RUNS = "runs/benchmark/sciq_grid"
-DEFAULT_RUNS = [f"{GRID_RUNS}/sciq-map-s{s}" for s in (0, 1, 2)] + [f"{GRID_RUNS}/sciq-noise0.3-map-s{s}" for s in (0, 1)]
+DEFAULT_RUNS = ([f"{GRID_RUNS}/sciq-map-s{s}" for s in (0, 1, 2)]
+                + [f"{GRID_RUNS}/sciq-noise0.3-map-s{s}" for s in (0, 1)])
 KEPT = ("accuracy", "nll", "ece", "mean_confidence")  # the metrics kept per prior precision
 
 
@@ -67,7 +68,8 @@ def table(runs: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.laplace_prior", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run", action="append", help=f"a trained MAP run (repeatable; default: the SciQ grid's MAP runs under "
+    parser.add_argument("--run", action="append",
+                        help=f"a trained MAP run (repeatable; default: the SciQ grid's MAP runs under "
                         f"{GRID_RUNS}, seeds 0-2 and the two with label noise)")
     parser.add_argument("--fit-samples", type=int, default=100, help="training questions the posterior is fitted on "
                         "(default 100, the grid's)")

@@ -81,7 +81,8 @@ def table(methods: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.method_efficiency", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.method_efficiency",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="benchmarks/sciq_grid.yaml", help="the grid whose recipe is measured")
     parser.add_argument("--methods", nargs="*", help="default: the config's methods (MAP is always measured)")
     parser.add_argument("--train", type=int, default=96, help="training questions per run (default 96)")

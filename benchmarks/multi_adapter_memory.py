@@ -23,7 +23,8 @@ QUESTION = {"question": "Which gas do plants take in for photosynthesis?",
 
 
 def measure(names: list[str], requests: int, log_dir: Path) -> dict:
-    proc = ServiceProcess([REPO / "artifacts" / n for n in names], {"IBEDL_THREADS": "2"}, log_dir / f"{len(names)}.log")
+    proc = ServiceProcess([REPO / "artifacts" / n for n in names], {"IBEDL_THREADS": "2"},
+                          log_dir / f"{len(names)}.log")
     try:
         proc.wait_ready(300)
         ready = proc.rss_mib()
@@ -38,7 +39,8 @@ def measure(names: list[str], requests: int, log_dir: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.multi_adapter_memory", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.multi_adapter_memory",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=10, help="requests per adapter before the second reading")
     parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "multi_adapter_memory.json"))
     args = parser.parse_args(argv)

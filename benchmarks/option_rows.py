@@ -47,7 +47,8 @@ def setup(args):
     ids = option_token_ids(tok, 26)
     rows = lm_head_rows(model, ids)
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules=TARGETS))
-    heads = {kind: build_head(HeadConfig(kind, 26, rows.shape[1]), rows).to(model.device) for kind in ("softmax", "ib_edl")}
+    heads = {kind: build_head(HeadConfig(kind, 26, rows.shape[1]), rows).to(model.device)
+             for kind in ("softmax", "ib_edl")}
     predictor = Predictor(model, tok, heads["softmax"], template=args.template, max_tokens=384)
     questions = load_dataset("sciq", "train", limit=args.batch_size * args.rounds, seed=1)
     batches = [questions[i : i + args.batch_size] for i in range(0, len(questions), args.batch_size)]
@@ -62,7 +63,8 @@ def train_step(predictor, head, ids, batch, path: str, optimizer) -> float:
     if path == "rows":
         logits = head(predictor.hidden(enc), mask).logits
     else:
-        full = predictor.model(input_ids=enc.input_ids, attention_mask=enc.attention_mask, use_cache=False).logits  # (B, S, V)
+        full = predictor.model(input_ids=enc.input_ids, attention_mask=enc.attention_mask,
+                               use_cache=False).logits  # (B, S, V)
         last = full[torch.arange(full.shape[0], device=full.device), enc.last_index]  # (B, V)
         logits = last[:, ids[: mask.shape[1]]].float()
     loss = cross_entropy(logits, y, mask).mean()
@@ -185,7 +187,9 @@ def main(argv=None) -> int:
     head_us = {}
     for name, fn in (("map", lambda: heads["softmax"](h, mask)), ("ib_edl_mean", lambda: heads["ib_edl"](h, mask)),
                      ("ib_edl_quadrature", lambda: quad(h, mask)),
-                     ("ib_edl_training_loss_k20", lambda: ib_edl_risk(*heads["ib_edl"].gaussian(h, mask), torch.zeros(args.batch_size, dtype=torch.long, device=device), mask, 20))):
+                     ("ib_edl_training_loss_k20",
+                      lambda: ib_edl_risk(*heads["ib_edl"].gaussian(h, mask),
+                                          torch.zeros(args.batch_size, dtype=torch.long, device=device), mask, 20))):
         with torch.no_grad():
             for _ in range(20):
                 fn()
@@ -199,7 +203,8 @@ def main(argv=None) -> int:
         "threads": torch.get_num_threads(),
         "batch_size": args.batch_size,
         "rounds": len(batches),
-        "mean_tokens": statistics.mean(predictor.encode(b).attention_mask.sum(1).float().mean().item() for b in batches),
+        "mean_tokens": statistics.mean(predictor.encode(b).attention_mask.sum(1).float().mean().item()
+                                       for b in batches),
         "train_samples_per_s": rate,
         "train_speedup_rows_vs_full": rate["rows"] / rate["full"],
         "train_peak_memory_mib": memory,

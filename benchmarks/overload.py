@@ -208,8 +208,9 @@ def main(argv=None) -> int:
         result["unloaded"] = {"p50_s": p50, "throughput_qps": round(throughput, 3), "capacity_clients": capacity}
         print(f"unloaded p50 {p50} s, throughput {throughput:.2f} q/s, capacity {capacity} clients", file=sys.stderr)
 
-        # 2. The largest batch (before the overload phases: their overrun factor would make admission stricter) of ~950-token questions the service admits, and a small question 2 s later;
-        #    then 32 such questions in one request (over the token budget).
+        # 2. The largest batch (before the overload phases: their overrun factor would make admission stricter) of
+        #    ~950-token questions the service admits, and a small question 2 s later; then 32 such questions in one
+        #    request (over the token budget).
         long = long_questions(questions[:64])
         with httpx.Client(timeout=120) as client:
             client.post(server.url + "/predict", json=long[0])  # the estimate sees a long question once
@@ -226,7 +227,8 @@ def main(argv=None) -> int:
         small_s = log_small.outcomes[0][1]
         one_pass = per_token * settings.max_batch_tokens
         result["phases"]["large_batch"] = {
-            "items": items, "seconds_per_token_before": per_token, "admission_overrun_before": overrun, "batch": log_batch.summary(timeout_s),
+            "items": items, "seconds_per_token_before": per_token, "admission_overrun_before": overrun,
+            "batch": log_batch.summary(timeout_s),
             "small_latency_s": round(small_s, 3), "small_unloaded_p50_s": p50, "one_forward_pass_s": round(one_pass, 3),
             "bound_s": round(2 * p50 + one_pass, 3), "within_bound": small_s <= 2 * p50 + one_pass,
             "batch_32_items": over.summary(timeout_s), "rss_mib_after": rss_mib(pid)}

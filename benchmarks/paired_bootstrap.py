@@ -43,7 +43,8 @@ class PerQuestion:
         A label outside its row's options raises ValueError (``ibedl.training.metrics`` checks it).
         """
         if len(probs) != len(labels) or len(labels) == 0:
-            raise ValueError(f"need one probability row per label and at least one, got {len(probs)} rows and {len(labels)} labels")
+            raise ValueError(f"need one probability row per label and at least one, got {len(probs)} rows and "
+                             f"{len(labels)} labels")
         conf, hit = metrics.confidences_and_hits(probs, labels)
         return cls(conf, hit, metrics.nll_terms(probs, labels), metrics.brier_terms(probs, labels))
 
@@ -120,7 +121,8 @@ def main(argv=None) -> int:
         return PerQuestion.from_probs([p.probs for p in predictions], labels)
 
     reference = answer(args.reference)
-    comparisons = {path: paired_bootstrap(reference, answer(path), args.resamples, args.seed) for path in args.artifacts}
+    comparisons = {path: paired_bootstrap(reference, answer(path), args.resamples, args.seed)
+                   for path in args.artifacts}
     write_result(args.output, {
         "reference": args.reference, "dataset": args.dataset, "split": args.split, "n": len(questions),
         "resamples": args.resamples, "seed": args.seed, "ece_bins": 15,

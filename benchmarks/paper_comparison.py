@@ -7,10 +7,10 @@ Our numbers come from the grid's results file (mean ± std over the seeds it hol
 benchmark (``python -m benchmarks.method_efficiency``, ratios to MAP); the paper's are read from its LaTeX source
 (``$IBEDL_PAPER``, by default ``<repo root>/../shared/paper/ib-edl-iclr2025.tex``): the SciQ column of Tables 1-2
 (calibration, Llama2-7B and Llama3-8B), the appendix's full label-noise tables for the same models, Table 3 (OOD
-detection, OBQA as in-distribution) and the appendix's cost table (Llama3-8B on OBQA). Each table is written between the markers
-``<!-- begin generated: paper-comparison NAME -->`` and ``<!-- end generated: paper-comparison NAME -->`` in the docs
-page, so the prose around them stays hand-written and the numbers cannot drift from the committed results;
-``--check`` exits 1 when the page is not what the results and the paper give (tests/benchmarks runs it).
+detection, OBQA as in-distribution) and the appendix's cost table (Llama3-8B on OBQA). Each table is written between
+the markers ``<!-- begin generated: paper-comparison NAME -->`` and ``<!-- end generated: paper-comparison NAME -->``
+in the docs page, so the prose around them stays hand-written and the numbers cannot drift from the committed
+results; ``--check`` exits 1 when the page is not what the results and the paper give (tests/benchmarks runs it).
 """
 
 from __future__ import annotations
@@ -147,7 +147,8 @@ def calibration_table(results: list[dict], kind: str, paper: dict, selective: bo
     for method in _methods(results, kind):
         ours = [_ours(_values(results, kind, method, key)[1], scale, digits) for key, _, scale, digits in cols]
         theirs = [_paper(paper.get(m, {}).get(method)) for m in MODELS]  # none for a ζ = 0 row
-        lines.append(f"| {method_label(method)} | {_seeds(results, kind, method)} | " + " | ".join(ours + theirs) + " |")
+        lines.append(f"| {method_label(method)} | {_seeds(results, kind, method)} | "
+                     + " | ".join(ours + theirs) + " |")
     return lines
 
 
@@ -166,7 +167,9 @@ def ood_table(results: list[dict]) -> list[str]:
     for method in _methods(results, "ood"):
         cells = []
         for s in streams:
-            cells.append(" / ".join(_ours(_values(results, "ood", method, f"ood/{s}/auroc_{k}")[1], 100, 1) for k in scores))
+            cells.append(
+                " / ".join(_ours(_values(results, "ood", method, f"ood/{s}/auroc_{k}")[1], 100, 1) for k in scores)
+            )
         lines.append(f"| {method_label(method)} | {_seeds(results, 'ood', method)} | " + " | ".join(cells) + " |")
     return lines
 

@@ -58,7 +58,8 @@ def build(args):
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     with torch.device(DEVICE):
-        shape = {**LLAMA3_8B, "num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512} if args.smoke else LLAMA3_8B
+        shape = ({**LLAMA3_8B, "num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512} if args.smoke
+                 else LLAMA3_8B)
         model = AutoModelForCausalLM.from_config(LlamaConfig(**shape), dtype=torch.bfloat16)
     model.config.use_cache = False
     ids = option_token_ids(tok, 26)
@@ -81,7 +82,8 @@ def step(predictor, head, ids, batch, path, optimizer, train: bool) -> float:
     with torch.set_grad_enabled(train):
         if path == "rows":
             mu, sigma = head.gaussian(predictor.hidden(enc), mask)
-            loss = (ib_edl_risk(mu, sigma, y, mask, 20, risk="nll") + 1e-5 * gaussian_information(mu, sigma, mask)).mean()
+            loss = (ib_edl_risk(mu, sigma, y, mask, 20, risk="nll")
+                    + 1e-5 * gaussian_information(mu, sigma, mask)).mean()
         else:
             full = predictor.model(input_ids=enc.input_ids, attention_mask=enc.attention_mask, use_cache=False).logits
             last = full[torch.arange(full.shape[0], device=DEVICE), enc.last_index]  # (B, V)
@@ -113,7 +115,8 @@ def main(argv=None) -> int:
     params = [p for p in predictor.model.parameters() if p.requires_grad] + list(head.parameters())
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     tokens = [int(predictor.encode(b).attention_mask.sum()) / len(b) for b in batches]
-    result = {"device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu (smoke)", "torch": torch.__version__, "model": "Llama3-8B shape, random bf16",
+    result = {"device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu (smoke)",
+              "torch": torch.__version__, "model": "Llama3-8B shape, random bf16",
               "params_b": sum(p.numel() for p in predictor.model.parameters()) / 1e9, "batch_size": args.batch_size,
               "mean_prompt_tokens": sum(tokens) / len(tokens), "paper": PAPER_H100, "paths": {}}
     for phase, train in (("train", True), ("test", False)):
@@ -122,7 +125,8 @@ def main(argv=None) -> int:
             reset_peak()
             for b in batches[:2]:
                 step(predictor, head, ids, b, path, optimizer, train)
-            times = [step(predictor, head, ids, batches[i % len(batches)], path, optimizer, train) for i in range(args.steps)]
+            times = [step(predictor, head, ids, batches[i % len(batches)], path, optimizer, train)
+                     for i in range(args.steps)]
             entry = result["paths"].setdefault(path, {})
             entry[f"{phase}_samples_per_s"] = args.batch_size * len(times) / sum(times)
             entry[f"{phase}_peak_memory_gb"] = peak_gb()

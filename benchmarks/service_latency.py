@@ -1,6 +1,7 @@
 """Service overhead and micro-batching, measured in one run on the real model.
 
-    python -m benchmarks.service_latency [--artifact artifacts/default] [--requests 40] [--output benchmarks/results/service_latency.json]
+    python -m benchmarks.service_latency [--artifact artifacts/default] [--requests 40]
+        [--output benchmarks/results/service_latency.json]
 
 1. Latency: the bare predictor answering one question at a time in this process, against POST /predict
    to a real uvicorn process on loopback (one client), on the same questions: p50/p99 and their ratios.
@@ -71,9 +72,11 @@ def main(argv=None) -> int:
             start = time.perf_counter()
             with ThreadPoolExecutor(clients) as pool:
                 codes = list(pool.map(call, payloads[:64]))
-            served[clients] = {"questions_per_s": 64 / (time.perf_counter() - start), "non_200": sum(c != 200 for c in codes)}
+            served[clients] = {"questions_per_s": 64 / (time.perf_counter() - start),
+                               "non_200": sum(c != 200 for c in codes)}
         metrics = httpx.get(server.url + "/metrics").text
-        batches = [line for line in metrics.splitlines() if line.startswith(("ibedl_batch_size_sum", "ibedl_batch_size_count"))]
+        batches = [line for line in metrics.splitlines()
+                   if line.startswith(("ibedl_batch_size_sum", "ibedl_batch_size_count"))]
     finally:
         server.stop()
     sequential = 1.0 / float(np.mean(bare))

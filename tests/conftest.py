@@ -82,7 +82,8 @@ def train_tiny(tiny_model_dir, tiny_jsonl, root, *overrides: str):
 
     cfg = load_config(None, [
         f"base_model={tiny_model_dir}", f"output={root / 'adapter'}",
-        f"data={{train: [{{dataset: jsonl, path: {tiny_jsonl}}}], validation: [{{dataset: jsonl, path: {tiny_jsonl}}}]}}",
+        f"data={{train: [{{dataset: jsonl, path: {tiny_jsonl}}}], "
+        f"validation: [{{dataset: jsonl, path: {tiny_jsonl}}}]}}",
         "optim.max_steps=2", "max_tokens=96", "progress=false", *overrides,
     ])
     return train(cfg)

@@ -64,7 +64,8 @@ class TestSite:
 class TestReadme:
     def test_short(self):
         lines = (ROOT / "README.md").read_text().count("\n")
-        assert lines <= README_MAX_LINES, f"README.md has {lines} lines; keep it under {README_MAX_LINES} (details go to docs/)"
+        assert lines <= README_MAX_LINES, (f"README.md has {lines} lines; keep it under {README_MAX_LINES} "
+                                           "(details go to docs/)")
 
     def test_names_the_quick_start_and_docs_commands(self):
         text = (ROOT / "README.md").read_text()

@@ -28,10 +28,11 @@ def test_the_wheel_holds_only_the_packages_users_import(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert top == INSTALLED, f"the wheel installs {sorted(top)} at the top level"
-    assert {"ibedl/__init__.py", "ibedl/api.py", "ibedl/batch.py", "ibedl/core/migrate.py", "ibedl/training/data/__init__.py",
-            "ibedl/serve/app.py", "ibedl/serve/__main__.py"} <= set(names)
+    assert {"ibedl/__init__.py", "ibedl/api.py", "ibedl/batch.py", "ibedl/core/migrate.py",
+            "ibedl/training/data/__init__.py", "ibedl/serve/app.py", "ibedl/serve/__main__.py"} <= set(names)
     (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
     scripts = dict(line.split(" = ") for line in zipfile.ZipFile(wheel).read(entry_points).decode().splitlines()
                    if " = " in line)
-    assert scripts == {"ibedl-finetune": "ibedl.training.finetune:main", "ibedl-evaluate": "ibedl.training.evaluate:main",
+    assert scripts == {"ibedl-finetune": "ibedl.training.finetune:main",
+                       "ibedl-evaluate": "ibedl.training.evaluate:main",
                        "ibedl-serve": "ibedl.serve.__main__:main", "ibedl-batch": "ibedl.batch:main"}

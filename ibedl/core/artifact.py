@@ -323,7 +323,8 @@ def migrate(data: dict) -> dict:
         raise ArtifactError(
             f"manifest schema_version is {found!r}; this ibedl reads versions {oldest} to {SCHEMA_VERSION} "
             f"(older ones are migrated when read, and written back by {MIGRATE_COMMAND} DIR). A manifest "
-            "without a known version was not written by ibedl: retrain the adapter with python -m ibedl.training.finetune"
+            "without a known version was not written by ibedl: retrain the adapter with "
+            "python -m ibedl.training.finetune"
         )
     if found > SCHEMA_VERSION:
         raise ArtifactError(
@@ -338,7 +339,8 @@ def migrate(data: dict) -> dict:
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename: readers see the old or the new file, never half."""
+    """Write ``text`` to ``path`` through a temporary file and a rename: readers see the old or the new file, never
+    half."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
     with os.fdopen(fd, "w") as f:

@@ -4,10 +4,11 @@ abstention stay the predictor's own code whatever the backend.
 
 ``torch`` (the default): the PEFT model as loaded (fp32 eager on CPU). ``auto``: ``openvino-fp32`` for a single
 adapter on the CPU with openvino installed, else ``torch`` (CUDA, MC-Dropout, ensembles). ``openvino-bf16``: the
-fp32 IR run with bfloat16 matmuls (fp32 accumulation) on CPUs with native bf16 instructions (AVX512-BF16, AMX). ``openvino``: the LoRA-merged trunk converted once to
-OpenVINO IR with int8 weights (asymmetric, one scale per 64 input channels), decompressed inside the CPU
-plugin's matmul kernels; activations stay fp32. ``openvino-fp32``: the same IR without compression (to separate conversion from
-quantisation). IR are cached under ``IBEDL_CACHE_DIR/backends``, keyed by base model, adapter and backend.
+fp32 IR run with bfloat16 matmuls (fp32 accumulation) on CPUs with native bf16 instructions (AVX512-BF16, AMX).
+``openvino``: the LoRA-merged trunk converted once to OpenVINO IR with int8 weights (asymmetric, one scale per 64
+input channels), decompressed inside the CPU plugin's matmul kernels; activations stay fp32. ``openvino-fp32``:
+the same IR without compression (to separate conversion from quantisation). IR are cached under
+``IBEDL_CACHE_DIR/backends``, keyed by base model, adapter and backend.
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ def compress_int8_groups(ir, group: int) -> int:
                          ops.convert(ops.constant(zero.astype(np.uint8)), ov.Type.f32)),
             ops.constant(scale.astype(np.float32)),
         )
-        node.input(1).replace_source_output(ops.reshape(deq, ops.constant(np.array(weight.shape, np.int64)), False).output(0))
+        node.input(1).replace_source_output(
+            ops.reshape(deq, ops.constant(np.array(weight.shape, np.int64)), False).output(0))
         replaced += 1
     return replaced
 
@@ -182,8 +184,8 @@ def openvino_trunk(model, tokenizer, artifact: Path, member: str, base_sha256: s
                  artifact, backend, target)
         _export(model, tokenizer, target, compress=ir == "openvino")
         log.info("exported %s; later starts load it in seconds", target)
-    config = {"INFERENCE_PRECISION_HINT": precision, "PERFORMANCE_HINT": "LATENCY", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0,
-              "INFERENCE_NUM_THREADS": threads or torch.get_num_threads()}
+    config = {"INFERENCE_PRECISION_HINT": precision, "PERFORMANCE_HINT": "LATENCY",
+              "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0, "INFERENCE_NUM_THREADS": threads or torch.get_num_threads()}
     return OpenVINOTrunk(core.compile_model(target / "trunk.xml", "CPU", config), target)
 
 
@@ -225,4 +227,5 @@ def build_trunk(backend: str, predictor, artifact: Path, base_sha256: str):
     return openvino_trunk(predictor.model, predictor.tokenizer, artifact, member, base_sha256, backend)
 
 
-__all__ = ["BACKENDS", "DEFAULT_BACKEND", "AUTO_CPU_BACKEND", "check_backend", "choose_backend", "build_trunk", "LastTokenTrunk", "OpenVINOTrunk"]
+__all__ = ["BACKENDS", "DEFAULT_BACKEND", "AUTO_CPU_BACKEND", "check_backend", "choose_backend", "build_trunk",
+           "LastTokenTrunk", "OpenVINOTrunk"]

@@ -6,7 +6,8 @@ and turns ``h`` into a :class:`HeadPrediction`. A head is saved as safetensors p
 
 Heads:
     ``softmax``    z = W h; probs = softmax(z).  (MAP, MC-Dropout, Ensemble, Laplace)
-    ``evidential`` alpha = softplus(s W h + b) + offset (s = ``evidence_scale``, 1 by default).  (EDL, VID, I-EDL with offset 1; R-EDL with eta)
+    ``evidential`` alpha = softplus(s W h + b) + offset (s = ``evidence_scale``, 1 by default).
+                   (EDL, VID, I-EDL with offset 1; R-EDL with eta)
     ``ib_edl``     mu = s W_mu h + b_mu, sigma = softplus(W_sigma h + b_sigma); alpha from E[pre-evidence].
                    Both row sets start from the option rows (the paper: both heads from the pretrained LM
                    head); with ``centre_sigma`` the sigma rows are centred over the options like mu's.
@@ -115,7 +116,8 @@ class HeadConfig:
         if isinstance(self.temperature, bool) or not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
         if self.temperature != 1.0 and self.kind != "softmax":
-            raise ValueError(f"temperature applies to softmax heads only, got {self.temperature} for a {self.kind} head")
+            raise ValueError(f"temperature applies to softmax heads only, got {self.temperature} for a {self.kind} "
+                             "head")
         if self.quadrature_points < 2:
             raise ValueError(f"quadrature_points must be >= 2, got {self.quadrature_points}")
 

@@ -51,7 +51,8 @@ class EncodedBatch:
     option_mask: torch.Tensor
 
     def to(self, device) -> EncodedBatch:
-        return EncodedBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.last_index, self.option_mask)))
+        return EncodedBatch(*(t.to(device)
+                              for t in (self.input_ids, self.attention_mask, self.last_index, self.option_mask)))
 
 
 @dataclass

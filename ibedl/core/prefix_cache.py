@@ -192,7 +192,8 @@ class PrefixCachedTrunk:
 
     def __call__(self, batch) -> torch.Tensor:
         device = self.predictor.device
-        batch = type(batch)(plain(batch.input_ids), plain(batch.attention_mask), plain(batch.last_index), batch.option_mask)
+        batch = type(batch)(plain(batch.input_ids), plain(batch.attention_mask), plain(batch.last_index),
+                            batch.option_mask)
         h = self.states(batch).to(device=device, dtype=self.bottom.embed_tokens.weight.dtype)
         out = self.top(inputs_embeds=h, attention_mask=batch.attention_mask.to(device), use_cache=False)
         states = out.last_hidden_state
@@ -216,12 +217,14 @@ class PrefixCachedTrunk:
                              use_cache=False).last_hidden_state
             full = full[torch.arange(full.shape[0], device=device), enc.last_index.to(device)]
             h = self._compute(enc.input_ids, enc.attention_mask)
-            split = self.top(inputs_embeds=h, attention_mask=enc.attention_mask.to(device), use_cache=False).last_hidden_state
+            split = self.top(inputs_embeds=h, attention_mask=enc.attention_mask.to(device),
+                             use_cache=False).last_hidden_state
             split = split[torch.arange(split.shape[0], device=device), enc.last_index.to(device)]
         err = float((full - split).abs().max() / full.abs().max().clamp_min(1e-12))
         if not err <= PROBE_TOLERANCE:
-            raise ValueError(f"cannot split {type(p.decoder).__name__} at layer {self.first}: the split forward differs "
-                             f"from the full one by {err:.2e} (relative); train all layers (train_layers: null)")
+            raise ValueError(f"cannot split {type(p.decoder).__name__} at layer {self.first}: the split forward "
+                             f"differs from the full one by {err:.2e} (relative); train all layers "
+                             "(train_layers: null)")
 
 
 def attach(predictor, train_layers: int | None, base_sha256: str) -> PrefixCachedTrunk | None:

@@ -30,7 +30,8 @@ def decide(uncertainty: float | None, confidence: float, thresholds: Abstention)
 
     Without a Dirichlet (``uncertainty`` None) the gate compares max p and the u threshold does not apply.
     """
-    if thresholds.ood_threshold > 0 and ood_score(uncertainty, confidence, thresholds.ood_score) < thresholds.ood_threshold:
+    if (thresholds.ood_threshold > 0
+            and ood_score(uncertainty, confidence, thresholds.ood_score) < thresholds.ood_threshold):
         return "out_of_distribution"
     if uncertainty is not None and uncertainty > thresholds.max_uncertainty:
         return "max_uncertainty"

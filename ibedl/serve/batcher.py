@@ -13,9 +13,9 @@ flight plus its turns among the queued requests, :func:`ibedl.serve.capacity.rou
 margin) must fit; otherwise :class:`Overloaded` is raised at once with the seconds after which it would fit.
 Before each pass, a queued request that the current estimate says can no longer finish in time is answered
 :class:`Overloaded` then rather than timing out later. Questions whose request was abandoned (future
-cancelled: client gone or timed out) or whose deadline passed are dropped before they reach the model. On shutdown (:meth:`MicroBatcher.begin_drain`), no new request is
-admitted, queued requests that cannot finish within the grace period fail with :class:`ShuttingDown`, and
-the rest are answered.
+cancelled: client gone or timed out) or whose deadline passed are dropped before they reach the model. On
+shutdown (:meth:`MicroBatcher.begin_drain`), no new request is admitted, queued requests that cannot finish
+within the grace period fail with :class:`ShuttingDown`, and the rest are answered.
 """
 
 from __future__ import annotations
@@ -137,9 +137,9 @@ class MicroBatcher:
         self.margin = margin
         self.on_batch = on_batch or (lambda size, seconds: None)
         self.on_depth = on_depth or (lambda depth: None)
-        self._requests: deque[_Request] = deque()
+        self._requests: deque[_Request] = deque()  # in turn order: the head gives the next question
         self._arrivals = 0
-        self.overrun = 1.0  # how much longer than estimated requests have recently taken (>= 1)  # in turn order: the head gives the next question
+        self.overrun = 1.0  # how much longer than estimated requests have recently taken (>= 1)
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._shedder: asyncio.Task | None = None  # sheds hopeless queued requests between passes too
@@ -255,7 +255,8 @@ class MicroBatcher:
         deadline = float("inf") if deadline is None else deadline
         own = sum(tokens)
         if self._draining:
-            if self._drain_end is not None and self.margin * self.expected_wait(tokens) > self._drain_end - time.monotonic():
+            if (self._drain_end is not None
+                    and self.margin * self.expected_wait(tokens) > self._drain_end - time.monotonic()):
                 raise ShuttingDown("the service is shutting down and could not answer this request in time")
         if deadline != float("inf"):
             left = deadline - time.monotonic()
@@ -385,7 +386,8 @@ class MicroBatcher:
                 continue
             if not first.tokens / SIMILAR <= head.tokens <= first.tokens * SIMILAR:
                 continue
-            if now + self.service_time.seconds(self.max_batch_tokens - room_tokens + head.tokens) > min(ends_by, head.deadline):
+            if (now + self.service_time.seconds(self.max_batch_tokens - room_tokens + head.tokens)
+                    > min(ends_by, head.deadline)):
                 continue
             return self._take(request)
         return None

@@ -31,8 +31,8 @@ STATUSES = {
     408: _error("`request_timeout`: the body did not arrive within the server's body-read timeout"),
     413: _error("`too_large`: over a limit: the characters of a field (the schema's maxLength), the prompt's "
                 "tokens after formatting (`IBEDL_MAX_TOKENS`), the body's bytes (`IBEDL_MAX_BODY_BYTES`), the "
-                "items of a batch (maxItems), or the prompt tokens of all a request's questions (`IBEDL_MAX_REQUEST_TOKENS`); "
-                "the message names it"),
+                "items of a batch (maxItems), or the prompt tokens of all a request's questions "
+                "(`IBEDL_MAX_REQUEST_TOKENS`); the message names it"),
     415: _error("`unsupported_media_type`: the body is not `application/json`"),
     422: _error("`invalid_request`: the input breaks the schema or a rule it states (the `field` names where); "
                 "`invalid_json`: the body is not JSON"),

@@ -26,7 +26,8 @@ def error_body(type_: str, message: str, field: str | None = None) -> dict:
     return {"error": {"type": type_, "message": message, "field": field}}
 
 
-def error_response(status: int, type_: str, message: str, field: str | None = None, headers: dict | None = None) -> JSONResponse:
+def error_response(status: int, type_: str, message: str, field: str | None = None,
+                   headers: dict | None = None) -> JSONResponse:
     from fastapi.responses import JSONResponse
 
     return JSONResponse(error_body(type_, message, field), status_code=status, headers=headers)
@@ -51,7 +52,8 @@ def install_handlers(app: FastAPI) -> None:
         errors = exc.errors()
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
         if first.get("type") == "json_invalid":
-            return error_response(422, "invalid_json", f"request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
+            return error_response(422, "invalid_json",
+                                  f"request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
         message = first["msg"]
         if len(errors) > 1:
             message += f" (and {len(errors) - 1} more)"

@@ -15,15 +15,17 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("ibedl_requests", "HTTP requests by route and status", ["route", "method", "status"], registry=r)
+        self.requests = Counter("ibedl_requests", "HTTP requests by route and status", ["route", "method", "status"],
+                                registry=r)
         self.latency = Histogram("ibedl_request_latency_seconds", "request latency by route", ["route"],
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.inflight = Gauge("ibedl_inflight_requests", "requests being served", registry=r)
         self.batch_size = Histogram("ibedl_batch_size", "questions per forward pass", buckets=BATCH_BUCKETS, registry=r)
         self.queue_depth = Gauge("ibedl_queue_depth", "questions waiting for the model", registry=r)
-        self.forward_seconds = Histogram("ibedl_forward_seconds", "model time per batch", buckets=LATENCY_BUCKETS, registry=r)
-        self.rejected = Counter("ibedl_rejected", "questions refused or dropped before an answer, by reason", ["reason"],
-                                registry=r)
+        self.forward_seconds = Histogram("ibedl_forward_seconds", "model time per batch", buckets=LATENCY_BUCKETS,
+                                         registry=r)
+        self.rejected = Counter("ibedl_rejected", "questions refused or dropped before an answer, by reason",
+                                ["reason"], registry=r)
         self.nonfinite = Counter("ibedl_nonfinite_outputs", "questions whose model outputs held NaN or inf (answered "
                                  "503, never as an answer)", registry=r)
         self.admission_overrun = Gauge("ibedl_admission_overrun", "how much longer than estimated recent requests "
@@ -32,25 +34,36 @@ class Metrics:
                                        "admission estimate, from recent forward passes)", registry=r)
         self.uncertainty = Histogram("ibedl_uncertainty_mass", "uncertainty mass u of served answers", ["adapter"],
                                      buckets=PROBABILITY_BUCKETS, registry=r)
-        self.confidence = Histogram("ibedl_confidence", "max probability of served answers", ["adapter"], buckets=PROBABILITY_BUCKETS, registry=r)
+        self.confidence = Histogram("ibedl_confidence", "max probability of served answers", ["adapter"],
+                                    buckets=PROBABILITY_BUCKETS, registry=r)
         self.answers = Counter("ibedl_answers", "questions answered by the model (abstained or not)", ["adapter"],
                                registry=r)
-        self.abstentions = Counter("ibedl_abstentions", "abstentions by the threshold crossed", ["adapter", "reason"], registry=r)
+        self.abstentions = Counter("ibedl_abstentions", "abstentions by the threshold crossed", ["adapter", "reason"],
+                                   registry=r)
         self.predictions = Counter("ibedl_predictions", "predicted letters", ["adapter", "letter"], registry=r)
-        self.drift_ks = Gauge("ibedl_drift_ks", "KS statistic of the window against the reference", ["adapter"], registry=r)
+        self.drift_ks = Gauge("ibedl_drift_ks", "KS statistic of the window against the reference", ["adapter"],
+                              registry=r)
         self.drift_psi = Gauge("ibedl_drift_psi", "population stability index of the window", ["adapter"], registry=r)
-        self.drift_threshold = Gauge("ibedl_drift_ks_threshold", "KS alarm threshold (bootstrap)", ["adapter"], registry=r)
-        self.drift_alarm = Gauge("ibedl_drift_alarm", "1 when the KS statistic of a full window exceeds the threshold", ["adapter"], registry=r)
+        self.drift_threshold = Gauge("ibedl_drift_ks_threshold", "KS alarm threshold (bootstrap)", ["adapter"],
+                                     registry=r)
+        self.drift_alarm = Gauge("ibedl_drift_alarm", "1 when the KS statistic of a full window exceeds the threshold",
+                                 ["adapter"], registry=r)
         self.drift_window = Gauge("ibedl_drift_window", "values in the drift window", ["adapter"], registry=r)
-        self.drift_window_mean = Gauge("ibedl_drift_window_mean", "mean of the monitored value in the window", ["adapter"], registry=r)
-        self.drift_reference_mean = Gauge("ibedl_drift_reference_mean", "mean of the monitored value in the reference", ["adapter"], registry=r)
+        self.drift_window_mean = Gauge("ibedl_drift_window_mean", "mean of the monitored value in the window",
+                                       ["adapter"], registry=r)
+        self.drift_reference_mean = Gauge("ibedl_drift_reference_mean", "mean of the monitored value in the reference",
+                                          ["adapter"], registry=r)
         self.accuracy_estimate = Gauge("ibedl_estimated_accuracy", "label-free estimate of answered accuracy in the "
-                                       "window (mean calibrated confidence of answered questions)", ["adapter"], registry=r)
-        self.accuracy_lower = Gauge("ibedl_estimated_accuracy_lower", "lower end of its 95% interval", ["adapter"], registry=r)
-        self.accuracy_upper = Gauge("ibedl_estimated_accuracy_upper", "upper end of its 95% interval", ["adapter"], registry=r)
+                                       "window (mean calibrated confidence of answered questions)", ["adapter"],
+                                       registry=r)
+        self.accuracy_lower = Gauge("ibedl_estimated_accuracy_lower", "lower end of its 95% interval", ["adapter"],
+                                    registry=r)
+        self.accuracy_upper = Gauge("ibedl_estimated_accuracy_upper", "upper end of its 95% interval", ["adapter"],
+                                    registry=r)
         self.accuracy_window = Gauge("ibedl_estimated_accuracy_window", "answered questions in the estimate's window",
                                      ["adapter"], registry=r)
-        self.target_accuracy = Gauge("ibedl_target_accuracy", "accuracy the adapter's abstention guarantees", ["adapter"], registry=r)
+        self.target_accuracy = Gauge("ibedl_target_accuracy", "accuracy the adapter's abstention guarantees",
+                                     ["adapter"], registry=r)
         self.ready = Gauge("ibedl_ready", "1 when the model is loaded and the service accepts requests", registry=r)
         self.model_info = Info("ibedl_model", "a served adapter", ["adapter"], registry=r)
 
@@ -58,17 +71,22 @@ class Metrics:
         nan = float("nan")
         self.drift_ks.labels(adapter=adapter).set(status["ks"] if status["ks"] is not None else nan)
         self.drift_psi.labels(adapter=adapter).set(status["psi"] if status["psi"] is not None else nan)
-        self.drift_threshold.labels(adapter=adapter).set(status["ks_threshold"] if status["ks_threshold"] is not None else nan)
+        self.drift_threshold.labels(adapter=adapter).set(
+            status["ks_threshold"] if status["ks_threshold"] is not None else nan)
         self.drift_alarm.labels(adapter=adapter).set(1.0 if status["alarm"] else 0.0)
         self.drift_window.labels(adapter=adapter).set(status["window"])
-        self.drift_window_mean.labels(adapter=adapter).set(status["window_mean"] if status["window_mean"] is not None else nan)
-        self.drift_reference_mean.labels(adapter=adapter).set(status["reference_mean"] if status["reference_mean"] is not None else nan)
+        self.drift_window_mean.labels(adapter=adapter).set(
+            status["window_mean"] if status["window_mean"] is not None else nan)
+        self.drift_reference_mean.labels(adapter=adapter).set(
+            status["reference_mean"] if status["reference_mean"] is not None else nan)
 
     def set_accuracy(self, adapter: str, status: dict) -> None:
         nan = float("nan")
         interval = status["estimated_accuracy_interval"] or (nan, nan)
-        self.accuracy_estimate.labels(adapter=adapter).set(status["estimated_accuracy"] if status["estimated_accuracy"] is not None else nan)
+        self.accuracy_estimate.labels(adapter=adapter).set(
+            status["estimated_accuracy"] if status["estimated_accuracy"] is not None else nan)
         self.accuracy_lower.labels(adapter=adapter).set(interval[0])
         self.accuracy_upper.labels(adapter=adapter).set(interval[1])
         self.accuracy_window.labels(adapter=adapter).set(status["answered_in_window"])
-        self.target_accuracy.labels(adapter=adapter).set(status["target_accuracy"] if status["target_accuracy"] is not None else nan)
+        self.target_accuracy.labels(adapter=adapter).set(
+            status["target_accuracy"] if status["target_accuracy"] is not None else nan)

@@ -96,11 +96,13 @@ class RequestGuard:
                 if not (ctype == "application/json" or ctype.endswith("+json")):
                     status_holder["status"] = 415
                     return await self._reply(send, 415, "unsupported_media_type",
-                                             f"send the body as application/json, not {ctype or 'no content type'}", request_id)
+                                             f"send the body as application/json, not {ctype or 'no content type'}",
+                                             request_id)
                 length = headers.get("content-length")
                 if length is not None and length.isdigit() and int(length) > limit:
                     status_holder["status"] = 413
-                    return await self._reply(send, 413, "too_large", f"the body is {length} bytes; the limit is {limit}", request_id)
+                    return await self._reply(send, 413, "too_large",
+                                             f"the body is {length} bytes; the limit is {limit}", request_id)
                 # Without a Content-Length (chunked) the size is only known while reading: read the body
                 # here, bounded by the limit, and hand the app the buffered copy.
                 try:
@@ -115,7 +117,8 @@ class RequestGuard:
                     return None
                 if body is None:
                     status_holder["status"] = 413
-                    return await self._reply(send, 413, "too_large", f"the body exceeds the limit of {limit} bytes", request_id)
+                    return await self._reply(send, 413, "too_large", f"the body exceeds the limit of {limit} bytes",
+                                             request_id)
                 receive = _replay(body, receive)
             try:
                 await self.app(scope, receive, send_wrapper)

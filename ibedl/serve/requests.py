@@ -39,24 +39,32 @@ def to_question(runtime: AdapterRuntime, settings: Settings, req: PredictRequest
         keys = list(req.options)
         expected = list(LETTERS[: len(keys)])
         if sorted(keys) != expected:
-            raise ApiError(422, "invalid_request", f"option letters must be consecutive from A, got {keys}", prefix + "options")
+            raise ApiError(422, "invalid_request", f"option letters must be consecutive from A, got {keys}",
+                           prefix + "options")
         options = [req.options[k] for k in expected]
     else:
         options = list(req.options)
     limit = max_options(settings, runtime)
     if not 2 <= len(options) <= limit:
-        raise ApiError(422, "invalid_request", f"a question needs 2..{limit} options, got {len(options)}", prefix + "options")
+        raise ApiError(422, "invalid_request", f"a question needs 2..{limit} options, got {len(options)}",
+                       prefix + "options")
     if blank(req.question):
         raise ApiError(422, "invalid_request", "question must not be blank", prefix + "question")
     if len(req.question) > s.max_question_chars:
-        raise ApiError(413, "too_large", f"question is {len(req.question)} characters; the limit is {s.max_question_chars}", prefix + "question")
+        raise ApiError(413, "too_large",
+                       f"question is {len(req.question)} characters; the limit is {s.max_question_chars}",
+                       prefix + "question")
     for i, text in enumerate(options):
         if blank(text):
             raise ApiError(422, "invalid_request", f"option {LETTERS[i]} must not be blank", f"{prefix}options.{i}")
         if len(text) > s.max_option_chars:
-            raise ApiError(413, "too_large", f"option {LETTERS[i]} is {len(text)} characters; the limit is {s.max_option_chars}", f"{prefix}options.{i}")
+            raise ApiError(413, "too_large",
+                           f"option {LETTERS[i]} is {len(text)} characters; the limit is {s.max_option_chars}",
+                           f"{prefix}options.{i}")
     if req.context is not None and len(req.context) > s.max_context_chars:
-        raise ApiError(413, "too_large", f"context is {len(req.context)} characters; the limit is {s.max_context_chars}", prefix + "context")
+        raise ApiError(413, "too_large",
+                       f"context is {len(req.context)} characters; the limit is {s.max_context_chars}",
+                       prefix + "context")
     if req.conformal is not None:
         conformal_quantile(runtime.conformal, req, prefix)  # an alpha or score not stored is the client's error: 422
     q = MCQuestion(req.question, tuple(options), req.context or None, id=req.id)

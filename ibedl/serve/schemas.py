@@ -85,7 +85,8 @@ class PredictResponse(BaseModel):
     id: str
     prediction: PredictedOption
     probabilities: dict[str, float] = Field(..., description="expected probabilities per letter")
-    belief_masses: dict[str, float] | None = Field(..., description="Dirichlet belief masses (null without a Dirichlet)")
+    belief_masses: dict[str, float] | None = Field(...,
+                                                   description="Dirichlet belief masses (null without a Dirichlet)")
     uncertainty_mass: float | None = Field(..., description="u = C / alpha0 (null without a Dirichlet)")
     confidence: float = Field(..., description="max probability")
     sigma: dict[str, float] | None = Field(..., description="std of the pre-evidence per letter (IB-EDL)")
@@ -125,7 +126,8 @@ class Health(BaseModel):
 
 
 class DriftStatus(BaseModel):
-    statistic: str = Field(..., description="the monitored quantity: uncertainty_mass, or confidence without a Dirichlet")
+    statistic: str = Field(..., description="the monitored quantity: uncertainty_mass, or confidence without a "
+                           "Dirichlet")
     window: int = Field(..., description="values in the rolling window")
     window_size: int
     reference_size: int
@@ -160,8 +162,8 @@ class ModelCard(BaseModel):
                              "ood_threshold, and how they were chosen (target, delta, bound, coverage)")
     conformal: dict | None = Field(..., description="prediction sets: default alpha and score, the stored alphas "
                                    "a request may ask for, calibration size n; null when never calibrated")
-    calibration: dict | None = Field(..., description="what ibedl.training.calibrate did: data, post-hoc fit, OOD gate, "
-                                     "risk control; null when never calibrated")
+    calibration: dict | None = Field(..., description="what ibedl.training.calibrate did: data, post-hoc fit, OOD "
+                                     "gate, risk control; null when never calibrated")
     prompt: dict
     max_options: int
     head: dict

@@ -25,9 +25,10 @@ class Settings(BaseSettings):
     load_in_4bit: bool = Field(False, description="bitsandbytes NF4 on CUDA")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads")
     backend: str = Field("torch", description="inference backend of the trunk: torch, openvino-fp32 (1.5x the "
-                         "throughput on CPU, same answers, about 0.9 GB more memory), openvino-bf16 (the same IR with bfloat16 "
-                         "matmuls: 2.4x, probabilities moved by up to 0.09; CPUs with AVX512-BF16/AMX), openvino (int8 "
-                         "weights), auto (openvino-fp32 on the CPU, torch on CUDA or for MC-Dropout/ensembles)")
+                         "throughput on CPU, same answers, about 0.9 GB more memory), openvino-bf16 (the same IR with "
+                         "bfloat16 matmuls: 2.4x, probabilities moved by up to 0.09; CPUs with AVX512-BF16/AMX), "
+                         "openvino (int8 weights), auto (openvino-fp32 on the CPU, torch on CUDA or for "
+                         "MC-Dropout/ensembles)")
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
@@ -56,7 +57,8 @@ class Settings(BaseSettings):
     max_question_chars: int = Field(4000, ge=1)
     max_option_chars: int = Field(1000, ge=1)
     max_context_chars: int = Field(20000, ge=0)
-    max_tokens: int = Field(1024, ge=16, description="prompt tokens after formatting (training may have cut passages shorter)")
+    max_tokens: int = Field(1024, ge=16,
+                            description="prompt tokens after formatting (training may have cut passages shorter)")
     max_body_bytes: int = Field(1_000_000, ge=1024)
 
     drift_window: int = Field(500, ge=10, description="served uncertainty masses in the rolling window")

@@ -182,7 +182,8 @@ class ServiceState:
             return
         admitted = request.scope.get("state", {}).get("admitted", False)
         if not (admitted and self.status == "draining" and self.batcher is not None and self.batcher.running):
-            raise ApiError(503, "not_ready", f"the service is {health.status}: {health.reason}", headers={"Retry-After": "5"})
+            raise ApiError(503, "not_ready", f"the service is {health.status}: {health.reason}",
+                           headers={"Retry-After": "5"})
 
     # -- batching -------------------------------------------------------------------------------
 
@@ -196,7 +197,8 @@ class ServiceState:
     def _refusal(self, e: Exception, n: int) -> ApiError:
         """The answer to a request the batcher refused (``n`` questions), counted by reason."""
         if isinstance(e, QueueFullError):
-            reason, error = "queue_full", ApiError(503, "overloaded", f"too many questions waiting ({e}); retry shortly",
+            reason, error = "queue_full", ApiError(503, "overloaded",
+                                                   f"too many questions waiting ({e}); retry shortly",
                                                    headers={"Retry-After": "1"})
         elif isinstance(e, Overloaded):
             reason, error = "capacity", ApiError(503, "overloaded", f"{e}; retry after the Retry-After seconds",

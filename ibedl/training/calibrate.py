@@ -258,7 +258,8 @@ def calibrate_outputs(kind: str, raw: dict, labels, config: CalibrationConfig) -
     ref_idx = np.sort(rng.choice(n, size=min(config.reference_size, n), replace=False))
     reference = {
         "split": "calibration sample (fit and calibration parts)",
-        "uncertainty": None if outputs.uncertainty is None else [round(float(outputs.uncertainty[i]), 6) for i in ref_idx],
+        "uncertainty": (None if outputs.uncertainty is None
+                        else [round(float(outputs.uncertainty[i]), 6) for i in ref_idx]),
         "confidence": [round(float(conf[i]), 6) for i in ref_idx],
     }
     calibration = {
@@ -365,16 +366,19 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"miscoverage of the served prediction sets (default {defaults.alpha})")
     parser.add_argument("--score", default=defaults.score, choices=SCORES, help="conformal score served by default")
     parser.add_argument("--ood-rejection-rate", type=float, default=defaults.ood_rejection_rate,
-                        help=f"in-distribution questions the gate may refuse (default {defaults.ood_rejection_rate}; 0: no gate)")
+                        help=f"in-distribution questions the gate may refuse (default {defaults.ood_rejection_rate}; "
+                        "0: no gate)")
     parser.add_argument("--fit-fraction", type=float, default=defaults.fit_fraction,
                         help=f"share fitting the post-hoc step and the gate (default {defaults.fit_fraction})")
     parser.add_argument("--no-posthoc", action="store_true", help="keep zeta / temperature neutral")
     parser.add_argument("--seed", type=int, default=0, help="seed of the --limit subset and of the split")
     parser.add_argument("--outputs", help="read the model's raw outputs on --dataset/--split from this file "
-                        "(written by --save-outputs or python -m benchmarks.decisions score) instead of running the model")
-    parser.add_argument("--evaluate-split", help="after calibrating, measure the adapter as calibrated on this split of "
-                        "--dataset (e.g. test) and record it as the manifest's metrics for that split")
-    parser.add_argument("--save-outputs", help="write the model's raw outputs here, to recalibrate later without the model")
+                        "(written by --save-outputs or python -m benchmarks.decisions score) instead of running the "
+                        "model")
+    parser.add_argument("--evaluate-split", help="after calibrating, measure the adapter as calibrated on this split "
+                        "of --dataset (e.g. test) and record it as the manifest's metrics for that split")
+    parser.add_argument("--save-outputs",
+                        help="write the model's raw outputs here, to recalibrate later without the model")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=1024,
                         help="prompt token limit, as served (the service's IBEDL_MAX_TOKENS, default 1024): "
@@ -418,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
         eval_args = argparse.Namespace(**{**vars(args), "split": args.evaluate_split, "limit": None})
         try:
             if args.outputs:
-                ekind, eraw, elabels = read_outputs(args.outputs, f"{args.dataset}_{args.evaluate_split}", source, manifest)
+                ekind, eraw, elabels = read_outputs(args.outputs, f"{args.dataset}_{args.evaluate_split}", source,
+                                                    manifest)
             else:
                 ekind, eraw, elabels = run_model(eval_args, source, load_dataset)
         except (DatasetError, ValueError, FileNotFoundError) as e:
@@ -436,7 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     manifest.calibration.update({
         "dataset": args.dataset, "split": args.split, "path": args.path, "limit": args.limit,
         "outputs": args.outputs, "max_tokens": args.max_tokens, "evaluated_split": args.evaluate_split,
-        "command": "python -m ibedl.training.calibrate " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+        "command": "python -m ibedl.training.calibrate " + " ".join(
+            shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "previous_version": str(manifest.version),
     })
@@ -525,5 +531,6 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["CalibrationConfig", "Outputs", "calibrate_outputs", "posthoc_outputs", "save_outputs", "read_outputs", "calibrate_predictor", "apply_sections",
-           "fit_temperature", "gate_threshold", "temper", "split", "raw_outputs"]
+__all__ = ["CalibrationConfig", "Outputs", "calibrate_outputs", "posthoc_outputs", "save_outputs", "read_outputs",
+           "calibrate_predictor", "apply_sections", "fit_temperature", "gate_threshold", "temper", "split",
+           "raw_outputs"]

@@ -95,7 +95,8 @@ def confidence_ceiling(beta: float, num_options: int = 4, risk: str = "mse") -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ibedl.training.confidence_ceiling", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ibedl.training.confidence_ceiling",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--beta", type=float, nargs="+", default=[1e-2, 1e-3, 3e-4, 1e-4, 1e-5, 1e-6])
     parser.add_argument("--options", type=int, default=4, help="number of options C (default 4)")
     parser.add_argument("--risk", nargs="+", default=["mse", "nll"], help="mse and/or nll")
@@ -107,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"{'risk':<5} {'beta':>8} {'ceiling p_y':>12} {'alpha0':>9} {'mu_y':>8} {'mu_other':>9}")
     for c in rows:
-        print(f"{c.risk:<5} {c.beta:>8.0e} {c.confidence:>12.4f} {c.strength:>9.2f} {c.mu_correct:>8.2f} {c.mu_other:>9.2f}")
+        print(f"{c.risk:<5} {c.beta:>8.0e} {c.confidence:>12.4f} {c.strength:>9.2f} {c.mu_correct:>8.2f} "
+              f"{c.mu_other:>9.2f}")
     return 0
 
 

@@ -149,18 +149,21 @@ class TrainConfig:
     eval_every: int = 0  # steps between validation passes (0: only at the end)
     eval_limit: int = 200  # validation questions used by periodic passes
     eval_batch_size: int = 8
-    evidence_bias: str | float = "center"  # evidential heads: "center" the first batch's pre-evidence, "none", or a value
+    # evidential heads: "center" the first batch's pre-evidence, "none", or a value
+    evidence_bias: str | float = "center"
     train_evidence_bias: bool = True  # False keeps that shared offset fixed during training
     centre_options: bool = False  # evidential heads: pre-evidence minus its mean over the question's options
     evidence_scale: float = 1.0  # evidential heads: pre-evidence = s * (W h) + b (HeadConfig.evidence_scale)
-    init_from: str | None = None  # an artifact whose LoRA weights and option rows start this run (ibedl.training.warm_start)
+    # an artifact whose LoRA weights and option rows start this run (ibedl.training.warm_start)
+    init_from: str | None = None
     train_layers: int | None = None  # LoRA trains in the top K decoder layers only; the states below are cached
     target_accuracy: float = 0.8
     fit_zeta: bool = True
     reference_size: int = 1000
     device: str | None = None
     dtype: str | None = None  # float32 | bfloat16 | float16; default by device (float32 under mixed_precision)
-    mixed_precision: str = "no"  # bf16 | fp16: autocast on CUDA (ibedl.training.distributed); head and losses stay float32
+    # bf16 | fp16: autocast on CUDA (ibedl.training.distributed); head and losses stay float32
+    mixed_precision: str = "no"
     fsdp: bool = False  # under accelerate launch: FSDP2 shards the base model instead of replicating it (DDP)
     load_in_4bit: bool = False
     threads: int | None = None
@@ -200,11 +203,12 @@ class TrainConfig:
         check_evidence_scale(self.evidence_scale)
         if self.init_from is not None and not (Path(self.init_from) / "manifest.json").is_file():
             raise ValueError(f"init_from must be an artifact directory with a manifest.json, got {self.init_from!r}")
-        if self.train_layers is not None and (isinstance(self.train_layers, bool) or not isinstance(self.train_layers, int)
-                                              or self.train_layers < 1):
+        if self.train_layers is not None and (isinstance(self.train_layers, bool)
+                                              or not isinstance(self.train_layers, int) or self.train_layers < 1):
             raise ValueError(f"train_layers must be a positive number of top layers or null, got {self.train_layers!r}")
         if self.train_layers is not None and self.fsdp:
-            raise ValueError("train_layers runs the top layers on cached states, which fsdp cannot shard; use one or the other")
+            raise ValueError("train_layers runs the top layers on cached states, which fsdp cannot shard; use one or "
+                             "the other")
         if self.name is None:
             self.name = Path(self.output).name
 
@@ -220,7 +224,8 @@ def config_keys_help() -> str:
     def walk(cls, prefix: str):
         for f in dataclasses.fields(cls):
             key = prefix + f.name
-            nested = {"data": DataConfig, "lora": LoraSettings, "optim": OptimSettings}.get(f.name) if not prefix else None
+            nested = (None if prefix
+                      else {"data": DataConfig, "lora": LoraSettings, "optim": OptimSettings}.get(f.name))
             if nested is not None:
                 yield from walk(nested, key + ".")
                 continue

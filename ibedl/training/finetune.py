@@ -1,7 +1,8 @@
 """Fine-tune a LoRA adapter and an option head with one of the registry's methods; write an artifact.
 
     python -m ibedl.training.finetune --config ibedl/training/configs/smollm2_science_ib_edl.yaml [key.sub=value ...]
-    accelerate launch --multi_gpu --num_processes 4 -m ibedl.training.finetune --config ...   (ibedl.training.distributed)
+    accelerate launch --multi_gpu --num_processes 4 -m ibedl.training.finetune --config ...
+        (multi-GPU: ibedl.training.distributed)
 
 The loop is written out (no Trainer) on an accelerate Accelerator (DDP/FSDP, gradient accumulation,
 autocast): seeded data order, AdamW with warmup + cosine decay, gradient clipping, a progress bar with loss
@@ -37,8 +38,15 @@ from ibedl.core.predictor import Predictor, fits, lm_head_rows
 from ibedl.core.prompt import MCQuestion, option_token_ids
 from ibedl.training.calibrate import CalibrationConfig, apply_sections, calibrate_predictor
 from ibedl.training.config import TRACKERS, DataPart, TrainConfig, config_keys_help, load_config
-from ibedl.training.distributed import OptionScorer, flatten, make_accelerator, numbers, process_device, reset_accelerator
-from ibedl.training.evaluate import EvalResult, evaluate
+from ibedl.training.distributed import (
+    OptionScorer,
+    flatten,
+    make_accelerator,
+    numbers,
+    process_device,
+    reset_accelerator,
+)
+from ibedl.training.evaluate import evaluate
 from ibedl.training.methods import LossContext, Method, get_method
 from ibedl.core import prefix_cache
 from ibedl.training import warm_start
@@ -90,7 +98,9 @@ def posthoc_questions(method: Method, params: dict, train_q: list[MCQuestion], s
     return random.Random(seed).sample(train_q, min(method.posthoc.num_samples(params), len(train_q)))
 
 
-def length_grouped_batches(questions: list[MCQuestion], batch_size: int, rng: random.Random, group: int = 32) -> list[list[int]]:
+def length_grouped_batches(
+    questions: list[MCQuestion], batch_size: int, rng: random.Random, group: int = 32
+) -> list[list[int]]:
     """Shuffled batches of indices; within windows of ``group`` batches, similar lengths go together
     (less padding on long-context data, still a random order)."""
     order = list(range(len(questions)))
@@ -137,7 +147,9 @@ def build(cfg: TrainConfig, method: Method, device: str | None = None):
     resolved = resolve_model(cfg.base_model)
     # Mixed precision keeps float32 weights and lets autocast run the matmuls in half precision.
     dtype = DTYPES[cfg.dtype] if cfg.dtype else (torch.float32 if cfg.mixed_precision != "no" else None)
-    model, tokenizer = load_base_model(resolved, device=device or cfg.device, dtype=dtype, load_in_4bit=cfg.load_in_4bit)
+    model, tokenizer = load_base_model(
+        resolved, device=device or cfg.device, dtype=dtype, load_in_4bit=cfg.load_in_4bit
+    )
     if cfg.load_in_4bit:
         from peft import prepare_model_for_kbit_training
 
@@ -149,9 +161,15 @@ def build(cfg: TrainConfig, method: Method, device: str | None = None):
         source = warm_start.read_source(cfg.init_from, resolved.sha256, ids, cfg.lora)
         rows = warm_start.source_rows(cfg.init_from, source).to(rows.device)
     params = method.params(cfg.method_params)
-    head_config = HeadConfig(kind=method.head, num_rows=cfg.num_rows, hidden_size=rows.shape[1], offset=method.offset(params),
-                             centre_options=cfg.centre_options, evidence_scale=cfg.evidence_scale,
-                             centre_sigma=cfg.centre_options and method.head == "ib_edl")
+    head_config = HeadConfig(
+        kind=method.head,
+        num_rows=cfg.num_rows,
+        hidden_size=rows.shape[1],
+        offset=method.offset(params),
+        centre_options=cfg.centre_options,
+        evidence_scale=cfg.evidence_scale,
+        centre_sigma=cfg.centre_options and method.head == "ib_edl",
+    )
     head = build_head(head_config, rows).to(model.device)
     lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                       target_modules=list(cfg.lora.targets), bias="none", task_type=PEFT_TASK_TYPE)
@@ -274,7 +292,9 @@ def fit_member(cfg: TrainConfig, method: Method, params: dict, train_q, val_q, m
                 loss = parts["loss"].mean()
                 stats.append(accelerator.reduce(step_stats(loss, parts, out, y), "mean"))  # the global batch's means
                 if not torch.isfinite(stats[-1][0]):
-                    raise FloatingPointError(f"loss is {stats[-1][0].item()} at step {step}; lower optim.lr or check the data")
+                    raise FloatingPointError(
+                        f"loss is {stats[-1][0].item()} at step {step}; lower optim.lr or check the data"
+                    )
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(scorer.parameters(), clip)
@@ -292,9 +312,13 @@ def fit_member(cfg: TrainConfig, method: Method, params: dict, train_q, val_q, m
                   "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm), **values}
         last = step + 1
         if validation_due(cfg, step + 1, total, steps_per_epoch):
-            record["validation"] = validation_metrics(predictor, val_q[: cfg.eval_limit], cfg.eval_batch_size, accelerator)
+            record["validation"] = validation_metrics(
+                predictor, val_q[: cfg.eval_limit], cfg.eval_batch_size, accelerator
+            )
             if accelerator.is_main_process:
-                tqdm.write(f"step {step + 1}: validation " + " ".join(f"{k} {v:.4f}" for k, v in record["validation"].items()))
+                tqdm.write(
+                    f"step {step + 1}: validation " + " ".join(f"{k} {v:.4f}" for k, v in record["validation"].items())
+                )
             stopper.observe(step + 1, record["validation"])
             scorer.train()
         if accelerator.is_main_process:
@@ -452,8 +476,10 @@ def train(cfg: TrainConfig, command: str = "") -> Path:
     with accelerator.main_process_first():  # one process converts a base model the cache lacks; the others reuse it
         resolve_model(cfg.base_model)
     train_q, val_q, test_q, dropped = drop_unfit(cfg, train_q, val_q, test_q)
-    runs = [fit_member(cfg, method, params, train_q, val_q, out_dir / d, cfg.seed + 1000 * i, history_path, i, accelerator)
-            for i, d in enumerate(dirs)]
+    runs = [
+        fit_member(cfg, method, params, train_q, val_q, out_dir / d, cfg.seed + 1000 * i, history_path, i, accelerator)
+        for i, d in enumerate(dirs)
+    ]
     if accelerator.is_main_process:
         manifest = loadable_manifest(cfg, method, params, dirs, runs[0])
         write_manifest(out_dir, manifest)  # complete enough to load; metrics follow
@@ -527,8 +553,12 @@ def calibrate_and_evaluate(cfg: TrainConfig, method: Method, predictor: Predicto
     Post-hoc step (IB-EDL's zeta), OOD gate, risk-controlled abstention, conformal sets and the drift
     reference: the same code as python -m ibedl.training.calibrate, on the validation split.
     """
-    calibration = CalibrationConfig(target_accuracy=cfg.target_accuracy, posthoc=method.calibrates_posthoc and cfg.fit_zeta,
-                                    reference_size=cfg.reference_size, seed=cfg.seed)
+    calibration = CalibrationConfig(
+        target_accuracy=cfg.target_accuracy,
+        posthoc=method.calibrates_posthoc and cfg.fit_zeta,
+        reference_size=cfg.reference_size,
+        seed=cfg.seed,
+    )
     sections = calibrate_predictor(predictor, val_q, calibration, cfg.eval_batch_size, progress=cfg.progress)
     val = evaluate(predictor, val_q, cfg.eval_batch_size, progress=cfg.progress, desc="validation")
     test = evaluate(predictor, test_q, cfg.eval_batch_size, progress=cfg.progress, desc="test") if test_q else None
@@ -596,7 +626,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.quiet:
         cfg.progress = False
-    command = "python -m ibedl.training.finetune " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    command = "python -m ibedl.training.finetune " + " ".join(
+        shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
+    )
     try:
         out = train(cfg, command)
     except (ValueError, FileNotFoundError) as e:
@@ -605,7 +637,11 @@ def main(argv: list[str] | None = None) -> int:
     if not main_process:
         return 0
     manifest = json.loads((out / "manifest.json").read_text())
-    print(json.dumps({"artifact": str(out), "metrics": manifest["metrics"], "abstention": manifest["abstention"]}, indent=2))
+    print(
+        json.dumps(
+            {"artifact": str(out), "metrics": manifest["metrics"], "abstention": manifest["abstention"]}, indent=2
+        )
+    )
     return 0
 
 

@@ -239,8 +239,9 @@ class LaplacePredictor:
         preds = []
         for p in probs:
             idx = max(range(len(p)), key=p.__getitem__)
-            preds.append(Prediction(index=idx, letter=LETTERS[idx], confidence=float(p[idx]), probs=[float(x) for x in p],
-                                    alpha=None, belief=None, uncertainty=None, sigma=None))
+            preds.append(Prediction(index=idx, letter=LETTERS[idx], confidence=float(p[idx]),
+                                    probs=[float(x) for x in p], alpha=None, belief=None, uncertainty=None,
+                                    sigma=None))
         return preds
 
 

@@ -73,7 +73,9 @@ class Mahalanobis:
         hidden = np.asarray(hidden, dtype=np.float64)
         labels = np.asarray(labels, dtype=np.int64)
         if hidden.ndim != 2 or len(hidden) != len(labels) or len(hidden) < 2:
-            raise ValueError(f"hidden must be (N, d) with N = len(labels) >= 2, got {hidden.shape} and {len(labels)} labels")
+            raise ValueError(
+                f"hidden must be (N, d) with N = len(labels) >= 2, got {hidden.shape} and {len(labels)} labels"
+            )
         classes = np.unique(labels)
         means = np.zeros((int(classes.max()) + 1, hidden.shape[1]))
         present = np.zeros(len(means), dtype=bool)

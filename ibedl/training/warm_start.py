@@ -41,13 +41,15 @@ def read_source(directory: str | Path, sha256: str, option_ids: list[int], lora)
     except (ArtifactError, FileNotFoundError) as e:
         raise ValueError(f"init_from {directory}: {e}") from e
     if manifest.members != ["."]:
-        raise ValueError(f"init_from {directory}: an ensemble ({len(manifest.members)} members) cannot seed one adapter")
+        raise ValueError(f"init_from {directory}: an ensemble ({len(manifest.members)} members) cannot seed one "
+                         "adapter")
     base = manifest.base_model_ref()
     if base.sha256 != sha256:
         raise ValueError(f"init_from {directory}: trained on {base.name} "
                          f"(sha256 {base.sha256[:12]}), this run's base has sha256 {sha256[:12]}")
     if manifest.option_token_ids[: len(option_ids)] != list(option_ids):
-        raise ValueError(f"init_from {directory}: option token ids {manifest.option_token_ids} differ from {option_ids}")
+        raise ValueError(f"init_from {directory}: option token ids {manifest.option_token_ids} differ from "
+                         f"{option_ids}")
     config = json.loads((directory / ADAPTER_FILES[0]).read_text())
     theirs = (config.get("r"), config.get("lora_alpha"), sorted(config.get("target_modules") or []))
     ours = (lora.r, lora.alpha, sorted(lora.targets))
@@ -76,7 +78,8 @@ def load_lora(model, directory: str | Path) -> int:
     lora_names = {n for n, p in model.named_parameters() if p.requires_grad}
     missing = sorted(lora_names & set(getattr(result, "missing_keys", [])))
     if unexpected or missing:
-        raise ValueError(f"init_from {directory}: LoRA tensors missing {missing[:3]}..., unexpected {unexpected[:3]}...")
+        raise ValueError(f"init_from {directory}: LoRA tensors missing {missing[:3]}..., unexpected "
+                         f"{unexpected[:3]}...")
     return len(state)
 
 

@@ -56,7 +56,8 @@ def test_importing_the_api_does_not_import_fastapi():
 
 def test_batch_command_round_trip(model, tiny_artifact, tmp_path, capsys):
     src = tmp_path / "in.jsonl"
-    lines = [json.dumps(QUESTIONS[0]), "{not json", "", json.dumps({"question": "Which is sun?", "options": ["sun", "x"]}),
+    lines = [json.dumps(QUESTIONS[0]), "{not json", "",
+             json.dumps({"question": "Which is sun?", "options": ["sun", "x"]}),
              json.dumps({"question": "q", "options": ["a", "b"], "colour": "red"}), json.dumps(QUESTIONS[1])]
     src.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out.jsonl"

@@ -13,8 +13,8 @@ def fake_run(tmp_path, name, method="ib_edl", method_config=None, ceiling=None, 
     run.mkdir()
     manifest = {
         "name": "default", "method": method, "method_config": method_config or {},
-        "training": {"command": f"python -m ibedl.training.finetune output={name}", "run": {"seconds": 12.5, "steps": 3},
-                     "confidence_ceiling": ceiling, "zeta": None},
+        "training": {"command": f"python -m ibedl.training.finetune output={name}",
+                     "run": {"seconds": 12.5, "steps": 3}, "confidence_ceiling": ceiling, "zeta": None},
         "metrics": {"test": {"accuracy": accuracy, "ece": 0.05, "nll": 0.4}},
     }
     (run / "manifest.json").write_text(json.dumps(manifest))

@@ -25,7 +25,8 @@ def map_run(tiny_model_dir, tmp_path_factory):
                             for o in (rng.sample(WORDS, rng.choice([3, 4])) for _ in range(30))))
     cfg = load_config(None, [
         "method=map", f"output={root / 'map'}", f"base_model={tiny_model_dir}", "progress=false", "max_tokens=96",
-        f"data={{train: [{{dataset: jsonl, path: {data}, limit: 20}}], validation: [{{dataset: jsonl, path: {data}, limit: 8}}]}}",
+        f"data={{train: [{{dataset: jsonl, path: {data}, limit: 20}}], "
+        f"validation: [{{dataset: jsonl, path: {data}, limit: 8}}]}}",
         "optim.max_steps=4", "optim.lr=1e-2", "lora.targets=[q_proj, v_proj]"])
     return train(cfg)
 

@@ -107,7 +107,8 @@ def test_int8_groups_replace_linear_weights_within_a_step():
     model = ov.Model([ops.matmul(x, ops.constant(weight), False, True)], [x])
     assert compress_int8_groups(model, 64) == 1
     inputs = rng.normal(size=(3, 128)).astype(np.float32)
-    compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"})
+    compiled = ov.Core().compile_model(model, "CPU",
+                                       {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"})
     out = compiled([inputs])[0]
     step = (np.ptp(weight.reshape(8, 2, 64), -1) / 255).max()
     assert np.abs(out - inputs @ weight.T).max() <= step * np.abs(inputs).sum(1).max() / 2 + 1e-4

@@ -30,7 +30,8 @@ def predictor(tiny_model_dir):
     ids = option_token_ids(tok, 26)
     head = build_head(HeadConfig("ib_edl", 26, model.config.hidden_size), lm_head_rows(model, ids))
     torch.manual_seed(0)
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                             init_lora_weights=False))
     model.eval()
     return Predictor(model, tok, head, template="plain-v1", max_tokens=256), resolved.sha256
 
@@ -83,7 +84,8 @@ def test_cache_is_keyed_by_the_frozen_layers_weights(predictor, tmp_path):
 def test_ensemble_members_with_the_same_frozen_weights_share_the_cache(predictor, tmp_path):
     p, sha = predictor
     before = PrefixCachedTrunk(p, 1, sha, root=tmp_path).digest()
-    p.model.add_adapter("m1", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    p.model.add_adapter("m1", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                         init_lora_weights=False))
     params = dict(p.model.named_parameters())
     with torch.no_grad():
         for name, param in params.items():
@@ -115,7 +117,8 @@ def test_layer_helpers_and_bad_values(predictor):
 
 
 def test_train_layers_trains_the_top_layers_only(tiny_model_dir, tiny_jsonl, tmp_path):
-    out = train_tiny(tiny_model_dir, tiny_jsonl, tmp_path, "method=ib_edl", "method_params.num_samples=2", "train_layers=1")
+    out = train_tiny(tiny_model_dir, tiny_jsonl, tmp_path, "method=ib_edl", "method_params.num_samples=2",
+                     "train_layers=1")
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["training"]["config"]["train_layers"] == 1
     from safetensors.torch import load_file

@@ -20,8 +20,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-pytestmark = pytest.mark.servers  # needs nginx, promtool and hadolint (make test installs them)
-
 from tests.deploy.render import (
     ALERTS_TEST_YML,
     ALERTS_YML,
@@ -39,6 +37,8 @@ from tests.deploy.render import (
     render_prometheus,
     require_binary,
 )
+
+pytestmark = pytest.mark.servers  # needs nginx, promtool and hadolint (make test installs them)
 
 
 def run(cmd: list[str], cwd: Path = REPO, timeout: float = 60) -> subprocess.CompletedProcess:

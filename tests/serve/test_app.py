@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ibedl.core.artifact import read_manifest, write_manifest
-from tests.serve.conftest import per_token_loader, slow_loader, wait_status, wait_status
+from tests.serve.conftest import per_token_loader, slow_loader, wait_status
 
 Q = {"question": "Which is sun?", "options": ["sun", "moon", "tree", "fish"]}
 
@@ -47,7 +47,8 @@ class TestPredict:
         assert a == b
 
     def test_letter_map_and_five_options(self, client):
-        r = client.post("/predict", json={"question": "Which?", "options": {"A": "a", "B": "b", "C": "c", "D": "d", "E": "e"},
+        r = client.post("/predict", json={"question": "Which?",
+                                          "options": {"A": "a", "B": "b", "C": "c", "D": "d", "E": "e"},
                                           "context": "a passage"})
         assert r.status_code == 200
         check_invariants(r.json(), 5)
@@ -95,7 +96,8 @@ class TestBadInput:
         ({"question": "q", "options": ["a", "b"], "bogus": 1}, 422, "bogus"),
         ({"question": "q"}, 422, "options"),
         ({"question": "q", "options": ["a", "b"], "abstain": {"max_uncertainty": 2}}, 422, "abstain.max_uncertainty"),
-        ({"question": "q", "options": ["a", "b"], "abstain": {"max_uncertainty": False}}, 422, "abstain.max_uncertainty"),
+        ({"question": "q", "options": ["a", "b"], "abstain": {"max_uncertainty": False}}, 422,
+         "abstain.max_uncertainty"),
         ({"question": "q", "options": ["a", "b"], "abstain": {"min_confidence": "0.5"}}, 422, "abstain.min_confidence"),
         ({"question": "q", "options": ["a", "b"], "conformal": {"alpha": True}}, 422, "conformal.alpha"),
         ({"question": "\x1c\u2003", "options": ["a", "b"]}, 422, "question"),

@@ -244,7 +244,8 @@ def test_admission_refuses_what_cannot_meet_its_deadline():
 
     results, batches = run(main())
     assert results == ["a", "b", "c", "e"]
-    assert batches == [["a"], ["e"], ["b"], ["c"]]  # e has the least slack (the default max_batch_tokens makes one pass long: all are at risk)
+    # e has the least slack (the default max_batch_tokens makes one pass long: all are at risk)
+    assert batches == [["a"], ["e"], ["b"], ["c"]]
 
 
 def test_abandoned_and_expired_questions_never_reach_the_model():
@@ -397,8 +398,10 @@ def test_grace_period_end_refuses_whatever_is_still_queued():
     assert answered == ["running"] and isinstance(outcome[0], ShuttingDown)
 
 
-@pytest.mark.parametrize("kwargs, message", [({"max_batch_size": 0}, "max_batch_size"), ({"queue_size": 0}, "queue_size"),
-                                             ({"max_batch_tokens": 0}, "max_batch_tokens"), ({"margin": 0.5}, "margin")])
+@pytest.mark.parametrize("kwargs, message", [({"max_batch_size": 0}, "max_batch_size"),
+                                             ({"queue_size": 0}, "queue_size"),
+                                             ({"max_batch_tokens": 0}, "max_batch_tokens"),
+                                             ({"margin": 0.5}, "margin")])
 def test_bad_settings_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
         MicroBatcher(FakePredict(), **kwargs)

@@ -49,8 +49,10 @@ def test_round_robin_finish_serves_one_question_of_each_request_a_turn():
     assert round_robin_finish([], 0.5, st) == []
 
 
-@pytest.mark.parametrize("kwargs, message", [({"per_token_s": -1}, "per_token_s"), ({"per_token_s": float("nan")}, "per_token_s"),
-                                             ({"horizon_tokens": 0}, "horizon_tokens"), ({"horizon_tokens": float("inf")}, "horizon_tokens")])
+@pytest.mark.parametrize("kwargs, message", [({"per_token_s": -1}, "per_token_s"),
+                                             ({"per_token_s": float("nan")}, "per_token_s"),
+                                             ({"horizon_tokens": 0}, "horizon_tokens"),
+                                             ({"horizon_tokens": float("inf")}, "horizon_tokens")])
 def test_bad_arguments_name_the_value(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ServiceTime(**kwargs)

@@ -95,7 +95,8 @@ class TestAccuracyEstimate:
             half = 1.959964 * math.sqrt(sum(p * (1 - p) for p in confs)) / 5
             assert d["answered_in_window"] == 5
             assert d["estimated_accuracy"] == pytest.approx(mean, abs=1e-5)
-            assert d["estimated_accuracy_interval"] == pytest.approx([max(0, mean - half), min(1, mean + half)], abs=1e-5)
+            assert d["estimated_accuracy_interval"] == pytest.approx([max(0, mean - half), min(1, mean + half)],
+                                                                     abs=1e-5)
             assert d["target_accuracy"] == read_manifest(open_artifact).abstention["how"]["target_accuracy"]
             metrics = c.get("/metrics").text
             assert 'ibedl_estimated_accuracy_window{adapter="tiny"} 5.0' in metrics

@@ -55,7 +55,8 @@ def nan_loader(settings):
 def test_access_line_and_request_id_on_every_line(make_client):
     with make_client(loader=nan_loader) as c, json_log() as out:
         assert c.post("/predict", json=Q, headers={"X-Request-Id": "req-ok"}).status_code == 200
-        assert c.post("/predict", json={**Q, "question": "break"}, headers={"X-Request-Id": "req-bad"}).status_code == 503
+        assert c.post("/predict", json={**Q, "question": "break"},
+                      headers={"X-Request-Id": "req-bad"}).status_code == 503
         assert c.post("/predict", json={**Q, "adapter": "nope"}).status_code == 422
         c.get("/health/ready")  # a probe: DEBUG, not in an INFO log
     lines = records(out)

@@ -151,7 +151,8 @@ class TestCli:
         assert weights == (tiny_artifact / "adapter_model.safetensors").read_bytes()
         assert json.loads((out / "manifest.json").read_text())["abstention"]["ood_score"] == "inverse_uncertainty"
         card = (out / "README.md").read_text()  # the model card shows the new version and thresholds
-        assert f"(version {after.version})" in card and f"`min_confidence` {num(after.abstention['min_confidence'])}" in card
+        assert f"(version {after.version})" in card
+        assert f"`min_confidence` {num(after.abstention['min_confidence'])}" in card
         assert after.files == before.files and check_artifact(out, verify=True)
 
     def test_stored_outputs_recalibrate_identically_and_are_tied_to_their_weights(self, tiny_artifact, tiny_jsonl,

@@ -32,7 +32,8 @@ TOLERANCE = 1e-5
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory, tiny_model_dir, jsonl_data):  # noqa: F811
     """The reference: one process, batch 4."""
-    return train(config(tmp_path_factory.mktemp("one"), tiny_model_dir, jsonl_data, "map", **RUN, **{"optim.batch_size": 4}))
+    return train(config(tmp_path_factory.mktemp("one"), tiny_model_dir, jsonl_data, "map", **RUN,
+                        **{"optim.batch_size": 4}))
 
 
 def history(artifact: Path) -> list[dict]:
@@ -67,7 +68,8 @@ def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path, ti
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
               "--main_process_port", str(free_port())]  # not 29500: another run on this machine may hold it
-    args = overrides(tmp_path, tiny_model_dir, jsonl_data, "map", **RUN, **{"optim.batch_size": 2, "track_dir": tmp_path / "runs"})
+    args = overrides(tmp_path, tiny_model_dir, jsonl_data, "map", **RUN,
+                     **{"optim.batch_size": 2, "track_dir": tmp_path / "runs"})
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf")}  # no accelerate config file of this machine's user
     done = subprocess.run([*launch, "-m", "ibedl.training.finetune", "--track", "tensorboard", *args],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -100,10 +102,12 @@ def test_tensorboard_holds_the_losses_metrics_and_manifest_of_the_run(tmp_path, 
     steps = history(artifact)
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(h["step"], h["loss"]) for h in steps]
     assert [e.value for e in events.Scalars("train/lr")] == pytest.approx([h["lr"] for h in steps], rel=1e-6)
-    assert [(e.step, e.value) for e in events.Scalars("validation/nll")] == [(2, pytest.approx(steps[1]["validation"]["nll"], rel=1e-6))]
+    assert [(e.step, e.value) for e in events.Scalars("validation/nll")] == [
+        (2, pytest.approx(steps[1]["validation"]["nll"], rel=1e-6))]
     manifest = json.loads((artifact / "manifest.json").read_text())
     for split in ("validation", "test"):
-        assert events.Scalars(f"final/{split}/nll")[0].value == pytest.approx(manifest["metrics"][split]["nll"], rel=1e-6)
+        assert events.Scalars(f"final/{split}/nll")[0].value == pytest.approx(manifest["metrics"][split]["nll"],
+                                                                             rel=1e-6)
     text = events.Tensors("manifest/text_summary")[0].tensor_proto.string_val[0].decode()
     assert json.loads(text) == manifest
     (hparams,) = runs.glob("map/*/hparams.yml")
@@ -152,12 +156,14 @@ def test_cuda_only_settings_parse_and_are_refused_on_a_cpu(tmp_path, key, value,
 
 def test_fsdp_plugin_is_accepted_by_the_pinned_accelerate():
     plugin = fsdp_plugin()  # FSDP itself needs GPUs: this checks the settings accelerate receives, not sharding
-    assert (plugin.fsdp_version, plugin.state_dict_type.name, plugin.reshard_after_forward) == (2, "FULL_STATE_DICT", True)
+    assert (plugin.fsdp_version, plugin.state_dict_type.name, plugin.reshard_after_forward) == (
+        2, "FULL_STATE_DICT", True)
 
 
 def test_a_missing_tracker_package_is_named(tmp_path, monkeypatch):
     monkeypatch.setitem(distributed.INSTALLED, "tensorboard", lambda: False)
-    with pytest.raises(ValueError, match=r"track=tensorboard needs the tensorboard package \(pip install -e '.\[track\]'\)"):
+    with pytest.raises(ValueError,
+                       match=r"track=tensorboard needs the tensorboard package \(pip install -e '.\[track\]'\)"):
         make_accelerator(settings(tmp_path, "track=tensorboard"))
 
 

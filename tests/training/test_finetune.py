@@ -25,7 +25,9 @@ def jsonl_data(tmp_path_factory):
         for i in range(40):
             n = rng.choice([3, 4, 5])
             opts = rng.sample(WORDS, n)
-            f.write(json.dumps({"question": f"Which is {opts[0]}?", "options": opts, "answer": 0, "id": f"q{i}"}) + "\n")
+            f.write(
+                json.dumps({"question": f"Which is {opts[0]}?", "options": opts, "answer": 0, "id": f"q{i}"}) + "\n"
+            )
     return path
 
 
@@ -100,7 +102,9 @@ def test_train_save_reload_identical(tmp_path, tiny_model_dir, jsonl_data, metho
     assert names == expected
 
 
-def test_centred_scaled_ib_edl_with_annealed_beta_is_recorded_and_served_as_trained(tmp_path, tiny_model_dir, jsonl_data):
+def test_centred_scaled_ib_edl_with_annealed_beta_is_recorded_and_served_as_trained(
+    tmp_path, tiny_model_dir, jsonl_data
+):
     cfg = config(tmp_path, tiny_model_dir, jsonl_data, "ib_edl", centre_options="true", evidence_scale=4,
                  **{"method_params.num_samples": 4, "method_params.beta": 1e-5, "method_params.beta_start": 1e-3,
                     "method_params.beta_anneal": 1.0})
@@ -132,8 +136,13 @@ def test_one_process_trains_as_before_the_accelerate_loop(tmp_path, tiny_model_d
     # IB-EDL samples, LoRA dropout and a validation pass at step 2. One process must reproduce them. Re-recorded
     # once since, when IB-EDL's sigma rows started from the option rows instead of 0.01 x them with bias -4 (the
     # loop unchanged: the validation NLL, which mean inference reads from mu alone, moved by 6e-5).
-    cfg = config(tmp_path, tiny_model_dir, jsonl_data, "ib_edl", **{"method_params.num_samples": 4, "optim.max_steps": 4,
-                                                                   "eval_every": 2, "eval_limit": 6})
+    cfg = config(
+        tmp_path,
+        tiny_model_dir,
+        jsonl_data,
+        "ib_edl",
+        **{"method_params.num_samples": 4, "optim.max_steps": 4, "eval_every": 2, "eval_limit": 6},
+    )
     steps = [json.loads(x) for x in (train(cfg) / "history.jsonl").read_text().splitlines()]
     assert [h["loss"] for h in steps] == pytest.approx([0.8608139753341675, 0.8135029077529907, 0.8216605186462402,
                                                         0.8812224268913269], rel=1e-5)
@@ -144,8 +153,16 @@ def test_one_process_trains_as_before_the_accelerate_loop(tmp_path, tiny_model_d
 
 def test_subset_seed_picks_the_training_subset_independently_of_the_run_seed(tmp_path, jsonl_data):
     def subset(*overrides):
-        cfg = load_config(None, ["method=map", f"output={tmp_path}", f"data={{train: [{{dataset: jsonl, path: {jsonl_data}, limit: 10}}],"
-                                 f" validation: [{{dataset: jsonl, path: {jsonl_data}, limit: 5}}]}}", *overrides])
+        cfg = load_config(
+            None,
+            [
+                "method=map",
+                f"output={tmp_path}",
+                f"data={{train: [{{dataset: jsonl, path: {jsonl_data}, limit: 10}}],"
+                f" validation: [{{dataset: jsonl, path: {jsonl_data}, limit: 5}}]}}",
+                *overrides,
+            ],
+        )
         return [q.id for q in load_parts(cfg.data.train, "train", cfg)]
 
     first, other = subset("seed=0"), subset("seed=1")
@@ -158,14 +175,18 @@ def test_run_questions_rebuild_a_noisy_runs_training_and_validation_questions(tm
     cfg = config(tmp_path, tiny_model_dir, jsonl_data, "map", seed=1, **{"data.label_noise": 0.5, "data.noise_seed": 3})
     rebuilt_cfg, train_q, val_q = run_questions({"config": cfg.to_dict()})
     assert rebuilt_cfg.seed == 1 and rebuilt_cfg.data.label_noise == 0.5
-    assert train_q == load_parts(cfg.data.train, "train", cfg) and val_q == load_parts(cfg.data.validation, "validation")
+    assert train_q == load_parts(cfg.data.train, "train", cfg) and val_q == load_parts(
+        cfg.data.validation, "validation"
+    )
     assert len(val_q) == 12 and sum(q.answer != 0 for q in train_q) > 0  # every toy answer is A: moved labels differ
     assert all(q.answer == 0 for q in val_q)  # validation keeps clean labels
 
 
 def test_cli_reports_bad_config(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("method: map\noutput: x\ndata: {train: [{dataset: sciq}], validation: [{dataset: sciq}]}\nbogus: 1\n")
+    bad.write_text(
+        "method: map\noutput: x\ndata: {train: [{dataset: sciq}], validation: [{dataset: sciq}]}\nbogus: 1\n"
+    )
     assert main(["--config", str(bad)]) == 2
     assert "unknown config keys ['bogus']" in capsys.readouterr().err
     assert main(["--config", str(tmp_path / "missing.yaml")]) == 2

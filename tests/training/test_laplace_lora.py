@@ -1,4 +1,5 @@
-"""Laplace-LoRA on the tiny model: a KFAC posterior over the LoRA weights, its prior precision and its GLM predictive."""
+"""Laplace-LoRA on the tiny model: a KFAC posterior over the LoRA weights, its prior precision and its GLM
+predictive."""
 
 import json
 import random
@@ -28,7 +29,8 @@ def map_artifact(tiny_model_dir, tmp_path_factory):
 
 def tiny_overrides(tiny_model_dir, data) -> list[str]:
     return [f"base_model={tiny_model_dir}", "progress=false",
-            f"data={{train: [{{dataset: jsonl, path: {data}}}], validation: [{{dataset: jsonl, path: {data}, limit: 8}}]}}",
+            f"data={{train: [{{dataset: jsonl, path: {data}}}], "
+            f"validation: [{{dataset: jsonl, path: {data}, limit: 8}}]}}",
             "optim.max_steps=4", "optim.lr=1e-2", "max_tokens=96"]
 
 
@@ -73,7 +75,8 @@ def test_finetune_method_laplace_trains_map_then_fits_the_posterior(map_artifact
     assert chosen["prior_precision"] in PRIOR_GRID and chosen["validation_nll"] <= chosen["validation_nll_map"] + 1e-6
     # a given (small) prior precision: a posterior wide enough to move the validation metrics off MAP's
     cfg = load_config(None, ["method=laplace", f"output={tmp_path / 'laplace'}",
-                             "method_params={fit_samples: 12, prior_precision: 0.1}", *tiny_overrides(tiny_model_dir, data)])
+                             "method_params={fit_samples: 12, prior_precision: 0.1}",
+                             *tiny_overrides(tiny_model_dir, data)])
     artifact = train(cfg)
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert manifest["method"] == "laplace" and manifest["method_config"]["fit_samples"] == 12
@@ -92,7 +95,8 @@ def test_laplace_hyper_parameters_checked_on_arrival():
 
     with pytest.raises(ValueError, match="fit_samples must be an integer >= 1, got 0"):
         get_method("laplace").params({"fit_samples": 0})
-    with pytest.raises(ValueError, match=r"prior_precision must be one of \(.validation., .marglik.\) or a finite number > 0, got -1"):
+    with pytest.raises(ValueError, match=r"prior_precision must be one of \(.validation., .marglik.\) "
+                       r"or a finite number > 0, got -1"):
         get_method("laplace").params({"prior_precision": -1})
     with pytest.raises(ValueError, match="got 'map'"):
         get_method("laplace").params({"prior_precision": "map"})

@@ -120,7 +120,8 @@ class TestIBEDLRisk:
         mu = torch.randn(4, 4)
         sigma = torch.full((4, 4), 1e-6)
         alpha = torch.nn.functional.softplus(mu) + 1
-        torch.testing.assert_close(ib_edl_risk(mu, sigma, y, mask, 5), mse_bayes_risk(alpha, y, mask), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(ib_edl_risk(mu, sigma, y, mask, 5), mse_bayes_risk(alpha, y, mask), rtol=1e-4,
+                                   atol=1e-5)
 
     def test_is_monte_carlo_mean_over_samples(self, batch):
         _, y, mask = batch

@@ -55,7 +55,8 @@ def test_same_method_continues_exactly_where_the_source_stopped(tmp_path, tiny_m
     assert ours.metrics["nll"] == pytest.approx(theirs.metrics["nll"], abs=1e-6)
     fresh = evaluate(build(config(tmp_path / "f", tiny_model_dir, jsonl_data, "map"), get_method("map"))[0].eval(),
                      questions, progress=False)
-    assert fresh.metrics["nll"] != pytest.approx(theirs.metrics["nll"], abs=1e-3)  # the warm start is what made them equal
+    # the warm start is what made them equal
+    assert fresh.metrics["nll"] != pytest.approx(theirs.metrics["nll"], abs=1e-3)
 
 
 def test_warm_started_run_records_its_source(tmp_path, tiny_model_dir, jsonl_data, source):  # noqa: F811
@@ -76,9 +77,11 @@ def test_a_different_lora_shape_is_refused(tmp_path, tiny_model_dir, jsonl_data,
 
 
 def test_init_from_must_be_an_artifact(tmp_path, jsonl_data):  # noqa: F811
-    with pytest.raises(ValueError, match=f"init_from must be an artifact directory with a manifest.json, got '{tmp_path}'"):
+    with pytest.raises(ValueError,
+                       match=f"init_from must be an artifact directory with a manifest.json, got '{tmp_path}'"):
         load_config(None, ["method=map", f"output={tmp_path / 'o'}", f"init_from={tmp_path}",
-                           f"data={{train: [{{dataset: jsonl, path: {jsonl_data}}}], validation: [{{dataset: jsonl, path: {jsonl_data}}}]}}"])
+                           f"data={{train: [{{dataset: jsonl, path: {jsonl_data}}}], "
+                           f"validation: [{{dataset: jsonl, path: {jsonl_data}}}]}}"])
 
 
 def test_an_ensemble_cannot_seed_one_adapter(tmp_path, tiny_model_dir, jsonl_data):  # noqa: F811

@@ -1,6 +1,7 @@
 """Run methods x datasets x seeds on one evaluation contract and write results, a report and plots.
 
-    python -m ibedl.training.experiments.benchmark --config benchmarks/sciq_grid.yaml [--jobs N] [--only-methods map ib_edl] [--dry-run]
+    python -m ibedl.training.experiments.benchmark --config benchmarks/sciq_grid.yaml [--jobs N]
+        [--only-methods map ib_edl] [--dry-run]
 
 Experiments (each a list entry under ``experiments`` in the config):
     id     train on a dataset, evaluate on its test split (accuracy, ECE 10/15/25/35, NLL, Brier,
@@ -15,8 +16,9 @@ Every run trains in a child process (so a crash costs one run and its peak memor
 so the command is safe to interrupt and resume; each finished cell is written to the results at once.
 ``--jobs N`` runs N chains of cells side by side (a chain: the cells that share one trained run), each child
 process with cores / N threads. A method that ``reuses`` another's training run (MC-Dropout
-and Laplace reuse MAP's, see ``ibedl.training.methods``) is evaluated on that run of the same key. Results go to ``benchmarks/results/<name>.json`` (a list of runs), the report to
-``benchmarks/results/<name>.md`` with PNG plots beside it.
+and Laplace reuse MAP's, see ``ibedl.training.methods``) is evaluated on that run of the same key. Results go
+to ``benchmarks/results/<name>.json`` (a list of runs), the report to ``benchmarks/results/<name>.md`` with PNG
+plots beside it.
 """
 
 from __future__ import annotations
@@ -149,7 +151,8 @@ def run_child(cmd: list[str], log_path: Path, threads: int | None = None) -> dic
 class Runner:
     """Trains and evaluates the cells of a grid; ``threads`` intra-op threads per child process (None: torch's)."""
 
-    def __init__(self, config: dict, root: Path, results_path: Path, dry_run: bool = False, threads: int | None = None) -> None:
+    def __init__(self, config: dict, root: Path, results_path: Path, dry_run: bool = False,
+                 threads: int | None = None) -> None:
         self.config = config
         self.root = root
         self.results_path = results_path
@@ -215,7 +218,8 @@ class Runner:
             return {}
         if missing:
             out_path = artifact / f"predictions-{run.method}.partial.json"
-            cmd = [sys.executable, "-m", "ibedl.training.experiments.evaluate_run", "--artifact", str(artifact), "--method", run.method,
+            cmd = [sys.executable, "-m", "ibedl.training.experiments.evaluate_run", "--artifact", str(artifact),
+                   "--method", run.method,
                    "--output", str(out_path), "--limits", json.dumps(self.config.get("sizes", {})),
                    "--method-params", json.dumps(params), *[arg for d in missing for arg in ("--dataset", d)]]
             log_path = artifact / f"eval-{run.method}.log"
@@ -243,7 +247,8 @@ class Runner:
             "metrics": summarise_run(preds, run.eval_sets),
             "metrics_without_posthoc": summarise_run(bare, run.eval_sets) if (bare := without_posthoc(preds)) else None,
             "efficiency": {
-                "train_samples_per_s": json.loads((artifact / "manifest.json").read_text())["training"]["run"].get("samples_per_s"),
+                "train_samples_per_s":
+                    json.loads((artifact / "manifest.json").read_text())["training"]["run"].get("samples_per_s"),
                 "train_peak_rss_mib": train_info.get("peak_rss_mib"),
                 "test_samples_per_s": preds["sets"][run.eval_sets[0]]["samples_per_s"],
                 "eval_peak_rss_mib": preds.get("eval_peak_rss_mib"),
@@ -344,7 +349,8 @@ def run_grid(runner: Runner, todo: list[Run], jobs: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ibedl.training.experiments.benchmark", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ibedl.training.experiments.benchmark",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True)
     parser.add_argument("--only-methods", nargs="*", help="restrict to these methods")
     parser.add_argument("--only-kinds", nargs="*", help="restrict to these experiment kinds (id, ood, noise)")

@@ -1,6 +1,7 @@
 """One benchmark evaluation in its own process: an artifact, a method's predictive, several test sets.
 
-    python -m ibedl.training.experiments.evaluate_run --artifact DIR --method METHOD --dataset D [--dataset D2 ...] --output FILE
+    python -m ibedl.training.experiments.evaluate_run --artifact DIR --method METHOD --dataset D [--dataset D2 ...]
+        --output FILE
 
 The method's record says how the artifact predicts: its dropout-on passes (MC-Dropout on a MAP artifact)
 and its post-hoc step, fitted on the artifact's training data (Laplace: a KFAC posterior over the LoRA
@@ -40,7 +41,8 @@ def load_eval_set(spec: str, limit: int | None, seed: int = 0) -> list:
     return [dataclasses.replace(q, context=None) for q in questions] if variant == "no_context" else questions
 
 
-# AUROC scores beside max probability (mp): 1/u (um, Dirichlet methods), energy and Mahalanobis (ibedl.training.ood_scores)
+# AUROC scores beside max probability (mp): 1/u (um, Dirichlet methods), energy and Mahalanobis
+# (ibedl.training.ood_scores)
 FEATURE_SCORES = {"energy": "energy", "maha": "mahalanobis"}
 
 
@@ -115,7 +117,8 @@ def without_posthoc(preds: dict) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ibedl.training.experiments.evaluate_run", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ibedl.training.experiments.evaluate_run",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--artifact", required=True)
     parser.add_argument("--method", required=True)
     parser.add_argument("--dataset", action="append", required=True)

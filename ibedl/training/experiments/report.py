@@ -23,7 +23,9 @@ ID_METRICS = [("accuracy", "Acc (%) ↑", True, 100), ("ece", "ECE (%) ↓", Fal
 def dataset_name(spec: str) -> str:
     """Display name of a dataset or a variant (``sciq:no_context`` -> ``SciQ (no passage)``)."""
     name, _, variant = spec.partition(":")
-    return DATASET_NAMES.get(name, name) + (" (no passage)" if variant == "no_context" else f" ({variant})" if variant else "")
+    return DATASET_NAMES.get(name, name) + (
+        " (no passage)" if variant == "no_context" else f" ({variant})" if variant else ""
+    )
 
 
 # a cell record's efficiency columns: throughputs (questions/s) and peak memories (MiB RSS of the child process)
@@ -90,11 +92,18 @@ def _group(results: list[dict], kind: str) -> dict:
 
 def id_tables(results: list[dict], kind: str = "id", metric_list=ID_METRICS) -> list[str]:
     grouped = _group(results, kind)
-    datasets = sorted({r["dataset"] for r in results if r["kind"] == kind}, key=lambda d: list(DATASET_NAMES).index(d) if d in DATASET_NAMES else 99)
+    datasets = sorted(
+        {r["dataset"] for r in results if r["kind"] == kind},
+        key=lambda d: list(DATASET_NAMES).index(d) if d in DATASET_NAMES else 99,
+    )
     lines = []
     for key, label, higher, scale in metric_list:
         rows = {m: {d: grouped[m][d].get(key, []) for d in datasets} for m in grouped}
-        lines += [f"**{label}**", ""] + _table(rows, datasets, higher, scale, ["Method"] + [dataset_name(d) for d in datasets]) + [""]
+        lines += (
+            [f"**{label}**", ""]
+            + _table(rows, datasets, higher, scale, ["Method"] + [dataset_name(d) for d in datasets])
+            + [""]
+        )
     return lines
 
 
@@ -139,7 +148,9 @@ def ood_tables(results: list[dict]) -> list[str]:
         lines += [f"AUROC (%) ↑ with the option count matched (both sides restricted to "
                   f"{', '.join(str(c) for c in sorted(counts))}-option questions), mean over the streams that have "
                   "enough such questions.", ""]
-        lines += _table(matched, columns, True, 100, ["Method"] + [c.upper() if len(c) == 2 else c for c in columns]) + [""]
+        lines += _table(
+            matched, columns, True, 100, ["Method"] + [c.upper() if len(c) == 2 else c for c in columns]
+        ) + [""]
     return lines
 
 
@@ -164,20 +175,32 @@ def training_table(results: list[dict]) -> list[str]:
         rows[group]["budget"].append(t["budget_steps"])
     if not rows:
         return []
-    lines = ["| Method | Labels | Acc (%) start → end | Confidence start → end | ECE (%) start → end | NLL start → end | "
-             "Steps run (best) of budget | Stopped by patience |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| Method | Labels | Acc (%) start → end | Confidence start → end | ECE (%) start → end | NLL start → end | "
+        "Steps run (best) of budget | Stopped by patience |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     order = {m: i for i, m in enumerate(METHODS)}
     for (method, labels), v in sorted(rows.items(), key=lambda kv: (kv[0][1] != "clean", order.get(kv[0][0], 99))):
         def pair(k: str, scale: float, digits: int) -> str:
             return f"{np.mean(v[k + '_start']) * scale:.{digits}f} → {np.mean(v[k + '_end']) * scale:.{digits}f}"
 
         budget = ", ".join(str(b) for b in sorted(set(v["budget"])))
-        lines.append(f"| {method_label(method)} | {labels} | {pair('accuracy', 100, 1)} | {pair('mean_confidence', 1, 3)} | "
-                     f"{pair('ece', 100, 1)} | {pair('nll', 1, 3)} | {np.mean(v['steps']):.0f} ({np.mean(v['best']):.0f}) "
-                     f"of {budget} | {sum(v['patience'])} of {len(v['patience'])} |")
-    return ["Validation metrics of each trained run at its start and at its end (the kept state, before post-hoc steps; "
+        lines.append(
+            f"| {method_label(method)} | {labels} | {pair('accuracy', 100, 1)} | {pair('mean_confidence', 1, 3)} | "
+            f"{pair('ece', 100, 1)} | {pair('nll', 1, 3)} | {np.mean(v['steps']):.0f} ({np.mean(v['best']):.0f}) "
+            f"of {budget} | {sum(v['patience'])} of {len(v['patience'])} |"
+        )
+    return (
+        [
+            "Validation metrics of each trained run at its start and at its end (the kept state, before post-hoc "
+            "steps; "
             "means over seeds; an ensemble's members averaged). MC-Dropout, Laplace and MAP+TS evaluate MAP's runs.",
-            ""] + lines + [""]
+            "",
+        ]
+        + lines
+        + [""]
+    )
 
 
 def sigma_table(results: list[dict]) -> list[str]:
@@ -202,24 +225,46 @@ def sigma_table(results: list[dict]) -> list[str]:
         if r["kind"] == "id" and t.get("zeta") and t.get("validation_end") and t.get("validation_after_posthoc"):
             rows[group]["zeta"].append(t["zeta"].get("zeta", 0.0))
             rows[group]["ece_moved"].append(t["validation_after_posthoc"]["ece"] - t["validation_end"]["ece"])
-    header = ["Run", "median σ", "IQR", "CV"] + [f"median σ, {dataset_name(s)}" for s in streams] + ["ζ", "validation ECE (pts) moved by ζ"]
+    header = (
+        ["Run", "median σ", "IQR", "CV"]
+        + [f"median σ, {dataset_name(s)}" for s in streams]
+        + ["ζ", "validation ECE (pts) moved by ζ"]
+    )
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for group, v in rows.items():
         cells = [f"{np.mean(v[k]):.3f}" if v.get(k) else "–" for k in ("median", "iqr", "cv", *streams)]
         cells += [f"{np.mean(v['zeta']):.2f}" if v.get("zeta") else "–",
                   f"{np.mean(v['ece_moved']) * 100:+.2f}" if v.get("ece_moved") else "–"]
         lines.append(f"| {group} | " + " | ".join(cells) + " |")
-    return ["IB-EDL's σ per question (its mean over the options) on the in-distribution test questions: median, "
-            "interquartile range and coefficient of variation; then its median on each shifted stream; means over seeds.",
-            ""] + lines + [""]
+    return (
+        [
+            "IB-EDL's σ per question (its mean over the options) on the in-distribution test questions: median, "
+            "interquartile range and coefficient of variation; then its median on each shifted stream; means over "
+            "seeds.",
+            "",
+        ]
+        + lines
+        + [""]
+    )
 
 
 def ece_bins_table(results: list[dict]) -> list[str]:
     grouped = _group(results, "id")
-    rows = {m: {f"ece_{b}": [v for d in grouped[m] for v in grouped[m][d].get(f"ece_{b}", [])] for b in (10, 15, 25, 35)}
-            for m in grouped}
-    return ["ECE (%) ↓ with 10/15/25/35 bins, averaged over in-distribution datasets and seeds.", ""] + _table(
-        rows, [f"ece_{b}" for b in (10, 15, 25, 35)], False, 100, ["Method", "10 bins", "15 bins", "25 bins", "35 bins"]) + [""]
+    rows = {
+        m: {f"ece_{b}": [v for d in grouped[m] for v in grouped[m][d].get(f"ece_{b}", [])] for b in (10, 15, 25, 35)}
+        for m in grouped
+    }
+    return (
+        ["ECE (%) ↓ with 10/15/25/35 bins, averaged over in-distribution datasets and seeds.", ""]
+        + _table(
+            rows,
+            [f"ece_{b}" for b in (10, 15, 25, 35)],
+            False,
+            100,
+            ["Method", "10 bins", "15 bins", "25 bins", "35 bins"],
+        )
+        + [""]
+    )
 
 
 def efficiency_table(results: list[dict]) -> list[str]:
@@ -244,8 +289,11 @@ def efficiency_table(results: list[dict]) -> list[str]:
     lines = ["| Method | Train samples/s | Test samples/s | Peak train memory (MiB RSS) | Peak test memory (MiB RSS) |",
              "|---|---|---|---|---|"]
     for m in methods:
-        lines.append(f"| {method_label(m)} | {cell(m, keys[0], '.2f')} | {cell(m, keys[1], '.2f')} | {cell(m, keys[2], '.0f')} | "
-                     f"{cell(m, keys[3], '.0f')} |")
+        lines.append(
+            f"| {method_label(m)} | {cell(m, keys[0], '.2f')} | {cell(m, keys[1], '.2f')} | "
+            f"{cell(m, keys[2], '.0f')} | "
+            f"{cell(m, keys[3], '.0f')} |"
+        )
     return ["Means over the grid's runs, with the ratio to MAP in brackets. MC-Dropout and Laplace reuse the MAP "
             "training run (their train columns repeat MAP's); Ens trains its members one after another; Laplace's test "
             "column leaves out its post-hoc fit (below). Runs side by side (`--jobs`) share the cores, and with "
@@ -299,7 +347,9 @@ def plots(results: list[dict], runs_root: Path, out_dir: Path) -> list[Path]:
             continue
         wanted[r["dataset"]].append(r["method"])
         trained = METHODS[r["method"]].trained_as
-        pred_path = runs_root / f"{r['dataset']}-{trained}-s{r['seed']}" / f"predictions-{r['method']}-{r['dataset']}.json"
+        pred_path = (
+            runs_root / f"{r['dataset']}-{trained}-s{r['seed']}" / f"predictions-{r['method']}-{r['dataset']}.json"
+        )
         if pred_path.is_file():  # written by ibedl.training.experiments.benchmark (Runner.evaluate)
             by_dataset[r["dataset"]][r["method"]] = json.loads(pred_path.read_text())
     for dataset, names in wanted.items():
@@ -318,8 +368,13 @@ def plots(results: list[dict], runs_root: Path, out_dir: Path) -> list[Path]:
                                              title=f"{method_label(method)} on {DATASET_NAMES.get(dataset, dataset)}"))
         path = out_dir / f"risk-coverage-{dataset}.png"
         if curves and (len(curves) == len(names) or not path.is_file()):
-            paths.append(risk_coverage_plot(curves, path,
-                                            title=f"Selective prediction on {DATASET_NAMES.get(dataset, dataset)} (score: max prob)"))
+            paths.append(
+                risk_coverage_plot(
+                    curves,
+                    path,
+                    title=f"Selective prediction on {DATASET_NAMES.get(dataset, dataset)} (score: max prob)",
+                )
+            )
         elif path.is_file():
             paths.append(path)
     return paths
@@ -333,7 +388,11 @@ def coverage_table(results: list[dict]) -> list[str]:
         seeds[(r["method"], r["kind"])].append(r["seed"])
     lines = ["| Method | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
     for m in [m for m in METHODS if any(r["method"] == m for r in results)]:
-        lines.append(f"| {method_label(m)} | " + " | ".join(", ".join(map(str, sorted(set(seeds[(m, k)])))) or "–" for k in kinds) + " |")
+        lines.append(
+            f"| {method_label(m)} | "
+            + " | ".join(", ".join(map(str, sorted(set(seeds[(m, k)])))) or "–" for k in kinds)
+            + " |"
+        )
     return ["Seeds in this file per method and experiment (a missing seed has not run yet).", ""] + lines + [""]
 
 
@@ -341,13 +400,22 @@ def write_report(results: list[dict], config: dict, path: Path, runs_root: Path 
     """Write the Markdown report (and PNGs beside it when the runs' predictions exist)."""
     path = Path(path)
     seeds = sorted({r["seed"] for r in results})
-    lines = [f"# Benchmark: {config.get('name', path.stem)}", "",
-             f"Base model `{config.get('train', {}).get('base_model', '?')}`; seeds {seeds}; "
-             f"mean ± std over seeds; best mean in bold. Command: `python -m ibedl.training.experiments.benchmark --config "
-             f"{config.get('config_path', 'benchmarks/' + config.get('name', path.stem) + '.yaml')}`.", ""]
+    lines = [
+        f"# Benchmark: {config.get('name', path.stem)}",
+        "",
+        f"Base model `{config.get('train', {}).get('base_model', '?')}`; seeds {seeds}; "
+        f"mean ± std over seeds; best mean in bold. Command: `python -m ibedl.training.experiments.benchmark --config "
+        f"{config.get('config_path', 'benchmarks/' + config.get('name', path.stem) + '.yaml')}`.",
+        "",
+    ]
     lines += ["## Runs", ""] + coverage_table(results)
     if any(r["kind"] == "id" for r in results):
-        lines += ["## In-distribution calibration", ""] + id_tables(results) + ["## ECE bin sensitivity", ""] + ece_bins_table(results)
+        lines += (
+            ["## In-distribution calibration", ""]
+            + id_tables(results)
+            + ["## ECE bin sensitivity", ""]
+            + ece_bins_table(results)
+        )
     if any(r["kind"] == "ood" for r in results):
         lines += ["## Out-of-distribution detection", ""] + ood_tables(results)
     if moved := training_table(results):

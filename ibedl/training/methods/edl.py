@@ -14,4 +14,5 @@ def edl_loss(out, y, mask, params, ctx):
     return {"loss": risk + annealing(ctx.epoch, ctx.epochs, params["kl_weight"]) * kl, "risk": risk, "kl": kl}
 
 
-METHOD = Method(name="edl", label="EDL", head="evidential", loss=edl_loss, defaults={"kl_weight": 1.0}, clip_grad_norm=20.0)
+METHOD = Method(name="edl", label="EDL", head="evidential", loss=edl_loss, defaults={"kl_weight": 1.0},
+                clip_grad_norm=20.0)

@@ -47,7 +47,9 @@ def check_params(params: dict) -> None:
             raise ValueError(f"beta_start needs beta > 0 to anneal to (log-linear), got beta {params['beta']!r}")
     constant = params["sigma_constant"]
     if constant is not None and not (_finite(constant) and constant > 0):
-        raise ValueError(f"sigma_constant must be a finite number > 0 (or null for the learned sigma), got {constant!r}")
+        raise ValueError(
+            f"sigma_constant must be a finite number > 0 (or null for the learned sigma), got {constant!r}"
+        )
     if not (_finite(params["beta_anneal"]) and 0 < params["beta_anneal"] <= 1):
         raise ValueError(f"beta_anneal must be in (0, 1], got {params['beta_anneal']!r}")
 

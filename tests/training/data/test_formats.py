@@ -253,7 +253,8 @@ def _sciq(question: str = "Q?", **changes) -> dict:
 @pytest.mark.parametrize(
     ("bad", "problem"),
     [
-        ({"question": "Q?", "distractor1": "a", "distractor2": "b", "distractor3": "c"}, "missing key 'correct_answer'"),
+        ({"question": "Q?", "distractor1": "a", "distractor2": "b", "distractor3": "c"},
+         "missing key 'correct_answer'"),
         (_sciq(question=""), "the question is empty"),
         (_sciq(distractor2=None), "'distractor2' must be a string, got null"),
     ],

@@ -119,7 +119,8 @@ def test_summarise_run_matches_option_counts():
     auroc = lambda pos, neg: roc_auc_score([1] * len(pos) + [0] * len(neg), pos + neg)  # noqa: E731
     assert out["ood/arc_easy/auroc_mp"] == pytest.approx(auroc(conf_id, conf_ood))
     assert out["ood/arc_easy/auroc_mp_matched"] == pytest.approx(auroc(conf_id, conf_ood[:12]))
-    assert out["ood/arc_easy/auroc_mp_matched"] < out["ood/arc_easy/auroc_mp"]  # the 5-option questions were easy to reject
+    # the 5-option questions were easy to reject
+    assert out["ood/arc_easy/auroc_mp_matched"] < out["ood/arc_easy/auroc_mp"]
     assert out["ood/arc_easy/auroc_um_matched"] == pytest.approx(auroc([-0.1, -0.3, -0.05] * 4, [-0.2, -0.5] * 6))
     assert out["ood/arc_easy/matched_options"] == 4 and out["ood/arc_easy/matched_n"] == 12
 

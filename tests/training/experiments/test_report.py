@@ -157,7 +157,10 @@ def test_report_shows_training_start_and_end_and_ib_edl_sigma(tmp_path):
     text = path.read_text()
     moved = text.split("## Training: validation at the start and the end")[1].split("##")[0]
     # mean over seeds 0 and 1: accuracy 70% and 80% at the end
-    assert "| IB-EDL | clean | 50.0 → 75.0 | 0.600 → 0.750 | 20.0 → 5.0 | 1.000 → 0.700 | 40 (30) of 100 | 1 of 2 |" in moved
+    assert (
+        "| IB-EDL | clean | 50.0 → 75.0 | 0.600 → 0.750 | 20.0 → 5.0 | 1.000 → 0.700 | 40 (30) of 100 | 1 of 2 |"
+        in moved
+    )
     sigma = text.split("## IB-EDL's σ")[1].split("##")[0]
     assert "| IB-EDL (id) | 0.700 | 0.300 | 0.400 | – | 0.50 | -1.00 |" in sigma
     assert "| IB-EDL (ood) | 0.700 | 0.300 | 0.400 | 1.500 | – | – |" in sigma
