@@ -30,14 +30,15 @@ def limits_for(limits: dict, dataset: str) -> dict:
 VARIANTS = ("no_context",)
 
 
-def load_eval_set(spec: str, limit: int | None, seed: int = 0) -> list:
-    """Test questions of ``name`` or ``name:no_context`` (the same questions without their passage or article)."""
+def load_eval_set(spec: str, limit: int | None, seed: int = 0, split: str = "test") -> list:
+    """Questions of ``name`` or ``name:no_context`` (the same questions without their passage or article) from
+    ``split`` (test by default)."""
     from ibedl.training.data import load_dataset
 
     name, _, variant = spec.partition(":")
     if variant and variant not in VARIANTS:
         raise ValueError(f"unknown dataset variant {variant!r} in {spec!r}; known: {', '.join(VARIANTS)}")
-    questions = load_dataset(name, "test", limit=limit, seed=seed)
+    questions = load_dataset(name, split, limit=limit, seed=seed)
     return [dataclasses.replace(q, context=None) for q in questions] if variant == "no_context" else questions
 
 
