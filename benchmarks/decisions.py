@@ -42,7 +42,7 @@ import numpy as np
 from benchmarks.common import write_result
 from ibedl.core.artifact import read_manifest
 from ibedl.core.conformal import SCORES, conformal_quantile, label_scores, prediction_set
-from ibedl.serve.abstention import decide
+from ibedl.engine.abstention import decide
 from ibedl.training import metrics
 from ibedl.training.calibrate import CalibrationConfig, calibrate_outputs, posthoc_outputs, weights_sha256
 from ibedl.training.risk_control import control_accuracy

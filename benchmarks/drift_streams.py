@@ -5,7 +5,7 @@
 
 Each stream is a window of questions answered by the adapter (the same predictor the service uses); its u
 values are compared with the validation reference sample in the manifest exactly as the service's drift
-monitor does (ibedl.serve.drift: KS statistic, PSI, alarm threshold = the (1 - alarm rate) quantile of KS between
+monitor does (ibedl.engine.drift: KS statistic, PSI, alarm threshold = the (1 - alarm rate) quantile of KS between
 bootstrap resamples of the reference at the window size). Streams:
 
   sciq_test_with_passage     SciQ test questions with their support passage (in distribution, unseen)
@@ -25,7 +25,7 @@ import numpy as np
 
 from benchmarks.common import write_result
 from ibedl.core.predictor import Predictor
-from ibedl.serve.drift import bootstrap_threshold, ks_statistic, psi
+from ibedl.engine.drift import bootstrap_threshold, ks_statistic, psi
 from ibedl.training.data import load_dataset
 
 

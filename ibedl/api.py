@@ -5,8 +5,8 @@
     model = ibedl.load("artifacts/default")          # or several: ibedl.load("artifacts/default", "artifacts/map")
     model.predict([{"question": "...", "options": ["...", "..."]}])   # -> list[PredictResponse]
 
-The records are the service's (``ibedl.serve.schemas.PredictResponse``), checked and built by the same functions
-(``ibedl.serve.requests.to_question``, ``ibedl.serve.responses.build_answer``); the limits are the service settings'
+The records are the service's (``ibedl.engine.schemas.PredictResponse``), checked and built by the same functions
+(``ibedl.engine.requests.to_question``, ``ibedl.engine.responses.build_answer``); the limits are the service settings'
 (``IBEDL_*`` environment variables, or keyword arguments of :func:`load`). FastAPI is not imported.
 """
 
@@ -19,10 +19,10 @@ from pathlib import Path
 
 from ibedl.core.prompt import MCQuestion
 from ibedl.serve.errors import ApiError
-from ibedl.serve.requests import to_question
-from ibedl.serve.responses import build_answer, model_card
-from ibedl.serve.runtime import AdapterRuntime, finite_prediction, load_predictors, make_runtimes
-from ibedl.serve.schemas import PredictRequest, PredictResponse
+from ibedl.engine.requests import to_question
+from ibedl.engine.responses import build_answer, model_card
+from ibedl.engine.runtime import AdapterRuntime, finite_prediction, load_predictors, make_runtimes
+from ibedl.engine.schemas import PredictRequest, PredictResponse
 from ibedl.serve.settings import Settings
 
 __all__ = ["load", "Model", "Checked", "ApiError", "PredictResponse"]

@@ -198,7 +198,7 @@ class TestApiReference:
     def test_every_field_is_documented(self):
         from pydantic import BaseModel
 
-        import ibedl.serve.schemas as schemas
+        import ibedl.engine.schemas as schemas
 
         text = page("api.md")
         missing = []

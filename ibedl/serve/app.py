@@ -13,7 +13,7 @@ from ibedl.serve.errors import error_body, install_handlers
 from ibedl.serve.middleware import RequestGuard
 from ibedl.serve.routes import router
 from ibedl.serve.settings import Settings
-from ibedl.serve.runtime import load_predictors
+from ibedl.engine.runtime import load_predictors
 from ibedl.serve.state import Loader, ServiceState, load_predictor
 
 

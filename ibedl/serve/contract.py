@@ -10,8 +10,8 @@ from fastapi import FastAPI
 
 from ibedl.core.conformal import alpha_key
 from ibedl.core.prompt import LETTERS
-from ibedl.serve.requests import NOT_BLANK, max_options
-from ibedl.serve.schemas import ErrorResponse
+from ibedl.engine.requests import NOT_BLANK, max_options
+from ibedl.engine.schemas import ErrorResponse
 from ibedl.serve.state import ServiceState
 
 RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying",

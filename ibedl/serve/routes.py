@@ -12,9 +12,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ibedl.serve.contract import API_ERRORS, DRIFT_ERRORS, PREDICT_ERRORS, PREDICT_EXTRA
 from ibedl.serve.errors import ApiError
-from ibedl.serve.requests import to_question
-from ibedl.serve.responses import model_card
-from ibedl.serve.schemas import (
+from ibedl.engine.requests import to_question
+from ibedl.engine.responses import model_card
+from ibedl.engine.schemas import (
     BatchRequest,
     BatchResponse,
     DriftStatus,

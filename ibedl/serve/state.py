@@ -19,12 +19,12 @@ from ibedl.core.predictor import Prediction, Predictor, count_prompt_tokens
 from ibedl.core.prompt import MCQuestion
 from ibedl.serve.batcher import DeadlineExceeded, MicroBatcher, Overloaded, QueueFullError, ShuttingDown, TooLarge
 from ibedl.serve.capacity import ServiceTime
-from ibedl.serve.drift import AccuracyEstimate, DriftMonitor
+from ibedl.engine.drift import AccuracyEstimate, DriftMonitor
 from ibedl.serve.errors import ApiError
 from ibedl.serve.metrics import Metrics
-from ibedl.serve.responses import build_answer
-from ibedl.serve.runtime import AdapterRuntime, finite_prediction, load_predictors, make_runtimes
-from ibedl.serve.schemas import DriftStatus, Health, PredictRequest, PredictResponse
+from ibedl.engine.responses import build_answer
+from ibedl.engine.runtime import AdapterRuntime, finite_prediction, load_predictors, make_runtimes
+from ibedl.engine.schemas import DriftStatus, Health, PredictRequest, PredictResponse
 from ibedl.serve.settings import Settings
 
 log = logging.getLogger("ibedl.serve")
@@ -290,7 +290,7 @@ class ServiceState:
 
     def respond(self, runtime: AdapterRuntime, req: PredictRequest, q: MCQuestion, pred: Prediction,
                 answer_id: str) -> PredictResponse:
-        """The answer (built by :func:`ibedl.serve.responses.build_answer`, as the Python API builds it), recorded
+        """The answer (built by :func:`ibedl.engine.responses.build_answer`, as the Python API builds it), recorded
         in the adapter's metrics, drift window and accuracy estimate."""
         answer = build_answer(runtime, req, q, pred, answer_id)
         m, name = self.metrics, runtime.name

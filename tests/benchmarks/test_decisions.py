@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks.decisions import SHIFTED, main
 from ibedl.core.artifact import read_manifest, write_manifest
-from ibedl.serve.abstention import decide
+from ibedl.engine.abstention import decide
 from ibedl.training.calibrate import CalibrationConfig, calibrate_outputs, save_outputs
 
 

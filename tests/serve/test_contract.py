@@ -7,7 +7,7 @@ import threading
 import jsonschema_rs
 import pytest
 
-from ibedl.serve.requests import NOT_BLANK
+from ibedl.engine.requests import NOT_BLANK
 from tests.serve.test_app import Q
 
 STORED_ALPHAS = [0.01, 0.02, 0.05, 0.1, 0.2]  # what ibedl.training.calibrate stores on the tiny artifact

@@ -1,6 +1,6 @@
 import sys
 
-from ibedl.serve.requests import blank
+from ibedl.engine.requests import blank
 
 
 def test_blank_means_whitespace_only():

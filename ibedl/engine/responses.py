@@ -7,10 +7,10 @@ from __future__ import annotations
 from ibedl.core.conformal import prediction_set
 from ibedl.core.predictor import Prediction
 from ibedl.core.prompt import LETTERS, MCQuestion
-from ibedl.serve import abstention
-from ibedl.serve.requests import conformal_quantile, max_options
-from ibedl.serve.runtime import AdapterRuntime
-from ibedl.serve.schemas import PredictedOption, PredictRequest, PredictResponse
+from ibedl.engine import abstention
+from ibedl.engine.requests import conformal_quantile, max_options
+from ibedl.engine.runtime import AdapterRuntime
+from ibedl.engine.schemas import PredictedOption, PredictRequest, PredictResponse
 from ibedl.serve.settings import Settings
 
 

@@ -27,8 +27,8 @@ class AdapterRuntime:
     conformal: Conformal | None  # stored conformal quantiles (None: never calibrated)
     ref: dict  # the "adapter" field of every answer: name, method, version
     count_tokenizer: object  # a copy for counting tokens off the model's thread (the model's thread owns the original)
-    drift: object | None = None  # ibedl.serve.drift.DriftMonitor, service only
-    accuracy: object | None = None  # ibedl.serve.drift.AccuracyEstimate, service only
+    drift: object | None = None  # ibedl.engine.drift.DriftMonitor, service only
+    accuracy: object | None = None  # ibedl.engine.drift.AccuracyEstimate, service only
 
     @property
     def drift_statistic(self) -> str:

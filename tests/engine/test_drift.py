@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 from scipy.stats import ks_2samp
 
-from ibedl.serve.drift import DriftMonitor, ks_statistic, psi
+from ibedl.engine.drift import DriftMonitor, ks_statistic, psi
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

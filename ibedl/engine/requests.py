@@ -9,8 +9,8 @@ from ibedl.core.artifact import Conformal
 from ibedl.core.predictor import count_prompt_tokens
 from ibedl.core.prompt import LETTERS, MCQuestion
 from ibedl.serve.errors import ApiError
-from ibedl.serve.runtime import AdapterRuntime
-from ibedl.serve.schemas import PredictRequest
+from ibedl.engine.runtime import AdapterRuntime
+from ibedl.engine.schemas import PredictRequest
 from ibedl.serve.settings import Settings
 
 # The characters str.isspace() calls whitespace, spelled out: Python's, ECMA's and Rust's \s each differ, and the
