@@ -4,9 +4,10 @@
     model = ibedl.load("artifacts/default")          # or several: ibedl.load("artifacts/default", "artifacts/map")
     model.predict([{"question": "...", "options": ["...", "..."]}])   # -> list[PredictResponse]
 
-The package: ``ibedl.core`` (the shared core), ``ibedl.training``, ``ibedl.serve`` (the HTTP service),
-``ibedl.api`` (the Python API above) and ``ibedl.batch`` (its JSONL command). The API's names are imported from
-``ibedl.api`` on first use (PEP 562), so ``import ibedl.core.head`` imports neither the API nor the service.
+The package: ``ibedl.core`` (the shared core), ``ibedl.training``, ``ibedl.engine`` (what both front doors share:
+adapters, request checks, answers), ``ibedl.serve`` (the HTTP service), ``ibedl.api`` (the Python API above) and
+``ibedl.batch`` (its JSONL command). The API's names are imported from ``ibedl.api`` on first use (PEP 562), so
+``import ibedl.core.head`` imports neither the API nor the service.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-__all__ = ["load", "Model", "Checked", "ApiError", "PredictResponse"]
+__all__ = ["load", "Model", "Checked", "EngineError", "PredictResponse"]
 
 if TYPE_CHECKING:
-    from ibedl.api import ApiError, Checked, Model, PredictResponse, load
+    from ibedl.api import Checked, EngineError, Model, PredictResponse, load
 
 
 def __getattr__(name: str):

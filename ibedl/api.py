@@ -1,13 +1,17 @@
 """The Python API: score multiple-choice questions in a notebook or a batch job, without the HTTP server
-(``import ibedl`` re-exports ``load``, ``Model``, ``Checked``, ``ApiError`` and ``PredictResponse`` from here).
+(``import ibedl`` re-exports ``load``, ``Model``, ``Checked``, ``EngineError`` and ``PredictResponse`` from here).
 
     import ibedl
     model = ibedl.load("artifacts/default")          # or several: ibedl.load("artifacts/default", "artifacts/map")
     model.predict([{"question": "...", "options": ["...", "..."]}])   # -> list[PredictResponse]
 
-The records are the service's (``ibedl.engine.schemas.PredictResponse``), checked and built by the same functions
-(``ibedl.engine.requests.to_question``, ``ibedl.engine.responses.build_answer``); the limits are the service settings'
-(``IBEDL_*`` environment variables, or keyword arguments of :func:`load`). FastAPI is not imported.
+The API is the engine's second front door (the HTTP service, ``ibedl.serve``, is the first): the records are the
+service's (``ibedl.engine.schemas.PredictResponse``), checked and built by the same engine functions
+(``ibedl.engine.requests.to_question``, ``ibedl.engine.responses.build_answer``); the limits are the engine's
+settings (``ibedl.engine.settings.EngineSettings``: ``IBEDL_*`` environment variables, or keyword arguments of
+:func:`load`). What it refuses raises the engine's exceptions (``ibedl.engine.errors``: ``EngineError`` and its
+subclasses, with ``type``, ``message``, ``field``; no HTTP status). Nothing here imports ``ibedl.serve`` or a web
+framework.
 """
 
 from __future__ import annotations
@@ -18,14 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ibedl.core.prompt import MCQuestion
-from ibedl.serve.errors import ApiError
+from ibedl.engine.errors import EngineError, ModelError
 from ibedl.engine.requests import to_question
 from ibedl.engine.responses import build_answer, model_card
-from ibedl.engine.runtime import AdapterRuntime, finite_prediction, load_predictors, make_runtimes
+from ibedl.engine.runtime import AdapterRuntime, find_adapter, finite_prediction, load_predictors, make_runtimes
 from ibedl.engine.schemas import PredictRequest, PredictResponse
-from ibedl.serve.settings import Settings
+from ibedl.engine.settings import EngineSettings
 
-__all__ = ["load", "Model", "Checked", "ApiError", "PredictResponse"]
+__all__ = ["load", "Model", "Checked", "EngineError", "PredictResponse"]
 
 
 @dataclass
@@ -40,7 +44,7 @@ class Checked:
 class Model:
     """Served adapters on one base model, answering like ``POST /predict`` (without metrics or drift)."""
 
-    def __init__(self, runtimes: dict[str, AdapterRuntime], settings: Settings) -> None:
+    def __init__(self, runtimes: dict[str, AdapterRuntime], settings: EngineSettings) -> None:
         self.runtimes = runtimes
         self.settings = settings
         # One forward pass at a time: adapters share one base (PEFT switches the active adapter per pass) and
@@ -66,15 +70,19 @@ class Model:
             batch_size: questions per forward pass (default ``IBEDL_MAX_BATCH_SIZE``).
 
         Raises:
-            ApiError: a question the service would refuse (``status``, ``type``, ``field`` as in its error body;
-                ``field`` starts with ``items.<i>.``), or non-finite model outputs.
+            ibedl.engine.errors.InvalidRequest: a question the service would refuse with 422 (``type``,
+                ``message``, ``field`` as in its error body; ``field`` starts with ``items.<i>.``); its subclass
+                UnknownAdapter for an adapter that is not loaded.
+            ibedl.engine.errors.TooLarge: a question over a limit (the service's 413).
+            ibedl.engine.errors.ModelError: non-finite model outputs (the service's 503 ``model_error``).
+            (All three are ``ibedl.EngineError``s.)
             pydantic.ValidationError: a dict that is not a valid request body.
         """
         return self.answer([self.check(q, f"items.{i}.", adapter) for i, q in enumerate(questions)], batch_size)
 
     def check(self, question: dict | PredictRequest | MCQuestion, prefix: str = "",
               adapter: str | None = None) -> Checked:
-        """A question checked as the service checks it (``ApiError`` or ``pydantic.ValidationError`` if not)."""
+        """A question checked as the service checks it (``EngineError`` or ``pydantic.ValidationError`` if not)."""
         req = self._request(question)
         runtime = self._runtime(req.adapter or adapter, prefix + "adapter")
         q, _ = to_question(runtime, self.settings, req, prefix)
@@ -97,7 +105,7 @@ class Model:
                     preds = runtime.predict([checked[i].question for i in chunk])
                 broken = [i for i, p in zip(chunk, preds) if not finite_prediction(p)]
                 if broken:
-                    raise ApiError(503, "model_error", f"the model produced non-finite numbers for items {broken}")
+                    raise ModelError(f"the model produced non-finite numbers for items {broken}")
                 for i, pred in zip(chunk, preds):
                     answers[i] = build_answer(runtime, checked[i].request, checked[i].question, pred, ids[i])
         return answers  # type: ignore[return-value]
@@ -110,21 +118,17 @@ class Model:
         return PredictRequest.model_validate(q)
 
     def _runtime(self, name: str | None, field: str) -> AdapterRuntime:
-        if name is None:
-            return next(iter(self.runtimes.values()))
-        if name not in self.runtimes:
-            raise ApiError(422, "invalid_request", f"no adapter {name!r} is loaded; choose one of "
-                           f"{list(self.runtimes)}", field)
-        return self.runtimes[name]
+        return find_adapter(self.runtimes, name, field, where="loaded")
 
 
 def load(*artifacts: str | Path, **settings) -> Model:
     """Load one or several adapter directories on one shared base model (the first is the default).
 
-    ``settings``: service settings (``device``, ``max_tokens``, ``threads``, ...; ``IBEDL_*`` variables fill the
-    rest). Refused like the service refuses them: adapters of different base models, two of one name, NaN
-    weights."""
+    ``settings``: engine settings (:class:`ibedl.engine.settings.EngineSettings`: ``device``, ``max_tokens``,
+    ``threads``, ``max_batch_size``, ``backend``, ...; ``IBEDL_*`` variables fill the rest); a name that is not one
+    (an HTTP setting such as ``api_token``) raises ``pydantic.ValidationError``. Refused like the service refuses
+    them: adapters of different base models, two of one name, NaN weights."""
     if not artifacts:
         raise ValueError("ibedl.load needs at least one artifact directory")
-    config = Settings(**{**settings, "artifacts": [Path(a) for a in artifacts]})
+    config = EngineSettings(**{**settings, "artifacts": [Path(a) for a in artifacts]})
     return Model(make_runtimes(load_predictors(config), config), config)

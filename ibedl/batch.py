@@ -21,7 +21,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from ibedl.api import Checked, Model, load
-from ibedl.serve.errors import ApiError, error_body
+from ibedl.engine.errors import EngineError, error_body
 
 
 def error_record(line: int, type_: str, message: str, field: str | None = None) -> dict:
@@ -52,7 +52,7 @@ def check_line(model: Model, line: int, text: str | UnicodeDecodeError, adapter:
         first = e.errors()[0]
         field = ".".join(str(p) for p in first.get("loc", ())) or None
         return error_record(line, "invalid_request", f"line {line}: {first['msg']}", field)
-    except ApiError as e:
+    except EngineError as e:
         return error_record(line, e.type, f"line {line}: {e.message}", e.field)
 
 
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m ibedl.batch", description="Score a JSONL file of POST /predict bodies into a JSONL file of "
         "the service's answers (bad lines become error records with their line number).",
-        epilog="Service settings (IBEDL_MAX_TOKENS, IBEDL_DEVICE, IBEDL_THREADS, ...) apply as in the service: see "
+        epilog="Engine settings (IBEDL_MAX_TOKENS, IBEDL_DEVICE, IBEDL_THREADS, ...) apply as in the service: see "
         "python -m ibedl.serve --help.")
     parser.add_argument("--artifact", action="append", required=True,
                         help="adapter directory; repeat for several adapters on one base model (the first is the "
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             tqdm(total=total, unit="q", disable=args.no_progress, file=sys.stderr) as bar:
         try:
             answered, refused = score(model, decoded(src), out, args.batch_size, args.adapter, bar)
-        except ApiError as e:  # non-finite model outputs: the model is broken, not the line
+        except EngineError as e:  # non-finite model outputs: the model is broken, not the line
             print(f"error: {e.message}; what was scored is in {partial}", file=sys.stderr)
             return 1
         os.fsync(out.fileno())

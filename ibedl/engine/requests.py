@@ -1,5 +1,6 @@
 """Checking a request before the model sees it: limits, option letters, the prompt's token count and the
-conformal set asked for. Every refusal is an ApiError (422 invalid, 413 too large) naming the field."""
+conformal set asked for. Every refusal is an InvalidRequest or a TooLarge (ibedl.engine.errors) naming the
+field."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import re
 from ibedl.core.artifact import Conformal
 from ibedl.core.predictor import count_prompt_tokens
 from ibedl.core.prompt import LETTERS, MCQuestion
-from ibedl.serve.errors import ApiError
+from ibedl.engine.errors import InvalidRequest, TooLarge
 from ibedl.engine.runtime import AdapterRuntime
 from ibedl.engine.schemas import PredictRequest
-from ibedl.serve.settings import Settings
+from ibedl.engine.settings import EngineSettings
 
 # The characters str.isspace() calls whitespace, spelled out: Python's, ECMA's and Rust's \s each differ, and the
 # OpenAPI schema carries NOT_BLANK as a pattern that every client and validator must read the same way.
@@ -24,13 +25,13 @@ def blank(text: str) -> bool:
     return _NOT_BLANK.search(text) is None
 
 
-def max_options(settings: Settings, runtime: AdapterRuntime | None) -> int:
+def max_options(settings: EngineSettings, runtime: AdapterRuntime | None) -> int:
     """The most options a question may have: ``IBEDL_MAX_OPTIONS``, or fewer when the adapter's head has fewer
     rows (``runtime`` None: not loaded yet)."""
     return min(settings.max_options, runtime.predictor.num_rows if runtime else settings.max_options)
 
 
-def to_question(runtime: AdapterRuntime, settings: Settings, req: PredictRequest,
+def to_question(runtime: AdapterRuntime, settings: EngineSettings, req: PredictRequest,
                 prefix: str = "") -> tuple[MCQuestion, int]:
     """Check limits and convert for the adapter ``runtime``; ``prefix`` locates the item in a batch
     (``items.3.``). Returns the question and its prompt's token count."""
@@ -39,38 +40,33 @@ def to_question(runtime: AdapterRuntime, settings: Settings, req: PredictRequest
         keys = list(req.options)
         expected = list(LETTERS[: len(keys)])
         if sorted(keys) != expected:
-            raise ApiError(422, "invalid_request", f"option letters must be consecutive from A, got {keys}",
-                           prefix + "options")
+            raise InvalidRequest(f"option letters must be consecutive from A, got {keys}", prefix + "options")
         options = [req.options[k] for k in expected]
     else:
         options = list(req.options)
     limit = max_options(settings, runtime)
     if not 2 <= len(options) <= limit:
-        raise ApiError(422, "invalid_request", f"a question needs 2..{limit} options, got {len(options)}",
-                       prefix + "options")
+        raise InvalidRequest(f"a question needs 2..{limit} options, got {len(options)}", prefix + "options")
     if blank(req.question):
-        raise ApiError(422, "invalid_request", "question must not be blank", prefix + "question")
+        raise InvalidRequest("question must not be blank", prefix + "question")
     if len(req.question) > s.max_question_chars:
-        raise ApiError(413, "too_large",
-                       f"question is {len(req.question)} characters; the limit is {s.max_question_chars}",
+        raise TooLarge(f"question is {len(req.question)} characters; the limit is {s.max_question_chars}",
                        prefix + "question")
     for i, text in enumerate(options):
         if blank(text):
-            raise ApiError(422, "invalid_request", f"option {LETTERS[i]} must not be blank", f"{prefix}options.{i}")
+            raise InvalidRequest(f"option {LETTERS[i]} must not be blank", f"{prefix}options.{i}")
         if len(text) > s.max_option_chars:
-            raise ApiError(413, "too_large",
-                           f"option {LETTERS[i]} is {len(text)} characters; the limit is {s.max_option_chars}",
+            raise TooLarge(f"option {LETTERS[i]} is {len(text)} characters; the limit is {s.max_option_chars}",
                            f"{prefix}options.{i}")
     if req.context is not None and len(req.context) > s.max_context_chars:
-        raise ApiError(413, "too_large",
-                       f"context is {len(req.context)} characters; the limit is {s.max_context_chars}",
+        raise TooLarge(f"context is {len(req.context)} characters; the limit is {s.max_context_chars}",
                        prefix + "context")
     if req.conformal is not None:
         conformal_quantile(runtime.conformal, req, prefix)  # an alpha or score not stored is the client's error: 422
     q = MCQuestion(req.question, tuple(options), req.context or None, id=req.id)
     tokens = count_tokens(runtime, q)
     if tokens > s.max_tokens:
-        raise ApiError(413, "too_large", f"the prompt is {tokens} tokens after formatting; the limit is {s.max_tokens}",
+        raise TooLarge(f"the prompt is {tokens} tokens after formatting; the limit is {s.max_tokens}",
                        prefix + ("context" if q.context else "question"))
     return q, tokens
 
@@ -81,8 +77,8 @@ def conformal_quantile(conformal: Conformal | None, req: PredictRequest,
     opts = req.conformal
     if conformal is None:
         if opts is not None and (opts.alpha is not None or opts.score is not None):
-            raise ApiError(422, "invalid_request", "this adapter has no conformal calibration; run "
-                           "python -m ibedl.training.calibrate on it to get prediction sets", prefix + "conformal")
+            raise InvalidRequest("this adapter has no conformal calibration; run python -m "
+                                 "ibedl.training.calibrate on it to get prediction sets", prefix + "conformal")
         return None
     alpha = opts.alpha if opts and opts.alpha is not None else conformal.alpha
     score = opts.score if opts and opts.score is not None else conformal.score
@@ -91,9 +87,9 @@ def conformal_quantile(conformal: Conformal | None, req: PredictRequest,
             raise KeyError(alpha)
         return conformal.quantile(alpha, score), alpha, score
     except (KeyError, ValueError):
-        raise ApiError(422, "invalid_request", f"no stored prediction set for alpha {alpha} and score {score!r}; "
-                       f"stored alphas: {conformal.alphas()}, scores: {sorted(conformal.quantiles)}",
-                       prefix + "conformal") from None
+        raise InvalidRequest(f"no stored prediction set for alpha {alpha} and score {score!r}; "
+                             f"stored alphas: {conformal.alphas()}, scores: {sorted(conformal.quantiles)}",
+                             prefix + "conformal") from None
 
 
 def count_tokens(runtime: AdapterRuntime, q: MCQuestion) -> int:

@@ -11,7 +11,7 @@ from ibedl.engine import abstention
 from ibedl.engine.requests import conformal_quantile, max_options
 from ibedl.engine.runtime import AdapterRuntime
 from ibedl.engine.schemas import PredictedOption, PredictRequest, PredictResponse
-from ibedl.serve.settings import Settings
+from ibedl.engine.settings import EngineSettings
 
 
 def r6(value) -> float:
@@ -51,7 +51,7 @@ def build_answer(runtime: AdapterRuntime, req: PredictRequest, q: MCQuestion, pr
     )
 
 
-def model_card(runtime: AdapterRuntime, settings: Settings) -> dict:
+def model_card(runtime: AdapterRuntime, settings: EngineSettings) -> dict:
     """What /v1/models says of a served adapter."""
     m, c = runtime.predictor.manifest, runtime.conformal
     head = m.head_config()

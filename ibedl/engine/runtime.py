@@ -12,7 +12,8 @@ import torch
 
 from ibedl.core.artifact import Abstention, Conformal
 from ibedl.core.predictor import Prediction, Predictor
-from ibedl.serve.settings import Settings
+from ibedl.engine.errors import UnknownAdapter
+from ibedl.engine.settings import EngineSettings
 
 
 @dataclass
@@ -47,7 +48,7 @@ class AdapterRuntime:
         return self.predictor.predict(questions, truncate_context=False)
 
 
-def load_predictors(settings: Settings) -> list[Predictor]:
+def load_predictors(settings: EngineSettings) -> list[Predictor]:
     """The default loader: the base model once, with the adapter of every artifact of ``settings`` on it."""
     if settings.threads:
         torch.set_num_threads(settings.threads)
@@ -61,7 +62,7 @@ def load_predictors(settings: Settings) -> list[Predictor]:
     )
 
 
-def make_runtimes(predictors: list[Predictor], settings: Settings) -> dict[str, AdapterRuntime]:
+def make_runtimes(predictors: list[Predictor], settings: EngineSettings) -> dict[str, AdapterRuntime]:
     """One runtime per predictor, by adapter name (in order: the first is the default). Refuses predictors
     without a manifest, two adapters of one name, and weights that hold NaN or inf."""
     if not predictors:
@@ -91,6 +92,18 @@ def make_runtimes(predictors: list[Predictor], settings: Settings) -> dict[str, 
             count_tokenizer=count_tokenizer,
         )
     return runtimes
+
+
+def find_adapter(runtimes: dict[str, AdapterRuntime], name: str | None, field: str = "adapter",
+                 where: str = "served") -> AdapterRuntime:
+    """The adapter called ``name`` among ``runtimes`` (None: the default, the first); UnknownAdapter naming the
+    ones there otherwise (``where``: how the message calls them, "served" or "loaded"). The one adapter lookup of
+    the service and the Python API."""
+    if name is None:
+        return next(iter(runtimes.values()))
+    if name not in runtimes:
+        raise UnknownAdapter(f"no adapter {name!r} is {where}; choose one of {list(runtimes)}", field)
+    return runtimes[name]
 
 
 def finite_prediction(p: Prediction) -> bool:

@@ -8,12 +8,12 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from ibedl.engine.runtime import load_predictors
 from ibedl.serve import contract, docs_ui
 from ibedl.serve.errors import error_body, install_handlers
 from ibedl.serve.middleware import RequestGuard
 from ibedl.serve.routes import router
 from ibedl.serve.settings import Settings
-from ibedl.engine.runtime import load_predictors
 from ibedl.serve.state import Loader, ServiceState, load_predictor
 
 

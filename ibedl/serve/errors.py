@@ -1,35 +1,46 @@
-"""One error shape for every failure: ``{"error": {"type", "message", "field"}}``, and its handlers. FastAPI is
-imported by the handlers only: the Python API (``ibedl``) raises the same ApiError without it."""
+"""One error shape for every failure: ``{"error": {"type", "message", "field"}}``, and its handlers. The engine's
+refusals (``ibedl.engine.errors``) carry no HTTP status: :data:`STATUS` is the one place that gives each its
+status code, and the ``EngineError`` handler the one place that answers them."""
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from fastapi import FastAPI
-    from fastapi.responses import JSONResponse
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ibedl.engine.errors import EngineError, error_body
 
 log = logging.getLogger("ibedl.serve")
 
+# The status of each engine error type (an EngineError's ``type``; a type not here is a bug: 500).
+STATUS = {
+    "invalid_request": 422,
+    "too_large": 413,
+    "model_error": 503,
+    "not_ready": 503,
+    "overloaded": 503,
+    "shutting_down": 503,
+    "timeout": 504,
+    "client_closed_request": 499,
+}
 
-class ApiError(Exception):
-    """An error answered to the client as-is (the Python API raises it too: ``status``, ``type``, ``message``,
-    ``field``)."""
 
-    def __init__(self, status: int, type_: str, message: str, field: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.type, self.message, self.field, self.headers = status, type_, message, field, headers or {}
+def status_of(exc: EngineError) -> int:
+    """The HTTP status an engine error is answered with."""
+    return STATUS.get(exc.type, 500)
 
 
-def error_body(type_: str, message: str, field: str | None = None) -> dict:
-    return {"error": {"type": type_, "message": message, "field": field}}
+def engine_error_response(exc: EngineError) -> JSONResponse:
+    """The answer to an engine error: its status, its body, and ``Retry-After`` when it says when to retry."""
+    headers = None if exc.retry_after is None else {"Retry-After": str(exc.retry_after)}
+    return error_response(status_of(exc), exc.type, exc.message, exc.field, headers)
 
 
 def error_response(status: int, type_: str, message: str, field: str | None = None,
                    headers: dict | None = None) -> JSONResponse:
-    from fastapi.responses import JSONResponse
-
     return JSONResponse(error_body(type_, message, field), status_code=status, headers=headers)
 
 
@@ -39,13 +50,9 @@ def _field(loc) -> str | None:
 
 
 def install_handlers(app: FastAPI) -> None:
-    from fastapi import Request
-    from fastapi.exceptions import RequestValidationError
-    from starlette.exceptions import HTTPException as StarletteHTTPException
-
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, exc: ApiError):
-        return error_response(exc.status, exc.type, exc.message, exc.field, exc.headers)
+    @app.exception_handler(EngineError)
+    async def engine_error(request: Request, exc: EngineError):
+        return engine_error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):

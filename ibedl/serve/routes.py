@@ -10,8 +10,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ibedl.engine.errors import InvalidRequest, TooLarge
 from ibedl.serve.contract import API_ERRORS, DRIFT_ERRORS, PREDICT_ERRORS, PREDICT_EXTRA
-from ibedl.serve.errors import ApiError
 from ibedl.engine.requests import to_question
 from ibedl.engine.responses import model_card
 from ibedl.engine.schemas import (
@@ -46,7 +46,7 @@ async def predict(body: PredictRequest, request: Request, state: State) -> Predi
     state.require_ready(request)
     runtime = state.runtime(body.adapter)
     request.state.adapter = runtime.name  # for the access log line
-    q, tokens = to_question(runtime, state.settings, body)
+    q, tokens = to_question(runtime, state.engine, body)
     (pred,) = await state.answer(runtime, [q], [tokens], request)
     return state.respond(runtime, body, q, pred, request.state.request_id)
 
@@ -57,19 +57,19 @@ async def predict_batch(body: BatchRequest, request: Request, state: State) -> B
     state.require_ready(request)
     limit = state.settings.max_batch_items
     if len(body.items) > limit:
-        raise ApiError(413, "too_large", f"{len(body.items)} items; the limit is {limit}", "items")
+        raise TooLarge(f"{len(body.items)} items; the limit is {limit}", "items")
     runtimes = [state.runtime(item.adapter, f"items.{i}.adapter") for i, item in enumerate(body.items)]
     if len({rt.name for rt in runtimes}) > 1:
-        raise ApiError(422, "invalid_request", "the items of one batch must use one adapter, got "
-                       f"{sorted({rt.name for rt in runtimes})}; send one batch per adapter", "items")
+        raise InvalidRequest("the items of one batch must use one adapter, got "
+                             f"{sorted({rt.name for rt in runtimes})}; send one batch per adapter", "items")
     runtime = runtimes[0]
     request.state.adapter = runtime.name
-    checked = [to_question(runtime, state.settings, item, f"items.{i}.") for i, item in enumerate(body.items)]
+    checked = [to_question(runtime, state.engine, item, f"items.{i}.") for i, item in enumerate(body.items)]
     questions, tokens = [q for q, _ in checked], [n for _, n in checked]
     budget = state.settings.max_request_tokens
     if sum(tokens) > budget:
-        raise ApiError(413, "too_large", f"the items' prompts are {sum(tokens)} tokens in all; the limit per request "
-                       f"is {budget}: send them in smaller batches", "items")
+        raise TooLarge(f"the items' prompts are {sum(tokens)} tokens in all; the limit per request is {budget}: "
+                       "send them in smaller batches", "items")
     preds = await state.answer(runtime, questions, tokens, request)
     rid = request.state.request_id
     return BatchResponse(results=[state.respond(runtime, item, q, p, f"{rid}-{i}") for i, (item, q, p) in
@@ -79,7 +79,7 @@ async def predict_batch(body: BatchRequest, request: Request, state: State) -> B
 @router.get("/v1/models", response_model=ModelList, responses=API_ERRORS, tags=["metadata"])
 async def models(request: Request, state: State) -> dict:
     state.require_ready(request)
-    return {"data": [model_card(rt, state.settings) for rt in state.runtimes.values()]}
+    return {"data": [model_card(rt, state.engine) for rt in state.runtimes.values()]}
 
 
 @router.get("/v1/drift", response_model=DriftStatus, responses=DRIFT_ERRORS, tags=["metadata"])

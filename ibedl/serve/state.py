@@ -17,14 +17,14 @@ from fastapi import Depends, Request
 
 from ibedl.core.predictor import Prediction, Predictor, count_prompt_tokens
 from ibedl.core.prompt import MCQuestion
+from ibedl.engine import errors
+from ibedl.engine.drift import AccuracyEstimate, DriftMonitor
+from ibedl.engine.responses import build_answer
+from ibedl.engine.runtime import AdapterRuntime, find_adapter, finite_prediction, load_predictors, make_runtimes
+from ibedl.engine.schemas import DriftStatus, Health, PredictRequest, PredictResponse
 from ibedl.serve.batcher import DeadlineExceeded, MicroBatcher, Overloaded, QueueFullError, ShuttingDown, TooLarge
 from ibedl.serve.capacity import ServiceTime
-from ibedl.engine.drift import AccuracyEstimate, DriftMonitor
-from ibedl.serve.errors import ApiError
 from ibedl.serve.metrics import Metrics
-from ibedl.engine.responses import build_answer
-from ibedl.engine.runtime import AdapterRuntime, finite_prediction, load_predictors, make_runtimes
-from ibedl.engine.schemas import DriftStatus, Health, PredictRequest, PredictResponse
 from ibedl.serve.settings import Settings
 
 log = logging.getLogger("ibedl.serve")
@@ -47,6 +47,7 @@ class ServiceState:
 
     def __init__(self, settings: Settings, loader: Loader) -> None:
         self.settings = settings
+        self.engine = settings.engine()  # what the engine's functions get: the engine's settings alone
         self.loader = loader
         self.metrics = Metrics()
         self.status = "loading"
@@ -62,14 +63,10 @@ class ServiceState:
         return next(iter(self.runtimes.values()), None)
 
     def runtime(self, name: str | None, field: str = "adapter") -> AdapterRuntime:
-        """The served adapter called ``name`` (None: the default); 422 naming the served ones otherwise."""
+        """The served adapter called ``name`` (None: the default); UnknownAdapter naming the served ones otherwise."""
         if name is None:
             assert self.default is not None
-            return self.default
-        if name not in self.runtimes:
-            raise ApiError(422, "invalid_request", f"no adapter {name!r} is served; choose one of "
-                           f"{list(self.runtimes)}", field)
-        return self.runtimes[name]
+        return find_adapter(self.runtimes, name, field)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -77,7 +74,7 @@ class ServiceState:
         try:
             loaded = await asyncio.to_thread(self.loader, self.settings)
             predictors = loaded if isinstance(loaded, list) else [loaded]
-            runtimes = await asyncio.to_thread(make_runtimes, predictors, self.settings)
+            runtimes = await asyncio.to_thread(make_runtimes, predictors, self.engine)
             for rt in runtimes.values():
                 rt.drift = await asyncio.to_thread(
                     DriftMonitor, rt.reference(), rt.drift_statistic, self.settings.drift_window,
@@ -182,8 +179,7 @@ class ServiceState:
             return
         admitted = request.scope.get("state", {}).get("admitted", False)
         if not (admitted and self.status == "draining" and self.batcher is not None and self.batcher.running):
-            raise ApiError(503, "not_ready", f"the service is {health.status}: {health.reason}",
-                           headers={"Retry-After": "5"})
+            raise errors.NotReady(f"the service is {health.status}: {health.reason}", retry_after=5)
 
     # -- batching -------------------------------------------------------------------------------
 
@@ -194,19 +190,18 @@ class ServiceState:
             self.metrics.seconds_per_token.set(self.batcher.service_time.per_token_s)
             self.metrics.admission_overrun.set(self.batcher.overrun)
 
-    def _refusal(self, e: Exception, n: int) -> ApiError:
+    def _refusal(self, e: Exception, n: int) -> errors.EngineError:
         """The answer to a request the batcher refused (``n`` questions), counted by reason."""
         if isinstance(e, QueueFullError):
-            reason, error = "queue_full", ApiError(503, "overloaded",
-                                                   f"too many questions waiting ({e}); retry shortly",
-                                                   headers={"Retry-After": "1"})
+            reason, error = "queue_full", errors.Overloaded(f"too many questions waiting ({e}); retry shortly",
+                                                            retry_after=1)
         elif isinstance(e, Overloaded):
-            reason, error = "capacity", ApiError(503, "overloaded", f"{e}; retry after the Retry-After seconds",
-                                                 headers={"Retry-After": str(max(1, math.ceil(e.retry_after)))})
+            reason, error = "capacity", errors.Overloaded(f"{e}; retry after the Retry-After seconds",
+                                                          retry_after=max(1, math.ceil(e.retry_after)))
         elif isinstance(e, ShuttingDown):
-            reason, error = "shutting_down", ApiError(503, "shutting_down", str(e), headers={"Retry-After": "1"})
+            reason, error = "shutting_down", errors.ShuttingDown(str(e), retry_after=1)
         else:
-            reason, error = "timeout", ApiError(504, "timeout", str(e))
+            reason, error = "timeout", errors.Timeout(str(e))
         self.metrics.rejected.labels(reason=reason).inc(n)
         return error
 
@@ -221,8 +216,8 @@ class ServiceState:
             except ValueError:
                 seconds = float("nan")
             if not (seconds > 0 and math.isfinite(seconds)):
-                raise ApiError(422, "invalid_request", f"{TIMEOUT_HEADER} must be a positive number of seconds, "
-                               f"got {given[:40]!r}", TIMEOUT_HEADER)
+                raise errors.InvalidRequest(f"{TIMEOUT_HEADER} must be a positive number of seconds, "
+                                            f"got {given[:40]!r}", TIMEOUT_HEADER)
             limit = min(limit, seconds)
         arrived = request.scope.get("state", {}).get("arrived", time.monotonic())
         return arrived + limit
@@ -247,7 +242,7 @@ class ServiceState:
             if deadline < request.scope.get("state", {}).get("arrived", 0.0) + self.settings.request_timeout_s:
                 # the client's X-Request-Timeout is what cannot be met, not the request's size
                 self.metrics.rejected.labels(reason="timeout").inc(len(questions))
-                raise ApiError(504, "timeout", f"{str(e).split(';')[0]}; its {TIMEOUT_HEADER} cannot be met") from e
+                raise errors.Timeout(f"{str(e).split(';')[0]}; its {TIMEOUT_HEADER} cannot be met") from e
             raise self._refusal(e, len(questions)) from e
         except (QueueFullError, Overloaded, ShuttingDown) as e:
             raise self._refusal(e, len(questions)) from e
@@ -266,9 +261,9 @@ class ServiceState:
                 await everything
             if gone in done:
                 rejected.labels(reason="client_gone").inc(len(questions))
-                raise ApiError(499, "client_closed_request", "the client went away before the answer")
+                raise errors.Cancelled("the client went away before the answer")
             rejected.labels(reason="timeout").inc(len(questions))
-            raise ApiError(504, "timeout", "no answer before the request's deadline; the service is busy")
+            raise errors.Timeout("no answer before the request's deadline; the service is busy")
         try:
             preds = list(everything.result())
         except (Overloaded, ShuttingDown, DeadlineExceeded) as e:  # refused after admission, before its pass
@@ -282,8 +277,9 @@ class ServiceState:
             self.metrics.nonfinite.inc(len(broken))
             log.error("the model gave non-finite numbers for %d of %d questions (request %s); not answered",
                       len(broken), len(preds), request.scope.get("state", {}).get("request_id"))
-            raise ApiError(503, "model_error", "the model produced non-finite numbers for "
-                           + (f"items {broken}" if len(preds) > 1 else "this question") + "; it was not answered")
+            raise errors.ModelError("the model produced non-finite numbers for "
+                                    + (f"items {broken}" if len(preds) > 1 else "this question")
+                                    + "; it was not answered")
         return preds
 
     # -- answers --------------------------------------------------------------------------------

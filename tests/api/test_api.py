@@ -9,6 +9,7 @@ import pytest
 
 import ibedl
 from ibedl.batch import main as batch_main
+from ibedl.engine.errors import InvalidRequest, TooLarge, UnknownAdapter
 
 QUESTIONS = [
     {"question": "Which is sun?", "options": ["sun", "moon", "tree"], "id": "a"},
@@ -40,11 +41,24 @@ def test_api_takes_mcquestions_and_refuses_what_the_service_refuses(model):
 
     (answer,) = model.predict([MCQuestion("Which is sun?", ("sun", "moon", "tree"), id="m")])
     assert answer.id == "m" and answer.prediction.letter in "ABC"
-    with pytest.raises(ibedl.ApiError) as e:
+    with pytest.raises(InvalidRequest) as e:
         model.predict([QUESTIONS[0], {"question": "q", "options": ["only one"]}])
-    assert (e.value.status, e.value.field) == (422, "items.1.options") and "2..26 options" in e.value.message
-    with pytest.raises(ibedl.ApiError, match=r"no adapter 'nope' is loaded; choose one of \['tiny', 'tiny-map'\]"):
+    assert isinstance(e.value, ibedl.EngineError) and not hasattr(e.value, "status")  # no HTTP status in the API
+    assert (e.value.type, e.value.field) == ("invalid_request", "items.1.options")
+    assert "2..26 options" in e.value.message
+    with pytest.raises(UnknownAdapter, match=r"no adapter 'nope' is loaded; choose one of \['tiny', 'tiny-map'\]") as e:
         model.predict([{**QUESTIONS[0], "adapter": "nope"}])
+    assert (e.value.type, e.value.field) == ("invalid_request", "items.0.adapter")
+    with pytest.raises(TooLarge) as e:
+        model.predict([{"question": "q" * 5000, "options": ["a", "b"]}])
+    assert (e.value.type, e.value.field) == ("too_large", "items.0.question")
+
+
+def test_load_takes_engine_settings_only(tiny_artifact):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="api_token"):
+        ibedl.load(tiny_artifact, api_token="secret")  # an HTTP setting: the engine has none
 
 
 def test_importing_the_api_does_not_import_fastapi():

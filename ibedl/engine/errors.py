@@ -1,0 +1,79 @@
+"""What the engine refuses, as typed exceptions without HTTP: each has a ``type`` (the error body's ``type``), a
+``message`` and the ``field`` it is about (``items.3.options``; None when none). The HTTP service maps each type
+to its status code in one place (``ibedl.serve.errors.STATUS``); the Python API (``ibedl``) raises them as they
+are. ``retry_after`` (seconds, or None) says when trying again may succeed.
+"""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """A refusal of the engine: ``type``, ``message``, ``field``, ``retry_after``."""
+
+    type = "engine_error"
+
+    def __init__(self, message: str, field: str | None = None, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.message, self.field, self.retry_after = message, field, retry_after
+
+    def body(self) -> dict:
+        """The error body both front doors write: ``{"error": {"type", "message", "field"}}``."""
+        return error_body(self.type, self.message, self.field)
+
+
+class InvalidRequest(EngineError):
+    """A question the engine will not answer as asked (a rule of the request is broken); ``field`` names where."""
+
+    type = "invalid_request"
+
+
+class UnknownAdapter(InvalidRequest):
+    """A request names an adapter that is not loaded."""
+
+
+class TooLarge(EngineError):
+    """A request over a limit (characters, prompt tokens, items); ``field`` names which."""
+
+    type = "too_large"
+
+
+class ModelError(EngineError):
+    """The model's numbers for a question were not finite: never an answer (the same question gives the same
+    numbers, so retrying does not help)."""
+
+    type = "model_error"
+
+
+class NotReady(EngineError):
+    """The adapters are not loaded (loading, broken) or the engine is draining."""
+
+    type = "not_ready"
+
+
+class Overloaded(EngineError):
+    """No answer is possible before the request's deadline: try again after ``retry_after`` seconds."""
+
+    type = "overloaded"
+
+
+class ShuttingDown(EngineError):
+    """The engine is shutting down and will not answer this request."""
+
+    type = "shutting_down"
+
+
+class Timeout(EngineError):
+    """No answer before the request's deadline."""
+
+    type = "timeout"
+
+
+class Cancelled(EngineError):
+    """The caller went away before the answer."""
+
+    type = "client_closed_request"
+
+
+def error_body(type_: str, message: str, field: str | None = None) -> dict:
+    """The one error shape: ``{"error": {"type", "message", "field"}}``."""
+    return {"error": {"type": type_, "message": message, "field": field}}
