@@ -15,10 +15,11 @@ def test_importing_service_does_not_import_training():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_core_does_not_import_training_or_service():
+def test_core_does_not_import_training_engine_or_service():
     code = (
         "import sys, ibedl.core.head, ibedl.core.predictor, ibedl.core.artifact, ibedl.core.base_model; "
-        "bad = sorted(m for m in sys.modules if m.split('.')[:2] in (['ibedl', 'training'], ['ibedl', 'serve']) "
+        "bad = sorted(m for m in sys.modules if m.split('.')[:2] in (['ibedl', 'training'], ['ibedl', 'serve'], "
+        "['ibedl', 'engine']) "
         "or m in ('ibedl.api', 'ibedl.batch')); "
         "print(bad); raise SystemExit(1 if bad else 0)"
     )

@@ -1,0 +1,34 @@
+"""The one mapping from engine errors to HTTP: every engine error type has its status, and the handler answers
+the error body with ``Retry-After`` when the error says when to retry."""
+
+import json
+
+import pytest
+
+from ibedl.engine import errors
+from ibedl.serve.errors import STATUS, engine_error_response, status_of
+from tests.engine.test_errors import all_errors
+
+
+@pytest.mark.parametrize("cls", all_errors()[1:], ids=lambda c: c.__name__)
+def test_every_engine_error_type_has_a_status(cls):
+    assert cls.type in STATUS
+
+
+@pytest.mark.parametrize(("error", "status"), [
+    (errors.InvalidRequest("bad", "options"), 422), (errors.UnknownAdapter("no adapter", "adapter"), 422),
+    (errors.TooLarge("long", "question"), 413), (errors.ModelError("nan"), 503), (errors.NotReady("loading"), 503),
+    (errors.Overloaded("busy"), 503), (errors.ShuttingDown("bye"), 503), (errors.Timeout("late"), 504),
+    (errors.Cancelled("gone"), 499), (errors.EngineError("a bug"), 500),
+])
+def test_statuses(error, status):
+    assert status_of(error) == status
+
+
+def test_the_handler_answers_the_error_body_and_retry_after():
+    response = engine_error_response(errors.Overloaded("busy; retry", retry_after=3))
+    assert response.status_code == 503 and response.headers["Retry-After"] == "3"
+    assert json.loads(response.body) == {"error": {"type": "overloaded", "message": "busy; retry", "field": None}}
+    response = engine_error_response(errors.TooLarge("long", "items.0.question"))
+    assert response.status_code == 413 and "Retry-After" not in response.headers
+    assert json.loads(response.body)["error"] == {"type": "too_large", "message": "long", "field": "items.0.question"}
