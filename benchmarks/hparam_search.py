@@ -84,12 +84,31 @@ def choose(records: list[dict]) -> dict:
             for m, r in chosen.items()}
 
 
+def markdown_table(results: dict) -> str:
+    """The search results file as a Markdown table: each candidate's overrides, validation accuracy, confidence, ECE
+    and NLL at the start and at the kept state, steps run (best), the chosen ones in bold."""
+    chosen = {(m, c["index"]) for m, c in results["chosen"].items()}
+    lines = ["| Method | Candidate | Acc (%) | Confidence | ECE (%) | NLL | Steps run (best) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results["candidates"]:
+        s, e = r["validation_start"], r["validation_end"]
+        name = ", ".join(f"{k.split('.')[-1]} {v}" for k, v in r["overrides"].items())
+        nll = f"{s['nll']:.4f} → {e['nll']:.4f}"
+        nll = f"**{nll}**" if (r["method"], r["index"]) in chosen else nll
+        lines.append(f"| {r['method']} | {name} | {100 * s['accuracy']:.0f} → {100 * e['accuracy']:.0f} | "
+                     f"{s['mean_confidence']:.3f} → {e['mean_confidence']:.3f} | "
+                     f"{100 * s['ece']:.1f} → {100 * e['ece']:.1f} | {nll} | {r['steps']} ({r['best_step']}) |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.hparam_search", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="a benchmark config with a search section")
     parser.add_argument("--jobs", type=int, default=1, help="candidates side by side (default 1)")
     parser.add_argument("--only-methods", nargs="*", help="restrict to these methods")
     parser.add_argument("--output", help="results JSON (default benchmarks/results/<name>_search.json)")
+    parser.add_argument("--table", action="store_true",
+                        help="print the results file as a Markdown table; train nothing")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
@@ -104,6 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     name = config.get("name", Path(args.config).stem)
     root = Path("runs/search") / name
     output = Path(args.output or f"benchmarks/results/{name}_search.json")
+    if args.table:
+        if not output.is_file():
+            print(f"error: no search results at {output}", file=sys.stderr)
+            return 2
+        print(markdown_table(json.loads(output.read_text())))
+        return 0
     threads = max(1, (os.cpu_count() or 1) // args.jobs) if args.jobs > 1 else None
     previous = json.loads(output.read_text())["candidates"] if output.is_file() else []
     records = {

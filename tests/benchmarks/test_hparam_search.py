@@ -1,0 +1,43 @@
+import json
+
+import pytest
+
+from benchmarks.hparam_search import candidates, choose, main, markdown_table
+
+
+def record(method, index, start, end, **overrides):
+    metrics = lambda nll: {"accuracy": 0.8, "mean_confidence": 0.9, "ece": 0.05, "nll": nll, "brier": 0.2}  # noqa: E731
+    return {"method": method, "index": index, "overrides": overrides, "validation_start": metrics(start),
+            "validation_end": metrics(end), "steps": 76, "best_step": 38, "stopped_by": "patience"}
+
+
+def test_choice_is_the_lowest_validation_nll_first_listed_on_a_tie():
+    records = [record("map", 0, 0.4, 0.35), record("map", 1, 0.4, 0.30), record("edl", 0, 0.5, 0.45),
+               record("edl", 1, 0.5, 0.45)]
+    chosen = choose(records)
+    assert chosen["map"]["index"] == 1 and chosen["map"]["validation_nll"] == 0.30
+    assert chosen["edl"]["index"] == 0
+
+
+def test_candidates_are_read_from_the_search_section_and_checked():
+    config = {"search": {"candidates": {"map": [{"optim.lr": 1e-4}, {"optim.lr": 1e-3}]}}}
+    assert candidates(config) == [("map", 0, {"optim.lr": 1e-4}), ("map", 1, {"optim.lr": 1e-3})]
+    with pytest.raises(ValueError, match="unknown method 'nope'"):
+        candidates({"search": {"candidates": {"nope": [{}]}}})
+    with pytest.raises(ValueError, match=r"search.candidates.map must be a non-empty list of overrides, got \[\]"):
+        candidates({"search": {"candidates": {"map": []}}})
+    with pytest.raises(ValueError, match="the config has no search.candidates section"):
+        candidates({})
+
+
+def test_table_marks_the_choice_and_the_cli_prints_it(tmp_path, capsys):
+    records = [record("map", 0, 0.4, 0.35, **{"optim.lr": 1e-4}), record("map", 1, 0.4, 0.30, **{"optim.lr": 1e-3})]
+    results = {"candidates": records, "chosen": choose(records)}
+    table = markdown_table(results)
+    assert "| map | lr 0.001 | 80 → 80 | 0.900 → 0.900 | 5.0 → 5.0 | **0.4000 → 0.3000** | 76 (38) |" in table
+    assert "| map | lr 0.0001 | 80 → 80 | 0.900 → 0.900 | 5.0 → 5.0 | 0.4000 → 0.3500 | 76 (38) |" in table
+    (tmp_path / "grid.yaml").write_text("name: grid\nsearch:\n  candidates: {map: [{optim.lr: 1.0e-4}]}\n")
+    (tmp_path / "out.json").write_text(json.dumps(results))
+    assert main(["--config", str(tmp_path / "grid.yaml"), "--output", str(tmp_path / "out.json"), "--table"]) == 0
+    assert capsys.readouterr().out.strip() == table
+    assert main(["--config", str(tmp_path / "grid.yaml"), "--output", str(tmp_path / "none.json"), "--table"]) == 2
