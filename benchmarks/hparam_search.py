@@ -8,8 +8,9 @@ trains as the grid's runs do (same data sizes, warm start, early stopping) into 
 the criterion is the
 validation NLL of the state early stopping kept (before any post-hoc step), read from the run's manifest. The test
 split is never read. Results (every candidate's start and end validation metrics, the choice per method) go to
-``benchmarks/results/<name>_search.json``; the grid's ``method_params`` and ``train`` sections are then set from the
-choices by hand, with this file as the evidence. Finished candidates are not trained again (the command resumes).
+``benchmarks/results/<name>_search.json``; the grid's ``method_params`` and ``method_train`` sections are then set
+from the choices by hand, with this file as the evidence. Candidates already in that file with the same overrides
+are not trained again: the command resumes, also on a fresh machine.
 """
 
 from __future__ import annotations
@@ -130,12 +131,14 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown_table(json.loads(output.read_text())))
         return 0
     threads = max(1, (os.cpu_count() or 1) // args.jobs) if args.jobs > 1 else None
+    # Candidates already in the results file with the same overrides are not trained again (the file is committed,
+    # so a fresh machine resumes the search where it stopped); the rest are trained.
     previous = json.loads(output.read_text())["candidates"] if output.is_file() else []
-    records = {
-        (r["method"], r["index"]): r for r in previous if (r["method"], r["index"]) in {(m, i) for m, i, _ in todo}
-    }
+    wanted = {(m, i): o for m, i, o in todo}
+    records = {(r["method"], r["index"]): r for r in previous
+               if wanted.get((r["method"], r["index"])) == r["overrides"]}
     lock = threading.Lock()
-    queue = list(todo)
+    queue = [c for c in todo if (c[0], c[1]) not in records]
 
     def write() -> None:
         done = sorted(records.values(), key=lambda r: (r["method"], r["index"]))

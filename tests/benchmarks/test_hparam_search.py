@@ -41,3 +41,25 @@ def test_table_marks_the_choice_and_the_cli_prints_it(tmp_path, capsys):
     assert main(["--config", str(tmp_path / "grid.yaml"), "--output", str(tmp_path / "out.json"), "--table"]) == 0
     assert capsys.readouterr().out.strip() == table
     assert main(["--config", str(tmp_path / "grid.yaml"), "--output", str(tmp_path / "none.json"), "--table"]) == 2
+
+
+def test_a_search_resumes_from_its_results_file_without_training(tmp_path, monkeypatch):
+    import benchmarks.hparam_search as search
+
+    (tmp_path / "grid.yaml").write_text(
+        "name: grid\nsearch:\n  candidates: {map: [{optim.lr: 1.0e-4}, {optim.lr: 1.0e-3}]}\n")
+    done = record("map", 0, 0.4, 0.35, **{"optim.lr": 1e-4})
+    stale = record("map", 1, 0.4, 0.2, **{"optim.lr": 5e-3})  # the same index with other overrides: trained again
+    (tmp_path / "out.json").write_text(json.dumps({"candidates": [done, stale], "chosen": {}}))
+    trained = []
+
+    def fake_train(config, root, method, index, overrides, threads):
+        trained.append((method, index))
+        return record(method, index, 0.4, 0.3, **overrides)
+
+    monkeypatch.setattr(search, "train_candidate", fake_train)
+    assert main(["--config", str(tmp_path / "grid.yaml"), "--output", str(tmp_path / "out.json")]) == 0
+    assert trained == [("map", 1)]
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert [r["validation_end"]["nll"] for r in result["candidates"]] == [0.35, 0.3]
+    assert result["chosen"]["map"]["index"] == 1
