@@ -124,10 +124,52 @@ class HeadConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def posthoc_key(self) -> str | None:
+        """The post-hoc parameter this head kind owns: ``zeta`` (IB-EDL), ``temperature`` (softmax), or None."""
+        return POSTHOC_KEYS.get(self.kind)
+
+    def posthoc_alpha(self, alpha: torch.Tensor, sigma: torch.Tensor, zeta: float | None = None) -> torch.Tensor:
+        """IB-EDL's post-hoc map with this config's ``zeta`` (or the one given): :func:`adjust_alpha`."""
+        return adjust_alpha(alpha, sigma, self.zeta if zeta is None else zeta, self.offset)
+
+    def posthoc_probs(self, probs: torch.Tensor, mask: torch.Tensor, temperature: float | None = None) -> torch.Tensor:
+        """The softmax heads' post-hoc map with this config's ``temperature`` (or the one given): :func:`temper`."""
+        return temper(probs, mask, self.temperature if temperature is None else temperature)
+
     @classmethod
     def from_dict(cls, data: dict) -> HeadConfig:
         """A head config as a manifest stores it (older manifests are migrated first: ibedl.core.artifact)."""
         return cls(**data)
+
+
+POSTHOC_KEYS = {"ib_edl": "zeta", "softmax": "temperature"}  # head kind -> its post-hoc parameter
+POSTHOC_NEUTRAL = {"zeta": 0.0, "temperature": 1.0}  # the values that leave the outputs unchanged
+
+
+def adjust_alpha(alpha: torch.Tensor, sigma: torch.Tensor, zeta: float, offset: float) -> torch.Tensor:
+    """IB-EDL's post-hoc map (paper appendix): alpha <- max(alpha - zeta * sigma, offset), elementwise, in the inputs'
+    dtype; zeta = 0 returns ``alpha`` itself. The head's forward pass and calibration's fit both use it."""
+    if not zeta:
+        return alpha
+    return torch.clamp(alpha - zeta * sigma, min=offset)
+
+
+def temper_logits(probs: torch.Tensor, mask: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log p / T over the real options, -inf on padded ones: (B, C) -> (B, C), in float32 (float64 inputs stay
+    float64). Its softmax is :func:`temper`; its log-sum-exp minus the label's entry is the tempered NLL."""
+    work = probs.double() if probs.dtype == torch.float64 else probs.float()
+    logp = torch.log(work.clamp_min(torch.finfo(torch.float32).tiny)) / temperature
+    return logp.masked_fill(~mask, float("-inf"))
+
+
+def temper(probs: torch.Tensor, mask: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The softmax heads' post-hoc map: softmax(log p / T) over the real options, probs (B, C), mask (B, C) ->
+    (B, C), padded options 0; T = 1 returns ``probs`` itself. For one softmax head this equals softmax(z / T) of its
+    logits z; the predictor applies it after averaging MC-Dropout passes or ensemble members."""
+    if temperature == 1.0:
+        return probs
+    return torch.softmax(temper_logits(probs, mask, temperature), dim=-1).to(probs.dtype)
 
 
 def check_evidence_scale(value) -> float:
@@ -312,8 +354,7 @@ class IBEDLHead(CentredEvidence, OptionHead):
         mu, sigma = self.gaussian(hidden, mask)
         offset = self.config.offset
         alpha = self.expected_evidence(mu, sigma) + offset
-        if self.config.zeta:
-            alpha = torch.clamp(alpha - self.config.zeta * sigma, min=offset)
+        alpha = self.config.posthoc_alpha(alpha, sigma)
         out = dirichlet_outputs(alpha, mask, offset)
         return HeadPrediction(
             probs=out.probs,
@@ -347,6 +388,11 @@ __all__ = [
     "IBEDLHead",
     "build_head",
     "check_evidence_scale",
+    "adjust_alpha",
+    "temper",
+    "temper_logits",
+    "POSTHOC_KEYS",
+    "POSTHOC_NEUTRAL",
     "gauss_hermite",
     "SIGMA_FLOOR",
 ]

@@ -278,9 +278,8 @@ class Predictor:
         post-hoc temperature (softmax methods) applies to the predictive probabilities."""
         outs = [self._member_forward(batch, k) for k in range(len(self.heads))]
         out = outs[0] if len(outs) == 1 else _average(outs)
-        temperature = self.head.config.temperature
-        if temperature != 1.0 and out.alpha is None:
-            out.probs = temper(out.probs, batch.option_mask.to(out.probs.device), temperature)
+        if out.alpha is None:
+            out.probs = self.head.config.posthoc_probs(out.probs, batch.option_mask.to(out.probs.device))
         return out
 
     @torch.no_grad()
@@ -424,13 +423,6 @@ class Predictor:
         if len(predictors) > 1:
             predictors[0].model.set_adapter(predictors[0].members[0])
         return predictors
-
-
-def temper(probs: torch.Tensor, mask: torch.Tensor, temperature: float) -> torch.Tensor:
-    """softmax(log p / T) over the real options: probs (B, C), mask (B, C) -> (B, C); padded options stay 0.
-    For one softmax head this equals softmax(z / T) of its logits z."""
-    logp = torch.log(probs.float().clamp_min(torch.finfo(torch.float32).tiny)) / temperature
-    return torch.softmax(logp.masked_fill(~mask, float("-inf")), dim=-1).to(probs.dtype)
 
 
 def _average(outs: list[HeadPrediction]) -> HeadPrediction:

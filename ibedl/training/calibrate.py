@@ -41,7 +41,11 @@ from ibedl.core.conformal import SCORES, alpha_key, calibrate_quantiles, predict
 from ibedl.core.model_card import write_card
 from ibedl.core.prompt import MCQuestion
 from ibedl.training import metrics
-from ibedl.training.posthoc import adjust_alpha, fit_zeta
+from ibedl.core.dirichlet import dirichlet_outputs
+from ibedl.core.head import POSTHOC_KEYS, POSTHOC_NEUTRAL, adjust_alpha
+from ibedl.core.head import temper as head_temper
+from ibedl.core.head import temper_logits
+from ibedl.training.posthoc import adjusted_alphas, fit_zeta, padded
 from ibedl.training.risk_control import control_accuracy
 
 log = logging.getLogger("ibedl.training.calibrate")
@@ -124,30 +128,23 @@ def _dirichlet(alphas: list[np.ndarray], offset: float) -> Outputs:
 
 
 def temper(probs: list[np.ndarray], temperature: float) -> list[np.ndarray]:
-    """softmax(log p / T) per question (the same map as ibedl.core.predictor.temper)."""
-    out = []
-    for p in probs:
-        z = np.log(np.maximum(p, np.finfo(np.float32).tiny)) / temperature
-        z = np.exp(z - z.max())
-        out.append(z / z.sum())
-    return out
+    """softmax(log p / T) per question, in float64: the softmax heads' post-hoc map (ibedl.core.head.temper)."""
+    values, mask = padded(probs)
+    out = head_temper(values, mask, temperature).numpy()
+    return [out[i, : len(p)] for i, p in enumerate(probs)]
 
 
 def fit_temperature(probs: list[np.ndarray], labels, grid=TEMPERATURE_GRID) -> tuple[float, dict]:
-    """The grid temperature with the lowest NLL of softmax(log p / T) (T = 1 wins ties). Returns (T, info)."""
+    """The grid temperature with the lowest NLL of softmax(log p / T) (T = 1 wins ties). Returns (T, info).
+    The tempered log-probabilities are the head's map's (ibedl.core.head.temper_logits)."""
     if not len(labels):
         raise ValueError("fit_temperature needs at least one labelled question")
-    width = max(len(p) for p in probs)
-    logp = np.full((len(probs), width), -np.inf)
-    for i, p in enumerate(probs):
-        logp[i, : len(p)] = np.log(np.maximum(p, np.finfo(np.float32).tiny))
-    y = np.asarray(labels)
+    values, mask = padded(probs)
+    y = torch.as_tensor(np.asarray(labels), dtype=torch.long)
 
     def nll(t: float) -> float:
-        z = logp / t
-        top = z.max(axis=1, keepdims=True)
-        lse = top[:, 0] + np.log(np.exp(z - top).sum(axis=1))
-        return float(np.mean(lse - z[np.arange(len(y)), y]))
+        z = temper_logits(values, mask, t)
+        return float((torch.logsumexp(z, dim=1) - z[torch.arange(len(y)), y]).mean())
 
     scores = {t: nll(t) for t in (*grid, 1.0)}
     best = min(scores, key=lambda t: (round(scores[t], 12), abs(math.log(t))))
@@ -174,16 +171,39 @@ def split(n: int, fit_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarra
 
 def posthoc_outputs(kind: str, raw: dict, head_update: dict) -> Outputs:
     """The predictive outputs of raw head outputs (see :func:`calibrate_outputs`) once the post-hoc parameter
-    in ``head_update`` (``zeta`` or ``temperature``; absent = neutral) is applied, as the served head does."""
+    in ``head_update`` (``zeta`` or ``temperature``; absent = neutral) is applied by the head's own map
+    (ibedl.core.head.adjust_alpha, ibedl.core.head.temper), in float64."""
     if kind == "ib_edl":
         zeta = head_update.get("zeta", 0.0)
-        return _dirichlet([adjust_alpha(a, s, zeta, raw["offset"]) for a, s in zip(raw["alpha"], raw["sigma"])],
-                          raw["offset"])
+        alphas = [np.asarray(a, dtype=np.float64) for a in raw["alpha"]]
+        if zeta:
+            alphas = adjusted_alphas(alphas, raw["sigma"], zeta, raw["offset"])
+        return _dirichlet(alphas, raw["offset"])
     if kind == "softmax":
         probs = [np.asarray(p, dtype=np.float64) for p in raw["probs"]]
         temperature = head_update.get("temperature", 1.0)
         return Outputs(temper(probs, temperature) if temperature != 1.0 else probs)
     return _dirichlet([np.asarray(a, dtype=np.float64) for a in raw["alpha"]], raw["offset"])
+
+
+def served_outputs(kind: str, raw: dict, head_update: dict) -> Outputs:
+    """What the head answers once the post-hoc parameter in ``head_update`` is set: the head's map and Dirichlet
+    outputs (ibedl.core.head, ibedl.core.dirichlet) applied to the raw outputs in float32, as its forward pass
+    computes them, so that metrics of these outputs are those of the calibrated predictor. (Calibration's own
+    decisions use :func:`posthoc_outputs`, the same map in float64.)"""
+    offset = raw["offset"]
+    if kind == "softmax":
+        probs, mask = padded(raw["probs"])
+        out = head_temper(probs.float(), mask, head_update.get("temperature", 1.0)).double().numpy()
+        return Outputs([out[i, : len(p)] for i, p in enumerate(raw["probs"])])
+    alpha, mask = padded(raw["alpha"], offset)
+    alpha = alpha.float()
+    if kind == "ib_edl":
+        sigma, _ = padded(raw["sigma"])
+        alpha = adjust_alpha(alpha, sigma.float(), head_update.get("zeta", 0.0), offset)
+    out = dirichlet_outputs(alpha, mask, offset)
+    probs = out.probs.double().numpy()
+    return Outputs([probs[i, : len(a)] for i, a in enumerate(raw["alpha"])], out.uncertainty.double().numpy())
 
 
 def calibrate_outputs(kind: str, raw: dict, labels, config: CalibrationConfig) -> tuple[dict, Outputs, dict]:
@@ -204,7 +224,8 @@ def calibrate_outputs(kind: str, raw: dict, labels, config: CalibrationConfig) -
     n = len(labels)
     fit, cal = split(n, config.fit_fraction, config.seed)
     # Without the post-hoc step the parameter is set neutral: the thresholds below assume it.
-    head_update: dict = {"ib_edl": {"zeta": 0.0}, "softmax": {"temperature": 1.0}}.get(kind, {})
+    key = POSTHOC_KEYS.get(kind)
+    head_update: dict = {} if key is None else {key: POSTHOC_NEUTRAL[key]}
     posthoc: dict = {"kind": None}
     if kind == "ib_edl" and config.posthoc:
         zeta, info = fit_zeta([np.asarray(raw["alpha"][i], dtype=np.float64) for i in fit],
@@ -282,7 +303,7 @@ def raw_outputs(predictor, questions: list[MCQuestion], batch_size: int = 8, pro
     config = predictor.head.config
     saved = (config.zeta, config.temperature)
     for head in predictor.heads:
-        head.config.zeta, head.config.temperature = 0.0, 1.0
+        head.config.zeta, head.config.temperature = POSTHOC_NEUTRAL["zeta"], POSTHOC_NEUTRAL["temperature"]
     try:
         preds, _ = predict_all(predictor, questions, batch_size, progress, desc="calibration")
     finally:
@@ -301,18 +322,26 @@ def raw_outputs(predictor, questions: list[MCQuestion], batch_size: int = 8, pro
 
 
 def calibrate_predictor(predictor, questions: list[MCQuestion], config: CalibrationConfig, batch_size: int = 8,
-                        progress: bool = True) -> dict:
-    """Run the model on labelled ``questions``, calibrate, set the heads' post-hoc parameter and return the
-    manifest sections (``abstention``, ``conformal``, ``calibration``, ``reference``)."""
+                        progress: bool = True) -> tuple[dict, Outputs]:
+    """Run the model once on labelled ``questions``, calibrate, set the heads' post-hoc parameter and return the
+    manifest sections (``abstention``, ``conformal``, ``calibration``, ``reference``) and the post-hoc outputs of
+    ``questions`` as the calibrated predictor answers them (:func:`served_outputs`; ``extra["seconds"]``: the time
+    the model took)."""
+    import time
+
     missing = [i for i, q in enumerate(questions) if q.answer is None]
     if missing:
         raise ValueError(f"questions {missing[:5]} have no answer to calibrate on")
+    start = time.perf_counter()
     kind, raw = raw_outputs(predictor, questions, batch_size, progress)
+    seconds = time.perf_counter() - start
     head_update, _, sections = calibrate_outputs(kind, raw, [q.answer for q in questions], config)
     for head in predictor.heads:
         for key, value in head_update.items():
             setattr(head.config, key, value)
-    return sections
+    outputs = served_outputs(kind, raw, head_update)
+    outputs.extra["seconds"] = seconds
+    return sections, outputs
 
 
 def apply_sections(manifest: Manifest, head: dict, sections: dict) -> None:
@@ -533,4 +562,4 @@ if __name__ == "__main__":
 
 __all__ = ["CalibrationConfig", "Outputs", "calibrate_outputs", "posthoc_outputs", "save_outputs", "read_outputs",
            "calibrate_predictor", "apply_sections", "fit_temperature", "gate_threshold", "temper", "split",
-           "raw_outputs"]
+           "raw_outputs", "served_outputs"]

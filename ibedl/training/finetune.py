@@ -47,6 +47,7 @@ from ibedl.training.distributed import (
     reset_accelerator,
 )
 from ibedl.training.evaluate import evaluate
+from ibedl.training.metrics import summarise
 from ibedl.training.methods import LossContext, Method, get_method
 from ibedl.core import prefix_cache
 from ibedl.training import warm_start
@@ -551,7 +552,8 @@ def calibrate_and_evaluate(cfg: TrainConfig, method: Method, predictor: Predicto
     """Manifest sections from calibration and the validation (and test) metrics, in that order.
 
     Post-hoc step (IB-EDL's zeta), OOD gate, risk-controlled abstention, conformal sets and the drift
-    reference: the same code as python -m ibedl.training.calibrate, on the validation split.
+    reference: the same code as python -m ibedl.training.calibrate, on the validation split. The validation metrics
+    are those of calibration's post-hoc outputs (one pass of the model over the validation questions).
     """
     calibration = CalibrationConfig(
         target_accuracy=cfg.target_accuracy,
@@ -559,10 +561,12 @@ def calibrate_and_evaluate(cfg: TrainConfig, method: Method, predictor: Predicto
         reference_size=cfg.reference_size,
         seed=cfg.seed,
     )
-    sections = calibrate_predictor(predictor, val_q, calibration, cfg.eval_batch_size, progress=cfg.progress)
-    val = evaluate(predictor, val_q, cfg.eval_batch_size, progress=cfg.progress, desc="validation")
+    sections, outputs = calibrate_predictor(predictor, val_q, calibration, cfg.eval_batch_size, progress=cfg.progress)
+    val = summarise(outputs.probs, [q.answer for q in val_q], outputs.uncertainty)
+    seconds = outputs.extra["seconds"]
+    val["samples_per_s"] = len(val_q) / seconds if seconds > 0 else float("inf")
     test = evaluate(predictor, test_q, cfg.eval_batch_size, progress=cfg.progress, desc="test") if test_q else None
-    return sections, {"validation": val.metrics, **({"test": test.metrics} if test else {})}
+    return sections, {"validation": val, **({"test": test.metrics} if test else {})}
 
 
 def run_record(runs: list[dict], started: float) -> dict:

@@ -2,7 +2,17 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from ibedl.core.head import SIGMA_FLOOR, EvidentialHead, HeadConfig, IBEDLHead, SoftmaxHead, build_head, gauss_hermite
+from ibedl.core.head import (
+    SIGMA_FLOOR,
+    EvidentialHead,
+    HeadConfig,
+    IBEDLHead,
+    SoftmaxHead,
+    adjust_alpha,
+    build_head,
+    gauss_hermite,
+    temper,
+)
 
 
 @pytest.fixture
@@ -236,3 +246,45 @@ class TestEvidenceScale:
     def test_bad_scale_named(self, bad):
         with pytest.raises(ValueError, match="evidence_scale must be a finite number > 0, got"):
             HeadConfig("evidential", 4, 8, evidence_scale=bad)
+
+
+class TestPosthocMaps:
+    """The heads' post-hoc maps, which the forward pass, the predictor and calibration all use."""
+
+    def test_posthoc_keys_by_kind(self):
+        assert HeadConfig("ib_edl", 4, 8).posthoc_key == "zeta"
+        assert HeadConfig("softmax", 4, 8).posthoc_key == "temperature"
+        assert HeadConfig("evidential", 4, 8).posthoc_key is None
+
+    def test_zeta_map_closed_form(self):
+        alpha = torch.tensor([[3.0, 1.5, 1.2]], dtype=torch.float64)
+        sigma = torch.tensor([[1.0, 0.25, 0.5]], dtype=torch.float64)
+        # max(alpha - 1 * sigma, 1): [2, 1.25, max(0.7, 1) = 1]; zeta -2 raises every option by 2 sigma.
+        out = adjust_alpha(alpha, sigma, 1.0, 1.0)
+        assert out.dtype == torch.float64 and out.tolist() == [[2.0, 1.25, 1.0]]
+        assert adjust_alpha(alpha, sigma, -2.0, 1.0).tolist() == [[5.0, 2.0, 2.2]]
+        assert adjust_alpha(alpha, sigma, 0.0, 1.0) is alpha
+        config = HeadConfig("ib_edl", 4, 8, offset=1.0, zeta=1.0)
+        assert config.posthoc_alpha(alpha, sigma).tolist() == [[2.0, 1.25, 1.0]]
+        assert config.posthoc_alpha(alpha, sigma, zeta=0.5).tolist() == [[2.5, 1.375, 1.0]]
+
+    def test_temperature_map_closed_form(self):
+        # softmax(log p / 2) = sqrt(p) normalised: [0.64, 0.16, 0.2 (padded)] -> [0.8, 0.4] / 1.2.
+        probs = torch.tensor([[0.64, 0.16, 0.2]], dtype=torch.float64)
+        mask = torch.tensor([[True, True, False]])
+        out = temper(probs, mask, 2.0)
+        assert out.dtype == torch.float64
+        torch.testing.assert_close(out, torch.tensor([[2 / 3, 1 / 3, 0.0]], dtype=torch.float64))
+        assert temper(probs, mask, 1.0) is probs
+        config = HeadConfig("softmax", 4, 8, temperature=2.0)
+        torch.testing.assert_close(config.posthoc_probs(probs.float(), mask), out.float())
+
+    def test_ib_edl_forward_applies_its_config_map(self, hidden, rows):
+        mask = mask_for([4, 3, 2, 4, 3], 4)
+        head = IBEDLHead(HeadConfig("ib_edl", 4, 8), rows)
+        raw = head(hidden, mask)
+        head.config.zeta = 0.75
+        out = head(hidden, mask)
+        expected = head.config.posthoc_alpha(raw.alpha, raw.sigma).masked_fill(~mask, 0.0)
+        torch.testing.assert_close(out.alpha, expected)
+        torch.testing.assert_close(out.probs, expected / expected.sum(-1, keepdim=True))

@@ -11,7 +11,7 @@ import torch
 
 from ibedl.core.artifact import Abstention, Conformal, check_artifact, read_manifest
 from ibedl.core.model_card import num
-from ibedl.core.predictor import temper as torch_temper
+from ibedl.core.head import temper as torch_temper
 from ibedl.training.calibrate import (
     CalibrationConfig,
     calibrate_outputs,
@@ -65,6 +65,37 @@ class TestTemperature:
         assert out[0, 3] == 0
         assert out[0, :3].numpy() == pytest.approx(temper([np.array([0.7, 0.2, 0.1])], 1.7)[0], abs=1e-6)
         assert out.sum(-1).numpy() == pytest.approx([1.0, 1.0])
+
+
+class TestPosthocOutputs:
+    """calibrate applies the heads' own maps (ibedl.core.head) to raw outputs: closed-form cases."""
+
+    def test_zeta_closed_form(self):
+        raw = {"alpha": [[3.0, 1.5], [2.0, 1.2, 1.1]], "sigma": [[1.0, 0.25], [0.5, 0.5, 0.5]], "offset": 1.0,
+               "probs": [[2 / 3, 1 / 3], [0.5, 0.3, 0.2]]}
+        out = posthoc_outputs("ib_edl", raw, {"zeta": 1.0})
+        # alpha -> max(alpha - sigma, 1): [2, 1.25] and [1.5, 1, 1]; u = C * offset / alpha0.
+        assert out.probs[0].tolist() == pytest.approx([2 / 3.25, 1.25 / 3.25])
+        assert out.probs[1].tolist() == pytest.approx([1.5 / 3.5, 1 / 3.5, 1 / 3.5])
+        assert out.uncertainty.tolist() == pytest.approx([2 / 3.25, 3 / 3.5])
+        neutral = posthoc_outputs("ib_edl", raw, {})
+        assert neutral.probs[0].tolist() == pytest.approx([3 / 4.5, 1.5 / 4.5])
+
+    def test_temperature_closed_form(self):
+        raw = {"probs": [[0.64, 0.16, 0.2], [0.81, 0.09]], "offset": 1.0}
+        out = posthoc_outputs("softmax", raw, {"temperature": 2.0})  # T = 2: sqrt(p) normalised
+        assert out.probs[0].tolist() == pytest.approx([0.8 / 1.6472135955, 0.4 / 1.6472135955, 0.4472135955 /
+                                                      1.6472135955])
+        assert out.probs[1].tolist() == pytest.approx([0.75, 0.25]) and out.uncertainty is None
+
+    def test_fitted_zeta_minimises_nll_through_the_head_map(self):
+        # One question, label 1, sigma only on the wrong option: the largest zeta on the grid wins until the
+        # wrong option's alpha hits the floor (alpha 3 - zeta * 0.5 >= 1 up to zeta 4, flat after).
+        from ibedl.training.posthoc import fit_zeta
+
+        zeta, info = fit_zeta([np.array([3.0, 2.0])], [np.array([0.5, 0.0])], [1])
+        assert zeta == 4.0 and info["nll_at_zeta"] == pytest.approx(-np.log(2 / 3))
+        assert info["nll_at_0"] == pytest.approx(-np.log(2 / 5))
 
 
 def _synthetic(kind: str, n: int = 600, seed: int = 0):
