@@ -259,6 +259,7 @@ def load_base_model(
     device: str | None = None,
     dtype: torch.dtype | None = None,
     load_in_4bit: bool = False,
+    tokenizer=None,
 ):
     """Load (model, tokenizer) from a resolved reference.
 
@@ -267,6 +268,7 @@ def load_base_model(
         device: ``cpu`` or ``cuda[:i]``; default CUDA when present.
         dtype: default fp32 on CPU, bf16 on CUDA.
         load_in_4bit: NF4 quantisation with bitsandbytes (CUDA only).
+        tokenizer: the tokenizer of ``resolved`` when the caller already loaded it (returned as is); else loaded.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -285,7 +287,8 @@ def load_base_model(
             bnb_4bit_use_double_quant=True,
         )
         kwargs["device_map"] = {"": device}
-    tokenizer = AutoTokenizer.from_pretrained(resolved.path)
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(resolved.path)
     model = AutoModelForCausalLM.from_pretrained(resolved.path, **kwargs)
     # Named by its portable reference, not the directory it was read from (on this machine, a cache path):
     # PEFT writes this name into adapter_config.json as base_model_name_or_path.

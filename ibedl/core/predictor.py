@@ -323,6 +323,8 @@ class Predictor:
         load_in_4bit: bool = False,
         allow_base_mismatch: bool = False,
         backend: str = "torch",
+        resolved=None,
+        tokenizer=None,
     ) -> Predictor:
         """Load base model + adapter(s) + head(s) of an artifact directory.
 
@@ -331,9 +333,10 @@ class Predictor:
             base_model: a model reference overriding the manifest's base model name.
             allow_base_mismatch: load even when the base weights' sha256 differs from the manifest's.
             backend: inference backend of the trunk (:mod:`ibedl.core.backends`); ``auto`` picks one.
+            resolved, tokenizer: see :meth:`from_artifacts`.
         """
         (predictor,) = cls.from_artifacts([directory], base_model, device, dtype, load_in_4bit, allow_base_mismatch,
-                                          backend)
+                                          backend, resolved=resolved, tokenizer=tokenizer)
         return predictor
 
     @classmethod
@@ -346,11 +349,17 @@ class Predictor:
         load_in_4bit: bool = False,
         allow_base_mismatch: bool = False,
         backend: str = "torch",
+        resolved=None,
+        tokenizer=None,
     ) -> list[Predictor]:
         """Several artifacts on one base model, loaded once (PEFT multi-adapter): the adapters of artifact j are
         added to the shared model as ``a{j}m{i}`` (``m{i}`` for the first), and each predictor switches the model
         to its own before each forward pass (:meth:`_member_forward`). So the predictors share the trunk's
         weights and must not run forward passes concurrently (the service runs them on one thread).
+
+        ``resolved`` (an :class:`ibedl.core.base_model.ResolvedModel`) is the base model when the caller already
+        resolved it (training: once per process), instead of resolving ``base_model`` or the manifest's reference
+        again; ``tokenizer`` its tokenizer, when already loaded.
 
         Refused with :class:`BaseModelMismatchError` when the artifacts were trained on different base weights
         (one process holds one base model), and with ``ValueError`` for more than one artifact on a backend
@@ -381,14 +390,16 @@ class Predictor:
                 if m.mc_samples > 0:
                     raise ValueError(f"adapter {d} uses MC-Dropout, whose dropout stays on in the shared base model; "
                                      "serve it alone")
-        resolved = resolve_model(base_model or base.ref)
+        if resolved is None:
+            resolved = resolve_model(base_model or base.ref)
         if resolved.sha256 != base.sha256 and not allow_base_mismatch:
             raise BaseModelMismatchError(
                 f"adapter {first} was trained on {base.name} "
                 f"(sha256 {base.sha256[:12]}), but {resolved.name} has sha256 "
                 f"{resolved.sha256[:12]}"
             )
-        model, tokenizer = load_base_model(resolved, device=device, dtype=dtype, load_in_4bit=load_in_4bit)
+        model, tokenizer = load_base_model(resolved, device=device, dtype=dtype, load_in_4bit=load_in_4bit,
+                                           tokenizer=tokenizer)
         loaded = []
         for j, (directory, manifest) in enumerate(zip(directories, manifests)):
             ids = option_token_ids(tokenizer, manifest.head_config().num_rows)

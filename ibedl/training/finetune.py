@@ -31,7 +31,7 @@ from accelerate.utils import set_seed
 from tqdm import tqdm
 
 from ibedl.core.artifact import PEFT_TASK_TYPE, Manifest, files_sha256, save_head, write_manifest
-from ibedl.core.base_model import load_base_model, resolve_model
+from ibedl.core.base_model import ResolvedModel, load_base_model, resolve_model
 from ibedl.core.head import CentredEvidence, HeadConfig, build_head
 from ibedl.core.model_card import write_card
 from ibedl.core.predictor import Predictor, fits, lm_head_rows
@@ -137,19 +137,22 @@ def lr_lambda(schedule: str, total: int, warmup: int):
     return f
 
 
-def build(cfg: TrainConfig, method: Method, device: str | None = None):
+def build(cfg: TrainConfig, method: Method, device: str | None = None, resolved: ResolvedModel | None = None,
+          tokenizer=None):
     """Base model with LoRA, the method's head initialised from the LM head's option rows, a Predictor; loaded
-    on ``device`` (default ``cfg.device``)."""
+    on ``device`` (default ``cfg.device``). ``resolved`` and ``tokenizer``: the base model as :func:`train` resolved
+    it and its tokenizer (default: resolved and loaded here)."""
     from peft import LoraConfig, get_peft_model
 
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 training at TF32 matmul speed on Ampere+
         torch.backends.cudnn.allow_tf32 = True
-    resolved = resolve_model(cfg.base_model)
+    if resolved is None:
+        resolved = resolve_model(cfg.base_model)
     # Mixed precision keeps float32 weights and lets autocast run the matmuls in half precision.
     dtype = DTYPES[cfg.dtype] if cfg.dtype else (torch.float32 if cfg.mixed_precision != "no" else None)
     model, tokenizer = load_base_model(
-        resolved, device=device or cfg.device, dtype=dtype, load_in_4bit=cfg.load_in_4bit
+        resolved, device=device or cfg.device, dtype=dtype, load_in_4bit=cfg.load_in_4bit, tokenizer=tokenizer
     )
     if cfg.load_in_4bit:
         from peft import prepare_model_for_kbit_training
@@ -191,11 +194,18 @@ def build(cfg: TrainConfig, method: Method, device: str | None = None):
     return predictor, resolved, ids, params, warm
 
 
-def drop_unfit(cfg: TrainConfig, train_q, val_q, test_q):
-    """Leave out questions whose prompt exceeds max_tokens even without their passage (logged and counted)."""
+def base_tokenizer(resolved: ResolvedModel):
+    """The tokenizer of a resolved base model (what load_base_model loads beside the weights)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(cfg.base_model).path)
+    return AutoTokenizer.from_pretrained(resolved.path)
+
+
+def drop_unfit(cfg: TrainConfig, train_q, val_q, test_q, tokenizer=None):
+    """Leave out questions whose prompt exceeds max_tokens even without their passage (logged and counted).
+    ``tokenizer``: the base model's (default: loaded from ``cfg.base_model``)."""
+    if tokenizer is None:
+        tokenizer = base_tokenizer(resolve_model(cfg.base_model))
     kept, dropped = [], {}
     for role, questions in (("train", train_q), ("validation", val_q), ("test", test_q)):
         fit = [q for q in questions if fits(tokenizer, cfg.template, cfg.max_tokens, q)]
@@ -210,15 +220,17 @@ def drop_unfit(cfg: TrainConfig, train_q, val_q, test_q):
 
 
 def fit_member(cfg: TrainConfig, method: Method, params: dict, train_q, val_q, member_dir: Path, seed: int,
-               history_path: Path, member: int, accelerator: Accelerator) -> dict:
+               history_path: Path, member: int, accelerator: Accelerator, resolved: ResolvedModel | None = None,
+               tokenizer=None) -> dict:
     """Train one adapter + head (one ensemble member, or the only one) and save it into ``member_dir``.
 
     Every process runs this. A step draws processes x batch_size x gradient_accumulation_steps questions (the
     batch one process with that batch size would draw), splits them into micro-batches and each micro-batch
-    between the processes (ibedl.training.distributed).
+    between the processes (ibedl.training.distributed). ``resolved``, ``tokenizer``: see :func:`build`.
     """
     set_seed(seed)
-    predictor, resolved, ids, _, warm = build(cfg, method, device=process_device(cfg, accelerator))
+    predictor, resolved, ids, _, warm = build(cfg, method, device=process_device(cfg, accelerator),
+                                              resolved=resolved, tokenizer=tokenizer)
     model, head = predictor.model, predictor.head
     rng = random.Random(seed)
     accumulation = cfg.optim.gradient_accumulation_steps
@@ -474,17 +486,20 @@ def train(cfg: TrainConfig, command: str = "") -> Path:
     out_dir = Path(cfg.output)
     history_path = start_history(out_dir) if accelerator.is_main_process else out_dir / "history.jsonl"
     dirs = member_dirs(method, params)
+    # The base model is resolved (its weights hashed) and its tokenizer loaded once per process, then passed down.
     with accelerator.main_process_first():  # one process converts a base model the cache lacks; the others reuse it
-        resolve_model(cfg.base_model)
-    train_q, val_q, test_q, dropped = drop_unfit(cfg, train_q, val_q, test_q)
+        resolved = resolve_model(cfg.base_model)
+    tokenizer = base_tokenizer(resolved)
+    train_q, val_q, test_q, dropped = drop_unfit(cfg, train_q, val_q, test_q, tokenizer)
     runs = [
-        fit_member(cfg, method, params, train_q, val_q, out_dir / d, cfg.seed + 1000 * i, history_path, i, accelerator)
+        fit_member(cfg, method, params, train_q, val_q, out_dir / d, cfg.seed + 1000 * i, history_path, i, accelerator,
+                   resolved, tokenizer)
         for i, d in enumerate(dirs)
     ]
     if accelerator.is_main_process:
         manifest = loadable_manifest(cfg, method, params, dirs, runs[0])
         write_manifest(out_dir, manifest)  # complete enough to load; metrics follow
-        predictor = load_trained(cfg, method, params, out_dir, train_q, val_q)
+        predictor = load_trained(cfg, method, params, out_dir, train_q, val_q, resolved, tokenizer)
         sections, metrics = calibrate_and_evaluate(cfg, method, predictor, val_q, test_q)
         training = training_record(cfg, method, params, command, runs, started, sections, dropped, train_q, predictor)
         complete_manifest(manifest, predictor, sections, metrics, training)
@@ -533,13 +548,16 @@ def loadable_manifest(cfg: TrainConfig, method: Method, params: dict, dirs: list
 
 
 def load_trained(cfg: TrainConfig, method: Method, params: dict, out_dir: Path, train_q: list[MCQuestion],
-                 val_q: list[MCQuestion]) -> Predictor:
+                 val_q: list[MCQuestion], resolved: ResolvedModel | None = None, tokenizer=None) -> Predictor:
     """The artifact as the service will load it, with the method's post-hoc step fitted (e.g. Laplace:
-    a posterior over the saved adapter, its prior chosen on ``val_q``, so metrics use its predictive)."""
+    a posterior over the saved adapter, its prior chosen on ``val_q``, so metrics use its predictive).
+    ``resolved``, ``tokenizer``: the base model as :func:`train` resolved it (default: resolved here)."""
     dtype = DTYPES[cfg.dtype] if cfg.dtype else None
+    if resolved is None:
+        resolved = resolve_model(cfg.base_model)
     predictor = Predictor.from_artifact(out_dir, base_model=cfg.base_model, device=cfg.device, dtype=dtype,
-                                        load_in_4bit=cfg.load_in_4bit)
-    prefix_cache.attach(predictor, cfg.train_layers, resolve_model(cfg.base_model).sha256)
+                                        load_in_4bit=cfg.load_in_4bit, resolved=resolved, tokenizer=tokenizer)
+    prefix_cache.attach(predictor, cfg.train_layers, resolved.sha256)
     if method.posthoc is not None:
         fit_q = posthoc_questions(method, params, train_q, cfg.seed)
         log.info("post-hoc %s on %d training questions", method.name, len(fit_q))

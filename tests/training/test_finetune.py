@@ -239,3 +239,28 @@ def test_patience_validates_each_epoch_and_saves_the_best_state(tmp_path, tiny_m
     reloaded = Predictor.from_artifact(out)
     val = evaluate(reloaded, load_dataset("jsonl", "validation", path=jsonl_data, limit=12), progress=False)
     assert val.metrics["nll"] == pytest.approx(run["validation_end"]["nll"], abs=1e-5)
+
+
+def test_training_resolves_the_base_model_and_loads_its_tokenizer_once(tmp_path, tiny_model_dir, jsonl_data,
+                                                                        monkeypatch):
+    """resolve_model identifies a model directory by hashing its weights (_directory_sha; a GGUF: sha256_file of the
+    file): one training run (train, calibrate, evaluate) resolves it once and loads one tokenizer."""
+    import transformers
+
+    from ibedl.core import base_model
+
+    calls = Counter()
+    directory_sha, from_pretrained = base_model._directory_sha, transformers.AutoTokenizer.from_pretrained
+
+    def counting_sha(path):
+        calls["hash"] += 1
+        return directory_sha(path)
+
+    def counting_tokenizer(*args, **kwargs):
+        calls["tokenizer"] += 1
+        return from_pretrained(*args, **kwargs)
+
+    monkeypatch.setattr(base_model, "_directory_sha", counting_sha)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", counting_tokenizer)
+    train(config(tmp_path, tiny_model_dir, jsonl_data, "map", **{"optim.max_steps": 1}), command="pytest")
+    assert calls == {"hash": 1, "tokenizer": 1}
