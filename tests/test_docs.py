@@ -125,11 +125,11 @@ class TestConfigReference:
         from ibedl.training.config import DataConfig, DataPart, LoraSettings, OptimSettings, TrainConfig
 
         text = page("config.md")
-        keys = [f.name for f in dataclasses.fields(TrainConfig)]
+        keys = list(TrainConfig.model_fields)
         for prefix, cls in (("data.", DataConfig), ("lora.", LoraSettings), ("optim.", OptimSettings)):
-            keys += [prefix + f.name for f in dataclasses.fields(cls)]
+            keys += [prefix + name for name in cls.model_fields]
         missing = [k for k in keys if f"`{k}`" not in text]
-        missing += [f"part {f.name}" for f in dataclasses.fields(DataPart) if f"`{f.name}`" not in text]
+        missing += [f"part {name}" for name in DataPart.model_fields if f"`{name}`" not in text]
         assert not missing, f"config keys missing from docs/reference/config.md: {missing}"
 
     def test_every_method_and_its_parameters_are_documented(self):

@@ -1,15 +1,16 @@
-"""Fine-tuning configuration: dataclasses that validate on construction, read from YAML with
-``key.sub=value`` overrides from the command line."""
+"""Fine-tuning configuration: pydantic models (typed, unknown keys refused, bounds in ``Field``, validators for the
+rules across fields) read from YAML with ``key.sub=value`` overrides from the command line. A bad value is a
+ValueError naming the key and the value (:func:`describe`)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Optional, Union, get_args
 
 import re
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
 from ibedl.core.head import check_evidence_scale
 
@@ -39,157 +40,162 @@ def yaml_load(text: str):
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 
-@dataclass
-class DataPart:
+Real = Union[int, float]  # a number kept as written (an int stays an int in to_dict and the manifest)
+
+
+class _Model(BaseModel):
+    """Typed, unknown keys refused; nested models and lists of them validate on construction."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    def to_dict(self) -> dict:
+        return self.model_dump()
+
+
+class DataPart(_Model):
     """One dataset split to draw from: ``{dataset, split?, limit?, path?}``."""
 
     dataset: str
-    limit: int | None = None
-    path: str | None = None
-    split: str | None = None  # default: the role's split (train / validation / test)
-
-    def __post_init__(self) -> None:
-        if self.limit is not None and self.limit < 1:
-            raise ValueError(f"data limit must be >= 1, got {self.limit} for {self.dataset}")
+    limit: Optional[StrictInt] = Field(None, ge=1)
+    path: Optional[str] = None
+    split: Optional[str] = None  # default: the role's split (train / validation / test)
 
 
-@dataclass
-class DataConfig:
+class DataConfig(_Model):
     """Training, validation and test mixtures, and label noise on the training part."""
 
     train: list[DataPart]
     validation: list[DataPart]
-    test: list[DataPart] = field(default_factory=list)
-    label_noise: float = 0.0
+    test: list[DataPart] = Field(default_factory=list)
+    label_noise: Real = Field(0.0, ge=0.0, lt=1.0)
     noise_seed: int = 0
     # The seed of the training subsets (a part's `limit`); None: the run's seed. A second stage that
     # should see the first stage's questions again (a true second epoch) sets the first stage's seed here.
-    subset_seed: int | None = None
+    subset_seed: Optional[int] = None
 
-    def __post_init__(self) -> None:
-        for role in ("train", "validation", "test"):
-            parts = [p if isinstance(p, DataPart) else DataPart(**p) for p in getattr(self, role)]
-            setattr(self, role, parts)
-        if not self.train:
+    @field_validator("train")
+    @classmethod
+    def _some_train(cls, parts: list[DataPart]) -> list[DataPart]:
+        if not parts:
             raise ValueError("data.train must name at least one dataset")
-        if not self.validation:
+        return parts
+
+    @field_validator("validation")
+    @classmethod
+    def _some_validation(cls, parts: list[DataPart]) -> list[DataPart]:
+        if not parts:
             raise ValueError("data.validation must name at least one dataset (thresholds are chosen on it)")
-        if not 0.0 <= self.label_noise < 1.0:
-            raise ValueError(f"data.label_noise must be in [0, 1), got {self.label_noise}")
+        return parts
 
 
-@dataclass
-class LoraSettings:
-    r: int = 8
-    alpha: int = 16
-    dropout: float = 0.1
-    targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+class LoraSettings(_Model):
+    r: StrictInt = Field(8, ge=1)
+    alpha: Real = 16
+    dropout: Real = Field(0.1, ge=0.0, lt=1.0)
+    targets: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"])
 
-    def __post_init__(self) -> None:
-        if self.r < 1:
-            raise ValueError(f"lora.r must be >= 1, got {self.r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
-        if not self.targets:
+    @field_validator("targets")
+    @classmethod
+    def _some_targets(cls, targets: list[str]) -> list[str]:
+        if not targets:
             raise ValueError("lora.targets must name at least one module")
+        return targets
 
 
-@dataclass
-class OptimSettings:
-    lr: float = 5e-5
-    head_lr: float | None = None  # default: same as lr
-    weight_decay: float = 0.0
-    batch_size: int = 4
-    epochs: float = 1.0
-    max_steps: int | None = None
-    warmup_ratio: float = 0.1
-    schedule: str = "cosine"
-    clip_grad_norm: float | None = None  # default: the method's (20 for the EDL family)
+class OptimSettings(_Model):
+    lr: Real = Field(5e-5, gt=0)
+    head_lr: Optional[Real] = None  # default: same as lr
+    weight_decay: Real = 0.0
+    batch_size: StrictInt = Field(4, ge=1)
+    epochs: Real = Field(1.0, gt=0)
+    max_steps: Optional[StrictInt] = None
+    warmup_ratio: Real = Field(0.1, ge=0.0, lt=1.0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    clip_grad_norm: Optional[Real] = None  # default: the method's (20 for the EDL family)
     # Batches per optimizer step; one step then sees batch_size x processes x gradient_accumulation_steps questions.
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: StrictInt = Field(1, ge=1)
     # Early stopping: validation after every epoch (or every eval_every steps); training stops after this many passes
     # without a lower validation NLL and keeps the best state. None trains the whole budget (epochs / max_steps).
-    patience: int | None = None
+    patience: Optional[int] = None
 
-    def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
-        if self.batch_size < 1:
-            raise ValueError(f"optim.batch_size must be >= 1, got {self.batch_size}")
-        if self.epochs <= 0:
-            raise ValueError(f"optim.epochs must be > 0, got {self.epochs}")
-        if self.schedule not in ("cosine", "linear", "constant"):
-            raise ValueError(f"optim.schedule must be cosine, linear or constant, got {self.schedule!r}")
-        if not 0.0 <= self.warmup_ratio < 1.0:
-            raise ValueError(f"optim.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        if self.gradient_accumulation_steps < 1:
-            raise ValueError(f"optim.gradient_accumulation_steps must be >= 1, got {self.gradient_accumulation_steps}")
-        if self.patience is not None and (isinstance(self.patience, bool) or not isinstance(self.patience, int)
-                                          or self.patience < 1):
-            raise ValueError(f"optim.patience must be an integer >= 1 or null, got {self.patience!r}")
+    @field_validator("patience", mode="before")
+    @classmethod
+    def _patience(cls, value):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"optim.patience must be an integer >= 1 or null, got {value!r}")
+        return value
 
 
-@dataclass
-class TrainConfig:
+class TrainConfig(_Model):
     """A fine-tuning run. YAML files under ``ibedl/training/configs/`` map onto this one-to-one."""
 
     method: str
     data: DataConfig
     output: str
     base_model: str = "smollm2-135m-instruct"
-    name: str | None = None
-    version: str = "1"
-    method_params: dict = field(default_factory=dict)
+    name: Optional[str] = None
+    version: Union[str, int] = "1"
+    method_params: dict = Field(default_factory=dict)
     template: str = "plain-v1"
-    max_tokens: int = 512
-    num_rows: int = 26
-    lora: LoraSettings = field(default_factory=LoraSettings)
-    optim: OptimSettings = field(default_factory=OptimSettings)
+    max_tokens: StrictInt = Field(512, ge=16)
+    num_rows: StrictInt = Field(26, ge=2, le=26)
+    lora: LoraSettings = Field(default_factory=LoraSettings)
+    optim: OptimSettings = Field(default_factory=OptimSettings)
     seed: int = 0
-    eval_every: int = 0  # steps between validation passes (0: only at the end)
-    eval_limit: int = 200  # validation questions used by periodic passes
-    eval_batch_size: int = 8
+    eval_every: StrictInt = Field(0, ge=0)  # steps between validation passes (0: only at the end)
+    eval_limit: StrictInt = Field(200, ge=1)  # validation questions used by periodic passes
+    eval_batch_size: StrictInt = Field(8, ge=1)
     # evidential heads: "center" the first batch's pre-evidence, "none", or a value
-    evidence_bias: str | float = "center"
+    evidence_bias: Union[str, Real] = "center"
     train_evidence_bias: bool = True  # False keeps that shared offset fixed during training
     centre_options: bool = False  # evidential heads: pre-evidence minus its mean over the question's options
-    evidence_scale: float = 1.0  # evidential heads: pre-evidence = s * (W h) + b (HeadConfig.evidence_scale)
+    evidence_scale: Real = 1.0  # evidential heads: pre-evidence = s * (W h) + b (HeadConfig.evidence_scale)
     # an artifact whose LoRA weights and option rows start this run (ibedl.training.warm_start)
-    init_from: str | None = None
-    train_layers: int | None = None  # LoRA trains in the top K decoder layers only; the states below are cached
-    target_accuracy: float = 0.8
+    init_from: Optional[str] = None
+    train_layers: Optional[int] = None  # LoRA trains in the top K decoder layers only; the states below are cached
+    target_accuracy: Real = Field(0.8, gt=0, le=1)
     fit_zeta: bool = True
-    reference_size: int = 1000
-    device: str | None = None
-    dtype: str | None = None  # float32 | bfloat16 | float16; default by device (float32 under mixed_precision)
+    reference_size: StrictInt = Field(1000, ge=10)
+    device: Optional[str] = None
+    # float32 | bfloat16 | float16; default by device (float32 under mixed_precision)
+    dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
     # bf16 | fp16: autocast on CUDA (ibedl.training.distributed); head and losses stay float32
-    mixed_precision: str = "no"
+    mixed_precision: Literal[PRECISIONS] = "no"
     fsdp: bool = False  # under accelerate launch: FSDP2 shards the base model instead of replicating it (DDP)
     load_in_4bit: bool = False
-    threads: int | None = None
+    threads: Optional[StrictInt] = Field(None, ge=1)
     progress: bool = True
-    track: str | None = None  # tensorboard | mlflow: losses, metrics and the manifest through accelerate's trackers
+    track: Optional[Literal[TRACKERS]] = None  # tensorboard | mlflow: losses, metrics and the manifest (accelerate)
     track_dir: str = "runs"  # TensorBoard logs under <track_dir>/<name>; MLflow's artifact location
 
-    def __post_init__(self) -> None:
-        if isinstance(self.data, dict):
-            self.data = DataConfig(**self.data)
-        if isinstance(self.lora, dict):
-            self.lora = LoraSettings(**self.lora)
-        if isinstance(self.optim, dict):
-            self.optim = OptimSettings(**self.optim)
-        if self.max_tokens < 16:
-            raise ValueError(f"max_tokens must be >= 16, got {self.max_tokens}")
-        if not 2 <= self.num_rows <= 26:
-            raise ValueError(f"num_rows must be in 2..26, got {self.num_rows}")
-        if not 0 < self.target_accuracy <= 1:
-            raise ValueError(f"target_accuracy must be in (0, 1], got {self.target_accuracy}")
-        if self.dtype not in (None, "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.mixed_precision not in PRECISIONS:
-            raise ValueError(f"mixed_precision must be one of {list(PRECISIONS)}, got {self.mixed_precision!r}")
-        if self.track is not None and self.track not in TRACKERS:
-            raise ValueError(f"track must be one of {list(TRACKERS)}, got {self.track!r}")
+    @field_validator("evidence_bias", mode="before")
+    @classmethod
+    def _evidence_bias(cls, value):
+        if not (value in ("center", "none") or (isinstance(value, (int, float)) and not isinstance(value, bool))):
+            raise ValueError(f"evidence_bias must be 'center', 'none' or a number, got {value!r}")
+        return value
+
+    @field_validator("evidence_scale", mode="before")
+    @classmethod
+    def _evidence_scale(cls, value):
+        return check_evidence_scale(value)
+
+    @field_validator("init_from")
+    @classmethod
+    def _init_from(cls, value):
+        if value is not None and not (Path(value) / "manifest.json").is_file():
+            raise ValueError(f"init_from must be an artifact directory with a manifest.json, got {value!r}")
+        return value
+
+    @field_validator("train_layers", mode="before")
+    @classmethod
+    def _train_layers(cls, value):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"train_layers must be a positive number of top layers or null, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> TrainConfig:
         if self.fsdp and self.load_in_4bit:
             raise ValueError("fsdp cannot shard a 4-bit base (load_in_4bit); use one or the other")
         if self.fsdp and self.optim.patience:
@@ -198,45 +204,110 @@ class TrainConfig:
         if self.fsdp and self.eval_every:
             raise ValueError("fsdp trains without periodic validation (eval_every must be 0): the head is sharded "
                              "between steps; the artifact is still validated at the end")
-        if not (self.evidence_bias in ("center", "none") or isinstance(self.evidence_bias, (int, float))):
-            raise ValueError(f"evidence_bias must be 'center', 'none' or a number, got {self.evidence_bias!r}")
-        check_evidence_scale(self.evidence_scale)
-        if self.init_from is not None and not (Path(self.init_from) / "manifest.json").is_file():
-            raise ValueError(f"init_from must be an artifact directory with a manifest.json, got {self.init_from!r}")
-        if self.train_layers is not None and (isinstance(self.train_layers, bool)
-                                              or not isinstance(self.train_layers, int) or self.train_layers < 1):
-            raise ValueError(f"train_layers must be a positive number of top layers or null, got {self.train_layers!r}")
         if self.train_layers is not None and self.fsdp:
             raise ValueError("train_layers runs the top layers on cached states, which fsdp cannot shard; use one or "
                              "the other")
         if self.name is None:
             self.name = Path(self.output).name
+        return self
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise ValueError(describe(e)) from None
+
+
+_NESTED = {"data": DataConfig, "lora": LoraSettings, "optim": OptimSettings}
+
+
+def _bounds(model: type[BaseModel], name: str) -> str | None:
+    """'in [0, 1)', '> 0', '>= 1', ... from a field's Field(ge/gt/le/lt) bounds; None without any."""
+    low = high = None
+    for m in model.model_fields[name].metadata:
+        for attr, kind in (("ge", "["), ("gt", "("), ("le", "]"), ("lt", ")")):
+            value = getattr(m, attr, None)
+            if value is not None:
+                if kind in "[(":
+                    low = (kind, value)
+                else:
+                    high = (kind, value)
+    if low and high:
+        return f"in {low[0]}{low[1]:g}, {high[1]:g}{high[0]}"
+    if low:
+        return f"{'>=' if low[0] == '[' else '>'} {low[1]:g}"
+    if high:
+        return f"{'<=' if high[0] == ']' else '<'} {high[1]:g}"
+    return None
+
+
+def describe(error: ValidationError) -> str:
+    """A pydantic ValidationError as one line per bad key, naming the key (``optim.lr``) and the value given:
+    ``optim.lr must be > 0, got -1``. The validators' own messages (they name key and value) are kept as they are."""
+    lines, seen = [], set()
+    model = {"TrainConfig": TrainConfig, **{m.__name__: m for m in (*_NESTED.values(), DataPart)}}.get(error.title)
+    errors = error.errors()
+    for e in errors:
+        loc = [p for p in e["loc"] if not _is_tag(p)]  # field names and list indices
+        key = ".".join(str(p) for p in loc)
+        if key in seen:
+            continue  # a union's alternatives each report the same bad value
+        seen.add(key)
+        if e["type"] == "value_error":
+            lines.append(str(e["ctx"]["error"]))
+            continue
+        names = [p for p in loc if isinstance(p, str)]
+        owner = _owner(model, names)
+        bounds = _bounds(owner, names[-1]) if owner is not None and names and names[-1] in owner.model_fields else None
+        types = {x["type"] for x in errors if [p for p in x["loc"] if not _is_tag(p)] == loc}
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown config keys [{key!r}]")
+        elif e["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal") and bounds:
+            lines.append(f"{key} must be {bounds}, got {e['input']!r}")
+        elif e["type"] == "literal_error":
+            lines.append(f"{key} must be {e['ctx']['expected']}, got {e['input']!r}")
+        elif types & {"float_parsing", "float_type"}:
+            lines.append(f"{key} must be a number, got {e['input']!r}")
+        elif types & {"int_parsing", "int_type", "int_from_float"}:
+            lines.append(f"{key} must be an integer, got {e['input']!r}")
+        else:
+            lines.append(f"{key}: {e['msg'][:1].lower()}{e['msg'][1:]}, got {e['input']!r}")
+    return "; ".join(lines)
+
+
+def _is_tag(part) -> bool:
+    """A union member's or validator's tag in a pydantic error location (``int``, ``literal['center','none']``,
+    ``function-before[...]``), not a key."""
+    return isinstance(part, str) and (part in ("int", "float", "str", "bool", "none")
+                                      or not part.replace("_", "a").isalnum())
+
+
+def _owner(model: type[BaseModel] | None, loc: list[str]) -> type[BaseModel] | None:
+    """The model that declares the last key of ``loc`` (a path of field names from ``model``)."""
+    for part in loc[:-1]:
+        if model is None or part not in model.model_fields:
+            return None
+        sub = model.model_fields[part].annotation
+        sub = next((a for a in (sub, *get_args(sub)) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if sub is None:
+            args = [a for a in get_args(model.model_fields[part].annotation)]
+            sub = next((a for a in args if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        model = sub
+    return model
 
 
 def config_keys_help() -> str:
-    """Every config key with its default (``--help`` of the training commands), read from the dataclasses above,
+    """Every config key with its default (``--help`` of the training commands), read from the models above,
     so the list cannot drift from what ``load_config`` accepts."""
-    import dataclasses
 
     def walk(cls, prefix: str):
-        for f in dataclasses.fields(cls):
-            key = prefix + f.name
-            nested = (None if prefix
-                      else {"data": DataConfig, "lora": LoraSettings, "optim": OptimSettings}.get(f.name))
+        for name, f in cls.model_fields.items():
+            key = prefix + name
+            nested = None if prefix else _NESTED.get(name)
             if nested is not None:
                 yield from walk(nested, key + ".")
                 continue
-            if f.default is not dataclasses.MISSING:
-                default = f.default
-            elif f.default_factory is not dataclasses.MISSING:
-                default = f.default_factory()
-            else:
-                default = "(required)"
-            if isinstance(default, list) and default and isinstance(default[0], DataPart):
-                default = "(required)"
+            default = "(required)" if f.is_required() else f.get_default(call_default_factory=True)
             yield f"  {key} = {default}"
 
     lines = list(walk(TrainConfig, ""))
@@ -280,17 +351,11 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
             raise ValueError(f"{path}: expected a mapping at the top level")
     data = apply_overrides(data, list(overrides))
     _check_keys(TrainConfig, data, "")
-    try:
-        return TrainConfig(**data)
-    except TypeError as e:
-        raise ValueError(f"invalid config: {e}") from e
-
-
-_NESTED = {"data": DataConfig, "lora": LoraSettings, "optim": OptimSettings}
+    return TrainConfig(**data)
 
 
 def _check_keys(cls, data: dict, prefix: str) -> None:
-    names = {f.name for f in fields(cls)}
+    names = set(cls.model_fields)
     unknown = sorted(set(data) - names)
     if unknown:
         raise ValueError(f"unknown config keys {[prefix + k for k in unknown]}; known: {sorted(names)}")
@@ -299,4 +364,4 @@ def _check_keys(cls, data: dict, prefix: str) -> None:
             _check_keys(sub, data[key], f"{key}.")
 
 
-__all__ = ["TrainConfig", "DataConfig", "DataPart", "LoraSettings", "OptimSettings", "load_config"]
+__all__ = ["TrainConfig", "DataConfig", "DataPart", "LoraSettings", "OptimSettings", "load_config", "describe"]

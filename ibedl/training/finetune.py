@@ -607,9 +607,9 @@ def training_record(cfg: TrainConfig, method: Method, params: dict, command: str
         "command": command,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "config": cfg.to_dict(),
-        "data": {role: [vars(p) for p in getattr(cfg.data, role)] for role in ("train", "validation", "test")},
+        "data": {role: [p.to_dict() for p in getattr(cfg.data, role)] for role in ("train", "validation", "test")},
         "label_noise": cfg.data.label_noise,
-        "lora": vars(cfg.lora),
+        "lora": cfg.lora.to_dict(),
         "zeta": sections["calibration"]["posthoc"] if method.calibrates_posthoc and cfg.fit_zeta else None,
         "posthoc": getattr(predictor, "posthoc_info", None),  # what a post-hoc step chose (Laplace's prior)
         "dropped_too_long": dropped,
