@@ -200,3 +200,28 @@ def test_a_config_can_start_from_another(tmp_path):
     assert config["method_params"] == {"ib_edl": {"beta": 1e-5, "risk": "nll", "sigma_constant": 0.5},
                                        "ensemble": {"members": 3}}
     assert "search" not in config and "base" not in config
+
+
+def test_training_summary_reads_start_end_and_zeta_from_the_manifest():
+    from ibedl.training.experiments.benchmark import training_summary
+
+    def member(acc_start, acc_end, stopped):
+        start = {"accuracy": acc_start, "mean_confidence": 0.7, "ece": 0.2, "nll": 0.6, "brier": 0.3}
+        end = {**start, "accuracy": acc_end, "nll": 0.4}
+        return {"validation_start": start, "validation_end": end, "stopped_step": stopped, "best_step": stopped - 76,
+                "budget_steps": 760, "stopped_by": "patience"}
+
+    ensemble = {"training": {"run": {"members": [member(0.5, 0.7, 152), member(0.5, 0.9, 228)]}, "zeta": None},
+                "metrics": {"validation": {"ece": 0.1}}}
+    summary = training_summary(ensemble)
+    assert summary["validation_start"]["accuracy"] == 0.5
+    assert summary["validation_end"]["accuracy"] == pytest.approx(0.8)
+    assert summary["steps"] == [152, 228] and summary["best_steps"] == [76, 152] and summary["budget_steps"] == 760
+    assert summary["stopped_by"] == ["patience", "patience"] and summary["zeta"] is None
+    single = {"training": {"run": member(0.6, 0.8, 100), "zeta": {"zeta": -2.0}},
+              "metrics": {"validation": {"ece": 0.05}}}
+    summary = training_summary(single)
+    assert summary["validation_end"]["accuracy"] == 0.8 and summary["zeta"] == {"zeta": -2.0}
+    assert summary["validation_after_posthoc"] == {"ece": 0.05}
+    # a run recorded before start and end metrics existed
+    assert training_summary({"training": {"run": {"steps": 38}}})["validation_start"] is None
