@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 from ibedl.core.artifact import atomic_write_text
 from ibedl.training.config import apply_overrides, yaml_load
@@ -73,7 +74,10 @@ def load_benchmark_config(path: str | Path, overrides: list[str] = ()) -> dict:
     replaces its top-level keys, except ``method_params`` and ``method_train``, merged per method and key; ``search``
     is not inherited. Then ``key.sub=value`` overrides."""
     path = Path(path)
-    config = yaml_load(path.read_text())
+    try:
+        config = yaml_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: invalid YAML: {e}") from e
     if not isinstance(config, dict):
         raise ValueError(f"{path}: expected a mapping at the top level")
     if "base" in config:
