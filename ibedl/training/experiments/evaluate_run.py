@@ -146,16 +146,16 @@ def main(argv: list[str] | None = None) -> int:
     if method.num_mc_samples(params):  # the predictive of a method trained as the artifact was (MC-Dropout on MAP)
         predictor.mc_samples = method.num_mc_samples(params)
         predictor.eval()
+    # The run's training and validation questions, drawn once: the post-hoc step and the Mahalanobis score use them.
+    cfg, train_q, val_q = run_questions(predictor.manifest.training) if predictor.manifest.training else (None, [], [])
     posthoc = None
     if method.posthoc is not None:  # fitted on the questions the run trained and was calibrated on, as finetune does
-        cfg, train_q, val_q = run_questions(predictor.manifest.training)
         fit_q = posthoc_questions(method, params, train_q, cfg.seed)
         start = time.perf_counter()
         predictor = method.posthoc.fit(predictor, fit_q, val_q, params)
         # what the post-hoc step chose (Laplace's prior precision) and its cost, data loading left out
         posthoc = {**(getattr(predictor, "posthoc_info", None) or {}), "fit_seconds": time.perf_counter() - start}
     # Feature-space OOD score: class-conditional Gaussians on the run's validation (calibration) questions.
-    val_q = run_questions(predictor.manifest.training)[2] if predictor.manifest.training else []
     maha = Mahalanobis.fit(features(predictor, val_q, args.batch_size)[1], [q.answer for q in val_q]) if val_q else None
     out = {"artifact": str(args.artifact), "method": args.method, "sets": {},
            "mahalanobis": None if maha is None else {"n": len(val_q), "shrinkage": maha.shrinkage}}
