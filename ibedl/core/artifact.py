@@ -28,11 +28,11 @@ from safetensors.torch import load_file, save_file
 
 from ibedl.core.base_model import portable_ref, sha256_file
 from ibedl.core.conformal import ConformalScore, alpha_key
-from ibedl.core.head import HeadConfig, OptionHead, build_head
+from ibedl.core.head import POSTHOC_NEUTRAL, HeadConfig, OptionHead, build_head
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 MIGRATE_COMMAND = "python -m ibedl.core.migrate"
 MANIFEST = "manifest.json"
 HEAD_FILE = "head.safetensors"
@@ -169,6 +169,59 @@ class PromptConfig:
         return _section(cls, "prompt", data)
 
 
+@dataclass
+class BackendCalibration:
+    """One calibration made on another backend than the manifest's top-level one (``calibrated_on``): the same
+    sections, computed by ibedl.training.calibrate from the model's raw outputs on that backend and precision.
+
+    Attributes:
+        head: the head's post-hoc parameter fitted on this backend (``zeta`` or ``temperature``; empty: neutral).
+        abstention: the thresholds served on this backend and how they were chosen.
+        conformal: split-conformal quantiles of this backend's outputs, or empty.
+        calibration: what ibedl.training.calibrate did (data, post-hoc fit, gate, risk control, command).
+        reference: ``uncertainty`` and ``confidence`` samples of this backend's outputs, for drift monitoring.
+        metrics: split name -> metrics of this backend's calibrated outputs (``--evaluate-split``).
+    """
+
+    head: dict = field(default_factory=dict)
+    abstention: dict = field(default_factory=lambda: asdict(Abstention()), metadata={"section": Abstention})
+    conformal: dict = field(default_factory=dict, metadata={"section": Conformal, "may_be_empty": True})
+    calibration: dict = field(default_factory=dict)
+    reference: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.head) - set(POSTHOC_NEUTRAL))
+        if unknown:
+            raise ValueError(f"a backend calibration's head sets only {sorted(POSTHOC_NEUTRAL)}, got {unknown}")
+        Abstention(**self.abstention)
+        if self.conformal:
+            Conformal(**self.conformal)
+
+
+@dataclass(frozen=True)
+class ServedCalibration:
+    """The calibration a predictor on one backend serves with (:meth:`Manifest.calibration_for`).
+
+    Attributes:
+        key: the backend and precision it was made on (``torch-fp32``, ``openvino-bf16``, ...).
+        head: the head's post-hoc parameter it fitted (``zeta`` or ``temperature``).
+        thresholds: the abstention thresholds.
+        conformal: the stored conformal quantiles, or None (never calibrated).
+        record: what ibedl.training.calibrate did (the manifest's ``calibration``), empty when never calibrated.
+        reference: the drift reference samples.
+        metrics: the metrics recorded for this calibration.
+    """
+
+    key: str
+    head: dict
+    thresholds: Abstention
+    conformal: Conformal | None
+    record: dict
+    reference: dict
+    metrics: dict
+
+
 def _section(cls, name: str, data):
     """``cls(**data)`` for the manifest section ``name``; ArtifactError naming what is wrong."""
     if not isinstance(data, dict):
@@ -203,6 +256,11 @@ class Manifest:
         conformal: split-conformal quantiles, or empty when the adapter was never calibrated.
         calibration: what ibedl.training.calibrate did (data, post-hoc fit, gate, risk control), or empty.
         reference: ``uncertainty`` and ``confidence`` samples and their ``split``, for drift monitoring.
+        calibrated_on: the backend and precision whose raw outputs the head's post-hoc parameter, ``abstention``,
+            ``conformal``, ``calibration`` and ``reference`` were computed from (ibedl.core.backends.calibration_key:
+            ``torch-fp32``, ``torch-cuda-bf16``, ``openvino-bf16``, ...).
+        backend_calibrations: backend and precision -> the same sections calibrated on that backend
+            (``python -m ibedl.training.calibrate --backend NAME``); the service serves the one matching its backend.
         files: sha256 of each weight file (adapter and head safetensors of every member) by its path
             relative to the artifact; empty where not recorded (artifacts migrated from schema version 1
             before ``python -m ibedl.core.migrate`` wrote them).
@@ -227,6 +285,8 @@ class Manifest:
     conformal: dict = field(default_factory=dict, metadata={"section": Conformal, "may_be_empty": True})
     calibration: dict = field(default_factory=dict)
     reference: dict = field(default_factory=dict)
+    calibrated_on: str = "torch-fp32"
+    backend_calibrations: dict[str, dict] = field(default_factory=dict, metadata={"values": BackendCalibration})
     files: dict[str, str] = field(default_factory=dict)
     limitations: list[str] = field(default_factory=list)
     schema_version: int = field(default=SCHEMA_VERSION, metadata={"const": True})
@@ -253,6 +313,14 @@ class Manifest:
             raise ArtifactError(f"mc_samples must be >= 0, got {self.mc_samples}")
         if not all(isinstance(x, str) for x in self.limitations):
             raise ArtifactError(f"manifest limitations must be a list of strings, got {self.limitations!r}")
+        if not isinstance(self.backend_calibrations, dict) or self.calibrated_on in self.backend_calibrations:
+            raise ArtifactError(f"manifest backend_calibrations must be an object without calibrated_on "
+                                f"({self.calibrated_on!r}), whose calibration is the top-level one")
+        for key, data in self.backend_calibrations.items():
+            try:
+                _section(BackendCalibration, f"backend_calibrations.{key}", data)
+            except ValueError as e:
+                raise ArtifactError(f"invalid manifest backend_calibrations.{key}: {e}") from e
 
     def base_model_ref(self) -> BaseModelRef:
         return BaseModelRef.from_dict(self.base_model)
@@ -271,6 +339,40 @@ class Manifest:
 
     def conformal_sets(self) -> Conformal | None:
         return Conformal(**self.conformal) if self.conformal else None
+
+    def calibration_keys(self) -> list[str]:
+        """The backends and precisions this manifest carries a calibration for, the top-level one first."""
+        return [self.calibrated_on, *self.backend_calibrations]
+
+    def calibration_for(self, key: str) -> ServedCalibration | None:
+        """The calibration made on backend and precision ``key``, or None when the manifest carries none."""
+        if key == self.calibrated_on:
+            head = self.head_config()
+            return ServedCalibration(key, {} if head.posthoc_key is None else
+                                     {head.posthoc_key: getattr(head, head.posthoc_key)},
+                                     self.thresholds(), self.conformal_sets(), self.calibration, self.reference,
+                                     self.metrics)
+        if key not in self.backend_calibrations:
+            return None
+        c = BackendCalibration(**self.backend_calibrations[key])
+        return ServedCalibration(key, c.head, Abstention(**c.abstention), Conformal(**c.conformal) if c.conformal
+                                 else None, c.calibration, c.reference, c.metrics)
+
+    def set_calibration(self, key: str, head: dict, sections: dict, metrics: dict | None = None) -> None:
+        """Record a calibration made on ``key``: the top-level sections (and the head's post-hoc parameter) when
+        ``key`` is ``calibrated_on``, else ``backend_calibrations[key]``. ``sections``: ``abstention``,
+        ``conformal``, ``calibration``, ``reference`` (ibedl.training.calibrate.calibrate_outputs); ``metrics``:
+        split -> metrics measured under it."""
+        if key == self.calibrated_on:
+            self.head = {**self.head, **head}
+            for name in ("abstention", "conformal", "calibration", "reference"):
+                setattr(self, name, sections[name])
+            self.metrics.update(metrics or {})
+            return
+        entry = BackendCalibration(head=dict(head), metrics=dict(metrics or {}),
+                                   **{name: sections[name] for name in ("abstention", "conformal", "calibration",
+                                                                        "reference")})
+        self.backend_calibrations[key] = asdict(entry)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -304,9 +406,25 @@ def _v1_to_v2(data: dict) -> dict:
     return data
 
 
+def _v2_to_v3(data: dict) -> dict:
+    """Version 3: calibrations per backend. ``calibrated_on`` names the backend and precision of the top-level
+    calibration: the torch model in the precision training ran it in (``torch-fp32`` on the CPU; on CUDA the
+    training dtype, bfloat16 unless one was set, ``nf4`` with a 4-bit base); ``backend_calibrations`` is new
+    (empty)."""
+    from ibedl.core.backends import calibration_key
+
+    training = data.get("training") if isinstance(data.get("training"), dict) else {}
+    config = training.get("config") if isinstance(training.get("config"), dict) else {}
+    device = str(training.get("device") or "cpu")
+    dtype = config.get("dtype") or ("bfloat16" if device.startswith("cuda") else "float32")
+    data.setdefault("calibrated_on", calibration_key("torch", device, dtype, bool(config.get("load_in_4bit"))))
+    data.setdefault("backend_calibrations", {})
+    return data
+
+
 # MIGRATIONS[k] turns a version-k manifest dict into version k + 1. A format change adds one function here,
 # bumps SCHEMA_VERSION, and regenerates the JSON Schema (python -m ibedl.core.manifest_schema).
-MIGRATIONS = {1: _v1_to_v2}
+MIGRATIONS = {1: _v1_to_v2, 2: _v2_to_v3}
 
 
 def migrate(data: dict) -> dict:

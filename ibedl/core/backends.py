@@ -2,13 +2,19 @@
 batch into the (B, d) hidden state of each prompt's last real token. The option head, Dirichlet outputs and
 abstention stay the predictor's own code whatever the backend.
 
-``torch`` (the default): the PEFT model as loaded (fp32 eager on CPU). ``auto``: ``openvino-fp32`` for a single
-adapter on the CPU with openvino installed, else ``torch`` (CUDA, MC-Dropout, ensembles). ``openvino-bf16``: the
-fp32 IR run with bfloat16 matmuls (fp32 accumulation) on CPUs with native bf16 instructions (AVX512-BF16, AMX).
-``openvino``: the LoRA-merged trunk converted once to OpenVINO IR with int8 weights (asymmetric, one scale per 64
-input channels), decompressed inside the CPU plugin's matmul kernels; activations stay fp32. ``openvino-fp32``:
-the same IR without compression (to separate conversion from quantisation). IR are cached under
-``IBEDL_CACHE_DIR/backends``, keyed by base model, adapter and backend.
+``auto`` (the default): the fastest backend this machine runs for which the artifact carries a calibration
+(:func:`choose_backend`): ``openvino-bf16`` on CPUs with native bfloat16, else ``openvino-fp32``, else ``torch``
+(CUDA, MC-Dropout, ensembles, no openvino, or no calibration made on OpenVINO). ``torch``: the PEFT model as
+loaded (fp32 eager on CPU). ``openvino-fp32``: the LoRA-merged trunk converted once to OpenVINO IR.
+``openvino-bf16``: that fp32 IR run with bfloat16 matmuls (fp32 accumulation) on CPUs with native bf16
+instructions (AVX512-BF16, AMX). ``openvino``: the IR with int8 weights (asymmetric, one scale per 64 input
+channels), decompressed inside the CPU plugin's matmul kernels; activations stay fp32. ``openvino-int8``: static
+int8 (weights and activations) by NNCF post-training quantisation on a calibration sample (the ``int8`` extra).
+IR are cached under ``IBEDL_CACHE_DIR/backends``, keyed by base model, adapter and backend.
+
+A guarantee is a property of the weights and of the arithmetic that runs them: thresholds and conformal quantiles
+are calibrated per backend and precision (:func:`calibration_key`), and the service serves the calibration that
+matches its backend (ibedl.core.artifact.Manifest.calibration_for).
 """
 
 from __future__ import annotations
@@ -29,15 +35,13 @@ from ibedl.core.base_model import MARKER, cache_dir, sha256_file
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("torch", "openvino", "openvino-fp32", "openvino-bf16", "auto")
-# torch stays the default: on 200 SciQ test questions on quiet cores (benchmarks/results/cpu_backends.json) the fp32
-# IR served 1.52x torch's batch-8 throughput (1.63x at batch 1) with torch's answers, under the 2x that would justify
-# its cost: a served replica holds both models (2.7-2.9 GB RSS against the compose file's 2 GB limit). bf16 served
-# 2.42x but moved probabilities by up to 0.090 and changed 1 answer in 200; int8 was no faster (1.36x) and moved
-# them by up to 0.053.
-DEFAULT_BACKEND = "torch"
-# What ``auto`` runs on the CPU.
-AUTO_CPU_BACKEND = "openvino-fp32"
+BACKENDS = ("torch", "openvino", "openvino-fp32", "openvino-bf16", "openvino-int8", "auto")
+# On 200 SciQ test questions on quiet cores (benchmarks/results/cpu_backends.json) the fp32 IR served 1.52x torch's
+# batch-8 throughput with torch's answers and bf16 2.42x; bf16 moves single probabilities by up to 0.09, which a
+# calibration made on bf16's own outputs accounts for. So ``auto`` is the default and tries these, fastest first,
+# keeping the first this CPU runs for which the artifact carries a calibration.
+DEFAULT_BACKEND = "auto"
+AUTO_ORDER = ("openvino-bf16", "openvino-fp32")
 CACHE_FORMAT = 1  # bump when the exported graph or its compression changes
 # Measured on 30 SciQ validation questions (max |p - p_torch|): int8 per output channel (nncf's INT8 modes)
 # 0.026-0.04; per 64 input channels 0.003. The plugin's dynamic int8 activations (groups of 16 / 64) added
@@ -47,8 +51,10 @@ GROUP_SIZE = 64
 # once for both) and lets the CPU plugin run matmuls in bfloat16; on 96 SciQ validation questions it served 2.6x
 # torch's batch-8 throughput with torch's answers and max |p - p_torch| 0.030. The plugin's per-node "keep fp32"
 # marks did not change that error here.
-IR_OF = {"openvino": "openvino", "openvino-fp32": "openvino-fp32", "openvino-bf16": "openvino-fp32"}
-PRECISION_OF = {"openvino": "f32", "openvino-fp32": "f32", "openvino-bf16": "bf16"}
+IR_OF = {"openvino": "openvino", "openvino-fp32": "openvino-fp32", "openvino-bf16": "openvino-fp32",
+         "openvino-int8": "openvino-int8"}
+PRECISION_OF = {"openvino": "f32", "openvino-fp32": "f32", "openvino-bf16": "bf16", "openvino-int8": "f32"}
+_SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def check_backend(name: str) -> str:
@@ -56,6 +62,21 @@ def check_backend(name: str) -> str:
     if name not in BACKENDS:
         raise ValueError(f"unknown inference backend {name!r}; choose one of {', '.join(BACKENDS)}")
     return name
+
+
+def calibration_key(backend: str, device="cpu", dtype="float32", load_in_4bit: bool = False) -> str:
+    """The name of the arithmetic a calibration was made on (the manifest's ``calibrated_on`` and the keys of its
+    ``backend_calibrations``): an OpenVINO backend's own name (its precision is in it), ``torch-<precision>`` for
+    torch on the CPU, ``torch-cuda-[nf4-]<precision>`` on CUDA. ``dtype``: a torch dtype or its name."""
+    if check_backend(backend) == "auto":
+        raise ValueError("calibration_key needs a concrete backend; resolve auto first (choose_backend)")
+    if backend != "torch":
+        return backend
+    name = str(dtype).removeprefix("torch.")
+    if name not in _SHORT_DTYPES:
+        raise ValueError(f"no calibration key for dtype {dtype!r}; expected one of {sorted(_SHORT_DTYPES)}")
+    on_cuda = str(device).startswith("cuda")
+    return "-".join(["torch", *(["cuda"] if on_cuda else []), *(["nf4"] if load_in_4bit else []), _SHORT_DTYPES[name]])
 
 
 class LastTokenTrunk(torch.nn.Module):
@@ -189,32 +210,50 @@ def openvino_trunk(model, tokenizer, artifact: Path, member: str, base_sha256: s
     return OpenVINOTrunk(core.compile_model(target / "trunk.xml", "CPU", config), target)
 
 
-def choose_backend(backend: str, predictor) -> str:
-    """The concrete backend ``auto`` means for this predictor (other names unchanged)."""
-    if check_backend(backend) != "auto":
-        return backend
-    reason = None
+def _runs_openvino(predictor) -> str | None:
+    """Why OpenVINO cannot run this predictor's trunk, or None when it can."""
     if predictor.device.type != "cpu":
-        reason = f"device {predictor.device}"
-    elif len(predictor.heads) > 1 or predictor.mc_samples > 0:
-        reason = "MC-Dropout and ensembles run on torch"
-    else:
-        try:
-            import openvino  # noqa: F401
-        except ImportError:
-            reason = "openvino is not installed (pip install -e '.[serve]')"
-    if reason:
-        log.info("inference backend auto -> torch (%s)", reason)
-        return "torch"
-    log.info("inference backend auto -> %s", AUTO_CPU_BACKEND)
-    return AUTO_CPU_BACKEND
+        return f"device {predictor.device}"
+    if len(predictor.heads) > 1 or predictor.mc_samples > 0:
+        return "MC-Dropout and ensembles run on torch"
+    try:
+        import openvino  # noqa: F401
+    except ImportError:
+        return "openvino is not installed (pip install -e '.[serve]')"
+    return None
+
+
+def choose_backend(backend: str, predictor) -> tuple[str, str]:
+    """(concrete backend, why) for ``backend`` on this predictor: ``auto`` becomes the first of
+    :data:`AUTO_ORDER` that this machine runs and for which the predictor's manifest carries a calibration, else
+    ``torch``; another name is kept."""
+    if check_backend(backend) != "auto":
+        return backend, "named"
+    reason = _runs_openvino(predictor)
+    if reason is None:
+        carried = predictor.manifest.calibration_keys() if predictor.manifest is not None else []
+        skipped = []
+        for name in AUTO_ORDER:
+            if PRECISION_OF[name] == "bf16" and not native_bf16():
+                skipped.append(f"{name}: this CPU has no native bfloat16")
+            elif name not in carried:
+                skipped.append(f"{name}: the artifact carries no calibration made on it")
+            else:
+                why = "the fastest backend this CPU runs with a calibration in the artifact"
+                return name, why + (f" ({'; '.join(skipped)})" if skipped else "")
+        reason = "; ".join(skipped)
+    return "torch", f"the fallback: {reason}"
 
 
 def build_trunk(backend: str, predictor, artifact: Path, base_sha256: str):
     """The trunk callable of ``backend`` for a loaded predictor; None for ``torch`` (the predictor's own path).
-    Records the concrete backend (``auto`` resolved) as ``predictor.backend``."""
-    backend = choose_backend(backend, predictor)
-    predictor.backend = backend
+    Records the concrete backend (``auto`` resolved) as ``predictor.backend`` and why as ``predictor.backend_reason``
+    (logged when ``auto`` chose)."""
+    requested = backend
+    backend, reason = choose_backend(backend, predictor)
+    predictor.backend, predictor.backend_reason = backend, reason
+    if requested == "auto":
+        log.info("inference backend auto -> %s (%s)", backend, reason)
     if backend == "torch":
         return None
     if len(predictor.heads) > 1 or predictor.mc_samples > 0:
@@ -227,5 +266,5 @@ def build_trunk(backend: str, predictor, artifact: Path, base_sha256: str):
     return openvino_trunk(predictor.model, predictor.tokenizer, artifact, member, base_sha256, backend)
 
 
-__all__ = ["BACKENDS", "DEFAULT_BACKEND", "AUTO_CPU_BACKEND", "check_backend", "choose_backend", "build_trunk",
-           "LastTokenTrunk", "OpenVINOTrunk"]
+__all__ = ["BACKENDS", "DEFAULT_BACKEND", "AUTO_ORDER", "check_backend", "calibration_key", "choose_backend",
+           "build_trunk", "LastTokenTrunk", "OpenVINOTrunk"]

@@ -90,8 +90,13 @@ def dataclass_schema(cls) -> dict:
     docs = attribute_docs(cls)
     properties, required = {}, []
     for f in dataclasses.fields(cls):
-        section = f.metadata.get("section")
-        prop = dataclass_schema(section) if section is not None else type_schema(hints[f.name])
+        section, values = f.metadata.get("section"), f.metadata.get("values")
+        if section is not None:
+            prop = dataclass_schema(section)
+        elif values is not None:  # an object of sections by name
+            prop = {"type": "object", "additionalProperties": dataclass_schema(values)}
+        else:
+            prop = type_schema(hints[f.name])
         if f.metadata.get("may_be_empty"):
             prop = {"anyOf": [{"type": "object", "maxProperties": 0}, prop]}
         if f.metadata.get("const"):

@@ -196,6 +196,23 @@ def _decisions_section(m: Manifest) -> list[str]:
                    "threshold and the quantiles).")
     if cal.get("command"):
         out.append(f"- Command: `{cal['command']}`" + (f" ({cal['created']})" if cal.get("created") else "") + ".")
+    return out + _backends_section(m)
+
+
+def _backends_section(m: Manifest) -> list[str]:
+    """Which backends and precisions carry a calibration: a service serves the one matching its backend."""
+    out = ["", "## Calibrations per backend", "",
+           f"The thresholds and sets above were calibrated on `{m.calibrated_on}`. A service serves the calibration "
+           "made on the backend that runs it (and refuses a backend with none, unless told otherwise)."]
+    for key in m.backend_calibrations:
+        c = m.calibration_for(key)
+        head = ", ".join(f"{k} {num(v)}" for k, v in c.head.items())
+        sets = f"; conformal `{c.conformal.score}` quantile {num(c.conformal.quantile())} at alpha " \
+               f"{num(c.conformal.alpha)}" if c.conformal else ""
+        answered = c.thresholds.how.get("coverage")
+        out.append(f"- `{key}`: `min_confidence` {num(c.thresholds.min_confidence)}, gate "
+                   f"{num(c.thresholds.ood_threshold)}" + (f", {head}" if head else "") + sets
+                   + (f"; answers {num(answered)} of its calibration part" if answered is not None else "") + ".")
     return out
 
 

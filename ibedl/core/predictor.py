@@ -8,6 +8,7 @@ on the other questions of its batch.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,8 @@ from ibedl.core.artifact import Manifest, check_artifact, load_head
 from ibedl.core.base_model import decoder_of
 from ibedl.core.head import HeadPrediction, OptionHead
 from ibedl.core.prompt import LETTERS, MCQuestion, format_prompt, option_token_ids
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 512
 MC_SEED = 20250101  # MC-Dropout's dropout masks are drawn from this seed on every call
@@ -188,6 +191,9 @@ class Predictor:
         self.decoder = decoder_of(model)
         self.trunk = None  # an inference backend's trunk (ibedl.core.backends); None: the model's own forward
         self.backend = "torch"  # the inference backend's name (set by ibedl.core.backends.build_trunk)
+        self.backend_reason = "named"  # why that backend (what ``auto`` weighed)
+        self.calibration = None  # the manifest's calibration for this backend (use_calibration), None: none matches
+        self._released: tuple[torch.device, str] | None = None  # (device, calibration key) once the model is dropped
         self.num_rows = self.heads[0].config.num_rows
         format_prompt(MCQuestion("probe", ("a", "b")), template, tokenizer)  # fails early on a bad template
 
@@ -197,7 +203,44 @@ class Predictor:
 
     @property
     def device(self) -> torch.device:
+        if self._released is not None:
+            return self._released[0]
         return next(self.model.parameters()).device
+
+    @property
+    def calibration_key(self) -> str:
+        """The backend and precision this predictor computes in, as calibrations are keyed
+        (ibedl.core.backends.calibration_key): ``torch-fp32``, ``openvino-bf16``, ..."""
+        from ibedl.core.backends import calibration_key
+
+        if self._released is not None:
+            return self._released[1]
+        if self.backend != "torch":
+            return calibration_key(self.backend)
+        dtype = getattr(self.model, "dtype", None) or next(self.model.parameters()).dtype
+        return calibration_key("torch", self.device, dtype, bool(getattr(self.model, "is_loaded_in_4bit", False)))
+
+    def use_calibration(self) -> None:
+        """Look up the manifest's calibration made on this predictor's backend and precision
+        (:attr:`calibration`, None when it carries none) and set the heads' post-hoc parameter to its value."""
+        self.calibration = None if self.manifest is None else self.manifest.calibration_for(self.calibration_key)
+        if self.calibration is None:
+            return
+        for head in self.heads:
+            for key, value in self.calibration.head.items():
+                setattr(head.config, key, value)
+
+    def release_model(self) -> None:
+        """Drop the torch model once a backend's trunk answers without it (one adapter, no MC-Dropout): a served
+        OpenVINO model does not hold the torch weights beside its own. The heads and tokenizer stay."""
+        if self.trunk is None:
+            raise ValueError("release_model needs a backend trunk (the torch backend answers with the model)")
+        import gc
+
+        self._released = (self.device, self.calibration_key)
+        self.model = self.decoder = None
+        gc.collect()
+        _return_freed_memory()
 
     # -- tokenisation ---------------------------------------------------------------------------
 
@@ -302,6 +345,10 @@ class Predictor:
 
     def eval(self) -> Predictor:
         """Inference mode; MC-Dropout keeps its LoRA dropout layers active."""
+        if self.model is None:  # released: the backend's trunk answers
+            for head in self.heads:
+                head.eval()
+            return self
         self.model.eval()
         for head in self.heads:
             head.eval()
@@ -376,6 +423,10 @@ class Predictor:
             raise ValueError("from_artifacts needs at least one artifact directory")
         manifests = [check_artifact(d, verify=True) for d in directories]
         first, base = directories[0], manifests[0].base_model_ref()
+        reason = None
+        if len(directories) > 1 and backend == "auto":
+            backend, reason = "torch", "several adapters share one torch base model"
+            log.info("inference backend auto -> torch (%s)", reason)
         if len(directories) > 1:
             if backend != "torch":
                 raise ValueError(f"several adapters share one torch base model; backend {backend!r} builds one trunk "
@@ -430,10 +481,24 @@ class Predictor:
                 manifest=manifest,
             )
             predictor.trunk = build_trunk(backend, predictor, directory, resolved.sha256)
+            if reason is not None:
+                predictor.backend_reason = reason
+            predictor.use_calibration()
             predictors.append(predictor.eval())
         if len(predictors) > 1:
             predictors[0].model.set_adapter(predictors[0].members[0])
         return predictors
+
+
+def _return_freed_memory() -> None:
+    """Hand memory freed by Python back to the system (glibc keeps freed heap pages otherwise)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 def _average(outs: list[HeadPrediction]) -> HeadPrediction:

@@ -4,6 +4,8 @@ drift (the service does: ``ServiceState.respond``) or imports FastAPI."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from ibedl.core.conformal import prediction_set
 from ibedl.core.predictor import Prediction
 from ibedl.core.prompt import LETTERS, MCQuestion
@@ -53,8 +55,8 @@ def build_answer(runtime: AdapterRuntime, req: PredictRequest, q: MCQuestion, pr
 
 def model_card(runtime: AdapterRuntime, settings: EngineSettings) -> dict:
     """What /v1/models says of a served adapter."""
-    m, c = runtime.predictor.manifest, runtime.conformal
-    head = m.head_config()
+    m, c, served = runtime.predictor.manifest, runtime.conformal, runtime.calibration
+    head = runtime.predictor.head.config  # its post-hoc parameter is the served calibration's
     return {
         "id": m.name,
         "name": m.name,
@@ -65,11 +67,15 @@ def model_card(runtime: AdapterRuntime, settings: EngineSettings) -> dict:
         "training_data": m.training.get("data"),
         "label_noise": m.training.get("label_noise"),
         "created": m.training.get("created"),
-        "metrics": m.metrics,
-        "abstention": m.abstention,
+        "metrics": served.metrics,
+        "abstention": asdict(served.thresholds),
         "conformal": None if c is None else {
             "alpha": c.alpha, "score": c.score, "n": c.n, "alphas": c.alphas(), "scores": sorted(c.quantiles)},
-        "calibration": m.calibration or None,
+        "calibration": served.record or None,
+        "backend": {"name": runtime.predictor.backend, "requested": settings.backend,
+                    "reason": runtime.predictor.backend_reason},
+        "calibration_in_use": {"key": served.key, "backend_key": runtime.predictor.calibration_key,
+                               "matches_backend": runtime.calibration_matches, "carried": m.calibration_keys()},
         "prompt": {**m.prompt, "training_max_tokens": m.prompt_config().max_tokens, "max_tokens": settings.max_tokens},
         "max_options": max_options(settings, runtime),
         "head": {"kind": head.kind, "inference": head.inference, "zeta": head.zeta, "temperature": head.temperature,

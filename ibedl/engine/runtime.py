@@ -10,37 +10,53 @@ from dataclasses import dataclass
 
 import torch
 
-from ibedl.core.artifact import Abstention, Conformal
+import logging
+
+from ibedl.core.artifact import Abstention, Conformal, ServedCalibration
 from ibedl.core.predictor import Prediction, Predictor
 from ibedl.engine.errors import UnknownAdapter
 from ibedl.engine.settings import EngineSettings
+
+log = logging.getLogger("ibedl.engine")
 
 
 @dataclass
 class AdapterRuntime:
     """One served adapter: its predictor (a view of the shared base model with its own PEFT adapter and head),
-    default abstention thresholds, stored prediction sets and the ``adapter`` field of its answers. The service
-    adds its drift monitor and accuracy estimate."""
+    the calibration it serves with (made on its backend), default abstention thresholds and stored prediction sets
+    from it, and the ``adapter`` field of its answers. The service adds its drift monitor and accuracy estimate."""
 
     name: str
     predictor: Predictor
-    thresholds: Abstention
-    conformal: Conformal | None  # stored conformal quantiles (None: never calibrated)
-    ref: dict  # the "adapter" field of every answer: name, method, version
+    calibration: ServedCalibration  # the manifest's calibration in use (made on the backend, unless overridden)
+    ref: dict  # the "adapter" field of every answer: name, method, version, backend, calibration
     count_tokenizer: object  # a copy for counting tokens off the model's thread (the model's thread owns the original)
     drift: object | None = None  # ibedl.engine.drift.DriftMonitor, service only
     accuracy: object | None = None  # ibedl.engine.drift.AccuracyEstimate, service only
 
     @property
+    def thresholds(self) -> Abstention:
+        return self.calibration.thresholds
+
+    @property
+    def conformal(self) -> Conformal | None:
+        """Stored conformal quantiles (None: never calibrated)."""
+        return self.calibration.conformal
+
+    @property
+    def calibration_matches(self) -> bool:
+        """Whether the calibration in use was made on the backend and precision that serve."""
+        return self.calibration.key == self.predictor.calibration_key
+
+    @property
     def drift_statistic(self) -> str:
-        """What drift is measured on: the uncertainty mass when the manifest's reference has it, else confidence."""
-        reference = self.predictor.manifest.reference
-        return "uncertainty_mass" if reference.get("uncertainty") is not None else "confidence"
+        """What drift is measured on: the uncertainty mass when the calibration's reference has it, else confidence."""
+        return "uncertainty_mass" if self.calibration.reference.get("uncertainty") is not None else "confidence"
 
     def reference(self) -> list:
-        """The validation sample of :attr:`drift_statistic` that served values are compared with."""
+        """The calibration sample's values of :attr:`drift_statistic` that served values are compared with."""
         key = "uncertainty" if self.drift_statistic == "uncertainty_mass" else "confidence"
-        return self.predictor.manifest.reference.get(key)
+        return self.calibration.reference.get(key)
 
     def predict(self, questions) -> list[Prediction]:
         """The model's predictions; a prompt over the served token limit is refused, never cut (requests are
@@ -83,15 +99,42 @@ def make_runtimes(predictors: list[Predictor], settings: EngineSettings) -> dict
         # Served prompts may be longer than the training cut (manifest prompt.max_tokens): the model reads
         # them whole; only what exceeds this limit is refused.
         predictor.max_tokens = settings.max_tokens
+        calibration = served_calibration(predictor, settings)
         runtimes[manifest.name] = AdapterRuntime(
             name=manifest.name,
             predictor=predictor,
-            thresholds=manifest.thresholds(),
-            conformal=manifest.conformal_sets(),
-            ref={"name": manifest.name, "method": manifest.method, "version": str(manifest.version)},
+            calibration=calibration,
+            ref={"name": manifest.name, "method": manifest.method, "version": str(manifest.version),
+                 "backend": predictor.backend, "calibration": calibration.key},
             count_tokenizer=count_tokenizer,
         )
+    for predictor in predictors:  # checked: the torch weights an OpenVINO trunk no longer needs are dropped
+        if predictor.trunk is not None:
+            predictor.release_model()
     return runtimes
+
+
+def served_calibration(predictor: Predictor, settings: EngineSettings) -> ServedCalibration:
+    """The calibration ``predictor`` serves with: the manifest's one made on its backend and precision. When the
+    manifest carries none, ValueError saying so and what to do, unless ``settings.allow_uncalibrated_backend``
+    (then the manifest's top-level calibration, with a warning)."""
+    manifest, key = predictor.manifest, predictor.calibration_key
+    if predictor.calibration is None:  # a predictor built without from_artifacts: look it up now
+        predictor.use_calibration()
+    if predictor.calibration is not None:
+        return predictor.calibration
+    carried = manifest.calibration_keys()
+    if not settings.allow_uncalibrated_backend:
+        raise ValueError(
+            f"adapter {manifest.name!r} carries no calibration made on backend {predictor.backend} ({key}); it "
+            f"carries {', '.join(carried)}. Its thresholds and conformal quantiles hold for the arithmetic they were "
+            f"calibrated on: calibrate it on this backend (python -m ibedl.training.calibrate --artifact DIR "
+            f"--dataset NAME --backend {predictor.backend}), serve a backend it carries (IBEDL_BACKEND), or set "
+            f"IBEDL_ALLOW_UNCALIBRATED_BACKEND=true to serve the {carried[0]} calibration anyway")
+    log.warning("adapter %s: serving backend %s (%s) with the calibration made on %s "
+                "(IBEDL_ALLOW_UNCALIBRATED_BACKEND): its guarantees were made on other arithmetic",
+                manifest.name, predictor.backend, key, carried[0])
+    return manifest.calibration_for(carried[0])
 
 
 def find_adapter(runtimes: dict[str, AdapterRuntime], name: str | None, field: str = "adapter",
@@ -126,7 +169,7 @@ def nonfinite_weights(predictors: list[Predictor]) -> list[str]:
         modules += [(f"{predictor.manifest.name if predictor.manifest else ''}.head{i}".lstrip("."), h)
                     for i, h in enumerate(predictor.heads)]
     for prefix, module in modules:
-        if not isinstance(module, torch.nn.Module):
+        if not isinstance(module, torch.nn.Module):  # a released model (None) was checked before its release
             continue
         for name, t in [*module.named_parameters(), *module.named_buffers()]:
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):

@@ -79,6 +79,10 @@ class AdapterRef(BaseModel):
     name: str
     method: str
     version: str
+    backend: str = Field(..., description="the inference backend that computed the answer (IBEDL_BACKEND, auto "
+                         "resolved)")
+    calibration: str = Field(..., description="the backend and precision the thresholds and conformal quantiles "
+                             "were calibrated on (the backend's own unless IBEDL_ALLOW_UNCALIBRATED_BACKEND)")
 
 
 class PredictResponse(BaseModel):
@@ -162,8 +166,13 @@ class ModelCard(BaseModel):
                              "ood_threshold, and how they were chosen (target, delta, bound, coverage)")
     conformal: dict | None = Field(..., description="prediction sets: default alpha and score, the stored alphas "
                                    "a request may ask for, calibration size n; null when never calibrated")
-    calibration: dict | None = Field(..., description="what ibedl.training.calibrate did: data, post-hoc fit, OOD "
-                                     "gate, risk control; null when never calibrated")
+    calibration: dict | None = Field(..., description="what ibedl.training.calibrate did for the calibration in "
+                                     "use: data, post-hoc fit, OOD gate, risk control; null when never calibrated")
+    backend: dict = Field(..., description="the inference backend: name (auto resolved), requested (IBEDL_BACKEND), "
+                          "reason (why auto chose it)")
+    calibration_in_use: dict = Field(..., description="key: the backend and precision of the calibration served; "
+                                     "backend_key: those of the backend that serves; matches_backend; carried: every "
+                                     "calibration the artifact holds")
     prompt: dict
     max_options: int
     head: dict

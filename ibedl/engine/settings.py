@@ -27,11 +27,14 @@ class EngineSettings(BaseSettings):
     device: str | None = Field(None, description="cpu or cuda[:i]; default CUDA when present")
     load_in_4bit: bool = Field(False, description="bitsandbytes NF4 on CUDA")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads")
-    backend: str = Field("torch", description="inference backend of the trunk: torch, openvino-fp32 (1.5x the "
-                         "throughput on CPU, same answers, about 0.9 GB more memory), openvino-bf16 (the same IR with "
-                         "bfloat16 matmuls: 2.4x, probabilities moved by up to 0.09; CPUs with AVX512-BF16/AMX), "
-                         "openvino (int8 weights), auto (openvino-fp32 on the CPU, torch on CUDA or for "
-                         "MC-Dropout/ensembles)")
+    backend: str = Field("auto", description="inference backend of the trunk: auto (the fastest backend this "
+                         "machine runs for which the artifact carries a calibration: openvino-bf16 on CPUs with "
+                         "AVX512-BF16/AMX, else openvino-fp32, else torch), torch, openvino-fp32, openvino-bf16, "
+                         "openvino (int8 weights), openvino-int8 (static int8)")
+    allow_uncalibrated_backend: bool = Field(False, description="serve on a backend for which the artifact carries "
+                                             "no calibration, with the thresholds and conformal quantiles of the "
+                                             "one it carries first (its guarantees were made on other arithmetic); "
+                                             "off: such a service refuses to become ready")
 
     max_batch_size: int = Field(16, ge=1, le=512, description="questions per forward pass")
     max_options: int = Field(26, ge=2, le=26)

@@ -15,6 +15,11 @@ The labelled sample is split once (seeded) in two parts:
 ``--save-outputs FILE`` keeps the model's raw outputs, and ``--outputs FILE`` recalibrates from them (other
 targets, rates or seeds) without running the model again.
 
+``--backend NAME`` (ibedl.core.backends) runs the model on that inference backend and records the calibration as
+made on it: a guarantee holds for the weights and the arithmetic that ran them. The manifest keeps one calibration
+per backend and precision (``calibrated_on`` at the top level, the others in ``backend_calibrations``); the service
+serves the one matching its backend.
+
 Without ``--output`` the artifact is updated in place; with it, a new artifact directory is written whose
 adapter and head weights are hard links to (or, across file systems, copies of) the original's.
 """
@@ -37,6 +42,7 @@ import numpy as np
 import torch
 
 from ibedl.core.artifact import Abstention, Conformal, Manifest, check_artifact, write_manifest
+from ibedl.core.backends import BACKENDS
 from ibedl.core.conformal import SCORES, alpha_key, calibrate_quantiles, prediction_set
 from ibedl.core.model_card import write_card
 from ibedl.core.prompt import MCQuestion
@@ -413,6 +419,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="prompt token limit, as served (the service's IBEDL_MAX_TOKENS, default 1024): "
                         "calibrate on the prompts the service will read")
     parser.add_argument("--base-model", help="override the manifest's base model reference")
+    parser.add_argument("--backend", choices=[b for b in BACKENDS if b != "auto"],
+                        help="inference backend to calibrate on (default torch); the calibration is recorded for that "
+                        "backend and precision, beside the others the artifact carries. With --outputs: the backend "
+                        "that file's outputs were computed on (checked)")
     parser.add_argument("--device", help="cpu or cuda (default: CUDA when present)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                         help="model dtype (default: float32 on CPU, bfloat16 on CUDA)")
@@ -437,14 +447,15 @@ def main(argv: list[str] | None = None) -> int:
                                 f"run python -m ibedl.core.migrate {source} first, then calibrate it")
         if args.outputs:
             kind, raw, labels = read_outputs(args.outputs, stream, source, manifest)
+            key = outputs_key(args.outputs, args.backend)
         else:
-            kind, raw, labels = run_model(args, source, load_dataset)
-    except (DatasetError, ArtifactError, ValueError, FileNotFoundError) as e:
+            kind, raw, labels, key = run_model(args, source, load_dataset)
+    except (DatasetError, ArtifactError, ValueError, FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.save_outputs:
         save_outputs(args.save_outputs, source, manifest, {stream: {"labels": labels, **raw}}, kind, raw["offset"],
-                     args.max_tokens)
+                     args.max_tokens, extra={"calibration_key": key})
     head_update, _, sections = calibrate_outputs(kind, raw, labels, config)
     evaluated = None
     if args.evaluate_split:
@@ -454,27 +465,21 @@ def main(argv: list[str] | None = None) -> int:
                 ekind, eraw, elabels = read_outputs(args.outputs, f"{args.dataset}_{args.evaluate_split}", source,
                                                     manifest)
             else:
-                ekind, eraw, elabels = run_model(eval_args, source, load_dataset)
+                ekind, eraw, elabels, _ = run_model(eval_args, source, load_dataset)
         except (DatasetError, ValueError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         out = posthoc_outputs(ekind, eraw, head_update)
         evaluated = metrics.summarise(out.probs, elabels, out.uncertainty)
-    before = (manifest.head.get("zeta", 0.0), manifest.head.get("temperature", 1.0))
-    apply_sections(manifest, {**manifest.head, **head_update}, sections)
-    if (manifest.head.get("zeta", 0.0), manifest.head.get("temperature", 1.0)) != before and "test" in manifest.metrics:
-        # Measured with the old post-hoc parameter: kept for the record, under a name that says so.
-        manifest.metrics["test_before_calibration"] = manifest.metrics.pop("test")
-    if evaluated is not None:
-        manifest.metrics[args.evaluate_split] = evaluated
-    manifest.calibration.update({
-        "dataset": args.dataset, "split": args.split, "path": args.path, "limit": args.limit,
+    sections["calibration"].update({
+        "backend": key, "dataset": args.dataset, "split": args.split, "path": args.path, "limit": args.limit,
         "outputs": args.outputs, "max_tokens": args.max_tokens, "evaluated_split": args.evaluate_split,
         "command": "python -m ibedl.training.calibrate " + " ".join(
             shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "previous_version": str(manifest.version),
     })
+    record(manifest, key, head_update, sections, {args.evaluate_split: evaluated} if evaluated is not None else {})
     manifest.version = next_version(str(manifest.version))
     target = Path(args.output) if args.output else source
     if target.resolve() != source.resolve():
@@ -482,15 +487,50 @@ def main(argv: list[str] | None = None) -> int:
     write_manifest(target, manifest)
     write_card(target, manifest)  # the card shows the new thresholds
     check_artifact(target, verify=True)
-    cal = manifest.calibration
-    print(json.dumps({"artifact": str(target), "version": manifest.version, "posthoc": cal["posthoc"],
+    cal = manifest.calibration_for(key).record
+    print(json.dumps({"artifact": str(target), "version": manifest.version, "calibrated_on": key,
+                      "posthoc": cal["posthoc"],
                       "gate": cal["gate"], "risk_control": cal["risk_control"],
                       "conformal_in_sample": cal["conformal_in_sample"]}, indent=2))
     return 0
 
 
-def run_model(args, source: Path, load_dataset) -> tuple[str, dict, list[int]]:
-    """Load the artifact and its labelled data and answer them with the post-hoc parameter neutral."""
+def record(manifest: Manifest, key: str, head_update: dict, sections: dict, evaluated: dict) -> None:
+    """Write a calibration made on backend and precision ``key`` into ``manifest``: the top-level sections when
+    ``key`` is its ``calibrated_on`` (test metrics measured with an older post-hoc parameter are kept as
+    ``test_before_calibration``), else ``backend_calibrations[key]``."""
+    if key != manifest.calibrated_on:
+        manifest.set_calibration(key, head_update, sections, evaluated)
+        return
+    before = (manifest.head.get("zeta", 0.0), manifest.head.get("temperature", 1.0))
+    apply_sections(manifest, {**manifest.head, **head_update}, sections)
+    if (manifest.head.get("zeta", 0.0), manifest.head.get("temperature", 1.0)) != before and "test" in manifest.metrics:
+        # Measured with the old post-hoc parameter: kept for the record, under a name that says so.
+        manifest.metrics["test_before_calibration"] = manifest.metrics.pop("test")
+    manifest.metrics.update(evaluated)
+
+
+def outputs_key(path, backend: str | None) -> str:
+    """The backend and precision the raw outputs in ``path`` were computed on: as recorded (``calibration_key``),
+    else torch in the precision of the devices its streams name (files written before backends were recorded).
+    ValueError when ``backend`` (the --backend given) is another one."""
+    from ibedl.core.backends import calibration_key
+
+    data = json.loads(Path(path).read_text())
+    key = data.get("calibration_key")
+    if key is None:
+        devices = {str(s.get("device", "cpu")) for s in data["streams"].values()}
+        cuda = any(d.startswith("cuda") for d in devices)
+        key = calibration_key("torch", "cuda" if cuda else "cpu", "bfloat16" if cuda else "float32")
+    if backend is not None and key != backend and not (backend == "torch" and key.startswith("torch-")):
+        raise ValueError(f"{path} holds outputs computed on {key}, not on backend {backend}: answer the data on "
+                         f"{backend} (--backend {backend} without --outputs)")
+    return key
+
+
+def run_model(args, source: Path, load_dataset) -> tuple[str, dict, list[int], str]:
+    """Load the artifact (on ``args.backend``) and its labelled data and answer them with the post-hoc parameter
+    neutral. Returns (head kind, raw outputs, labels, calibration key of the backend and precision that ran)."""
     from ibedl.core.predictor import Predictor
 
     questions = load_dataset(args.dataset, args.split, path=args.path, limit=args.limit, seed=args.seed)
@@ -498,10 +538,11 @@ def run_model(args, source: Path, load_dataset) -> tuple[str, dict, list[int]]:
     if missing:
         raise ValueError(f"questions {missing[:5]} of {args.dataset}/{args.split} have no answer to calibrate on")
     predictor = Predictor.from_artifact(source, base_model=args.base_model, device=args.device,
-                                        dtype=getattr(torch, args.dtype) if args.dtype else None)
+                                        dtype=getattr(torch, args.dtype) if args.dtype else None,
+                                        backend=args.backend or "torch")
     predictor.max_tokens = args.max_tokens
     kind, raw = raw_outputs(predictor, questions, args.batch_size, progress=not args.no_progress)
-    return kind, raw, [q.answer for q in questions]
+    return kind, raw, [q.answer for q in questions], predictor.calibration_key
 
 
 OUTPUTS_FORMAT = "ibedl-raw-outputs/1"

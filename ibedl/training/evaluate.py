@@ -113,9 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--base-model", help="override the manifest's base model reference")
     parser.add_argument("--backend", default=os.environ.get("IBEDL_BACKEND", DEFAULT_BACKEND),
-                        help="inference backend: torch, openvino-fp32, openvino-bf16, openvino, auto (default "
-                             "IBEDL_BACKEND or torch; auto: openvino-fp32 on the CPU, torch on CUDA or for "
-                             "MC-Dropout/ensembles)")
+                        help="inference backend: auto, torch, openvino-fp32, openvino-bf16, openvino, openvino-int8 "
+                             "(default IBEDL_BACKEND or auto: what the service would serve, the fastest backend this "
+                             "machine runs for which the artifact carries a calibration)")
     parser.add_argument("--output", help="write metrics JSON here (and a reliability PNG beside it)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         "split": args.split,
         "limit": args.limit,
         "backend": predictor.backend,
+        "calibration": None if predictor.calibration is None else predictor.calibration.key,
         **result.metrics,
     }
     print(json.dumps(report, indent=2))

@@ -625,6 +625,7 @@ def complete_manifest(manifest: Manifest, predictor: Predictor, sections: dict, 
     """Fill the loadable manifest's remaining sections: head as calibrated, training, metrics, calibration."""
     manifest.training = training
     manifest.metrics = metrics
+    manifest.calibrated_on = predictor.calibration_key  # the backend and precision calibration ran on
     apply_sections(manifest, predictor.head.config.to_dict(), sections)
     manifest.calibration.update({"dataset": "the run's validation data", "split": "validation"})
 

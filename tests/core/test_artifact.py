@@ -12,7 +12,7 @@ import pytest
 
 from ibedl.core import migrate as migrate_cli
 from ibedl.core.artifact import (MIGRATIONS, SCHEMA_VERSION, ArtifactError, Manifest, check_artifact, migrate,
-                                 read_manifest)
+                                 read_manifest, write_manifest)
 from ibedl.core.model_card import render_card
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,7 +30,7 @@ def as_version_1(data: dict, ref: str | None = None) -> dict:
     v1 = copy.deepcopy(data)
     v1["schema_version"] = 1
     v1["head"]["extra"] = {}
-    del v1["files"], v1["limitations"]
+    del v1["files"], v1["limitations"], v1["calibrated_on"], v1["backend_calibrations"]
     if ref is not None:
         v1["base_model"]["ref"] = ref
     return v1
@@ -38,7 +38,7 @@ def as_version_1(data: dict, ref: str | None = None) -> dict:
 
 class TestVersions:
     def test_the_committed_manifests_are_the_current_version(self):
-        assert SCHEMA_VERSION == 2 and sorted(MIGRATIONS) == list(range(1, SCHEMA_VERSION))
+        assert SCHEMA_VERSION == 3 and sorted(MIGRATIONS) == list(range(1, SCHEMA_VERSION))
         for directory in COMMITTED:
             assert json.loads((directory / "manifest.json").read_text())["schema_version"] == SCHEMA_VERSION
 
@@ -48,14 +48,16 @@ class TestVersions:
         with caplog.at_level(logging.WARNING, logger="ibedl.core.artifact"):
             manifest = read_manifest(tmp_path)
         assert f"python -m ibedl.core.migrate {tmp_path}" in caplog.text
-        assert "schema_version 1, read as 2" in caplog.text
+        assert "schema_version 1, read as 3" in caplog.text
         assert manifest.schema_version == SCHEMA_VERSION
         assert "extra" not in manifest.head and manifest.head == v2["head"]
         assert manifest.base_model == v2["base_model"]  # the cache path became the known name
         assert manifest.base_model_ref().ref == "smollm2-135m-instruct"
-        assert manifest.files == {} and manifest.limitations == []
-        assert {k: v for k, v in manifest.to_dict().items() if k not in ("files", "limitations")} == \
-            {k: v for k, v in v2.items() if k not in ("files", "limitations")}
+        assert manifest.files == {} and manifest.limitations == [] and manifest.backend_calibrations == {}
+        assert manifest.calibrated_on == "torch-fp32"  # trained and calibrated on the CPU
+        new = ("files", "limitations", "backend_calibrations")
+        assert {k: v for k, v in manifest.to_dict().items() if k not in new} == \
+            {k: v for k, v in v2.items() if k not in new}
 
     def test_version_1_without_ref_gets_the_name(self):
         v1 = as_version_1(committed("map"))
@@ -69,22 +71,71 @@ class TestVersions:
         assert v1 == before
 
     def test_a_newer_version_asks_for_a_newer_ibedl(self):
-        with pytest.raises(ArtifactError, match=r"schema_version 3 is newer than this ibedl reads \(2\): upgrade "
+        with pytest.raises(ArtifactError, match=r"schema_version 4 is newer than this ibedl reads \(3\): upgrade "
                                                 r"ibedl \(pip install -U ibedl\)"):
-            Manifest.from_dict({**committed(), "schema_version": 3})
+            Manifest.from_dict({**committed(), "schema_version": 4})
 
     @pytest.mark.parametrize("version", [None, 0, "2", True, 1.0])
     def test_an_unknown_version_names_it_and_what_is_read(self, version):
         data = {k: v for k, v in committed().items() if k != "schema_version"}
         if version is not None:
             data["schema_version"] = version
-        with pytest.raises(ArtifactError, match=rf"schema_version is {version!r}; this ibedl reads versions 1 to 2 "
+        with pytest.raises(ArtifactError, match=rf"schema_version is {version!r}; this ibedl reads versions 1 to 3 "
                                                 r".*python -m ibedl.core.migrate DIR"):
             Manifest.from_dict(data)
 
     def test_constructing_another_version_directly_is_refused(self):
-        with pytest.raises(ArtifactError, match="schema_version 1 is not 2"):
+        with pytest.raises(ArtifactError, match="schema_version 1 is not 3"):
             Manifest(**{**committed(), "schema_version": 1})
+
+
+class TestCalibrationsPerBackend:
+    def test_version_2_names_the_arithmetic_its_calibration_was_made_on(self):
+        v2 = {k: v for k, v in committed().items() if k not in ("calibrated_on", "backend_calibrations")}
+        v2["schema_version"] = 2
+        assert Manifest.from_dict(v2).calibrated_on == "torch-fp32"  # trained (and calibrated) on the CPU
+        on_cuda = copy.deepcopy(v2)
+        on_cuda["training"]["device"] = "cuda:0"
+        assert Manifest.from_dict(on_cuda).calibrated_on == "torch-cuda-bf16"  # bfloat16 unless a dtype was set
+        on_cuda["training"]["config"].update(dtype="float32", load_in_4bit=True)
+        assert Manifest.from_dict(on_cuda).calibrated_on == "torch-cuda-nf4-fp32"
+
+    def test_the_top_level_calibration_is_the_one_calibrated_on(self):
+        manifest = Manifest.from_dict(committed("map"))
+        served = manifest.calibration_for(manifest.calibrated_on)
+        assert served.key == manifest.calibrated_on and served.record == manifest.calibration
+        assert served.thresholds == manifest.thresholds() and served.conformal == manifest.conformal_sets()
+        assert served.head == {"temperature": manifest.head_config().temperature}
+        assert manifest.calibration_for("openvino-bf16") is None
+
+    def test_a_backend_calibration_is_stored_beside_and_read_back(self, tmp_path):
+        manifest = Manifest.from_dict(committed("map"))
+        top = copy.deepcopy(manifest.to_dict())
+        sections = {"abstention": {**manifest.abstention, "min_confidence": 0.7}, "conformal": manifest.conformal,
+                    "calibration": {"n": 3}, "reference": {"confidence": [0.5, 0.6]}}
+        manifest.set_calibration("openvino-bf16", {"temperature": 1.5}, sections, {"test": {"accuracy": 0.5}})
+        write_manifest(tmp_path, manifest)
+        again = read_manifest(tmp_path)
+        assert again.calibration_keys() == ["torch-fp32", "openvino-bf16"]
+        served = again.calibration_for("openvino-bf16")
+        assert served.head == {"temperature": 1.5} and served.thresholds.min_confidence == 0.7
+        assert served.record == {"n": 3} and served.metrics == {"test": {"accuracy": 0.5}}
+        assert {k: v for k, v in again.to_dict().items() if k != "backend_calibrations"} == \
+            {k: v for k, v in top.items() if k != "backend_calibrations"}  # the top-level one is untouched
+
+    @pytest.mark.parametrize(("entry", "complaint"), [
+        ({"head": {"zeta_scale": 1.0}}, "sets only"),
+        ({"abstention": {"min_confidence": 2.0}}, "min_confidence must be in"),
+        ({"surprise": 1}, "unexpected keyword argument 'surprise'"),
+    ])
+    def test_a_bad_backend_calibration_is_refused_by_name(self, entry, complaint):
+        data = {**committed("map"), "backend_calibrations": {"openvino-fp32": entry}}
+        with pytest.raises(ArtifactError, match=rf"backend_calibrations.openvino-fp32.*{complaint}"):
+            Manifest.from_dict(data)
+
+    def test_the_top_level_key_cannot_be_repeated(self):
+        with pytest.raises(ArtifactError, match="without calibrated_on"):
+            Manifest.from_dict({**committed("map"), "backend_calibrations": {"torch-fp32": {}}})
 
 
 class TestFiles:
@@ -129,12 +180,13 @@ class TestMigrateCommand:
         capsys.readouterr()
         assert migrate_cli.main([str(target)]) == 0
         report = json.loads(capsys.readouterr().out)[0]["changes"]
-        assert report[0] == "manifest.json: schema_version 1 -> 2; sha256 of 2 weight files recorded"
+        assert report[0] == "manifest.json: schema_version 1 -> 3; sha256 of 2 weight files recorded"
         assert f"adapter_config.json: base_model_name_or_path {CACHE_PATH!r} -> 'smollm2-135m-instruct'" in report
         assert {p.name: p.read_bytes() for p in target.glob("*.safetensors")} == weights
         assert (target / "adapter_config.json").read_bytes() == (source / "adapter_config.json").read_bytes()
         migrated, expected = json.loads((target / "manifest.json").read_text()), committed(name)
-        assert migrated["limitations"] == [] and migrated == {**expected, "limitations": []}
+        assert migrated["limitations"] == [] and migrated["backend_calibrations"] == {}
+        assert migrated == {**expected, "limitations": [], "backend_calibrations": {}}
         assert (target / "README.md").read_text() == render_card(read_manifest(target))
         assert migrate_cli.main([str(target)]) == 0 and json.loads(capsys.readouterr().out)[0]["changes"] == []
 

@@ -126,23 +126,73 @@ def test_backends_refuse_mc_dropout_and_ensembles(tiny):
     assert backends.build_trunk("torch", predictor, artifact, "base-sha") is None
 
 
-def test_torch_is_the_default_and_auto_picks_openvino_fp32_on_the_cpu(tiny, monkeypatch):
+def test_calibration_keys_name_backend_and_precision():
+    assert backends.calibration_key("torch") == "torch-fp32"
+    assert backends.calibration_key("torch", "cuda:0", torch.bfloat16) == "torch-cuda-bf16"
+    assert backends.calibration_key("torch", "cuda", "bfloat16", load_in_4bit=True) == "torch-cuda-nf4-bf16"
+    assert backends.calibration_key("openvino-bf16") == "openvino-bf16"
+    with pytest.raises(ValueError, match="resolve auto first"):
+        backends.calibration_key("auto")
+    with pytest.raises(ValueError, match="no calibration key for dtype 'int4'"):
+        backends.calibration_key("torch", "cpu", "int4")
+
+
+class _Carrying:
+    """A manifest stand-in carrying calibrations for ``keys``."""
+
+    members = ["."]
+
+    def __init__(self, *keys: str) -> None:
+        self.keys = list(keys)
+
+    def calibration_keys(self) -> list[str]:
+        return self.keys
+
+
+def test_auto_is_the_default_and_picks_the_fastest_calibrated_backend(tiny, monkeypatch):
     from ibedl.serve.settings import Settings
 
     monkeypatch.delenv("IBEDL_BACKEND", raising=False)
-    assert Settings().backend == backends.DEFAULT_BACKEND == "torch"
+    assert Settings().backend == backends.DEFAULT_BACKEND == "auto"
     predictor, artifact = tiny
     monkeypatch.setattr(backends, "openvino_trunk", lambda *args: args[-1])  # the backend it was asked for
+    monkeypatch.setattr(predictor, "manifest", _Carrying("torch-fp32", "openvino-fp32", "openvino-bf16"))
     try:
-        assert backends.build_trunk("auto", predictor, artifact, "base-sha") == backends.AUTO_CPU_BACKEND
-        assert predictor.backend == backends.AUTO_CPU_BACKEND == "openvino-fp32"
+        for bf16 in (True, False):
+            monkeypatch.setattr(backends, "native_bf16", lambda: bf16)
+            chosen = "openvino-bf16" if bf16 else "openvino-fp32"
+            assert backends.build_trunk("auto", predictor, artifact, "base-sha") == chosen
+            assert predictor.backend == chosen
+        assert "openvino-bf16: this CPU has no native bfloat16" in predictor.backend_reason
+        monkeypatch.setattr(backends, "native_bf16", lambda: True)
+        predictor.manifest = _Carrying("torch-fp32", "openvino-fp32")  # no bf16 calibration: fp32
+        assert backends.choose_backend("auto", predictor)[0] == "openvino-fp32"
+        predictor.manifest = _Carrying("torch-fp32")  # calibrated on torch alone: torch
+        name, reason = backends.choose_backend("auto", predictor)
+        assert name == "torch" and "openvino-fp32: the artifact carries no calibration made on it" in reason
+        predictor.manifest = _Carrying("torch-fp32", "openvino-fp32", "openvino-bf16")
         predictor.mc_samples = 4  # MC-Dropout (and ensembles, CUDA) fall back to torch instead of failing
         assert backends.build_trunk("auto", predictor, artifact, "base-sha") is None
-        assert predictor.backend == "torch"
+        assert predictor.backend == "torch" and "MC-Dropout" in predictor.backend_reason
         predictor.mc_samples = 0
         monkeypatch.setitem(__import__("sys").modules, "openvino", None)  # not installed: torch
-        assert backends.choose_backend("auto", predictor) == "torch"
-        assert backends.choose_backend("openvino", predictor) == "openvino"  # a named backend is kept
+        assert backends.choose_backend("auto", predictor) == ("torch", "the fallback: openvino is not installed "
+                                                              "(pip install -e '.[serve]')")
+        assert backends.choose_backend("openvino", predictor)[0] == "openvino"  # a named backend is kept
     finally:
         predictor.mc_samples = 0
+        predictor.backend = "torch"
+
+
+def test_auto_logs_its_decision(tiny, monkeypatch, caplog):
+    predictor, artifact = tiny
+    monkeypatch.setattr(backends, "openvino_trunk", lambda *args: args[-1])
+    monkeypatch.setattr(backends, "native_bf16", lambda: True)
+    monkeypatch.setattr(predictor, "manifest", _Carrying("torch-fp32", "openvino-bf16"))
+    try:
+        with caplog.at_level("INFO", logger="ibedl.core.backends"):
+            backends.build_trunk("auto", predictor, artifact, "base-sha")
+        assert "inference backend auto -> openvino-bf16 (the fastest backend this CPU runs with a calibration in " \
+               "the artifact)" in caplog.text
+    finally:
         predictor.backend = "torch"

@@ -49,7 +49,7 @@ def test_every_field_is_in_the_schema_and_only_defaults_are_optional():
     assert list(schema["properties"]) == [f.name for f in dataclasses.fields(Manifest)]
     assert schema["required"] == ["method", "base_model", "head", "option_token_ids", "prompt"]
     assert list(schema["properties"]["head"]["properties"]) == [f.name for f in dataclasses.fields(HeadConfig)]
-    assert schema["properties"]["schema_version"]["const"] == 2
+    assert schema["properties"]["schema_version"]["const"] == 3
     assert schema["properties"]["head"]["properties"]["kind"]["enum"] == ["softmax", "evidential", "ib_edl"]
 
 
@@ -64,7 +64,7 @@ def test_a_freshly_trained_manifest_validates(validator, tiny_artifact):
 
 
 @pytest.mark.parametrize(("change", "complaint"), [
-    (lambda d: d.update(schema_version=1), "schema_version: 2 was expected"),
+    (lambda d: d.update(schema_version=1), "schema_version: 3 was expected"),
     (lambda d: d["head"].update(extra={}), "head: Additional properties are not allowed ('extra' was unexpected)"),
     (lambda d: d.update(surprise=1), "Additional properties are not allowed ('surprise' was unexpected)"),
     (lambda d: d["base_model"].pop("ref"), "base_model: 'ref' is a required property"),

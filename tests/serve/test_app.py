@@ -36,7 +36,8 @@ class TestPredict:
                              "abstained", "abstain_reason", "adapter"}
         check_invariants(body, 4)
         assert body["prediction"]["text"] == Q["options"][body["prediction"]["index"]]
-        assert body["adapter"] == {"name": "tiny", "method": "ib_edl", "version": "1"}
+        assert body["adapter"] == {"name": "tiny", "method": "ib_edl", "version": "1", "backend": "torch",
+                                   "calibration": "torch-fp32"}
         assert set(body["sigma"]) == {"A", "B", "C", "D"}
         assert r.headers["x-request-id"]
 

@@ -77,12 +77,12 @@ def test_an_unhandled_error_is_a_500_with_its_request_id_in_the_response_and_the
     with make_client() as c, json_log() as out:
         state = c.app.state.service
         runtime = next(iter(state.runtimes.values()))
-        original = runtime.thresholds
-        runtime.thresholds = None  # building the answer now fails: a bug, not a client error
+        original = runtime.calibration
+        runtime.calibration = None  # building the answer now fails: a bug, not a client error
         try:
             r = c.post("/predict", json=Q, headers={"X-Request-Id": "req-bug"})
         finally:
-            runtime.thresholds = original
+            runtime.calibration = original
     assert r.status_code == 500 and r.headers["x-request-id"] == "req-bug"
     assert r.json()["error"]["type"] == "internal_error" and "Traceback" not in r.text
     errors = [x for x in records(out) if x["level"] == "error"]

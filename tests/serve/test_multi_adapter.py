@@ -26,7 +26,8 @@ def test_models_lists_every_adapter_and_requests_pick_one(multi):
     default = multi.post("/predict", json=Q).json()
     assert default["adapter"]["name"] == "tiny" and default["uncertainty_mass"] is not None
     chosen = multi.post("/predict", json={**Q, "adapter": "tiny-map"}).json()
-    assert chosen["adapter"] == {"name": "tiny-map", "method": "map", "version": "1"}
+    assert chosen["adapter"] == {"name": "tiny-map", "method": "map", "version": "1", "backend": "torch",
+                                 "calibration": "torch-fp32"}
     assert chosen["uncertainty_mass"] is None and chosen["belief_masses"] is None  # softmax head: no Dirichlet
     assert multi.post("/predict", json={**Q, "adapter": "tiny"}).json() == default
 

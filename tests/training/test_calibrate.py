@@ -208,3 +208,29 @@ class TestCli:
         capsys.readouterr()
         assert main(["--artifact", str(other), "--outputs", str(saved), *common]) == 2
         assert "other weights" in capsys.readouterr().err
+        # Outputs computed on torch are not another backend's.
+        assert json.loads(saved.read_text())["calibration_key"] == "torch-fp32"
+        assert main(["--artifact", str(tiny_artifact), "--output", str(tmp_path / "c"), "--outputs", str(saved),
+                     "--backend", "openvino-bf16", *common]) == 2
+        assert "holds outputs computed on torch-fp32, not on backend openvino-bf16" in capsys.readouterr().err
+
+    def test_a_backend_calibration_is_added_beside_the_others(self, tiny_artifact, tiny_jsonl, tmp_path):
+        pytest.importorskip("openvino")
+        from ibedl.core.predictor import Predictor
+
+        out = tmp_path / "ov"
+        assert main(["--artifact", str(tiny_artifact), "--dataset", "jsonl", "--path", str(tiny_jsonl),
+                     "--output", str(out), "--target-accuracy", "0.5", "--no-progress", "--max-tokens", "96",
+                     "--backend", "openvino-fp32"]) == 0
+        before, after = read_manifest(tiny_artifact), read_manifest(out)
+        assert after.calibration_keys() == ["torch-fp32", "openvino-fp32"]
+        # the torch calibration is untouched: the same top-level sections and head
+        for name in ("head", "abstention", "conformal", "calibration", "reference", "metrics"):
+            assert getattr(after, name) == getattr(before, name), name
+        mine = after.calibration_for("openvino-fp32")
+        assert mine.record["backend"] == "openvino-fp32" and mine.record["n"] == 60
+        assert mine.conformal is not None and "zeta" in mine.head
+        predictor = Predictor.from_artifact(out, backend="openvino-fp32")
+        assert predictor.calibration.key == "openvino-fp32"
+        assert predictor.head.config.zeta == mine.head["zeta"]
+        assert Predictor.from_artifact(out).calibration.key == "torch-fp32"
