@@ -204,6 +204,8 @@ def _backends_section(m: Manifest) -> list[str]:
     out = ["", "## Calibrations per backend", "",
            f"The thresholds and sets above were calibrated on `{m.calibrated_on}`. A service serves the calibration "
            "made on the backend that runs it (and refuses a backend with none, unless told otherwise)."]
+    if m.backend_calibrations:
+        out += ["", "Calibrated on other backends too, from their own outputs on the same sample:", ""]
     for key in m.backend_calibrations:
         c = m.calibration_for(key)
         head = ", ".join(f"{k} {num(v)}" for k, v in c.head.items())

@@ -18,7 +18,8 @@ targets, rates or seeds) without running the model again.
 ``--backend NAME`` (ibedl.core.backends) runs the model on that inference backend and records the calibration as
 made on it: a guarantee holds for the weights and the arithmetic that ran them. The manifest keeps one calibration
 per backend and precision (``calibrated_on`` at the top level, the others in ``backend_calibrations``); the service
-serves the one matching its backend.
+serves the one matching its backend. Recalibrating the top-level one writes a new ``version`` (the answers it
+serves change); adding or replacing another backend's leaves the version and every other calibration as they were.
 
 Without ``--output`` the artifact is updated in place; with it, a new artifact directory is written whose
 adapter and head weights are hard links to (or, across file systems, copies of) the original's.
@@ -426,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", help="cpu or cuda (default: CUDA when present)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                         help="model dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    parser.add_argument("--load-in-4bit", action="store_true",
+                        help="load the base in 4-bit NF4 (bitsandbytes, CUDA), as IBEDL_LOAD_IN_4BIT serves it")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -480,7 +483,8 @@ def main(argv: list[str] | None = None) -> int:
         "previous_version": str(manifest.version),
     })
     record(manifest, key, head_update, sections, {args.evaluate_split: evaluated} if evaluated is not None else {})
-    manifest.version = next_version(str(manifest.version))
+    if key == manifest.calibrated_on:  # the answers served so far change; another backend's are new, not changed
+        manifest.version = next_version(str(manifest.version))
     target = Path(args.output) if args.output else source
     if target.resolve() != source.resolve():
         _share_files(source, target, manifest)
@@ -537,15 +541,20 @@ def run_model(args, source: Path, load_dataset) -> tuple[str, dict, list[int], s
     missing = [i for i, q in enumerate(questions) if q.answer is None]
     if missing:
         raise ValueError(f"questions {missing[:5]} of {args.dataset}/{args.split} have no answer to calibrate on")
+    sample = None
+    if args.backend == "openvino-int8":  # quantised on training questions: the calibration sample chooses nothing else
+        sample = load_dataset(args.dataset, "train", path=args.path, limit=QUANTIZATION_QUESTIONS, seed=args.seed)
     predictor = Predictor.from_artifact(source, base_model=args.base_model, device=args.device,
                                         dtype=getattr(torch, args.dtype) if args.dtype else None,
-                                        backend=args.backend or "torch")
+                                        backend=args.backend or "torch", quantization_sample=sample,
+                                        load_in_4bit=args.load_in_4bit)
     predictor.max_tokens = args.max_tokens
     kind, raw = raw_outputs(predictor, questions, args.batch_size, progress=not args.no_progress)
     return kind, raw, [q.answer for q in questions], predictor.calibration_key
 
 
 OUTPUTS_FORMAT = "ibedl-raw-outputs/1"
+QUANTIZATION_QUESTIONS = 300  # training questions openvino-int8 measures activation ranges on (NNCF's default subset)
 
 
 def weights_sha256(directory: Path, manifest: Manifest) -> str:

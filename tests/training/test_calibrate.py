@@ -224,8 +224,8 @@ class TestCli:
                      "--backend", "openvino-fp32"]) == 0
         before, after = read_manifest(tiny_artifact), read_manifest(out)
         assert after.calibration_keys() == ["torch-fp32", "openvino-fp32"]
-        # the torch calibration is untouched: the same top-level sections and head
-        for name in ("head", "abstention", "conformal", "calibration", "reference", "metrics"):
+        # the torch calibration is untouched: the same top-level sections and head, the same version (its answers)
+        for name in ("head", "abstention", "conformal", "calibration", "reference", "metrics", "version"):
             assert getattr(after, name) == getattr(before, name), name
         mine = after.calibration_for("openvino-fp32")
         assert mine.record["backend"] == "openvino-fp32" and mine.record["n"] == 60
