@@ -103,15 +103,16 @@ def load_dump(scores_dir: str, name: str, manifest) -> dict:
     return dump
 
 
-def served(dump: dict, stream: str, manifest) -> dict:
-    """Per-question outputs and decisions of one stream under the manifest's calibration, as served."""
+def served(dump: dict, stream: str, manifest, key: str | None = None) -> dict:
+    """Per-question outputs and decisions of one stream under the manifest's calibration made on ``key`` (default
+    its ``calibrated_on``), as served."""
+    calibration = manifest.calibration_for(key or manifest.calibrated_on)
     raw = {**dump["streams"][stream], "offset": dump["offset"]}
-    head = manifest.head_config()
-    outputs = posthoc_outputs(dump["kind"], raw, {"zeta": head.zeta, "temperature": head.temperature})
+    outputs = posthoc_outputs(dump["kind"], raw, calibration.head)
     labels = np.asarray(raw["labels"])
     conf = outputs.confidence
     u = outputs.uncertainty
-    limits = manifest.thresholds()
+    limits = calibration.thresholds
     reasons = [decide(None if u is None else float(u[i]), float(conf[i]), limits) for i in range(len(labels))]
     hits = np.asarray([float(np.argmax(p) == y) for p, y in zip(outputs.probs, labels)])
     return {"outputs": outputs, "labels": labels, "confidence": conf, "hits": hits, "reasons": reasons,
@@ -139,15 +140,17 @@ def stream_row(s: dict, conformal) -> dict:
     return row
 
 
-def repeated_splits(s: dict, manifest, splits: int, seed: int = 0) -> dict:
+def repeated_splits(s: dict, manifest, splits: int, seed: int = 0, key: str | None = None) -> dict:
     """Guarantees checked on SciQ test: random halves calibrate (sets; risk threshold behind the artifact's
-    gate) and the other halves test."""
-    cal_cfg = manifest.calibration.get("config", {})
-    target = cal_cfg.get("target_accuracy", manifest.thresholds().how.get("target_accuracy", 0.9))
+    gate) and the other halves test. ``key``: which of the manifest's calibrations (default its
+    ``calibrated_on``)."""
+    calibration = manifest.calibration_for(key or manifest.calibrated_on)
+    cal_cfg = calibration.record.get("config", {})
+    target = cal_cfg.get("target_accuracy", calibration.thresholds.how.get("target_accuracy", 0.9))
     delta = cal_cfg.get("delta", 0.1)
-    alpha = manifest.conformal_sets().alpha if manifest.conformal_sets() else 0.1
+    alpha = calibration.conformal.alpha if calibration.conformal else 0.1
     probs, labels, conf, hits = s["outputs"].probs, s["labels"], s["confidence"], s["hits"]
-    limits = manifest.thresholds()
+    limits = calibration.thresholds
     passed = s["outputs"].ood_score() >= limits.ood_threshold  # the artifact's gate, fixed
     scores = {sc: label_scores(probs, labels, sc) for sc in SCORES}
     rng = np.random.default_rng(seed)

@@ -137,8 +137,24 @@ def compress_int8_groups(ir, group: int) -> int:
     return replaced
 
 
-def _export(model, tokenizer, target: Path, compress: bool) -> None:
-    """LoRA-merged trunk -> OpenVINO IR in ``target`` (written to a temporary directory, then renamed)."""
+def quantize_static(ir, sample: list):
+    """Static int8 (weights and activations) of an fp32 IR by NNCF post-training quantisation, its activation
+    ranges measured on ``sample`` (encoded batches: :class:`~ibedl.core.predictor.EncodedBatch`). NNCF's
+    transformer preset keeps the layers that quantise badly (softmax, norms) in floating point."""
+    try:
+        import nncf
+    except ImportError as e:
+        raise ImportError("backend 'openvino-int8' quantises with NNCF: pip install -e '.[int8]'") from e
+    if not sample:
+        raise ValueError("static int8 needs a calibration sample of at least one encoded batch")
+    data = nncf.Dataset(sample, lambda b: {"input_ids": b.input_ids.numpy(), "attention_mask": b.attention_mask.numpy(),
+                                           "last_index": b.last_index.numpy()})
+    return nncf.quantize(ir, data, model_type=nncf.ModelType.TRANSFORMER, subset_size=len(sample))
+
+
+def _export(model, tokenizer, target: Path, compress: bool, sample: list | None = None) -> None:
+    """LoRA-merged trunk -> OpenVINO IR in ``target`` (written to a temporary directory, then renamed); int8
+    weights with ``compress``, static int8 quantised on ``sample`` (encoded batches) when one is given."""
     import openvino as ov
 
     from ibedl.core.base_model import decoder_of
@@ -158,10 +174,17 @@ def _export(model, tokenizer, target: Path, compress: bool) -> None:
         )
     if compress:
         compress_int8_groups(ir, GROUP_SIZE)
+    record = {"compress": compress}
+    if sample is not None:
+        ir = quantize_static(ir, sample)
+        digest = hashlib.sha256()
+        for b in sample:
+            digest.update(b.input_ids.numpy().tobytes())
+        record["static_int8"] = {"sample_batches": len(sample), "sample_sha256": digest.hexdigest()}
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
     ov.save_model(ir, tmp / "trunk.xml", compress_to_fp16=False)
-    (tmp / MARKER).write_text(json.dumps({"compress": compress, "seconds": round(time.perf_counter() - start, 1)}))
+    (tmp / MARKER).write_text(json.dumps({**record, "seconds": round(time.perf_counter() - start, 1)}))
     if target.exists():
         shutil.rmtree(target)
     tmp.replace(target)
@@ -187,8 +210,9 @@ def native_bf16() -> bool:
 
 
 def openvino_trunk(model, tokenizer, artifact: Path, member: str, base_sha256: str, backend: str,
-                   threads: int | None = None) -> OpenVINOTrunk:
-    """Compile the cached IR of this adapter (exporting it once if missing)."""
+                   threads: int | None = None, sample: list | None = None) -> OpenVINOTrunk:
+    """Compile the cached IR of this adapter (exporting it once if missing). ``sample``: encoded batches that
+    ``openvino-int8`` measures activation ranges on when it quantises (once; the cached IR is used after)."""
     try:
         import openvino as ov
     except ImportError as e:
@@ -201,9 +225,13 @@ def openvino_trunk(model, tokenizer, artifact: Path, member: str, base_sha256: s
     ir = IR_OF[backend]
     target = cache_dir() / "backends" / f"{ir}-{adapter_key(artifact, member, base_sha256, ir)[:16]}"
     if not (target / MARKER).is_file():
+        if ir == "openvino-int8" and not sample:
+            raise ValueError("backend 'openvino-int8' quantises the trunk once on a calibration sample, and none was "
+                             "given: quantise it with python -m ibedl.training.calibrate --backend openvino-int8 (on "
+                             "the dataset's training split) or python -m benchmarks.cpu_backends")
         log.info("exporting the trunk of %s for backend %s into %s: once per adapter, about a minute",
                  artifact, backend, target)
-        _export(model, tokenizer, target, compress=ir == "openvino")
+        _export(model, tokenizer, target, compress=ir == "openvino", sample=sample if ir == "openvino-int8" else None)
         log.info("exported %s; later starts load it in seconds", target)
     config = {"INFERENCE_PRECISION_HINT": precision, "PERFORMANCE_HINT": "LATENCY",
               "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0, "INFERENCE_NUM_THREADS": threads or torch.get_num_threads()}
@@ -245,10 +273,10 @@ def choose_backend(backend: str, predictor) -> tuple[str, str]:
     return "torch", f"the fallback: {reason}"
 
 
-def build_trunk(backend: str, predictor, artifact: Path, base_sha256: str):
+def build_trunk(backend: str, predictor, artifact: Path, base_sha256: str, sample: list | None = None):
     """The trunk callable of ``backend`` for a loaded predictor; None for ``torch`` (the predictor's own path).
     Records the concrete backend (``auto`` resolved) as ``predictor.backend`` and why as ``predictor.backend_reason``
-    (logged when ``auto`` chose)."""
+    (logged when ``auto`` chose). ``sample``: questions ``openvino-int8`` quantises on when its IR is not cached."""
     requested = backend
     backend, reason = choose_backend(backend, predictor)
     predictor.backend, predictor.backend_reason = backend, reason
@@ -263,7 +291,9 @@ def build_trunk(backend: str, predictor, artifact: Path, base_sha256: str):
     if predictor.device.type != "cpu":
         raise ValueError(f"backend {backend!r} runs on the CPU; got device {predictor.device}")
     member = predictor.manifest.members[0] if predictor.manifest else "."
-    return openvino_trunk(predictor.model, predictor.tokenizer, artifact, member, base_sha256, backend)
+    encoded = None if sample is None else [predictor.encode([q]) for q in sample]
+    return openvino_trunk(predictor.model, predictor.tokenizer, artifact, member, base_sha256, backend,
+                          sample=encoded)
 
 
 __all__ = ["BACKENDS", "DEFAULT_BACKEND", "AUTO_ORDER", "check_backend", "calibration_key", "choose_backend",

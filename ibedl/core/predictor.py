@@ -372,6 +372,7 @@ class Predictor:
         backend: str = "torch",
         resolved=None,
         tokenizer=None,
+        quantization_sample: list[MCQuestion] | None = None,
     ) -> Predictor:
         """Load base model + adapter(s) + head(s) of an artifact directory.
 
@@ -380,10 +381,11 @@ class Predictor:
             base_model: a model reference overriding the manifest's base model name.
             allow_base_mismatch: load even when the base weights' sha256 differs from the manifest's.
             backend: inference backend of the trunk (:mod:`ibedl.core.backends`); ``auto`` picks one.
-            resolved, tokenizer: see :meth:`from_artifacts`.
+            resolved, tokenizer, quantization_sample: see :meth:`from_artifacts`.
         """
         (predictor,) = cls.from_artifacts([directory], base_model, device, dtype, load_in_4bit, allow_base_mismatch,
-                                          backend, resolved=resolved, tokenizer=tokenizer)
+                                          backend, resolved=resolved, tokenizer=tokenizer,
+                                          quantization_sample=quantization_sample)
         return predictor
 
     @classmethod
@@ -398,6 +400,7 @@ class Predictor:
         backend: str = "torch",
         resolved=None,
         tokenizer=None,
+        quantization_sample: list[MCQuestion] | None = None,
     ) -> list[Predictor]:
         """Several artifacts on one base model, loaded once (PEFT multi-adapter): the adapters of artifact j are
         added to the shared model as ``a{j}m{i}`` (``m{i}`` for the first), and each predictor switches the model
@@ -406,7 +409,8 @@ class Predictor:
 
         ``resolved`` (an :class:`ibedl.core.base_model.ResolvedModel`) is the base model when the caller already
         resolved it (training: once per process), instead of resolving ``base_model`` or the manifest's reference
-        again; ``tokenizer`` its tokenizer, when already loaded.
+        again; ``tokenizer`` its tokenizer, when already loaded. ``quantization_sample``: questions the
+        ``openvino-int8`` backend measures activation ranges on when it quantises the trunk (once per adapter).
 
         Refused with :class:`BaseModelMismatchError` when the artifacts were trained on different base weights
         (one process holds one base model), and with ``ValueError`` for more than one artifact on a backend
@@ -480,7 +484,7 @@ class Predictor:
                 mc_samples=manifest.mc_samples,
                 manifest=manifest,
             )
-            predictor.trunk = build_trunk(backend, predictor, directory, resolved.sha256)
+            predictor.trunk = build_trunk(backend, predictor, directory, resolved.sha256, sample=quantization_sample)
             if reason is not None:
                 predictor.backend_reason = reason
             predictor.use_calibration()

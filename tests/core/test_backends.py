@@ -1,6 +1,8 @@
 """Inference backends: the switch, the export cache, int8 group compression (tiny model; real model in
 tests/integration/test_backends_real.py)."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -196,3 +198,29 @@ def test_auto_logs_its_decision(tiny, monkeypatch, caplog):
                "the artifact)" in caplog.text
     finally:
         predictor.backend = "torch"
+
+
+def test_static_int8_needs_a_sample_to_quantise(tiny):
+    predictor, artifact = tiny
+    with pytest.raises(ValueError, match="quantises the trunk once on a calibration sample, and none was given"):
+        openvino_trunk(predictor.model, predictor.tokenizer, artifact, ".", "base-sha", "openvino-int8")
+
+
+def test_static_int8_quantises_weights_and_activations(tiny):
+    pytest.importorskip("nncf")  # the int8 extra
+    predictor, artifact = tiny
+    sample = [predictor.encode([q]) for q in QUESTIONS * 2]
+    trunk = openvino_trunk(predictor.model, predictor.tokenizer, artifact, ".", "base-sha", "openvino-int8",
+                           sample=sample)
+    saved = ov.Core().read_model(trunk.path / "trunk.xml")
+    ops = saved.get_ops()
+    linears = [op for op in ops if op.get_type_name() == "MatMul"]  # attention is one SDPA op, not a MatMul
+    int8_weights = [op for op in ops if op.get_type_name() == "Constant" and op.get_element_type() == ov.Type.i8]
+    activation_quantizers = [op for op in ops if op.get_type_name() == "FakeQuantize"]
+    assert len(int8_weights) >= len(linears) > 0 and activation_quantizers  # weights and activations in int8
+    batch = predictor.encode(QUESTIONS)
+    with torch.no_grad():
+        expected = predictor.hidden(batch)
+    got = trunk(batch)
+    assert float((got - expected).abs().max() / expected.abs().max()) < 0.25  # int8: close, not equal
+    assert json.loads((trunk.path / backends.MARKER).read_text())["static_int8"]["sample_batches"] == 4
