@@ -13,7 +13,7 @@ ARTIFACT ?= artifacts/default
 PYTEST_ARGS ?=
 DOCS_ADDR ?= 127.0.0.1:8001
 
-.PHONY: setup setup-laplace serve test test-servers-deps test-fast docs docs-serve train-default train-map train-map-twin bench benchmark clean
+.PHONY: setup setup-laplace serve test test-servers-deps test-fast docs docs-serve train-default train-map train-map-twin bench benchmark gpu-check clean
 
 $(VENV)/.installed: pyproject.toml requirements/constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -68,6 +68,13 @@ test: setup-laplace test-servers-deps
 
 test-fast: setup-laplace
 	$(PY) -m pytest -m "not integration and not servers" $(PYTEST_ARGS)
+
+# The GPU path end to end on a lent CUDA machine (benchmarks/gpu_check.py: train bf16 / 4-bit base, calibrate and
+# serve on CUDA, the 8B-shaped throughput run against the paper's H100 figures). Needs a CUDA build of torch in the
+# venv; exits 2 at once, saying why, on a machine without CUDA. CI never runs it.
+gpu-check: setup
+	$(PIP) install -q -c requirements/constraints.txt -e '.[gpu]'
+	$(PY) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
 
 # The documentation site (docs/, mkdocs.yml); builds offline. tests/test_docs.py runs the same strict build.
 docs: setup
