@@ -61,6 +61,11 @@ RUN set -eu; \
 # $IBEDL_CACHE_DIR on first use (~20 s). Doing it here means containers start in seconds.
 ENV IBEDL_CACHE_DIR=/opt/ibedl/cache
 RUN python -c "from ibedl.core.base_model import resolve_model; print(resolve_model('smollm2-135m-instruct'))"
+# The default adapter's OpenVINO IR, exported here once (the fp32 IR that openvino-fp32 and openvino-bf16 both
+# compile; keyed by the weights' sha256, so /app/artifacts/default finds it): IBEDL_BACKEND=auto, the default,
+# serves it without the export's memory peak at start or a writable cache on a read-only root filesystem.
+COPY artifacts/default artifacts/default
+RUN python -c "from ibedl.core.predictor import Predictor; Predictor.from_artifact('artifacts/default', backend='openvino-fp32')"
 
 # ---- runtime ---------------------------------------------------------------------------------------------
 FROM base AS runtime

@@ -1,5 +1,9 @@
-"""The backend switch end to end on the real model: the OpenVINO trunks answer like torch fp32, directly and through
-the service (IBEDL_BACKEND=openvino, and auto = openvino-fp32 on the CPU)."""
+"""The backend switch end to end on the real model: the OpenVINO trunks answer close to torch fp32, directly and
+through the service, each serving the calibration made on it (the committed artifact carries torch-fp32,
+openvino-fp32 and openvino-bf16 ones); auto picks the fastest this CPU runs; a backend without a calibration is
+refused unless IBEDL_ALLOW_UNCALIBRATED_BACKEND."""
+
+import time
 
 import httpx
 import pytest
@@ -12,6 +16,8 @@ from tests.integration.conftest import DEFAULT_ARTIFACT
 
 pytest.importorskip("openvino")
 
+AUTO = "openvino-bf16" if native_bf16() else "openvino-fp32"  # what auto serves the committed artifact with here
+
 
 @pytest.fixture(scope="module")
 def questions():
@@ -23,54 +29,78 @@ def reference(real_model_ref, questions):
     return Predictor.from_artifact(DEFAULT_ARTIFACT).predict(questions)
 
 
-# int8 weights move probabilities by up to 0.053 on 200 SciQ test questions (benchmarks/results/cpu_backends.json),
-# over the issue's 0.02 bar: auto picks openvino-fp32, not int8.
+# int8 weights move probabilities by up to 0.053 on 200 SciQ test questions (benchmarks/results/cpu_backends.json)
 INT8_TOL = 0.06
-# bfloat16 matmuls: max |p - p_torch| 0.030 on 96 SciQ validation questions
-BF16_TOL = 0.05
-
+# bfloat16 matmuls: max |p - p_torch| 0.099 on the 1000 SciQ validation questions it was calibrated on
+# (benchmarks/results/decision_scores/default-openvino-bf16.json)
+BF16_TOL = 0.1
+TOLERANCE = {"openvino": INT8_TOL, "openvino-bf16": BF16_TOL, "openvino-fp32": 1e-4}
 
 
 def test_openvino_int8_agrees_with_torch(reference, questions):
     served = Predictor.from_artifact(DEFAULT_ARTIFACT, backend="openvino").predict(questions)
-    for a, b in zip(reference, served):
-        assert a.letter == b.letter
-        assert max(abs(x - y) for x, y in zip(a.probs, b.probs)) < INT8_TOL
+    for a, b in zip(reference, served, strict=True):
+        assert max(abs(x - y) for x, y in zip(a.probs, b.probs, strict=True)) < INT8_TOL
         assert abs(a.uncertainty - b.uncertainty) < 0.02
         assert sum(b.belief) + b.uncertainty == pytest.approx(1.0, abs=1e-5)  # the head is still ours
 
 
-@pytest.mark.parametrize("env, chosen, tol", [({"IBEDL_BACKEND": "openvino"}, "openvino", INT8_TOL),
-                                               ({"IBEDL_BACKEND": "openvino-bf16"}, "openvino-bf16", BF16_TOL),
-                                               ({"IBEDL_BACKEND": "auto"}, "openvino-fp32", 1e-4)],
-                         ids=["openvino", "openvino-bf16", "auto"])
-def test_service_serves_the_chosen_backend(reference, questions, tmp_path, monkeypatch, env, chosen, tol):
+@pytest.mark.parametrize("env, chosen, calibration", [
+    ({"IBEDL_BACKEND": "openvino-bf16"}, "openvino-bf16", "openvino-bf16"),
+    ({"IBEDL_BACKEND": "auto"}, AUTO, AUTO),
+    # no calibration was made on int8 weights: served only when told to, with the torch-fp32 one
+    ({"IBEDL_BACKEND": "openvino", "IBEDL_ALLOW_UNCALIBRATED_BACKEND": "true"}, "openvino", "torch-fp32"),
+], ids=["openvino-bf16", "auto", "openvino-override"])
+def test_service_serves_the_chosen_backend_with_its_calibration(reference, questions, tmp_path, monkeypatch, env,
+                                                                 chosen, calibration):
     if chosen == "openvino-bf16" and not native_bf16():
         pytest.skip("this CPU has no native bfloat16 (AVX512-BF16 or AMX)")
     monkeypatch.delenv("IBEDL_BACKEND", raising=False)
     proc = ServiceProcess(DEFAULT_ARTIFACT, env, tmp_path / "service.log")
+    tol = TOLERANCE[chosen]
     try:
         proc.wait_ready()
+        card = httpx.get(proc.url + "/v1/models").json()["data"][0]
+        assert card["backend"]["name"] == chosen and card["calibration_in_use"]["key"] == calibration
         for q, ref in list(zip(questions, reference))[:3]:
             body = httpx.post(proc.url + "/predict", json={"question": q.question, "options": list(q.options),
                                                           "context": q.context}, timeout=60).json()
-            assert body["prediction"]["letter"] == ref.letter
+            assert body["adapter"]["backend"] == chosen and body["adapter"]["calibration"] == calibration
             assert body["uncertainty_mass"] == pytest.approx(ref.uncertainty, abs=tol)
             assert list(body["probabilities"].values()) == pytest.approx(ref.probs, abs=max(tol, 1e-4))
+        rss = proc.rss_mib()
     finally:
         assert proc.stop() == 0, proc.log_text()
     log = (tmp_path / "service.log").read_text()
-    assert ("inference backend auto -> openvino-fp32" in log) == (env["IBEDL_BACKEND"] == "auto")
-    assert f"for backend {chosen} into" not in log or "exported" in log  # a first export says so, and finishes
+    assert (f"inference backend auto -> {chosen}" in log) == (env["IBEDL_BACKEND"] == "auto")
+    assert rss < 2048  # the torch model was dropped: within the compose file's 2 GB per replica
 
 
-def test_auto_backend_evaluates_like_torch(questions):
+def test_a_backend_without_its_calibration_is_refused_at_startup(tmp_path, monkeypatch):
+    monkeypatch.delenv("IBEDL_BACKEND", raising=False)
+    proc = ServiceProcess(DEFAULT_ARTIFACT, {"IBEDL_BACKEND": "openvino"}, tmp_path / "service.log")
+    try:
+        deadline, body = time.monotonic() + 180, {}
+        while time.monotonic() < deadline and body.get("status") != "failed":
+            try:
+                r = httpx.get(proc.url + "/health/ready", timeout=2)
+                body = r.json()
+                assert r.status_code == 503
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+    finally:
+        assert proc.stop() == 0, proc.log_text()
+    assert body.get("status") == "failed", proc.log_text()
+    assert "carries no calibration made on backend openvino (openvino)" in body["reason"]
+    assert "IBEDL_ALLOW_UNCALIBRATED_BACKEND=true" in body["reason"]
+
+
+def test_auto_backend_evaluates_like_torch(questions, reference):
     served = Predictor.from_artifact(DEFAULT_ARTIFACT, backend="auto")
-    assert served.backend == "openvino-fp32"
-    reference = Predictor.from_artifact(DEFAULT_ARTIFACT).predict(questions)
-    for a, b in zip(reference, served.predict(questions)):
-        assert a.letter == b.letter
-        assert a.probs == pytest.approx(b.probs, abs=1e-4)
+    assert served.backend == AUTO and served.calibration.key == AUTO
+    for a, b in zip(reference, served.predict(questions), strict=True):
+        assert a.probs == pytest.approx(b.probs, abs=max(TOLERANCE[AUTO], 1e-4))
 
 
 def test_service_refuses_an_unknown_backend(tmp_path):
