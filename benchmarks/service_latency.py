@@ -41,7 +41,9 @@ def main(argv=None) -> int:
     payloads = [{"question": q.question, "options": list(q.options), "context": q.context} for q in questions]
 
     predictor = Predictor.from_artifact(args.artifact)
-    server = ServiceProcess(args.artifact, {"IBEDL_MAX_BATCH_SIZE": "32", "IBEDL_MAX_WAIT_MS": "10"})
+    # the bare predictor above is torch: the service runs torch too, so the ratios are HTTP and batching alone
+    server = ServiceProcess(args.artifact, {"IBEDL_MAX_BATCH_SIZE": "32", "IBEDL_MAX_WAIT_MS": "10",
+                                            "IBEDL_BACKEND": "torch"})
     try:
         server.wait_ready()
         with httpx.Client(timeout=120) as client:
