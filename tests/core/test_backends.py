@@ -157,7 +157,7 @@ def test_auto_is_the_default_and_picks_the_fastest_calibrated_backend(tiny, monk
     monkeypatch.delenv("IBEDL_BACKEND", raising=False)
     assert Settings().backend == backends.DEFAULT_BACKEND == "auto"
     predictor, artifact = tiny
-    monkeypatch.setattr(backends, "openvino_trunk", lambda *args: args[-1])  # the backend it was asked for
+    monkeypatch.setattr(backends, "openvino_trunk", lambda *args, **kwargs: args[-1])  # the backend it was asked for
     monkeypatch.setattr(predictor, "manifest", _Carrying("torch-fp32", "openvino-fp32", "openvino-bf16"))
     try:
         for bf16 in (True, False):
@@ -188,7 +188,7 @@ def test_auto_is_the_default_and_picks_the_fastest_calibrated_backend(tiny, monk
 
 def test_auto_logs_its_decision(tiny, monkeypatch, caplog):
     predictor, artifact = tiny
-    monkeypatch.setattr(backends, "openvino_trunk", lambda *args: args[-1])
+    monkeypatch.setattr(backends, "openvino_trunk", lambda *args, **kwargs: args[-1])
     monkeypatch.setattr(backends, "native_bf16", lambda: True)
     monkeypatch.setattr(predictor, "manifest", _Carrying("torch-fp32", "openvino-bf16"))
     try:

@@ -1,0 +1,51 @@
+"""benchmarks.cpu_backends judges a backend under its own calibration: made from its validation outputs with the
+artifact's settings, it is the calibration the artifact stores for that backend (the same code, sample and seed),
+and the test-side figures are those of that calibration's decisions."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks.cpu_backends import decisions, peak_of
+from ibedl.core.artifact import read_manifest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCORES = ROOT / "benchmarks" / "results" / "decision_scores"
+
+
+@pytest.mark.parametrize(("key", "file"), [("torch-fp32", "default.json"),
+                                           ("openvino-bf16", "default-openvino-bf16.json")])
+def test_a_backend_is_judged_under_the_calibration_stored_for_it(key, file):
+    manifest = read_manifest(ROOT / "artifacts" / "default")
+    dump = json.loads((SCORES / file).read_text())
+    val = {**dump["streams"]["sciq_validation"], "offset": dump["offset"]}
+    test = {k: (v[:200] if isinstance(v, list) else v) for k, v in val.items()}  # any labelled outputs will do
+    row = decisions(manifest, key, dump["kind"], val, test, splits=20)
+    stored = manifest.calibration_for(key)
+    assert row["calibration"]["min_confidence"] == stored.thresholds.min_confidence
+    assert row["calibration"]["ood_threshold"] == stored.thresholds.ood_threshold
+    assert row["calibration"]["stored_in_artifact"] == {"min_confidence": stored.thresholds.min_confidence,
+                                                        "ood_threshold": stored.thresholds.ood_threshold}
+    # the test figures are those of the stored calibration's decisions on those questions
+    probs = [np.asarray(p) for p in test["probs"]]
+    hits = np.asarray([np.argmax(p) == y for p, y in zip(probs, test["labels"], strict=True)])
+    assert row["test"]["accuracy"] == pytest.approx(hits.mean())
+    inv_u = np.asarray([np.sum(a) / len(a) for a in test["alpha"]])  # 1/u = alpha0 / C (offset 1, zeta 0)
+    conf = np.asarray([np.max(a) / np.sum(a) for a in test["alpha"]])
+    answered = (inv_u >= stored.thresholds.ood_threshold) & (conf >= stored.thresholds.min_confidence)
+    assert stored.head == {"zeta": 0.0}
+    assert row["test"]["answered"] == pytest.approx(answered.mean())
+    assert row["test"]["answered_accuracy"] == pytest.approx(hits[answered].mean())
+    assert row["repeated_splits"]["splits"] == 20 and 0 <= row["repeated_splits"]["risk"][
+        "share_of_splits_guarantee_held"] <= 1
+
+
+def test_each_backend_is_measured_against_the_peak_of_its_precision():
+    peak = {"fp32": 100.0, "bf16": 300.0, "int8": 600.0}
+    assert peak_of("torch", peak) == ("fp32", 100.0)
+    assert peak_of("openvino-fp32", peak) == ("fp32", 100.0)
+    assert peak_of("openvino", peak) == ("fp32", 100.0)  # int8 weights, fp32 compute
+    assert peak_of("openvino-bf16", peak) == ("bf16", 300.0)
+    assert peak_of("openvino-int8", peak) == ("int8", 600.0)
