@@ -492,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     write_card(target, manifest)  # the card shows the new thresholds
     check_artifact(target, verify=True)
     cal = manifest.calibration_for(key).record
-    print(json.dumps({"artifact": str(target), "version": manifest.version, "calibrated_on": key,
+    print(json.dumps({"artifact": str(target), "version": manifest.version, "calibration": key,
                       "posthoc": cal["posthoc"],
                       "gate": cal["gate"], "risk_control": cal["risk_control"],
                       "conformal_in_sample": cal["conformal_in_sample"]}, indent=2))
