@@ -5,12 +5,11 @@ each adapter's runtime (predictor view, thresholds, prediction sets, answer refe
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from dataclasses import dataclass
 
 import torch
-
-import logging
 
 from ibedl.core.artifact import Abstention, Conformal, ServedCalibration
 from ibedl.core.predictor import Prediction, Predictor

@@ -62,7 +62,7 @@ def predict_all(
     lengths = [len(q.question) + len(q.context or "") + sum(len(o) for o in q.options) for q in questions]
     order = sorted(range(len(questions)), key=lambda i: lengths[i])
     out: list[Prediction | None] = [None] * len(questions)
-    was_training = predictor.model.training
+    was_training = predictor.model is not None and predictor.model.training  # None: released for a backend trunk
     predictor.eval()
     with torch.no_grad(), tqdm(total=len(questions), desc=desc, disable=not progress, unit="q", leave=False) as bar:
         for i in range(0, len(order), batch_size):
