@@ -67,7 +67,7 @@ def model_card(runtime: AdapterRuntime, settings: EngineSettings) -> dict:
         "training_data": m.training.get("data"),
         "label_noise": m.training.get("label_noise"),
         "created": m.training.get("created"),
-        "metrics": served.metrics,
+        "metrics": m.metrics,
         "abstention": asdict(served.thresholds),
         "conformal": None if c is None else {
             "alpha": c.alpha, "score": c.score, "n": c.n, "alphas": c.alphas(), "scores": sorted(c.quantiles)},
@@ -75,7 +75,8 @@ def model_card(runtime: AdapterRuntime, settings: EngineSettings) -> dict:
         "backend": {"name": runtime.predictor.backend, "requested": settings.backend,
                     "reason": runtime.predictor.backend_reason},
         "calibration_in_use": {"key": served.key, "backend_key": runtime.predictor.calibration_key,
-                               "matches_backend": runtime.calibration_matches, "carried": m.calibration_keys()},
+                               "matches_backend": runtime.calibration_matches, "carried": m.calibration_keys(),
+                               "metrics": served.metrics},
         "prompt": {**m.prompt, "training_max_tokens": m.prompt_config().max_tokens, "max_tokens": settings.max_tokens},
         "max_options": max_options(settings, runtime),
         "head": {"kind": head.kind, "inference": head.inference, "zeta": head.zeta, "temperature": head.temperature,

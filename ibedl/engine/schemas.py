@@ -172,7 +172,7 @@ class ModelCard(BaseModel):
                           "reason (why auto chose it)")
     calibration_in_use: dict = Field(..., description="key: the backend and precision of the calibration served; "
                                      "backend_key: those of the backend that serves; matches_backend; carried: every "
-                                     "calibration the artifact holds")
+                                     "calibration the artifact holds; metrics: those recorded under the one in use")
     prompt: dict
     max_options: int
     head: dict
