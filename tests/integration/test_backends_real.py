@@ -9,6 +9,7 @@ from ibedl.core.predictor import Predictor
 from ibedl.training.data import load_dataset
 from tests.conftest import ServiceProcess
 from tests.integration.conftest import DEFAULT_ARTIFACT
+from tests.http_json import ok_json
 
 pytest.importorskip("openvino")
 
@@ -33,9 +34,9 @@ BF16_TOL = 0.05
 
 def test_openvino_int8_agrees_with_torch(reference, questions):
     served = Predictor.from_artifact(DEFAULT_ARTIFACT, backend="openvino").predict(questions)
-    for a, b in zip(reference, served):
+    for a, b in zip(reference, served, strict=True):
         assert a.letter == b.letter
-        assert max(abs(x - y) for x, y in zip(a.probs, b.probs)) < INT8_TOL
+        assert max(abs(x - y) for x, y in zip(a.probs, b.probs, strict=True)) < INT8_TOL
         assert abs(a.uncertainty - b.uncertainty) < 0.02
         assert sum(b.belief) + b.uncertainty == pytest.approx(1.0, abs=1e-5)  # the head is still ours
 
@@ -51,9 +52,9 @@ def test_service_serves_the_chosen_backend(reference, questions, tmp_path, monke
     proc = ServiceProcess(DEFAULT_ARTIFACT, env, tmp_path / "service.log")
     try:
         proc.wait_ready()
-        for q, ref in list(zip(questions, reference))[:3]:
-            body = httpx.post(proc.url + "/predict", json={"question": q.question, "options": list(q.options),
-                                                          "context": q.context}, timeout=60).json()
+        for q, ref in list(zip(questions, reference, strict=True))[:3]:
+            body = ok_json(httpx.post(proc.url + "/predict", json={"question": q.question, "options": list(q.options),
+                                                          "context": q.context}, timeout=60))
             assert body["prediction"]["letter"] == ref.letter
             assert body["uncertainty_mass"] == pytest.approx(ref.uncertainty, abs=tol)
             assert list(body["probabilities"].values()) == pytest.approx(ref.probs, abs=max(tol, 1e-4))
@@ -68,7 +69,7 @@ def test_auto_backend_evaluates_like_torch(questions):
     served = Predictor.from_artifact(DEFAULT_ARTIFACT, backend="auto")
     assert served.backend == "openvino-fp32"
     reference = Predictor.from_artifact(DEFAULT_ARTIFACT).predict(questions)
-    for a, b in zip(reference, served.predict(questions)):
+    for a, b in zip(reference, served.predict(questions), strict=True):
         assert a.letter == b.letter
         assert a.probs == pytest.approx(b.probs, abs=1e-4)
 

@@ -9,6 +9,7 @@ import torch
 
 from ibedl.core.artifact import read_manifest, write_manifest
 from tests.serve.conftest import per_token_loader, slow_loader, wait_status
+from tests.http_json import ok_json
 
 Q = {"question": "Which is sun?", "options": ["sun", "moon", "tree", "fish"]}
 
@@ -41,8 +42,8 @@ class TestPredict:
         assert r.headers["x-request-id"]
 
     def test_deterministic(self, client):
-        a = client.post("/predict", json=Q).json()
-        b = client.post("/predict", json=Q).json()
+        a = ok_json(client.post("/predict", json=Q))
+        b = ok_json(client.post("/predict", json=Q))
         a.pop("id"), b.pop("id")
         assert a == b
 
@@ -59,18 +60,18 @@ class TestPredict:
         assert r.status_code == 200
         results = r.json()["results"]
         assert [x["id"] for x in results] == ["x", "y"]
-        for item, res in zip(items, results):
-            single = client.post("/predict", json=item).json()
+        for item, res in zip(items, results, strict=True):
+            single = ok_json(client.post("/predict", json=item))
             assert single["probabilities"] == pytest.approx(res["probabilities"], abs=1e-5)
 
 
 class TestAbstention:
     def test_tightened_threshold_abstains(self, client):
-        body = client.post("/predict", json={**Q, "abstain": {"max_uncertainty": 0.0}}).json()
+        body = ok_json(client.post("/predict", json={**Q, "abstain": {"max_uncertainty": 0.0}}))
         assert body["abstained"] and body["abstain_reason"] == "max_uncertainty"
-        body = client.post("/predict", json={**Q, "abstain": {"min_confidence": 1.0}}).json()
+        body = ok_json(client.post("/predict", json={**Q, "abstain": {"min_confidence": 1.0}}))
         assert body["abstained"] and body["abstain_reason"] == "min_confidence"
-        body = client.post("/predict", json={**Q, "abstain": {"min_confidence": 1}}).json()  # an int is a number
+        body = ok_json(client.post("/predict", json={**Q, "abstain": {"min_confidence": 1}}))  # an int is a number
         assert body["abstained"] and body["abstain_reason"] == "min_confidence"
 
     def test_requests_cannot_loosen_defaults(self, tiny_artifact, make_client, tmp_path):
@@ -82,7 +83,7 @@ class TestAbstention:
         manifest.abstention["max_uncertainty"] = 0.0  # the adapter's default abstains on everything
         write_manifest(art, manifest)
         with make_client(artifact=art) as c:
-            body = c.post("/predict", json={**Q, "abstain": {"max_uncertainty": 1.0}}).json()
+            body = ok_json(c.post("/predict", json={**Q, "abstain": {"max_uncertainty": 1.0}}))
             assert body["abstained"] and body["abstain_reason"] == "max_uncertainty"
 
 
@@ -156,7 +157,7 @@ class TestBadInput:
             assert r.status_code == 422
 
     def test_unknown_route_and_method(self, client):
-        assert client.get("/nope").json()["error"]["type"] == "not_found"
+        assert ok_json(client.get("/nope"), 404)["error"]["type"] == "not_found"
         assert client.get("/predict").status_code == 405
 
     def test_undeclared_body_method_is_405(self, client):
@@ -280,7 +281,7 @@ class TestCapacity:
                 late = c.post("/predict", json=Q)
                 assert late.status_code == 503 and late.json()["error"]["type"] == "not_ready"
                 assert late.headers["retry-after"]
-                assert c.get("/health/ready").json()["status"] == "draining"
+                assert ok_json(c.get("/health/ready"), 503)["status"] == "draining"
                 assert first.result().status_code == 200
 
 
@@ -322,7 +323,7 @@ class TestFailClosed:
                 preds = original(questions, truncate_context)
                 if any(q.question == "break" for q in questions):
                     preds = [dataclasses.replace(p, probs=[float("nan")] * len(p.probs)) if q.question == "break"
-                             else p for q, p in zip(questions, preds)]
+                             else p for q, p in zip(questions, preds, strict=True)]
                 return preds
 
             predictor.predict = predict
@@ -358,7 +359,7 @@ class TestAuth:
 
 class TestMetadataAndMetrics:
     def test_models(self, client):
-        data = client.get("/v1/models").json()["data"][0]
+        data = ok_json(client.get("/v1/models"))["data"][0]
         assert data["method"] == "ib_edl" and data["name"] == "tiny"
         assert {"validation"} <= set(data["metrics"])
         assert "max_uncertainty" in data["abstention"]
@@ -384,13 +385,13 @@ class TestMetadataAndMetrics:
     def test_drift_endpoint(self, client):
         for _ in range(3):
             client.post("/predict", json=Q)
-        d = client.get("/v1/drift").json()
+        d = ok_json(client.get("/v1/drift"))
         assert d["statistic"] == "uncertainty_mass" and d["window"] == 3 and d["alarm"] is False
         assert d["ks_threshold"] > 0
 
     def test_openapi_docs(self, client):
         assert client.get("/docs").status_code == 200
-        paths = client.get("/openapi.json").json()["paths"]
+        paths = ok_json(client.get("/openapi.json"))["paths"]
         assert {"/predict", "/predict/batch", "/v1/models", "/v1/drift", "/health/ready"} <= set(paths)
 
 

@@ -46,7 +46,7 @@ def nan_loader(settings):
 
     def predict(questions, truncate_context=True):
         return [dataclasses.replace(p, probs=[float("nan")] * len(p.probs)) if q.question == "break" else p
-                for q, p in zip(questions, original(questions, truncate_context))]
+                for q, p in zip(questions, original(questions, truncate_context), strict=True)]
 
     predictor.predict = predict
     return predictor
