@@ -55,7 +55,7 @@ class RequestGuard:
         request_id = headers.get("x-request-id") or uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
         id_token = logs.request_id_var.set(request_id)
-        scope["state"]["arrived"] = time.monotonic()  # deadlines count from here
+        scope["state"]["arrived"] = self.state.admission.clock()  # deadlines count from here
         # Admission is decided here, once: a request that arrives before a shutdown begins is answered even if
         # SIGTERM lands before its route runs; one that arrives after it is refused (503) by the route.
         scope["state"]["admitted"] = self.state.accepting()

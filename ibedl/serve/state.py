@@ -22,6 +22,7 @@ from ibedl.engine.drift import AccuracyEstimate, DriftMonitor
 from ibedl.engine.responses import build_answer
 from ibedl.engine.runtime import AdapterRuntime, find_adapter, finite_prediction, load_predictors, make_runtimes
 from ibedl.engine.schemas import DriftStatus, Health, PredictRequest, PredictResponse
+from ibedl.serve.admission import TIMEOUT_HEADER, Admission, InvalidTimeout
 from ibedl.serve.batcher import DeadlineExceeded, MicroBatcher, Overloaded, QueueFullError, ShuttingDown, TooLarge
 from ibedl.serve.capacity import ServiceTime
 from ibedl.serve.metrics import Metrics
@@ -31,7 +32,6 @@ log = logging.getLogger("ibedl.serve")
 
 # A loader gives the predictors of the served adapters (the default first); one predictor for one adapter.
 Loader = Callable[[Settings], "list[Predictor] | Predictor"]
-TIMEOUT_HEADER = "X-Request-Timeout"
 
 
 def load_predictor(settings: Settings) -> Predictor:
@@ -50,6 +50,7 @@ class ServiceState:
         self.engine = settings.engine()  # what the engine's functions get: the engine's settings alone
         self.loader = loader
         self.metrics = Metrics()
+        self.admission = Admission(settings.request_timeout_s, settings.admission_margin)
         self.status = "loading"
         self.reason: str | None = "the model is loading"
         self.runtimes: dict[str, AdapterRuntime] = {}  # by adapter name, the default first
@@ -99,7 +100,7 @@ class ServiceState:
             on_depth=self.metrics.queue_depth.set,
             max_batch_tokens=self.settings.max_batch_tokens,
             service_time=service_time,
-            margin=self.settings.admission_margin,
+            admission=self.admission,
         )
         self.batcher.start()
         self.metrics.seconds_per_token.set(service_time.per_token_s)
@@ -151,23 +152,12 @@ class ServiceState:
         return self.health()[0] == 200
 
     def busy_for(self, timeout_header: str | None, arrived: float) -> float | None:
-        """Seconds to wait before retrying when not even the smallest request could be answered before a deadline
-        (given by the header, or the server's) counted from ``arrived``; None when one could. The bound needs no
-        body, so RequestGuard refuses with it before parsing and tokenizing: refusals stay cheap under overload."""
+        """Seconds to wait before retrying when not even the smallest request could be answered before this one's
+        deadline (:meth:`ibedl.serve.admission.Admission.busy_for`); None when one could, or before the model is
+        ready (the route answers then)."""
         if self.batcher is None or self.status != "ready":
             return None
-        limit = self.settings.request_timeout_s
-        if timeout_header is not None:
-            try:
-                given = float(timeout_header)
-            except ValueError:
-                return None  # the route answers 422
-            if not (given > 0 and math.isfinite(given)):
-                return None  # likewise
-            limit = min(limit, given)
-        left = arrived + limit - time.monotonic()
-        lower = self.batcher.margin * self.batcher.expected_wait([0])  # one question of no tokens: a lower bound
-        return lower - left if lower > left else None
+        return self.admission.busy_for(arrived, timeout_header, self.batcher.expected_wait([0]))
 
     def require_ready(self, request: Request) -> None:
         """Refuse (503 not_ready + Retry-After) unless the model can answer this request. Admission is decided
@@ -206,21 +196,14 @@ class ServiceState:
         return error
 
     def deadline(self, request: Request) -> float:
-        """``time.monotonic()`` by which ``request`` must be answered: from its arrival, the server's
-        request timeout or the shorter ``X-Request-Timeout`` (seconds) the client sent."""
-        limit = self.settings.request_timeout_s
-        given = request.headers.get(TIMEOUT_HEADER)
-        if given is not None:
-            try:
-                seconds = float(given)
-            except ValueError:
-                seconds = float("nan")
-            if not (seconds > 0 and math.isfinite(seconds)):
-                raise errors.InvalidRequest(f"{TIMEOUT_HEADER} must be a positive number of seconds, "
-                                            f"got {given[:40]!r}", TIMEOUT_HEADER)
-            limit = min(limit, seconds)
-        arrived = request.scope.get("state", {}).get("arrived", time.monotonic())
-        return arrived + limit
+        """The admission clock's time by which ``request`` must be answered: from its arrival, the server's request
+        timeout or the shorter ``X-Request-Timeout`` (seconds) the client sent (422 when that is not one)."""
+        arrived = request.scope.get("state", {}).get("arrived")
+        try:
+            return self.admission.deadline(self.admission.clock() if arrived is None else arrived,
+                                           request.headers.get(TIMEOUT_HEADER))
+        except InvalidTimeout as e:
+            raise errors.InvalidRequest(str(e), TIMEOUT_HEADER) from None
 
     async def answer(self, runtime: AdapterRuntime, questions: list[MCQuestion], tokens: list[int],
                      request: Request) -> list[Prediction]:
@@ -249,7 +232,7 @@ class ServiceState:
         everything = asyncio.gather(*futures)
         gone = asyncio.ensure_future(_disconnected(request))
         try:
-            done, _ = await asyncio.wait({everything, gone}, timeout=max(0.0, deadline - time.monotonic()),
+            done, _ = await asyncio.wait({everything, gone}, timeout=max(0.0, deadline - self.admission.clock()),
                                          return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()

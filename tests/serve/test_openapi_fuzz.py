@@ -55,13 +55,14 @@ def fuzzed_app(tiny_artifact):
 
 
 def meetable_deadlines(raw: dict) -> dict:
-    """The app's schema with X-Request-Timeout at least 1 s. Any positive number is valid, but a deadline shorter
+    """The app's schema with X-Request-Timeout at least 60 s. Any positive number is valid, but a deadline shorter
     than the question's model time is answered 504 at once by design (test_app.py::TestCapacity), and 504 is a
-    5xx to schemathesis' not_a_server_error; the tiny model answers in milliseconds, so 1 s is always met."""
+    5xx to schemathesis' not_a_server_error; the tiny model answers in milliseconds, but on a loaded machine a 1 s
+    deadline was missed (one 504 in 877 cases), so the floor is far above any machine's speed."""
     for path in ("/predict", "/predict/batch"):
         for p in raw["paths"][path]["post"]["parameters"]:
             if p["name"] == TIMEOUT_HEADER["name"]:
-                p["schema"] = {"type": "number", "minimum": 1}
+                p["schema"] = {"type": "number", "minimum": 60}
     return raw
 
 
