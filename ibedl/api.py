@@ -74,7 +74,7 @@ class Model:
                 ``message``, ``field`` as in its error body; ``field`` starts with ``items.<i>.``); its subclass
                 UnknownAdapter for an adapter that is not loaded.
             ibedl.engine.errors.TooLarge: a question over a limit (the service's 413).
-            ibedl.engine.errors.ModelError: non-finite model outputs (the service's 503 ``model_error``).
+            ibedl.engine.errors.ModelError: non-finite model outputs (the service's 500 ``model_error``).
             (All three are ``ibedl.EngineError``s.)
             pydantic.ValidationError: a dict that is not a valid request body.
         """

@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+ADAPTER_NAME_CHARS = 128  # the longest adapter name a request may give (a served one is its manifest's `name`)
+
 
 class AbstainOptions(BaseModel):
     """Per-request thresholds; they can only tighten the adapter's defaults."""
@@ -59,7 +61,8 @@ class PredictRequest(BaseModel):
     abstain: AbstainOptions | None = None
     conformal: ConformalOptions | None = None
     id: str | None = Field(None, max_length=256, description="echoed back in the response")
-    adapter: str | None = Field(None, description="which served adapter answers (GET /v1/models lists them); "
+    adapter: str | None = Field(None, max_length=ADAPTER_NAME_CHARS,
+                                description="which served adapter answers (GET /v1/models lists them); "
                                 "default the first; every item of a batch must name the same one")
 
 

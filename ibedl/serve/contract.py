@@ -36,11 +36,12 @@ STATUSES = {
     415: _error("`unsupported_media_type`: the body is not `application/json`"),
     422: _error("`invalid_request`: the input breaks the schema or a rule it states (the `field` names where); "
                 "`invalid_json`: the body is not JSON"),
-    500: _error("`internal_error`: a bug; the service log has the traceback"),
+    500: _error("`internal_error`: a bug; the service log has the traceback. `model_error`: the model's numbers for a "
+                "question were not finite: never an answer (the same question gives the same numbers)"),
     503: _error("`not_ready` (loading, broken or draining), `overloaded` (no answer possible before the "
-                "request's deadline), `shutting_down`: retry after `Retry-After` seconds, on another replica "
-                "behind a gateway; `model_error` (the model's numbers for a question were not finite: never an "
-                "answer; no Retry-After, the same question gives the same numbers)", RETRY_AFTER),
+                "request's deadline), `shutting_down`, or more connections than `IBEDL_MAX_CONNECTIONS`: a refusal "
+                "before the model saw the request; retry after `Retry-After` seconds, on another replica behind "
+                "a gateway (the gateway does it once)", RETRY_AFTER),
     504: _error("`timeout`: no answer before the request's deadline (`IBEDL_REQUEST_TIMEOUT_S`, or the "
                 "`X-Request-Timeout` the client sent)"),
 }

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -15,6 +15,7 @@ from ibedl.serve.contract import API_ERRORS, DRIFT_ERRORS, PREDICT_ERRORS, PREDI
 from ibedl.engine.requests import to_question
 from ibedl.engine.responses import model_card
 from ibedl.engine.schemas import (
+    ADAPTER_NAME_CHARS,
     BatchRequest,
     BatchResponse,
     DriftStatus,
@@ -46,7 +47,7 @@ async def predict(body: PredictRequest, request: Request, state: State) -> Predi
     state.require_ready(request)
     runtime = state.runtime(body.adapter)
     request.state.adapter = runtime.name  # for the access log line
-    q, tokens = to_question(runtime, state.engine, body)
+    q, tokens = await state.off_loop(to_question, runtime, state.engine, body)  # counts tokens: off the event loop
     (pred,) = await state.answer(runtime, [q], [tokens], request)
     return state.respond(runtime, body, q, pred, request.state.request_id)
 
@@ -64,7 +65,8 @@ async def predict_batch(body: BatchRequest, request: Request, state: State) -> B
                              f"{sorted({rt.name for rt in runtimes})}; send one batch per adapter", "items")
     runtime = runtimes[0]
     request.state.adapter = runtime.name
-    checked = [to_question(runtime, state.engine, item, f"items.{i}.") for i, item in enumerate(body.items)]
+    checked = await state.off_loop(
+        lambda: [to_question(runtime, state.engine, item, f"items.{i}.") for i, item in enumerate(body.items)])
     questions, tokens = [q for q, _ in checked], [n for _, n in checked]
     budget = state.settings.max_request_tokens
     if sum(tokens) > budget:
@@ -83,7 +85,8 @@ async def models(request: Request, state: State) -> dict:
 
 
 @router.get("/v1/drift", response_model=DriftStatus, responses=DRIFT_ERRORS, tags=["metadata"])
-async def drift(request: Request, state: State, adapter: str | None = None) -> DriftStatus:
+async def drift(request: Request, state: State,
+                adapter: str | None = Query(None, max_length=ADAPTER_NAME_CHARS)) -> DriftStatus:
     """The drift status of one adapter (``?adapter=NAME``; default the first)."""
     state.require_ready(request)
     return state.drift_status(state.runtime(adapter))

@@ -9,8 +9,8 @@ import contextlib
 import dataclasses
 import logging
 import math
-import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Callable
 
 from fastapi import Depends, Request
@@ -57,6 +57,15 @@ class ServiceState:
         self.batcher: MicroBatcher | None = None
         self.server = None  # uvicorn.Server when run by ibedl.serve.__main__, to notice SIGTERM
         self._watcher: asyncio.Task | None = None
+        self._checker: ThreadPoolExecutor | None = None
+
+    async def off_loop(self, fn: Callable, *args):
+        """``fn(*args)`` on the request-checking thread; its exception is raised here. Tokenizing a prompt takes
+        milliseconds of CPU, too long for the event loop; one thread, so the adapters' counting tokenizers are never
+        used by two threads at once."""
+        if self._checker is None:
+            self._checker = ThreadPoolExecutor(1, thread_name_prefix="ibedl-check")
+        return await asyncio.get_running_loop().run_in_executor(self._checker, fn, *args)
 
     @property
     def default(self) -> AdapterRuntime | None:
@@ -85,8 +94,10 @@ class ServiceState:
             # one trunk: one estimate of seconds per token for every adapter (the heads' cost is negligible)
             service_time = await asyncio.to_thread(warm_up, [rt.predictor for rt in runtimes.values()])
         except Exception as e:  # a broken artifact must not kill the process: readiness reports it
-            log.exception("loading the adapter failed")  # the log keeps the server's paths; clients do not see them
-            self.status, self.reason = "failed", redact_paths(f"{type(e).__name__}: {e}")
+            # The log has the exception's text and traceback (paths, hashes, settings); clients get its type alone.
+            log.exception("loading the adapter failed")
+            self.status, self.reason = "failed", f"the adapter failed to load ({type(e).__name__}); the service log " \
+                "has the reason (the line 'loading the adapter failed')"
             return
         self.runtimes = runtimes
         # one callable per adapter: the batcher keeps each pass to one of them (passes never mix adapters)
@@ -139,6 +150,9 @@ class ServiceState:
             self._watcher.cancel()
         if self.batcher is not None:
             await self.batcher.stop()
+        if self._checker is not None:
+            self._checker.shutdown(wait=False, cancel_futures=True)
+            self._checker = None
 
     def health(self) -> tuple[int, Health]:
         if self.status == "ready" and self.server is not None and getattr(self.server, "should_exit", False):
@@ -211,7 +225,7 @@ class ServiceState:
 
         Refused at once with 503 + Retry-After when they cannot be answered before the request's deadline
         (or the service is draining), 504 at once when a client's shorter deadline cannot be met even on an
-        idle model; a client that goes away takes its queued questions with it; 503 model_error when the
+        idle model; a client that goes away takes its queued questions with it; 500 model_error when the
         model's numbers are not finite.
         """
         assert self.batcher is not None
@@ -313,14 +327,6 @@ def warm_up(predictors: list[Predictor]) -> ServiceTime:
     start = time.perf_counter()
     first.predict([probe(first)])
     return ServiceTime((time.perf_counter() - start) / tokens)
-
-
-_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[/\\][^\s/\\'\"():,]+)+[/\\]([^\s/\\'\"():,]+)")
-
-
-def redact_paths(message: str) -> str:
-    """``message`` with every file path cut to its last part: clients learn which file, not where it lives."""
-    return _PATH.sub(r"\1", message)
 
 
 def _cancel(futures: list[asyncio.Future]) -> None:

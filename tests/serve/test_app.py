@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ibedl.core.artifact import read_manifest, write_manifest
-from tests.serve.conftest import per_token_loader, slow_loader, wait_status
+from tests.serve.conftest import load_error, per_token_loader, slow_loader, wait_status
 from tests.http_json import ok_json
 
 Q = {"question": "Which is sun?", "options": ["sun", "moon", "tree", "fish"]}
@@ -189,18 +189,14 @@ class TestLifecycle:
             from tests.serve.conftest import wait_ready
             wait_ready(c)
 
-    def test_broken_artifact_reports_reason(self, make_client, tmp_path):
+    def test_broken_artifact_is_logged_and_named_by_type_alone(self, make_client, tmp_path, caplog):
         (tmp_path / "manifest.json").write_text("{}")
         with make_client(artifact=tmp_path, ready=False) as c:
-            import time
-            for _ in range(100):
-                r = c.get("/health/ready")
-                if r.json()["status"] == "failed":
-                    break
-                time.sleep(0.05)
-            assert r.status_code == 503
-            assert "manifest" in r.json()["reason"]
-            assert str(tmp_path) not in r.json()["reason"]  # the log keeps the path; clients do not see it
+            body = wait_status(c, "failed")
+            assert c.get("/health/ready").status_code == 503
+            error = load_error(caplog, body)  # the log has the text, with the path; clients see the type alone
+            assert error.startswith("ArtifactError: ") and "manifest" in error
+            assert "manifest" not in body["reason"] and str(tmp_path) not in body["reason"]
 
 
 class TestBatchingAndQueue:
@@ -286,7 +282,7 @@ class TestCapacity:
 
 
 class TestFailClosed:
-    def test_nan_weights_are_not_ready(self, tiny_artifact, make_client, tmp_path):
+    def test_nan_weights_are_not_ready(self, tiny_artifact, make_client, tmp_path, caplog):
         import shutil
 
         from safetensors.torch import load_file, save_file
@@ -301,14 +297,15 @@ class TestFailClosed:
         save_file(tensors, art / "head.safetensors")
         with make_client(artifact=art, ready=False) as c:  # changed after its manifest: the checksum refuses it
             body = wait_status(c, "failed")
-            assert "differ from the sha256 the manifest records" in body["reason"]
+            assert "differ from the sha256 the manifest records" in load_error(caplog, body)
+        caplog.clear()
         manifest = read_manifest(art)
         manifest.files = files_sha256(art, manifest.members)  # as a run that diverged to NaN would record them
         write_manifest(art, manifest)
         with make_client(artifact=art, ready=False) as c:
             body = wait_status(c, "failed")
-            assert "NaN or inf" in body["reason"] and "head" in body["reason"]
-            assert str(tmp_path) not in body["reason"]
+            error = load_error(caplog, body)
+            assert "NaN or inf" in error and "head" in error and "NaN" not in body["reason"]
             r = c.post("/predict", json=Q)
             assert r.status_code == 503 and str(tmp_path) not in r.text
 
@@ -331,30 +328,12 @@ class TestFailClosed:
 
         with make_client(loader=loader) as c:
             r = c.post("/predict", json={**Q, "question": "break"})
-            assert r.status_code == 503 and r.json()["error"]["type"] == "model_error"
+            assert r.status_code == 500 and r.json()["error"]["type"] == "model_error"
+            assert "retry-after" not in r.headers
             r = c.post("/predict/batch", json={"items": [Q, {**Q, "question": "break"}]})
-            assert r.status_code == 503 and "items [1]" in r.json()["error"]["message"]
+            assert r.status_code == 500 and "items [1]" in r.json()["error"]["message"]
             assert c.post("/predict", json=Q).status_code == 200
             assert float(_sample(c.get("/metrics").text, "ibedl_nonfinite_outputs_total")) == 2
-
-
-class TestAuth:
-    def test_token_required_on_api_not_on_probes(self, make_client):
-        with make_client(api_token="s3cret") as c:
-            assert c.post("/predict", json=Q).status_code == 401
-            r = c.post("/predict", json=Q, headers={"Authorization": "Bearer wrong"})
-            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
-            assert c.post("/predict", json=Q, headers={"Authorization": "Bearer s3cret"}).status_code == 200
-            assert c.get("/v1/models").status_code == 401
-            assert c.get("/health/ready").status_code == 200
-            assert c.get("/metrics").status_code == 200
-
-    def test_token_is_checked_before_the_body_is_read(self, make_client):
-        with make_client(api_token="s3cret") as c:
-            r = c.post("/predict", content=b"{not json", headers={"content-type": "application/json"})
-            assert r.status_code == 401
-            r = c.post("/predict", content=b"x" * 2_000_000, headers={"content-type": "application/json"})
-            assert r.status_code == 401  # not 413: an unauthenticated client learns nothing of the limits
 
 
 class TestMetadataAndMetrics:

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.serve.conftest import wait_status
+from tests.serve.conftest import load_error, wait_status
 from tests.http_json import ok_json
 
 Q = {"question": "Which is sun?", "options": ["sun", "moon", "tree"], "id": "q1"}
@@ -76,7 +76,8 @@ def test_metrics_and_drift_by_adapter(multi):
     assert ok_json(multi.get("/v1/drift"))["statistic"] == "uncertainty_mass"
 
 
-def test_adapters_of_different_base_models_are_refused(make_client, tiny_artifact, tiny_map_artifact, tmp_path):
+def test_adapters_of_different_base_models_are_refused(make_client, tiny_artifact, tiny_map_artifact, tmp_path,
+                                                       caplog):
     other = tmp_path / "other-base"
     shutil.copytree(tiny_map_artifact, other)
     manifest = json.loads((other / "manifest.json").read_text())
@@ -84,13 +85,14 @@ def test_adapters_of_different_base_models_are_refused(make_client, tiny_artifac
     (other / "manifest.json").write_text(json.dumps(manifest))
     with make_client(artifacts=f"{tiny_artifact},{other}", ready=False) as c:
         body = wait_status(c, "failed")
-        assert "BaseModelMismatchError" in body["reason"] and "share one base model" in body["reason"]
-        assert str(tmp_path) not in body["reason"]
+        error = load_error(caplog, body)
+        assert error.startswith("BaseModelMismatchError: ") and "share one base model" in error
+        assert "BaseModelMismatchError" in body["reason"] and str(tmp_path) not in body["reason"]
 
 
-def test_two_adapters_of_one_name_are_refused(make_client, tiny_artifact, tmp_path):
+def test_two_adapters_of_one_name_are_refused(make_client, tiny_artifact, tmp_path, caplog):
     twin = tmp_path / "twin"
     shutil.copytree(tiny_artifact, twin)
     with make_client(artifacts=f"{tiny_artifact},{twin}", ready=False) as c:
         body = wait_status(c, "failed")
-        assert "two adapters are named 'tiny'" in body["reason"]
+        assert "two adapters are named 'tiny'" in load_error(caplog, body)
