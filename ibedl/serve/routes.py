@@ -1,6 +1,7 @@
 """The HTTP routes: health, predict (one question or a batch), model metadata, drift and Prometheus metrics.
 Each gets the app's ServiceState through ``State``; RequestGuard (ibedl/serve/middleware.py) has checked the
-bearer token of the API routes, the content type, body size and admission before a route runs."""
+bearer token (every route but the health probes; a new route too, without being listed), the content type, body
+size and admission before a route runs."""
 
 from __future__ import annotations
 
