@@ -25,6 +25,10 @@ STATUS = {
     "shutting_down": 503,
     "timeout": 504,
     "client_closed_request": 499,
+    "feedback_disabled": 404,
+    "invalid_receipt": 422,
+    "receipt_expired": 410,
+    "adapter_not_served": 409,
 }
 
 

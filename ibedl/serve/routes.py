@@ -1,4 +1,5 @@
-"""The HTTP routes: health, predict (one question or a batch), model metadata, drift and Prometheus metrics.
+"""The HTTP routes: health, predict (one question or a batch), feedback (labels sent back with an answer's receipt)
+and the realised guarantees, model metadata, drift and Prometheus metrics.
 Each gets the app's ServiceState through ``State``; RequestGuard (ibedl/serve/middleware.py) has checked the
 bearer token (every route but the health probes; a new route too, without being listed), the content type, body
 size and admission before a route runs."""
@@ -12,7 +13,14 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ibedl.engine.errors import InvalidRequest, TooLarge
-from ibedl.serve.contract import API_ERRORS, DRIFT_ERRORS, PREDICT_ERRORS, PREDICT_EXTRA
+from ibedl.serve.contract import (
+    API_ERRORS,
+    DRIFT_ERRORS,
+    FEEDBACK_ERRORS,
+    GUARANTEES_ERRORS,
+    PREDICT_ERRORS,
+    PREDICT_EXTRA,
+)
 from ibedl.engine.requests import to_question
 from ibedl.engine.responses import model_card
 from ibedl.engine.schemas import (
@@ -20,6 +28,10 @@ from ibedl.engine.schemas import (
     BatchRequest,
     BatchResponse,
     DriftStatus,
+    FeedbackBatchRequest,
+    FeedbackRequest,
+    FeedbackResponse,
+    GuaranteesResponse,
     Health,
     ModelList,
     PredictRequest,
@@ -93,9 +105,35 @@ async def drift(request: Request, state: State,
     return state.drift_status(state.runtime(adapter))
 
 
+@router.post("/v1/feedback", response_model=FeedbackResponse, responses=FEEDBACK_ERRORS, tags=["feedback"])
+async def feedback(body: FeedbackRequest, request: Request, state: State) -> FeedbackResponse:
+    """Record the right option of one answered question, with the receipt its answer carried. Any replica may
+    receive it; a receipt counts once."""
+    state.require_ready(request)
+    return await state.record_feedback([body], "")
+
+
+@router.post("/v1/feedback/batch", response_model=FeedbackResponse, responses=FEEDBACK_ERRORS, tags=["feedback"])
+async def feedback_batch(body: FeedbackBatchRequest, request: Request, state: State) -> FeedbackResponse:
+    """Record several labels at once: all or none (one bad item refuses the request and records nothing)."""
+    state.require_ready(request)
+    if len(body.items) > state.settings.max_batch_items:
+        raise TooLarge(f"{len(body.items)} items; the limit is {state.settings.max_batch_items}", "items")
+    return await state.record_feedback(body.items, "items.")
+
+
+@router.get("/v1/guarantees", response_model=GuaranteesResponse, responses=GUARANTEES_ERRORS, tags=["feedback"])
+async def guarantees(request: Request, state: State, adapter: str | None = None) -> GuaranteesResponse:
+    """The realised guarantees of every adapter version with labels (``?adapter=NAME``: of that adapter only)."""
+    state.require_ready(request)
+    return await state.guarantees(None if adapter is None else state.runtime(adapter).name)
+
+
 @router.get("/metrics", tags=["metadata"], include_in_schema=False)
 async def metrics(state: State) -> Response:
     for name, rt in state.runtimes.items():
         state.metrics.set_drift(name, await asyncio.to_thread(rt.drift.status))
         state.metrics.set_accuracy(name, rt.accuracy.status())
+    if state.feedback.enabled and state.runtimes:
+        state.metrics.set_guarantees(await asyncio.to_thread(state.feedback.guarantees, state.runtimes))
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

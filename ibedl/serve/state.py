@@ -19,9 +19,18 @@ from ibedl.core.predictor import Prediction, Predictor, count_prompt_tokens
 from ibedl.core.prompt import MCQuestion
 from ibedl.engine import errors
 from ibedl.engine.drift import AccuracyEstimate, DriftMonitor
+from ibedl.engine.feedback import Feedback
 from ibedl.engine.responses import build_answer
 from ibedl.engine.runtime import AdapterRuntime, find_adapter, finite_prediction, load_predictors, make_runtimes
-from ibedl.engine.schemas import DriftStatus, Health, PredictRequest, PredictResponse
+from ibedl.engine.schemas import (
+    DriftStatus,
+    FeedbackRequest,
+    FeedbackResponse,
+    GuaranteesResponse,
+    Health,
+    PredictRequest,
+    PredictResponse,
+)
 from ibedl.serve.admission import TIMEOUT_HEADER, Admission, InvalidTimeout
 from ibedl.serve.batcher import DeadlineExceeded, MicroBatcher, Overloaded, QueueFullError, ShuttingDown, TooLarge
 from ibedl.serve.capacity import ServiceTime
@@ -51,6 +60,7 @@ class ServiceState:
         self.loader = loader
         self.metrics = Metrics()
         self.admission = Admission(settings.request_timeout_s, settings.admission_margin)
+        self.feedback = Feedback(self.engine)  # receipts out, labels in (shared store: IBEDL_FEEDBACK_DB)
         self.status = "loading"
         self.reason: str | None = "the model is loading"
         self.runtimes: dict[str, AdapterRuntime] = {}  # by adapter name, the default first
@@ -93,6 +103,7 @@ class ServiceState:
                 rt.accuracy = AccuracyEstimate(self.settings.drift_window, float(target) if target else None)
             # one trunk: one estimate of seconds per token for every adapter (the heads' cost is negligible)
             service_time = await asyncio.to_thread(warm_up, [rt.predictor for rt in runtimes.values()])
+            await asyncio.to_thread(self.feedback.bind, runtimes)
         except Exception as e:  # a broken artifact must not kill the process: readiness reports it
             # The log has the exception's text and traceback (paths, hashes, settings); clients get its type alone.
             log.exception("loading the adapter failed")
@@ -285,7 +296,7 @@ class ServiceState:
                 answer_id: str) -> PredictResponse:
         """The answer (built by :func:`ibedl.engine.responses.build_answer`, as the Python API builds it), recorded
         in the adapter's metrics, drift window and accuracy estimate."""
-        answer = build_answer(runtime, req, q, pred, answer_id)
+        answer = build_answer(runtime, req, q, pred, answer_id, self.feedback)
         m, name = self.metrics, runtime.name
         m.answers.labels(adapter=name).inc()
         m.confidence.labels(adapter=name).observe(pred.confidence)
@@ -298,6 +309,21 @@ class ServiceState:
             runtime.accuracy.add([pred.confidence])
         runtime.drift.add([pred.uncertainty if runtime.drift.statistic == "uncertainty_mass" else pred.confidence])
         return answer
+
+    async def record_feedback(self, items: list[FeedbackRequest], prefix: str) -> FeedbackResponse:
+        """Record labels (``ibedl.engine.feedback.Feedback.record``; all or none), counted by adapter and outcome."""
+        results = await asyncio.to_thread(self.feedback.record, self.runtimes,
+                                          [(item.receipt, item.label) for item in items], prefix)
+        for r in results:
+            self.metrics.feedback_labels.labels(adapter=r["adapter"], status=r["status"]).inc()
+        recorded = sum(r["status"] == "recorded" for r in results)
+        return FeedbackResponse(recorded=recorded, duplicates=len(results) - recorded, results=results)
+
+    async def guarantees(self, adapter: str | None = None) -> GuaranteesResponse:
+        """The realised guarantees from the feedback store, also set on their gauges; 404 when feedback is off."""
+        found = await asyncio.to_thread(self.feedback.guarantees, self.runtimes, adapter)
+        self.metrics.set_guarantees(found)
+        return GuaranteesResponse(alpha=self.feedback.alpha, shared_store=self.feedback.shared, guarantees=found)
 
     def drift_status(self, runtime: AdapterRuntime) -> DriftStatus:
         """The adapter's drift monitor's and accuracy estimate's status, also set on their gauges."""
