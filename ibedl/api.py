@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ibedl.core.prompt import MCQuestion
 from ibedl.engine.errors import EngineError, ModelError
-from ibedl.engine.feedback import Feedback
+from ibedl.engine.feedback import Feedback, served_versions
 from ibedl.engine.requests import to_question
 from ibedl.engine.responses import build_answer, model_card
 from ibedl.engine.runtime import AdapterRuntime, find_adapter, finite_prediction, load_predictors, make_runtimes
@@ -126,7 +126,7 @@ class Model:
             pydantic.ValidationError: a dict that is not a valid item.
         """
         items = [x if isinstance(x, FeedbackRequest) else FeedbackRequest.model_validate(x) for x in labels]
-        results = self.feedback.record(self.runtimes, [(x.receipt, x.label) for x in items], "items.")
+        results = self.feedback.record(served_versions(self.runtimes), [(x.receipt, x.label) for x in items], "items.")
         recorded = sum(r["status"] == "recorded" for r in results)
         return FeedbackResponse(recorded=recorded, duplicates=len(results) - recorded, results=results)
 
@@ -135,7 +135,7 @@ class Model:
         if adapter is not None:
             adapter = self._runtime(adapter, "adapter").name
         return GuaranteesResponse(alpha=self.feedback.alpha, shared_store=self.feedback.shared,
-                                  guarantees=self.feedback.guarantees(self.runtimes, adapter))
+                                  guarantees=self.feedback.guarantees(served_versions(self.runtimes), adapter))
 
     def _request(self, q) -> PredictRequest:
         if isinstance(q, PredictRequest):

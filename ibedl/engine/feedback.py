@@ -12,6 +12,7 @@ per process (one replica, tests, notebooks).
 
 from __future__ import annotations
 
+import json
 import math
 import sqlite3
 import threading
@@ -48,12 +49,19 @@ CREATE TABLE IF NOT EXISTS feedback (
     coverage REAL,
     adaptive_covered INTEGER,
     adaptive_coverage REAL,
+    probs TEXT NOT NULL,
+    alpha TEXT,
     issued REAL NOT NULL,
     recorded REAL NOT NULL
 )
 """
 COLUMNS = ("receipt_id", "question", "adapter", "version", "options", "label", "predicted", "answered", "target",
-           "covered", "coverage", "adaptive_covered", "adaptive_coverage", "issued", "recorded")
+           "covered", "coverage", "adaptive_covered", "adaptive_coverage", "probs", "alpha", "issued", "recorded")
+
+
+def served_versions(runtimes: dict[str, AdapterRuntime]) -> dict[str, str]:
+    """The version of each served adapter, by name: what a receipt must name to count."""
+    return {name: rt.ref["version"] for name, rt in runtimes.items()}
 
 
 class FeedbackStore:
@@ -68,16 +76,26 @@ class FeedbackStore:
         self.path = path
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(":memory:" if path is None else str(path), timeout=30.0,
-                                   isolation_level=None, check_same_thread=False)
-        self._lock = threading.Lock()
-        with self._lock:
+        try:
+            self._db = sqlite3.connect(":memory:" if path is None else str(path), timeout=30.0,
+                                       isolation_level=None, check_same_thread=False)
             self._db.execute(SCHEMA)
+            found = {row[1] for row in self._db.execute("PRAGMA table_info(feedback)")}
+        except sqlite3.Error as e:
+            raise ValueError(f"cannot use the feedback store {path} (IBEDL_FEEDBACK_DB): {e}") from None
+        self._lock = threading.Lock()
+        missing = [c for c in COLUMNS if c not in found]
+        if missing:
+            self._db.close()
+            raise ValueError(f"the feedback store {path} was written by another version of ibedl (no columns "
+                             f"{missing}): point IBEDL_FEEDBACK_DB at a new file")
 
     def add(self, rows: list[dict]) -> list[bool]:
         """Insert ``rows`` (dicts of :data:`COLUMNS`) in one transaction; per row True if new, False if its receipt
         was already recorded (here or by another replica)."""
-        sql = f"INSERT OR IGNORE INTO feedback ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
+        # only a receipt recorded before is skipped (OR IGNORE would also skip rows breaking NOT NULL)
+        sql = (f"INSERT INTO feedback ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))}) "
+               "ON CONFLICT (receipt_id) DO NOTHING")
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
@@ -95,6 +113,10 @@ class FeedbackStore:
                                       (seq,))
             names = [d[0] for d in cursor.description]
             return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+
+    def labelled(self, adapter: str, version: str) -> list[dict]:
+        """Every row of one adapter version, in order."""
+        return [row for row in self.since(0) if row["adapter"] == adapter and row["version"] == version]
 
     def close(self) -> None:
         with self._lock:
@@ -129,7 +151,8 @@ class Feedback:
         self.adaptive = settings.adaptive_sets
         self.adaptive_rate = settings.adaptive_rate
         self.clock = clock
-        self.store = FeedbackStore(settings.feedback_db) if self._key is not None else None
+        self.db = settings.feedback_db
+        self.store: FeedbackStore | None = None  # opened by bind()
         self.shared = settings.feedback_db is not None
         self._tracked: dict[tuple, Tracked] = {}
         self._trackers: dict[tuple[str, str], QuantileTracker] = {}
@@ -139,7 +162,10 @@ class Feedback:
 
     def bind(self, runtimes: dict[str, AdapterRuntime]) -> None:
         """Start the adaptive thresholds of the served adapters (from their calibrated quantiles) and read the
-        labels already in the store: a replica that starts later reaches the same thresholds and bounds."""
+        labels already in the store: a replica that starts later reaches the same thresholds and bounds. Opens the
+        store (ValueError when it cannot be used)."""
+        if self._key is not None and self.store is None:
+            self.store = FeedbackStore(self.db)
         if self.adaptive and self._key is not None:
             for rt in runtimes.values():
                 if rt.conformal is not None:
@@ -164,27 +190,30 @@ class Feedback:
             self.refresh()
         return prediction_set(probs, tracker.quantile, runtime.conformal.score)
 
-    def receipt(self, runtime: AdapterRuntime, question: str, options: int, predicted: int, answered: bool,
-                pset: list[int] | None, coverage: float | None, adaptive_set: list[int] | None) -> str | None:
-        """The signed receipt of one answer; None when feedback is off."""
+    def receipt(self, runtime: AdapterRuntime, question: str, pred, answered: bool, pset: list[int] | None,
+                coverage: float | None, adaptive_set: list[int] | None) -> str | None:
+        """The signed receipt of one answer (``pred``: its ``ibedl.core.predictor.Prediction``); None when feedback
+        is off."""
         if self._key is None:
             return None
         now = int(self.clock())
         target = runtime.thresholds.how.get("target_accuracy")
         tracker = self._tracker(runtime)
         return sign(Receipt(
-            id=new_id(), question=question, adapter=runtime.name, version=runtime.ref["version"], options=options,
-            predicted=predicted, answered=answered, set=None if pset is None else tuple(pset), coverage=coverage,
+            id=new_id(), question=question, adapter=runtime.name, version=runtime.ref["version"],
+            options=len(pred.probs), predicted=pred.index, answered=answered,
+            set=None if pset is None else tuple(pset), coverage=coverage,
             adaptive_set=None if adaptive_set is None else tuple(adaptive_set),
             adaptive_coverage=None if adaptive_set is None or tracker is None else round(1.0 - tracker.alpha, 6),
-            target=None if target is None else float(target), issued=now, expires=now + self.ttl_s), self._key)
+            target=None if target is None else float(target), probs=_rounded(pred.probs), alpha=_rounded(pred.alpha),
+            issued=now, expires=now + self.ttl_s), self._key)
 
     # -- labels -----------------------------------------------------------------------------------
 
-    def record(self, runtimes: dict[str, AdapterRuntime], items: list[tuple[str, str]],
-               prefix: str = "") -> list[dict]:
+    def record(self, served: dict[str, str], items: list[tuple[str, str]], prefix: str = "") -> list[dict]:
         """Check every (receipt, label letter) of ``items``, then record them all in one transaction; one bad item
-        refuses the lot and nothing is recorded.
+        refuses the lot and nothing is recorded. ``served``: the version of each served adapter, by name
+        (:func:`served_versions`).
 
         Returns, per item: ``receipt_id``, ``question``, ``adapter``, ``version``, ``status`` (``recorded``, or
         ``duplicate`` when that receipt was recorded before), ``correct`` (None when the service abstained) and
@@ -193,7 +222,7 @@ class Feedback:
         Raises:
             FeedbackDisabled: no key configured.
             InvalidReceipt, ReceiptExpired: see ``ibedl.engine.receipts.verify``.
-            AdapterNotServed: the receipt's adapter version is not among ``runtimes``.
+            AdapterNotServed: the receipt's adapter version is not among ``served``.
             InvalidRequest: a label that is not one of the question's options.
         """
         if self._key is None or self.store is None:
@@ -204,9 +233,7 @@ class Feedback:
         for i, (token, letter) in enumerate(items):
             where = f"{prefix}{i}." if prefix else ""
             receipt = verify(token, self._key, now, where + "receipt")
-            runtime = runtimes.get(receipt.adapter)
-            if runtime is None or runtime.ref["version"] != receipt.version:
-                served = {name: rt.ref["version"] for name, rt in runtimes.items()}
+            if served.get(receipt.adapter) != receipt.version:
                 raise AdapterNotServed(f"the receipt is of adapter {receipt.adapter!r} version {receipt.version}, "
                                        f"which is no longer served (served: {served}); its label cannot count for "
                                        "what is served now", where + "receipt")
@@ -222,7 +249,9 @@ class Feedback:
                 "predicted": receipt.predicted, "answered": int(receipt.answered), "target": receipt.target,
                 "covered": None if receipt.set is None else int(label in receipt.set), "coverage": receipt.coverage,
                 "adaptive_covered": None if receipt.adaptive_set is None else int(label in receipt.adaptive_set),
-                "adaptive_coverage": receipt.adaptive_coverage, "issued": float(receipt.issued), "recorded": now,
+                "adaptive_coverage": receipt.adaptive_coverage, "probs": json.dumps(receipt.probs),
+                "alpha": None if receipt.alpha is None else json.dumps(receipt.alpha),
+                "issued": float(receipt.issued), "recorded": now,
             })
         new = self.store.add(rows)
         self.refresh()
@@ -262,7 +291,7 @@ class Feedback:
             self._tracked[key] = Tracked(adapter, version, guarantee, stated, BettingCS(self.alpha))
         self._tracked[key].cs.update(float(outcome))
 
-    def guarantees(self, runtimes: dict[str, AdapterRuntime], adapter: str | None = None) -> list[dict]:
+    def guarantees(self, served: dict[str, str], adapter: str | None = None) -> list[dict]:
         """Every realised guarantee in the store (of ``adapter`` only, when given): ``adapter``, ``version``,
         ``served``, ``guarantee``, ``stated``, ``labels``, ``hits``, ``estimate``, ``lower``, ``upper``,
         ``violated`` (the upper bound is below the stated level). FeedbackDisabled when feedback is off."""
@@ -277,10 +306,8 @@ class Feedback:
                     continue
                 lower, upper = t.cs.bounds()
                 labels = int(t.cs.n)
-                rt = runtimes.get(t.adapter)
                 out.append({
-                    "adapter": t.adapter, "version": t.version,
-                    "served": rt is not None and rt.ref["version"] == t.version,
+                    "adapter": t.adapter, "version": t.version, "served": served.get(t.adapter) == t.version,
                     "guarantee": t.guarantee, "stated": t.stated, "labels": labels, "hits": int(round(t.cs.total)),
                     "estimate": float(t.cs.mean()) if labels else None, "lower": round(float(lower), 6),
                     "upper": round(float(upper), 6),
@@ -293,3 +320,7 @@ class Feedback:
         """The adaptive threshold of ``runtime``'s version; None when adaptive sets are off or it has no
         conformal calibration."""
         return self._trackers.get((runtime.name, runtime.ref["version"]))
+
+
+def _rounded(values) -> tuple[float, ...] | None:
+    return None if values is None else tuple(round(float(v), 6) for v in values)

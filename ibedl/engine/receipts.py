@@ -37,6 +37,8 @@ class Receipt:
         set: indices of the conformal prediction set, None without one; ``coverage`` its nominal 1 - alpha.
         adaptive_set, adaptive_coverage: the adaptive (ACI) set and its target coverage, None when off.
         target: the answered accuracy the adapter's abstention states, None when it states none.
+        probs: the answer's probabilities (6 decimals); ``alpha`` its Dirichlet concentration, None without: what
+            a recalibration on the labelled traffic needs (``python -m ibedl.training.calibrate --dataset feedback``).
         issued, expires: unix seconds.
     """
 
@@ -52,6 +54,8 @@ class Receipt:
     adaptive_set: tuple[int, ...] | None
     adaptive_coverage: float | None
     target: float | None
+    probs: tuple[float, ...]
+    alpha: tuple[float, ...] | None
     issued: int
     expires: int
 
@@ -99,7 +103,9 @@ def verify(token: str, key: bytes, now: float, field: str = "receipt") -> Receip
                              "signed it", field)
     try:
         body = json.loads(_unb64(payload))
-        receipt = Receipt(**{**body, "set": _indices(body["set"]), "adaptive_set": _indices(body["adaptive_set"])})
+        receipt = Receipt(**{**body, "set": _indices(body["set"]), "adaptive_set": _indices(body["adaptive_set"]),
+                             "probs": tuple(body["probs"]), "alpha": None if body["alpha"] is None else
+                             tuple(body["alpha"])})
     except (binascii.Error, ValueError, TypeError, KeyError) as e:  # signed by us, so only a format change gets here
         raise InvalidReceipt(f"the receipt cannot be read ({type(e).__name__})", field) from None
     if now > receipt.expires:

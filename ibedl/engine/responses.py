@@ -39,8 +39,8 @@ def build_answer(runtime: AdapterRuntime, req: PredictRequest, q: MCQuestion, pr
     adaptive = receipt = None
     if feedback is not None and feedback.enabled:
         adaptive = feedback.adaptive_set(runtime, pred.probs)
-        receipt = feedback.receipt(runtime, req.id or answer_id, q.num_options, pred.index, reason is None,
-                                   set_indices, None if conformal is None else r6(1.0 - conformal[1]), adaptive)
+        receipt = feedback.receipt(runtime, req.id or answer_id, pred, reason is None, set_indices,
+                                   None if conformal is None else r6(1.0 - conformal[1]), adaptive)
     return PredictResponse(
         id=req.id or answer_id,
         prediction=PredictedOption(letter=pred.letter, index=pred.index, text=q.options[pred.index]),

@@ -135,5 +135,5 @@ async def metrics(state: State) -> Response:
         state.metrics.set_drift(name, await asyncio.to_thread(rt.drift.status))
         state.metrics.set_accuracy(name, rt.accuracy.status())
     if state.feedback.enabled and state.runtimes:
-        state.metrics.set_guarantees(await asyncio.to_thread(state.feedback.guarantees, state.runtimes))
+        await state.guarantees()  # sets the ibedl_guarantee_* gauges
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

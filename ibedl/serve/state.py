@@ -19,7 +19,7 @@ from ibedl.core.predictor import Prediction, Predictor, count_prompt_tokens
 from ibedl.core.prompt import MCQuestion
 from ibedl.engine import errors
 from ibedl.engine.drift import AccuracyEstimate, DriftMonitor
-from ibedl.engine.feedback import Feedback
+from ibedl.engine.feedback import Feedback, served_versions
 from ibedl.engine.responses import build_answer
 from ibedl.engine.runtime import AdapterRuntime, find_adapter, finite_prediction, load_predictors, make_runtimes
 from ibedl.engine.schemas import (
@@ -312,7 +312,7 @@ class ServiceState:
 
     async def record_feedback(self, items: list[FeedbackRequest], prefix: str) -> FeedbackResponse:
         """Record labels (``ibedl.engine.feedback.Feedback.record``; all or none), counted by adapter and outcome."""
-        results = await asyncio.to_thread(self.feedback.record, self.runtimes,
+        results = await asyncio.to_thread(self.feedback.record, served_versions(self.runtimes),
                                           [(item.receipt, item.label) for item in items], prefix)
         for r in results:
             self.metrics.feedback_labels.labels(adapter=r["adapter"], status=r["status"]).inc()
@@ -321,7 +321,7 @@ class ServiceState:
 
     async def guarantees(self, adapter: str | None = None) -> GuaranteesResponse:
         """The realised guarantees from the feedback store, also set on their gauges; 404 when feedback is off."""
-        found = await asyncio.to_thread(self.feedback.guarantees, self.runtimes, adapter)
+        found = await asyncio.to_thread(self.feedback.guarantees, served_versions(self.runtimes), adapter)
         self.metrics.set_guarantees(found)
         return GuaranteesResponse(alpha=self.feedback.alpha, shared_store=self.feedback.shared, guarantees=found)
 

@@ -5,7 +5,9 @@ front of them, and Prometheus from deploy/prometheus/ (the committed alert rules
 both. The tests show that the gateway spreads requests over both replicas and keeps request ids, that
 Prometheus scrapes both replicas and evaluates the dashboard's queries, that an in-distribution stream
 (SciQ validation questions with their support passage) leaves the drift alert quiet while a shifted stream
-(RACE questions without their article) makes it fire, and that a replica stopped with SIGTERM
+(RACE questions without their article) makes it fire, that a label sent back (POST /v1/feedback) to the replica
+that did not answer counts once (the replicas share one feedback store) and bad labels change nothing, and that a
+replica stopped with SIGTERM
 drains before it exits, is routed around by the gateway and raises IbedlReplicaDown.
 
 The replicas require tokens, as deployed: the clients send the API token through the gateway, Prometheus scrapes
@@ -63,6 +65,7 @@ LOAD_TIMEOUT_S = 240  # first load on a fresh machine converts the base model (~
 HTTP_TIMEOUT = httpx.Timeout(60.0, connect=5.0)
 API_TOKEN, METRICS_TOKEN = "topology-api-token", "topology-metrics-token"
 METRICS_AUTH = {"Authorization": f"Bearer {METRICS_TOKEN}"}
+FEEDBACK_KEY = "topology-feedback-key"
 
 
 def free_port() -> int:
@@ -236,6 +239,8 @@ def topology(tmp_path_factory):
         # thread first) is queued only if its estimated completion, times IBEDL_ADMISSION_MARGIN, fits in the
         # grace period: the SIGTERM test's batch of 8 questions with passages takes seconds on 2 busy cores.
         IBEDL_SHUTDOWN_GRACE_S="30",
+        IBEDL_FEEDBACK_KEY=FEEDBACK_KEY,  # both replicas sign and check receipts with one key ...
+        IBEDL_FEEDBACK_DB=str(work / "feedback.sqlite"),  # ... and share one feedback store
         IBEDL_LOG_LEVEL="info",
         IBEDL_API_TOKEN=API_TOKEN,
         IBEDL_METRICS_TOKEN=METRICS_TOKEN,
@@ -520,6 +525,63 @@ def test_drift_alert_quiet_in_distribution_and_firing_on_shift(topology, sciq_va
         d = drifted[addrs.index(a["labels"]["instance"])]
         assert d["ks"] > d["ks_threshold"], d  # the replica Prometheus alerts on is the one whose window drifted
         assert float(a["value"]) > d["ks_threshold"]  # the alert's value is that KS statistic
+
+
+def guarantee_counts(topo: Topology, i: int) -> dict:
+    r = topo.http.get(topo.replica_urls[i] + "/v1/guarantees")
+    assert r.status_code == 200, r.text
+    return {(g["guarantee"], g["stated"]): (g["labels"], g["hits"]) for g in r.json()["guarantees"]}
+
+
+def test_feedback_reaches_any_replica_and_counts_once(topology, sciq_validation):
+    """A label sent to the replica that did not answer is counted; sent again, through the gateway or to either
+    replica, it is a duplicate; bad labels get a 4xx through the gateway and change nothing; both replicas and
+    Prometheus report the same realised guarantees."""
+    topo = topology
+    item = short(in_distribution(sciq_validation))[0]
+    r = topo.http.post(topo.replica_urls[0] + "/predict", json=item)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["receipt"], answer
+    before = guarantee_counts(topo, 0)
+    share = before.get(("answered_share", None), (0, 0))[0]
+
+    # the replica that did not answer counts it
+    label = {"receipt": answer["receipt"], "label": answer["prediction"]["letter"]}
+    r = topo.http.post(topo.replica_urls[1] + "/v1/feedback", json=label)
+    assert r.status_code == 200, r.text
+    assert r.json()["recorded"] == 1 and r.json()["results"][0]["status"] == "recorded"
+    after = [guarantee_counts(topo, i) for i in range(2)]
+    assert after[0] == after[1] and after[0][("answered_share", None)][0] == share + 1
+
+    # the same label again, through the gateway (either replica) and to the one that answered: counted once
+    for url in (topo.gateway_url, topo.gateway_url, topo.replica_urls[0]):
+        r = topo.http.post(url + "/v1/feedback", json=label)
+        assert r.status_code == 200 and r.json()["duplicates"] == 1, r.text
+
+    # bad inputs through the gateway: 4xx in the service's error shape, nothing counted
+    letters = list(answer["probabilities"])
+    version, payload, mac = answer["receipt"].split(".")
+    bad = [
+        ({"receipt": f"{version}.{payload[:-2]}AA.{mac}", "label": "A"}, 422, "invalid_receipt"),  # tampered
+        ({"receipt": "v1.bm90.aGVsbG8", "label": "A"}, 422, "invalid_receipt"),  # unknown
+        ({"receipt": answer["receipt"], "label": chr(ord(letters[-1]) + 1)}, 422, "invalid_request"),  # no such option
+    ]
+    other = topo.http.post(topo.gateway_url + "/predict", json=short(in_distribution(sciq_validation))[1]).json()
+    bad.append(({"items": [{"receipt": other["receipt"], "label": "A"},
+                           {"receipt": "forged", "label": "A"}]}, 422, "invalid_receipt"))  # a batch: all or none
+    for body, status, type_ in bad:
+        path = "/v1/feedback/batch" if "items" in body else "/v1/feedback"
+        r = topo.http.post(topo.gateway_url + path, json=body)
+        assert r.status_code == status and r.json()["error"]["type"] == type_, (body, r.status_code, r.text)
+    assert [guarantee_counts(topo, i) for i in range(2)] == after
+
+    # Prometheus sees the same totals on both replicas (aggregate with max, never sum)
+    expr = 'ibedl_guarantee_labels{job="ibedl-api", guarantee="answered_share"}'
+    want = str(share + 1)
+    topo.wait_for("both replicas' guarantee gauges in Prometheus",
+                  lambda: [r for r in topo.query(expr) if r["value"][1] == want] if len(
+                      [r for r in topo.query(expr) if r["value"][1] == want]) == 2 else None, timeout=20)
 
 
 def test_sigterm_drains_and_gateway_routes_around_a_stopped_replica(topology, sciq_validation):

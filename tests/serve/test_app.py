@@ -34,7 +34,7 @@ class TestPredict:
         assert body["id"] == "q1"
         assert set(body) == {"id", "prediction", "probabilities", "belief_masses", "uncertainty_mass", "confidence",
                              "sigma", "ood_score", "prediction_set", "prediction_set_coverage", "prediction_set_score",
-                             "abstained", "abstain_reason", "adapter"}
+                             "abstained", "abstain_reason", "adapter", "adaptive_prediction_set", "receipt"}
         check_invariants(body, 4)
         assert body["prediction"]["text"] == Q["options"][body["prediction"]["index"]]
         assert body["adapter"] == {"name": "tiny", "method": "ib_edl", "version": "1"}

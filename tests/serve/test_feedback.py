@@ -225,3 +225,25 @@ def test_a_replica_started_later_reads_the_labels_already_recorded(make_client, 
     with make_client(feedback_key=KEY, feedback_db=db, ready=False) as later:
         wait_ready(later)
         assert counts(later) == before
+
+
+def test_adaptive_sets_follow_the_labels_and_are_reported_apart(make_client, tmp_path):
+    """With IBEDL_ADAPTIVE_SETS, answers carry an adaptive set; labels outside it widen the threshold (by
+    rate * (1 - alpha) each), and its coverage is reported as adaptive_set_coverage, not as set_coverage."""
+    with make_client(feedback_key=KEY, feedback_db=tmp_path / "f.sqlite", adaptive_sets=True,
+                     adaptive_rate=0.05) as client:
+        state = client.app.state.service
+        (tracker,) = state.feedback._trackers.values()
+        start = tracker.quantile
+        answers = [ask(client) for _ in range(4)]
+        assert all(a["adaptive_prediction_set"] for a in answers)
+        missed = [a for a in answers if wrong_letter(a) not in a["adaptive_prediction_set"]]
+        r = client.post("/v1/feedback/batch", json={"items": [
+            {"receipt": a["receipt"], "label": wrong_letter(a)} for a in answers]})
+        assert r.status_code == 200
+        held = len(answers) - len(missed)
+        assert tracker.quantile == pytest.approx(start + 0.05 * (len(missed) * 0.9 - held * 0.1))
+        found = {g["guarantee"]: g for g in client.get("/v1/guarantees").json()["guarantees"]}
+    assert found["adaptive_set_coverage"]["labels"] == 4 and found["adaptive_set_coverage"]["hits"] == held
+    assert found["adaptive_set_coverage"]["stated"] == pytest.approx(0.9)
+    assert found["set_coverage"]["labels"] == 4  # the calibrated sets' guarantee, measured apart

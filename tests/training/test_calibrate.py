@@ -233,3 +233,45 @@ class TestCli:
         capsys.readouterr()
         assert main(["--artifact", str(other), "--outputs", str(saved), *common]) == 2
         assert "other weights" in capsys.readouterr().err
+
+
+class TestFeedbackSample:
+    """``--dataset feedback``: a recalibration on the labels sent back to the service, with the outputs its
+    receipts carried (the model does not run again)."""
+
+    def test_recalibrates_on_the_recorded_labels(self, tiny_artifact, tiny_jsonl, tmp_path):
+        import ibedl
+        from ibedl.core.artifact import read_manifest
+        from ibedl.training.calibrate import calibrate_outputs, feedback_outputs
+
+        db = tmp_path / "feedback.sqlite"
+        model = ibedl.load(tiny_artifact, max_tokens=96, feedback_key="k", feedback_db=db)
+        rows = [json.loads(line) for line in tiny_jsonl.read_text().splitlines()]
+        answers = model.predict([{"question": r["question"], "options": r["options"]} for r in rows])
+        labels = [model.record_feedback([{"receipt": a.receipt, "label": "A"}]) for a in answers]  # answer: A
+        assert sum(r.recorded for r in labels) == len(rows)
+
+        manifest = read_manifest(tiny_artifact)
+        kind, raw, ys = feedback_outputs(db, manifest)
+        assert ys == [0] * len(rows) and len(raw["probs"]) == len(rows)
+        assert raw["probs"][0] == pytest.approx(list(answers[0].probabilities.values()), abs=1e-6)
+        out = tmp_path / "recalibrated"
+        assert main(["--artifact", str(tiny_artifact), "--dataset", "feedback", "--path", str(db),
+                     "--output", str(out)]) == 0
+        new = read_manifest(out)
+        assert new.version == next_version(str(manifest.version)) and new.calibration["dataset"] == "feedback"
+        assert new.head == manifest.head  # the served post-hoc parameter stays
+        # the stored decisions are those of calibrate_outputs on the served outputs, without a post-hoc refit
+        _, _, sections = calibrate_outputs(kind, raw, ys, CalibrationConfig(posthoc=False))
+        assert new.conformal["quantiles"] == sections["conformal"]["quantiles"]
+        assert new.abstention["min_confidence"] == sections["abstention"]["min_confidence"]
+
+    def test_too_few_labels_or_another_version_is_a_clear_error(self, tiny_artifact, tmp_path, capsys):
+        from ibedl.engine.feedback import FeedbackStore
+
+        db = tmp_path / "feedback.sqlite"
+        FeedbackStore(db).close()
+        assert main(["--artifact", str(tiny_artifact), "--dataset", "feedback", "--path", str(db)]) == 2
+        assert "holds 0 labels of adapter" in capsys.readouterr().err
+        assert main(["--artifact", str(tiny_artifact), "--dataset", "feedback"]) == 2
+        assert "needs --path" in capsys.readouterr().err
