@@ -77,9 +77,10 @@ def install(app: FastAPI, state: ServiceState) -> None:
     def openapi() -> dict:
         schema = copy.deepcopy(shapes())
         write_limits(schema["components"]["schemas"], state)
-        if state.runtimes:  # GET /v1/drift?adapter= takes the served adapters' names
-            (param,) = [p for p in schema["paths"]["/v1/drift"]["get"]["parameters"] if p["name"] == "adapter"]
-            _not_null(param["schema"])["enum"] = list(state.runtimes)
+        if state.runtimes:  # GET /v1/drift?adapter= and /v1/guarantees?adapter= take the served adapters' names
+            for path in ("/v1/drift", "/v1/guarantees"):
+                (param,) = [p for p in schema["paths"][path]["get"]["parameters"] if p["name"] == "adapter"]
+                _not_null(param["schema"])["enum"] = list(state.runtimes)
         return schema
 
     app.openapi = openapi
