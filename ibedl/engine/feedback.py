@@ -13,7 +13,6 @@ per process (one replica, tests, notebooks).
 from __future__ import annotations
 
 import json
-import math
 import sqlite3
 import threading
 import time
@@ -31,7 +30,6 @@ from ibedl.engine.runtime import AdapterRuntime
 from ibedl.engine.settings import EngineSettings
 
 GUARANTEES = ("answered_accuracy", "set_coverage", "answered_share", "adaptive_set_coverage")
-REFRESH_S = 1.0  # answering reads labels other replicas recorded at most this often (adaptive thresholds)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS feedback (
@@ -157,7 +155,6 @@ class Feedback:
         self._tracked: dict[tuple, Tracked] = {}
         self._trackers: dict[tuple[str, str], QuantileTracker] = {}
         self._seq = 0
-        self._refreshed = -math.inf
         self._lock = threading.Lock()
 
     def bind(self, runtimes: dict[str, AdapterRuntime]) -> None:
@@ -182,12 +179,12 @@ class Feedback:
 
     def adaptive_set(self, runtime: AdapterRuntime, probs) -> list[int] | None:
         """The adaptive set of a question (option indices, most probable first), or None when adaptive sets are
-        off or the adapter has no conformal calibration to start from."""
+        off or the adapter has no conformal calibration to start from. Answering never reads the store (it must
+        not wait on another replica's write): the threshold moves when labels are read, on every label this
+        replica records and every ``guarantees`` call (each Prometheus scrape)."""
         tracker = self._tracker(runtime)
         if tracker is None:
             return None
-        if self.clock() - self._refreshed > REFRESH_S:
-            self.refresh()
         return prediction_set(probs, tracker.quantile, runtime.conformal.score)
 
     def receipt(self, runtime: AdapterRuntime, question: str, pred, answered: bool, pset: list[int] | None,
@@ -283,7 +280,6 @@ class Feedback:
                     if tracker is not None:
                         tracker.update(bool(row["adaptive_covered"]))
                 self._seq = row["seq"]
-            self._refreshed = self.clock()
 
     def _observe(self, adapter: str, version: str, guarantee: str, stated: float | None, outcome) -> None:
         key = (adapter, version, guarantee, stated)
