@@ -184,9 +184,9 @@ def service_run(args) -> dict:
              for q in load_dataset("arc_challenge", "test", limit=args.service_after, seed=1)]
     stream = before + after
     with tempfile.TemporaryDirectory() as tmp:
-        env = {"IBEDL_FEEDBACK_KEY": "feedback-replay", "IBEDL_FEEDBACK_DB": str(Path(tmp) / "feedback.sqlite"),
-               "IBEDL_ADAPTIVE_SETS": "true", "IBEDL_DEVICE": "cpu", "IBEDL_THREADS": "1",
-               "IBEDL_REQUEST_TIMEOUT_S": "120"}
+        env = {"IBEDL_FEEDBACK_KEY": "feedback-replay-service-key",
+               "IBEDL_FEEDBACK_DB": str(Path(tmp) / "feedback.sqlite"), "IBEDL_ADAPTIVE_SETS": "true",
+               "IBEDL_DEVICE": "cpu", "IBEDL_THREADS": "1", "IBEDL_REQUEST_TIMEOUT_S": "120"}
         service = ServiceProcess(args.artifact, env=env, log_path=Path(tmp) / "service.log")
         try:
             service.wait_ready(600)

@@ -114,7 +114,11 @@ class FeedbackStore:
 
     def labelled(self, adapter: str, version: str) -> list[dict]:
         """Every row of one adapter version, in order."""
-        return [row for row in self.since(0) if row["adapter"] == adapter and row["version"] == version]
+        with self._lock:
+            cursor = self._db.execute(f"SELECT seq, {', '.join(COLUMNS)} FROM feedback WHERE adapter = ? AND "
+                                      "version = ? ORDER BY seq", (adapter, version))
+            names = [d[0] for d in cursor.description]
+            return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
 
     def close(self) -> None:
         with self._lock:

@@ -42,8 +42,9 @@ class EngineSettings(BaseSettings):
                             description="prompt tokens after formatting (training may have cut passages shorter)")
 
     feedback_key: SecretStr | None = Field(
-        None, description="key that signs the receipt each answer carries (HMAC-SHA256); every replica needs the "
-        "same one. Unset: feedback is off (answers carry no receipt, POST /v1/feedback answers 404)")
+        None, description="key that signs the receipt each answer carries (HMAC-SHA256, at least 16 characters); "
+        "every replica needs the same one. Unset: feedback is off (answers carry no receipt, POST /v1/feedback "
+        "answers 404)")
     feedback_db: Path | None = Field(
         None, description="SQLite file of the recorded labels, shared by every replica (a label counts once "
         "whichever replica receives it); unset: kept in memory by this process only")
@@ -71,6 +72,20 @@ class EngineSettings(BaseSettings):
         names = [str(p) for p in self.artifacts]
         if len(set(names)) != len(names):
             raise ValueError(f"IBEDL_ARTIFACTS lists a directory twice: {names}")
+        return self
+
+    @field_validator("feedback_key")
+    @classmethod
+    def _key_length(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and len(v.get_secret_value()) < 16:
+            raise ValueError(f"feedback_key must be at least 16 characters (e.g. openssl rand -hex 32), got "
+                             f"{len(v.get_secret_value())}")
+        return v
+
+    @model_validator(mode="after")
+    def _adaptive_needs_feedback(self):
+        if self.adaptive_sets and self.feedback_key is None:
+            raise ValueError("IBEDL_ADAPTIVE_SETS needs IBEDL_FEEDBACK_KEY: adaptive sets follow the labels sent back")
         return self
 
     @field_validator("backend")

@@ -116,3 +116,22 @@ class TestQuantileTracker:
             QuantileTracker(0.5, 0.1, 0)
         with pytest.raises(ValueError, match="alpha must be in"):
             QuantileTracker(0.5, 1.0, 0.1)
+
+
+class TestSettings:
+    def test_a_short_key_is_refused_with_its_length(self):
+        from pydantic import ValidationError
+
+        from ibedl.engine.settings import EngineSettings
+
+        with pytest.raises(ValidationError, match="feedback_key must be at least 16 characters.*got 5"):
+            EngineSettings(feedback_key="short")
+        assert EngineSettings(feedback_key="x" * 16).feedback_key.get_secret_value() == "x" * 16
+
+    def test_adaptive_sets_need_feedback(self):
+        from pydantic import ValidationError
+
+        from ibedl.engine.settings import EngineSettings
+
+        with pytest.raises(ValidationError, match="IBEDL_ADAPTIVE_SETS needs IBEDL_FEEDBACK_KEY"):
+            EngineSettings(adaptive_sets=True)

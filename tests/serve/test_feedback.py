@@ -156,7 +156,7 @@ class TestRefusals:
         self.refused(feedback_client, {"receipt": "not a receipt", "label": "A"}, 422, "invalid_receipt")
 
     def test_another_keys_receipt(self, make_client, feedback_client, tmp_path):
-        with make_client(feedback_key="another-key", feedback_db=tmp_path / "other.sqlite") as other:
+        with make_client(feedback_key="another-feedback-key", feedback_db=tmp_path / "other.sqlite") as other:
             token = ask(other)["receipt"]
         self.refused(feedback_client, {"receipt": token, "label": "A"}, 422, "invalid_receipt")
 

@@ -245,7 +245,7 @@ class TestFeedbackSample:
         from ibedl.training.calibrate import calibrate_outputs, feedback_outputs
 
         db = tmp_path / "feedback.sqlite"
-        model = ibedl.load(tiny_artifact, max_tokens=96, feedback_key="k", feedback_db=db)
+        model = ibedl.load(tiny_artifact, max_tokens=96, feedback_key="calibrate-feedback-key", feedback_db=db)
         rows = [json.loads(line) for line in tiny_jsonl.read_text().splitlines()]
         answers = model.predict([{"question": r["question"], "options": r["options"]} for r in rows])
         labels = [model.record_feedback([{"receipt": a.receipt, "label": "A"}]) for a in answers]  # answer: A
