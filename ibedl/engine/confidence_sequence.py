@@ -38,7 +38,8 @@ ONS_STEP = 2.0 / (2.0 - math.log(3.0))  # the online Newton step's constant for 
 
 
 class BettingCS:
-    """Hedged betting confidence sequence for the mean of [0, 1] outcomes, over a batch of independent streams.
+    """Betting confidence sequence for the mean of [0, 1] outcomes (two one-sided sequences at alpha/2 each), over
+    a batch of independent streams.
 
     Args:
         alpha: the probability, over the whole stream, that the mean ever leaves the sequence (0 < alpha < 1).
