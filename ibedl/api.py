@@ -23,10 +23,11 @@ from pathlib import Path
 
 from ibedl.core.prompt import MCQuestion
 from ibedl.engine.errors import EngineError, ModelError
+from ibedl.engine.feedback import Feedback, served_versions
 from ibedl.engine.requests import to_question
 from ibedl.engine.responses import build_answer, model_card
 from ibedl.engine.runtime import AdapterRuntime, find_adapter, finite_prediction, load_predictors, make_runtimes
-from ibedl.engine.schemas import PredictRequest, PredictResponse
+from ibedl.engine.schemas import FeedbackRequest, FeedbackResponse, GuaranteesResponse, PredictRequest, PredictResponse
 from ibedl.engine.settings import EngineSettings
 
 __all__ = ["load", "Model", "Checked", "EngineError", "PredictResponse"]
@@ -44,9 +45,12 @@ class Checked:
 class Model:
     """Served adapters on one base model, answering like ``POST /predict`` (without metrics or drift)."""
 
-    def __init__(self, runtimes: dict[str, AdapterRuntime], settings: EngineSettings) -> None:
+    def __init__(self, runtimes: dict[str, AdapterRuntime], settings: EngineSettings, clock=None) -> None:
         self.runtimes = runtimes
         self.settings = settings
+        # receipts out, labels in: on when settings carry a feedback_key (the service's, to share its store)
+        self.feedback = Feedback(settings) if clock is None else Feedback(settings, clock)
+        self.feedback.bind(runtimes)
         # One forward pass at a time: adapters share one base (PEFT switches the active adapter per pass) and
         # one tokenizer, so threads that share a Model take turns.
         self._lock = threading.Lock()
@@ -74,7 +78,7 @@ class Model:
                 ``message``, ``field`` as in its error body; ``field`` starts with ``items.<i>.``); its subclass
                 UnknownAdapter for an adapter that is not loaded.
             ibedl.engine.errors.TooLarge: a question over a limit (the service's 413).
-            ibedl.engine.errors.ModelError: non-finite model outputs (the service's 503 ``model_error``).
+            ibedl.engine.errors.ModelError: non-finite model outputs (the service's 500 ``model_error``).
             (All three are ``ibedl.EngineError``s.)
             pydantic.ValidationError: a dict that is not a valid request body.
         """
@@ -107,8 +111,31 @@ class Model:
                 if broken:
                     raise ModelError(f"the model produced non-finite numbers for items {broken}")
                 for i, pred in zip(chunk, preds):
-                    answers[i] = build_answer(runtime, checked[i].request, checked[i].question, pred, ids[i])
+                    answers[i] = build_answer(runtime, checked[i].request, checked[i].question, pred, ids[i],
+                                              self.feedback)
         return answers  # type: ignore[return-value]
+
+    def record_feedback(self, labels: list[dict | FeedbackRequest]) -> FeedbackResponse:
+        """Record the right options of answered questions, as ``POST /v1/feedback/batch`` does: each a
+        ``{"receipt": answer.receipt, "label": "B"}``; all or none.
+
+        Raises:
+            ibedl.engine.errors.FeedbackDisabled: loaded without ``feedback_key``.
+            ibedl.engine.errors.InvalidReceipt, ReceiptExpired, AdapterNotServed, InvalidRequest: a bad item
+                (``field`` starts with ``items.<i>.``); nothing is recorded.
+            pydantic.ValidationError: a dict that is not a valid item.
+        """
+        items = [x if isinstance(x, FeedbackRequest) else FeedbackRequest.model_validate(x) for x in labels]
+        results = self.feedback.record(served_versions(self.runtimes), [(x.receipt, x.label) for x in items], "items.")
+        recorded = sum(r["status"] == "recorded" for r in results)
+        return FeedbackResponse(recorded=recorded, duplicates=len(results) - recorded, results=results)
+
+    def guarantees(self, adapter: str | None = None) -> GuaranteesResponse:
+        """The realised guarantees from the recorded labels, as ``GET /v1/guarantees`` reports them."""
+        if adapter is not None:
+            adapter = self._runtime(adapter, "adapter").name
+        return GuaranteesResponse(alpha=self.feedback.alpha, shared_store=self.feedback.shared,
+                                  guarantees=self.feedback.guarantees(served_versions(self.runtimes), adapter))
 
     def _request(self, q) -> PredictRequest:
         if isinstance(q, PredictRequest):

@@ -4,47 +4,102 @@
 
 Each input line is a ``POST /predict`` body; each output line is, in the same order, its answer (the service's
 record; ``id`` defaults to the line number) or ``{"line": N, "error": {"type", "message", "field"}}`` for a
-line the service would refuse (bad JSON, invalid body, over a limit): one bad line never stops the run. Blank
-lines are skipped. The output is written to ``OUTPUT.partial`` and flushed after every batch, then renamed to
-OUTPUT when every line is scored: an interrupted run leaves what it scored in the ``.partial`` file and never a
-truncated OUTPUT.
+line the service would refuse (bad JSON, nested too deeply, not UTF-8, longer than ``--max-line-bytes``, invalid
+body, over a limit): one bad line never stops the run, whatever it holds. A line over the limit is read past in
+chunks, never held in memory whole. Blank lines are skipped. The output is written to ``OUTPUT.partial`` and
+flushed after every batch, then renamed to OUTPUT when every line is scored: an interrupted run leaves what it
+scored in the ``.partial`` file and never a truncated OUTPUT. With ``IBEDL_FEEDBACK_KEY`` set, each answer carries its
+signed receipt, as the service's do.
+
+Labels collected later are recorded with the same command, without loading the model:
+
+    python -m ibedl.batch --artifact artifacts/default --feedback labels.jsonl --output recorded.jsonl
+
+Each line of ``labels.jsonl`` is a ``POST /v1/feedback`` body (``{"receipt": ..., "label": "B"}``); each output line
+is its result (``status`` recorded or duplicate) or its error record. The labels go to the feedback store
+``IBEDL_FEEDBACK_DB`` (the service's, when they share it), checked with ``IBEDL_FEEDBACK_KEY``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from ibedl.api import Checked, Model, load
+from ibedl.core.artifact import read_manifest
 from ibedl.engine.errors import EngineError, error_body
+from ibedl.engine.feedback import Feedback
+from ibedl.engine.schemas import FeedbackRequest
+from ibedl.engine.settings import EngineSettings
+
+
+MAX_LINE_BYTES = 1_000_000  # as the service's default limit on a body (IBEDL_MAX_BODY_BYTES)
+log = logging.getLogger("ibedl.batch")
+
+
+@dataclass(frozen=True)
+class TooLong:
+    """A line longer than the limit, read past without being held: its size in bytes (newline included)."""
+
+    size: int
 
 
 def error_record(line: int, type_: str, message: str, field: str | None = None) -> dict:
     return {"line": line, **error_body(type_, message, field)}
 
 
-def decoded(raw_lines):
-    """(line number, text) of each line of a file opened in binary; a line that is not UTF-8 gives its
-    UnicodeDecodeError instead of stopping the run (a byte-order mark before line 1 is dropped)."""
-    for number, raw in enumerate(raw_lines, start=1):
+def read_lines(src, limit: int = MAX_LINE_BYTES):
+    """(line number, bytes) of each line of the binary file ``src``; a line of more than ``limit`` bytes (its
+    newline aside) gives a TooLong, and is read past in chunks of at most ``limit`` bytes."""
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1 byte, got {limit}")
+    number = 0
+    while raw := src.readline(limit + 1):
+        number += 1
+        if raw.endswith(b"\n") or len(raw) <= limit:
+            yield number, raw
+            continue
+        size = len(raw)
+        while chunk := src.readline(limit):
+            size += len(chunk)
+            if chunk.endswith(b"\n"):
+                break
+        yield number, TooLong(size)
+
+
+def decoded(numbered):
+    """(line number, text) of each (line number, bytes) pair; a line that is not UTF-8 gives its UnicodeDecodeError
+    instead of stopping the run (a byte-order mark before line 1 is dropped); a TooLong passes through."""
+    for number, raw in numbered:
+        if isinstance(raw, TooLong):
+            yield number, raw
+            continue
         try:
             yield number, raw.decode("utf-8-sig" if number == 1 else "utf-8")
         except UnicodeDecodeError as e:
             yield number, e
 
 
-def check_line(model: Model, line: int, text: str | UnicodeDecodeError, adapter: str | None) -> Checked | dict:
+def check_line(model: Model, line: int, text: str | UnicodeDecodeError | TooLong, adapter: str | None,
+               limit: int = MAX_LINE_BYTES) -> Checked | dict:
     """The checked question of one input line, or its error record."""
+    if isinstance(text, TooLong):
+        return error_record(line, "too_large", f"line {line} is {text.size} bytes; the limit is {limit} "
+                            "(--max-line-bytes)")
     if isinstance(text, UnicodeDecodeError):
         return error_record(line, "invalid_body", f"line {line} is not UTF-8: {text.reason} at byte {text.start}")
     try:
         body = json.loads(text)
-    except json.JSONDecodeError as e:
+    except RecursionError:
+        return error_record(line, "invalid_json", f"line {line} is nested too deeply to read")
+    except ValueError as e:  # JSONDecodeError, and an integer of more digits than Python converts
         return error_record(line, "invalid_json", f"line {line} is not JSON: {e}")
     try:
         return model.check(body, adapter=adapter)
@@ -54,11 +109,25 @@ def check_line(model: Model, line: int, text: str | UnicodeDecodeError, adapter:
         return error_record(line, "invalid_request", f"line {line}: {first['msg']}", field)
     except EngineError as e:
         return error_record(line, e.type, f"line {line}: {e.message}", e.field)
+    except RecursionError:
+        return error_record(line, "invalid_request", f"line {line} is nested too deeply to check")
 
 
-def score(model: Model, lines, out, batch_size: int, adapter: str | None = None, progress=None) -> tuple[int, int]:
-    """Score numbered input ``lines`` ((number, text) pairs) into the open file ``out``, ``batch_size`` at a time.
-    Returns (answered, refused)."""
+def checked_line(model: Model, line: int, text, adapter: str | None, limit: int = MAX_LINE_BYTES) -> Checked | dict:
+    """:func:`check_line`, and an error record for whatever else one line could raise: a line never stops a run
+    (the traceback goes to the log: it is a bug to fix)."""
+    try:
+        return check_line(model, line, text, adapter, limit)
+    except Exception as e:
+        log.exception("checking line %d failed", line)
+        return error_record(line, "internal_error", f"line {line} could not be checked ({type(e).__name__}); it is "
+                            "skipped")
+
+
+def score(model: Model, lines, out, batch_size: int, adapter: str | None = None, progress=None,
+          limit: int = MAX_LINE_BYTES) -> tuple[int, int]:
+    """Score numbered input ``lines`` ((number, text) pairs) into the open file ``out``, ``batch_size`` at a time
+    (``limit``: the line length behind a TooLong, for its message). Returns (answered, refused)."""
     answered = refused = 0
     pending: list[tuple[int, Checked | dict]] = []
 
@@ -79,11 +148,82 @@ def score(model: Model, lines, out, batch_size: int, adapter: str | None = None,
     for number, text in lines:
         if isinstance(text, str) and not text.strip():
             continue
-        pending.append((number, check_line(model, number, text, adapter)))
+        pending.append((number, checked_line(model, number, text, adapter, limit)))
         if len(pending) >= batch_size:
             flush()
     flush()
     return answered, refused
+
+
+def record_lines(feedback: Feedback, served: dict[str, str], lines, out,
+                 limit: int = MAX_LINE_BYTES) -> tuple[int, int, int]:
+    """Record the label of each numbered input line ((number, text) pairs; each its own all-or-none request) and
+    write its result or error record to the open file ``out``. Returns (recorded, duplicates, refused)."""
+    recorded = duplicates = refused = 0
+    for number, text in lines:
+        if isinstance(text, str) and not text.strip():
+            continue
+        record = _record_line(feedback, served, number, text, limit)
+        status = record.get("status")
+        recorded += status == "recorded"
+        duplicates += status == "duplicate"
+        refused += status is None
+        out.write(json.dumps(record) + "\n")
+    out.flush()
+    return recorded, duplicates, refused
+
+
+def _record_line(feedback: Feedback, served: dict[str, str], line: int, text, limit: int) -> dict:
+    """The result or error record of one label line (its own all-or-none request)."""
+    if isinstance(text, TooLong):
+        return error_record(line, "too_large", f"line {line} is {text.size} bytes; the limit is {limit} "
+                            "(--max-line-bytes)")
+    if isinstance(text, UnicodeDecodeError):
+        return error_record(line, "invalid_body", f"line {line} is not UTF-8: {text.reason} at byte {text.start}")
+    try:
+        item = FeedbackRequest.model_validate(json.loads(text))
+        (result,) = feedback.record(served, [(item.receipt, item.label)])
+    except RecursionError:
+        return error_record(line, "invalid_json", f"line {line} is nested too deeply to read")
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = ".".join(str(p) for p in first.get("loc", ())) or None
+        return error_record(line, "invalid_request", f"line {line}: {first['msg']}", field)
+    except ValueError as e:  # JSONDecodeError, and an integer of more digits than Python converts
+        return error_record(line, "invalid_json", f"line {line} is not JSON: {e}")
+    except EngineError as e:
+        return error_record(line, e.type, f"line {line}: {e.message}", e.field)
+    except Exception as e:  # a line never stops a run; the traceback goes to the log: it is a bug to fix
+        log.exception("recording line %d failed", line)
+        return error_record(line, "internal_error", f"line {line} could not be recorded ({type(e).__name__}); it "
+                            "is skipped")
+    return {"line": line, **result}
+
+
+def feedback_main(artifacts: list[str], labels: Path, output: Path, limit: int = MAX_LINE_BYTES) -> int:
+    """``--feedback``: record labels into IBEDL_FEEDBACK_DB for the adapter versions of ``artifacts``."""
+    settings = EngineSettings(artifacts=[Path(a) for a in artifacts])
+    if settings.feedback_key is None or settings.feedback_db is None:
+        print("error: recording labels needs IBEDL_FEEDBACK_KEY (the key that signed the receipts) and "
+              "IBEDL_FEEDBACK_DB (the feedback store to record into)", file=sys.stderr)
+        return 2
+    served = {}
+    for a in artifacts:
+        manifest = read_manifest(Path(a))
+        served[manifest.name] = str(manifest.version)
+    feedback = Feedback(settings)
+    try:
+        feedback.bind({})  # opens the store; no model is loaded, so no adaptive thresholds are needed
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    partial = output.with_name(output.name + ".partial")
+    with labels.open("rb") as src, partial.open("w", encoding="utf-8") as out:
+        recorded, duplicates, refused = record_lines(feedback, served, decoded(read_lines(src, limit)), out, limit)
+        os.fsync(out.fileno())
+    os.replace(partial, output)
+    print(f"{recorded} recorded, {duplicates} duplicates, {refused} refused -> {output}", file=sys.stderr)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,14 +235,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--artifact", action="append", required=True,
                         help="adapter directory; repeat for several adapters on one base model (the first is the "
                         "default; a line picks another with its 'adapter' field)")
-    parser.add_argument("--input", required=True, type=Path, help="JSONL file, one request body per line")
-    parser.add_argument("--output", required=True, type=Path, help="JSONL file of answers, one per input line")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--input", type=Path, help="JSONL file, one request body per line")
+    source.add_argument("--feedback", type=Path, help="JSONL file of labels, one POST /v1/feedback body per line: "
+                        "record them (IBEDL_FEEDBACK_KEY, IBEDL_FEEDBACK_DB) instead of scoring questions")
+    parser.add_argument("--output", required=True, type=Path, help="JSONL file of answers (or of the labels' "
+                        "results), one per input line")
     parser.add_argument("--batch-size", type=int, default=16, help="questions per forward pass (default 16)")
     parser.add_argument("--adapter", help="adapter of the lines that name none (default the first --artifact)")
+    parser.add_argument("--max-line-bytes", type=int, default=MAX_LINE_BYTES,
+                        help=f"longest line read, in bytes (default {MAX_LINE_BYTES}, as the service's body limit); "
+                        "a longer one becomes a too_large error record")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     if args.batch_size < 1:
         parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.max_line_bytes < 1:
+        parser.error(f"--max-line-bytes must be >= 1, got {args.max_line_bytes}")
+    if args.feedback is not None:
+        if not args.feedback.is_file():
+            parser.error(f"--feedback {args.feedback} is not a file")
+        return feedback_main(args.artifact, args.feedback, args.output, args.max_line_bytes)
     if not args.input.is_file():
         parser.error(f"--input {args.input} is not a file")
     from tqdm import tqdm
@@ -111,12 +264,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.adapter is not None and args.adapter not in model.adapters:
         parser.error(f"--adapter {args.adapter!r} is not loaded; choose one of {model.adapters}")
     with args.input.open("rb") as src:
-        total = sum(1 for raw in src if raw.strip())
+        total = sum(1 for _, raw in read_lines(src, args.max_line_bytes) if isinstance(raw, TooLong) or raw.strip())
     partial = args.output.with_name(args.output.name + ".partial")
     with args.input.open("rb") as src, partial.open("w", encoding="utf-8") as out, \
             tqdm(total=total, unit="q", disable=args.no_progress, file=sys.stderr) as bar:
         try:
-            answered, refused = score(model, decoded(src), out, args.batch_size, args.adapter, bar)
+            answered, refused = score(model, decoded(read_lines(src, args.max_line_bytes)), out, args.batch_size,
+                                      args.adapter, bar, args.max_line_bytes)
         except EngineError as e:  # non-finite model outputs: the model is broken, not the line
             print(f"error: {e.message}; what was scored is in {partial}", file=sys.stderr)
             return 1

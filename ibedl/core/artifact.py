@@ -8,9 +8,11 @@ Layout::
     adapter_config.json           PEFT LoRA config         } ensemble member under members/<i>/
     adapter_model.safetensors     PEFT LoRA weights        } (the manifest's ``members``)
 
-Loading reads JSON and safetensors only; nothing is unpickled. A manifest of an older ``schema_version`` is
-migrated when read (:func:`migrate`, the one place that knows the format's history); ``python -m
-ibedl.core.migrate DIR`` writes it back in the current version.
+Loading reads JSON and safetensors only; nothing is unpickled, and nothing outside the directory: ``members`` are
+relative paths inside it (no ``..``, not absolute, no symlink that leads out). Serving checks every weight file
+against the sha256 the manifest's ``files`` records, and refuses a manifest that records none. A manifest of an
+older ``schema_version`` is migrated when read (:func:`migrate`, the one place that knows the format's history);
+``python -m ibedl.core.migrate DIR`` writes it back in the current version.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import logging
 import os
 import tempfile
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Literal, get_args
 
 from safetensors.torch import load_file, save_file
@@ -248,7 +250,8 @@ class Manifest:
         prompt: the prompt template and training token cut.
         name, version: how the service names the adapter.
         method_config: the method's hyper-parameters (beta, K, ...).
-        members: adapter sub-directories ("." for a single adapter; members/<i> for an ensemble).
+        members: adapter sub-directories ("." for a single adapter; members/<i> for an ensemble), relative paths
+            inside the artifact (never absolute, never through "..").
         mc_samples: forward passes with dropout on at inference (MC-Dropout), 0 for none.
         training: data, sizes, seeds, steps, the command that produced the artifact.
         metrics: split name -> evaluation metrics (``validation``, ``test``, ``test_before_calibration``).
@@ -263,7 +266,7 @@ class Manifest:
             (``python -m ibedl.training.calibrate --backend NAME``); the service serves the one matching its backend.
         files: sha256 of each weight file (adapter and head safetensors of every member) by its path
             relative to the artifact; empty where not recorded (artifacts migrated from schema version 1
-            before ``python -m ibedl.core.migrate`` wrote them).
+            before ``python -m ibedl.core.migrate`` wrote them), and then the service refuses to load it.
         limitations: what a user must know that the numbers do not say (measured limits); the model card
             lists them under "Intended use and limits".
         schema_version: the manifest format's version (older ones are migrated when read).
@@ -309,6 +312,8 @@ class Manifest:
             )
         if not self.members:
             raise ArtifactError("manifest members must name at least one adapter directory")
+        for member in self.members:
+            check_member(member)
         if self.mc_samples < 0:
             raise ArtifactError(f"mc_samples must be >= 0, got {self.mc_samples}")
         if not all(isinstance(x, str) for x in self.limitations):
@@ -526,18 +531,43 @@ def load_head(directory: str | Path, manifest: Manifest) -> OptionHead:
     return head
 
 
+def check_member(member) -> None:
+    """ArtifactError unless ``member`` (an entry of a manifest's ``members``) is a relative POSIX path that stays
+    inside the artifact directory ("." or "members/0"; never absolute, never through "..")."""
+    if not isinstance(member, str) or not member:
+        raise ArtifactError(f"manifest members are relative directory paths, got {member!r}")
+    windows = PureWindowsPath(member)
+    if PurePosixPath(member).is_absolute() or windows.drive or windows.root or "\\" in member:
+        raise ArtifactError(f"manifest member {member!r} is an absolute path: members are directories inside the "
+                            "artifact, relative to it ('.' or 'members/0')")
+    if ".." in PurePosixPath(member).parts:
+        raise ArtifactError(f"manifest member {member!r} leaves the artifact directory ('..'): members are "
+                            "directories inside it ('.' or 'members/0')")
+
+
+def _inside(directory: Path, path: Path) -> None:
+    """ArtifactError unless ``path``, symlinks followed, is inside ``directory`` (symlinks followed too)."""
+    root, real = directory.resolve(), path.resolve()
+    if real != root and not real.is_relative_to(root):
+        raise ArtifactError(f"{path} leads to {real}, outside the artifact directory {root} (a symlink): an "
+                            "artifact's files must be inside it")
+
+
 def check_artifact(directory: str | Path, verify: bool = False) -> Manifest:
     """Read the manifest and check every file it implies exists. Returns the manifest.
 
     Args:
-        verify: also check each weight file against the sha256 the manifest's ``files`` records.
+        verify: also check each weight file against the sha256 the manifest's ``files`` records (a manifest that
+            records none is refused: :func:`verify_files`).
     """
     directory = Path(directory)
     manifest = read_manifest(directory)
     for member in manifest.members:
+        _inside(directory, directory / member)
         for name in (*ADAPTER_FILES, HEAD_FILE):
             if not (directory / member / name).is_file():
                 raise ArtifactError(f"{directory / member / name} not found")
+            _inside(directory, directory / member / name)
     if verify:
         verify_files(directory, manifest)
     return manifest
@@ -556,9 +586,11 @@ def files_sha256(directory: str | Path, members: list[str]) -> dict[str, str]:
 
 def verify_files(directory: str | Path, manifest: Manifest) -> None:
     """ArtifactError naming each weight file whose sha256 differs from the manifest's ``files`` (or that the
-    manifest does not record); nothing to check when ``files`` is empty."""
+    manifest does not record); ArtifactError when ``files`` is empty: weights nothing vouches for are not loaded."""
     if not manifest.files:
-        return
+        raise ArtifactError(f"{directory}: the manifest records no sha256 of the weight files, so they cannot be "
+                            f"checked and are not loaded. Record them with: {MIGRATE_COMMAND} {directory} (it hashes "
+                            "the weights as they are now: run it only on an artifact you trust)")
     actual = files_sha256(directory, manifest.members)
     bad = sorted(p for p in set(actual) | set(manifest.files) if actual.get(p) != manifest.files.get(p))
     if bad:

@@ -77,3 +77,27 @@ class Cancelled(EngineError):
 def error_body(type_: str, message: str, field: str | None = None) -> dict:
     """The one error shape: ``{"error": {"type", "message", "field"}}``."""
     return {"error": {"type": type_, "message": message, "field": field}}
+
+
+class FeedbackDisabled(EngineError):
+    """Feedback is off: no receipt key is configured (``IBEDL_FEEDBACK_KEY``), so answers carry no receipt."""
+
+    type = "feedback_disabled"
+
+
+class InvalidReceipt(EngineError):
+    """A receipt that this service did not sign (unknown, tampered with, or signed with another key)."""
+
+    type = "invalid_receipt"
+
+
+class ReceiptExpired(EngineError):
+    """A receipt past its expiry (``IBEDL_FEEDBACK_TTL_S`` after the answer)."""
+
+    type = "receipt_expired"
+
+
+class AdapterNotServed(EngineError):
+    """A receipt of an adapter version that is no longer served: its label cannot count for what is served now."""
+
+    type = "adapter_not_served"

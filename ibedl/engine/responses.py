@@ -10,6 +10,7 @@ from ibedl.core.conformal import prediction_set
 from ibedl.core.predictor import Prediction
 from ibedl.core.prompt import LETTERS, MCQuestion
 from ibedl.engine import abstention
+from ibedl.engine.feedback import Feedback
 from ibedl.engine.requests import conformal_quantile, max_options
 from ibedl.engine.runtime import AdapterRuntime
 from ibedl.engine.schemas import PredictedOption, PredictRequest, PredictResponse
@@ -22,9 +23,10 @@ def r6(value) -> float:
 
 
 def build_answer(runtime: AdapterRuntime, req: PredictRequest, q: MCQuestion, pred: Prediction,
-                 answer_id: str) -> PredictResponse:
+                 answer_id: str, feedback: Feedback | None = None) -> PredictResponse:
     """The answer to one question by the adapter ``runtime``: the prediction, its abstention decision and
-    conformal set; ``answer_id`` when the request carries no ``id``."""
+    conformal set; ``answer_id`` when the request carries no ``id``. With ``feedback`` (on), the answer carries its
+    signed receipt and, when adaptive sets are on, its adaptive set."""
     opts = req.abstain
     limits = abstention.effective(
         runtime.thresholds,
@@ -34,7 +36,13 @@ def build_answer(runtime: AdapterRuntime, req: PredictRequest, q: MCQuestion, pr
     reason = abstention.decide(pred.uncertainty, pred.confidence, limits)
     letters = LETTERS[: q.num_options]
     conformal = conformal_quantile(runtime.conformal, req)
-    pset = None if conformal is None else [letters[i] for i in prediction_set(pred.probs, conformal[0], conformal[2])]
+    set_indices = None if conformal is None else prediction_set(pred.probs, conformal[0], conformal[2])
+    pset = None if set_indices is None else [letters[i] for i in set_indices]
+    adaptive = receipt = None
+    if feedback is not None and feedback.enabled:
+        adaptive = feedback.adaptive_set(runtime, pred.probs)
+        receipt = feedback.receipt(runtime, req.id or answer_id, pred, reason is None, set_indices,
+                                   None if conformal is None else r6(1.0 - conformal[1]), adaptive)
     return PredictResponse(
         id=req.id or answer_id,
         prediction=PredictedOption(letter=pred.letter, index=pred.index, text=q.options[pred.index]),
@@ -50,6 +58,8 @@ def build_answer(runtime: AdapterRuntime, req: PredictRequest, q: MCQuestion, pr
         abstained=reason is not None,
         abstain_reason=reason,
         adapter=runtime.ref,
+        adaptive_prediction_set=None if adaptive is None else [letters[i] for i in adaptive],
+        receipt=receipt,
     )
 
 

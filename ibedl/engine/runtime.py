@@ -113,9 +113,15 @@ def make_runtimes(predictors: list[Predictor], settings: EngineSettings) -> dict
     return runtimes
 
 
+class UncalibratedBackend(ValueError):
+    """The artifact carries no calibration made on the backend that would serve it. The message names the adapter,
+    backends and calibration keys only (no path, hash or setting value), so readiness may show it whole."""
+
+
 def served_calibration(predictor: Predictor, settings: EngineSettings) -> ServedCalibration:
     """The calibration ``predictor`` serves with: the manifest's one made on its backend and precision. When the
-    manifest carries none, ValueError saying so and what to do, unless ``settings.allow_uncalibrated_backend``
+    manifest carries none, UncalibratedBackend saying so and what to do, unless
+    ``settings.allow_uncalibrated_backend``
     (then the manifest's top-level calibration, with a warning)."""
     manifest, key = predictor.manifest, predictor.calibration_key
     if predictor.calibration is None:  # a predictor built without from_artifacts: look it up now
@@ -124,7 +130,7 @@ def served_calibration(predictor: Predictor, settings: EngineSettings) -> Served
         return predictor.calibration
     carried = manifest.calibration_keys()
     if not settings.allow_uncalibrated_backend:
-        raise ValueError(
+        raise UncalibratedBackend(
             f"adapter {manifest.name!r} carries no calibration made on backend {predictor.backend} ({key}); it "
             f"carries {', '.join(carried)}. Its thresholds and conformal quantiles hold for the arithmetic they were "
             f"calibrated on: calibrate it on this backend (python -m ibedl.training.calibrate --artifact DIR "

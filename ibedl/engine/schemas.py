@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+ADAPTER_NAME_CHARS = 128  # the longest adapter name a request may give (a served one is its manifest's `name`)
+
 
 class AbstainOptions(BaseModel):
     """Per-request thresholds; they can only tighten the adapter's defaults."""
@@ -59,7 +61,8 @@ class PredictRequest(BaseModel):
     abstain: AbstainOptions | None = None
     conformal: ConformalOptions | None = None
     id: str | None = Field(None, max_length=256, description="echoed back in the response")
-    adapter: str | None = Field(None, description="which served adapter answers (GET /v1/models lists them); "
+    adapter: str | None = Field(None, max_length=ADAPTER_NAME_CHARS,
+                                description="which served adapter answers (GET /v1/models lists them); "
                                 "default the first; every item of a batch must name the same one")
 
 
@@ -108,10 +111,72 @@ class PredictResponse(BaseModel):
         "threshold, 'max_uncertainty' when u is above the limit, 'min_confidence' when max p is below the "
         "risk-controlled threshold")
     adapter: AdapterRef
+    adaptive_prediction_set: list[str] | None = Field(
+        None, description="the adaptive conformal set (letters, most probable first) whose threshold follows the "
+        "labels sent back (IBEDL_ADAPTIVE_SETS); its long-run coverage on the labelled stream is reported apart "
+        "from prediction_set's guarantee (GET /v1/guarantees, adaptive_set_coverage); null when off")
+    receipt: str | None = Field(None, description="signed receipt of this answer: send it back with the right "
+                                "option to POST /v1/feedback; null when feedback is off (no IBEDL_FEEDBACK_KEY)")
 
 
 class BatchResponse(BaseModel):
     results: list[PredictResponse]
+
+
+class FeedbackRequest(BaseModel):
+    """The right option of one answered question."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"receipt": "v1.eyJ...J9.3q2-...",
+                                                                               "label": "B"}]})
+
+    receipt: str = Field(..., min_length=1, max_length=4096, description="the 'receipt' of the /predict answer")
+    label: str = Field(..., pattern="^[A-Z]$", description="the right option's letter (A, B, ...; one of the "
+                       "question's)")
+
+
+class FeedbackBatchRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    items: list[FeedbackRequest] = Field(..., min_length=1, description="labels, recorded all or none")
+
+
+class FeedbackResult(BaseModel):
+    receipt_id: str
+    question: str = Field(..., description="the answer's id")
+    adapter: str
+    version: str
+    status: Literal["recorded", "duplicate"] = Field(..., description="duplicate: this receipt was recorded before "
+                                                     "(by any replica); it counts once")
+    correct: bool | None = Field(..., description="the answer was right; null when the service abstained")
+    covered: bool | None = Field(..., description="the prediction set held the label; null without a set")
+
+
+class FeedbackResponse(BaseModel):
+    recorded: int = Field(..., description="labels counted by this request")
+    duplicates: int = Field(..., description="labels of receipts recorded before (not counted again)")
+    results: list[FeedbackResult]
+
+
+class Guarantee(BaseModel):
+    adapter: str
+    version: str
+    served: bool = Field(..., description="this version is the one served now")
+    guarantee: Literal["answered_accuracy", "set_coverage", "answered_share", "adaptive_set_coverage"]
+    stated: float | None = Field(..., description="the stated level: the abstention's target accuracy, the sets' "
+                                 "nominal coverage, the adaptive sets' target; null for answered_share")
+    labels: int = Field(..., description="labelled questions it counts")
+    hits: int = Field(..., description="of them: right answers, covering sets, answered questions")
+    estimate: float | None = Field(..., description="hits / labels")
+    lower: float = Field(..., description="lower end of the confidence sequence (valid under continuous monitoring)")
+    upper: float = Field(..., description="upper end")
+    violated: bool = Field(..., description="upper < stated: the labels show the stated guarantee does not hold")
+
+
+class GuaranteesResponse(BaseModel):
+    alpha: float = Field(..., description="each sequence holds the mean at all times with probability >= 1 - alpha")
+    shared_store: bool = Field(..., description="labels come from the store every replica shares (IBEDL_FEEDBACK_DB)"
+                               "; false: this replica's labels only")
+    guarantees: list[Guarantee]
 
 
 class ErrorDetail(BaseModel):

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -44,6 +44,21 @@ class EngineSettings(BaseSettings):
     max_tokens: int = Field(1024, ge=16,
                             description="prompt tokens after formatting (training may have cut passages shorter)")
 
+    feedback_key: SecretStr | None = Field(
+        None, description="key that signs the receipt each answer carries (HMAC-SHA256, at least 16 characters); "
+        "every replica needs the same one. Unset: feedback is off (answers carry no receipt, POST /v1/feedback "
+        "answers 404)")
+    feedback_db: Path | None = Field(
+        None, description="SQLite file of the recorded labels, shared by every replica (a label counts once "
+        "whichever replica receives it); unset: kept in memory by this process only")
+    feedback_ttl_s: int = Field(30 * 24 * 3600, ge=60, description="seconds after an answer that its receipt "
+                                "accepts a label (default 30 days)")
+    guarantee_alpha: float = Field(0.05, gt=0.0, lt=0.5, description="error probability of the realised "
+                                   "guarantees' confidence sequences, over the whole life of an adapter version")
+    adaptive_sets: bool = Field(False, description="answers also carry an adaptive conformal set whose threshold "
+                                "follows the labels (ACI); needs feedback on")
+    adaptive_rate: float = Field(0.01, gt=0.0, le=0.5, description="step of the adaptive sets' threshold per label")
+
     def served_artifacts(self) -> list[Path]:
         """The adapter directories to serve, the default first."""
         return list(self.artifacts) or [self.artifact]
@@ -60,6 +75,20 @@ class EngineSettings(BaseSettings):
         names = [str(p) for p in self.artifacts]
         if len(set(names)) != len(names):
             raise ValueError(f"IBEDL_ARTIFACTS lists a directory twice: {names}")
+        return self
+
+    @field_validator("feedback_key")
+    @classmethod
+    def _key_length(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and len(v.get_secret_value()) < 16:
+            raise ValueError(f"feedback_key must be at least 16 characters (e.g. openssl rand -hex 32), got "
+                             f"{len(v.get_secret_value())}")
+        return v
+
+    @model_validator(mode="after")
+    def _adaptive_needs_feedback(self):
+        if self.adaptive_sets and self.feedback_key is None:
+            raise ValueError("IBEDL_ADAPTIVE_SETS needs IBEDL_FEEDBACK_KEY: adaptive sets follow the labels sent back")
         return self
 
     @field_validator("backend")

@@ -1,6 +1,7 @@
 """Run the service: ``python -m ibedl.serve --host H --port P [--artifact DIR | --artifacts A,B,C]`` (or
 ``ibedl-serve``). ``--help`` lists every setting with its environment variable and default.
 
+A non-loopback ``--host`` without IBEDL_API_TOKEN refuses to start (exit 2) unless IBEDL_ALLOW_ANONYMOUS=true.
 SIGTERM (and Ctrl-C) stop accepting connections, let in-flight requests finish (up to
 IBEDL_SHUTDOWN_GRACE_S), drain the batch queue, and exit 0.
 """
@@ -17,7 +18,8 @@ from pydantic import ValidationError
 
 from ibedl.serve import logs
 from ibedl.serve.app import create_app
-from ibedl.serve.settings import Settings
+from ibedl.serve.server import log_exposure, refusal, uvicorn_config
+from ibedl.serve.settings import SECRET_SETTINGS, Settings
 
 
 def settings_help(width: int = 100) -> str:
@@ -30,6 +32,16 @@ def settings_help(width: int = 100) -> str:
         if field.description:
             lines += textwrap.wrap(field.description, width - 6, initial_indent="      ", subsequent_indent="      ")
     return "\n".join(lines)
+
+
+def settings_errors(e: ValidationError) -> str:
+    """What is wrong with the settings, one line per field, with the value given (a token's never)."""
+    lines = []
+    for error in e.errors():
+        name = ".".join(str(part) for part in error["loc"])
+        shown = "" if name in SECRET_SETTINGS or "input" not in error else f" (got {error['input']!r})"
+        lines.append(f"IBEDL_{name.upper()}: {error['msg']}{shown}")
+    return "; ".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,14 +60,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = Settings(**overrides)
     except ValidationError as e:
-        print(f"error: invalid settings: {e}", file=sys.stderr)
+        print(f"error: invalid settings: {settings_errors(e)}", file=sys.stderr)
+        return 2
+    refused = refusal(settings)
+    if refused is not None:
+        print(f"error: {refused}", file=sys.stderr)
         return 2
     logs.configure(settings.log_level, settings.log_format)
+    log_exposure(settings)
     app = create_app(settings)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            timeout_graceful_shutdown=settings.shutdown_grace_s, access_log=False,
-                            log_config=None)  # uvicorn's lines go through the service's handlers (JSON or text)
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(app, settings))
     app.state.service.server = server
     # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal under the handler that was installed
     # before it started; with the default handler the process would die of the signal (exit 143) after a

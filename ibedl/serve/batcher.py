@@ -8,9 +8,11 @@ questions of one model only, so adapters never share a forward pass, and every p
 thread, so passes of different adapters of a shared base model never overlap. So a large batch
 request shares the model with small requests that arrive after it instead of holding it until it is done.
 
-A request is admitted only if it can be answered before its deadline: its expected completion (the pass in
-flight plus its turns among the queued requests, :func:`ibedl.serve.capacity.round_robin_wait`, times a safety
-margin) must fit; otherwise :class:`Overloaded` is raised at once with the seconds after which it would fit.
+A request is admitted only if it can be answered before its deadline: :class:`ibedl.serve.admission.Admission`
+decides from a snapshot of the queue (its expected completion, the pass in flight plus its turns among the queued
+requests, :func:`ibedl.serve.capacity.round_robin_wait`, times a safety margin, must fit); a refusal is raised at once
+as :class:`Overloaded` (with the seconds after which it would fit), :class:`TooLarge`, :class:`QueueFullError` or
+:class:`ShuttingDown`. Every time the batcher reads comes from the admission's clock.
 Before each pass, a queued request that the current estimate says can no longer finish in time is answered
 :class:`Overloaded` then rather than timing out later. Questions whose request was abandoned (future
 cancelled: client gone or timed out) or whose deadline passed are dropped before they reach the model. On
@@ -23,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import time
+import time  # perf_counter: how long a pass took (the admission clock gives every other time)
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,6 +33,7 @@ from typing import Callable
 
 from ibedl.core.predictor import Prediction
 from ibedl.core.prompt import MCQuestion
+from ibedl.serve.admission import Admission, Refusal, Snapshot
 from ibedl.serve.capacity import ServiceTime, round_robin_finish, round_robin_wait
 
 log = logging.getLogger("ibedl.serve.batcher")
@@ -66,6 +69,17 @@ class DeadlineExceeded(TimeoutError):
 
 
 Predict = Callable[[list[MCQuestion]], list[Prediction]]
+
+
+def refused(refusal: Refusal) -> Exception:
+    """The exception :meth:`MicroBatcher.submit_many` raises for an admission refusal."""
+    if refusal.reason == "shutting_down":
+        return ShuttingDown(refusal.message)
+    if refusal.reason == "queue_full":
+        return QueueFullError(refusal.message)
+    if refusal.reason == "too_large":
+        return TooLarge(refusal.message, retry_after=refusal.retry_after)
+    return Overloaded(refusal.message, retry_after=refusal.retry_after)
 
 
 @dataclass(eq=False)
@@ -111,7 +125,8 @@ class MicroBatcher:
         queue_size: questions waiting, at most.
         service_time: the per-token time estimate (updated from every pass); a fresh one admits everything
             until the first pass is measured.
-        margin: admission requires ``margin`` x the expected completion to fit before the deadline.
+        admission: the admission policy (its ``margin``: admission requires that many times the expected completion
+            to fit before the deadline) and the clock the batcher reads; default: no server timeout, margin 1.
         on_batch: called with (questions, seconds) after every pass.
         on_depth: called with the number of waiting questions when it changes.
     """
@@ -119,22 +134,22 @@ class MicroBatcher:
     def __init__(self, predict: Predict, max_batch_size: int = 16,
                  max_wait_ms: float = 5.0, queue_size: int = 256, on_batch: Callable[[int, float], None] | None = None,
                  on_depth: Callable[[int], None] | None = None, max_batch_tokens: int = 1 << 30,
-                 service_time: ServiceTime | None = None, margin: float = 1.0) -> None:
+                 service_time: ServiceTime | None = None, admission: Admission | None = None) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
         if queue_size < 1:
             raise ValueError(f"queue_size must be >= 1, got {queue_size}")
-        if not margin >= 1:
-            raise ValueError(f"margin must be >= 1, got {margin}")
         self.predict = predict
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
         self.max_wait = max_wait_ms / 1000.0
         self.queue_size = queue_size
         self.service_time = service_time or ServiceTime()
-        self.margin = margin
+        self.admission = admission or Admission()
+        self.clock = self.admission.clock
+        self.margin = self.admission.margin
         self.on_batch = on_batch or (lambda size, seconds: None)
         self.on_depth = on_depth or (lambda depth: None)
         self._requests: deque[_Request] = deque()  # in turn order: the head gives the next question
@@ -173,7 +188,13 @@ class MicroBatcher:
 
     def inflight_left(self) -> float:
         """Expected seconds left of the forward pass running now (0 when idle)."""
-        return max(0.0, self._busy_until - time.monotonic()) if self._busy else 0.0
+        return max(0.0, self._busy_until - self.clock()) if self._busy else 0.0
+
+    def snapshot(self, tokens: list[int]) -> Snapshot:
+        """The queue as admission sees it, for a new request of these prompt tokens (one count per question)."""
+        return Snapshot(depth=self.depth, queue_size=self.queue_size, expected_wait_s=self.expected_wait(tokens),
+                        alone_s=self.service_time.seconds(sum(tokens)), overrun=self.overrun,
+                        draining=self._draining, drain_end=self._drain_end, stopping=self._stopping)
 
     def expected_wait(self, tokens: list[int]) -> float:
         """Expected seconds until a new request (prompt tokens of each question) would be answered."""
@@ -201,7 +222,7 @@ class MicroBatcher:
             self._fail(r, ShuttingDown("the service is shutting down and could not answer this request in time"))
         if late:
             log.info("draining: %d queued requests cannot finish within %.1f s and get 503", len(late), grace_s)
-        self._drain_end = time.monotonic() + max(0.0, end)
+        self._drain_end = self.clock() + max(0.0, end)
         self._drain_timer = asyncio.get_running_loop().call_later(max(0.0, end), self._fail_all_queued)
         self._signal()
 
@@ -232,7 +253,7 @@ class MicroBatcher:
         Args:
             questions: the request's questions, answered in this order.
             tokens: prompt tokens of each question (default 1 each: admission by count only).
-            deadline: ``time.monotonic()`` by which the request must be answered (default: none).
+            deadline: the admission clock's time by which the request must be answered (default: none).
             predict: the model that answers them (default: the batcher's); passes never mix models.
             admitted_before_drain: the request arrived before a drain began (its route ran later): it is still
                 queued if it can finish within the grace period.
@@ -245,32 +266,17 @@ class MicroBatcher:
         """
         if self._wakeup is None:
             raise RuntimeError("the batcher is not started")
-        if self._stopping or (self._draining and not admitted_before_drain):
-            raise ShuttingDown("the service is shutting down")
         tokens = [1] * len(questions) if tokens is None else list(tokens)
         if len(tokens) != len(questions):
             raise ValueError(f"{len(tokens)} token counts for {len(questions)} questions")
-        if len(questions) > self.free_slots():
-            raise QueueFullError(f"{self.depth} questions are waiting; the queue holds {self.queue_size}")
         deadline = float("inf") if deadline is None else deadline
-        own = sum(tokens)
-        if self._draining:
-            if (self._drain_end is not None
-                    and self.margin * self.expected_wait(tokens) > self._drain_end - time.monotonic()):
-                raise ShuttingDown("the service is shutting down and could not answer this request in time")
-        if deadline != float("inf"):
-            left = deadline - time.monotonic()
-            alone = self.margin * self.service_time.seconds(own)
-            if alone > left:
-                raise TooLarge(f"the request needs about {alone:.1f} s of model time ({own} prompt tokens) and its "
-                               f"deadline leaves {max(left, 0):.1f} s", retry_after=alone - left)
-            expected = self.margin * self.overrun * self.expected_wait(tokens)
-            if expected > left:
-                raise Overloaded(f"the service is busy: an answer is expected in {expected:.1f} s and the deadline "
-                                 f"leaves {left:.1f} s", retry_after=expected - left)
+        refusal = self.admission.decide(len(questions), sum(tokens), deadline, self.snapshot(tokens),
+                                        admitted_before_drain)
+        if refusal is not None:
+            raise refused(refusal)
         loop = asyncio.get_running_loop()
         self._arrivals += 1
-        request = _Request(predict or self.predict, self._arrivals, admitted_at=time.monotonic(),
+        request = _Request(predict or self.predict, self._arrivals, admitted_at=self.clock(),
                            expected_s=self.expected_wait(tokens))
         futures = []
         for q, n in zip(questions, tokens):
@@ -310,7 +316,7 @@ class MicroBatcher:
     def _shed_late(self) -> None:
         """Answer Overloaded now to each queued request the current estimate says will miss its deadline (served
         in turn order after the pass in flight), rather than 504 at the deadline."""
-        now = time.monotonic()
+        now = self.clock()
         requests = self._in_turn()
         finish = round_robin_finish([r.live() for r in requests], self.inflight_left(), self.service_time)
         late = [r for r, t in zip(requests, finish) if now < r.deadline() < now + self.overrun * t]
@@ -335,7 +341,7 @@ class MicroBatcher:
 
     def _purge(self) -> None:
         """Drop abandoned questions and those whose deadline passed (DeadlineExceeded), and empty requests."""
-        now = time.monotonic()
+        now = self.clock()
         for request in list(self._requests):
             while request.items and (request.items[0].future.done() or request.items[0].deadline <= now):
                 item = request.items.popleft()
@@ -364,7 +370,7 @@ class MicroBatcher:
         self._purge()
         if not self._requests:
             return None
-        now = time.monotonic()
+        now = self.clock()
         one_pass = self.service_time.seconds(self.max_batch_tokens)
 
         def slack(r: _Request) -> float:
@@ -379,7 +385,7 @@ class MicroBatcher:
         ``room_tokens`` tokens, of a similar length (within ``SIMILAR`` times), and not making the pass end after
         ``ends_by`` (the earliest deadline in it) or after its own deadline; or None."""
         self._purge()
-        now = time.monotonic()
+        now = self.clock()
         for request in self._in_turn():
             head = request.items[0]
             if request.predict is not first.predict or head.tokens > room_tokens:
@@ -405,7 +411,7 @@ class MicroBatcher:
             await self._wakeup.wait()
         self._busy = True  # from the first question taken: stop() must wait for it
         batch, tokens = [first], first.tokens
-        deadline = time.monotonic() + self.max_wait
+        deadline = self.clock() + self.max_wait
         while len(batch) < self.max_batch_size:
             item = self._next(first, self.max_batch_tokens - tokens, min(i.deadline for i in batch))
             if item is not None:
@@ -414,7 +420,7 @@ class MicroBatcher:
                 continue
             if self._live_depth():
                 break  # what waits does not fit in this pass, is much longer or shorter, or for another model
-            remaining = deadline - time.monotonic()
+            remaining = deadline - self.clock()
             if remaining <= 0:
                 break
             self._wakeup.clear()
@@ -437,7 +443,7 @@ class MicroBatcher:
         self.on_depth(self.depth)
         live = [item for item in batch if not item.future.done()]  # abandoned requests are skipped
         # A question whose deadline falls before this pass is expected to end gets its 503 now, not a 504 later.
-        end = time.monotonic() + self.service_time.seconds(sum(i.tokens for i in live))
+        end = self.clock() + self.service_time.seconds(sum(i.tokens for i in live))
         for item in [i for i in live if i.deadline < end]:
             item.future.set_exception(Overloaded("the service is busy: this question would not be answered before "
                                                  "its deadline", retry_after=1.0))
@@ -446,7 +452,7 @@ class MicroBatcher:
             self._backlog_since = None
             return
         tokens = sum(i.tokens for i in live)
-        self._busy_until = time.monotonic() + self.service_time.seconds(tokens)
+        self._busy_until = self.clock() + self.service_time.seconds(tokens)
         # Under a backlog the time a question costs is from the end of the last pass to the end of this one:
         # gathering and whatever else the CPU ran in between count too.
         since = self._backlog_since
@@ -474,7 +480,7 @@ class MicroBatcher:
         for item, result in zip(live, results):
             if not item.future.done():
                 item.future.set_result(result)
-        now = time.monotonic()
+        now = self.clock()
         for owner in {id(i.owner): i.owner for i in live if i.owner is not None and not i.owner.items}.values():
             # relative to at least 1 s: a short wait's fixed costs (gathering, the thread hop) are not an overrun
             self._observe_wait(1.0 + (now - owner.admitted_at - owner.expected_s) / max(owner.expected_s, 1.0))

@@ -23,7 +23,8 @@ def _error(description: str, headers: dict | None = None) -> dict:
 
 
 # Every status a route of this service answers besides 200, with the error types behind it (404 and 405 belong to
-# no route). The routes pick theirs from here: API_ERRORS, PREDICT_ERRORS.
+# no route, but for the feedback routes' 404). The routes pick theirs from here: API_ERRORS, PREDICT_ERRORS,
+# FEEDBACK_ERRORS.
 STATUSES = {
     400: _error("`invalid_body`: the body is not UTF-8 text"),
     401: _error("`unauthorized`: `IBEDL_API_TOKEN` is set and the bearer token is missing or wrong",
@@ -33,20 +34,27 @@ STATUSES = {
                 "tokens after formatting (`IBEDL_MAX_TOKENS`), the body's bytes (`IBEDL_MAX_BODY_BYTES`), the "
                 "items of a batch (maxItems), or the prompt tokens of all a request's questions "
                 "(`IBEDL_MAX_REQUEST_TOKENS`); the message names it"),
+    404: _error("`feedback_disabled`: the service has no receipt key (`IBEDL_FEEDBACK_KEY`), so feedback is off"),
+    409: _error("`adapter_not_served`: the receipt is of an adapter version that is no longer served"),
+    410: _error("`receipt_expired`: the receipt is older than `IBEDL_FEEDBACK_TTL_S`"),
     415: _error("`unsupported_media_type`: the body is not `application/json`"),
     422: _error("`invalid_request`: the input breaks the schema or a rule it states (the `field` names where); "
-                "`invalid_json`: the body is not JSON"),
-    500: _error("`internal_error`: a bug; the service log has the traceback"),
+                "`invalid_json`: the body is not JSON; `invalid_receipt`: a receipt this service did not sign "
+                "(unknown, tampered with, another key's)"),
+    500: _error("`internal_error`: a bug; the service log has the traceback. `model_error`: the model's numbers for a "
+                "question were not finite: never an answer (the same question gives the same numbers)"),
     503: _error("`not_ready` (loading, broken or draining), `overloaded` (no answer possible before the "
-                "request's deadline), `shutting_down`: retry after `Retry-After` seconds, on another replica "
-                "behind a gateway; `model_error` (the model's numbers for a question were not finite: never an "
-                "answer; no Retry-After, the same question gives the same numbers)", RETRY_AFTER),
+                "request's deadline), `shutting_down`, or more connections than `IBEDL_MAX_CONNECTIONS`: a refusal "
+                "before the model saw the request; retry after `Retry-After` seconds, on another replica behind "
+                "a gateway (the gateway does it once)", RETRY_AFTER),
     504: _error("`timeout`: no answer before the request's deadline (`IBEDL_REQUEST_TIMEOUT_S`, or the "
                 "`X-Request-Timeout` the client sent)"),
 }
 API_ERRORS = {code: STATUSES[code] for code in (401, 500, 503)}
 DRIFT_ERRORS = {code: STATUSES[code] for code in (401, 422, 500, 503)}  # 422: ?adapter= names none served
 PREDICT_ERRORS = {code: STATUSES[code] for code in (400, 401, 408, 413, 415, 422, 500, 503, 504)}
+FEEDBACK_ERRORS = {code: STATUSES[code] for code in (400, 401, 404, 408, 409, 410, 413, 415, 422, 500, 503)}
+GUARANTEES_ERRORS = {code: STATUSES[code] for code in (401, 404, 422, 500, 503)}  # 422: ?adapter= names none
 
 TIMEOUT_HEADER = {
     "name": "X-Request-Timeout",
@@ -69,9 +77,10 @@ def install(app: FastAPI, state: ServiceState) -> None:
     def openapi() -> dict:
         schema = copy.deepcopy(shapes())
         write_limits(schema["components"]["schemas"], state)
-        if state.runtimes:  # GET /v1/drift?adapter= takes the served adapters' names
-            (param,) = [p for p in schema["paths"]["/v1/drift"]["get"]["parameters"] if p["name"] == "adapter"]
-            _not_null(param["schema"])["enum"] = list(state.runtimes)
+        if state.runtimes:  # GET /v1/drift?adapter= and /v1/guarantees?adapter= take the served adapters' names
+            for path in ("/v1/drift", "/v1/guarantees"):
+                (param,) = [p for p in schema["paths"][path]["get"]["parameters"] if p["name"] == "adapter"]
+                _not_null(param["schema"])["enum"] = list(state.runtimes)
         return schema
 
     app.openapi = openapi
@@ -101,6 +110,7 @@ def write_limits(schemas: dict, state: ServiceState) -> None:
     context = request["context"]["anyOf"]
     next(branch for branch in context if branch.get("type") == "string")["maxLength"] = s.max_context_chars
     schemas["BatchRequest"]["properties"]["items"]["maxItems"] = s.max_batch_items
+    schemas["FeedbackBatchRequest"]["properties"]["items"]["maxItems"] = s.max_batch_items
 
     if not runtimes:
         return  # the adapters are not loaded: their names and stored prediction sets are not known yet

@@ -19,12 +19,16 @@ log = logging.getLogger("ibedl.serve")
 STATUS = {
     "invalid_request": 422,
     "too_large": 413,
-    "model_error": 503,
+    "model_error": 500,  # the model ran: not a refusal (a 503 always is one, and the gateway retries those)
     "not_ready": 503,
     "overloaded": 503,
     "shutting_down": 503,
     "timeout": 504,
     "client_closed_request": 499,
+    "feedback_disabled": 404,
+    "invalid_receipt": 422,
+    "receipt_expired": 410,
+    "adapter_not_served": 409,
 }
 
 

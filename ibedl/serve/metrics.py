@@ -64,6 +64,22 @@ class Metrics:
                                      ["adapter"], registry=r)
         self.target_accuracy = Gauge("ibedl_target_accuracy", "accuracy the adapter's abstention guarantees",
                                      ["adapter"], registry=r)
+        self.feedback_labels = Counter("ibedl_feedback_labels", "labels this replica received, by outcome: recorded "
+                                       "(counted; the shared store keeps each receipt once) or duplicate",
+                                       ["adapter", "status"], registry=r)
+        # The realised guarantees, read from the feedback store: with a shared store (IBEDL_FEEDBACK_DB) every
+        # replica reports the same totals and bounds, so aggregate across replicas with max/min, never sum.
+        g = ["adapter", "version", "guarantee", "stated"]
+        self.guarantee_labels = Gauge("ibedl_guarantee_labels", "labelled questions a realised guarantee counts "
+                                      "(feedback store)", g, registry=r)
+        self.guarantee_hits = Gauge("ibedl_guarantee_hits", "of them: right answers, covering sets or answered "
+                                    "questions", g, registry=r)
+        self.guarantee_lower = Gauge("ibedl_guarantee_lower", "lower end of the guarantee's confidence sequence",
+                                     g, registry=r)
+        self.guarantee_upper = Gauge("ibedl_guarantee_upper", "upper end of the guarantee's confidence sequence "
+                                     "(valid under continuous monitoring)", g, registry=r)
+        self.guarantee_stated = Gauge("ibedl_guarantee_stated", "the level the guarantee states (NaN: none)", g,
+                                      registry=r)
         self.ready = Gauge("ibedl_ready", "1 when the model is loaded and the service accepts requests", registry=r)
         self.model_info = Info("ibedl_model", "a served adapter", ["adapter"], registry=r)
 
@@ -90,3 +106,14 @@ class Metrics:
         self.accuracy_window.labels(adapter=adapter).set(status["answered_in_window"])
         self.target_accuracy.labels(adapter=adapter).set(
             status["target_accuracy"] if status["target_accuracy"] is not None else nan)
+
+    def set_guarantees(self, guarantees: list[dict]) -> None:
+        """The gauges of every realised guarantee (``ibedl.engine.feedback.Feedback.guarantees``)."""
+        for g in guarantees:
+            labels = {"adapter": g["adapter"], "version": g["version"], "guarantee": g["guarantee"],
+                      "stated": "" if g["stated"] is None else f"{g['stated']:g}"}
+            self.guarantee_labels.labels(**labels).set(g["labels"])
+            self.guarantee_hits.labels(**labels).set(g["hits"])
+            self.guarantee_lower.labels(**labels).set(g["lower"])
+            self.guarantee_upper.labels(**labels).set(g["upper"])
+            self.guarantee_stated.labels(**labels).set(float("nan") if g["stated"] is None else g["stated"])

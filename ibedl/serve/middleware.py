@@ -1,8 +1,10 @@
-"""One ASGI middleware in front of the routes, in the order a request meets them: request id and arrival
-time, admission (decided once, on arrival), the bearer token of the API routes (401 before the body is read),
-content type (415), body size (413) and body-read time (408) checks, and request count/latency metrics
-(probe and metrics paths stay out of them; label values are bounded), and the access log line; the request id
-is on every log record written while the request is served (``ibedl.serve.logs``)."""
+"""One ASGI middleware in front of the routes, in the order a request meets them: request id (the client's when it
+is a sane token, as the gateway keeps it, else a new one) and arrival time, admission (decided once, on arrival),
+the bearer token (401 before the body is read: every route but the health probes and the docs' static assets
+takes IBEDL_API_TOKEN when one is set, so a new route is protected without being listed; /metrics takes
+IBEDL_METRICS_TOKEN), content type (415), body size (413) and body-read time (408) checks, and request
+count/latency metrics (probe and metrics paths stay out of them; label values are bounded), and the access log
+line; the request id is on every log record written while the request is served (``ibedl.serve.logs``)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 import secrets
 import time
 import uuid
@@ -20,12 +23,21 @@ from ibedl.serve import logs
 from ibedl.serve.errors import error_body
 
 UNMEASURED = ("/health/", "/metrics")
-PROTECTED = ("/predict", "/v1/")
-PREDICT_PATHS = ("/predict", "/predict/batch")  # the API routes: a bearer token is required when one is configured
+PUBLIC = ("/health/", "/docs/assets/")  # open whatever the tokens: probes, and the docs pages' scripts and styles
+METRICS_PATH = "/metrics"
+PREDICT_PATHS = ("/predict", "/predict/batch")  # admission (503 before the body is read) applies to these
 BODY_METHODS = ("POST", "PUT", "PATCH")
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})  # others count as "other"
+# An X-Request-ID the service keeps: what deploy/nginx/nginx.conf keeps (tests/deploy checks the two agree);
+# anything else (too long, spaces, control characters) is replaced by a new id.
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
 log = logging.getLogger("ibedl.serve")
 CLIENT_GONE = object()  # what _read_body returns when the client disconnected
+
+
+def choose_request_id(given: str | None) -> str:
+    """The request's id: ``given`` (the X-Request-ID header) when it is a sane token, else a new 32-hex id."""
+    return given if given is not None and REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
 
 
 def token_ok(expected: str | None, authorization: str) -> bool:
@@ -34,6 +46,15 @@ def token_ok(expected: str | None, authorization: str) -> bool:
         return True
     scheme, _, given = authorization.partition(" ")
     return scheme.lower() == "bearer" and secrets.compare_digest(given.strip().encode(), expected.encode())
+
+
+def required_token(settings, path: str) -> str | None:
+    """The bearer token ``path`` requires under ``settings`` (None: open)."""
+    if path.startswith(PUBLIC):
+        return None
+    if path == METRICS_PATH:
+        return settings.metrics_secret()
+    return settings.api_token.get_secret_value() if settings.api_token else None
 
 
 class RequestGuard:
@@ -52,10 +73,10 @@ class RequestGuard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        request_id = headers.get("x-request-id") or uuid.uuid4().hex
+        request_id = choose_request_id(headers.get("x-request-id"))
         scope.setdefault("state", {})["request_id"] = request_id
         id_token = logs.request_id_var.set(request_id)
-        scope["state"]["arrived"] = time.monotonic()  # deadlines count from here
+        scope["state"]["arrived"] = self.state.admission.clock()  # deadlines count from here
         # Admission is decided here, once: a request that arrives before a shutdown begins is answered even if
         # SIGTERM lands before its route runs; one that arrives after it is refused (503) by the route.
         scope["state"]["admitted"] = self.state.accepting()
@@ -77,9 +98,7 @@ class RequestGuard:
         if measured:
             metrics.inflight.inc()
         try:
-            token = self.state.settings.api_token
-            if path.startswith(PROTECTED) and not token_ok(token.get_secret_value() if token else None,
-                                                          headers.get("authorization", "")):
+            if not token_ok(required_token(self.state.settings, path), headers.get("authorization", "")):
                 status_holder["status"] = 401
                 return await self._reply(send, 401, "unauthorized", "a valid 'Authorization: Bearer <token>' header "
                                          "is required", request_id, [(b"www-authenticate", b"Bearer")])

@@ -1,23 +1,37 @@
-"""The HTTP routes: health, predict (one question or a batch), model metadata, drift and Prometheus metrics.
+"""The HTTP routes: health, predict (one question or a batch), feedback (labels sent back with an answer's receipt)
+and the realised guarantees, model metadata, drift and Prometheus metrics.
 Each gets the app's ServiceState through ``State``; RequestGuard (ibedl/serve/middleware.py) has checked the
-bearer token of the API routes, the content type, body size and admission before a route runs."""
+bearer token (every route but the health probes; a new route too, without being listed), the content type, body
+size and admission before a route runs."""
 
 from __future__ import annotations
 
 import asyncio
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ibedl.engine.errors import InvalidRequest, TooLarge
-from ibedl.serve.contract import API_ERRORS, DRIFT_ERRORS, PREDICT_ERRORS, PREDICT_EXTRA
+from ibedl.serve.contract import (
+    API_ERRORS,
+    DRIFT_ERRORS,
+    FEEDBACK_ERRORS,
+    GUARANTEES_ERRORS,
+    PREDICT_ERRORS,
+    PREDICT_EXTRA,
+)
 from ibedl.engine.requests import to_question
 from ibedl.engine.responses import model_card
 from ibedl.engine.schemas import (
+    ADAPTER_NAME_CHARS,
     BatchRequest,
     BatchResponse,
     DriftStatus,
+    FeedbackBatchRequest,
+    FeedbackRequest,
+    FeedbackResponse,
+    GuaranteesResponse,
     Health,
     ModelList,
     PredictRequest,
@@ -46,7 +60,7 @@ async def predict(body: PredictRequest, request: Request, state: State) -> Predi
     state.require_ready(request)
     runtime = state.runtime(body.adapter)
     request.state.adapter = runtime.name  # for the access log line
-    q, tokens = to_question(runtime, state.engine, body)
+    q, tokens = await state.off_loop(to_question, runtime, state.engine, body)  # counts tokens: off the event loop
     (pred,) = await state.answer(runtime, [q], [tokens], request)
     return state.respond(runtime, body, q, pred, request.state.request_id)
 
@@ -64,7 +78,8 @@ async def predict_batch(body: BatchRequest, request: Request, state: State) -> B
                              f"{sorted({rt.name for rt in runtimes})}; send one batch per adapter", "items")
     runtime = runtimes[0]
     request.state.adapter = runtime.name
-    checked = [to_question(runtime, state.engine, item, f"items.{i}.") for i, item in enumerate(body.items)]
+    checked = await state.off_loop(
+        lambda: [to_question(runtime, state.engine, item, f"items.{i}.") for i, item in enumerate(body.items)])
     questions, tokens = [q for q, _ in checked], [n for _, n in checked]
     budget = state.settings.max_request_tokens
     if sum(tokens) > budget:
@@ -83,10 +98,35 @@ async def models(request: Request, state: State) -> dict:
 
 
 @router.get("/v1/drift", response_model=DriftStatus, responses=DRIFT_ERRORS, tags=["metadata"])
-async def drift(request: Request, state: State, adapter: str | None = None) -> DriftStatus:
+async def drift(request: Request, state: State,
+                adapter: str | None = Query(None, max_length=ADAPTER_NAME_CHARS)) -> DriftStatus:
     """The drift status of one adapter (``?adapter=NAME``; default the first)."""
     state.require_ready(request)
     return state.drift_status(state.runtime(adapter))
+
+
+@router.post("/v1/feedback", response_model=FeedbackResponse, responses=FEEDBACK_ERRORS, tags=["feedback"])
+async def feedback(body: FeedbackRequest, request: Request, state: State) -> FeedbackResponse:
+    """Record the right option of one answered question, with the receipt its answer carried. Any replica may
+    receive it; a receipt counts once."""
+    state.require_ready(request)
+    return await state.record_feedback([body], "")
+
+
+@router.post("/v1/feedback/batch", response_model=FeedbackResponse, responses=FEEDBACK_ERRORS, tags=["feedback"])
+async def feedback_batch(body: FeedbackBatchRequest, request: Request, state: State) -> FeedbackResponse:
+    """Record several labels at once: all or none (one bad item refuses the request and records nothing)."""
+    state.require_ready(request)
+    if len(body.items) > state.settings.max_batch_items:
+        raise TooLarge(f"{len(body.items)} items; the limit is {state.settings.max_batch_items}", "items")
+    return await state.record_feedback(body.items, "items.")
+
+
+@router.get("/v1/guarantees", response_model=GuaranteesResponse, responses=GUARANTEES_ERRORS, tags=["feedback"])
+async def guarantees(request: Request, state: State, adapter: str | None = None) -> GuaranteesResponse:
+    """The realised guarantees of every adapter version with labels (``?adapter=NAME``: of that adapter only)."""
+    state.require_ready(request)
+    return await state.guarantees(None if adapter is None else state.runtime(adapter).name)
 
 
 @router.get("/metrics", tags=["metadata"], include_in_schema=False)
@@ -94,4 +134,6 @@ async def metrics(state: State) -> Response:
     for name, rt in state.runtimes.items():
         state.metrics.set_drift(name, await asyncio.to_thread(rt.drift.status))
         state.metrics.set_accuracy(name, rt.accuracy.status())
+    if state.feedback.enabled and state.runtimes:
+        await state.guarantees()  # sets the ibedl_guarantee_* gauges
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

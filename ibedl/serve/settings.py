@@ -3,10 +3,15 @@
 
 from __future__ import annotations
 
+import ipaddress
+
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from ibedl.engine.settings import EngineSettings
+
+
+SECRET_SETTINGS = ("api_token", "metrics_token")  # never shown: not in logs, not in error messages
 
 
 class Settings(EngineSettings):
@@ -17,7 +22,17 @@ class Settings(EngineSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
-    api_token: SecretStr | None = Field(None, description="require 'Authorization: Bearer <token>' on the API routes")
+    api_token: SecretStr | None = Field(None, description="require 'Authorization: Bearer <token>' on every route "
+                                        "but the health probes and the docs' static assets (surrounding whitespace "
+                                        "is dropped; empty is unset)")
+    metrics_token: SecretStr | None = Field(None, description="require 'Authorization: Bearer <token>' on /metrics "
+                                            "(Prometheus' credential); unset: /metrics takes IBEDL_API_TOKEN")
+    allow_anonymous: bool = Field(False, description="serve a non-loopback IBEDL_HOST without IBEDL_API_TOKEN "
+                                  "(anyone who reaches the port may use the API; logged at start)")
+    max_connections: int = Field(256, ge=1, description="open connections (and requests in progress) at most; a "
+                                 "request over it gets 503 at once (uvicorn's limit_concurrency)")
+    header_timeout_s: float = Field(10.0, gt=0, description="time for a connection to send a request's headers "
+                                    "(the first, and the next on a kept-alive connection); else it is closed")
     log_level: str = "info"
     log_format: str = Field("text", description="json: one JSON object per log line (the container images set "
                             "it); text: human-readable lines")
@@ -46,6 +61,38 @@ class Settings(EngineSettings):
     def engine(self) -> EngineSettings:
         """The engine's settings among these (the same values; validated when these were)."""
         return EngineSettings.model_construct(**{name: getattr(self, name) for name in EngineSettings.model_fields})
+
+    @field_validator(*SECRET_SETTINGS, mode="before")
+    @classmethod
+    def _token(cls, v):
+        """Surrounding whitespace dropped (a Secret file's trailing newline would lock every client out); an empty
+        token is no token; one a client cannot send in a header (spaces, non-ASCII) is refused."""
+        if isinstance(v, SecretStr):
+            v = v.get_secret_value()
+        if v is None:
+            return None
+        v = str(v).strip()
+        if not v:
+            return None
+        bad = sorted({c for c in v if not "!" <= c <= "~"})
+        if bad:
+            raise ValueError(f"a token holds only visible ASCII characters (no spaces); this one has {len(bad)} "
+                             "other character(s)")  # never the token itself
+        return v
+
+    def exposed(self) -> bool:
+        """Whether ``host`` is reachable from other machines (any address but a loopback one)."""
+        if self.host == "localhost":
+            return False
+        try:
+            return not ipaddress.ip_address(self.host.strip("[]")).is_loopback
+        except ValueError:
+            return True  # a host name other than localhost: assume it is reachable
+
+    def metrics_secret(self) -> str | None:
+        """The token /metrics requires: IBEDL_METRICS_TOKEN, else IBEDL_API_TOKEN, else none."""
+        token = self.metrics_token or self.api_token
+        return token.get_secret_value() if token else None
 
     @field_validator("log_format")
     @classmethod

@@ -9,8 +9,8 @@ import contextlib
 import dataclasses
 import logging
 import math
-import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Callable
 
 from fastapi import Depends, Request
@@ -19,9 +19,20 @@ from ibedl.core.predictor import Prediction, Predictor, count_prompt_tokens
 from ibedl.core.prompt import MCQuestion
 from ibedl.engine import errors
 from ibedl.engine.drift import AccuracyEstimate, DriftMonitor
+from ibedl.engine.feedback import Feedback, served_versions
 from ibedl.engine.responses import build_answer
-from ibedl.engine.runtime import AdapterRuntime, find_adapter, finite_prediction, load_predictors, make_runtimes
-from ibedl.engine.schemas import DriftStatus, Health, PredictRequest, PredictResponse
+from ibedl.engine.runtime import (AdapterRuntime, UncalibratedBackend, find_adapter, finite_prediction, load_predictors,
+                                  make_runtimes)
+from ibedl.engine.schemas import (
+    DriftStatus,
+    FeedbackRequest,
+    FeedbackResponse,
+    GuaranteesResponse,
+    Health,
+    PredictRequest,
+    PredictResponse,
+)
+from ibedl.serve.admission import TIMEOUT_HEADER, Admission, InvalidTimeout
 from ibedl.serve.batcher import DeadlineExceeded, MicroBatcher, Overloaded, QueueFullError, ShuttingDown, TooLarge
 from ibedl.serve.capacity import ServiceTime
 from ibedl.serve.metrics import Metrics
@@ -31,7 +42,6 @@ log = logging.getLogger("ibedl.serve")
 
 # A loader gives the predictors of the served adapters (the default first); one predictor for one adapter.
 Loader = Callable[[Settings], "list[Predictor] | Predictor"]
-TIMEOUT_HEADER = "X-Request-Timeout"
 
 
 def load_predictor(settings: Settings) -> Predictor:
@@ -50,12 +60,23 @@ class ServiceState:
         self.engine = settings.engine()  # what the engine's functions get: the engine's settings alone
         self.loader = loader
         self.metrics = Metrics()
+        self.admission = Admission(settings.request_timeout_s, settings.admission_margin)
+        self.feedback = Feedback(self.engine)  # receipts out, labels in (shared store: IBEDL_FEEDBACK_DB)
         self.status = "loading"
         self.reason: str | None = "the model is loading"
         self.runtimes: dict[str, AdapterRuntime] = {}  # by adapter name, the default first
         self.batcher: MicroBatcher | None = None
         self.server = None  # uvicorn.Server when run by ibedl.serve.__main__, to notice SIGTERM
         self._watcher: asyncio.Task | None = None
+        self._checker: ThreadPoolExecutor | None = None
+
+    async def off_loop(self, fn: Callable, *args):
+        """``fn(*args)`` on the request-checking thread; its exception is raised here. Tokenizing a prompt takes
+        milliseconds of CPU, too long for the event loop; one thread, so the adapters' counting tokenizers are never
+        used by two threads at once."""
+        if self._checker is None:
+            self._checker = ThreadPoolExecutor(1, thread_name_prefix="ibedl-check")
+        return await asyncio.get_running_loop().run_in_executor(self._checker, fn, *args)
 
     @property
     def default(self) -> AdapterRuntime | None:
@@ -83,9 +104,14 @@ class ServiceState:
                 rt.accuracy = AccuracyEstimate(self.settings.drift_window, float(target) if target else None)
             # one trunk: one estimate of seconds per token for every adapter (the heads' cost is negligible)
             service_time = await asyncio.to_thread(warm_up, [rt.predictor for rt in runtimes.values()])
+            await asyncio.to_thread(self.feedback.bind, runtimes)
         except Exception as e:  # a broken artifact must not kill the process: readiness reports it
-            log.exception("loading the adapter failed")  # the log keeps the server's paths; clients do not see them
-            self.status, self.reason = "failed", redact_paths(f"{type(e).__name__}: {e}")
+            # The log has the exception's text and traceback (paths, hashes, settings); clients get its type alone.
+            log.exception("loading the adapter failed")
+            self.status, self.reason = "failed", f"the adapter failed to load ({type(e).__name__}); the service log " \
+                "has the reason (the line 'loading the adapter failed')"
+            if isinstance(e, UncalibratedBackend):  # names backends and calibrations only: what the operator must do
+                self.reason = f"the adapter failed to load: {e}"
             return
         self.runtimes = runtimes
         # one callable per adapter: the batcher keeps each pass to one of them (passes never mix adapters)
@@ -99,7 +125,7 @@ class ServiceState:
             on_depth=self.metrics.queue_depth.set,
             max_batch_tokens=self.settings.max_batch_tokens,
             service_time=service_time,
-            margin=self.settings.admission_margin,
+            admission=self.admission,
         )
         self.batcher.start()
         self.metrics.seconds_per_token.set(service_time.per_token_s)
@@ -138,6 +164,9 @@ class ServiceState:
             self._watcher.cancel()
         if self.batcher is not None:
             await self.batcher.stop()
+        if self._checker is not None:
+            self._checker.shutdown(wait=False, cancel_futures=True)
+            self._checker = None
 
     def health(self) -> tuple[int, Health]:
         if self.status == "ready" and self.server is not None and getattr(self.server, "should_exit", False):
@@ -151,23 +180,12 @@ class ServiceState:
         return self.health()[0] == 200
 
     def busy_for(self, timeout_header: str | None, arrived: float) -> float | None:
-        """Seconds to wait before retrying when not even the smallest request could be answered before a deadline
-        (given by the header, or the server's) counted from ``arrived``; None when one could. The bound needs no
-        body, so RequestGuard refuses with it before parsing and tokenizing: refusals stay cheap under overload."""
+        """Seconds to wait before retrying when not even the smallest request could be answered before this one's
+        deadline (:meth:`ibedl.serve.admission.Admission.busy_for`); None when one could, or before the model is
+        ready (the route answers then)."""
         if self.batcher is None or self.status != "ready":
             return None
-        limit = self.settings.request_timeout_s
-        if timeout_header is not None:
-            try:
-                given = float(timeout_header)
-            except ValueError:
-                return None  # the route answers 422
-            if not (given > 0 and math.isfinite(given)):
-                return None  # likewise
-            limit = min(limit, given)
-        left = arrived + limit - time.monotonic()
-        lower = self.batcher.margin * self.batcher.expected_wait([0])  # one question of no tokens: a lower bound
-        return lower - left if lower > left else None
+        return self.admission.busy_for(arrived, timeout_header, self.batcher.expected_wait([0]))
 
     def require_ready(self, request: Request) -> None:
         """Refuse (503 not_ready + Retry-After) unless the model can answer this request. Admission is decided
@@ -206,21 +224,14 @@ class ServiceState:
         return error
 
     def deadline(self, request: Request) -> float:
-        """``time.monotonic()`` by which ``request`` must be answered: from its arrival, the server's
-        request timeout or the shorter ``X-Request-Timeout`` (seconds) the client sent."""
-        limit = self.settings.request_timeout_s
-        given = request.headers.get(TIMEOUT_HEADER)
-        if given is not None:
-            try:
-                seconds = float(given)
-            except ValueError:
-                seconds = float("nan")
-            if not (seconds > 0 and math.isfinite(seconds)):
-                raise errors.InvalidRequest(f"{TIMEOUT_HEADER} must be a positive number of seconds, "
-                                            f"got {given[:40]!r}", TIMEOUT_HEADER)
-            limit = min(limit, seconds)
-        arrived = request.scope.get("state", {}).get("arrived", time.monotonic())
-        return arrived + limit
+        """The admission clock's time by which ``request`` must be answered: from its arrival, the server's request
+        timeout or the shorter ``X-Request-Timeout`` (seconds) the client sent (422 when that is not one)."""
+        arrived = request.scope.get("state", {}).get("arrived")
+        try:
+            return self.admission.deadline(self.admission.clock() if arrived is None else arrived,
+                                           request.headers.get(TIMEOUT_HEADER))
+        except InvalidTimeout as e:
+            raise errors.InvalidRequest(str(e), TIMEOUT_HEADER) from None
 
     async def answer(self, runtime: AdapterRuntime, questions: list[MCQuestion], tokens: list[int],
                      request: Request) -> list[Prediction]:
@@ -228,7 +239,7 @@ class ServiceState:
 
         Refused at once with 503 + Retry-After when they cannot be answered before the request's deadline
         (or the service is draining), 504 at once when a client's shorter deadline cannot be met even on an
-        idle model; a client that goes away takes its queued questions with it; 503 model_error when the
+        idle model; a client that goes away takes its queued questions with it; 500 model_error when the
         model's numbers are not finite.
         """
         assert self.batcher is not None
@@ -249,7 +260,7 @@ class ServiceState:
         everything = asyncio.gather(*futures)
         gone = asyncio.ensure_future(_disconnected(request))
         try:
-            done, _ = await asyncio.wait({everything, gone}, timeout=max(0.0, deadline - time.monotonic()),
+            done, _ = await asyncio.wait({everything, gone}, timeout=max(0.0, deadline - self.admission.clock()),
                                          return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
@@ -288,7 +299,7 @@ class ServiceState:
                 answer_id: str) -> PredictResponse:
         """The answer (built by :func:`ibedl.engine.responses.build_answer`, as the Python API builds it), recorded
         in the adapter's metrics, drift window and accuracy estimate."""
-        answer = build_answer(runtime, req, q, pred, answer_id)
+        answer = build_answer(runtime, req, q, pred, answer_id, self.feedback)
         m, name = self.metrics, runtime.name
         m.answers.labels(adapter=name).inc()
         m.confidence.labels(adapter=name).observe(pred.confidence)
@@ -301,6 +312,21 @@ class ServiceState:
             runtime.accuracy.add([pred.confidence])
         runtime.drift.add([pred.uncertainty if runtime.drift.statistic == "uncertainty_mass" else pred.confidence])
         return answer
+
+    async def record_feedback(self, items: list[FeedbackRequest], prefix: str) -> FeedbackResponse:
+        """Record labels (``ibedl.engine.feedback.Feedback.record``; all or none), counted by adapter and outcome."""
+        results = await asyncio.to_thread(self.feedback.record, served_versions(self.runtimes),
+                                          [(item.receipt, item.label) for item in items], prefix)
+        for r in results:
+            self.metrics.feedback_labels.labels(adapter=r["adapter"], status=r["status"]).inc()
+        recorded = sum(r["status"] == "recorded" for r in results)
+        return FeedbackResponse(recorded=recorded, duplicates=len(results) - recorded, results=results)
+
+    async def guarantees(self, adapter: str | None = None) -> GuaranteesResponse:
+        """The realised guarantees from the feedback store, also set on their gauges; 404 when feedback is off."""
+        found = await asyncio.to_thread(self.feedback.guarantees, served_versions(self.runtimes), adapter)
+        self.metrics.set_guarantees(found)
+        return GuaranteesResponse(alpha=self.feedback.alpha, shared_store=self.feedback.shared, guarantees=found)
 
     def drift_status(self, runtime: AdapterRuntime) -> DriftStatus:
         """The adapter's drift monitor's and accuracy estimate's status, also set on their gauges."""
@@ -330,14 +356,6 @@ def warm_up(predictors: list[Predictor]) -> ServiceTime:
     start = time.perf_counter()
     first.predict([probe(first)])
     return ServiceTime((time.perf_counter() - start) / tokens)
-
-
-_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[/\\][^\s/\\'\"():,]+)+[/\\]([^\s/\\'\"():,]+)")
-
-
-def redact_paths(message: str) -> str:
-    """``message`` with every file path cut to its last part: clients learn which file, not where it lives."""
-    return _PATH.sub(r"\1", message)
 
 
 def _cancel(futures: list[asyncio.Future]) -> None:

@@ -21,6 +21,12 @@ per backend and precision (``calibrated_on`` at the top level, the others in ``b
 serves the one matching its backend. Recalibrating the top-level one writes a new ``version`` (the answers it
 serves change); adding or replacing another backend's leaves the version and every other calibration as they were.
 
+``--dataset feedback --path FEEDBACK_DB`` calibrates on production traffic: the labels sent back to the service
+(``POST /v1/feedback``) for this adapter version, with the outputs its receipts carried, so the model does not run
+again. Those outputs are what the service answered, after the served post-hoc parameter, so that parameter is kept
+(no post-hoc refit) and the gate, the risk-controlled threshold, the prediction sets and the drift reference are
+chosen on the labelled traffic.
+
 Without ``--output`` the artifact is updated in place; with it, a new artifact directory is written whose
 adapter and head weights are hard links to (or, across file systems, copies of) the original's.
 """
@@ -43,7 +49,7 @@ import numpy as np
 import torch
 
 from ibedl.core.artifact import Abstention, Conformal, Manifest, check_artifact, write_manifest
-from ibedl.core.backends import BACKENDS
+from ibedl.core.backends import BACKENDS, calibration_key
 from ibedl.core.conformal import SCORES, alpha_key, calibrate_quantiles, prediction_set
 from ibedl.core.model_card import write_card
 from ibedl.core.prompt import MCQuestion
@@ -389,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
                                      epilog="Run it on data like the traffic you serve: the guarantees hold for "
                                      "questions exchangeable with the calibration sample.")
     parser.add_argument("--artifact", required=True, help="adapter directory (with manifest.json)")
-    parser.add_argument("--dataset", required=True, help=f"labelled data: one of {sorted(DATASETS)}")
+    parser.add_argument("--dataset", required=True, help=f"labelled data: one of {sorted(DATASETS)}, or feedback "
+                        "(the labels sent back to the service: --path is its IBEDL_FEEDBACK_DB)")
     parser.add_argument("--split", default="validation", help="split to calibrate on (default validation)")
     parser.add_argument("--path", help="file for --dataset jsonl")
     parser.add_argument("--limit", type=int, help="a seeded random subset of this size")
@@ -423,7 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=[b for b in BACKENDS if b != "auto"],
                         help="inference backend to calibrate on (default torch); the calibration is recorded for that "
                         "backend and precision, beside the others the artifact carries. With --outputs: the backend "
-                        "that file's outputs were computed on (checked)")
+                        "that file's outputs were computed on (checked); with --dataset feedback: the backend that "
+                        "served them (default: the artifact's top-level calibration's)")
     parser.add_argument("--device", help="cpu or cuda (default: CUDA when present)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                         help="model dtype (default: float32 on CPU, bfloat16 on CUDA)")
@@ -448,7 +456,17 @@ def main(argv: list[str] | None = None) -> int:
         if not manifest.files:
             raise ArtifactError(f"{source} was written by an older version (no weight checksums in its manifest): "
                                 f"run python -m ibedl.core.migrate {source} first, then calibrate it")
-        if args.outputs:
+        if args.dataset == "feedback":
+            if args.outputs or args.limit or args.evaluate_split:
+                raise ValueError("--dataset feedback reads the outputs its receipts carried: it takes neither "
+                                 "--outputs, --limit nor --evaluate-split")
+            if not args.path:
+                raise ValueError("--dataset feedback needs --path: the service's feedback store (IBEDL_FEEDBACK_DB)")
+            kind, raw, labels = feedback_outputs(args.path, manifest)
+            config.posthoc = False  # the outputs are the served ones: the served post-hoc parameter stays
+            # the backend that served them: --backend, else the arithmetic of the manifest's top-level calibration
+            key = calibration_key(args.backend) if args.backend not in (None, "torch") else manifest.calibrated_on
+        elif args.outputs:
             kind, raw, labels = read_outputs(args.outputs, stream, source, manifest)
             key = outputs_key(args.outputs, args.backend)
         else:
@@ -460,6 +478,8 @@ def main(argv: list[str] | None = None) -> int:
         save_outputs(args.save_outputs, source, manifest, {stream: {"labels": labels, **raw}}, kind, raw["offset"],
                      args.max_tokens, extra={"calibration_key": key})
     head_update, _, sections = calibrate_outputs(kind, raw, labels, config)
+    if args.dataset == "feedback":
+        head_update = {}  # decided on the served outputs: the served post-hoc parameter (zeta, temperature) stays
     evaluated = None
     if args.evaluate_split:
         eval_args = argparse.Namespace(**{**vars(args), "split": args.evaluate_split, "limit": None})
@@ -518,8 +538,6 @@ def outputs_key(path, backend: str | None) -> str:
     """The backend and precision the raw outputs in ``path`` were computed on: as recorded (``calibration_key``),
     else torch in the precision of the devices its streams name (files written before backends were recorded).
     ValueError when ``backend`` (the --backend given) is another one."""
-    from ibedl.core.backends import calibration_key
-
     data = json.loads(Path(path).read_text())
     key = data.get("calibration_key")
     if key is None:
@@ -586,6 +604,32 @@ def save_outputs(path, directory: Path, manifest: Manifest, streams: dict, kind:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, separators=(",", ":")) + "\n")
     return path
+
+
+def feedback_outputs(path, manifest: Manifest, minimum: int = 20) -> tuple[str, dict, list[int]]:
+    """(kind, raw, labels) of the labelled answers of ``manifest``'s adapter version in a feedback store (the
+    service's ``IBEDL_FEEDBACK_DB``): the outputs the receipts carried, as served (post-hoc parameter applied)."""
+    from ibedl.engine.feedback import FeedbackStore
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"no feedback store at {path} (the service's IBEDL_FEEDBACK_DB)")
+    store = FeedbackStore(Path(path))
+    try:
+        rows = store.labelled(manifest.name, str(manifest.version))
+    finally:
+        store.close()
+    if len(rows) < minimum:
+        raise ValueError(f"{path} holds {len(rows)} labels of adapter {manifest.name!r} version {manifest.version}; "
+                         f"calibrating needs at least {minimum} (the more, the tighter the guarantees)")
+    probs = [json.loads(r["probs"]) for r in rows]
+    alphas = [None if r["alpha"] is None else json.loads(r["alpha"]) for r in rows]
+    raw = {"probs": probs, "offset": manifest.head_config().offset, "sigma": None}
+    if all(a is not None for a in alphas):
+        raw["alpha"] = alphas
+        kind = "evidential"  # a Dirichlet whose post-hoc shift is already applied
+    else:
+        kind = "softmax"
+    return kind, raw, [int(r["label"]) for r in rows]
 
 
 def read_outputs(path, stream: str, directory: Path, manifest: Manifest) -> tuple[str, dict, list[int]]:

@@ -207,6 +207,9 @@ class TrainConfig(_Model):
         if self.train_layers is not None and self.fsdp:
             raise ValueError("train_layers runs the top layers on cached states, which fsdp cannot shard; use one or "
                              "the other")
+        from ibedl.training.methods import get_method  # here: the method registry imports this module
+
+        get_method(self.method).params(self.method_params)  # refused now, naming the key, not when training starts
         if self.name is None:
             self.name = Path(self.output).name
         return self
@@ -241,15 +244,21 @@ def _bounds(model: type[BaseModel], name: str) -> str | None:
     return None
 
 
-def describe(error: ValidationError) -> str:
-    """A pydantic ValidationError as one line per bad key, naming the key (``optim.lr``) and the value given:
-    ``optim.lr must be > 0, got -1``. The validators' own messages (they name key and value) are kept as they are."""
+_NUMBER_ERRORS = {"finite_number", "float_type", "float_parsing", "int_type", "int_parsing", "int_from_float",
+                  "greater_than", "greater_than_equal", "less_than", "less_than_equal"}
+
+
+def describe(error: ValidationError, model: type[BaseModel] | None = None, prefix: str = "") -> str:
+    """A pydantic ValidationError as one line per bad key, naming the key (``optim.lr``, with ``prefix`` before it)
+    and the value given: ``optim.lr must be > 0, got -1``. ``model``: the model that raised it (default: found by
+    the error's title among this module's). The validators' own messages (they name key and value) are kept."""
     lines, seen = [], set()
-    model = {"TrainConfig": TrainConfig, **{m.__name__: m for m in (*_NESTED.values(), DataPart)}}.get(error.title)
+    if model is None:
+        model = {"TrainConfig": TrainConfig, **{m.__name__: m for m in (*_NESTED.values(), DataPart)}}.get(error.title)
     errors = error.errors()
     for e in errors:
         loc = [p for p in e["loc"] if not _is_tag(p)]  # field names and list indices
-        key = ".".join(str(p) for p in loc)
+        key = prefix + ".".join(str(p) for p in loc)
         if key in seen:
             continue  # a union's alternatives each report the same bad value
         seen.add(key)
@@ -258,10 +267,15 @@ def describe(error: ValidationError) -> str:
             continue
         names = [p for p in loc if isinstance(p, str)]
         owner = _owner(model, names)
-        bounds = _bounds(owner, names[-1]) if owner is not None and names and names[-1] in owner.model_fields else None
+        field = owner.model_fields.get(names[-1]) if owner is not None and names else None
+        bounds = _bounds(owner, names[-1]) if field is not None else None
         types = {x["type"] for x in errors if [p for p in x["loc"] if not _is_tag(p)] == loc}
+        kind = _number_kind(field)
         if e["type"] == "extra_forbidden":
             lines.append(f"unknown config keys [{key!r}]")
+        elif kind and types <= _NUMBER_ERRORS:  # a number field: one message for its type, nan and bounds
+            null = " (or null)" if field.default is None and not field.is_required() else ""
+            lines.append(f"{key} must be {kind}{' ' + bounds if bounds else ''}{null}, got {e['input']!r}")
         elif e["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal") and bounds:
             lines.append(f"{key} must be {bounds}, got {e['input']!r}")
         elif e["type"] == "literal_error":
@@ -273,6 +287,23 @@ def describe(error: ValidationError) -> str:
         else:
             lines.append(f"{key}: {e['msg'][:1].lower()}{e['msg'][1:]}, got {e['input']!r}")
     return "; ".join(lines)
+
+
+def _number_kind(field) -> str | None:
+    """'an integer' or 'a finite number' for a field declared with ``allow_inf_nan=False`` or a strict integer (the
+    methods' hyper-parameters), so one message covers a wrong type, nan and the bounds; None otherwise."""
+    if field is None:
+        return None
+    types = {a for a in (field.annotation, *get_args(field.annotation)) if a is not type(None)}
+    for a in list(types):
+        types |= set(get_args(a))
+    floats = float in types
+    finite = any(getattr(m, "allow_inf_nan", None) is False for m in field.metadata)
+    if finite and floats:
+        return "a finite number"
+    if finite or (field.metadata and types and all("int" in str(a).lower() for a in types)):
+        return "an integer"
+    return None
 
 
 def _is_tag(part) -> bool:
@@ -310,8 +341,13 @@ def config_keys_help() -> str:
             default = "(required)" if f.is_required() else f.get_default(call_default_factory=True)
             yield f"  {key} = {default}"
 
+    from ibedl.training.methods import METHODS  # here: the method registry imports this module
+
     lines = list(walk(TrainConfig, ""))
     lines[lines.index("  data.train = (required)")] += "   (a list of {dataset, split?, limit?, path?})"
+    lines.append("method_params (per method, with their defaults):")
+    lines += [f"  {name}: " + ", ".join(f"{k} = {v}" for k, v in method.defaults.items())
+              for name, method in METHODS.items() if method.defaults]
     return ("config keys (YAML, or key.sub=value on the command line; what each means: docs/reference/config.md):\n"
             + "\n".join(lines))
 

@@ -2,7 +2,8 @@
 
 KFAC ("kron") generalised Gauss-Newton over every LoRA matrix, the prior precision chosen by the validation NLL of
 the predictive (or fitted by the marginal likelihood, or given), and the GLM predictive with the probit
-approximation. Needs the ``laplace`` extra (``make setup-laplace``); the service never imports this module.
+approximation. Needs laplace-torch (``make setup`` installs it from requirements/lock.txt); the service never
+imports this module.
 
 References:
     Yang et al. Bayesian Low-rank Adaptation for Large Language Models. ICLR 2024.

@@ -58,3 +58,22 @@ def risk_coverage_plot(curves: dict[str, tuple], path: str | Path, title: str = 
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
     return _save(fig, path)
+
+
+def score_distributions(streams: dict[str, dict[str, list[float]]], path: str | Path, title: str = "") -> Path:
+    """One panel per OOD score, one box per stream: ``streams[stream][score]`` holds the score of each question
+    (higher: more in-distribution), the in-distribution stream first. A score missing from a stream is left out
+    of its panel."""
+    if not streams:
+        raise ValueError("score_distributions needs at least one stream")
+    names = list(dict.fromkeys(s for scores in streams.values() for s in scores))
+    if not names:
+        raise ValueError(f"no scores in the streams {list(streams)}")
+    fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 3.6), squeeze=False)
+    for ax, name in zip(axes[0], names, strict=True):
+        shown = {stream: scores[name] for stream, scores in streams.items() if scores.get(name) is not None}
+        ax.boxplot(list(shown.values()), showfliers=False)
+        ax.set_xticks(range(1, len(shown) + 1), list(shown), rotation=45, ha="right", fontsize=7)
+        ax.set_title(name, fontsize=9)
+    fig.suptitle(title, fontsize=9)
+    return _save(fig, path)

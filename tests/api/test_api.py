@@ -10,6 +10,7 @@ import pytest
 import ibedl
 from ibedl.batch import main as batch_main
 from ibedl.engine.errors import InvalidRequest, TooLarge, UnknownAdapter
+from tests.http_json import ok_json
 
 QUESTIONS = [
     {"question": "Which is sun?", "options": ["sun", "moon", "tree"], "id": "a"},
@@ -27,8 +28,8 @@ def model(tiny_artifact, tiny_map_artifact):
 def test_api_answers_equal_the_http_responses(model, make_client, tiny_artifact, tiny_map_artifact):
     """The one-code-path evidence: the same questions through the app and through the API give equal records."""
     with make_client(artifacts=f"{tiny_artifact},{tiny_map_artifact}") as c:
-        http = [c.post("/predict", json={**q, "adapter": a}).json() for a in ("tiny", "tiny-map") for q in QUESTIONS]
-        cards = c.get("/v1/models").json()["data"]
+        http = [ok_json(c.post("/predict", json={**q, "adapter": a})) for a in ("tiny", "tiny-map") for q in QUESTIONS]
+        cards = ok_json(c.get("/v1/models"))["data"]
     api = [r.model_dump() for a in ("tiny", "tiny-map") for r in model.predict(QUESTIONS, adapter=a)]
     assert api == http
     assert api[2]["abstained"] and api[2]["abstain_reason"] == "max_uncertainty"

@@ -11,7 +11,6 @@ import pytest
 
 from benchmarks.decisions import SHIFTED, main
 from ibedl.core.artifact import read_manifest, write_manifest
-from ibedl.engine.abstention import decide
 from ibedl.training.calibrate import CalibrationConfig, calibrate_outputs, save_outputs
 
 
@@ -57,10 +56,17 @@ def test_analyse_reports_what_the_service_would_decide(setup, tmp_path):
                  "--output", str(out)]) == 0
     report = json.loads(out.read_text())["adapters"]["tiny"]
     assert out.with_suffix(".png").is_file()
-    # The answered share of a shifted stream is the service's decide() applied to the stored outputs.
+    # The answered share of a shifted stream follows the service's rule, written out here (ibedl.engine.abstention):
+    # answer when the OOD score 1/u (u = C / alpha0) reaches the gate, u <= max_uncertainty and max p >=
+    # min_confidence.
     s = streams["obqa"]
-    limits = manifest.thresholds()
-    answered = [decide(len(a) / sum(a), max(p), limits) is None for a, p in zip(s["alpha"], s["probs"])]
+    limits = manifest.abstention
+    assert limits["ood_score"] == "inverse_uncertainty"
+    answered = []
+    for a, p in zip(s["alpha"], s["probs"], strict=True):
+        u = len(a) / sum(a)
+        answered.append((limits["ood_threshold"] <= 0 or 1 / u >= limits["ood_threshold"])
+                        and u <= limits["max_uncertainty"] and max(p) >= limits["min_confidence"])
     assert report["streams"]["obqa"]["answered"] == pytest.approx(np.mean(answered))
     assert report["dev_streams"]["obqa"]["n"] == 50
     # Diffuse shifted streams are mostly refused; confident in-distribution ones mostly answered.

@@ -150,6 +150,79 @@ class TestFiles:
         with pytest.raises(ArtifactError, match=r"weight files \['head.safetensors'\] differ from the sha256"):
             check_artifact(copy_dir, verify=True)
 
+    def test_a_manifest_without_checksums_is_refused_with_the_migrate_command(self, tmp_path):
+        copy_dir = tmp_path / "default"
+        shutil.copytree(ROOT / "artifacts" / "default", copy_dir)
+        data = committed()
+        data["files"] = {}
+        (copy_dir / "manifest.json").write_text(json.dumps(data))
+        check_artifact(copy_dir)  # readable (migrate reads it this way) ...
+        with pytest.raises(ArtifactError) as e:  # ... but not loadable
+            check_artifact(copy_dir, verify=True)
+        assert "records no sha256 of the weight files" in str(e.value)
+        assert f"python -m ibedl.core.migrate {copy_dir}" in str(e.value)
+        assert migrate_cli.main([str(copy_dir)]) == 0  # the command it names records them ...
+        assert check_artifact(copy_dir, verify=True).files == committed()["files"]  # ... as committed
+
+    def test_a_version_1_manifest_is_refused_until_migrated(self, tmp_path):
+        copy_dir = tmp_path / "default"
+        shutil.copytree(ROOT / "artifacts" / "default", copy_dir)
+        (copy_dir / "manifest.json").write_text(json.dumps(as_version_1(committed())))  # no `files` key at all
+        with pytest.raises(ArtifactError, match="python -m ibedl.core.migrate"):
+            check_artifact(copy_dir, verify=True)
+
+    @pytest.mark.parametrize("name", ["default", "map", "map-twin"])
+    def test_the_committed_artifacts_record_every_weight_file(self, name):
+        manifest = check_artifact(ROOT / "artifacts" / name, verify=True)
+        assert sorted(manifest.files) == ["adapter_model.safetensors", "head.safetensors"]
+
+
+class TestMembers:
+    @pytest.mark.parametrize("member", ["../elsewhere", "members/../../x", "..", "/etc", "/tmp/adapter",
+                                        "C:\\adapter", "members\\0", "", 3])
+    def test_a_member_outside_the_artifact_is_refused(self, member):
+        data = committed()
+        data["members"] = [member]
+        with pytest.raises(ArtifactError, match="member"):
+            Manifest.from_dict(data)
+
+    @pytest.mark.parametrize("members", [["."], ["members/0", "members/1"], ["./members/0"]])
+    def test_relative_members_inside_it_are_read(self, members):
+        data = committed()
+        data["members"] = members
+        assert Manifest.from_dict(data).members == members
+
+    def test_a_member_that_is_a_symlink_out_of_the_artifact_is_refused(self, tmp_path):
+        outside = tmp_path / "outside"
+        shutil.copytree(ROOT / "artifacts" / "default", outside)
+        art = tmp_path / "artifact"
+        art.mkdir()
+        data = committed()
+        data["members"] = ["members/0"]
+        data["files"] = {f"members/0/{n}": h for n, h in committed()["files"].items()}
+        (art / "manifest.json").write_text(json.dumps(data))
+        (art / "members").mkdir()
+        (art / "members" / "0").symlink_to(outside, target_is_directory=True)
+        with pytest.raises(ArtifactError, match="outside the artifact directory"):
+            check_artifact(art)
+
+    def test_a_weight_file_that_is_a_symlink_out_of_the_artifact_is_refused(self, tmp_path):
+        art = tmp_path / "artifact"
+        shutil.copytree(ROOT / "artifacts" / "default", art)
+        (tmp_path / "head.safetensors").write_bytes((art / "head.safetensors").read_bytes())
+        (art / "head.safetensors").unlink()
+        (art / "head.safetensors").symlink_to(tmp_path / "head.safetensors")
+        with pytest.raises(ArtifactError, match="head.safetensors leads to .* outside the artifact directory"):
+            check_artifact(art, verify=True)
+
+    def test_a_symlink_inside_the_artifact_is_fine(self, tmp_path):
+        art = tmp_path / "artifact"
+        shutil.copytree(ROOT / "artifacts" / "default", art)
+        (art / "store").mkdir()
+        (art / "head.safetensors").rename(art / "store" / "head.safetensors")
+        (art / "head.safetensors").symlink_to(art / "store" / "head.safetensors")
+        assert check_artifact(art, verify=True).files == committed()["files"]
+
 
 def downgrade(directory: Path) -> None:
     """Turn a committed artifact copy back into what schema version 1 training wrote: its manifest, the

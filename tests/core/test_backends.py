@@ -94,7 +94,7 @@ def test_predictor_answers_through_the_backend_trunk(tiny):
             served = predictor.predict(QUESTIONS)
     finally:
         predictor.trunk = None
-    for a, b in zip(reference, served):
+    for a, b in zip(reference, served, strict=True):
         assert a.letter == b.letter
         assert a.probs == pytest.approx(b.probs, abs=1e-4)
         assert a.uncertainty == pytest.approx(b.uncertainty, abs=1e-4)

@@ -90,7 +90,7 @@ class TestSets:
             probs = [rng.dirichlet(np.full(c, 0.5)) for c in counts]
             labels = [int(rng.choice(len(p), p=p)) for p in probs]
             q = conformal_quantile(label_scores(probs[:n_cal], labels[:n_cal], score), alpha)
-            hits = [y in prediction_set(p, q, score) for p, y in zip(probs[n_cal:], labels[n_cal:])]
+            hits = [y in prediction_set(p, q, score) for p, y in zip(probs[n_cal:], labels[n_cal:], strict=True)]
             coverage.append(np.mean(hits))
             exact.append(np.mean(label_scores(probs[n_cal:], labels[n_cal:], score) <= q))
         noise = 3 * math.sqrt(alpha * (1 - alpha) / (n_test * splits)) + 3 * math.sqrt(alpha / (n_cal * splits))

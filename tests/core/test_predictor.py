@@ -38,18 +38,18 @@ def test_last_token_hidden_equals_full_forward(predictor):
 def test_batch_invariance(predictor):
     together = predictor.predict(QUESTIONS)
     alone = [predictor.predict([q])[0] for q in QUESTIONS]
-    for a, b in zip(together, alone):
+    for a, b in zip(together, alone, strict=True):
         assert a.letter == b.letter
         assert a.probs == pytest.approx(b.probs, abs=1e-5)
         assert a.uncertainty == pytest.approx(b.uncertainty, abs=1e-5)
 
 
 def test_prediction_invariants(predictor):
-    for q, p in zip(QUESTIONS, predictor.predict(QUESTIONS)):
+    for q, p in zip(QUESTIONS, predictor.predict(QUESTIONS), strict=True):
         assert p.num_options == q.num_options
         assert sum(p.probs) == pytest.approx(1.0, abs=1e-5)
         assert sum(p.belief) + p.uncertainty == pytest.approx(1.0, abs=1e-5)
-        for pj, bj in zip(p.probs, p.belief):
+        for pj, bj in zip(p.probs, p.belief, strict=True):
             assert pj == pytest.approx(bj + p.uncertainty / q.num_options, abs=1e-6)
         assert p.confidence == max(p.probs)
         assert len(p.sigma) == q.num_options

@@ -131,7 +131,7 @@ def test_train_layers_trains_the_top_layers_only(tiny_model_dir, tiny_jsonl, tmp
     full = loaded.predict(QUESTIONS)
     prefix_cache.attach(loaded, 1, manifest["base_model"]["sha256"])
     assert isinstance(loaded.trunk, PrefixCachedTrunk)
-    for a, c in zip(full, loaded.predict(QUESTIONS)):
+    for a, c in zip(full, loaded.predict(QUESTIONS), strict=True):
         assert a.probs == pytest.approx(c.probs, abs=1e-5)
     assert prefix_cache.attach(loaded, 2, "x") is None  # all layers trained: nothing to cache
 

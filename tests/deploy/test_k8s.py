@@ -30,7 +30,8 @@ from tests.deploy.test_configs import exposed_metric_names
 pytestmark = pytest.mark.servers  # needs kubectl, like the other deploy checks need nginx and promtool
 
 K8S = DEPLOY / "k8s"
-KINDS = {"Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler", "ServiceMonitor", "PrometheusRule"}
+KINDS = {"Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler", "ServiceMonitor", "PrometheusRule",
+         "NetworkPolicy"}
 CRD_MODELS = {"ServiceMonitor": monitoring_v1.ServiceMonitor, "PrometheusRule": monitoring_v1.PrometheusRule}
 K8S_VERSIONS = sorted(set(all_versions()), key=lambda v: tuple(map(int, v.split("."))))
 
@@ -200,11 +201,17 @@ def test_resources_are_set_and_match_the_threads(rendered):
     assert memory and int(memory[1]) * {"Mi": 1, "Gi": 1024}[memory[2]] >= 1536, "the torch replica needs ~1 GB"
 
 
-def test_api_token_comes_from_an_optional_secret(rendered):
-    token = env(rendered)["IBEDL_API_TOKEN"]
-    assert "value" not in token
-    assert token["valueFrom"]["secretKeyRef"]["optional"] is True
-    assert "api_token" in Settings.model_fields  # the variable is a setting
+def test_tokens_come_from_required_secrets(rendered):
+    for variable, setting, secret in [("IBEDL_API_TOKEN", "api_token", "ibedl-api-token"),
+                                      ("IBEDL_METRICS_TOKEN", "metrics_token", "ibedl-metrics-token")]:
+        token = env(rendered)[variable]
+        assert "value" not in token
+        assert token["valueFrom"]["secretKeyRef"] == {"name": secret, "key": "token"}  # not optional: no pod without
+        assert setting in Settings.model_fields  # the variable is a setting
+    # Prometheus scrapes with the metrics token, from the same Secret
+    (endpoint,) = rendered["ServiceMonitor"]["spec"]["endpoints"]
+    assert endpoint["authorization"] == {"type": "Bearer", "credentials": {"name": "ibedl-metrics-token",
+                                                                           "key": "token"}}
 
 
 def test_image_is_set_by_kustomize_to_the_project_version(rendered):

@@ -5,8 +5,14 @@ front of them, and Prometheus from deploy/prometheus/ (the committed alert rules
 both. The tests show that the gateway spreads requests over both replicas and keeps request ids, that
 Prometheus scrapes both replicas and evaluates the dashboard's queries, that an in-distribution stream
 (SciQ validation questions with their support passage) leaves the drift alert quiet while a shifted stream
-(RACE questions without their article) makes it fire, and that a replica stopped with SIGTERM
+(RACE questions without their article) makes it fire, that a label sent back (POST /v1/feedback) to the replica
+that did not answer counts once (the replicas share one feedback store) and bad labels change nothing, and that a
+replica stopped with SIGTERM
 drains before it exits, is routed around by the gateway and raises IbedlReplicaDown.
+
+The replicas require tokens, as deployed: the clients send the API token through the gateway, Prometheus scrapes
+with the metrics token. Which replica answered a request comes from the gateway's access log (clients never see
+replica addresses).
 
 The adapter is $IBEDL_TOPOLOGY_ARTIFACT (default artifacts/default). nginx and prometheus come from Debian
 (`apt-get install nginx prometheus`, make test installs them); without them these tests fail, they do not skip.
@@ -57,6 +63,9 @@ DOWN_ALERT = "IbedlReplicaDown"
 CLIENTS = 4  # concurrent clients sending questions through the gateway (2 in flight per replica)
 LOAD_TIMEOUT_S = 240  # first load on a fresh machine converts the base model (~20 s on an idle CPU)
 HTTP_TIMEOUT = httpx.Timeout(60.0, connect=5.0)
+API_TOKEN, METRICS_TOKEN = "topology-api-token", "topology-metrics-token"
+METRICS_AUTH = {"Authorization": f"Bearer {METRICS_TOKEN}"}
+FEEDBACK_KEY = "topology-feedback-key"
 
 
 def free_port() -> int:
@@ -127,6 +136,25 @@ class Topology:
 
     def addr(self, i: int) -> str:
         return self.replica_urls[i].removeprefix("http://")
+
+    def metrics(self, i: int) -> str:
+        r = self.http.get(self.replica_urls[i] + "/metrics", headers=METRICS_AUTH)
+        assert r.status_code == 200, r.text
+        return r.text
+
+    def upstream_of(self, response: httpx.Response, timeout: float = 5.0) -> str:
+        """The replica that answered ``response`` (its address), from the gateway's access log: the last one
+        tried, after any retry (", ") or internal redirect (" : ")."""
+        request_id = response.headers["x-request-id"]
+        log = self.workdir / "nginx" / "access.log"
+        deadline = time.monotonic() + timeout
+        while True:  # nginx writes the line once the response is sent: maybe a moment after the client read it
+            for line in reversed(log.read_text().splitlines()):
+                entry = json.loads(line)
+                if entry["request_id"] == request_id:
+                    return entry["upstream"].replace(" : ", ", ").split(", ")[-1]
+            assert time.monotonic() < deadline, f"no access log line for request {request_id}"
+            time.sleep(0.05)
 
     # -- Prometheus HTTP API -------------------------------------------------------------------------
     def prom(self, path: str, **params) -> dict:
@@ -207,8 +235,15 @@ def topology(tmp_path_factory):
         IBEDL_THREADS="1",  # two replicas on a 2-core machine
         IBEDL_DRIFT_WINDOW=str(DRIFT_WINDOW),
         IBEDL_DRIFT_BOOTSTRAP=str(DRIFT_BOOTSTRAP),
-        IBEDL_SHUTDOWN_GRACE_S="10",
+        # A request that arrived before SIGTERM but was not queued yet (its questions are checked on a worker
+        # thread first) is queued only if its estimated completion, times IBEDL_ADMISSION_MARGIN, fits in the
+        # grace period: the SIGTERM test's batch of 8 questions with passages takes seconds on 2 busy cores.
+        IBEDL_SHUTDOWN_GRACE_S="30",
+        IBEDL_FEEDBACK_KEY=FEEDBACK_KEY,  # both replicas sign and check receipts with one key ...
+        IBEDL_FEEDBACK_DB=str(work / "feedback.sqlite"),  # ... and share one feedback store
         IBEDL_LOG_LEVEL="info",
+        IBEDL_API_TOKEN=API_TOKEN,
+        IBEDL_METRICS_TOKEN=METRICS_TOKEN,
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
         PYTHONUNBUFFERED="1",
@@ -221,9 +256,10 @@ def topology(tmp_path_factory):
     nginx_conf = render_nginx(work / "nginx", ports[2], [u.removeprefix("http://") for u in replica_urls])
     gateway = Proc("nginx", nginx_command(nginx_conf, "-g", "daemon off;"), work / "nginx.log")
     prom_conf = render_prometheus(work / "prometheus", ports[3], [u.removeprefix("http://") for u in replica_urls],
-                                  rule_for=RULE_FOR)
+                                  rule_for=RULE_FOR, metrics_token=METRICS_TOKEN)
     prometheus = Proc("prometheus", prometheus_command(prom_conf, ports[3]), work / "prometheus.log")
-    http = httpx.Client(timeout=HTTP_TIMEOUT, trust_env=False)
+    # the API token on every request (Prometheus' own API ignores it); /metrics calls send the metrics token
+    http = httpx.Client(timeout=HTTP_TIMEOUT, trust_env=False, headers={"Authorization": f"Bearer {API_TOKEN}"})
     topo = Topology(replicas, replica_urls, gateway, gateway_url, prometheus, prometheus_url, work, http)
     started = time.monotonic()
     try:
@@ -301,7 +337,7 @@ def short(items: list[dict]) -> list[dict]:
 def stream(topo: Topology, items: list[dict], until, max_items: int, deadline_s: float) -> Counter:
     """POST `items` one by one through the gateway from CLIENTS threads, in rounds, until `until(counts)`.
 
-    Returns the count of answered questions per replica address (from X-Upstream).
+    Returns the count of answered questions per replica address (from the gateway's access log).
     """
     counts: Counter = Counter()
     deadline = time.monotonic() + deadline_s
@@ -322,8 +358,7 @@ def stream(topo: Topology, items: list[dict], until, max_items: int, deadline_s:
                 if r.status_code == 413:  # a passage over the adapter's token limit: skipped, as a client would
                     continue
                 assert r.status_code == 200, f"{item['id']}: {r.status_code} {r.text}\n{topo.logs()}"
-                upstream = r.headers["x-upstream"].split(", ")[-1]  # the replica that answered
-                counts[upstream] += 1
+                counts[topo.upstream_of(r)] += 1
     return counts
 
 
@@ -353,7 +388,7 @@ def metric_value(text: str, name: str, **labels) -> float:
 
 def test_gateway_spreads_requests_and_keeps_request_ids(topology, sciq_validation):
     topo = topology
-    before = [topo.http.get(u + "/metrics").text for u in topo.replica_urls]
+    before = [topo.metrics(i) for i in range(2)]
     questions = short(in_distribution(sciq_validation))[:8]
     upstreams = []
     for k, item in enumerate(questions):
@@ -361,11 +396,12 @@ def test_gateway_spreads_requests_and_keeps_request_ids(topology, sciq_validatio
         assert r.status_code == 200, r.text
         assert r.headers["x-request-id"] == f"topology-{k}"
         assert r.json()["id"] == item["id"]
-        upstreams.append(r.headers["x-upstream"].split(", ")[-1])
-    # (a) both replicas answered, as the X-Upstream header says ...
+        assert "x-upstream" not in r.headers
+        upstreams.append(topo.upstream_of(r))
+    # (a) both replicas answered, as the gateway's log says ...
     assert set(upstreams) == {topo.addr(0), topo.addr(1)}, upstreams
     # ... and as their own counters say
-    after = [topo.http.get(u + "/metrics").text for u in topo.replica_urls]
+    after = [topo.metrics(i) for i in range(2)]
     for i in range(2):
         served = (metric_value(after[i], "ibedl_requests_total", route="/predict", method="POST", status="200")
                   - metric_value(before[i], "ibedl_requests_total", route="/predict", method="POST", status="200"))
@@ -381,6 +417,15 @@ def test_gateway_spreads_requests_and_keeps_request_ids(topology, sciq_validatio
     # A header that is no sane token is replaced, not forwarded.
     r = topo.http.get(topo.gateway_url + "/health/ready", headers={"X-Request-ID": "bad id\twith spaces"})
     assert r.status_code == 200 and len(r.headers["x-request-id"]) == 32
+
+    # The replicas require their tokens, behind the gateway too: the API token for the API, the metrics token
+    # (not the API token) for /metrics.
+    anonymous = httpx.Client(timeout=HTTP_TIMEOUT, trust_env=False)
+    assert anonymous.post(topo.gateway_url + "/predict", json=questions[0]).status_code == 401
+    assert anonymous.get(topo.replica_urls[0] + "/metrics").status_code == 401
+    assert topo.http.get(topo.replica_urls[0] + "/metrics").status_code == 401
+    assert anonymous.get(topo.gateway_url + "/health/ready").status_code == 200
+    anonymous.close()
 
     # Health passes through; the gateway has its own liveness; metrics are per replica only.
     assert topo.http.get(topo.gateway_url + "/health/live").status_code == 200
@@ -482,6 +527,63 @@ def test_drift_alert_quiet_in_distribution_and_firing_on_shift(topology, sciq_va
         assert float(a["value"]) > d["ks_threshold"]  # the alert's value is that KS statistic
 
 
+def guarantee_counts(topo: Topology, i: int) -> dict:
+    r = topo.http.get(topo.replica_urls[i] + "/v1/guarantees")
+    assert r.status_code == 200, r.text
+    return {(g["guarantee"], g["stated"]): (g["labels"], g["hits"]) for g in r.json()["guarantees"]}
+
+
+def test_feedback_reaches_any_replica_and_counts_once(topology, sciq_validation):
+    """A label sent to the replica that did not answer is counted; sent again, through the gateway or to either
+    replica, it is a duplicate; bad labels get a 4xx through the gateway and change nothing; both replicas and
+    Prometheus report the same realised guarantees."""
+    topo = topology
+    item = short(in_distribution(sciq_validation))[0]
+    r = topo.http.post(topo.replica_urls[0] + "/predict", json=item)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["receipt"], answer
+    before = guarantee_counts(topo, 0)
+    share = before.get(("answered_share", None), (0, 0))[0]
+
+    # the replica that did not answer counts it
+    label = {"receipt": answer["receipt"], "label": answer["prediction"]["letter"]}
+    r = topo.http.post(topo.replica_urls[1] + "/v1/feedback", json=label)
+    assert r.status_code == 200, r.text
+    assert r.json()["recorded"] == 1 and r.json()["results"][0]["status"] == "recorded"
+    after = [guarantee_counts(topo, i) for i in range(2)]
+    assert after[0] == after[1] and after[0][("answered_share", None)][0] == share + 1
+
+    # the same label again, through the gateway (either replica) and to the one that answered: counted once
+    for url in (topo.gateway_url, topo.gateway_url, topo.replica_urls[0]):
+        r = topo.http.post(url + "/v1/feedback", json=label)
+        assert r.status_code == 200 and r.json()["duplicates"] == 1, r.text
+
+    # bad inputs through the gateway: 4xx in the service's error shape, nothing counted
+    letters = list(answer["probabilities"])
+    version, payload, mac = answer["receipt"].split(".")
+    bad = [
+        ({"receipt": f"{version}.{payload[:-2]}AA.{mac}", "label": "A"}, 422, "invalid_receipt"),  # tampered
+        ({"receipt": "v1.bm90.aGVsbG8", "label": "A"}, 422, "invalid_receipt"),  # unknown
+        ({"receipt": answer["receipt"], "label": chr(ord(letters[-1]) + 1)}, 422, "invalid_request"),  # no such option
+    ]
+    other = topo.http.post(topo.gateway_url + "/predict", json=short(in_distribution(sciq_validation))[1]).json()
+    bad.append(({"items": [{"receipt": other["receipt"], "label": "A"},
+                           {"receipt": "forged", "label": "A"}]}, 422, "invalid_receipt"))  # a batch: all or none
+    for body, status, type_ in bad:
+        path = "/v1/feedback/batch" if "items" in body else "/v1/feedback"
+        r = topo.http.post(topo.gateway_url + path, json=body)
+        assert r.status_code == status and r.json()["error"]["type"] == type_, (body, r.status_code, r.text)
+    assert [guarantee_counts(topo, i) for i in range(2)] == after
+
+    # Prometheus sees the same totals on both replicas (aggregate with max, never sum)
+    expr = 'ibedl_guarantee_labels{job="ibedl-api", guarantee="answered_share"}'
+    want = str(share + 1)
+    topo.wait_for("both replicas' guarantee gauges in Prometheus",
+                  lambda: [r for r in topo.query(expr) if r["value"][1] == want] if len(
+                      [r for r in topo.query(expr) if r["value"][1] == want]) == 2 else None, timeout=20)
+
+
 def test_sigterm_drains_and_gateway_routes_around_a_stopped_replica(topology, sciq_validation):
     topo = topology
     survivor, stopped = topo.addr(0), topo.addr(1)
@@ -495,7 +597,7 @@ def test_sigterm_drains_and_gateway_routes_around_a_stopped_replica(topology, sc
     worker = threading.Thread(target=post_batch, daemon=True)
     worker.start()
     topo.wait_for("the batch in flight on replica 2",
-                  lambda: metric_value(topo.http.get(topo.replica_urls[1] + "/metrics").text,
+                  lambda: metric_value(topo.metrics(1),
                                        "ibedl_inflight_requests") >= 1,
                   timeout=10, interval=0.05)
     topo.replicas[1].popen.send_signal(signal.SIGTERM)
@@ -503,7 +605,7 @@ def test_sigterm_drains_and_gateway_routes_around_a_stopped_replica(topology, sc
     for item in questions[8:12]:
         r = topo.http.post(topo.gateway_url + "/predict", json=item)
         assert r.status_code == 200, r.text
-        assert r.headers["x-upstream"].split(", ")[-1] == survivor
+        assert topo.upstream_of(r) == survivor
     # ... is answered in full before the replica exits.
     worker.join(60)
     assert not worker.is_alive(), "the in-flight batch got no answer"

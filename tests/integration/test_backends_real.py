@@ -13,6 +13,7 @@ from ibedl.core.predictor import Predictor
 from ibedl.training.data import load_dataset
 from tests.conftest import ServiceProcess
 from tests.integration.conftest import DEFAULT_ARTIFACT
+from tests.http_json import ok_json
 
 pytest.importorskip("openvino")
 
@@ -60,11 +61,11 @@ def test_service_serves_the_chosen_backend_with_its_calibration(reference, quest
     tol = TOLERANCE[chosen]
     try:
         proc.wait_ready()
-        card = httpx.get(proc.url + "/v1/models").json()["data"][0]
+        card = ok_json(httpx.get(proc.url + "/v1/models"))["data"][0]
         assert card["backend"]["name"] == chosen and card["calibration_in_use"]["key"] == calibration
         for q, ref in list(zip(questions, reference))[:3]:
-            body = httpx.post(proc.url + "/predict", json={"question": q.question, "options": list(q.options),
-                                                          "context": q.context}, timeout=60).json()
+            body = ok_json(httpx.post(proc.url + "/predict", json={"question": q.question, "options": list(q.options),
+                                                                  "context": q.context}, timeout=60))
             assert body["adapter"]["backend"] == chosen and body["adapter"]["calibration"] == calibration
             assert body["uncertainty_mass"] == pytest.approx(ref.uncertainty, abs=tol)
             assert list(body["probabilities"].values()) == pytest.approx(ref.probs, abs=max(tol, 1e-4))

@@ -8,6 +8,7 @@ import pytest
 from ibedl.training.data import load_dataset
 from tests.conftest import ServiceProcess
 from tests.integration.conftest import REPO
+from tests.http_json import ok_json
 
 ADAPTERS = ["default", "map", "map-twin"]
 
@@ -28,7 +29,7 @@ def server(real_model_ref, tmp_path_factory):
 
 
 def test_three_adapters_one_base(server):
-    models = httpx.get(server.url + "/v1/models").json()["data"]
+    models = ok_json(httpx.get(server.url + "/v1/models"))["data"]
     assert [(m["id"], m["method"]) for m in models] == [("default", "ib_edl"), ("map", "map"), ("map-twin", "map")]
     assert len({m["base_model"]["sha256"] for m in models}) == 1
 
@@ -36,13 +37,13 @@ def test_three_adapters_one_base(server):
                  for q in load_dataset("sciq", "validation", limit=6)]
     truth = {q.id: q.answer for q in load_dataset("sciq", "validation", limit=6)}
     # one at a time: each adapter's own answers
-    alone = {(a, q["id"]): httpx.post(server.url + "/predict", json={**q, "adapter": a}, timeout=60).json()
+    alone = {(a, q["id"]): ok_json(httpx.post(server.url + "/predict", json={**q, "adapter": a}, timeout=60))
              for a in ADAPTERS for q in questions}
     # all at once, interleaved: passes alternate between adapters and must give the same answers
     bodies = [{**q, "adapter": a} for q in questions for a in ADAPTERS]
     with ThreadPoolExecutor(9) as pool:
-        together = list(pool.map(lambda b: httpx.post(server.url + "/predict", json=b, timeout=120).json(), bodies))
-    for body, answer in zip(bodies, together):
+        together = list(pool.map(lambda b: ok_json(httpx.post(server.url + "/predict", json=b, timeout=120)), bodies))
+    for body, answer in zip(bodies, together, strict=True):
         expected = alone[(body["adapter"], body["id"])]
         assert answer["adapter"]["name"] == body["adapter"]
         assert answer["probabilities"] == pytest.approx(expected["probabilities"], abs=2e-5)

@@ -71,5 +71,5 @@ def test_the_default_adapter_loads_elsewhere_by_name(tmp_path):
     assert there["peft_class"] == "PeftModelForCausalLM" and there["lora_restored"]
     here = Predictor.from_artifact(DEFAULT_ARTIFACT, device="cpu").predict(
         [MCQuestion(q["question"], tuple(q["options"]), context=q["context"]) for q in QUESTIONS])
-    for mine, theirs in zip(here, there["probs"]):
+    for mine, theirs in zip(here, there["probs"], strict=True):
         assert theirs == pytest.approx(mine.probs, abs=1e-5)

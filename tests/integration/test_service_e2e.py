@@ -10,6 +10,7 @@ import pytest
 from ibedl.training.data import load_dataset
 from tests.conftest import ServiceProcess
 from tests.integration.conftest import DEFAULT_ARTIFACT
+from tests.http_json import ok_json
 
 # A deadline far beyond any pass for the tests that check answers, not admission: on a slow or busy machine the
 # default 30 s would turn their requests into 503 overloaded (admission is checked by tests/serve and the sigterm
@@ -50,8 +51,8 @@ def check_invariants(body, n):
 
 def test_schema_invariants_and_accuracy(server):
     questions = sciq(12)
-    bodies = [ask(server, q).json() for q in questions]
-    for q, body in zip(questions, bodies):
+    bodies = [ok_json(ask(server, q)) for q in questions]
+    for q, body in zip(questions, bodies, strict=True):
         check_invariants(body, 4)
         assert body["id"] == q["id"]
         assert body["adapter"]["method"] == "ib_edl"
@@ -63,23 +64,23 @@ def test_schema_invariants_and_accuracy(server):
 
 def test_deterministic(server):
     q = sciq(1)[0]
-    a, b = ask(server, q).json(), ask(server, q).json()
+    a, b = ok_json(ask(server, q)), ok_json(ask(server, q))
     assert a == b
 
 
 def test_five_options_and_letter_map(server):
-    body = ask(server, {"question": "Which of these is a mammal?",
-                        "options": {"A": "shark", "B": "whale", "C": "trout", "D": "octopus", "E": "eel"}}).json()
+    body = ok_json(ask(server, {"question": "Which of these is a mammal?",
+                        "options": {"A": "shark", "B": "whale", "C": "trout", "D": "octopus", "E": "eel"}}))
     check_invariants(body, 5)
 
 
 def test_tightened_abstention(server):
     q = sciq(1)[0]
-    base = ask(server, q).json()
-    tight = ask(server, {**q, "abstain": {"max_uncertainty": base["uncertainty_mass"] / 2}}).json()
+    base = ok_json(ask(server, q))
+    tight = ok_json(ask(server, {**q, "abstain": {"max_uncertainty": base["uncertainty_mass"] / 2}}))
     assert tight["abstained"] and tight["abstain_reason"] == "max_uncertainty"
     assert tight["probabilities"] == base["probabilities"]
-    conf = ask(server, {**q, "abstain": {"min_confidence": min(1.0, base["confidence"] + 1e-3)}}).json()
+    conf = ok_json(ask(server, {**q, "abstain": {"min_confidence": min(1.0, base["confidence"] + 1e-3)}}))
     assert conf["abstained"] and conf["abstain_reason"] == "min_confidence"
 
 
@@ -97,18 +98,18 @@ def test_bad_inputs(server):
 
 def test_batch_matches_singles(server):
     items = sciq(3)
-    results = httpx.post(server.url + "/predict/batch", json={"items": items}, timeout=60).json()["results"]
-    for item, res in zip(items, results):
+    results = ok_json(httpx.post(server.url + "/predict/batch", json={"items": items}, timeout=60))["results"]
+    for item, res in zip(items, results, strict=True):
         assert res["id"] == item["id"]
         # float sums differ in the last bits between batch shapes; answers agree to ~1e-6
-        assert ask(server, item).json()["probabilities"] == pytest.approx(res["probabilities"], abs=2e-5)
+        assert ok_json(ask(server, item))["probabilities"] == pytest.approx(res["probabilities"], abs=2e-5)
 
 
 def test_metrics_and_models(server):
     text = httpx.get(server.url + "/metrics").text
     assert 'ibedl_requests_total{method="POST",route="/predict",status="200"}' in text
     assert "ibedl_uncertainty_mass_bucket" in text and "ibedl_drift_ks_threshold" in text
-    model = httpx.get(server.url + "/v1/models").json()["data"][0]
+    model = ok_json(httpx.get(server.url + "/v1/models"))["data"][0]
     assert model["base_model"]["name"] == "smollm2-135m-instruct"
     assert model["metrics"]["test"]["accuracy"] > 0.5
 
@@ -122,11 +123,11 @@ def test_drift_in_distribution_quiet_then_shifted_alarms(real_model_ref, tmp_pat
         questions = sciq(80, "test")
         for q in questions[:40]:
             assert ask(proc, q).status_code == 200
-        calm = httpx.get(proc.url + "/v1/drift").json()
+        calm = ok_json(httpx.get(proc.url + "/v1/drift"))
         assert calm["window"] == 40 and calm["alarm"] is False, calm
         for q in questions[40:]:
             assert ask(proc, {**q, "context": None}).status_code == 200
-        shifted = httpx.get(proc.url + "/v1/drift").json()
+        shifted = ok_json(httpx.get(proc.url + "/v1/drift"))
         assert shifted["alarm"] is True, shifted
         assert shifted["ks"] > calm["ks"]
         assert 'ibedl_drift_alarm{adapter="default"} 1.0' in httpx.get(proc.url + "/metrics").text
@@ -208,11 +209,11 @@ def test_decisions_in_distribution_and_under_shift(server):
     with_passage = sciq(12, "test")
     shifted = [{**q, "context": None} for q in with_passage] + [
         {"question": q.question, "options": list(q.options)} for q in load_dataset("race", "test", limit=12)]
-    card = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]
+    card = ok_json(httpx.get(server.url + "/v1/models", timeout=30))["data"][0]
     gate = card["abstention"]["ood_threshold"]
     assert card["abstention"]["ood_score"] == "inverse_uncertainty" and gate > 0
     assert card["conformal"]["alpha"] == 0.1 and 0.05 in card["conformal"]["alphas"]
-    bodies = [ask(server, q).json() for q in with_passage + shifted]
+    bodies = [ok_json(ask(server, q)) for q in with_passage + shifted]
     for body in bodies:
         assert body["ood_score"] == pytest.approx(1 / body["uncertainty_mass"], rel=1e-4)
         assert body["prediction_set"] and body["prediction_set"][0] == body["prediction"]["letter"]
@@ -223,8 +224,8 @@ def test_decisions_in_distribution_and_under_shift(server):
     assert answered_id >= 9  # in distribution the gate refuses ~5%
     assert refused_shift >= 12  # most of the 24 shifted questions are turned away
     # A smaller alpha never gives a smaller set.
-    wide = ask(server, {**with_passage[0], "conformal": {"alpha": 0.01}}).json()
+    wide = ok_json(ask(server, {**with_passage[0], "conformal": {"alpha": 0.01}}))
     assert set(bodies[0]["prediction_set"]) <= set(wide["prediction_set"])
-    drift = httpx.get(server.url + "/v1/drift", timeout=30).json()
+    drift = ok_json(httpx.get(server.url + "/v1/drift", timeout=30))
     assert drift["answered_in_window"] >= answered_id
     assert drift["target_accuracy"] == card["abstention"]["how"]["target_accuracy"]

@@ -36,6 +36,18 @@ def wait_status(client: TestClient, status: str, timeout: float = 30.0) -> dict:
     raise AssertionError(f"the service never reported {status}: {body}")
 
 
+def load_error(caplog, body: dict) -> str:
+    """The text of the exception that failed the load, from the service log, after checking that the readiness
+    ``body`` names its type alone (clients never see an exception's text: paths, hashes, settings)."""
+    records = [r for r in caplog.records if r.getMessage() == "loading the adapter failed" and r.exc_info]
+    assert len(records) == 1, [r.getMessage() for r in caplog.records]
+    kind, error = records[0].exc_info[:2]
+    assert body["status"] == "failed"
+    assert body["reason"] == (f"the adapter failed to load ({kind.__name__}); the service log has the reason "
+                              "(the line 'loading the adapter failed')")
+    return f"{kind.__name__}: {error}"
+
+
 @pytest.fixture
 def make_client(tiny_artifact):
     @contextmanager

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from ibedl.core.artifact import read_manifest, write_manifest
-from tests.serve.conftest import per_token_loader, slow_loader, wait_status
+from tests.serve.conftest import load_error, per_token_loader, slow_loader, wait_status
+from tests.http_json import ok_json
 
 Q = {"question": "Which is sun?", "options": ["sun", "moon", "tree", "fish"]}
 
@@ -33,7 +34,7 @@ class TestPredict:
         assert body["id"] == "q1"
         assert set(body) == {"id", "prediction", "probabilities", "belief_masses", "uncertainty_mass", "confidence",
                              "sigma", "ood_score", "prediction_set", "prediction_set_coverage", "prediction_set_score",
-                             "abstained", "abstain_reason", "adapter"}
+                             "abstained", "abstain_reason", "adapter", "adaptive_prediction_set", "receipt"}
         check_invariants(body, 4)
         assert body["prediction"]["text"] == Q["options"][body["prediction"]["index"]]
         assert body["adapter"] == {"name": "tiny", "method": "ib_edl", "version": "1", "backend": "torch",
@@ -42,8 +43,8 @@ class TestPredict:
         assert r.headers["x-request-id"]
 
     def test_deterministic(self, client):
-        a = client.post("/predict", json=Q).json()
-        b = client.post("/predict", json=Q).json()
+        a = ok_json(client.post("/predict", json=Q))
+        b = ok_json(client.post("/predict", json=Q))
         a.pop("id"), b.pop("id")
         assert a == b
 
@@ -60,18 +61,18 @@ class TestPredict:
         assert r.status_code == 200
         results = r.json()["results"]
         assert [x["id"] for x in results] == ["x", "y"]
-        for item, res in zip(items, results):
-            single = client.post("/predict", json=item).json()
+        for item, res in zip(items, results, strict=True):
+            single = ok_json(client.post("/predict", json=item))
             assert single["probabilities"] == pytest.approx(res["probabilities"], abs=1e-5)
 
 
 class TestAbstention:
     def test_tightened_threshold_abstains(self, client):
-        body = client.post("/predict", json={**Q, "abstain": {"max_uncertainty": 0.0}}).json()
+        body = ok_json(client.post("/predict", json={**Q, "abstain": {"max_uncertainty": 0.0}}))
         assert body["abstained"] and body["abstain_reason"] == "max_uncertainty"
-        body = client.post("/predict", json={**Q, "abstain": {"min_confidence": 1.0}}).json()
+        body = ok_json(client.post("/predict", json={**Q, "abstain": {"min_confidence": 1.0}}))
         assert body["abstained"] and body["abstain_reason"] == "min_confidence"
-        body = client.post("/predict", json={**Q, "abstain": {"min_confidence": 1}}).json()  # an int is a number
+        body = ok_json(client.post("/predict", json={**Q, "abstain": {"min_confidence": 1}}))  # an int is a number
         assert body["abstained"] and body["abstain_reason"] == "min_confidence"
 
     def test_requests_cannot_loosen_defaults(self, tiny_artifact, make_client, tmp_path):
@@ -83,7 +84,7 @@ class TestAbstention:
         manifest.abstention["max_uncertainty"] = 0.0  # the adapter's default abstains on everything
         write_manifest(art, manifest)
         with make_client(artifact=art) as c:
-            body = c.post("/predict", json={**Q, "abstain": {"max_uncertainty": 1.0}}).json()
+            body = ok_json(c.post("/predict", json={**Q, "abstain": {"max_uncertainty": 1.0}}))
             assert body["abstained"] and body["abstain_reason"] == "max_uncertainty"
 
 
@@ -157,7 +158,7 @@ class TestBadInput:
             assert r.status_code == 422
 
     def test_unknown_route_and_method(self, client):
-        assert client.get("/nope").json()["error"]["type"] == "not_found"
+        assert ok_json(client.get("/nope"), 404)["error"]["type"] == "not_found"
         assert client.get("/predict").status_code == 405
 
     def test_undeclared_body_method_is_405(self, client):
@@ -189,18 +190,14 @@ class TestLifecycle:
             from tests.serve.conftest import wait_ready
             wait_ready(c)
 
-    def test_broken_artifact_reports_reason(self, make_client, tmp_path):
+    def test_broken_artifact_is_logged_and_named_by_type_alone(self, make_client, tmp_path, caplog):
         (tmp_path / "manifest.json").write_text("{}")
         with make_client(artifact=tmp_path, ready=False) as c:
-            import time
-            for _ in range(100):
-                r = c.get("/health/ready")
-                if r.json()["status"] == "failed":
-                    break
-                time.sleep(0.05)
-            assert r.status_code == 503
-            assert "manifest" in r.json()["reason"]
-            assert str(tmp_path) not in r.json()["reason"]  # the log keeps the path; clients do not see it
+            body = wait_status(c, "failed")
+            assert c.get("/health/ready").status_code == 503
+            error = load_error(caplog, body)  # the log has the text, with the path; clients see the type alone
+            assert error.startswith("ArtifactError: ") and "manifest" in error
+            assert "manifest" not in body["reason"] and str(tmp_path) not in body["reason"]
 
 
 class TestBatchingAndQueue:
@@ -281,12 +278,12 @@ class TestCapacity:
                 late = c.post("/predict", json=Q)
                 assert late.status_code == 503 and late.json()["error"]["type"] == "not_ready"
                 assert late.headers["retry-after"]
-                assert c.get("/health/ready").json()["status"] == "draining"
+                assert ok_json(c.get("/health/ready"), 503)["status"] == "draining"
                 assert first.result().status_code == 200
 
 
 class TestFailClosed:
-    def test_nan_weights_are_not_ready(self, tiny_artifact, make_client, tmp_path):
+    def test_nan_weights_are_not_ready(self, tiny_artifact, make_client, tmp_path, caplog):
         import shutil
 
         from safetensors.torch import load_file, save_file
@@ -301,14 +298,15 @@ class TestFailClosed:
         save_file(tensors, art / "head.safetensors")
         with make_client(artifact=art, ready=False) as c:  # changed after its manifest: the checksum refuses it
             body = wait_status(c, "failed")
-            assert "differ from the sha256 the manifest records" in body["reason"]
+            assert "differ from the sha256 the manifest records" in load_error(caplog, body)
+        caplog.clear()
         manifest = read_manifest(art)
         manifest.files = files_sha256(art, manifest.members)  # as a run that diverged to NaN would record them
         write_manifest(art, manifest)
         with make_client(artifact=art, ready=False) as c:
             body = wait_status(c, "failed")
-            assert "NaN or inf" in body["reason"] and "head" in body["reason"]
-            assert str(tmp_path) not in body["reason"]
+            error = load_error(caplog, body)
+            assert "NaN or inf" in error and "head" in error and "NaN" not in body["reason"]
             r = c.post("/predict", json=Q)
             assert r.status_code == 503 and str(tmp_path) not in r.text
 
@@ -323,7 +321,7 @@ class TestFailClosed:
                 preds = original(questions, truncate_context)
                 if any(q.question == "break" for q in questions):
                     preds = [dataclasses.replace(p, probs=[float("nan")] * len(p.probs)) if q.question == "break"
-                             else p for q, p in zip(questions, preds)]
+                             else p for q, p in zip(questions, preds, strict=True)]
                 return preds
 
             predictor.predict = predict
@@ -331,35 +329,17 @@ class TestFailClosed:
 
         with make_client(loader=loader) as c:
             r = c.post("/predict", json={**Q, "question": "break"})
-            assert r.status_code == 503 and r.json()["error"]["type"] == "model_error"
+            assert r.status_code == 500 and r.json()["error"]["type"] == "model_error"
+            assert "retry-after" not in r.headers
             r = c.post("/predict/batch", json={"items": [Q, {**Q, "question": "break"}]})
-            assert r.status_code == 503 and "items [1]" in r.json()["error"]["message"]
+            assert r.status_code == 500 and "items [1]" in r.json()["error"]["message"]
             assert c.post("/predict", json=Q).status_code == 200
             assert float(_sample(c.get("/metrics").text, "ibedl_nonfinite_outputs_total")) == 2
 
 
-class TestAuth:
-    def test_token_required_on_api_not_on_probes(self, make_client):
-        with make_client(api_token="s3cret") as c:
-            assert c.post("/predict", json=Q).status_code == 401
-            r = c.post("/predict", json=Q, headers={"Authorization": "Bearer wrong"})
-            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
-            assert c.post("/predict", json=Q, headers={"Authorization": "Bearer s3cret"}).status_code == 200
-            assert c.get("/v1/models").status_code == 401
-            assert c.get("/health/ready").status_code == 200
-            assert c.get("/metrics").status_code == 200
-
-    def test_token_is_checked_before_the_body_is_read(self, make_client):
-        with make_client(api_token="s3cret") as c:
-            r = c.post("/predict", content=b"{not json", headers={"content-type": "application/json"})
-            assert r.status_code == 401
-            r = c.post("/predict", content=b"x" * 2_000_000, headers={"content-type": "application/json"})
-            assert r.status_code == 401  # not 413: an unauthenticated client learns nothing of the limits
-
-
 class TestMetadataAndMetrics:
     def test_models(self, client):
-        data = client.get("/v1/models").json()["data"][0]
+        data = ok_json(client.get("/v1/models"))["data"][0]
         assert data["method"] == "ib_edl" and data["name"] == "tiny"
         assert {"validation"} <= set(data["metrics"])
         assert "max_uncertainty" in data["abstention"]
@@ -385,13 +365,13 @@ class TestMetadataAndMetrics:
     def test_drift_endpoint(self, client):
         for _ in range(3):
             client.post("/predict", json=Q)
-        d = client.get("/v1/drift").json()
+        d = ok_json(client.get("/v1/drift"))
         assert d["statistic"] == "uncertainty_mass" and d["window"] == 3 and d["alarm"] is False
         assert d["ks_threshold"] > 0
 
     def test_openapi_docs(self, client):
         assert client.get("/docs").status_code == 200
-        paths = client.get("/openapi.json").json()["paths"]
+        paths = ok_json(client.get("/openapi.json"))["paths"]
         assert {"/predict", "/predict/batch", "/v1/models", "/v1/drift", "/health/ready"} <= set(paths)
 
 

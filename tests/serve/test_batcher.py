@@ -7,6 +7,7 @@ import time
 import pytest
 
 from ibedl.core.prompt import MCQuestion
+from ibedl.serve.admission import Admission
 from ibedl.serve.batcher import DeadlineExceeded, MicroBatcher, Overloaded, QueueFullError, ShuttingDown, TooLarge
 from ibedl.serve.capacity import ServiceTime
 
@@ -220,7 +221,8 @@ def test_a_pass_holds_at_most_max_batch_tokens():
 def test_admission_refuses_what_cannot_meet_its_deadline():
     async def main():
         gate = Gate()
-        b = MicroBatcher(gate, max_batch_size=1, max_wait_ms=0, service_time=ServiceTime(0.1), margin=1.0)
+        b = MicroBatcher(gate, max_batch_size=1, max_wait_ms=0, service_time=ServiceTime(0.1),
+                         admission=Admission(margin=1.0))
         b.start()
         now = time.monotonic()
         with pytest.raises(TooLarge, match="about 2.0 s of model time"):
@@ -330,7 +332,8 @@ def test_a_question_whose_pass_would_end_after_its_deadline_gets_overloaded_not_
 
 def test_requests_that_took_longer_than_estimated_make_admission_stricter():
     async def main():
-        b = MicroBatcher(FakePredict(), max_batch_size=1, service_time=ServiceTime(0.01), margin=1.0)
+        b = MicroBatcher(FakePredict(), max_batch_size=1, service_time=ServiceTime(0.01),
+                         admission=Admission(margin=1.0))
         b.start()
         assert b.overrun == 1.0
         b._observe_wait(3.0)  # a request took 3x its estimate
@@ -400,8 +403,7 @@ def test_grace_period_end_refuses_whatever_is_still_queued():
 
 @pytest.mark.parametrize("kwargs, message", [({"max_batch_size": 0}, "max_batch_size"),
                                              ({"queue_size": 0}, "queue_size"),
-                                             ({"max_batch_tokens": 0}, "max_batch_tokens"),
-                                             ({"margin": 0.5}, "margin")])
+                                             ({"max_batch_tokens": 0}, "max_batch_tokens")])
 def test_bad_settings_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
         MicroBatcher(FakePredict(), **kwargs)

@@ -9,6 +9,7 @@ import pytest
 
 from ibedl.engine.requests import NOT_BLANK
 from tests.serve.test_app import Q
+from tests.http_json import ok_json
 
 STORED_ALPHAS = [0.01, 0.02, 0.05, 0.1, 0.2]  # what ibedl.training.calibrate stores on the tiny artifact
 
@@ -22,7 +23,7 @@ class TestLimits:
     def test_schema_states_this_apps_settings(self, make_client):
         with make_client(max_options=5, max_question_chars=100, max_option_chars=50, max_context_chars=300,
                          max_batch_items=3) as c:
-            schemas = c.get("/openapi.json").json()["components"]["schemas"]
+            schemas = ok_json(c.get("/openapi.json"))["components"]["schemas"]
         request = schemas["PredictRequest"]["properties"]
         assert (request["question"]["maxLength"], request["question"]["pattern"]) == (100, NOT_BLANK)
         as_list, as_map = request["options"]["anyOf"]
@@ -55,14 +56,14 @@ class TestLimits:
     ])
     def test_schema_admits_what_the_app_accepts(self, make_client, body):
         with make_client(max_options=5) as c:
-            admitted = request_validator(c.get("/openapi.json").json()).is_valid(body)
+            admitted = request_validator(ok_json(c.get("/openapi.json"))).is_valid(body)
             r = c.post("/predict", json=body)
         assert admitted == (r.status_code == 200), (admitted, r.status_code, r.text)
         assert r.status_code in (200, 422), r.text
 
     def test_uncalibrated_adapter_offers_no_prediction_set(self, uncalibrated_artifact, make_client):
         with make_client(artifact=uncalibrated_artifact) as c:
-            openapi = c.get("/openapi.json").json()
+            openapi = ok_json(c.get("/openapi.json"))
             body = {**Q, "conformal": {"alpha": 0.1}}
             assert not request_validator(openapi).is_valid(body)
             assert c.post("/predict", json=body).status_code == 422
@@ -77,7 +78,7 @@ class TestLimits:
             return load_predictor(settings)
 
         with make_client(loader=loader, ready=False, max_options=4) as c:
-            schemas = c.get("/openapi.json").json()["components"]["schemas"]
+            schemas = ok_json(c.get("/openapi.json"))["components"]["schemas"]
             gate.set()
         assert schemas["PredictRequest"]["properties"]["options"]["anyOf"][0]["maxItems"] == 4
         assert "enum" not in schemas["ConformalOptions"]["properties"]["alpha"]["anyOf"][0]  # not known yet
@@ -85,7 +86,7 @@ class TestLimits:
 
 class TestStatuses:
     def test_every_status_of_a_route_is_documented(self, client):
-        paths = client.get("/openapi.json").json()["paths"]
+        paths = ok_json(client.get("/openapi.json"))["paths"]
         predict = {"200", "400", "401", "408", "413", "415", "422", "500", "503", "504"}
         for path in ("/predict", "/predict/batch"):
             operation = paths[path]["post"]

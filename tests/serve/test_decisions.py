@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from ibedl.core.artifact import read_manifest, write_manifest
-from ibedl.core.conformal import prediction_set
+from tests.http_json import ok_json
 
 Q = {"question": "Which is sun?", "options": ["sun", "moon", "water", "plant"], "context": "The sun is bright."}
 
@@ -27,18 +27,25 @@ def open_artifact(tiny_artifact, tmp_path):
 
 class TestPredictionSets:
     def test_default_set_follows_the_stored_quantile(self, client, tiny_artifact):
-        body = client.post("/predict", json=Q).json()
+        body = ok_json(client.post("/predict", json=Q))
         conformal = read_manifest(tiny_artifact).conformal_sets()
         assert body["prediction_set_coverage"] == pytest.approx(1 - conformal.alpha)
         assert body["prediction_set_score"] == conformal.score
+        # The expected set from the definitions (ibedl/core/conformal.py's docstring), written out here rather than
+        # by the function the service calls: options ranked by probability, LAC score 1 - p, APS score the mass
+        # ranked above plus half its own; the set is every option scoring at most the stored quantile, most probable
+        # first, and the top option when none does.
         probs = [body["probabilities"][k] for k in "ABCD"]
-        expected = ["ABCD"[i] for i in prediction_set(probs, conformal.quantile(), conformal.score)]
+        ranked = sorted(range(4), key=lambda i: -probs[i])
+        above = {i: sum(probs[j] for j in ranked[:r]) for r, i in enumerate(ranked)}
+        score = {i: 1 - probs[i] if conformal.score == "lac" else above[i] + probs[i] / 2 for i in range(4)}
+        expected = ["ABCD"[i] for i in ranked if score[i] <= conformal.quantile() + 1e-9] or ["ABCD"[ranked[0]]]
         assert body["prediction_set"] == expected
         assert body["prediction_set"][0] == body["prediction"]["letter"]
 
     @pytest.mark.parametrize("score", ["lac", "aps"])
     def test_smaller_alpha_gives_a_superset(self, client, score):
-        sets = [client.post("/predict", json={**Q, "conformal": {"alpha": a, "score": score}}).json()
+        sets = [ok_json(client.post("/predict", json={**Q, "conformal": {"alpha": a, "score": score}}))
                 for a in (0.2, 0.1, 0.01)]
         assert [s["prediction_set_coverage"] for s in sets] == pytest.approx([0.8, 0.9, 0.99])
         assert set(sets[0]["prediction_set"]) <= set(sets[1]["prediction_set"]) <= set(sets[2]["prediction_set"])
@@ -57,7 +64,7 @@ class TestPredictionSets:
 
     def test_uncalibrated_adapter_answers_null_sets(self, uncalibrated_artifact, make_client):
         with make_client(artifact=uncalibrated_artifact) as c:
-            body = c.post("/predict", json=Q).json()
+            body = ok_json(c.post("/predict", json=Q))
             assert body["prediction_set"] is None and body["prediction_set_coverage"] is None
             r = c.post("/predict", json={**Q, "conformal": {"alpha": 0.1}})
             assert r.status_code == 422 and "ibedl.training.calibrate" in r.json()["error"]["message"]
@@ -65,7 +72,7 @@ class TestPredictionSets:
 
 class TestGate:
     def test_ood_score_is_inverse_uncertainty(self, client):
-        body = client.post("/predict", json=Q).json()
+        body = ok_json(client.post("/predict", json=Q))
         assert body["ood_score"] == pytest.approx(1 / body["uncertainty_mass"], rel=1e-5)
 
     @pytest.mark.parametrize("threshold, reason", [(1e9, "out_of_distribution"), (0.0, None)])
@@ -74,7 +81,7 @@ class TestGate:
         m.abstention["ood_threshold"] = threshold
         write_manifest(open_artifact, m)
         with make_client(artifact=open_artifact) as c:
-            body = c.post("/predict", json=Q).json()
+            body = ok_json(c.post("/predict", json=Q))
             assert body["abstain_reason"] == reason and body["abstained"] == (reason is not None)
             # the set is still there: a user may show it instead of an answer
             assert body["prediction_set"]
@@ -83,14 +90,14 @@ class TestGate:
 class TestAccuracyEstimate:
     def test_estimate_is_the_mean_confidence_of_answered_questions(self, open_artifact, make_client):
         with make_client(artifact=open_artifact) as c:
-            before = c.get("/v1/drift").json()
+            before = ok_json(c.get("/v1/drift"))
             assert before["answered_in_window"] == 0 and before["estimated_accuracy"] is None
             confs = []
             for i in range(5):
-                body = c.post("/predict", json={**Q, "question": f"Which is sun? ({i})"}).json()
+                body = ok_json(c.post("/predict", json={**Q, "question": f"Which is sun? ({i})"}))
                 assert not body["abstained"]
                 confs.append(body["confidence"])
-            d = c.get("/v1/drift").json()
+            d = ok_json(c.get("/v1/drift"))
             mean = sum(confs) / 5
             half = 1.959964 * math.sqrt(sum(p * (1 - p) for p in confs)) / 5
             assert d["answered_in_window"] == 5
@@ -105,11 +112,11 @@ class TestAccuracyEstimate:
     def test_abstained_questions_do_not_count(self, open_artifact, make_client):
         with make_client(artifact=open_artifact) as c:
             c.post("/predict", json={**Q, "abstain": {"min_confidence": 1.0}})
-            assert c.get("/v1/drift").json()["answered_in_window"] == 0
+            assert ok_json(c.get("/v1/drift"))["answered_in_window"] == 0
 
 
 def test_models_list_the_stored_sets_and_calibration(client):
-    card = client.get("/v1/models").json()["data"][0]
+    card = ok_json(client.get("/v1/models"))["data"][0]
     assert card["conformal"]["alphas"] == [0.01, 0.02, 0.05, 0.1, 0.2]
     assert card["conformal"]["scores"] == ["aps", "lac"]
     assert card["calibration"]["risk_control"]["target_accuracy"] == card["abstention"]["how"]["target_accuracy"]
@@ -117,7 +124,7 @@ def test_models_list_the_stored_sets_and_calibration(client):
 
 
 def test_openapi_documents_the_new_fields(client):
-    schemas = client.get("/openapi.json").json()["components"]["schemas"]
+    schemas = ok_json(client.get("/openapi.json"))["components"]["schemas"]
     response = schemas["PredictResponse"]["properties"]
     for key in ("prediction_set", "prediction_set_coverage", "prediction_set_score", "ood_score", "abstain_reason"):
         assert "description" in response[key], key

@@ -17,7 +17,7 @@ def test_every_engine_error_type_has_a_status(cls):
 
 @pytest.mark.parametrize(("error", "status"), [
     (errors.InvalidRequest("bad", "options"), 422), (errors.UnknownAdapter("no adapter", "adapter"), 422),
-    (errors.TooLarge("long", "question"), 413), (errors.ModelError("nan"), 503), (errors.NotReady("loading"), 503),
+    (errors.TooLarge("long", "question"), 413), (errors.ModelError("nan"), 500), (errors.NotReady("loading"), 503),
     (errors.Overloaded("busy"), 503), (errors.ShuttingDown("bye"), 503), (errors.Timeout("late"), 504),
     (errors.Cancelled("gone"), 499), (errors.EngineError("a bug"), 500),
 ])
@@ -32,3 +32,9 @@ def test_the_handler_answers_the_error_body_and_retry_after():
     response = engine_error_response(errors.TooLarge("long", "items.0.question"))
     assert response.status_code == 413 and "Retry-After" not in response.headers
     assert json.loads(response.body)["error"] == {"type": "too_large", "message": "long", "field": "items.0.question"}
+
+
+def test_a_503_is_always_a_refusal_the_model_never_saw():
+    # The gateway retries a 503 on another replica (deploy/nginx/nginx.conf): every engine error answered 503 must be
+    # one raised before the model ran. model_error (the model ran and gave NaN) is a 500.
+    assert sorted(t for t, code in STATUS.items() if code == 503) == ["not_ready", "overloaded", "shutting_down"]

@@ -46,7 +46,7 @@ def nan_loader(settings):
 
     def predict(questions, truncate_context=True):
         return [dataclasses.replace(p, probs=[float("nan")] * len(p.probs)) if q.question == "break" else p
-                for q, p in zip(questions, original(questions, truncate_context))]
+                for q, p in zip(questions, original(questions, truncate_context), strict=True)]
 
     predictor.predict = predict
     return predictor
@@ -56,13 +56,13 @@ def test_access_line_and_request_id_on_every_line(make_client):
     with make_client(loader=nan_loader) as c, json_log() as out:
         assert c.post("/predict", json=Q, headers={"X-Request-Id": "req-ok"}).status_code == 200
         assert c.post("/predict", json={**Q, "question": "break"},
-                      headers={"X-Request-Id": "req-bad"}).status_code == 503
+                      headers={"X-Request-Id": "req-bad"}).status_code == 500
         assert c.post("/predict", json={**Q, "adapter": "nope"}).status_code == 422
         c.get("/health/ready")  # a probe: DEBUG, not in an INFO log
     lines = records(out)
     access = [r for r in lines if r["logger"] == "ibedl.serve.access"]
     assert [(r["method"], r["route"], r["status"]) for r in access] == [
-        ("POST", "/predict", 200), ("POST", "/predict", 503), ("POST", "/predict", 422)]
+        ("POST", "/predict", 200), ("POST", "/predict", 500), ("POST", "/predict", 422)]
     ok, bad, unknown = access
     assert ok["request_id"] == "req-ok" and ok["adapter"] == "tiny" and ok["latency_ms"] > 0
     assert ok["level"] == "info" and ok["time"].endswith("Z")

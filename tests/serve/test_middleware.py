@@ -3,6 +3,7 @@
 import asyncio
 from types import SimpleNamespace
 
+from ibedl.serve.admission import Admission
 from ibedl.serve.metrics import Metrics
 from ibedl.serve.middleware import RequestGuard
 from ibedl.serve.settings import Settings
@@ -17,7 +18,7 @@ def guard(busy_for=None, **settings):
         await send({"type": "http.response.body", "body": b"{}"})
 
     state = SimpleNamespace(settings=Settings(**settings), metrics=Metrics(), accepting=lambda: True,
-                            busy_for=busy_for or (lambda header, arrived: None))
+                            admission=Admission(), busy_for=busy_for or (lambda header, arrived: None))
     return RequestGuard(app, state), reached, state
 
 

@@ -58,13 +58,18 @@ class TestTemperature:
         assert t == pytest.approx(true_t, rel=0.1)
         assert info["nll_at_temperature"] < info["nll_at_1"]
 
-    def test_numpy_and_torch_temper_agree(self):
-        probs = torch.tensor([[0.7, 0.2, 0.1, 0.0], [0.25, 0.25, 0.25, 0.25]])
+    def test_numpy_and_torch_temper_give_the_known_answer(self):
+        # T = 2 is softmax(log p / 2) = sqrt(p) / sum(sqrt(p)), by hand: sqrt([0.81, 0.09, 0.1]) = [0.9, 0.3,
+        # 0.316227766...], sum 1.516227766..., so [0.5935784, 0.1978595, 0.2085622]; uniform stays uniform.
+        expected = [0.9 / 1.5162277660168379, 0.3 / 1.5162277660168379, 0.31622776601683794 / 1.5162277660168379]
+        assert expected == pytest.approx([0.5935784, 0.1978595, 0.2085622], abs=1e-7)
+        probs = torch.tensor([[0.81, 0.09, 0.1, 0.0], [0.25, 0.25, 0.25, 0.25]])
         mask = torch.tensor([[True, True, True, False], [True] * 4])
-        out = torch_temper(probs, mask, 1.7)
+        out = torch_temper(probs, mask, 2.0)
         assert out[0, 3] == 0
-        assert out[0, :3].numpy() == pytest.approx(temper([np.array([0.7, 0.2, 0.1])], 1.7)[0], abs=1e-6)
-        assert out.sum(-1).numpy() == pytest.approx([1.0, 1.0])
+        assert out[0, :3].numpy() == pytest.approx(expected, abs=1e-6)
+        assert out[1].numpy() == pytest.approx([0.25] * 4, abs=1e-7)
+        assert temper([np.array([0.81, 0.09, 0.1])], 2.0)[0] == pytest.approx(expected, abs=1e-12)
 
 
 class TestPosthocOutputs:
@@ -118,6 +123,23 @@ def _synthetic(kind: str, n: int = 600, seed: int = 0):
     return raw, labels
 
 
+def reference_outputs(kind: str, raw: dict, head_update: dict) -> tuple[list[np.ndarray], np.ndarray]:
+    """Per-question probabilities and (N,) OOD scores straight from the heads' definitions (see the caller)."""
+    probs, ood = [], []
+    for i in range(len(raw["probs"])):
+        if kind == "softmax":
+            p = np.asarray(raw["probs"][i], dtype=np.float64) ** (1.0 / head_update.get("temperature", 1.0))
+            probs.append(p / p.sum())
+            ood.append(probs[-1].max())
+            continue
+        alpha = np.asarray(raw["alpha"][i], dtype=np.float64)
+        if kind == "ib_edl":
+            alpha = np.maximum(alpha - head_update.get("zeta", 0.0) * np.asarray(raw["sigma"][i]), raw["offset"])
+        probs.append(alpha / alpha.sum())
+        ood.append(alpha.sum() / (len(alpha) * raw["offset"]))
+    return probs, np.asarray(ood)
+
+
 class TestCalibrateOutputs:
     @pytest.mark.parametrize("kind", ["ib_edl", "evidential", "softmax"])
     def test_sections_are_valid_and_consistent(self, kind):
@@ -130,17 +152,20 @@ class TestCalibrateOutputs:
         cal = sections["calibration"]
         assert cal["n_fit"] == 180 and cal["n_calibration"] == 420 and conformal.n == 420
         assert abst.ood_score == ("max_probability" if kind == "softmax" else "inverse_uncertainty")
-        # The gate is the fit part's quantile of the OOD score.
+        # The post-hoc outputs, recomputed here from the heads' definitions rather than by the code under test:
+        # IB-EDL alpha -> max(alpha - zeta * sigma, offset), p = alpha / alpha0, u = C * offset / alpha0, OOD score
+        # 1 / u; evidential the same without the map; softmax p -> p^(1/T) / sum p^(1/T), OOD score max p.
+        probs, ood = reference_outputs(kind, raw, head_update)
+        assert np.allclose(np.concatenate(outputs.probs), np.concatenate(probs), rtol=1e-12, atol=1e-12)
+        assert np.allclose(outputs.ood_score(), ood, rtol=1e-12, atol=0)
+        # The gate is the k-th smallest OOD score of the fit part, k = floor(0.05 * (n_fit + 1)) = floor(9.05) = 9.
         fit, _ = split(600, 0.3, 0)
-        assert abst.ood_threshold == gate_threshold(outputs.ood_score()[fit], 0.05)
+        assert len(fit) == 180 and abst.ood_threshold == pytest.approx(np.sort(ood[fit])[9 - 1], rel=1e-12)
         risk = cal["risk_control"]
         assert risk["certified"] and risk["accuracy_lower_bound"] >= 0.8 - 1e-12
         assert abst.min_confidence == risk["min_confidence"]
         assert sorted(conformal.alphas()) == [0.01, 0.02, 0.05, 0.1, 0.2]
         assert len(sections["reference"]["confidence"]) == 600
-        # The post-hoc outputs are what posthoc_outputs gives with the chosen parameter.
-        again = posthoc_outputs(kind, raw, head_update)
-        assert np.allclose(np.concatenate(again.probs), np.concatenate(outputs.probs))
 
     def test_no_posthoc_sets_the_parameter_neutral(self):
         raw, labels = _synthetic("ib_edl")
@@ -234,3 +259,45 @@ class TestCli:
         assert predictor.calibration.key == "openvino-fp32"
         assert predictor.head.config.zeta == mine.head["zeta"]
         assert Predictor.from_artifact(out).calibration.key == "torch-fp32"
+
+
+class TestFeedbackSample:
+    """``--dataset feedback``: a recalibration on the labels sent back to the service, with the outputs its
+    receipts carried (the model does not run again)."""
+
+    def test_recalibrates_on_the_recorded_labels(self, tiny_artifact, tiny_jsonl, tmp_path):
+        import ibedl
+        from ibedl.core.artifact import read_manifest
+        from ibedl.training.calibrate import calibrate_outputs, feedback_outputs
+
+        db = tmp_path / "feedback.sqlite"
+        model = ibedl.load(tiny_artifact, max_tokens=96, feedback_key="calibrate-feedback-key", feedback_db=db)
+        rows = [json.loads(line) for line in tiny_jsonl.read_text().splitlines()]
+        answers = model.predict([{"question": r["question"], "options": r["options"]} for r in rows])
+        labels = [model.record_feedback([{"receipt": a.receipt, "label": "A"}]) for a in answers]  # answer: A
+        assert sum(r.recorded for r in labels) == len(rows)
+
+        manifest = read_manifest(tiny_artifact)
+        kind, raw, ys = feedback_outputs(db, manifest)
+        assert ys == [0] * len(rows) and len(raw["probs"]) == len(rows)
+        assert raw["probs"][0] == pytest.approx(list(answers[0].probabilities.values()), abs=1e-6)
+        out = tmp_path / "recalibrated"
+        assert main(["--artifact", str(tiny_artifact), "--dataset", "feedback", "--path", str(db),
+                     "--output", str(out)]) == 0
+        new = read_manifest(out)
+        assert new.version == next_version(str(manifest.version)) and new.calibration["dataset"] == "feedback"
+        assert new.head == manifest.head  # the served post-hoc parameter stays
+        # the stored decisions are those of calibrate_outputs on the served outputs, without a post-hoc refit
+        _, _, sections = calibrate_outputs(kind, raw, ys, CalibrationConfig(posthoc=False))
+        assert new.conformal["quantiles"] == sections["conformal"]["quantiles"]
+        assert new.abstention["min_confidence"] == sections["abstention"]["min_confidence"]
+
+    def test_too_few_labels_or_another_version_is_a_clear_error(self, tiny_artifact, tmp_path, capsys):
+        from ibedl.engine.feedback import FeedbackStore
+
+        db = tmp_path / "feedback.sqlite"
+        FeedbackStore(db).close()
+        assert main(["--artifact", str(tiny_artifact), "--dataset", "feedback", "--path", str(db)]) == 2
+        assert "holds 0 labels of adapter" in capsys.readouterr().err
+        assert main(["--artifact", str(tiny_artifact), "--dataset", "feedback"]) == 2
+        assert "needs --path" in capsys.readouterr().err

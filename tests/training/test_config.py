@@ -28,7 +28,7 @@ def test_overrides_nested_and_typed():
 
 @pytest.mark.parametrize("override,message", [
     ("optim.lr=-1", "optim.lr must be > 0, got -1"),
-    ("optim.batch_size=0", "optim.batch_size must be >= 1, got 0"),
+    ("optim.batch_size=0", "optim.batch_size must be an integer >= 1, got 0"),
     ("lora.dropout=1.5", "lora.dropout must be in \\[0, 1\\), got 1.5"),
     ("data.label_noise=1.0", "data.label_noise must be in \\[0, 1\\), got 1.0"),
     ("optim.bogus=1", "unknown config keys \\['optim.bogus'\\]"),

@@ -134,7 +134,7 @@ def settings(tmp_path, *extra):
 @pytest.mark.parametrize("extra, message", [
     (["mixed_precision=fp8"], r"mixed_precision must be 'no', 'bf16' or 'fp16', got 'fp8'"),
     (["track=wandb"], r"track must be 'tensorboard' or 'mlflow', got 'wandb'"),
-    (["optim.gradient_accumulation_steps=0"], "optim.gradient_accumulation_steps must be >= 1, got 0"),
+    (["optim.gradient_accumulation_steps=0"], "optim.gradient_accumulation_steps must be an integer >= 1, got 0"),
     (["fsdp=true", "load_in_4bit=true"], "fsdp cannot shard a 4-bit base"),
     (["fsdp=true", "eval_every=10"], "eval_every must be 0"),
 ])

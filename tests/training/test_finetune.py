@@ -192,10 +192,13 @@ def test_cli_reports_bad_config(tmp_path, capsys):
     assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
 
 
-def test_unknown_method_param(tmp_path, tiny_model_dir, jsonl_data):
-    cfg = config(tmp_path, tiny_model_dir, jsonl_data, "edl", **{"method_params.beta": 1})
+def test_method_params_are_checked_when_the_config_loads(tmp_path, tiny_model_dir, jsonl_data):
     with pytest.raises(ValueError, match=r"method 'edl' has no hyper-parameters \['beta'\]"):
-        train(cfg)
+        config(tmp_path, tiny_model_dir, jsonl_data, "edl", **{"method_params.beta": 1})
+    with pytest.raises(ValueError, match=r"method_params.beta must be a finite number >= 0, got -1"):
+        config(tmp_path, tiny_model_dir, jsonl_data, "ib_edl", **{"method_params.beta": -1})
+    with pytest.raises(ValueError, match=r"unknown method 'bogus'"):
+        config(tmp_path, tiny_model_dir, jsonl_data, "bogus")
 
 
 def test_early_stopping_keeps_the_state_of_the_lowest_validation_nll():

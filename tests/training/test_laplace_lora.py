@@ -43,7 +43,7 @@ def test_glm_predictive_is_a_distribution_and_flatter_than_map(map_artifact):
     assert float(la.la.prior_precision) > 0 and la.prior_info["prior"] == "marglik"
     probs, seconds = la.predict(questions[20:32], batch_size=4)
     assert seconds > 0 and len(probs) == 12
-    for p, q, m in zip(probs, questions[20:32], map_probs):
+    for p, q, m in zip(probs, questions[20:32], map_probs, strict=True):
         assert len(p) == q.num_options
         assert sum(p) == pytest.approx(1.0, abs=1e-6)
         # the probit predictive shrinks the logits: max probability never above MAP's (+ rounding)
@@ -118,7 +118,7 @@ def test_posterior_over_the_live_layers_of_a_prefix_cached_trunk(map_artifact, t
     assert live and all(prefix_cache.layer_index(n) == 1 for n in live)
     probs = la.predict(questions[20:28], batch_size=4)[0]  # Jacobians through the cached states (torch.func)
     assert list(tmp_path.rglob("*.safetensors")) and trunk.first == 1
-    for p, q, f in zip(probs, questions[20:28], full):
+    for p, q, f in zip(probs, questions[20:28], full, strict=True):
         assert len(p) == q.num_options and sum(p) == pytest.approx(1.0, abs=1e-6)
         # layer 0's LoRA leaves the posterior: the predictive is no wider than the one over both layers (+ rounding)
         assert max(p) >= max(f) - 1e-3
@@ -131,10 +131,10 @@ def test_mc_predictive_samples_the_posterior(map_artifact):
     map_probs = [p.probs for p in predictor.predict(questions[20:28])]
     la = fit_laplace(predictor, questions[:20], prior_precision="marglik", predictive="mc", samples=8)
     probs = la.predict(questions[20:28], batch_size=4)[0]
-    for p, q, m in zip(probs, questions[20:28], map_probs):
+    for p, q, m in zip(probs, questions[20:28], map_probs, strict=True):
         assert len(p) == q.num_options and sum(p) == pytest.approx(1.0, abs=1e-6)
     # weight samples moved the answer distribution away from MAP's
-    assert max(abs(a - b) for p, m in zip(probs, map_probs) for a, b in zip(p, m)) > 1e-4
+    assert max(abs(a - b) for p, m in zip(probs, map_probs, strict=True) for a, b in zip(p, m, strict=True)) > 1e-4
     with pytest.raises(ValueError, match="predictive must be one of"):
         fit_laplace(predictor, questions[:20], prior_precision="marglik", predictive="laplace")
 
@@ -150,9 +150,10 @@ def test_glm_predictive_one_question_at_a_time_equals_laplace_torchs_batched_one
     ours = la.predict(questions[20:28], batch_size=4)[0]
     ref = []  # laplace-torch's own GLM probit predictive, four questions a Jacobian
     for batch in _Batches(predictor, questions[20:28], 4, la.width).batches:
-        for row, mask in zip(la.la(batch, pred_type="glm", link_approx="probit").detach(), batch["option_mask"]):
+        glm = la.la(batch, pred_type="glm", link_approx="probit").detach()
+        for row, mask in zip(glm, batch["option_mask"], strict=True):
             ref.append((row[mask] / row[mask].sum()).tolist())
-    for a, b in zip(ours, ref):
+    for a, b in zip(ours, ref, strict=True):
         assert a == pytest.approx(b, abs=1e-5)
 
 
@@ -169,7 +170,7 @@ def test_prior_chosen_on_validation_has_the_lowest_validation_nll_of_the_grid(ma
     def nll(value: float) -> float:
         la.la.prior_precision = value
         probs = la.predict(validation)[0]
-        return -float(np.mean([np.log(p[q.answer]) for p, q in zip(probs, validation)]))
+        return -float(np.mean([np.log(p[q.answer]) for p, q in zip(probs, validation, strict=True)]))
 
     chosen = nll(info["prior_precision"])
     assert chosen == pytest.approx(info["validation_nll"], rel=1e-4)

@@ -377,6 +377,47 @@ def plots(results: list[dict], runs_root: Path, out_dir: Path) -> list[Path]:
             )
         elif path.is_file():
             paths.append(path)
+    return paths + ood_plots(results, runs_root, out_dir)
+
+
+OOD_PLOT_SCORES = {"max p": "probs", "1/u": "uncertainty", "-energy": "energy", "-Mahalanobis": "mahalanobis"}
+
+
+def ood_plots(results: list[dict], runs_root: Path, out_dir: Path) -> list[Path]:
+    """Per OOD experiment and method (seed of the first run): the distribution of each OOD score (max probability,
+    1/u for Dirichlet methods, the energy and the Mahalanobis score, each oriented so higher is in-distribution)
+    on the in-distribution stream and every shifted one. A plot whose predictions are gone is kept as drawn."""
+    from ibedl.training.plots import score_distributions
+
+    paths, seen = [], set()
+    for r in results:
+        if r["kind"] != "ood" or (r["dataset"], r["method"]) in seen:
+            continue
+        seen.add((r["dataset"], r["method"]))
+        path = out_dir / f"ood-scores-{r['dataset']}-{r['method']}.png"
+        run_dir = runs_root / f"{r['dataset']}-{METHODS[r['method']].trained_as}-s{r['seed']}"
+        shifted = dict.fromkeys(k.split("/")[1] for k in r["metrics"] if k.startswith("ood/"))
+        files = {s: run_dir / f"predictions-{r['method']}-{s.replace(':', '-')}.json" for s in [r["dataset"], *shifted]}
+        if not shifted or not all(f.is_file() for f in files.values()):
+            paths += [path] if path.is_file() else []
+            continue
+        streams = {}
+        for stream, file in files.items():
+            preds = json.loads(file.read_text())
+            scores = {}
+            for label, key in OOD_PLOT_SCORES.items():
+                values = preds.get(key)
+                if values is None:
+                    continue
+                if key == "probs":
+                    scores[label] = [max(p) for p in values]
+                elif key == "uncertainty":
+                    scores[label] = [1.0 / max(u, 1e-12) for u in values]
+                else:  # ibedl.training.ood_scores: energy and Mahalanobis are stored higher = in-distribution
+                    scores[label] = list(values)
+            streams[dataset_name(stream)] = scores
+        paths.append(score_distributions(streams, path, title=f"{method_label(r['method'])} trained on "
+                                         f"{DATASET_NAMES.get(r['dataset'], r['dataset'])}: OOD scores per stream"))
     return paths
 
 

@@ -3,12 +3,33 @@ it trains, its predictive (dropout passes) and an optional post-hoc step fitted 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Union
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError
 
 from ibedl.core.head import HeadPrediction
+from ibedl.training.config import describe
+
+Number = Union[StrictInt, StrictFloat]  # a finite number as written (an int stays an int in the manifest)
+
+
+class Hyper(BaseModel):
+    """A method's hyper-parameters: typed, unknown keys refused, bounds in ``Field``; a subclass per method
+    declares them with their defaults (:class:`Method` ``hyper``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def number(default, **bounds) -> Field:
+    """A finite-number hyper-parameter with its default and ``ge``/``gt``/``le``/``lt`` bounds."""
+    return Field(default, allow_inf_nan=False, **bounds)
+
+
+def count(default: int, low: int = 1) -> Field:
+    """A whole-number hyper-parameter >= ``low``."""
+    return Field(default, ge=low)
 
 
 @dataclass
@@ -59,10 +80,10 @@ class Method:
         name: registry key (``map``, ``edl``, ``ib_edl``, ...).
         head: head kind in ``ibedl.core.head.HEADS``.
         loss: ``loss(out, y, mask, params, ctx) -> {"loss": (B,), <parts>: (B,)}``.
-        defaults: hyper-parameters with their default values; a config may override them.
+        hyper: the :class:`Hyper` model of its hyper-parameters (defaults and bounds); a config's ``method_params``
+            override the defaults.
         clip_grad_norm: gradient clipping (20 for the EDL family as in the paper, 1 otherwise).
         head_offset: alpha = evidence + offset, from ``params`` key when a str, else the number.
-        check: ``check(params)`` raises ValueError naming a bad hyper-parameter value (optional).
         label: the method's short name in reports (``IB-EDL``).
         members: adapters trained with seeds seed, seed + 1000, ... and averaged (a deep ensemble);
             from ``params`` when a str, else the number.
@@ -80,10 +101,9 @@ class Method:
     name: str
     head: str
     loss: LossFn
-    defaults: dict = field(default_factory=dict)
+    hyper: type[Hyper] = Hyper
     clip_grad_norm: float = 1.0
     head_offset: float | str = 1.0
-    check: Callable[[dict], None] | None = None
     label: str = ""
     members: int | str = 1
     mc_samples: int | str = 0
@@ -92,16 +112,23 @@ class Method:
     reuses: str | None = None
     calibrates_posthoc: bool = False
 
+    @property
+    def defaults(self) -> dict:
+        """Every hyper-parameter with its default value."""
+        return self.hyper().model_dump()
+
     def params(self, overrides: dict | None = None) -> dict:
-        """Defaults updated by ``overrides``; unknown keys are an error naming them."""
+        """Defaults updated by ``overrides``, validated by the method's :class:`Hyper` model: an unknown key or a bad
+        value is a ValueError naming the key and the value (``method_params.beta must be >= 0, got -1``)."""
         overrides = dict(overrides or {})
-        unknown = sorted(set(overrides) - set(self.defaults))
+        unknown = sorted(set(overrides) - set(self.hyper.model_fields))
         if unknown:
-            raise ValueError(f"method {self.name!r} has no hyper-parameters {unknown}; known: {sorted(self.defaults)}")
-        params = {**self.defaults, **overrides}
-        if self.check is not None:
-            self.check(params)
-        return params
+            raise ValueError(f"method {self.name!r} has no hyper-parameters {unknown}; "
+                             f"known: {sorted(self.hyper.model_fields)}")
+        try:
+            return self.hyper(**overrides).model_dump()
+        except ValidationError as e:
+            raise ValueError(describe(e, self.hyper, prefix="method_params.")) from None
 
     @property
     def trained_as(self) -> str:

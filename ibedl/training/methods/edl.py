@@ -5,7 +5,11 @@ References:
 """
 
 from ibedl.training.losses import annealing, edl_kl_regulariser, mse_bayes_risk
-from ibedl.training.methods.base import Method
+from ibedl.training.methods.base import Hyper, Number, Method, number
+
+
+class EDLParams(Hyper):
+    kl_weight: Number = number(1.0, ge=0)  # weight of the annealed KL term
 
 
 def edl_loss(out, y, mask, params, ctx):
@@ -14,5 +18,5 @@ def edl_loss(out, y, mask, params, ctx):
     return {"loss": risk + annealing(ctx.epoch, ctx.epochs, params["kl_weight"]) * kl, "risk": risk, "kl": kl}
 
 
-METHOD = Method(name="edl", label="EDL", head="evidential", loss=edl_loss, defaults={"kl_weight": 1.0},
+METHOD = Method(name="edl", label="EDL", head="evidential", loss=edl_loss, hyper=EDLParams,
                 clip_grad_norm=20.0)

@@ -5,7 +5,14 @@ References:
     Lakshminarayanan et al. Simple and Scalable Predictive Uncertainty Estimation using Deep Ensembles. NeurIPS 2017.
 """
 
-from ibedl.training.methods.base import Method
+from ibedl.training.methods.base import Hyper, Method, StrictInt, count
 from ibedl.training.methods.map import map_loss
 
-METHOD = Method(name="ensemble", label="Ens", head="softmax", loss=map_loss, defaults={"members": 3}, members="members")
+
+
+class EnsembleParams(Hyper):
+    members: StrictInt = count(3)  # MAP adapters, seeds s, s + 1000, ...
+
+
+METHOD = Method(name="ensemble", label="Ens", head="softmax", loss=map_loss, hyper=EnsembleParams,
+                members="members")

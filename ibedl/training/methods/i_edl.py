@@ -7,7 +7,12 @@ References:
 """
 
 from ibedl.training.losses import annealing, edl_kl_regulariser, fisher_mse
-from ibedl.training.methods.base import Method
+from ibedl.training.methods.base import Hyper, Number, Method, number
+
+
+class IEDLParams(Hyper):
+    fisher_weight: Number = number(0.005, ge=0)  # weight of the log det of the Fisher information
+    kl_weight: Number = number(1.0, ge=0)
 
 
 def loss(out, y, mask, params, ctx):
@@ -22,6 +27,6 @@ METHOD = Method(
     label="I-EDL",
     head="evidential",
     loss=loss,
-    defaults={"fisher_weight": 0.005, "kl_weight": 1.0},
+    hyper=IEDLParams,
     clip_grad_norm=20.0,
 )

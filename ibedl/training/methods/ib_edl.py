@@ -18,40 +18,32 @@ References:
 
 import math
 from dataclasses import asdict
+from typing import Literal, Optional
+
+from pydantic import model_validator
 
 import torch
 
 from ibedl.training.confidence_ceiling import confidence_ceiling
 
 from ibedl.training.losses import RISKS, gaussian_information, ib_edl_risk
-from ibedl.training.methods.base import Method
+from ibedl.training.methods.base import Hyper, Method, Number, StrictInt, count, number
 
 
-def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+class IBEDLParams(Hyper):
+    beta: Number = number(1e-3, ge=0)  # weight of the information term
+    num_samples: StrictInt = count(20)  # K samples of the pre-evidence per question in training
+    risk: Literal[tuple(RISKS)] = "mse"
+    beta_start: Optional[Number] = number(None, gt=0)  # anneal beta log-linearly from this to beta
+    beta_anneal: Number = number(0.5, gt=0, le=1)  # share of training the annealing takes
+    sigma_constant: Optional[Number] = number(None, gt=0)  # ablation: a constant sigma instead of the learned one
 
-
-def check_params(params: dict) -> None:
-    """Raise ValueError naming the first bad hyper-parameter."""
-    if not (_finite(params["beta"]) and params["beta"] >= 0):
-        raise ValueError(f"beta must be a finite number >= 0, got {params['beta']!r}")
-    if not (isinstance(params["num_samples"], int) and params["num_samples"] >= 1):
-        raise ValueError(f"num_samples must be an integer >= 1, got {params['num_samples']!r}")
-    if params["risk"] not in RISKS:
-        raise ValueError(f"risk must be one of {sorted(RISKS)}, got {params['risk']!r}")
-    start = params["beta_start"]
-    if start is not None:
-        if not (_finite(start) and start > 0):
-            raise ValueError(f"beta_start must be a finite number > 0 (or null for a constant beta), got {start!r}")
-        if not params["beta"] > 0:
-            raise ValueError(f"beta_start needs beta > 0 to anneal to (log-linear), got beta {params['beta']!r}")
-    constant = params["sigma_constant"]
-    if constant is not None and not (_finite(constant) and constant > 0):
-        raise ValueError(
-            f"sigma_constant must be a finite number > 0 (or null for the learned sigma), got {constant!r}"
-        )
-    if not (_finite(params["beta_anneal"]) and 0 < params["beta_anneal"] <= 1):
-        raise ValueError(f"beta_anneal must be in (0, 1], got {params['beta_anneal']!r}")
+    @model_validator(mode="after")
+    def _anneal(self):
+        if self.beta_start is not None and not self.beta > 0:
+            raise ValueError("method_params.beta_start needs beta > 0 to anneal to (log-linear), "
+                             f"got beta {self.beta!r}")
+        return self
 
 
 def beta_at(params: dict, progress: float) -> float:
@@ -84,10 +76,8 @@ METHOD = Method(
     label="IB-EDL",
     head="ib_edl",
     loss=ib_edl_loss,
-    defaults={"beta": 1e-3, "num_samples": 20, "risk": "mse", "beta_start": None, "beta_anneal": 0.5,
-              "sigma_constant": None},
+    hyper=IBEDLParams,
     clip_grad_norm=20.0,
-    check=check_params,
     confidence_ceiling=ceiling,
     calibrates_posthoc=True,
 )

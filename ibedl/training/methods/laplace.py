@@ -12,24 +12,31 @@ References:
 """
 
 import math
+from typing import Literal, Union
+
+from pydantic import field_validator
 
 from ibedl.training.laplace_lora import PREDICTIVES, PRIORS, LaplacePredictor, fit_laplace
-from ibedl.training.methods.base import Method, PostHoc
+from ibedl.training.methods.base import Hyper, Method, Number, PostHoc, StrictInt, count
 from ibedl.training.methods.map import map_loss
 
 
-def check_params(params: dict) -> None:
-    """Raise ValueError naming the first bad hyper-parameter."""
-    for key in ("fit_samples", "batch_size", "samples"):
-        value = params[key]
-        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-            raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
-    prior = params["prior_precision"]
-    number = isinstance(prior, (int, float)) and not isinstance(prior, bool)
-    if not (prior in PRIORS or (number and math.isfinite(prior) and prior > 0)):
-        raise ValueError(f"prior_precision must be one of {PRIORS} or a finite number > 0, got {prior!r}")
-    if params["predictive"] not in PREDICTIVES:
-        raise ValueError(f"predictive must be one of {PREDICTIVES}, got {params['predictive']!r}")
+class LaplaceParams(Hyper):
+    fit_samples: StrictInt = count(200)  # training questions the KFAC posterior is fitted on
+    # "validation" | "marglik" | a number > 0
+    prior_precision: Union[Literal[PRIORS], Number] = "validation"
+    batch_size: StrictInt = count(4)
+    predictive: Literal[PREDICTIVES] = "glm"
+    samples: StrictInt = count(10)  # weight draws of the mc predictive
+
+    @field_validator("prior_precision", mode="before")
+    @classmethod
+    def _prior(cls, value):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (value in PRIORS or (number and math.isfinite(value) and value > 0)):
+            raise ValueError(f"method_params.prior_precision must be one of {PRIORS} or a finite number > 0, "
+                             f"got {value!r}")
+        return value
 
 
 def fit(predictor, questions, validation, params):
@@ -46,8 +53,7 @@ METHOD = Method(
     label="LA",
     head="softmax",
     loss=map_loss,
-    defaults={"fit_samples": 200, "prior_precision": "validation", "batch_size": 4, "predictive": "glm", "samples": 10},
-    check=check_params,
+    hyper=LaplaceParams,
     posthoc=PostHoc(fit=fit),
     reuses="map",
 )

@@ -5,8 +5,14 @@ References:
     Gal and Ghahramani. Dropout as a Bayesian Approximation. ICML 2016.
 """
 
-from ibedl.training.methods.base import Method
+from ibedl.training.methods.base import Hyper, Method, StrictInt, count
 from ibedl.training.methods.map import map_loss
 
-METHOD = Method(name="mc_dropout", label="MCD", head="softmax", loss=map_loss, defaults={"mc_samples": 10},
+
+
+class MCDropoutParams(Hyper):
+    mc_samples: StrictInt = count(10)  # stochastic forward passes at prediction
+
+
+METHOD = Method(name="mc_dropout", label="MCD", head="softmax", loss=map_loss, hyper=MCDropoutParams,
                 mc_samples="mc_samples", reuses="map")

@@ -6,7 +6,12 @@ References:
 """
 
 from ibedl.training.losses import annealing, relaxed_mse, wrong_evidence_kl
-from ibedl.training.methods.base import Method
+from ibedl.training.methods.base import Hyper, Number, Method, number
+
+
+class REDLParams(Hyper):
+    eta: Number = number(0.1, gt=0)  # alpha = evidence + eta
+    kl_weight: Number = number(1.0, ge=0)
 
 
 def loss(out, y, mask, params, ctx):
@@ -20,7 +25,7 @@ METHOD = Method(
     label="R-EDL",
     head="evidential",
     loss=loss,
-    defaults={"eta": 0.1, "kl_weight": 1.0},
+    hyper=REDLParams,
     clip_grad_norm=20.0,
     head_offset="eta",
 )

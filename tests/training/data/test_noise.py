@@ -26,13 +26,13 @@ def test_exact_fraction_changed_to_valid_different_options(n: int, fraction: flo
     clean = _questions(n)
     noisy = perturb_labels(clean, fraction, seed=1)
     assert len(noisy) == n
-    changed = [(c, q) for c, q in zip(clean, noisy) if q.answer != c.answer]
+    changed = [(c, q) for c, q in zip(clean, noisy, strict=True) if q.answer != c.answer]
     assert len(changed) == round(fraction * n)
     for c, q in changed:
         assert 0 <= q.answer < q.num_options and q.answer != c.answer
         assert q.meta["noisy_label"] is True and q.meta["clean_answer"] == c.answer
         assert (q.question, q.options, q.id) == (c.question, c.options, c.id)
-    for c, q in zip(clean, noisy):
+    for c, q in zip(clean, noisy, strict=True):
         if q.answer == c.answer:
             assert q is c and "noisy_label" not in q.meta
     assert all("noisy_label" not in c.meta for c in clean)  # the input is not modified
@@ -56,7 +56,7 @@ def test_new_label_is_uniform_over_the_other_options() -> None:
 def test_zero_fraction_is_identity() -> None:
     clean = _questions()
     noisy = perturb_labels(clean, 0.0, seed=3)
-    assert noisy == clean and all(a is b for a, b in zip(noisy, clean))
+    assert noisy == clean and all(a is b for a, b in zip(noisy, clean, strict=True))
 
 
 @pytest.mark.parametrize("bad", [-0.1, 1.0, 1.5, math.nan, "0.1"])
@@ -105,7 +105,7 @@ def test_load_dataset_limit_and_noise(user_file: Path) -> None:
     # noise comes after subsetting: exactly round(0.25 * 20) = 5 of the 20 change
     noisy = load_dataset("jsonl", "test", path=user_file, limit=20, seed=1, label_noise=0.25, noise_seed=9)
     assert [q.id for q in noisy] == [q.id for q in some]
-    assert sum(q.answer != c.answer for q, c in zip(noisy, some)) == 5
+    assert sum(q.answer != c.answer for q, c in zip(noisy, some, strict=True)) == 5
     assert sum(bool(q.meta.get("noisy_label")) for q in noisy) == 5
 
 

@@ -68,7 +68,7 @@ def test_arc_format_matches_raw_records(name: str, split: str) -> None:
     raw = _raw_jsonl(ARC_FILES[(name, split)])
     questions = load_dataset(name, split)
     assert len(questions) == len(raw)
-    for record, q in zip(raw, questions):
+    for record, q in zip(raw, questions, strict=True):
         choices = record["question"]["choices"]
         assert q.id == record["id"]
         assert q.question == record["question"]["stem"]
@@ -105,7 +105,7 @@ def test_sciq_correct_answer_placement(split: str) -> None:
     first = load_dataset("sciq", split)
     second = load_dataset("sciq", split)
     assert len(first) == len(raw)
-    for i, (record, q, again) in enumerate(zip(raw, first, second)):
+    for i, (record, q, again) in enumerate(zip(raw, first, second, strict=True)):
         assert q.id == f"sciq-{split}-{i}"
         assert q.options[q.answer] == record["correct_answer"]
         fields = [record["distractor1"], record["distractor2"], record["distractor3"], record["correct_answer"]]

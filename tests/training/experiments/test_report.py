@@ -164,3 +164,35 @@ def test_report_shows_training_start_and_end_and_ib_edl_sigma(tmp_path):
     sigma = text.split("## IB-EDL's σ")[1].split("##")[0]
     assert "| IB-EDL (id) | 0.700 | 0.300 | 0.400 | – | 0.50 | -1.00 |" in sigma
     assert "| IB-EDL (ood) | 0.700 | 0.300 | 0.400 | 1.500 | – | – |" in sigma
+
+
+def test_report_draws_each_methods_ood_scores_per_stream(tmp_path):
+    """An ood cell gets one figure of its scores' distributions on every stream its metrics name; a Dirichlet
+    method's panel for 1/u is there, a softmax method's is not; without every stream's predictions no plot."""
+    from PIL import Image
+
+    rng = np.random.default_rng(2)
+    runs, path = tmp_path / "runs", tmp_path / "bench.md"
+    streams = ["sciq", "sciq:no_context", "obqa"]
+    results = []
+    for method in ("map", "ib_edl"):
+        metrics = {"accuracy": 0.8, **{f"ood/{s}/auroc_mp": 0.7 for s in streams[1:]}}
+        results.append({"key": f"ood-sciq-{method}-s0", "kind": "ood", "experiment": "ood", "method": method,
+                        "dataset": "sciq", "seed": 0, "label_noise": 0.0, "metrics": metrics, "efficiency": {}})
+        out = runs / f"sciq-{method}-s0"
+        out.mkdir(parents=True)
+        for s in streams:
+            n = 30
+            preds = {"probs": rng.dirichlet(np.ones(4), size=n).tolist(), "labels": [0] * n,
+                     "uncertainty": rng.uniform(0.1, 0.9, n).tolist() if method == "ib_edl" else None,
+                     "energy": rng.normal(size=n).tolist(), "mahalanobis": rng.normal(size=n).tolist()}
+            (out / f"predictions-{method}-{s.replace(':', '-')}.json").write_text(json.dumps(preds))
+    written = write_report(results, {"name": "bench"}, path, runs)
+    names = {p.name for p in written[1:]}
+    assert names == {"ood-scores-sciq-map.png", "ood-scores-sciq-ib_edl.png"}
+    widths = {n: Image.open(tmp_path / "bench-plots" / n).size[0] for n in names}
+    assert widths["ood-scores-sciq-ib_edl.png"] > widths["ood-scores-sciq-map.png"]  # four panels against three
+    assert "![ood-scores-sciq-ib_edl](bench-plots/ood-scores-sciq-ib_edl.png)" in path.read_text()
+    (runs / "sciq-map-s0" / "predictions-map-obqa.json").unlink()
+    (tmp_path / "bench-plots" / "ood-scores-sciq-map.png").unlink()
+    assert "ood-scores-sciq-map.png" not in {p.name for p in write_report(results, {"name": "bench"}, path, runs)}

@@ -1,0 +1,328 @@
+"""Labelled feedback replayed: how fast the realised guarantees' alert finds a broken guarantee after a shift, how
+often it fires on in-distribution traffic, and what the adaptive sets' coverage does, on the default adapter's
+stored outputs (no model run):
+
+    python -m benchmarks.feedback_replay [--artifact artifacts/default] [--seeds 200] \
+        [--output benchmarks/results/feedback_replay.json]
+
+The questions' outputs are the ones ``python -m benchmarks.decisions score`` stored
+(``benchmarks/results/decision_scores/default.json``), served under the artifact's manifest as the service serves
+them (``benchmarks.decisions.served``: post-hoc parameter, OOD gate, risk-controlled threshold, conformal sets).
+
+Per seed:
+
+- *shift*: ``--before`` SciQ test questions (with passages, in distribution), then questions of one shifted stream
+  (SciQ without passages, OBQA, ARC-Easy, ARC-Challenge, RACE without its article), each drawn with replacement.
+  Every question is labelled, its label arriving ``Uniform{0..--delay}`` questions after its answer, and the
+  labels are read in arrival order (as ``POST /v1/feedback`` records them). The alert is the service's
+  (``ibedl.engine.feedback`` with ``IBEDL_GUARANTEE_ALPHA`` 0.05): answered accuracy's confidence-sequence upper
+  bound below the stated 0.9 target, or set coverage's below its nominal 0.9. Reported: how many labelled answered
+  questions *of the shifted stream* had arrived when it fired (and labelled questions for the coverage alert).
+- *in distribution*: SciQ test alone until 2,000 labelled answered questions: does either alert ever fire?
+- the adaptive sets (``ibedl.engine.adaptive``, rate ``--rate``) follow the same delayed labels; their coverage
+  and size before and after the shift beside the calibrated sets'.
+
+``--service`` runs the loop once end to end through the real service instead (``python -m ibedl.serve`` on the
+artifact, CPU): ``--service-before`` SciQ test questions with their passages, then ``--service-after`` ARC-Challenge
+test questions, answered by ``POST /predict/batch`` 8 at a time, each batch's labels sent back by
+``POST /v1/feedback/batch`` after the next batch is answered (a one-batch delay), ``GET /v1/guarantees`` read after
+every label batch (default output ``benchmarks/results/feedback_service.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import write_result
+from benchmarks.decisions import load_dump, served
+from ibedl.core.artifact import read_manifest
+from ibedl.core.conformal import option_scores
+from ibedl.engine.adaptive import QuantileTracker
+from ibedl.engine.confidence_sequence import BettingCS
+
+SHIFTS = ("sciq_no_passage", "obqa", "arc_easy", "arc_challenge", "race_no_article")
+IN_DISTRIBUTION = "sciq_test"
+ALPHA = 0.05  # IBEDL_GUARANTEE_ALPHA's default
+FALSE_ALARM_ANSWERED = 2000
+CAP_ANSWERED = 1000  # labelled answered shifted questions replayed at most (the alert may not have fired by then)
+
+
+def stream_arrays(s: dict, conformal) -> dict:
+    """Per question of a served stream: answered, correct, covered by the calibrated set, and the option scores
+    with the label's index (what an adaptive set needs)."""
+    q = conformal.quantile()
+    scores = [option_scores(p, conformal.score) for p in s["outputs"].probs]
+    top = [int(np.argmax(p)) for p in s["outputs"].probs]
+    labels = [int(y) for y in s["labels"]]
+    return {
+        "answered": np.asarray(s["answered"], dtype=bool),
+        "correct": np.asarray(s["hits"], dtype=bool),
+        "covered": np.asarray([sc[y] <= q + 1e-9 or y == t for sc, y, t in zip(scores, labels, top)]),
+        "size": np.asarray([max(1, int(np.sum(sc <= q + 1e-9))) for sc in scores]),
+        "label_score": np.asarray([sc[y] for sc, y in zip(scores, labels)]),
+        "label_is_top": np.asarray([y == t for y, t in zip(labels, top)]),
+        "scores": scores,
+    }
+
+
+def draw(arrays: dict, idx: np.ndarray) -> dict:
+    return {k: (v[idx] if isinstance(v, np.ndarray) else [v[i] for i in idx]) for k, v in arrays.items()}
+
+
+def replay_seed(rng, before: dict, after: dict | None, n_before: int, n_after: int, delay: int, quantile: float,
+                rate: float, target_cov: float) -> dict:
+    """One seed's question sequence: ``n_before`` questions of ``before`` then ``n_after`` of ``after`` (None: none),
+    with labels arriving ``Uniform{0..delay}`` questions after each answer. Returns the label-arrival-ordered
+    outcomes, and the adaptive sets' coverage and size per question (sets built with the threshold of the labels
+    that had arrived)."""
+    first = draw(before, rng.integers(0, len(before["answered"]), n_before))
+    parts = [first]
+    if after is not None:
+        parts.append(draw(after, rng.integers(0, len(after["answered"]), n_after)))
+    seq = {k: (np.concatenate([p[k] for p in parts]) if isinstance(first[k], np.ndarray)
+               else sum((p[k] for p in parts), [])) for k in first}
+    n = len(seq["answered"])
+    shifted = np.arange(n) >= n_before
+    arrival = np.arange(n) + rng.integers(0, delay + 1, n)
+    order = np.argsort(arrival, kind="stable")  # labels in the order they arrive
+
+    # adaptive sets: question t is answered with the threshold of the labels arrived before it
+    tracker = QuantileTracker(quantile, 1.0 - target_cov, rate)
+    adaptive_cov = np.zeros(n, dtype=bool)
+    adaptive_size = np.zeros(n, dtype=np.int64)
+    pointer = 0
+    for t in range(n):
+        while pointer < n and arrival[order[pointer]] < t:
+            tracker.update(bool(adaptive_cov[order[pointer]]))
+            pointer += 1
+        q = tracker.quantile
+        adaptive_cov[t] = seq["label_score"][t] <= q + 1e-9 or seq["label_is_top"][t]
+        adaptive_size[t] = max(1, int(np.sum(seq["scores"][t] <= q + 1e-9)))
+    return {"answered": seq["answered"][order], "correct": seq["correct"][order], "covered": seq["covered"][order],
+            "shifted": shifted[order], "adaptive_covered": adaptive_cov, "adaptive_size": adaptive_size,
+            "covered_static": seq["covered"], "size_static": seq["size"], "shifted_by_question": shifted}
+
+
+def first_alarms(runs: list[dict], target_acc: float, target_cov: float) -> dict:
+    """Replay every seed's labels (in arrival order) through the service's confidence sequences, all seeds at
+    once; per seed, at the first accuracy alarm and the first coverage alarm: the labelled answered shifted
+    questions and labelled shifted questions arrived so far (-1: never)."""
+    seeds = len(runs)
+    length = max(len(r["answered"]) for r in runs)
+    pad = lambda key: np.stack([np.pad(r[key], (0, length - len(r[key]))) for r in runs])  # noqa: E731
+    answered, correct, covered, shifted = pad("answered"), pad("correct"), pad("covered"), pad("shifted")
+    present = np.stack([np.arange(length) < len(r["answered"]) for r in runs])
+    accuracy, coverage = BettingCS(ALPHA, (seeds,)), BettingCS(ALPHA, (seeds,))
+    out = {k: np.full(seeds, -1) for k in ("acc_answered", "acc_labels", "cov_answered", "cov_labels",
+                                            "acc_before_shift", "cov_before_shift")}
+    answered_shifted = np.zeros(seeds, dtype=np.int64)
+    labels_shifted = np.zeros(seeds, dtype=np.int64)
+    for k in range(length):
+        on = present[:, k]
+        accuracy.update(correct[:, k], active=on & answered[:, k])
+        coverage.update(covered[:, k], active=on)
+        answered_shifted += on & answered[:, k] & shifted[:, k]
+        labels_shifted += on & shifted[:, k]
+        for name, cs, stated in (("acc", accuracy, target_acc), ("cov", coverage, target_cov)):
+            fired = cs.below_target(stated) & (out[f"{name}_answered"] < 0) & (out[f"{name}_before_shift"] < 0)
+            before = fired & (labels_shifted == 0)
+            out[f"{name}_before_shift"][before] = k
+            after = fired & ~before
+            out[f"{name}_answered"][after] = answered_shifted[after]
+            out[f"{name}_labels"][after] = labels_shifted[after]
+    return out
+
+
+def summary(values: np.ndarray, within: int | None = None) -> dict:
+    fired = values[values >= 0]
+    row = {"fired": float(np.mean(values >= 0)),
+           "median": float(np.median(fired)) if len(fired) else None,
+           "p90": float(np.percentile(fired, 90)) if len(fired) else None,
+           "max": int(fired.max()) if len(fired) else None}
+    if within is not None:
+        row[f"within_{within}"] = float(np.mean((values >= 0) & (values <= within)))
+    return row
+
+
+def set_phase(runs: list[dict], lo: int, hi: int) -> dict:
+    """Mean coverage and size of the calibrated and the adaptive sets over questions lo..hi-1 of every seed."""
+    pick = lambda key: np.concatenate([r[key][lo:hi] for r in runs])  # noqa: E731
+    return {"calibrated_coverage": float(pick("covered_static").mean()),
+            "calibrated_size": float(pick("size_static").mean()),
+            "adaptive_coverage": float(pick("adaptive_covered").mean()),
+            "adaptive_size": float(pick("adaptive_size").mean())}
+
+
+def coverage_rows(runs: list[dict], n_before: int) -> dict:
+    """The sets before the shift, over its first 300 questions and over the next 1,700."""
+    return {"in_distribution": set_phase(runs, 0, n_before),
+            "first_300_after_shift": set_phase(runs, n_before, n_before + 300),
+            "300_to_2000_after_shift": set_phase(runs, n_before + 300, n_before + 2000)}
+
+
+def service_run(args) -> dict:
+    """The loop once through the real service: answers, receipts, delayed labels, the guarantees as served."""
+    import tempfile
+
+    import httpx
+
+    from benchmarks.service_process import ServiceProcess
+    from ibedl.training.data import load_dataset
+
+    def as_body(q, context: bool) -> dict:
+        return {"question": q.question, "options": list(q.options), "id": q.id,
+                **({"context": q.context} if context and q.context else {})}
+
+    before = [(as_body(q, True), q.answer, False)
+              for q in load_dataset("sciq", "test", limit=args.service_before, seed=1)]
+    after = [(as_body(q, False), q.answer, True)
+             for q in load_dataset("arc_challenge", "test", limit=args.service_after, seed=1)]
+    stream = before + after
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {"IBEDL_FEEDBACK_KEY": "feedback-replay-service-key",
+               "IBEDL_FEEDBACK_DB": str(Path(tmp) / "feedback.sqlite"), "IBEDL_ADAPTIVE_SETS": "true",
+               "IBEDL_DEVICE": "cpu", "IBEDL_THREADS": "1", "IBEDL_REQUEST_TIMEOUT_S": "120"}
+        service = ServiceProcess(args.artifact, env=env, log_path=Path(tmp) / "service.log")
+        try:
+            service.wait_ready(600)
+            http = httpx.Client(base_url=service.url, timeout=300, trust_env=False)
+            pending: list[dict] = []
+            trace, first_violation = [], {}
+            answered_shifted = labelled_shifted = 0
+            for start in range(0, len(stream) + 8, 8):
+                chunk = stream[start:start + 8]
+                answers = []
+                if chunk:
+                    r = http.post("/predict/batch", json={"items": [body for body, _, _ in chunk]})
+                    r.raise_for_status()
+                    answers = r.json()["results"]
+                if pending:  # the previous batch's labels arrive now
+                    r = http.post("/v1/feedback/batch", json={"items": [
+                        {"receipt": p["receipt"], "label": p["label"]} for p in pending]})
+                    r.raise_for_status()
+                    labelled_shifted += sum(p["shifted"] for p in pending)
+                    answered_shifted += sum(p["shifted"] and not p["abstained"] for p in pending)
+                    found = http.get("/v1/guarantees").json()["guarantees"]
+                    state = {f"{g['guarantee']}@{g['stated']}": g for g in found}
+                    trace.append({"labels": start, "labelled_shifted": labelled_shifted,
+                                  "answered_shifted": answered_shifted,
+                                  **{k: {"labels": g["labels"], "estimate": g["estimate"], "lower": g["lower"],
+                                         "upper": g["upper"], "violated": g["violated"]} for k, g in state.items()}})
+                    for key, g in state.items():
+                        if g["violated"] and key not in first_violation:
+                            first_violation[key] = {"labelled_shifted": labelled_shifted,
+                                                    "labelled_answered_shifted": answered_shifted,
+                                                    "upper": g["upper"], "labels": g["labels"]}
+                pending = [{"receipt": a["receipt"], "label": "ABCDEFGHIJ"[answer], "shifted": shifted,
+                            "abstained": a["abstained"]}
+                           for a, (_, answer, shifted) in zip(answers, chunk, strict=True)]
+            final = http.get("/v1/guarantees").json()
+            metrics = http.get("/metrics").text
+        finally:
+            service.stop()
+    return {"artifact": args.artifact, "questions_before_shift": len(before), "shifted_stream": "arc_challenge",
+            "questions_after_shift": len(after), "label_delay": "one batch of 8",
+            "first_violation": first_violation, "final": final,
+            "metrics_guarantee_upper": [line for line in metrics.splitlines()
+                                        if line.startswith("ibedl_guarantee_upper")],
+            "trace": trace}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.feedback_replay", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--artifact", default="artifacts/default")
+    parser.add_argument("--scores-dir", default="benchmarks/results/decision_scores")
+    parser.add_argument("--name", default="default", help="the stored outputs <scores-dir>/<name>.json")
+    parser.add_argument("--seeds", type=int, default=200)
+    parser.add_argument("--before", type=int, default=1000, help="in-distribution questions before the shift")
+    parser.add_argument("--delay", type=int, default=200, help="labels arrive up to this many questions late")
+    parser.add_argument("--rate", type=float, default=0.01, help="the adaptive sets' step (IBEDL_ADAPTIVE_RATE)")
+    parser.add_argument("--output", help="default benchmarks/results/feedback_replay.json "
+                        "(feedback_service.json with --service)")
+    parser.add_argument("--service", action="store_true", help="run the loop once through the real service instead")
+    parser.add_argument("--service-before", type=int, default=48, help="SciQ test questions before the shift")
+    parser.add_argument("--service-after", type=int, default=160, help="ARC-Challenge questions after it")
+    args = parser.parse_args(argv)
+    if args.service:
+        write_result(args.output or "benchmarks/results/feedback_service.json", service_run(args))
+        return 0
+    args.output = args.output or "benchmarks/results/feedback_replay.json"
+    if args.seeds < 1 or args.before < 1 or args.delay < 0 or not args.rate > 0:
+        parser.error(f"--seeds and --before must be >= 1, --delay >= 0, --rate > 0; got {args.seeds}, "
+                     f"{args.before}, {args.delay}, {args.rate}")
+    manifest = read_manifest(Path(args.artifact))
+    dump = load_dump(args.scores_dir, args.name, manifest)
+    conformal = manifest.conformal_sets()
+    target_acc = float(manifest.thresholds().how["target_accuracy"])
+    target_cov = round(1.0 - conformal.alpha, 6)
+    streams = {name: stream_arrays(served(dump, name, manifest), conformal) for name in (IN_DISTRIBUTION, *SHIFTS)}
+    base = streams[IN_DISTRIBUTION]
+    rng = np.random.default_rng(0)
+
+    result = {
+        "artifact": args.artifact, "version": str(manifest.version), "outputs": f"{args.scores_dir}/{args.name}.json",
+        "seeds": args.seeds, "alpha": ALPHA, "target_accuracy": target_acc, "nominal_coverage": target_cov,
+        "questions_before_shift": args.before, "label_delay_max": args.delay, "adaptive_rate": args.rate,
+        "streams": {name: {"questions": int(len(a["answered"])), "answered": float(a["answered"].mean()),
+                           "answered_accuracy": float(a["correct"][a["answered"]].mean()),
+                           "set_coverage": float(a["covered"].mean())} for name, a in streams.items()},
+    }
+
+    # in distribution: 2,000 labelled answered questions
+    n_id = math.ceil(FALSE_ALARM_ANSWERED / base["answered"].mean() * 1.05) + args.delay
+    runs = [replay_seed(rng, base, None, n_id, 0, args.delay, conformal.quantile(), args.rate, target_cov)
+            for _ in range(args.seeds)]
+    for r in runs:  # cut each seed at its 2,000th labelled answered question
+        cut = int(np.searchsorted(np.cumsum(r["answered"]), FALSE_ALARM_ANSWERED)) + 1
+        for key in ("answered", "correct", "covered", "shifted"):
+            r[key] = r[key][:cut]
+    alarms = first_alarms(runs, target_acc, target_cov)
+    acc, cov = alarms["acc_before_shift"] >= 0, alarms["cov_before_shift"] >= 0
+    result["in_distribution"] = {
+        "labelled_answered": FALSE_ALARM_ANSWERED,
+        "false_alarm_accuracy": float(acc.mean()), "false_alarm_coverage": float(cov.mean()),
+        "false_alarm_any": float((acc | cov).mean()),
+        "sets": set_phase(runs, 0, n_id),
+    }
+    print(f"in distribution: false alarms {result['in_distribution']}", file=sys.stderr)
+
+    result["shifts"] = {}
+    for name in SHIFTS:
+        after = streams[name]
+        n_after = math.ceil(CAP_ANSWERED / max(after["answered"].mean(), 1e-3)) + args.delay
+        runs = [replay_seed(rng, base, after, args.before, n_after, args.delay, conformal.quantile(), args.rate,
+                            target_cov) for _ in range(args.seeds)]
+        alarms = first_alarms(runs, target_acc, target_cov)
+        either = np.where((alarms["acc_answered"] >= 0) & (alarms["cov_answered"] >= 0),
+                          np.minimum(alarms["acc_answered"], alarms["cov_answered"]),
+                          np.maximum(alarms["acc_answered"], alarms["cov_answered"]))
+        result["shifts"][name] = {
+            "answered_accuracy": result["streams"][name]["answered_accuracy"],
+            "alarm_before_shift": float(np.mean((alarms["acc_before_shift"] >= 0) | (alarms["cov_before_shift"] >= 0))),
+            "accuracy_alert_labelled_answered": summary(alarms["acc_answered"], 300),
+            "coverage_alert_labelled": summary(alarms["cov_labels"]),
+            "coverage_alert_labelled_answered": summary(alarms["cov_answered"], 300),
+            "either_alert_labelled_answered": summary(either, 300),
+            "sets": coverage_rows(runs, args.before),
+        }
+        print(f"{name}: {result['shifts'][name]}", file=sys.stderr)
+
+    low = [n for n in SHIFTS if result["streams"][n]["answered_accuracy"] <= 0.6]
+    result["done_when"] = {
+        "false_alarm_accuracy_at_most_5pct": result["in_distribution"]["false_alarm_accuracy"] <= 0.05,
+        "false_alarm_any_at_most_5pct": result["in_distribution"]["false_alarm_any"] <= 0.05,
+        "shifts_at_most_60pct_accuracy": low,
+        "accuracy_alert_within_300_in_90pct": {
+            n: result["shifts"][n]["accuracy_alert_labelled_answered"]["within_300"] >= 0.9 for n in low},
+    }
+    write_result(args.output, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""Adaptive conformal sets from feedback: the set threshold follows the labels so that the long-run miscoverage
+stays at alpha on any sequence of questions, exchangeable or not (adaptive conformal inference, Gibbs & Candès
+2021, in its quantile-tracking form, Angelopoulos, Candès & Tibshirani 2023).
+
+After each labelled question whose adaptive set missed (err = 1) or held (err = 0) the right option,
+
+    q <- q + rate * (err - alpha)
+
+so misses widen the sets and hits narrow them. For scores in [0, B] and any sequence of T labels,
+|mean(err) - alpha| <= (B + rate) / (rate * T) (Angelopoulos et al. 2023, Prop. 1), whatever the traffic. It is a
+long-run frequency on the labelled stream, not the exchangeable guarantee of the calibrated sets (which holds
+for every question, on traffic like the calibration sample): the service reports the two apart.
+
+References:
+    Gibbs, I. & Candès, E. (2021). Adaptive conformal inference under distribution shift. NeurIPS.
+    Angelopoulos, A., Candès, E. & Tibshirani, R. (2023). Conformal PID control for time series prediction. NeurIPS.
+"""
+
+from __future__ import annotations
+
+SCORE_BOUND = 1.0  # lac (1 - p) and aps scores lie in [0, 1]
+
+
+class QuantileTracker:
+    """The adaptive set threshold of one adapter version.
+
+    Args:
+        start: the first threshold (the calibrated conformal quantile).
+        alpha: target miscoverage, 0 < alpha < 1.
+        rate: step size, > 0 (larger follows shift faster, with noisier sets).
+    """
+
+    def __init__(self, start: float, alpha: float, rate: float) -> None:
+        if not 0.0 < alpha < 1.0:
+            raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+        if not rate > 0.0:
+            raise ValueError(f"rate must be > 0, got {rate}")
+        self.alpha, self.rate = float(alpha), float(rate)
+        self.quantile = min(max(float(start), 0.0), SCORE_BOUND)
+        self.labels = 0
+        self.misses = 0
+
+    def update(self, covered: bool) -> None:
+        """One labelled question: whether its adaptive set held the right option."""
+        err = 0.0 if covered else 1.0
+        self.quantile += self.rate * (err - self.alpha)
+        self.labels += 1
+        self.misses += int(not covered)

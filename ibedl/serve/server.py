@@ -1,0 +1,93 @@
+"""How the service meets the network: whether its settings may bind the address they name (a non-loopback
+address needs a token, or an explicit IBEDL_ALLOW_ANONYMOUS), and the uvicorn configuration that bounds
+connections (IBEDL_MAX_CONNECTIONS) and the time to send a request's headers (IBEDL_HEADER_TIMEOUT_S)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from ibedl.serve.settings import Settings
+
+log = logging.getLogger("ibedl.serve")
+KEEP_ALIVE_S = 5  # uvicorn closes a kept-alive connection idle this long; the gateway's upstream pool closes sooner
+
+
+def refusal(settings: Settings) -> str | None:
+    """Why the service must not start with ``settings`` (None: it may): a non-loopback ``host`` without
+    IBEDL_API_TOKEN would serve anyone who reaches the port, unless IBEDL_ALLOW_ANONYMOUS says so on purpose."""
+    if settings.exposed() and settings.api_token is None and not settings.allow_anonymous:
+        return (f"refusing to serve {settings.host}:{settings.port} without a token: every client that reaches this "
+                "address could use the API. Set IBEDL_API_TOKEN (e.g. IBEDL_API_TOKEN=$(openssl rand -hex 32)), "
+                "bind a loopback address (--host 127.0.0.1), or set IBEDL_ALLOW_ANONYMOUS=true to serve it open "
+                "on purpose")
+    return None
+
+
+def log_exposure(settings: Settings) -> None:
+    """One line at start saying who may call the API."""
+    where = f"{settings.host}:{settings.port}"
+    if settings.api_token is not None:
+        log.info("serving %s; every route but the health probes requires the bearer token (IBEDL_API_TOKEN)", where)
+    elif settings.exposed():
+        log.warning("IBEDL_ALLOW_ANONYMOUS=true: serving %s OPEN, without a token; anyone who reaches this address "
+                    "can use the API", where)
+    else:
+        log.info("serving %s without a token: open to clients on this machine only (loopback)", where)
+
+
+def header_timeout_protocol(seconds: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol that closes a connection whose request headers are not complete ``seconds`` after it
+    opened or after its previous response (uvicorn itself waits forever for the first request's headers, so a
+    client that opens connections and sends nothing would hold them up to IBEDL_MAX_CONNECTIONS)."""
+
+    class HeaderTimeoutH11(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm_header_timer()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE:  # the headers are in: the body has its own timeout
+                self._cancel_header_timer()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+                self._arm_header_timer()  # the next request's headers get the same time
+
+        def connection_lost(self, exc) -> None:
+            self._cancel_header_timer()
+            super().connection_lost(exc)
+
+        def _arm_header_timer(self) -> None:
+            self._cancel_header_timer()
+            self._header_timer = self.loop.call_later(seconds, self._header_timeout)
+
+        def _cancel_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _header_timeout(self) -> None:
+            self._header_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                log.debug("closing a connection that sent no complete request headers in %g s", seconds)
+                self.transport.close()
+
+    return HeaderTimeoutH11
+
+
+def uvicorn_config(app, settings: Settings) -> uvicorn.Config:
+    """The uvicorn configuration the service runs ``app`` with."""
+    return uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                          timeout_graceful_shutdown=settings.shutdown_grace_s, access_log=False,
+                          log_config=None,  # uvicorn's lines go through the service's handlers (JSON or text)
+                          http=header_timeout_protocol(settings.header_timeout_s),
+                          limit_concurrency=settings.max_connections, timeout_keep_alive=KEEP_ALIVE_S)

@@ -1,0 +1,137 @@
+"""Receipts (signed, checked, expiring), the feedback store (once per receipt, shared by two connections, refusing
+another version's file) and the adaptive sets' threshold (its long-run miscoverage bound on any sequence)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sqlite3
+
+import numpy as np
+import pytest
+
+from ibedl.engine.adaptive import SCORE_BOUND, QuantileTracker
+from ibedl.engine.errors import InvalidReceipt, ReceiptExpired
+from ibedl.engine.feedback import COLUMNS, FeedbackStore
+from ibedl.engine.receipts import Receipt, new_id, sign, verify
+
+KEY = b"k" * 32
+
+
+def receipt(**changes) -> Receipt:
+    base = Receipt(id=new_id(), question="q-1", adapter="default", version="4", options=4, predicted=1, answered=True,
+                   set=(1, 2), coverage=0.9, adaptive_set=None, adaptive_coverage=None, target=0.9,
+                   probs=(0.1, 0.6, 0.25, 0.05), alpha=None, issued=1000, expires=2000)
+    return dataclasses.replace(base, **changes)
+
+
+class TestReceipts:
+    def test_round_trip(self):
+        r = receipt(alpha=(1.0, 3.5, 2.0, 1.0), adaptive_set=(1,), adaptive_coverage=0.9)
+        assert verify(sign(r, KEY), KEY, now=1500) == r
+
+    def test_expiry_is_inclusive_of_its_second(self):
+        token = sign(receipt(), KEY)
+        assert verify(token, KEY, now=2000).id
+        with pytest.raises(ReceiptExpired, match="expired 1 s ago"):
+            verify(token, KEY, now=2001)
+
+    @pytest.mark.parametrize("mangle", [
+        lambda t: t[:-1] + ("A" if t[-1] != "A" else "B"),  # mac changed
+        lambda t: t.replace(".", ".x", 1),  # payload changed
+        lambda t: "v2" + t[2:],  # unknown version
+        lambda t: t + ".extra",
+        lambda t: "",
+    ])
+    def test_any_change_is_refused(self, mangle):
+        with pytest.raises(InvalidReceipt):
+            verify(mangle(sign(receipt(), KEY)), KEY, now=1500)
+
+    def test_another_key_is_refused(self):
+        with pytest.raises(InvalidReceipt, match="signature does not match"):
+            verify(sign(receipt(), KEY), b"other", now=1500)
+
+    def test_ids_are_unique(self):
+        assert len({new_id() for _ in range(1000)}) == 1000
+
+
+def row(receipt_id: str, label: int = 1) -> dict:
+    values = {c: None for c in COLUMNS}
+    values.update(receipt_id=receipt_id, question="q", adapter="default", version="4", options=4, label=label,
+                  predicted=1, answered=1, probs="[0.1, 0.6, 0.25, 0.05]", issued=1.0, recorded=2.0)
+    return values
+
+
+class TestStore:
+    def test_a_receipt_is_kept_once_across_two_connections(self, tmp_path):
+        db = tmp_path / "f.sqlite"
+        one, two = FeedbackStore(db), FeedbackStore(db)
+        assert one.add([row("a"), row("b"), row("a")]) == [True, True, False]
+        assert two.add([row("b"), row("c")]) == [False, True]
+        assert [r["receipt_id"] for r in one.since(0)] == ["a", "b", "c"]
+        assert [r["receipt_id"] for r in two.since(2)] == ["c"]
+        assert len(one.labelled("default", "4")) == 3 and one.labelled("default", "5") == []
+
+    def test_a_failed_transaction_records_nothing(self, tmp_path):
+        store = FeedbackStore(tmp_path / "f.sqlite")
+        bad = row("z")
+        bad["options"] = None  # NOT NULL
+        with pytest.raises(sqlite3.IntegrityError):
+            store.add([row("y"), bad])
+        assert store.since(0) == []
+
+    def test_a_file_of_another_schema_is_a_clear_error(self, tmp_path):
+        db = tmp_path / "old.sqlite"
+        with sqlite3.connect(db) as conn:
+            conn.execute("CREATE TABLE feedback (seq INTEGER PRIMARY KEY, receipt_id TEXT)")
+        with pytest.raises(ValueError, match="another version of ibedl"):
+            FeedbackStore(db)
+
+
+class TestQuantileTracker:
+    @pytest.mark.parametrize("rate", [0.005, 0.05])
+    def test_long_run_miscoverage_bound_on_an_adversarial_sequence(self, rate):
+        """|mean(err) - alpha| <= (B + rate) / (rate T) on any sequence (Angelopoulos et al. 2023, Prop. 1): here the
+        scores jump between regimes the threshold cannot anticipate."""
+        rng = np.random.default_rng(0)
+        alpha, T = 0.1, 4000
+        tracker = QuantileTracker(0.5, alpha, rate)
+        errs = []
+        for t in range(T):
+            score = rng.uniform(0.0, 0.3) if (t // 500) % 2 == 0 else rng.uniform(0.5, 1.0)  # shift every 500
+            covered = score <= tracker.quantile
+            errs.append(not covered)
+            tracker.update(covered)
+        assert abs(np.mean(errs) - alpha) <= (SCORE_BOUND + rate) / (rate * T)
+        assert tracker.labels == T and tracker.misses == sum(errs)
+
+    def test_misses_widen_and_hits_narrow(self):
+        tracker = QuantileTracker(0.5, 0.1, 0.01)
+        tracker.update(False)
+        assert tracker.quantile == pytest.approx(0.509)
+        tracker.update(True)
+        assert tracker.quantile == pytest.approx(0.508)
+
+    def test_arguments_are_checked(self):
+        with pytest.raises(ValueError, match="rate must be > 0, got 0"):
+            QuantileTracker(0.5, 0.1, 0)
+        with pytest.raises(ValueError, match="alpha must be in"):
+            QuantileTracker(0.5, 1.0, 0.1)
+
+
+class TestSettings:
+    def test_a_short_key_is_refused_with_its_length(self):
+        from pydantic import ValidationError
+
+        from ibedl.engine.settings import EngineSettings
+
+        with pytest.raises(ValidationError, match="feedback_key must be at least 16 characters.*got 5"):
+            EngineSettings(feedback_key="short")
+        assert EngineSettings(feedback_key="x" * 16).feedback_key.get_secret_value() == "x" * 16
+
+    def test_adaptive_sets_need_feedback(self):
+        from pydantic import ValidationError
+
+        from ibedl.engine.settings import EngineSettings
+
+        with pytest.raises(ValidationError, match="IBEDL_ADAPTIVE_SETS needs IBEDL_FEEDBACK_KEY"):
+            EngineSettings(adaptive_sets=True)

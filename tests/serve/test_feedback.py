@@ -1,0 +1,249 @@
+"""POST /v1/feedback and GET /v1/guarantees on the tiny trained artifact: receipts in answers, labels counted once,
+bad inputs refused with a 4xx and nothing counted, two apps sharing one store (two replicas), the metrics."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+
+from tests.serve.conftest import wait_ready
+
+KEY = "test-feedback-key"
+Q = {"question": "Which gas do plants take in?", "options": ["oxygen", "carbon dioxide", "nitrogen"]}
+
+
+def ask(client, **extra) -> dict:
+    r = client.post("/predict", json={**Q, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def counts(client) -> dict:
+    """Realised guarantees by name (the one adapter version), labels and hits."""
+    r = client.get("/v1/guarantees")
+    assert r.status_code == 200, r.text
+    return {(g["guarantee"], g["stated"]): (g["labels"], g["hits"]) for g in r.json()["guarantees"]}
+
+
+def wrong_letter(answer: dict) -> str:
+    return next(k for k in answer["probabilities"] if k != answer["prediction"]["letter"])
+
+
+@pytest.fixture
+def feedback_client(make_client, tmp_path):
+    with make_client(feedback_key=KEY, feedback_db=tmp_path / "feedback.sqlite") as c:
+        yield c
+
+
+@pytest.fixture
+def answering_artifact(tiny_artifact, tmp_path):
+    """A copy of the tiny artifact that never abstains (gate and confidence threshold off), stating a target
+    accuracy of 0.9: every answer feeds the answered accuracy."""
+    import shutil
+
+    from ibedl.core.artifact import read_manifest, write_manifest
+
+    art = tmp_path / "answering"
+    shutil.copytree(tiny_artifact, art)
+    manifest = read_manifest(art)
+    manifest.abstention = {**manifest.abstention, "max_uncertainty": 1.0, "min_confidence": 0.0, "ood_threshold": 0.0,
+                           "how": {**manifest.abstention.get("how", {}), "target_accuracy": 0.9}}
+    write_manifest(art, manifest)
+    return art
+
+
+class TestReceipts:
+    def test_answers_carry_a_receipt_only_when_feedback_is_on(self, make_client, feedback_client):
+        assert ask(feedback_client)["receipt"].startswith("v1.")
+        with make_client() as off:
+            answer = ask(off)
+            assert answer["receipt"] is None and answer["adaptive_prediction_set"] is None
+            r = off.post("/v1/feedback", json={"receipt": "v1.x.y", "label": "A"})
+            assert r.status_code == 404 and r.json()["error"]["type"] == "feedback_disabled"
+            r = off.get("/v1/guarantees")
+            assert r.status_code == 404 and r.json()["error"]["type"] == "feedback_disabled"
+
+    def test_batch_answers_carry_distinct_receipts(self, feedback_client):
+        r = feedback_client.post("/predict/batch", json={"items": [Q, Q]})
+        assert r.status_code == 200
+        receipts = [a["receipt"] for a in r.json()["results"]]
+        assert len(set(receipts)) == 2 and all(receipts)
+
+
+class TestRecording:
+    def test_a_label_counts_once_and_is_scored(self, feedback_client):
+        answer = ask(feedback_client, id="q-1")
+        right = answer["prediction"]["letter"]
+        r = feedback_client.post("/v1/feedback", json={"receipt": answer["receipt"], "label": right})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["recorded"] == 1 and body["duplicates"] == 0
+        (result,) = body["results"]
+        assert result["status"] == "recorded" and result["question"] == "q-1" and result["adapter"] == "tiny"
+        assert result["correct"] is (None if answer["abstained"] else True)
+        assert result["covered"] is (None if answer["prediction_set"] is None else right in answer["prediction_set"])
+        before = counts(feedback_client)
+        assert before[("answered_share", None)] == (1, 0 if answer["abstained"] else 1)
+        # the same receipt again: 200, a duplicate, nothing counted
+        r = feedback_client.post("/v1/feedback", json={"receipt": answer["receipt"], "label": right})
+        assert r.status_code == 200 and r.json()["duplicates"] == 1 and r.json()["recorded"] == 0
+        assert counts(feedback_client) == before
+
+    def test_batch_is_all_or_nothing(self, feedback_client):
+        good = ask(feedback_client)
+        other = ask(feedback_client)
+        r = feedback_client.post("/v1/feedback/batch", json={"items": [
+            {"receipt": good["receipt"], "label": "A"}, {"receipt": other["receipt"], "label": "Z"}]})
+        assert r.status_code == 422, r.text
+        assert r.json()["error"]["field"] == "items.1.label"
+        assert counts(feedback_client) == {}
+        r = feedback_client.post("/v1/feedback/batch", json={"items": [
+            {"receipt": good["receipt"], "label": "A"}, {"receipt": other["receipt"], "label": "B"},
+            {"receipt": good["receipt"], "label": "A"}]})
+        assert r.status_code == 200, r.text
+        assert (r.json()["recorded"], r.json()["duplicates"]) == (2, 1)
+        assert counts(feedback_client)[("answered_share", None)][0] == 2
+
+    def test_right_and_wrong_labels_move_the_accuracy(self, make_client, answering_artifact, tmp_path):
+        with make_client(artifact=answering_artifact, feedback_key=KEY, feedback_db=tmp_path / "f.sqlite") as client:
+            answered = [ask(client), ask(client)]
+            assert not any(a["abstained"] for a in answered)
+            labels = [answered[0]["prediction"]["letter"], wrong_letter(answered[1])]
+            r = client.post("/v1/feedback/batch", json={"items": [
+                {"receipt": a["receipt"], "label": lab} for a, lab in zip(answered, labels, strict=True)]})
+            assert r.status_code == 200
+            assert [x["correct"] for x in r.json()["results"]] == [True, False]
+            body = client.get("/v1/guarantees").json()
+        (acc,) = [g for g in body["guarantees"] if g["guarantee"] == "answered_accuracy"]
+        assert acc["labels"] == 2 and acc["hits"] == 1 and acc["estimate"] == 0.5 and acc["stated"] == 0.9
+        assert 0.0 <= acc["lower"] <= 0.5 <= acc["upper"] <= 1.0 and not acc["violated"]
+        assert body["alpha"] == 0.05 and body["shared_store"] is True
+
+    def test_wrong_answers_show_the_accuracy_guarantee_violated(self, make_client, answering_artifact, tmp_path):
+        """Every label contradicts the answer: the upper bound falls below the stated 0.9 after a few dozen
+        labels, and the gauges say so."""
+        with make_client(artifact=answering_artifact, feedback_key=KEY, feedback_db=tmp_path / "f.sqlite") as client:
+            r = client.post("/predict/batch", json={"items": [Q] * 30})
+            assert r.status_code == 200
+            answers = r.json()["results"]
+            r = client.post("/v1/feedback/batch", json={"items": [
+                {"receipt": a["receipt"], "label": wrong_letter(a)} for a in answers]})
+            assert r.status_code == 200 and r.json()["recorded"] == 30
+            (acc,) = [g for g in client.get("/v1/guarantees").json()["guarantees"]
+                      if g["guarantee"] == "answered_accuracy"]
+            metrics = client.get("/metrics").text
+        assert acc["hits"] == 0 and acc["upper"] < 0.9 and acc["violated"]
+        assert 'ibedl_guarantee_stated{adapter="tiny",guarantee="answered_accuracy",stated="0.9"' in metrics
+
+
+class TestRefusals:
+    def refused(self, client, body, status, type_, field="receipt"):
+        before = counts(client)
+        r = client.post("/v1/feedback", json=body)
+        assert r.status_code == status, r.text
+        assert r.json()["error"]["type"] == type_ and r.json()["error"]["field"] == field
+        assert counts(client) == before
+
+    def test_tampered_receipt(self, feedback_client):
+        token = ask(feedback_client)["receipt"]
+        version, payload, mac = token.split(".")
+        body = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+        body["options"] = 26  # claim more options than the question had
+        forged = base64.urlsafe_b64encode(json.dumps(body).encode()).rstrip(b"=").decode()
+        self.refused(feedback_client, {"receipt": f"{version}.{forged}.{mac}", "label": "Z"}, 422, "invalid_receipt")
+        self.refused(feedback_client, {"receipt": "not a receipt", "label": "A"}, 422, "invalid_receipt")
+
+    def test_another_keys_receipt(self, make_client, feedback_client, tmp_path):
+        with make_client(feedback_key="another-feedback-key", feedback_db=tmp_path / "other.sqlite") as other:
+            token = ask(other)["receipt"]
+        self.refused(feedback_client, {"receipt": token, "label": "A"}, 422, "invalid_receipt")
+
+    def test_label_outside_the_options(self, feedback_client):
+        token = ask(feedback_client)["receipt"]  # three options: A..C
+        self.refused(feedback_client, {"receipt": token, "label": "D"}, 422, "invalid_request", "label")
+        r = feedback_client.post("/v1/feedback", json={"receipt": token, "label": "b"})  # the schema's pattern
+        assert r.status_code == 422 and r.json()["error"]["field"] == "label"
+
+    def test_expired_receipt(self, make_client, tmp_path):
+        clock = {"now": 1_000_000.0}
+        with make_client(feedback_key=KEY, feedback_db=tmp_path / "f.sqlite", feedback_ttl_s=60) as client:
+            client.app.state.service.feedback.clock = lambda: clock["now"]
+            token = ask(client)["receipt"]
+            clock["now"] += 61
+            self.refused(client, {"receipt": token, "label": "A"}, 410, "receipt_expired")
+            clock["now"] -= 2  # within its 60 s: accepted
+            assert client.post("/v1/feedback", json={"receipt": token, "label": "A"}).status_code == 200
+
+    def test_adapter_version_no_longer_served(self, make_client, tiny_artifact, tmp_path):
+        import shutil
+
+        from ibedl.core.artifact import read_manifest, write_manifest
+
+        db = tmp_path / "f.sqlite"
+        with make_client(feedback_key=KEY, feedback_db=db) as old:
+            token = ask(old)["receipt"]
+        newer = tmp_path / "newer"
+        shutil.copytree(tiny_artifact, newer)
+        manifest = read_manifest(newer)
+        manifest.version = str(int(manifest.version) + 1) if str(manifest.version).isdigit() else "2"
+        write_manifest(newer, manifest)
+        with make_client(feedback_key=KEY, feedback_db=db, artifact=newer) as new:
+            self.refused(new, {"receipt": token, "label": "A"}, 409, "adapter_not_served")
+
+    def test_feedback_routes_require_the_api_token(self, make_client, tmp_path):
+        with make_client(feedback_key=KEY, api_token="secret") as client:
+            assert client.post("/v1/feedback", json={"receipt": "x", "label": "A"}).status_code == 401
+            assert client.get("/v1/guarantees").status_code == 401
+
+
+def test_two_replicas_sharing_a_store_count_a_label_once(make_client, tmp_path):
+    """Two apps (two replicas) on one store: a label sent to the replica that did not answer is counted, the same
+    label sent to either again is a duplicate, and both report the same guarantees."""
+    db = tmp_path / "shared.sqlite"
+    with make_client(feedback_key=KEY, feedback_db=db) as one, make_client(feedback_key=KEY, feedback_db=db) as two:
+        answer = ask(one)
+        r = two.post("/v1/feedback", json={"receipt": answer["receipt"], "label": "A"})
+        assert r.status_code == 200 and r.json()["recorded"] == 1
+        for replica in (one, two):
+            r = replica.post("/v1/feedback", json={"receipt": answer["receipt"], "label": "A"})
+            assert r.status_code == 200 and r.json()["duplicates"] == 1
+        assert counts(one) == counts(two) and counts(one)[("answered_share", None)][0] == 1
+        metrics = two.get("/metrics").text
+        assert 'ibedl_guarantee_labels{adapter="tiny",guarantee="answered_share",stated="",version=' in metrics
+        assert 'ibedl_feedback_labels_total{adapter="tiny",status="recorded"} 1.0' in metrics
+        assert 'ibedl_feedback_labels_total{adapter="tiny",status="duplicate"} 1.0' in metrics
+
+
+def test_a_replica_started_later_reads_the_labels_already_recorded(make_client, tmp_path):
+    db = tmp_path / "shared.sqlite"
+    with make_client(feedback_key=KEY, feedback_db=db) as first:
+        answer = ask(first)
+        assert first.post("/v1/feedback", json={"receipt": answer["receipt"], "label": "B"}).status_code == 200
+        before = counts(first)
+    with make_client(feedback_key=KEY, feedback_db=db, ready=False) as later:
+        wait_ready(later)
+        assert counts(later) == before
+
+
+def test_adaptive_sets_follow_the_labels_and_are_reported_apart(make_client, tmp_path):
+    """With IBEDL_ADAPTIVE_SETS, answers carry an adaptive set; labels outside it widen the threshold (by
+    rate * (1 - alpha) each), and its coverage is reported as adaptive_set_coverage, not as set_coverage."""
+    with make_client(feedback_key=KEY, feedback_db=tmp_path / "f.sqlite", adaptive_sets=True,
+                     adaptive_rate=0.05) as client:
+        state = client.app.state.service
+        (tracker,) = state.feedback._trackers.values()
+        start = tracker.quantile
+        answers = [ask(client) for _ in range(4)]
+        assert all(a["adaptive_prediction_set"] for a in answers)
+        missed = [a for a in answers if wrong_letter(a) not in a["adaptive_prediction_set"]]
+        r = client.post("/v1/feedback/batch", json={"items": [
+            {"receipt": a["receipt"], "label": wrong_letter(a)} for a in answers]})
+        assert r.status_code == 200
+        held = len(answers) - len(missed)
+        assert tracker.quantile == pytest.approx(start + 0.05 * (len(missed) * 0.9 - held * 0.1))
+        found = {g["guarantee"]: g for g in client.get("/v1/guarantees").json()["guarantees"]}
+    assert found["adaptive_set_coverage"]["labels"] == 4 and found["adaptive_set_coverage"]["hits"] == held
+    assert found["adaptive_set_coverage"]["stated"] == pytest.approx(0.9)
+    assert found["set_coverage"]["labels"] == 4  # the calibrated sets' guarantee, measured apart

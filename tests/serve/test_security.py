@@ -1,0 +1,156 @@
+"""Who may call what: the bearer tokens on every route but the health probes (found from the app's own routes, so a
+new route is checked without being listed here), the metrics token, token hygiene, request ids, bounded names,
+and the request checks running off the event loop."""
+
+import threading
+
+import pytest
+from pydantic import ValidationError
+from starlette.routing import Mount
+
+from ibedl.serve.__main__ import main
+from ibedl.serve.middleware import REQUEST_ID
+from ibedl.serve.settings import Settings
+
+Q = {"question": "Which is sun?", "options": ["sun", "moon", "tree", "fish"]}
+API, METRICS = "s3cret-api", "s3cret-metrics"
+PROBES = {"/health/live", "/health/ready"}
+
+
+def routes(app, prefix: str = "") -> list[tuple[str, str]]:
+    """(method, path) of every route of ``app`` (an app or a router) besides HEAD, included routers' routes too (a
+    mount: a file under it)."""
+    found = []
+    for route in app.routes:
+        if isinstance(route, Mount):
+            found.append(("GET", prefix + route.path + "/swagger-ui.css"))
+        elif hasattr(route, "original_router"):  # FastAPI's include_router
+            found += routes(route.original_router, prefix + route.include_context.prefix)
+        else:
+            found += [(m, prefix + route.path) for m in sorted(route.methods - {"HEAD"})]
+    return found
+
+
+def call(client, method: str, path: str, token: str | None = None):
+    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    body = ({"items": [Q]} if path.endswith("/batch") else Q) if method == "POST" else None
+    return client.request(method, path, json=body, headers=headers)
+
+
+class TestTokens:
+    def test_every_route_but_the_probes_and_static_assets_requires_the_token(self, make_client):
+        with make_client(api_token=API, metrics_token=METRICS) as c:
+            checked = set()
+            for method, path in routes(c.app):
+                open_ = path in PROBES or path.startswith("/docs/assets/")
+                token = METRICS if path == "/metrics" else API
+                for given in (None, "wrong", API if token == METRICS else METRICS):
+                    r = call(c, method, path, given)
+                    if open_:
+                        assert r.status_code == 200, (method, path, r.status_code)
+                        continue
+                    assert r.status_code == 401, (method, path, given, r.status_code, r.text)
+                    assert r.headers["www-authenticate"] == "Bearer"
+                    assert r.json()["error"]["type"] == "unauthorized"
+                r = call(c, method, path, token)
+                assert r.status_code == 200, (method, path, r.status_code, r.text)
+                checked.add(path)
+            # the test saw the routes it is about (the schema, the docs, predict, batch, drift, models, metrics)
+            assert {"/predict", "/predict/batch", "/v1/models", "/v1/drift", "/openapi.json", "/docs", "/redoc",
+                    "/metrics", *PROBES} <= checked, checked
+
+    def test_a_path_no_route_takes_needs_the_token_too(self, make_client):
+        with make_client(api_token=API) as c:
+            assert c.get("/v1/no-such-route").status_code == 401  # an anonymous client learns nothing of the routes
+            assert c.get("/v1/no-such-route", headers={"Authorization": f"Bearer {API}"}).status_code == 404
+
+    def test_metrics_take_the_api_token_when_no_metrics_token_is_set(self, make_client):
+        with make_client(api_token=API) as c:
+            assert c.get("/metrics").status_code == 401
+            r = c.get("/metrics", headers={"Authorization": f"Bearer {API}"})
+            assert r.status_code == 200 and "ibedl_ready 1.0" in r.text
+
+    def test_without_tokens_everything_is_open(self, client):
+        for method, path in routes(client.app):
+            assert call(client, method, path).status_code == 200, (method, path)
+
+    def test_token_is_checked_before_the_body_is_read(self, make_client):
+        with make_client(api_token=API) as c:
+            r = c.post("/predict", content=b"{not json", headers={"content-type": "application/json"})
+            assert r.status_code == 401
+            r = c.post("/predict", content=b"x" * 2_000_000, headers={"content-type": "application/json"})
+            assert r.status_code == 401  # not 413: an unauthenticated client learns nothing of the limits
+
+    def test_surrounding_whitespace_of_a_configured_token_is_dropped(self, make_client):
+        with make_client(api_token=f"  {API}\n") as c:  # as a Secret file with a trailing newline gives it
+            assert c.post("/predict", json=Q, headers={"Authorization": f"Bearer {API}"}).status_code == 200
+            assert c.post("/predict", json=Q, headers={"Authorization": f"Bearer {API}\n"[:-1] + "x"}).status_code \
+                == 401
+
+    @pytest.mark.parametrize("blank", ["", "   ", "\n"])
+    def test_an_empty_token_is_no_token(self, blank, monkeypatch):
+        monkeypatch.setenv("IBEDL_API_TOKEN", blank)
+        monkeypatch.setenv("IBEDL_METRICS_TOKEN", blank)
+        s = Settings()
+        assert s.api_token is None and s.metrics_token is None and s.metrics_secret() is None
+
+    @pytest.mark.parametrize("bad", ["two words", "caf\u00e9-token", "tab\there"])
+    def test_a_token_no_client_could_send_is_refused_without_echoing_it(self, bad, monkeypatch, capsys):
+        with pytest.raises(ValidationError):
+            Settings(api_token=bad)
+        monkeypatch.setenv("IBEDL_API_TOKEN", bad)
+        assert main(["--port", "0"]) == 2  # what the operator sees: the rule, never the token
+        err = capsys.readouterr().err
+        assert "IBEDL_API_TOKEN: Value error, a token holds only visible ASCII" in err and bad not in err
+
+    def test_other_bad_settings_show_the_value_given(self, monkeypatch, capsys):
+        monkeypatch.setenv("IBEDL_PORT", "70000")
+        assert main([]) == 2
+        assert "IBEDL_PORT: Input should be less than or equal to 65535 (got '70000')" in capsys.readouterr().err
+
+
+class TestRequestIds:
+    @pytest.mark.parametrize("given", ["abc-123", "a" * 128, "trace:1/span=2+x@y.z_w"])
+    def test_a_sane_id_is_kept(self, client, given):
+        r = client.get("/health/live", headers={"X-Request-ID": given})
+        assert r.status_code == 200 and r.headers["x-request-id"] == given
+
+    @pytest.mark.parametrize("given", ["a" * 129, "has space", "semi;colon", "quote\"d", "new\\line", "\u00e9t\u00e9"])
+    def test_any_other_is_replaced_by_a_new_one(self, client, given):
+        r = client.post("/predict", json=Q, headers={"X-Request-ID": given.encode("utf-8")})
+        assert r.status_code == 200
+        rid = r.headers["x-request-id"]
+        assert rid != given and len(rid) == 32 and int(rid, 16) >= 0
+        assert r.json()["id"] == rid  # the answer is named after the id the service chose
+
+    def test_the_pattern_matches_the_documented_rule(self):
+        assert REQUEST_ID.fullmatch("A-z_0.9:@/+=")
+        assert not REQUEST_ID.fullmatch("") and not REQUEST_ID.fullmatch("x" * 129)
+
+
+class TestBoundedNames:
+    def test_an_adapter_name_over_the_limit_is_refused(self, client):
+        r = client.post("/predict", json={**Q, "adapter": "x" * 129})
+        assert r.status_code == 422 and r.json()["error"]["field"] == "adapter"
+        assert "x" * 129 not in r.text
+        r = client.get("/v1/drift", params={"adapter": "x" * 129})
+        assert r.status_code == 422
+        r = client.post("/predict", json={**Q, "adapter": "x" * 128})
+        assert r.status_code == 422 and r.json()["error"]["field"] == "adapter"  # in bounds, but not served
+
+
+def test_requests_are_checked_off_the_event_loop(make_client, monkeypatch):
+    import ibedl.serve.routes as routes_module
+
+    threads = []
+    original = routes_module.to_question
+
+    def recording(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(routes_module, "to_question", recording)
+    with make_client() as c:
+        assert c.post("/predict", json=Q).status_code == 200
+        assert c.post("/predict/batch", json={"items": [Q, Q]}).status_code == 200
+    assert len(threads) == 3 and all(name.startswith("ibedl-check") for name in threads), threads

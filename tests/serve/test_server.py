@@ -1,0 +1,152 @@
+"""The process meeting the network: a non-loopback bind without a token refuses to start (unless
+IBEDL_ALLOW_ANONYMOUS=true, which it logs), and the real uvicorn server closes connections that never send their
+headers and answers 503 over IBEDL_MAX_CONNECTIONS."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import uvicorn
+
+from ibedl.serve.__main__ import main
+from ibedl.serve.server import refusal, uvicorn_config
+from ibedl.serve.settings import Settings
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "localhost", "::1", "[::1]"])
+def test_loopback_needs_no_token(host):
+    assert refusal(Settings(host=host)) is None
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "api.example"])
+def test_any_other_address_needs_a_token_or_the_explicit_override(host):
+    message = refusal(Settings(host=host))
+    assert message and f"refusing to serve {host}:8000 without a token" in message
+    assert "IBEDL_API_TOKEN" in message and "IBEDL_ALLOW_ANONYMOUS=true" in message
+    assert refusal(Settings(host=host, api_token="t0ken")) is None
+    assert refusal(Settings(host=host, allow_anonymous=True)) is None
+
+
+def test_main_refuses_to_start_on_all_interfaces_without_a_token(monkeypatch, capsys, tmp_path):
+    monkeypatch.delenv("IBEDL_API_TOKEN", raising=False)
+    monkeypatch.delenv("IBEDL_ALLOW_ANONYMOUS", raising=False)
+    assert main(["--host", "0.0.0.0", "--port", str(free_port()), "--artifact", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: refusing to serve 0.0.0.0:") and "IBEDL_ALLOW_ANONYMOUS=true" in err
+
+
+def serve(args: list[str], env: dict, log) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "ibedl.serve", *args], env=env, stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def test_a_refused_start_exits_2_before_loading_anything(tiny_artifact, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IBEDL_")} | {
+        "IBEDL_CACHE_DIR": os.environ["IBEDL_CACHE_DIR"]}
+    r = subprocess.run([sys.executable, "-m", "ibedl.serve", "--host", "0.0.0.0", "--port", str(free_port()),
+                        "--artifact", str(tiny_artifact)], env=env, capture_output=True, text=True, timeout=120,
+                       stdin=subprocess.DEVNULL, check=False)
+    assert r.returncode == 2, r.stderr
+    assert "refusing to serve 0.0.0.0" in r.stderr and "Loading" not in r.stderr
+
+
+def test_allow_anonymous_starts_open_and_says_so(tiny_artifact, tmp_path):
+    import httpx
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IBEDL_")} | {
+        "IBEDL_CACHE_DIR": os.environ["IBEDL_CACHE_DIR"], "IBEDL_ALLOW_ANONYMOUS": "true", "IBEDL_MAX_TOKENS": "96",
+        "IBEDL_DRIFT_BOOTSTRAP": "100", "PYTHONUNBUFFERED": "1"}
+    log_path = tmp_path / "serve.log"
+    with log_path.open("wb") as log:
+        proc = serve(["--host", "0.0.0.0", "--port", str(port), "--artifact", str(tiny_artifact)], env, log)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, log_path.read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        r = httpx.post(f"http://127.0.0.1:{port}/predict", timeout=30,
+                       json={"question": "Which is sun?", "options": ["sun", "moon"]})
+        assert r.status_code == 200, r.text  # open: no token asked
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+    text = log_path.read_text()
+    assert code == 0, text
+    assert f"IBEDL_ALLOW_ANONYMOUS=true: serving 0.0.0.0:{port} OPEN, without a token" in text
+
+
+class Running:
+    """A real uvicorn server, configured as the service configures it, in a thread, around a trivial app."""
+
+    def __init__(self, **settings):
+        async def app(scope, receive, send):
+            if scope["type"] != "http":
+                return
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn_config(app, Settings(port=self.port, **settings)))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(30)
+
+    def connect(self) -> socket.socket:
+        s = socket.create_connection(("127.0.0.1", self.port), timeout=10)
+        return s
+
+
+def test_a_connection_that_never_finishes_its_headers_is_closed():
+    with Running(header_timeout_s=0.3) as srv:
+        slow = srv.connect()
+        slow.sendall(b"GET /health/live HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+        prompt = srv.connect()
+        prompt.sendall(b"GET /health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert prompt.recv(1024).startswith(b"HTTP/1.1 200")
+        assert slow.recv(1024) == b"", "the server kept a connection without complete headers"  # closed, no answer
+        idle = srv.connect()  # sends nothing at all
+        assert idle.recv(1024) == b""
+        for s in (slow, prompt, idle):
+            s.close()
+
+
+def test_a_request_over_the_connection_cap_gets_503():
+    with Running(max_connections=2, header_timeout_s=30) as srv:
+        held = [srv.connect(), srv.connect()]
+        deadline = time.monotonic() + 10
+        while len(srv.server.server_state.connections) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        third = srv.connect()
+        third.sendall(b"GET /health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert third.recv(1024).startswith(b"HTTP/1.1 503")
+        for s in (*held, third):
+            s.close()

