@@ -91,6 +91,8 @@ RUN groupadd --system --gid 10001 ibedl \
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build --chown=10001:10001 /opt/ibedl/cache /opt/ibedl/cache
 COPY --chown=10001:10001 artifacts /app/artifacts
+# The feedback store's directory (IBEDL_FEEDBACK_DB): a volume mounted here starts owned by the service's user.
+RUN mkdir -p /var/lib/ibedl && chown 10001:10001 /var/lib/ibedl
 WORKDIR /app
 ENV PATH=/opt/venv/bin:$PATH \
     HOME=/home/ibedl \

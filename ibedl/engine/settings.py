@@ -77,6 +77,16 @@ class EngineSettings(BaseSettings):
             raise ValueError(f"IBEDL_ARTIFACTS lists a directory twice: {names}")
         return self
 
+    @field_validator("feedback_key", mode="before")
+    @classmethod
+    def _key_stripped(cls, v):
+        """Surrounding whitespace dropped (a Secret file's trailing newline); empty is unset, as for the tokens."""
+        raw = v.get_secret_value() if isinstance(v, SecretStr) else v
+        if isinstance(raw, str):
+            raw = raw.strip()
+            return raw or None
+        return v
+
     @field_validator("feedback_key")
     @classmethod
     def _key_length(cls, v: SecretStr | None) -> SecretStr | None:

@@ -128,6 +128,13 @@ class TestSettings:
             EngineSettings(feedback_key="short")
         assert EngineSettings(feedback_key="x" * 16).feedback_key.get_secret_value() == "x" * 16
 
+    def test_a_keys_whitespace_is_dropped_and_empty_is_off(self, monkeypatch):
+        from ibedl.engine.settings import EngineSettings
+
+        assert EngineSettings(feedback_key=" " + "k" * 16 + "\n").feedback_key.get_secret_value() == "k" * 16
+        monkeypatch.setenv("IBEDL_FEEDBACK_KEY", "")  # what compose passes when .env sets none
+        assert EngineSettings().feedback_key is None
+
     def test_adaptive_sets_need_feedback(self):
         from pydantic import ValidationError
 

@@ -15,6 +15,15 @@ from ibedl.serve.settings import Settings
 Q = {"question": "Which is sun?", "options": ["sun", "moon", "tree", "fish"]}
 API, METRICS = "s3cret-api", "s3cret-metrics"
 PROBES = {"/health/live", "/health/ready"}
+# the feedback routes answer 404 feedback_disabled without a receipt key, and 422 to a question's body: their own
+# answer (not 401) is what shows the token let the request through
+NEEDS_A_RECEIPT = ("/v1/feedback", "/v1/guarantees")
+
+
+def passed_auth(r, path: str) -> bool:
+    if path.startswith(NEEDS_A_RECEIPT):
+        return r.status_code in (404, 422) and r.json()["error"]["type"] != "unauthorized"
+    return r.status_code == 200
 
 
 def routes(app, prefix: str = "") -> list[tuple[str, str]]:
@@ -53,7 +62,7 @@ class TestTokens:
                     assert r.headers["www-authenticate"] == "Bearer"
                     assert r.json()["error"]["type"] == "unauthorized"
                 r = call(c, method, path, token)
-                assert r.status_code == 200, (method, path, r.status_code, r.text)
+                assert passed_auth(r, path), (method, path, r.status_code, r.text)
                 checked.add(path)
             # the test saw the routes it is about (the schema, the docs, predict, batch, drift, models, metrics)
             assert {"/predict", "/predict/batch", "/v1/models", "/v1/drift", "/openapi.json", "/docs", "/redoc",
@@ -72,7 +81,7 @@ class TestTokens:
 
     def test_without_tokens_everything_is_open(self, client):
         for method, path in routes(client.app):
-            assert call(client, method, path).status_code == 200, (method, path)
+            assert passed_auth(call(client, method, path), path), (method, path)
 
     def test_token_is_checked_before_the_body_is_read(self, make_client):
         with make_client(api_token=API) as c:
