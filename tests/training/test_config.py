@@ -53,8 +53,12 @@ def test_help_lists_every_config_key_with_its_default():
                 yield prefix + k, v
 
     keys = dict(flat(cfg.to_dict()))
-    lines = config_keys_help().splitlines()[1:]
+    text = config_keys_help()
+    keys_part, _, methods_part = text.partition("method_params (per method, with their defaults):")
+    lines = keys_part.strip().splitlines()[1:]
     listed = {line.split(" = ")[0].strip(): line.split(" = ", 1)[1] for line in lines}
     assert set(listed) == set(keys)
+    assert "  ib_edl: beta = 0.001, num_samples = 20, risk = mse," in methods_part
+    assert "  laplace: fit_samples = 200, prior_precision = validation," in methods_part
     assert listed["optim.lr"] == "5e-05" and listed["lora.targets"] == "['q_proj', 'v_proj']"
     assert listed["method"] == "(required)" and listed["data.validation"] == "(required)"
