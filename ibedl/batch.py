@@ -87,14 +87,21 @@ def decoded(numbered):
             yield number, e
 
 
-def check_line(model: Model, line: int, text: str | UnicodeDecodeError | TooLong, adapter: str | None,
-               limit: int = MAX_LINE_BYTES) -> Checked | dict:
-    """The checked question of one input line, or its error record."""
+def unreadable(line: int, text, limit: int) -> dict | None:
+    """The error record of a line that could not be read as text (too long, not UTF-8); None for a text."""
     if isinstance(text, TooLong):
         return error_record(line, "too_large", f"line {line} is {text.size} bytes; the limit is {limit} "
                             "(--max-line-bytes)")
     if isinstance(text, UnicodeDecodeError):
         return error_record(line, "invalid_body", f"line {line} is not UTF-8: {text.reason} at byte {text.start}")
+    return None
+
+
+def check_line(model: Model, line: int, text: str | UnicodeDecodeError | TooLong, adapter: str | None,
+               limit: int = MAX_LINE_BYTES) -> Checked | dict:
+    """The checked question of one input line, or its error record."""
+    if (unread := unreadable(line, text, limit)) is not None:
+        return unread
     try:
         body = json.loads(text)
     except RecursionError:
@@ -175,11 +182,8 @@ def record_lines(feedback: Feedback, served: dict[str, str], lines, out,
 
 def _record_line(feedback: Feedback, served: dict[str, str], line: int, text, limit: int) -> dict:
     """The result or error record of one label line (its own all-or-none request)."""
-    if isinstance(text, TooLong):
-        return error_record(line, "too_large", f"line {line} is {text.size} bytes; the limit is {limit} "
-                            "(--max-line-bytes)")
-    if isinstance(text, UnicodeDecodeError):
-        return error_record(line, "invalid_body", f"line {line} is not UTF-8: {text.reason} at byte {text.start}")
+    if (unread := unreadable(line, text, limit)) is not None:
+        return unread
     try:
         item = FeedbackRequest.model_validate(json.loads(text))
         (result,) = feedback.record(served, [(item.receipt, item.label)])
