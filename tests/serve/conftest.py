@@ -12,6 +12,38 @@ from ibedl.serve.app import create_app, load_predictor
 from ibedl.serve.settings import Settings
 
 
+@contextmanager
+def uvicorn_server(app, host: str = "127.0.0.1"):
+    """``app`` on a real uvicorn in a thread, on a free port of ``host``; yields its URL once ready, stops it after."""
+    import socket
+    import threading
+
+    import httpx
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    url = f"http://{host}:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(url + "/health/ready", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not get ready"
+        time.sleep(0.05)
+    try:
+        yield url
+    finally:
+        srv.should_exit = True
+        thread.join(30)
+
+
 def wait_ready(client: TestClient, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -1,17 +1,15 @@
 """A client that goes away takes its queued question with it: a real uvicorn server in this process (the tiny
 artifact behind a slow predictor), since only a real connection can be closed mid-request."""
 
-import socket
 import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 
 from ibedl.serve.app import create_app
 from ibedl.serve.settings import Settings
-from tests.serve.conftest import slow_loader
+from tests.serve.conftest import slow_loader, uvicorn_server
 
 Q = {"question": "Which is sun?", "options": ["sun", "moon", "tree", "fish"]}
 
@@ -25,28 +23,9 @@ def sample(text: str, name: str) -> float:
 
 @pytest.fixture
 def server(tiny_artifact):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     settings = Settings(artifact=tiny_artifact, drift_bootstrap=100, max_tokens=96, max_batch_size=1)
-    config = uvicorn.Config(create_app(settings, loader=slow_loader(2.0)), host="127.0.0.1", port=port,
-                            log_level="warning")
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(url + "/health/ready", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the server did not get ready"
-        time.sleep(0.05)
-    yield url
-    srv.should_exit = True
-    thread.join(30)
+    with uvicorn_server(create_app(settings, loader=slow_loader(2.0))) as url:
+        yield url
 
 
 def test_a_gone_clients_question_never_reaches_the_model(server):

@@ -14,17 +14,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
-import threading
-import time
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
-import uvicorn
 
 from ibedl.serve.app import create_app
 from ibedl.serve.settings import Settings
+from tests.serve.conftest import uvicorn_server
 
 pytestmark = pytest.mark.servers
 
@@ -45,26 +42,9 @@ def chromium_binary() -> str:
 
 @pytest.fixture
 def server(tiny_artifact):
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        port = s.getsockname()[1]
     settings = Settings(artifact=tiny_artifact, drift_bootstrap=100, max_tokens=96)
-    srv = uvicorn.Server(uvicorn.Config(create_app(settings), host=LOOPBACK, port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    url = f"http://{LOOPBACK}:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(url + "/health/ready", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the server did not get ready"
-        time.sleep(0.05)
-    yield url
-    srv.should_exit = True
-    thread.join(30)
+    with uvicorn_server(create_app(settings), LOOPBACK) as url:
+        yield url
 
 
 def test_the_docs_page_answers_a_question_with_no_network_beyond_loopback(server):
