@@ -270,14 +270,14 @@ class MicroBatcher:
         if len(tokens) != len(questions):
             raise ValueError(f"{len(tokens)} token counts for {len(questions)} questions")
         deadline = float("inf") if deadline is None else deadline
-        refusal = self.admission.decide(len(questions), sum(tokens), deadline, self.snapshot(tokens),
-                                        admitted_before_drain)
+        queue = self.snapshot(tokens)
+        refusal = self.admission.decide(len(questions), sum(tokens), deadline, queue, admitted_before_drain)
         if refusal is not None:
             raise refused(refusal)
         loop = asyncio.get_running_loop()
         self._arrivals += 1
         request = _Request(predict or self.predict, self._arrivals, admitted_at=self.clock(),
-                           expected_s=self.expected_wait(tokens))
+                           expected_s=queue.expected_wait_s)
         futures = []
         for q, n in zip(questions, tokens):
             fut = loop.create_future()
