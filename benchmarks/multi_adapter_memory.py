@@ -23,9 +23,7 @@ QUESTION = {"question": "Which gas do plants take in for photosynthesis?",
 
 
 def measure(names: list[str], requests: int, log_dir: Path) -> dict:
-    proc = ServiceProcess([REPO / "artifacts" / n for n in names], {"IBEDL_THREADS": "2", "IBEDL_BACKEND": "torch",
-                                                                 # map-twin was calibrated on CUDA
-                                                                 "IBEDL_ALLOW_UNCALIBRATED_BACKEND": "true"},
+    proc = ServiceProcess([REPO / "artifacts" / n for n in names], {"IBEDL_THREADS": "2", "IBEDL_BACKEND": "torch"},
                           log_dir / f"{len(names)}.log")
     try:
         proc.wait_ready(300)

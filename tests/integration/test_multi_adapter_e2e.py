@@ -18,9 +18,8 @@ def server(real_model_ref, tmp_path_factory):
     log = tmp_path_factory.mktemp("e2e-multi") / "service.log"
     proc = ServiceProcess([REPO / "artifacts" / name for name in ADAPTERS],
                           {"IBEDL_DRIFT_BOOTSTRAP": "200", "IBEDL_LOG_FORMAT": "json",
-                           "IBEDL_REQUEST_TIMEOUT_S": "600",  # answers, not admission, on any machine
-                           # map-twin's calibration was made on CUDA (torch-cuda-fp32); served here on the CPU
-                           "IBEDL_ALLOW_UNCALIBRATED_BACKEND": "true"}, log)
+                           "IBEDL_REQUEST_TIMEOUT_S": "600"},  # answers, not admission, on any machine
+                          log)
     try:
         proc.wait_ready()
         yield proc
