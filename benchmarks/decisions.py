@@ -46,6 +46,7 @@ from ibedl.engine.abstention import decide
 from ibedl.training import metrics
 from ibedl.training.calibrate import CalibrationConfig, calibrate_outputs, posthoc_outputs, weights_sha256
 from ibedl.training.risk_control import control_accuracy
+from ibedl.training.experiments.evaluate_run import sigma_summary
 
 STREAM_LIMIT = 1000
 DEV_LIMIT = 300  # questions per validation-split shifted stream (enough to compare design choices)
@@ -115,8 +116,10 @@ def served(dump: dict, stream: str, manifest, key: str | None = None) -> dict:
     limits = calibration.thresholds
     reasons = [decide(None if u is None else float(u[i]), float(conf[i]), limits) for i in range(len(labels))]
     hits = np.asarray([float(np.argmax(p) == y) for p, y in zip(outputs.probs, labels)])
+    sigma = raw.get("sigma")  # IB-EDL: per question, the mean over its options
     return {"outputs": outputs, "labels": labels, "confidence": conf, "hits": hits, "reasons": reasons,
-            "answered": np.asarray([r is None for r in reasons])}
+            "answered": np.asarray([r is None for r in reasons]),
+            "sigma": None if sigma is None else [float(np.mean(q)) for q in sigma]}
 
 
 def stream_row(s: dict, conformal) -> dict:
@@ -132,6 +135,8 @@ def stream_row(s: dict, conformal) -> dict:
     }
     if s["outputs"].uncertainty is not None:
         row["mean_u"] = float(s["outputs"].uncertainty.mean())
+    if s.get("sigma") is not None:  # is IB-EDL's sigma informative: its spread, in distribution and per shift
+        row["sigma"] = sigma_summary(s["sigma"])
     if conformal is not None:
         q = conformal.quantile()
         sets = [prediction_set(p, q, conformal.score) for p in s["outputs"].probs]

@@ -69,6 +69,11 @@ def test_analyse_reports_what_the_service_would_decide(setup, tmp_path):
                         and u <= limits["max_uncertainty"] and max(p) >= limits["min_confidence"])
     assert report["streams"]["obqa"]["answered"] == pytest.approx(np.mean(answered))
     assert report["dev_streams"]["obqa"]["n"] == 50
+    # IB-EDL's sigma per stream: each question's mean over its options, summarised.
+    per_question = np.array([np.mean(q) for q in s["sigma"]])
+    q1, q3 = np.percentile(per_question, [25, 75])
+    expected = {"median": np.median(per_question), "iqr": q3 - q1, "cv": per_question.std() / per_question.mean()}
+    assert report["streams"]["obqa"]["sigma"] == pytest.approx(expected, rel=1e-4)  # the dump rounds to 6 digits
     # Diffuse shifted streams are mostly refused; confident in-distribution ones mostly answered.
     assert report["streams"]["sciq_test"]["answered"] > 0.8
     assert report["max_answered_shifted"] < 0.2
