@@ -164,6 +164,16 @@ class Runner:
         self.threads = threads
         self.results = json.loads(results_path.read_text()) if results_path.is_file() else []
         self.lock = threading.Lock()  # results are shared by the --jobs worker threads
+        self.sets_of: dict[tuple[str, str], tuple[str, ...]] = {}  # see plan()
+
+    def plan(self, runs: list[Run]) -> None:
+        """Evaluate each (trained run, method) once for all its cells: the first cell to need predictions draws
+        them for every set any cell of that run and method reads (an id cell's and an ood cell's), in one process, so
+        a post-hoc fit (Laplace's posterior) is made once per run rather than once per cell."""
+        for run in runs:
+            key = (run.train_key(get_method(run.method).trained_as), run.method)
+            have = self.sets_of.get(key, ())
+            self.sets_of[key] = have + tuple(d for d in run.eval_sets if d not in have)
 
     def done(self, run: Run) -> bool:
         with self.lock:
@@ -201,8 +211,10 @@ class Runner:
         def cache(dataset: str) -> Path:
             return artifact / f"predictions-{run.method}-{dataset.replace(':', '-')}.json"
 
-        limits = {d: limits_for(self.config.get("sizes", {}), d).get("test") for d in run.eval_sets}
         method = get_method(run.method)
+        planned = self.sets_of.get((run.train_key(method.trained_as), run.method), ())
+        wanted = run.eval_sets + tuple(d for d in planned if d not in run.eval_sets)
+        limits = {d: limits_for(self.config.get("sizes", {}), d).get("test") for d in wanted}
         params = method.params(self.config.get("method_params", {}).get(run.method, {}))  # with the defaults
 
         def load(dataset: str) -> dict | None:  # the cached predictions, if drawn with this size and these parameters
@@ -215,7 +227,7 @@ class Runner:
                 return None
             return found if same and found.get("limit", limits[dataset]) == limits[dataset] else None
 
-        sets = {d: load(d) for d in run.eval_sets}
+        sets = {d: load(d) for d in wanted}
         missing = [d for d, found in sets.items() if found is None]
         if missing and self.dry_run:
             print("evaluate", run.key, missing)
@@ -236,6 +248,7 @@ class Runner:
                                  "eval_peak_rss_mib": info["peak_rss_mib"]}
                 atomic_write_text(cache(dataset), json.dumps(sets[dataset]))
             out_path.unlink()
+        sets = {d: sets[d] for d in run.eval_sets}
         return {"sets": sets, "eval_peak_rss_mib": max(s.get("eval_peak_rss_mib", 0) for s in sets.values())}
 
     def run(self, run: Run) -> dict | None:
@@ -288,8 +301,8 @@ def training_summary(manifest: dict) -> dict:
 
 def posthoc_fits(sets: dict, eval_sets) -> list[dict]:
     """The post-hoc fits behind a cell's predictions (Laplace: its prior precision and the fit's seconds), each with
-    the sets it predicted. An ood cell reads its in-distribution predictions from the id cell of the same trained
-    run, so those come from that cell's fit and the shifted streams from its own."""
+    the sets it predicted. The id and ood cells of a trained run are evaluated in one process (Runner.plan), so both
+    name the same fit; predictions cached by an earlier version of the runner may name two."""
     fits: list[dict] = []
     for dataset in eval_sets:
         info = sets[dataset].get("posthoc")
@@ -317,6 +330,7 @@ def run_grid(runner: Runner, todo: list[Run], jobs: int) -> None:
     grid goes on."""
     from tqdm import tqdm
 
+    runner.plan(todo)
     chains: dict[str, list[Run]] = {}
     for run in todo:
         chains.setdefault(run.train_key(get_method(run.method).trained_as), []).append(run)
