@@ -29,14 +29,16 @@ def test_a_backend_is_judged_under_the_calibration_stored_for_it(key, file):
     assert row["calibration"]["ood_threshold"] == stored.thresholds.ood_threshold
     assert row["calibration"]["stored_in_artifact"] == {"min_confidence": stored.thresholds.min_confidence,
                                                         "ood_threshold": stored.thresholds.ood_threshold}
-    # the test figures are those of the stored calibration's decisions on those questions
-    probs = [np.asarray(p) for p in test["probs"]]
-    hits = np.asarray([np.argmax(p) == y for p, y in zip(probs, test["labels"], strict=True)])
+    # the test figures are those of the stored calibration's decisions on those questions: IB-EDL's post-hoc map
+    # alpha <- max(alpha - zeta sigma, 1) with the stored zeta, then p = alpha / alpha0 and 1/u = alpha0 / C
+    assert set(stored.head) == {"zeta"} and row["calibration"]["head"] == stored.head
+    zeta = stored.head["zeta"]
+    alphas = [np.maximum(np.asarray(a) - zeta * np.asarray(s), 1.0) for a, s in zip(test["alpha"], test["sigma"])]
+    hits = np.asarray([np.argmax(a) == y for a, y in zip(alphas, test["labels"], strict=True)])
     assert row["test"]["accuracy"] == pytest.approx(hits.mean())
-    inv_u = np.asarray([np.sum(a) / len(a) for a in test["alpha"]])  # 1/u = alpha0 / C (offset 1, zeta 0)
-    conf = np.asarray([np.max(a) / np.sum(a) for a in test["alpha"]])
+    inv_u = np.asarray([np.sum(a) / len(a) for a in alphas])
+    conf = np.asarray([np.max(a) / np.sum(a) for a in alphas])
     answered = (inv_u >= stored.thresholds.ood_threshold) & (conf >= stored.thresholds.min_confidence)
-    assert stored.head == {"zeta": 0.0}
     assert row["test"]["answered"] == pytest.approx(answered.mean())
     assert row["test"]["answered_accuracy"] == pytest.approx(hits[answered].mean())
     assert row["repeated_splits"]["splits"] == 20 and 0 <= row["repeated_splits"]["risk"][

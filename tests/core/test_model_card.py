@@ -47,8 +47,9 @@ def test_the_committed_default_card_states_its_gate_and_limits():
     manifest = read_manifest(ARTIFACTS / "default")
     _, body = front_matter_and_body((ARTIFACTS / "default" / "README.md").read_text())
     a = manifest.abstention
-    assert num(a["ood_threshold"]) == "7.733" and "abstain when `inverse_uncertainty` < 7.733" in body
-    assert "| test | 1000 | 0.895 |" in body
+    assert f"abstain when `inverse_uncertainty` < {num(a['ood_threshold'])};" in body
+    assert f"- `min_confidence` {num(a['min_confidence'])}: abstain" in body
+    assert f"| test | 1000 | {num(manifest.metrics['test']['accuracy'])} |" in body
     assert manifest.limitations and all(f"- {text}\n" in body for text in manifest.limitations)
 
 
