@@ -75,11 +75,15 @@ RUN set -eu; \
 # $IBEDL_CACHE_DIR on first use (~20 s). Doing it here means containers start in seconds.
 ENV IBEDL_CACHE_DIR=/opt/ibedl/cache
 RUN python -c "from ibedl.core.base_model import resolve_model; print(resolve_model('smollm2-135m-instruct'))"
-# The default adapter's OpenVINO IR, exported here once (the fp32 IR that openvino-fp32 and openvino-bf16 both
-# compile; keyed by the weights' sha256, so /app/artifacts/default finds it): IBEDL_BACKEND=auto, the default,
-# serves it without the export's memory peak at start or a writable cache on a read-only root filesystem.
+# The default adapter's OpenVINO IRs, exported here once: the fp32 IR that openvino-fp32 and openvino-bf16 both
+# compile, and the static int8 one NNCF quantises on the artifact's quantization_sample.jsonl (minutes, once); keyed
+# by the weights' and the sample's sha256, so /app/artifacts/default finds them. IBEDL_BACKEND=auto, the default,
+# times them at start and serves the fastest without an export's memory peak or a writable cache on a read-only
+# root filesystem (there it measures at every start: about half a minute).
 COPY artifacts/default artifacts/default
-RUN python -c "from ibedl.core.predictor import Predictor; Predictor.from_artifact('artifacts/default', backend='openvino-fp32')"
+RUN for backend in openvino-fp32 openvino-int8; do \
+      python -c "import sys; from ibedl.core.predictor import Predictor; Predictor.from_artifact('artifacts/default', backend=sys.argv[1])" "$backend"; \
+    done
 
 # ---- runtime ---------------------------------------------------------------------------------------------
 FROM base AS runtime

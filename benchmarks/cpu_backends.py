@@ -20,7 +20,9 @@ judged on test under that calibration: accuracy, ECE, NLL, share answered and th
 coverage and size, and over ``--splits`` random halvings of test (benchmarks.decisions.repeated_splits) how often the
 accuracy guarantee held and the sets' mean coverage. ``--limit N`` takes a seeded N of each split (and at most N
 speed questions): a smoke test, not a measurement. ``openvino-int8`` (static int8, the ``int8`` extra) is quantised
-on 300 SciQ training questions; a backend this machine cannot run is reported as skipped, with why.
+on the artifact's quantisation sample (300 SciQ training questions for the default); a backend this machine cannot
+run is reported as skipped, with why. The done-when block judges the backend ``auto`` picks here, measured afresh as
+a first start measures it (ibedl.core.auto_backend).
 
 Run it on an otherwise idle CPU: the backends share the cores with whatever else runs, and only the ratios within
 one process are comparable between machines.
@@ -42,7 +44,8 @@ import torch
 
 from benchmarks.common import write_result
 from benchmarks.decisions import repeated_splits, served, stream_row
-from ibedl.core.backends import PRECISION_OF, build_trunk, calibration_key, choose_backend
+from ibedl.core import auto_backend
+from ibedl.core.backends import PRECISION_OF, build_trunk, calibration_key, unavailable
 from ibedl.core.base_model import KNOWN_MODELS, MARKER, known_gguf, resolve_model
 from ibedl.core.predictor import Predictor
 from ibedl.core.prompt import format_prompt
@@ -52,7 +55,6 @@ from ibedl.training.data import load_dataset
 
 BACKENDS = ("torch", "openvino-fp32", "openvino-bf16", "openvino", "openvino-int8")
 SERVED_MAX_TOKENS = 1024  # the service's IBEDL_MAX_TOKENS: prompts are read whole, as served and calibrated
-QUANTIZATION_QUESTIONS = 300  # SciQ training questions openvino-int8 measures activation ranges on
 SPLIT_QUESTIONS = 20  # batch-1 questions timed part by part (tokenise, trunk, head)
 # What the issue's "done when" asks of the default backend against torch fp32 on this machine.
 DONE_WHEN = {"throughput_vs_torch": 2.0, "accuracy_points_within": 1.0, "guarantee_share": 0.9,
@@ -248,9 +250,14 @@ def rss_of(backend: str, artifact: str) -> int:
     return 0
 
 
-def done_when(manifest, predictor, rows: dict) -> dict:
-    """The issue's bar for the backend ``auto`` picks here against torch fp32."""
-    chosen, reason = choose_backend("auto", predictor)
+def done_when(manifest, predictor, rows: dict, artifact: Path, sha: str, trunks: dict) -> dict:
+    """The issue's bar for the backend ``auto`` picks here (measured afresh, as a first start does) against torch
+    fp32."""
+    predictor.trunk, predictor.backend = None, "torch"
+    choice, _ = auto_backend.choose(predictor, artifact, sha, fresh=True, unavailable=unavailable,
+                                    build=lambda name: trunks[name] if name in trunks else
+                                    build_trunk(name, predictor, artifact, sha))
+    chosen, reason = choice.backend, f"{choice.reason}; skipped: {choice.skipped or 'none'}"
     mine, ref = rows.get(chosen, {}), rows.get("torch", {})
     if "decisions" not in mine or "decisions" not in ref or "speed" not in mine:
         return {"auto": chosen, "reason": reason, "judged": False, "why": "not measured in this run"}
@@ -279,9 +286,6 @@ def main(argv=None) -> int:
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS,
                         help="backends to judge; torch (the reference) is always added first")
     parser.add_argument("--splits", type=int, default=200, help="random halvings of test checking the guarantee")
-    parser.add_argument("--quantization-questions", type=int, default=QUANTIZATION_QUESTIONS,
-                        help="SciQ training questions openvino-int8 is quantised on when its IR is not cached yet "
-                        f"(default {QUANTIZATION_QUESTIONS}; the cached IR records how many it was)")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-backend memory processes")
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp reference")
     parser.add_argument("--output", default="benchmarks/results/cpu_backends.json")
@@ -289,7 +293,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.rss_of:
         return rss_of(args.rss_of, args.artifact)
-    for name in ("questions", "limit", "splits", "quantization_questions"):
+    for name in ("questions", "limit", "splits"):
         value = getattr(args, name)
         if value is not None and value < 2:
             parser.error(f"--{name} must be >= 2, got {value}")
@@ -307,9 +311,7 @@ def main(argv=None) -> int:
     for name in names:
         start = time.perf_counter()
         try:
-            sample = load_dataset("sciq", "train", limit=args.quantization_questions, seed=0) \
-                if name == "openvino-int8" else None
-            trunks[name] = build_trunk(name, predictor, artifact, sha, sample=sample)
+            trunks[name] = build_trunk(name, predictor, artifact, sha)  # int8: on the artifact's sample
         except (ImportError, ValueError, RuntimeError) as e:
             rows[name] = {"skipped": f"{type(e).__name__}: {e}"}
             print(f"{name}: skipped ({e})", file=sys.stderr, flush=True)
@@ -353,7 +355,7 @@ def main(argv=None) -> int:
         "split": "sciq, seed 0, with passages", "validation_questions": len(val), "test_questions": len(test),
         "splits": args.splits, "cpu": cpu_features(), "peak_gflops": peak, "torch_threads": torch.get_num_threads(),
         "speed": {k: v for k, v in timing.items() if k != "backends"},
-        "backends": rows, "done_when": done_when(manifest, predictor, rows),
+        "backends": rows, "done_when": done_when(manifest, predictor, rows, artifact, sha, trunks),
         "llama_cpp": {"skipped": "--no-llama-cpp"} if args.no_llama_cpp else
         llama_cpp_reference(predictor, timed, rows["torch"]["speed"]["latency_p50_s"]),
     }

@@ -21,11 +21,10 @@ ROOT = Path(__file__).resolve().parents[1]
 LOCK = ROOT / "requirements/lock.txt"
 SERVE_LOCK = ROOT / "requirements/serve.lock.txt"
 REGENERATE = "make lock"
-# The extras make setup installs (the lock); gpu (bitsandbytes, CUDA image only), bench (llama-cpp-python, a
-# 10-minute compile) and int8 (nncf: the openvino-int8 backend and its benchmark) are installed on demand and are not
-# locked.
+# The extras make setup installs (the lock); gpu (bitsandbytes, CUDA image only) and bench (llama-cpp-python, a
+# 10-minute compile) are installed on demand and are not locked.
 LOCKED_EXTRAS = {"train", "serve", "dev", "track"}
-UNLOCKED_EXTRAS = {"gpu", "bench", "int8"}
+UNLOCKED_EXTRAS = {"gpu", "bench"}
 # The image installs torch in a step of its own (the build of its variant): the serve lock leaves it out.
 NOT_IN_SERVE_LOCK = {"torch"}
 _ENTRY = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)")

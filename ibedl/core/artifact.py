@@ -7,6 +7,7 @@ Layout::
     head.safetensors              option head tensors      } one set at the top, or one set per
     adapter_config.json           PEFT LoRA config         } ensemble member under members/<i>/
     adapter_model.safetensors     PEFT LoRA weights        } (the manifest's ``members``)
+    quantization_sample.jsonl     questions openvino-int8 is quantised on (ibedl.core.quantization_sample), if any
 
 Loading reads JSON and safetensors only; nothing is unpickled, and nothing outside the directory: ``members`` are
 relative paths inside it (no ``..``, not absolute, no symlink that leads out). Serving checks every weight file

@@ -2,15 +2,15 @@
 batch into the (B, d) hidden state of each prompt's last real token. The option head, Dirichlet outputs and
 abstention stay the predictor's own code whatever the backend.
 
-``auto`` (the default): the fastest backend this machine runs for which the artifact carries a calibration
-(:func:`choose_backend`): ``openvino-bf16`` on CPUs with native bfloat16, else ``openvino-fp32``, else ``torch``
-(CUDA, MC-Dropout, ensembles, no openvino, or no calibration made on OpenVINO). ``torch``: the PEFT model as
-loaded (fp32 eager on CPU). ``openvino-fp32``: the LoRA-merged trunk converted once to OpenVINO IR.
-``openvino-bf16``: that fp32 IR run with bfloat16 matmuls (fp32 accumulation) on CPUs with native bf16
-instructions (AVX512-BF16, AMX). ``openvino``: the IR with int8 weights (asymmetric, one scale per 64 input
-channels), decompressed inside the CPU plugin's matmul kernels; activations stay fp32. ``openvino-int8``: static
-int8 (weights and activations) by NNCF post-training quantisation on a calibration sample (the ``int8`` extra).
-IR are cached under ``IBEDL_CACHE_DIR/backends``, keyed by base model, adapter and backend.
+``auto`` (the default): the backend this machine runs the artifact fastest on, measured at start-up among those
+the artifact carries a calibration for (ibedl.core.auto_backend); ``torch`` when no other can run (CUDA,
+MC-Dropout, ensembles, no openvino, no calibration made on OpenVINO). ``torch``: the PEFT model as loaded (fp32
+eager on CPU). ``openvino-fp32``: the LoRA-merged trunk converted once to OpenVINO IR. ``openvino-bf16``: that fp32
+IR run with bfloat16 matmuls (fp32 accumulation) on CPUs with native bf16 instructions (AVX512-BF16, AMX).
+``openvino``: the IR with int8 weights (asymmetric, one scale per 64 input channels), decompressed inside the CPU
+plugin's matmul kernels; activations stay fp32. ``openvino-int8``: static int8 (weights and activations) by NNCF
+post-training quantisation on the artifact's quantisation sample (ibedl.core.quantization_sample). IR are cached
+under ``IBEDL_CACHE_DIR/backends``, keyed by base model, adapter, backend and (static int8) the quantisation sample.
 
 A guarantee is a property of the weights and of the arithmetic that runs them: thresholds and conformal quantiles
 are calibrated per backend and precision (:func:`calibration_key`), and the service serves the calibration that
@@ -36,13 +36,11 @@ from ibedl.core.base_model import MARKER, cache_dir, sha256_file
 log = logging.getLogger(__name__)
 
 BACKENDS = ("torch", "openvino", "openvino-fp32", "openvino-bf16", "openvino-int8", "auto")
-# On 200 SciQ test questions on quiet cores (benchmarks/results/cpu_backends.json) the fp32 IR served 1.52x torch's
-# batch-8 throughput with torch's answers and bf16 2.42x; bf16 moves single probabilities by up to 0.09, which a
-# calibration made on bf16's own outputs accounts for. So ``auto`` is the default and tries these, fastest first,
-# keeping the first this CPU runs for which the artifact carries a calibration.
+# Which backend is fastest depends on the CPU, not only on its flags (benchmarks/results/cpu_backends.json): ``auto``
+# measures it at start-up (ibedl.core.auto_backend).
 DEFAULT_BACKEND = "auto"
-AUTO_ORDER = ("openvino-bf16", "openvino-fp32")
 CACHE_FORMAT = 1  # bump when the exported graph or its compression changes
+QUANTIZATION_MAX_TOKENS = 1 << 20  # quantisation sample prompts are read whole (no context cut at a token limit)
 # Measured on 30 SciQ validation questions (max |p - p_torch|): int8 per output channel (nncf's INT8 modes)
 # 0.026-0.04; per 64 input channels 0.003. The plugin's dynamic int8 activations (groups of 16 / 64) added
 # 0.017 / 0.034, so they are off (DYNAMIC_QUANTIZATION_GROUP_SIZE 0).
@@ -69,7 +67,7 @@ def calibration_key(backend: str, device="cpu", dtype="float32", load_in_4bit: b
     ``backend_calibrations``): an OpenVINO backend's own name (its precision is in it), ``torch-<precision>`` for
     torch on the CPU, ``torch-cuda-[nf4-]<precision>`` on CUDA. ``dtype``: a torch dtype or its name."""
     if check_backend(backend) == "auto":
-        raise ValueError("calibration_key needs a concrete backend; resolve auto first (choose_backend)")
+        raise ValueError("calibration_key needs a concrete backend; resolve auto first (build_trunk)")
     if backend != "torch":
         return backend
     name = str(dtype).removeprefix("torch.")
@@ -144,7 +142,7 @@ def quantize_static(ir, sample: list):
     try:
         import nncf
     except ImportError as e:
-        raise ImportError("backend 'openvino-int8' quantises with NNCF: pip install -e '.[int8]'") from e
+        raise ImportError("backend 'openvino-int8' quantises with NNCF: pip install -e '.[serve]'") from e
     if not sample:
         raise ValueError("static int8 needs a calibration sample of at least one encoded batch")
     data = nncf.Dataset(sample, lambda b: {"input_ids": b.input_ids.numpy(), "attention_mask": b.attention_mask.numpy(),
@@ -177,10 +175,7 @@ def _export(model, tokenizer, target: Path, compress: bool, sample: list | None 
     record = {"compress": compress}
     if sample is not None:
         ir = quantize_static(ir, sample)
-        digest = hashlib.sha256()
-        for b in sample:
-            digest.update(b.input_ids.numpy().tobytes())
-        record["static_int8"] = {"sample_batches": len(sample), "sample_sha256": digest.hexdigest()}
+        record["static_int8"] = {"sample_batches": len(sample), "sample_sha256": sample_digest(sample)}
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
     ov.save_model(ir, tmp / "trunk.xml", compress_to_fp16=False)
@@ -209,10 +204,33 @@ def native_bf16() -> bool:
     return "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
 
 
+def sample_digest(sample: list) -> str:
+    """sha256 over the token ids of a quantisation sample (encoded batches): what a static int8 IR depends on besides
+    the weights (recorded in its cache marker and part of its cache key)."""
+    digest = hashlib.sha256()
+    for b in sample:
+        digest.update(b.input_ids.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def ir_path(artifact: Path, member: str, base_sha256: str, backend: str, sample: list | None = None) -> Path:
+    """Where the IR of ``backend`` for this adapter is cached; static int8's also by its quantisation sample
+    (ValueError without one: which quantisation would it be?)."""
+    ir = IR_OF[backend]
+    key = adapter_key(artifact, member, base_sha256, ir)
+    if ir == "openvino-int8":
+        if not sample:
+            raise ValueError("backend 'openvino-int8' quantises the trunk on the artifact's quantisation sample "
+                             "(quantization_sample.jsonl), and it carries none: add one with python -m "
+                             "ibedl.training.calibrate --artifact DIR --dataset NAME --backend openvino-int8")
+        key = hashlib.sha256(f"{key}\0{sample_digest(sample)}".encode()).hexdigest()
+    return cache_dir() / "backends" / f"{ir}-{key[:16]}"
+
+
 def openvino_trunk(model, tokenizer, artifact: Path, member: str, base_sha256: str, backend: str,
                    threads: int | None = None, sample: list | None = None) -> OpenVINOTrunk:
-    """Compile the cached IR of this adapter (exporting it once if missing). ``sample``: encoded batches that
-    ``openvino-int8`` measures activation ranges on when it quantises (once; the cached IR is used after)."""
+    """Compile the cached IR of this adapter (exporting it once if missing). ``sample``: the encoded batches
+    ``openvino-int8`` is quantised on (once per adapter and sample; the cached IR is used after)."""
     try:
         import openvino as ov
     except ImportError as e:
@@ -223,14 +241,10 @@ def openvino_trunk(model, tokenizer, artifact: Path, member: str, base_sha256: s
         raise ValueError(f"backend {backend!r} needs a CPU with native bfloat16 (AVX512-BF16 or AMX); this one has "
                          f"{', '.join(core.get_property('CPU', 'OPTIMIZATION_CAPABILITIES'))}: use openvino-fp32")
     ir = IR_OF[backend]
-    target = cache_dir() / "backends" / f"{ir}-{adapter_key(artifact, member, base_sha256, ir)[:16]}"
+    target = ir_path(artifact, member, base_sha256, backend, sample)
     if not (target / MARKER).is_file():
-        if ir == "openvino-int8" and not sample:
-            raise ValueError("backend 'openvino-int8' quantises the trunk once on a calibration sample, and none was "
-                             "given: quantise it with python -m ibedl.training.calibrate --backend openvino-int8 (on "
-                             "the dataset's training split) or python -m benchmarks.cpu_backends")
-        log.info("exporting the trunk of %s for backend %s into %s: once per adapter, about a minute",
-                 artifact, backend, target)
+        log.info("exporting the trunk of %s for backend %s into %s: once per adapter, %s", artifact, backend,
+                 target, "a few minutes (NNCF quantises it)" if ir == "openvino-int8" else "about a minute")
         _export(model, tokenizer, target, compress=ir == "openvino", sample=sample if ir == "openvino-int8" else None)
         log.info("exported %s; later starts load it in seconds", target)
     config = {"INFERENCE_PRECISION_HINT": precision, "PERFORMANCE_HINT": "LATENCY",
@@ -238,7 +252,7 @@ def openvino_trunk(model, tokenizer, artifact: Path, member: str, base_sha256: s
     return OpenVINOTrunk(core.compile_model(target / "trunk.xml", "CPU", config), target)
 
 
-def _runs_openvino(predictor) -> str | None:
+def runs_openvino(predictor) -> str | None:
     """Why OpenVINO cannot run this predictor's trunk, or None when it can."""
     if predictor.device.type != "cpu":
         return f"device {predictor.device}"
@@ -251,37 +265,81 @@ def _runs_openvino(predictor) -> str | None:
     return None
 
 
-def choose_backend(backend: str, predictor) -> tuple[str, str]:
-    """(concrete backend, why) for ``backend`` on this predictor: ``auto`` becomes the first of
-    :data:`AUTO_ORDER` that this machine runs and for which the predictor's manifest carries a calibration, else
-    ``torch``; another name is kept."""
-    if check_backend(backend) != "auto":
-        return backend, "named"
-    reason = _runs_openvino(predictor)
-    if reason is None:
-        carried = predictor.manifest.calibration_keys() if predictor.manifest is not None else []
-        skipped = []
-        for name in AUTO_ORDER:
-            if PRECISION_OF[name] == "bf16" and not native_bf16():
-                skipped.append(f"{name}: this CPU has no native bfloat16")
-            elif name not in carried:
-                skipped.append(f"{name}: the artifact carries no calibration made on it")
-            else:
-                why = "the fastest backend this CPU runs with a calibration in the artifact"
-                return name, why + (f" ({'; '.join(skipped)})" if skipped else "")
-        reason = "; ".join(skipped)
-    return "torch", f"the fallback: {reason}"
+def has_nncf() -> bool:
+    try:
+        import nncf  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
-def build_trunk(backend: str, predictor, artifact: Path, base_sha256: str, sample: list | None = None):
+def unavailable(backend: str, predictor, artifact: Path) -> str | None:
+    """Why this machine cannot run ``backend`` for ``predictor`` (loaded from ``artifact``), or None when it can."""
+    if backend == "torch":
+        return None
+    why = runs_openvino(predictor)
+    if why is None and PRECISION_OF[backend] == "bf16" and not native_bf16():
+        why = "this CPU has no native bfloat16"
+    if why is None and IR_OF[backend] == "openvino-int8" and not has_nncf() and not int8_cached(predictor, artifact):
+        why = "quantising needs NNCF (pip install -e '.[serve]') and its IR is not cached"
+    return why
+
+
+def _member(predictor) -> str:
+    return predictor.manifest.members[0] if predictor.manifest else "."
+
+
+def artifact_sample(predictor, artifact: Path) -> list | None:
+    """The artifact's quantisation sample, encoded as one batch per question, each prompt whole whatever the
+    predictor's token limit (the quantised trunk must not depend on it), or None when it carries none."""
+    from ibedl.core import quantization_sample
+
+    questions = quantization_sample.read(artifact)
+    if questions is None:
+        return None
+    limit, predictor.max_tokens = predictor.max_tokens, QUANTIZATION_MAX_TOKENS
+    try:
+        return [predictor.encode([q], truncate_context=False) for q in questions]
+    finally:
+        predictor.max_tokens = limit
+
+
+def int8_cached(predictor, artifact: Path, base_sha256: str = "") -> bool:
+    """Whether the static int8 IR of this adapter and its artifact's quantisation sample is cached already."""
+    sample = artifact_sample(predictor, artifact)
+    if sample is None:
+        return False
+    sha = base_sha256 or predictor.manifest.base_model_ref().sha256
+    return (ir_path(artifact, _member(predictor), sha, "openvino-int8", sample) / MARKER).is_file()
+
+
+def build_trunk(backend: str, predictor, artifact: Path, base_sha256: str):
     """The trunk callable of ``backend`` for a loaded predictor; None for ``torch`` (the predictor's own path).
-    Records the concrete backend (``auto`` resolved) as ``predictor.backend`` and why as ``predictor.backend_reason``
-    (logged when ``auto`` chose). ``sample``: questions ``openvino-int8`` quantises on when its IR is not cached."""
-    requested = backend
-    backend, reason = choose_backend(backend, predictor)
-    predictor.backend, predictor.backend_reason = backend, reason
-    if requested == "auto":
-        log.info("inference backend auto -> %s (%s)", backend, reason)
+    ``auto`` is resolved by measurement (ibedl.core.auto_backend.choose; what it measured in
+    ``predictor.backend_choice``). Records the concrete backend as ``predictor.backend`` and why as
+    ``predictor.backend_reason`` (logged when ``auto`` chose). ``openvino-int8`` is quantised on the artifact's
+    quantisation sample (``predictor.quantized_on``: its file's sha256, which its calibration must record)."""
+    from ibedl.core import auto_backend
+
+    from ibedl.core import quantization_sample
+
+    check_backend(backend)
+    artifact = Path(artifact)
+    if backend != "auto":
+        trunk = _build(backend, predictor, artifact, base_sha256)
+        predictor.backend, predictor.backend_reason = backend, "named"
+    else:
+        choice, trunk = auto_backend.choose(predictor, artifact, base_sha256,
+                                            lambda name: _build(name, predictor, artifact, base_sha256), unavailable)
+        predictor.backend, predictor.backend_reason, predictor.backend_choice = choice.backend, choice.reason, choice
+        log.info("inference backend auto -> %s (%s)%s", choice.backend, choice.reason,
+                 f"; measured again once {choice.path} is deleted" if choice.path else "")
+    if IR_OF.get(predictor.backend) == "openvino-int8":  # which sample quantised it: its calibration must match
+        predictor.quantized_on = quantization_sample.sha256(artifact)
+    return trunk
+
+
+def _build(backend: str, predictor, artifact: Path, base_sha256: str):
     if backend == "torch":
         return None
     if len(predictor.heads) > 1 or predictor.mc_samples > 0:
@@ -290,11 +348,10 @@ def build_trunk(backend: str, predictor, artifact: Path, base_sha256: str, sampl
         )
     if predictor.device.type != "cpu":
         raise ValueError(f"backend {backend!r} runs on the CPU; got device {predictor.device}")
-    member = predictor.manifest.members[0] if predictor.manifest else "."
-    encoded = None if sample is None else [predictor.encode([q]) for q in sample]
-    return openvino_trunk(predictor.model, predictor.tokenizer, artifact, member, base_sha256, backend,
+    encoded = artifact_sample(predictor, artifact) if IR_OF[backend] == "openvino-int8" else None
+    return openvino_trunk(predictor.model, predictor.tokenizer, artifact, _member(predictor), base_sha256, backend,
                           sample=encoded)
 
 
-__all__ = ["BACKENDS", "DEFAULT_BACKEND", "AUTO_ORDER", "check_backend", "calibration_key", "choose_backend",
-           "build_trunk", "LastTokenTrunk", "OpenVINOTrunk"]
+__all__ = ["BACKENDS", "DEFAULT_BACKEND", "check_backend", "calibration_key", "build_trunk", "runs_openvino",
+           "int8_cached", "ir_path", "LastTokenTrunk", "OpenVINOTrunk"]

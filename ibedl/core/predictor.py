@@ -192,6 +192,8 @@ class Predictor:
         self.trunk = None  # an inference backend's trunk (ibedl.core.backends); None: the model's own forward
         self.backend = "torch"  # the inference backend's name (set by ibedl.core.backends.build_trunk)
         self.backend_reason = "named"  # why that backend (what ``auto`` weighed)
+        self.backend_choice = None  # what ``auto`` measured (ibedl.core.auto_backend.AutoChoice), None: not auto
+        self.quantized_on = None  # static int8: sha256 of the quantisation sample file its trunk was quantised on
         self.calibration = None  # the manifest's calibration for this backend (use_calibration), None: none matches
         self._released: tuple[torch.device, str] | None = None  # (device, calibration key) once the model is dropped
         self.num_rows = self.heads[0].config.num_rows
@@ -372,7 +374,6 @@ class Predictor:
         backend: str = "torch",
         resolved=None,
         tokenizer=None,
-        quantization_sample: list[MCQuestion] | None = None,
     ) -> Predictor:
         """Load base model + adapter(s) + head(s) of an artifact directory.
 
@@ -381,11 +382,10 @@ class Predictor:
             base_model: a model reference overriding the manifest's base model name.
             allow_base_mismatch: load even when the base weights' sha256 differs from the manifest's.
             backend: inference backend of the trunk (:mod:`ibedl.core.backends`); ``auto`` picks one.
-            resolved, tokenizer, quantization_sample: see :meth:`from_artifacts`.
+            resolved, tokenizer: see :meth:`from_artifacts`.
         """
         (predictor,) = cls.from_artifacts([directory], base_model, device, dtype, load_in_4bit, allow_base_mismatch,
-                                          backend, resolved=resolved, tokenizer=tokenizer,
-                                          quantization_sample=quantization_sample)
+                                          backend, resolved=resolved, tokenizer=tokenizer)
         return predictor
 
     @classmethod
@@ -400,7 +400,6 @@ class Predictor:
         backend: str = "torch",
         resolved=None,
         tokenizer=None,
-        quantization_sample: list[MCQuestion] | None = None,
     ) -> list[Predictor]:
         """Several artifacts on one base model, loaded once (PEFT multi-adapter): the adapters of artifact j are
         added to the shared model as ``a{j}m{i}`` (``m{i}`` for the first), and each predictor switches the model
@@ -409,8 +408,8 @@ class Predictor:
 
         ``resolved`` (an :class:`ibedl.core.base_model.ResolvedModel`) is the base model when the caller already
         resolved it (training: once per process), instead of resolving ``base_model`` or the manifest's reference
-        again; ``tokenizer`` its tokenizer, when already loaded. ``quantization_sample``: questions the
-        ``openvino-int8`` backend measures activation ranges on when it quantises the trunk (once per adapter).
+        again; ``tokenizer`` its tokenizer, when already loaded. ``openvino-int8`` quantises the trunk on the
+        artifact's quantisation sample (ibedl.core.quantization_sample; once per adapter, then cached).
 
         Refused with :class:`BaseModelMismatchError` when the artifacts were trained on different base weights
         (one process holds one base model), and with ``ValueError`` for more than one artifact on a backend
@@ -484,7 +483,7 @@ class Predictor:
                 mc_samples=manifest.mc_samples,
                 manifest=manifest,
             )
-            predictor.trunk = build_trunk(backend, predictor, directory, resolved.sha256, sample=quantization_sample)
+            predictor.trunk = build_trunk(backend, predictor, directory, resolved.sha256)
             if reason is not None:
                 predictor.backend_reason = reason
             predictor.use_calibration()

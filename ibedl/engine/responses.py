@@ -63,6 +63,16 @@ def build_answer(runtime: AdapterRuntime, req: PredictRequest, q: MCQuestion, pr
     )
 
 
+def measured(choice) -> dict | None:
+    """What ``auto`` measured (ibedl.core.auto_backend.AutoChoice) as served, without the cache file's path."""
+    from ibedl.core.auto_backend import TIMING_QUESTIONS
+
+    if choice is None:
+        return None
+    return {"batch": TIMING_QUESTIONS, "seconds": {k: r6(v) for k, v in choice.seconds.items()},
+            "skipped": choice.skipped, "measured_at": choice.measured, "from_earlier_start": choice.cached}
+
+
 def model_card(runtime: AdapterRuntime, settings: EngineSettings) -> dict:
     """What /v1/models says of a served adapter."""
     m, c, served = runtime.predictor.manifest, runtime.conformal, runtime.calibration
@@ -83,7 +93,7 @@ def model_card(runtime: AdapterRuntime, settings: EngineSettings) -> dict:
             "alpha": c.alpha, "score": c.score, "n": c.n, "alphas": c.alphas(), "scores": sorted(c.quantiles)},
         "calibration": served.record or None,
         "backend": {"name": runtime.predictor.backend, "requested": settings.backend,
-                    "reason": runtime.predictor.backend_reason},
+                    "reason": runtime.predictor.backend_reason, "measured": measured(runtime.predictor.backend_choice)},
         "calibration_in_use": {"key": served.key, "backend_key": runtime.predictor.calibration_key,
                                "matches_backend": runtime.calibration_matches, "carried": m.calibration_keys(),
                                "metrics": served.metrics},

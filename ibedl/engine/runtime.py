@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ibedl.core import quantization_sample
 from ibedl.core.artifact import Abstention, Conformal, ServedCalibration
 from ibedl.core.predictor import Prediction, Predictor
 from ibedl.engine.errors import UnknownAdapter
@@ -45,7 +46,10 @@ class AdapterRuntime:
     @property
     def calibration_matches(self) -> bool:
         """Whether the calibration in use was made on the backend and precision that serve."""
-        return self.calibration.key == self.predictor.calibration_key
+        p = self.predictor
+        quantized_elsewhere = p.backend == "openvino-int8" and quantization_sample.mismatch(
+            self.calibration.record, p.quantized_on) is not None
+        return self.calibration.key == p.calibration_key and not quantized_elsewhere
 
     @property
     def drift_statistic(self) -> str:
@@ -127,6 +131,18 @@ def served_calibration(predictor: Predictor, settings: EngineSettings) -> Served
     if predictor.calibration is None:  # a predictor built without from_artifacts: look it up now
         predictor.use_calibration()
     if predictor.calibration is not None:
+        why = quantization_sample.mismatch(predictor.calibration.record, predictor.quantized_on) \
+            if predictor.backend == "openvino-int8" else None
+        if why is None:
+            return predictor.calibration
+        if not settings.allow_uncalibrated_backend:
+            raise UncalibratedBackend(
+                f"adapter {manifest.name!r}: its {key} calibration does not hold for the int8 trunk served: {why}. "
+                f"Recalibrate it on this backend (python -m ibedl.training.calibrate --artifact DIR --dataset NAME "
+                f"--backend {predictor.backend}), serve another backend it carries (IBEDL_BACKEND), or set "
+                "IBEDL_ALLOW_UNCALIBRATED_BACKEND=true to serve it anyway")
+        log.warning("adapter %s: serving backend %s with a calibration that does not hold for its trunk (%s; "
+                    "IBEDL_ALLOW_UNCALIBRATED_BACKEND)", manifest.name, predictor.backend, why)
         return predictor.calibration
     carried = manifest.calibration_keys()
     if not settings.allow_uncalibrated_backend:

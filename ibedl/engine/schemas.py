@@ -234,7 +234,9 @@ class ModelCard(BaseModel):
     calibration: dict | None = Field(..., description="what ibedl.training.calibrate did for the calibration in "
                                      "use: data, post-hoc fit, OOD gate, risk control; null when never calibrated")
     backend: dict = Field(..., description="the inference backend: name (auto resolved), requested (IBEDL_BACKEND), "
-                          "reason (why auto chose it)")
+                          "reason (why auto chose it), measured (auto: seconds per batch of `batch` prompts of each "
+                          "candidate timed, those skipped and why, when, whether read from an earlier start's "
+                          "measurement; null when a backend was named)")
     calibration_in_use: dict = Field(..., description="key: the backend and precision of the calibration served; "
                                      "backend_key: those of the backend that serves; matches_backend; carried: every "
                                      "calibration the artifact holds; metrics: those recorded under the one in use")

@@ -48,6 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ibedl.core import quantization_sample
 from ibedl.core.artifact import Abstention, Conformal, Manifest, check_artifact, write_manifest
 from ibedl.core.backends import BACKENDS, calibration_key
 from ibedl.core.conformal import SCORES, alpha_key, calibrate_quantiles, prediction_set
@@ -365,19 +366,22 @@ def apply_sections(manifest: Manifest, head: dict, sections: dict) -> None:
 
 
 def _share_files(source: Path, target: Path, manifest: Manifest) -> None:
-    """Hard-link (or copy) every member's adapter and head files from ``source`` into ``target``."""
+    """Hard-link (or copy) every member's adapter and head files, and the quantisation sample, from ``source`` into
+    ``target``."""
     from ibedl.core.artifact import ADAPTER_FILES, HEAD_FILE
 
-    for member in manifest.members:
-        (target / member).mkdir(parents=True, exist_ok=True)
-        for name in (*ADAPTER_FILES, HEAD_FILE):
-            src, dst = source / member / name, target / member / name
-            if dst.exists():
-                dst.unlink()
-            try:
-                os.link(src, dst)
-            except OSError:
-                shutil.copy2(src, dst)
+    files = [Path(member) / name for member in manifest.members for name in (*ADAPTER_FILES, HEAD_FILE)]
+    if quantization_sample.sha256(source) is not None:
+        files.append(Path(quantization_sample.FILE))
+    for path in files:
+        src, dst = source / path, target / path
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if dst.exists():
+            dst.unlink()
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
 
 
 def next_version(version: str) -> str:
@@ -471,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
             key = outputs_key(args.outputs, args.backend)
         else:
             kind, raw, labels, key = run_model(args, source, load_dataset)
+        quantized = quantization_record(source, key)
     except (DatasetError, ArtifactError, ValueError, FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -501,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
             shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "previous_version": str(manifest.version),
+        **({"quantization": quantized} if quantized else {}),
     })
     record(manifest, key, head_update, sections, {args.evaluate_split: evaluated} if evaluated is not None else {})
     if key == manifest.calibrated_on:  # the answers served so far change; another backend's are new, not changed
@@ -534,6 +540,20 @@ def record(manifest: Manifest, key: str, head_update: dict, sections: dict, eval
     manifest.metrics.update(evaluated)
 
 
+def quantization_record(directory: Path, key: str) -> dict | None:
+    """What a calibration made on static int8 records of the trunk's quantisation (the artifact's sample file and
+    its sha256, which the service checks), None for other backends; ValueError when the artifact carries no sample
+    (outputs computed on an int8 trunk quantised on questions the artifact does not hold)."""
+    if key != "openvino-int8":
+        return None
+    sha = quantization_sample.sha256(directory)
+    if sha is None:
+        raise ValueError(f"{directory} carries no {quantization_sample.FILE}: the int8 trunk these outputs come from "
+                         "was quantised on questions the artifact does not hold, so no service could rebuild it; "
+                         "calibrate without --outputs (--backend openvino-int8 writes the sample)")
+    return {"file": quantization_sample.FILE, "questions": len(quantization_sample.read(directory)), "sha256": sha}
+
+
 def outputs_key(path, backend: str | None) -> str:
     """The backend and precision the raw outputs in ``path`` were computed on: as recorded (``calibration_key``),
     else torch in the precision of the devices its streams name (files written before backends were recorded).
@@ -559,20 +579,23 @@ def run_model(args, source: Path, load_dataset) -> tuple[str, dict, list[int], s
     missing = [i for i, q in enumerate(questions) if q.answer is None]
     if missing:
         raise ValueError(f"questions {missing[:5]} of {args.dataset}/{args.split} have no answer to calibrate on")
-    sample = None
-    if args.backend == "openvino-int8":  # quantised on training questions: the calibration sample chooses nothing else
-        sample = load_dataset(args.dataset, "train", path=args.path, limit=QUANTIZATION_QUESTIONS, seed=args.seed)
+    if args.backend == "openvino-int8" and quantization_sample.sha256(source) is None:
+        # quantised on training questions (the calibration questions choose nothing else), kept in the artifact so
+        # every machine quantises the trunk this calibration is made on
+        sample = load_dataset(args.dataset, "train", path=args.path, limit=quantization_sample.QUESTIONS,
+                              seed=args.seed)
+        quantization_sample.write(source, sample)
+        log.info("wrote %s (%d %s training questions) into %s: openvino-int8 is quantised on them",
+                 quantization_sample.FILE, len(sample), args.dataset, source)
     predictor = Predictor.from_artifact(source, base_model=args.base_model, device=args.device,
                                         dtype=getattr(torch, args.dtype) if args.dtype else None,
-                                        backend=args.backend or "torch", quantization_sample=sample,
-                                        load_in_4bit=args.load_in_4bit)
+                                        backend=args.backend or "torch", load_in_4bit=args.load_in_4bit)
     predictor.max_tokens = args.max_tokens
     kind, raw = raw_outputs(predictor, questions, args.batch_size, progress=not args.no_progress)
     return kind, raw, [q.answer for q in questions], predictor.calibration_key
 
 
 OUTPUTS_FORMAT = "ibedl-raw-outputs/1"
-QUANTIZATION_QUESTIONS = 300  # training questions openvino-int8 measures activation ranges on (NNCF's default subset)
 
 
 def weights_sha256(directory: Path, manifest: Manifest) -> str:

@@ -1,6 +1,7 @@
 """Inference backends: the switch, the export cache, int8 group compression (tiny model; real model in
 tests/integration/test_backends_real.py)."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -151,63 +152,39 @@ class _Carrying:
         return self.keys
 
 
-def test_auto_is_the_default_and_picks_the_fastest_calibrated_backend(tiny, monkeypatch):
+def test_auto_is_the_default_and_falls_back_to_torch_where_openvino_cannot_run(tiny, monkeypatch):
+    """Which OpenVINO backend auto picks is measured (tests/core/test_auto_backend.py); here: where none can run."""
     from ibedl.serve.settings import Settings
 
     monkeypatch.delenv("IBEDL_BACKEND", raising=False)
     assert Settings().backend == backends.DEFAULT_BACKEND == "auto"
     predictor, artifact = tiny
-    monkeypatch.setattr(backends, "openvino_trunk", lambda *args, **kwargs: args[-1])  # the backend it was asked for
     monkeypatch.setattr(predictor, "manifest", _Carrying("torch-fp32", "openvino-fp32", "openvino-bf16"))
+    monkeypatch.setattr(backends, "_build", lambda name, *args: name)  # what it would build
     try:
-        for bf16 in (True, False):
-            monkeypatch.setattr(backends, "native_bf16", lambda: bf16)
-            chosen = "openvino-bf16" if bf16 else "openvino-fp32"
-            assert backends.build_trunk("auto", predictor, artifact, "base-sha") == chosen
-            assert predictor.backend == chosen
-        assert "openvino-bf16: this CPU has no native bfloat16" in predictor.backend_reason
-        monkeypatch.setattr(backends, "native_bf16", lambda: True)
-        predictor.manifest = _Carrying("torch-fp32", "openvino-fp32")  # no bf16 calibration: fp32
-        assert backends.choose_backend("auto", predictor)[0] == "openvino-fp32"
-        predictor.manifest = _Carrying("torch-fp32")  # calibrated on torch alone: torch
-        name, reason = backends.choose_backend("auto", predictor)
-        assert name == "torch" and "openvino-fp32: the artifact carries no calibration made on it" in reason
-        predictor.manifest = _Carrying("torch-fp32", "openvino-fp32", "openvino-bf16")
         predictor.mc_samples = 4  # MC-Dropout (and ensembles, CUDA) fall back to torch instead of failing
         assert backends.build_trunk("auto", predictor, artifact, "base-sha") is None
-        assert predictor.backend == "torch" and "MC-Dropout" in predictor.backend_reason
+        assert predictor.backend == "torch" and "MC-Dropout and ensembles run on torch" in predictor.backend_reason
         predictor.mc_samples = 0
         monkeypatch.setitem(__import__("sys").modules, "openvino", None)  # not installed: torch
-        assert backends.choose_backend("auto", predictor) == ("torch", "the fallback: openvino is not installed "
-                                                              "(pip install -e '.[serve]')")
-        assert backends.choose_backend("openvino", predictor)[0] == "openvino"  # a named backend is kept
+        assert backends.build_trunk("auto", predictor, artifact, "base-sha") is None
+        assert predictor.backend_reason.startswith("the fallback: ")
+        assert "openvino is not installed (pip install -e '.[serve]')" in predictor.backend_reason
+        assert backends.build_trunk("openvino", predictor, artifact, "base-sha") == "openvino"  # a named one is kept
+        assert predictor.backend == "openvino" and predictor.backend_reason == "named"
     finally:
         predictor.mc_samples = 0
-        predictor.backend = "torch"
-
-
-def test_auto_logs_its_decision(tiny, monkeypatch, caplog):
-    predictor, artifact = tiny
-    monkeypatch.setattr(backends, "openvino_trunk", lambda *args, **kwargs: args[-1])
-    monkeypatch.setattr(backends, "native_bf16", lambda: True)
-    monkeypatch.setattr(predictor, "manifest", _Carrying("torch-fp32", "openvino-bf16"))
-    try:
-        with caplog.at_level("INFO", logger="ibedl.core.backends"):
-            backends.build_trunk("auto", predictor, artifact, "base-sha")
-        assert "inference backend auto -> openvino-bf16 (the fastest backend this CPU runs with a calibration in " \
-               "the artifact)" in caplog.text
-    finally:
         predictor.backend = "torch"
 
 
 def test_static_int8_needs_a_sample_to_quantise(tiny):
     predictor, artifact = tiny
-    with pytest.raises(ValueError, match="quantises the trunk once on a calibration sample, and none was given"):
+    with pytest.raises(ValueError, match="quantises the trunk on the artifact's quantisation sample"):
         openvino_trunk(predictor.model, predictor.tokenizer, artifact, ".", "base-sha", "openvino-int8")
 
 
 def test_static_int8_quantises_weights_and_activations(tiny):
-    pytest.importorskip("nncf")  # the int8 extra
+    pytest.importorskip("nncf")  # the serve extra (make setup) has it
     predictor, artifact = tiny
     sample = [predictor.encode([q]) for q in QUESTIONS * 2]
     trunk = openvino_trunk(predictor.model, predictor.tokenizer, artifact, ".", "base-sha", "openvino-int8",
@@ -224,3 +201,25 @@ def test_static_int8_quantises_weights_and_activations(tiny):
     got = trunk(batch)
     assert float((got - expected).abs().max() / expected.abs().max()) < 0.25  # int8: close, not equal
     assert json.loads((trunk.path / backends.MARKER).read_text())["static_int8"]["sample_batches"] == 4
+    # the IR is cached per sample: another sample is another quantisation, not the cached one
+    other = backends.ir_path(artifact, ".", "base-sha", "openvino-int8", sample[:1])
+    assert other != trunk.path == backends.ir_path(artifact, ".", "base-sha", "openvino-int8", sample)
+
+
+def test_the_quantisation_sample_is_read_whole_whatever_the_token_limit(tiny, tmp_path):
+    """The int8 trunk (and its cache key) depends on the sample's prompts, not on the token limit the predictor
+    happens to have when it is built (the manifest's at load, the service's later)."""
+    from ibedl.core import quantization_sample
+
+    predictor, _ = tiny
+    long = MCQuestion("Read the passage. What did the boy buy?", ("apples", "bread", "milk"),
+                      context="The boy went to the market to buy apples and bread for his mother. " * 30, answer=0)
+    quantization_sample.write(tmp_path, [long, dataclasses.replace(QUESTIONS[0], answer=0)])
+    digests = set()
+    for limit in (64, 4096):
+        predictor.max_tokens = limit
+        sample = backends.artifact_sample(predictor, tmp_path)
+        assert predictor.max_tokens == limit  # restored
+        digests.add(backends.sample_digest(sample))
+    assert len(digests) == 1 and sample[0].input_ids.shape[1] > 64  # the long prompt whole, not cut at 64
+    predictor.max_tokens = 256

@@ -1,7 +1,7 @@
 """The backend switch end to end on the real model: the OpenVINO trunks answer close to torch fp32, directly and
 through the service, each serving the calibration made on it (the committed artifact carries torch-fp32,
-openvino-fp32 and openvino-bf16 ones); auto picks the fastest this CPU runs; a backend without a calibration is
-refused unless IBEDL_ALLOW_UNCALIBRATED_BACKEND."""
+openvino-fp32, openvino-bf16 and openvino-int8 ones); auto serves the candidate it measured fastest here; a backend
+without a calibration is refused unless IBEDL_ALLOW_UNCALIBRATED_BACKEND."""
 
 import time
 
@@ -17,7 +17,7 @@ from tests.http_json import ok_json
 
 pytest.importorskip("openvino")
 
-AUTO = "openvino-bf16" if native_bf16() else "openvino-fp32"  # what auto serves the committed artifact with here
+AUTO = None  # what auto serves is measured at start-up: the fastest of the candidates it timed
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,9 @@ INT8_TOL = 0.06
 # bfloat16 matmuls: max |p - p_torch| 0.058 on the 1000 SciQ validation questions it was calibrated on, each backend
 # under its own zeta (version 6; benchmarks/results/decision_scores/default-openvino-bf16.json)
 BF16_TOL = 0.1
-TOLERANCE = {"openvino": INT8_TOL, "openvino-bf16": BF16_TOL, "openvino-fp32": 1e-4}
+# static int8 under its own zeta: answers differ from torch's on 2.9% of SciQ test, single probabilities by up to
+# 0.53 (benchmarks/results/cpu_backends.json); the service test compares it with its own predictor instead
+TOLERANCE = {"openvino": INT8_TOL, "openvino-bf16": BF16_TOL, "openvino-fp32": 1e-4, "torch": 1e-4}
 
 
 def test_openvino_int8_agrees_with_torch(reference, questions):
@@ -59,10 +61,17 @@ def test_service_serves_the_chosen_backend_with_its_calibration(reference, quest
         pytest.skip("this CPU has no native bfloat16 (AVX512-BF16 or AMX)")
     monkeypatch.delenv("IBEDL_BACKEND", raising=False)
     proc = ServiceProcess(DEFAULT_ARTIFACT, env, tmp_path / "service.log")
-    tol = TOLERANCE[chosen]
     try:
-        proc.wait_ready()
+        proc.wait_ready(timeout=900 if chosen is AUTO else 180)  # auto may quantise int8 once at its first start
         card = ok_json(httpx.get(proc.url + "/v1/models"))["data"][0]
+        if chosen is AUTO:  # the fastest candidate it timed, each of them calibrated
+            seconds = card["backend"]["measured"]["seconds"]
+            assert {"torch", "openvino-fp32"} <= set(seconds) <= set(card["calibration_in_use"]["carried"]) | {"torch"}
+            chosen = min(seconds, key=seconds.get)
+            calibration = "torch-fp32" if chosen == "torch" else chosen
+            if chosen == "openvino-int8":  # far from torch's answers by design: compared with its own predictor
+                reference = Predictor.from_artifact(DEFAULT_ARTIFACT, backend=chosen).predict(questions)
+        tol = TOLERANCE.get(chosen, 1e-4)
         assert card["backend"]["name"] == chosen and card["calibration_in_use"]["key"] == calibration
         for q, ref in list(zip(questions, reference))[:3]:
             body = ok_json(httpx.post(proc.url + "/predict", json={"question": q.question, "options": list(q.options),

@@ -90,7 +90,7 @@ def test_the_matching_calibration_is_applied_and_reported(make_client, with_cpu_
         runtime = c.app.state.service.default
     assert body["adapter"]["backend"] == "torch" and body["adapter"]["calibration"] == "torch-fp32"
     assert body["confidence"] < 0.999 and body["abstain_reason"] == "min_confidence"  # the CPU one's threshold
-    assert card["backend"] == {"name": "torch", "requested": "torch", "reason": "named"}
+    assert card["backend"] == {"name": "torch", "requested": "torch", "reason": "named", "measured": None}
     assert card["calibration_in_use"] == {"key": "torch-fp32", "backend_key": "torch-fp32", "matches_backend": True,
                                           "carried": ["torch-cuda-bf16", "torch-fp32"],
                                           "metrics": {"test": {"accuracy": 0.123}}}
@@ -140,3 +140,44 @@ def test_a_backend_without_its_calibration_is_refused_even_when_torch_has_one(ma
         body = wait_status(c, "failed")
     assert "carries no calibration made on backend openvino-bf16 (openvino-bf16); it carries torch-fp32" in \
            body["reason"]
+
+
+def int8_loader(sample_sha: str):
+    """A loader whose trunk stands for static int8 quantised on a sample file of sha256 ``sample_sha``."""
+
+    def load(settings):
+        predictor = fake_backend_loader(settings)
+        predictor.backend, predictor.quantized_on = "openvino-int8", sample_sha
+        return predictor
+
+    return load
+
+
+@pytest.fixture
+def int8_calibrated(tiny_artifact, tmp_path):
+    """Calibrated on torch-fp32 and on an int8 trunk quantised on a sample of sha256 "a" * 64."""
+    return recalibrated(tiny_artifact, tmp_path / "int8", "torch-fp32", {
+        "openvino-int8": {"sections": {"calibration": {"marker": "int8", "quantization": {"sha256": "a" * 64}}}}})
+
+
+def test_an_int8_calibration_is_served_with_the_trunk_quantised_on_its_sample(make_client, int8_calibrated):
+    with make_client(loader=int8_loader("a" * 64), artifact=int8_calibrated) as c:
+        r = c.post("/predict", json=Q)
+        card = c.get("/v1/models").json()["data"][0]
+    assert r.status_code == 200 and r.json()["adapter"]["calibration"] == "openvino-int8"
+    assert card["calibration_in_use"]["matches_backend"] and card["calibration"]["marker"] == "int8"
+
+
+def test_an_int8_calibration_made_on_another_quantisation_is_refused(make_client, int8_calibrated, caplog):
+    with make_client(loader=int8_loader("b" * 64), artifact=int8_calibrated, ready=False) as c:
+        body = wait_status(c, "failed")
+    assert "its openvino-int8 calibration does not hold for the int8 trunk served: the calibration was made on a " \
+           "trunk quantised on other questions than the artifact's quantization_sample.jsonl" in body["reason"]
+    assert "IBEDL_ALLOW_UNCALIBRATED_BACKEND=true" in body["reason"] and "b" * 12 not in body["reason"]
+    with caplog.at_level("WARNING", logger="ibedl.engine"):
+        with make_client(loader=int8_loader("b" * 64), artifact=int8_calibrated,
+                         allow_uncalibrated_backend=True) as c:
+            assert c.post("/predict", json=Q).status_code == 200
+            card = c.get("/v1/models").json()["data"][0]
+    assert card["calibration_in_use"]["key"] == "openvino-int8" and not card["calibration_in_use"]["matches_backend"]
+    assert "does not hold for its trunk" in caplog.text

@@ -260,6 +260,34 @@ class TestCli:
         assert predictor.head.config.zeta == mine.head["zeta"]
         assert Predictor.from_artifact(out).calibration.key == "torch-fp32"
 
+    def test_static_int8_is_calibrated_on_the_sample_the_artifact_carries(self, tiny_artifact, tiny_jsonl, tmp_path,
+                                                                          capsys):
+        pytest.importorskip("nncf")
+        from ibedl.core import quantization_sample
+        from ibedl.core.predictor import Predictor
+
+        common = ["--dataset", "jsonl", "--path", str(tiny_jsonl), "--target-accuracy", "0.5", "--no-progress",
+                  "--max-tokens", "96"]
+        art, saved = tmp_path / "art", tmp_path / "int8.json"
+        shutil.copytree(tiny_artifact, art)
+        assert main(["--artifact", str(art), "--backend", "openvino-int8", "--save-outputs", str(saved), *common]) == 0
+        sha = quantization_sample.sha256(art)  # written from the training split, then quantised on
+        rows = len(tiny_jsonl.read_text().splitlines())
+        assert read_manifest(art).calibration_for("openvino-int8").record["quantization"] == {
+            "file": "quantization_sample.jsonl", "questions": rows, "sha256": sha}
+        assert Predictor.from_artifact(art, backend="openvino-int8").quantized_on == sha
+        # recalibrating from its outputs into another directory takes the sample along
+        assert main(["--artifact", str(art), "--output", str(tmp_path / "copy"), "--outputs", str(saved),
+                     "--backend", "openvino-int8", *common[:-2]]) == 0
+        assert quantization_sample.sha256(tmp_path / "copy") == sha
+        # int8 outputs for an artifact that does not hold the questions its trunk was quantised on: refused
+        bare = tmp_path / "bare"
+        shutil.copytree(tiny_artifact, bare)
+        capsys.readouterr()
+        assert main(["--artifact", str(bare), "--outputs", str(saved), "--backend", "openvino-int8",
+                     *common[:-2]]) == 2
+        assert "carries no quantization_sample.jsonl" in capsys.readouterr().err
+
 
 class TestFeedbackSample:
     """``--dataset feedback``: a recalibration on the labels sent back to the service, with the outputs its

@@ -1,0 +1,67 @@
+"""The questions an artifact's ``openvino-int8`` trunk is quantised on: NNCF measures its activation ranges on
+them, so they decide the int8 arithmetic its calibration holds for. They travel in the artifact as
+``quantization_sample.jsonl`` (the JSONL question format of ibedl.training.data.jsonl); the int8 calibration records
+the file's sha256 (``calibration.quantization``), so any machine quantises the trunk that calibration was made on,
+and a calibration made on a trunk quantised on other questions is refused (ibedl.engine.runtime).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ibedl.core.base_model import sha256_file
+from ibedl.core.prompt import LETTERS, MCQuestion
+
+FILE = "quantization_sample.jsonl"
+QUESTIONS = 300  # training questions the trunk is quantised on (NNCF's default subset size)
+
+
+def write(directory: str | Path, questions: list[MCQuestion]) -> str:
+    """Write ``questions`` (with answers: the JSONL format needs them) as the artifact's quantisation sample;
+    returns the file's sha256. ValueError when one has no answer or there are none."""
+    if not questions:
+        raise ValueError("a quantisation sample needs at least one question")
+    lines = []
+    for i, q in enumerate(questions):
+        if q.answer is None:
+            raise ValueError(f"question {i} of the quantisation sample has no answer; the JSONL format needs one")
+        record = {"question": q.question, "options": list(q.options), "answer": LETTERS[q.answer]}
+        if q.context:
+            record["context"] = q.context
+        lines.append(json.dumps(record, ensure_ascii=False))
+    path = Path(directory) / FILE
+    tmp = path.with_name(f".{FILE}.tmp")
+    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    return sha256_file(path)
+
+
+def read(directory: str | Path) -> list[MCQuestion] | None:
+    """The artifact's quantisation sample, or None when it carries none."""
+    from ibedl.training.data.jsonl import read_jsonl_file
+
+    path = Path(directory) / FILE
+    return read_jsonl_file(path) if path.is_file() else None
+
+
+def sha256(directory: str | Path) -> str | None:
+    """sha256 of the artifact's quantisation sample file, or None when it carries none."""
+    path = Path(directory) / FILE
+    return sha256_file(path) if path.is_file() else None
+
+
+def mismatch(record: dict, sample_sha256: str | None) -> str | None:
+    """Why a calibration (its ``calibration`` record) does not hold for an int8 trunk quantised on the sample whose
+    file has ``sample_sha256`` (None: no sample), or None when it does."""
+    recorded = (record.get("quantization") or {}).get("sha256")
+    if recorded is None:
+        return "the calibration does not record the questions its int8 trunk was quantised on"
+    if sample_sha256 is None:
+        return f"the artifact carries no {FILE} to quantise on"
+    if recorded != sample_sha256:
+        return f"the calibration was made on a trunk quantised on other questions than the artifact's {FILE}"
+    return None
+
+
+__all__ = ["FILE", "QUESTIONS", "write", "read", "sha256", "mismatch"]

@@ -1,0 +1,217 @@
+"""``auto`` chooses by measurement: the fastest calibrated candidate is kept and a slower one is not, whatever the
+CPU's flags say; candidates are only backends the artifact carries a matching calibration for; the measurement is
+cached per machine and adapter and read back at the next start. Timings are injected (the tests do not depend on
+this machine's speed); the real trunks are timed in tests/integration/test_backends_real.py."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+
+import pytest
+
+from ibedl.core import auto_backend, backends, quantization_sample
+from ibedl.core.artifact import read_manifest, write_manifest
+from ibedl.core.predictor import Predictor
+from ibedl.core.prompt import MCQuestion
+
+pytest.importorskip("openvino")
+
+SAMPLE = [MCQuestion("Which is sun?", ("sun", "moon"), context="The sun is a star.", answer=0),
+          MCQuestion("Which is wet?", ("water", "sand", "dust"), answer=0)]
+
+
+def carrying(source, target, keys: list[str], sample: bool = True, record_sample: bool = True):
+    """A copy of ``source`` carrying calibrations for ``keys`` beside its own (torch-fp32), and (``sample``) a
+    quantisation sample that the int8 calibration records (``record_sample``) or not."""
+    shutil.copytree(source, target)
+    manifest = read_manifest(target)
+    sha = quantization_sample.write(target, SAMPLE) if sample else None
+    for key in keys:
+        sections = copy.deepcopy({n: getattr(manifest, n) for n in ("abstention", "conformal", "calibration",
+                                                                       "reference")})
+        if key == "openvino-int8" and record_sample:
+            sections["calibration"]["quantization"] = {"file": quantization_sample.FILE, "sha256": sha}
+        manifest.set_calibration(key, {}, sections)
+    write_manifest(target, manifest)
+    return target
+
+
+class Named:
+    """Stands for a compiled trunk: calling it returns its backend's name (what the injected clock reads)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, batch):
+        return self.name
+
+
+@pytest.fixture
+def timed(monkeypatch, tmp_path):
+    """Injects per-backend seconds: ``timed(seconds)`` makes each candidate's batch take seconds[name]; returns
+    (a build function, the backends it built since, in order)."""
+    monkeypatch.setenv("IBEDL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(backends, "native_bf16", lambda: True)
+    monkeypatch.setattr(backends, "has_nncf", lambda: True)
+    monkeypatch.setattr(auto_backend, "_torch_hidden", lambda predictor, batch: "torch")
+    built: list[str] = []
+
+    def build(name):
+        built.append(name)
+        return None if name == "torch" else Named(name)
+
+    def install(seconds: dict[str, float]):
+        built.clear()
+        monkeypatch.setattr(auto_backend, "seconds_per_batch", lambda run, repeats=3: seconds[run()])
+        return build, built
+
+    return install
+
+
+def load(artifact) -> Predictor:
+    return Predictor.from_artifact(artifact, backend="torch")
+
+
+ALL = ["openvino-int8", "openvino-bf16", "openvino-fp32"]
+
+
+def test_the_fastest_calibrated_backend_is_chosen_and_a_slower_one_is_not(tiny_artifact, tmp_path, timed):
+    predictor = load(carrying(tiny_artifact, tmp_path / "a", ALL))
+    artifact = tmp_path / "a"
+    # bf16 slower than fp32 (as on a CPU whose bf16 peak is half its fp32 one): the flags would pick bf16
+    build, built = timed({"torch": 1.0, "openvino-fp32": 0.7, "openvino-bf16": 1.3, "openvino-int8": 0.4})
+    choice, trunk = auto_backend.choose(predictor, artifact, "base", build, backends.unavailable)
+    assert choice.backend == "openvino-int8" and trunk.name == "openvino-int8"
+    assert choice.seconds == {"openvino-int8": 0.4, "openvino-bf16": 1.3, "openvino-fp32": 0.7, "torch": 1.0}
+    assert "2.50x torch" in choice.reason and not choice.cached
+    build, built = timed({"torch": 1.0, "openvino-fp32": 0.7, "openvino-bf16": 1.3, "openvino-int8": 0.9})
+    choice, trunk = auto_backend.choose(predictor, artifact, "base", build, backends.unavailable, fresh=True)
+    assert choice.backend == "openvino-fp32" and trunk.name == "openvino-fp32"  # not bf16, not int8
+    build, built = timed({"torch": 0.5, "openvino-fp32": 0.7, "openvino-bf16": 1.3, "openvino-int8": 0.9})
+    choice, trunk = auto_backend.choose(predictor, artifact, "base", build, backends.unavailable, fresh=True)
+    assert choice.backend == "torch" and trunk is None  # OpenVINO slower than torch here: torch
+
+
+def test_the_measurement_is_cached_and_read_back(tiny_artifact, tmp_path, timed):
+    artifact = carrying(tiny_artifact, tmp_path / "a", ["openvino-fp32"])
+    predictor = load(artifact)
+    build, built = timed({"torch": 1.0, "openvino-fp32": 0.5})
+    first, _ = auto_backend.choose(predictor, artifact, "base", build, backends.unavailable)
+    stored = json.loads(open(first.path).read())
+    assert stored["seconds"] == {"openvino-fp32": 0.5, "torch": 1.0} and stored["candidates"] == ["openvino-fp32",
+                                                                                                  "torch"]
+    build, built = timed({})  # timing again would fail: nothing is measured
+    again, trunk = auto_backend.choose(predictor, artifact, "base", build, backends.unavailable)
+    assert again.cached and again.backend == "openvino-fp32" and built == ["openvino-fp32"]  # only the choice built
+    assert again.seconds == first.seconds and again.measured == first.measured and "earlier start" in again.reason
+    open(first.path, "w").write("{not json")  # a damaged cache is measured again, not trusted
+    build, built = timed({"torch": 0.2, "openvino-fp32": 0.5})
+    third, _ = auto_backend.choose(predictor, artifact, "base", build, backends.unavailable)
+    assert not third.cached and third.backend == "torch"
+
+
+def test_the_cache_is_per_candidate_set_and_thread_count(tiny_artifact, tmp_path, timed, monkeypatch):
+    artifact = carrying(tiny_artifact, tmp_path / "a", ["openvino-fp32"])
+    predictor = load(artifact)
+    path = auto_backend.choice_path(predictor, artifact, "base", ["openvino-fp32", "torch"])
+    assert path != auto_backend.choice_path(predictor, artifact, "base", ["openvino-bf16", "openvino-fp32", "torch"])
+    assert path != auto_backend.choice_path(predictor, artifact, "other-base", ["openvino-fp32", "torch"])
+    threads = __import__("torch").get_num_threads()
+    monkeypatch.setattr("torch.get_num_threads", lambda: threads + 1)
+    assert path != auto_backend.choice_path(predictor, artifact, "base", ["openvino-fp32", "torch"])
+
+
+def test_candidates_are_the_calibrated_backends_this_machine_runs(tiny_artifact, tmp_path, timed, monkeypatch):
+    timed({})
+    artifact = carrying(tiny_artifact, tmp_path / "a", ["openvino-fp32", "openvino-bf16", "openvino-int8"])
+    predictor = load(artifact)
+    assert auto_backend.candidates(predictor, artifact, backends.unavailable) == (ALL + ["torch"], {})
+    monkeypatch.setattr(backends, "native_bf16", lambda: False)
+    names, skipped = auto_backend.candidates(predictor, artifact, backends.unavailable)
+    assert "openvino-bf16" not in names and skipped["openvino-bf16"] == "this CPU has no native bfloat16"
+    monkeypatch.setattr(backends, "has_nncf", lambda: False)  # no NNCF and no cached int8 IR
+    names, skipped = auto_backend.candidates(predictor, artifact, backends.unavailable)
+    assert names == ["openvino-fp32", "torch"] and "NNCF" in skipped["openvino-int8"]
+
+    only_torch = carrying(tiny_artifact, tmp_path / "b", [])
+    names, skipped = auto_backend.candidates(load(only_torch), only_torch, backends.unavailable)
+    assert names == ["torch"]
+    assert skipped["openvino-fp32"] == "the artifact carries no calibration made on it (openvino-fp32)"
+
+
+def test_int8_is_a_candidate_only_with_the_sample_its_calibration_was_made_on(tiny_artifact, tmp_path, timed):
+    timed({})
+    unrecorded = carrying(tiny_artifact, tmp_path / "a", ["openvino-int8"], record_sample=False)
+    names, skipped = auto_backend.candidates(load(unrecorded), unrecorded, backends.unavailable)
+    assert "openvino-int8" not in names and "does not record the questions" in skipped["openvino-int8"]
+    other = carrying(tiny_artifact, tmp_path / "b", ["openvino-int8"])
+    quantization_sample.write(other, SAMPLE[:1])  # the artifact's sample changed after its calibration
+    names, skipped = auto_backend.candidates(load(other), other, backends.unavailable)
+    assert "quantised on other questions" in skipped["openvino-int8"]
+    missing = carrying(tiny_artifact, tmp_path / "c", ["openvino-int8"])
+    (missing / quantization_sample.FILE).unlink()
+    names, skipped = auto_backend.candidates(load(missing), missing, backends.unavailable)
+    assert "carries no quantization_sample.jsonl" in skipped["openvino-int8"]
+
+
+def test_nothing_but_torch_falls_back_with_the_reasons(tiny_artifact, tmp_path, timed):
+    build, built = timed({})
+    artifact = carrying(tiny_artifact, tmp_path / "a", [])
+    choice, trunk = auto_backend.choose(load(artifact), artifact, "base", build, backends.unavailable)
+    assert choice.backend == "torch" and trunk is None and built == [] and choice.seconds == {}
+    assert choice.reason.startswith("the fallback: openvino-int8: the artifact carries no calibration")
+
+
+def test_build_trunk_records_the_choice_on_the_predictor(tiny_artifact, tmp_path, timed, monkeypatch, caplog):
+    artifact = carrying(tiny_artifact, tmp_path / "a", ["openvino-fp32", "openvino-bf16"])
+    predictor = load(artifact)
+    timed({"torch": 1.0, "openvino-fp32": 0.5, "openvino-bf16": 0.8})
+    monkeypatch.setattr(backends, "_build", lambda name, *args: None if name == "torch" else Named(name))
+    with caplog.at_level("INFO", logger="ibedl.core.backends"):
+        trunk = backends.build_trunk("auto", predictor, artifact, "base")
+    assert trunk.name == predictor.backend == "openvino-fp32"
+    assert predictor.backend_choice.seconds["openvino-bf16"] == 0.8
+    assert "inference backend auto -> openvino-fp32 (the fastest calibrated backend on this machine" in caplog.text
+    assert backends.build_trunk("openvino-bf16", predictor, artifact, "base").name == "openvino-bf16"
+    assert predictor.backend_reason == "named"
+
+
+def test_seconds_per_batch_keeps_the_fastest_call_after_a_warm_up(monkeypatch):
+    clock = iter([0.0, 5.0, 10.0, 12.0, 20.0, 23.0])  # three timed calls of 5, 2 and 3 s
+    monkeypatch.setattr(auto_backend.time, "perf_counter", lambda: next(clock))
+    calls = []
+    assert auto_backend.seconds_per_batch(lambda: calls.append(1)) == 2.0
+    assert len(calls) == 4  # one warm-up, three timed
+    with pytest.raises(ValueError, match="repeats must be >= 1, got 0"):
+        auto_backend.seconds_per_batch(lambda: None, repeats=0)
+
+
+def test_a_candidate_that_cannot_be_built_is_skipped_and_the_choice_not_cached(tiny_artifact, tmp_path, timed):
+    artifact = carrying(tiny_artifact, tmp_path / "a", ["openvino-fp32", "openvino-bf16"])
+    predictor = load(artifact)
+    build, built = timed({"torch": 1.0, "openvino-fp32": 0.5})
+
+    def failing(name):
+        if name == "openvino-bf16":
+            raise OSError("No space left on device")
+        return build(name)
+
+    choice, trunk = auto_backend.choose(predictor, artifact, "base", failing, backends.unavailable)
+    assert choice.backend == "openvino-fp32" and trunk.name == "openvino-fp32"
+    assert choice.skipped["openvino-bf16"] == "could not be built: OSError: No space left on device"
+    assert not auto_backend.choice_path(predictor, artifact, "base", ALL[1:] + ["torch"]).exists()
+
+
+def test_an_unwritable_cache_measures_at_every_start(tiny_artifact, tmp_path, timed, monkeypatch, caplog):
+    artifact = carrying(tiny_artifact, tmp_path / "a", ["openvino-fp32"])
+    predictor = load(artifact)
+    (tmp_path / "readonly").write_text("a file where the cache directory would be")
+    monkeypatch.setenv("IBEDL_CACHE_DIR", str(tmp_path / "readonly"))
+    build, built = timed({"torch": 1.0, "openvino-fp32": 0.5})
+    with caplog.at_level("WARNING", logger="ibedl.core.auto_backend"):
+        choice, _ = auto_backend.choose(predictor, artifact, "base", build, backends.unavailable)
+        again, _ = auto_backend.choose(predictor, artifact, "base", build, backends.unavailable)
+    assert choice.backend == again.backend == "openvino-fp32" and not again.cached
+    assert "could not cache the measurement" in caplog.text and "each start measures again" in caplog.text
