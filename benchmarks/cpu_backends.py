@@ -289,7 +289,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-memory", action="store_true", help="skip the per-backend memory processes")
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp reference")
     parser.add_argument("--output", default="benchmarks/results/cpu_backends.json")
-    parser.add_argument("--rss-of", choices=BACKENDS, help=argparse.SUPPRESS)
+    parser.add_argument("--rss-of", choices=[*BACKENDS, "auto"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rss_of:
         return rss_of(args.rss_of, args.artifact)

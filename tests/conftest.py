@@ -4,6 +4,7 @@ process harness."""
 
 from __future__ import annotations
 
+import os
 import string
 from pathlib import Path
 
@@ -101,6 +102,30 @@ def tiny_map_artifact(tiny_model_dir, tiny_jsonl, tmp_path_factory):
     """A MAP (softmax) adapter on the same tiny model as ``tiny_artifact``: a second adapter to serve beside it."""
     return train_tiny(tiny_model_dir, tiny_jsonl, tmp_path_factory.mktemp("artifact-map"),
                       "method=map", "name=tiny-map", "seed=1")
+
+
+def shared_cache_dir() -> str:
+    """The machine's model cache the real-model tests share (the base model is converted once per machine)."""
+    return os.environ.get("IBEDL_CACHE_DIR_REAL") or str(Path.home() / ".cache" / "ibedl")
+
+
+@pytest.fixture(scope="session")
+def default_backends_ready():
+    """The committed default adapter's OpenVINO IRs built (static int8 quantised on its sample: minutes on 2 cores,
+    once per machine) and ``auto``'s measurement cached in the shared cache, before the tests that start services on
+    it with IBEDL_BACKEND=auto (the default): they then become ready in seconds, as a replica does from its image.
+    A service started with other threads (IBEDL_THREADS) measures again, on the IRs already built."""
+    from ibedl.core.predictor import Predictor
+
+    before = os.environ.get("IBEDL_CACHE_DIR")
+    os.environ["IBEDL_CACHE_DIR"] = shared_cache_dir()
+    try:
+        Predictor.from_artifact(Path(__file__).resolve().parents[1] / "artifacts" / "default", backend="auto")
+    finally:
+        if before is None:
+            os.environ.pop("IBEDL_CACHE_DIR")
+        else:
+            os.environ["IBEDL_CACHE_DIR"] = before
 
 
 @pytest.fixture(autouse=True)

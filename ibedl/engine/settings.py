@@ -27,10 +27,10 @@ class EngineSettings(BaseSettings):
     device: str | None = Field(None, description="cpu or cuda[:i]; default CUDA when present")
     load_in_4bit: bool = Field(False, description="bitsandbytes NF4 on CUDA")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads")
-    backend: str = Field("auto", description="inference backend of the trunk: auto (the fastest backend this "
-                         "machine runs for which the artifact carries a calibration: openvino-bf16 on CPUs with "
-                         "AVX512-BF16/AMX, else openvino-fp32, else torch), torch, openvino-fp32, openvino-bf16, "
-                         "openvino (int8 weights), openvino-int8 (static int8)")
+    backend: str = Field("auto", description="inference backend of the trunk: auto (of the backends this machine "
+                         "runs for which the artifact carries a calibration, the fastest, timed at start-up and "
+                         "cached per machine), torch, openvino-fp32, openvino-bf16, openvino (int8 weights), "
+                         "openvino-int8 (static int8)")
     allow_uncalibrated_backend: bool = Field(False, description="serve on a backend for which the artifact carries "
                                              "no calibration, with the thresholds and conformal quantiles of the "
                                              "one it carries first (its guarantees were made on other arithmetic); "

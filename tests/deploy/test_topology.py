@@ -216,7 +216,7 @@ def wait_http(http: httpx.Client, proc: Proc, url: str, timeout: float = 30.0) -
 
 
 @pytest.fixture(scope="module")
-def topology(tmp_path_factory):
+def topology(tmp_path_factory, default_backends_ready):
     require_binary("nginx"), require_binary("prometheus")
     artifact = artifact_dir()
     if not (artifact / "manifest.json").is_file():

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import shared_cache_dir
+
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_ARTIFACT = Path(os.environ.get("IBEDL_E2E_ARTIFACT", REPO / "artifacts" / "default"))
 
@@ -20,10 +22,10 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(autouse=True)
-def _isolated_cache(monkeypatch):
-    # Override the unit tests' per-session cache: the real model is converted once per machine.
-    cache = os.environ.get("IBEDL_CACHE_DIR_REAL") or str(Path.home() / ".cache" / "ibedl")
-    monkeypatch.setenv("IBEDL_CACHE_DIR", cache)
+def _isolated_cache(monkeypatch, default_backends_ready):
+    # Override the unit tests' per-session cache: the real model is converted once per machine, and the default
+    # adapter's backends are built and measured once before the first service starts (tests/conftest.py).
+    monkeypatch.setenv("IBEDL_CACHE_DIR", shared_cache_dir())
 
 
 @pytest.fixture(scope="session")
