@@ -17,7 +17,7 @@ from tests.http_json import ok_json
 
 pytest.importorskip("openvino")
 
-AUTO = None  # what auto serves is measured at start-up: the fastest of the candidates it timed
+AUTO = None  # what auto serves is measured at start-up: the fastest of the candidates it timed (read from the card)
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +37,12 @@ INT8_TOL = 0.06
 # under its own zeta (version 6; benchmarks/results/decision_scores/default-openvino-bf16.json)
 BF16_TOL = 0.1
 # static int8 under its own zeta: answers differ from torch's on 2.9% of SciQ test, single probabilities by up to
-# 0.53 (benchmarks/results/cpu_backends.json); the service test compares it with its own predictor instead
-TOLERANCE = {"openvino": INT8_TOL, "openvino-bf16": BF16_TOL, "openvino-fp32": 1e-4, "torch": 1e-4}
+# 0.53 (benchmarks/results/cpu_backends.json), so the service test compares it with its own predictor, one question
+# at a time as the service answers them (in a padded batch of 8 an int8 activation rounds to another step here and
+# there: probabilities moved by up to 0.017 on these questions)
+STATIC_INT8_TOL = 1e-3
+TOLERANCE = {"openvino": INT8_TOL, "openvino-bf16": BF16_TOL, "openvino-fp32": 1e-4, "torch": 1e-4,
+             "openvino-int8": STATIC_INT8_TOL}
 
 
 def test_openvino_int8_agrees_with_torch(reference, questions):
@@ -69,9 +73,10 @@ def test_service_serves_the_chosen_backend_with_its_calibration(reference, quest
             assert {"torch", "openvino-fp32"} <= set(seconds) <= set(card["calibration_in_use"]["carried"]) | {"torch"}
             chosen = min(seconds, key=seconds.get)
             calibration = "torch-fp32" if chosen == "torch" else chosen
-            if chosen == "openvino-int8":  # far from torch's answers by design: compared with its own predictor
-                reference = Predictor.from_artifact(DEFAULT_ARTIFACT, backend=chosen).predict(questions)
-        tol = TOLERANCE.get(chosen, 1e-4)
+            if chosen == "openvino-int8":  # far from torch's answers by design: compared with its own predictor,
+                own = Predictor.from_artifact(DEFAULT_ARTIFACT, backend=chosen)  # one question at a time as served
+                reference = [own.predict([q])[0] for q in questions[:3]]
+        tol = TOLERANCE[chosen]
         assert card["backend"]["name"] == chosen and card["calibration_in_use"]["key"] == calibration
         for q, ref in list(zip(questions, reference))[:3]:
             body = ok_json(httpx.post(proc.url + "/predict", json={"question": q.question, "options": list(q.options),
@@ -107,11 +112,16 @@ def test_a_backend_without_its_calibration_is_refused_at_startup(tmp_path, monke
     assert "IBEDL_ALLOW_UNCALIBRATED_BACKEND=true" in body["reason"]
 
 
-def test_auto_backend_evaluates_like_torch(questions, reference):
+def test_auto_serves_the_backend_it_measured_fastest(questions, reference):
     served = Predictor.from_artifact(DEFAULT_ARTIFACT, backend="auto")
-    assert served.backend == AUTO and served.calibration.key == AUTO
+    seconds = served.backend_choice.seconds
+    assert {"torch", "openvino-fp32"} <= set(seconds) and served.backend == min(seconds, key=seconds.get)
+    key = "torch-fp32" if served.backend == "torch" else served.backend
+    assert served.calibration.key == key and served.backend_reason.startswith("the fastest calibrated backend")
+    if served.backend == "openvino-int8":  # the same trunk named, as the same batch: the same answers
+        reference = Predictor.from_artifact(DEFAULT_ARTIFACT, backend="openvino-int8").predict(questions)
     for a, b in zip(reference, served.predict(questions), strict=True):
-        assert a.probs == pytest.approx(b.probs, abs=max(TOLERANCE[AUTO], 1e-4))
+        assert a.probs == pytest.approx(b.probs, abs=TOLERANCE[served.backend])
 
 
 def test_service_refuses_an_unknown_backend(tmp_path):
