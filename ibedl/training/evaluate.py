@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base-model", help="override the manifest's base model reference")
     parser.add_argument("--backend", default=os.environ.get("IBEDL_BACKEND", DEFAULT_BACKEND),
                         help="inference backend: auto, torch, openvino-fp32, openvino-bf16, openvino, openvino-int8 "
-                             "(default IBEDL_BACKEND or auto: what the service would serve, the fastest calibrated backend "
-                             "on this machine, timed at start-up)")
+                             "(default IBEDL_BACKEND or auto: what the service would serve, the fastest calibrated "
+                             "backend on this machine, timed at start-up)")
     parser.add_argument("--output", help="write metrics JSON here (and a reliability PNG beside it)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
