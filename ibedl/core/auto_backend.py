@@ -33,6 +33,7 @@ CANDIDATES = ("openvino-int8", "openvino-bf16", "openvino-fp32", "torch")
 TIMING_QUESTIONS = 8  # the batch the bar and the service's batcher use
 TIMING_REPEATS = 3  # timed calls per candidate after one warm-up; the fastest counts (the least disturbed)
 CHOICE_FORMAT = 1  # bump when what is timed changes
+BUILD_ERRORS = (ImportError, OSError, RuntimeError, ValueError)  # a candidate that raises these is skipped
 # A SciQ-like prompt: a passage of about 250 tokens and four options (SciQ test prompts: 150-450 tokens).
 _PASSAGE = ("Mitochondria are the organelles where cellular respiration releases the energy stored in glucose. "
             "The energy is captured in molecules of ATP, which the cell spends on movement and synthesis. ") * 6
@@ -144,13 +145,17 @@ def choose(predictor, artifact: Path, base_sha256: str, build, unavailable,
         name = min(stored["seconds"], key=stored["seconds"].get)
         choice = AutoChoice(name, _reason(name, stored["seconds"], cached=True), stored["seconds"], skipped,
                             stored["measured"], True, str(path))
-        return choice, build(name)
+        try:
+            return choice, build(name)
+        except BUILD_ERRORS as e:  # e.g. its cached IR was removed and cannot be exported here: measure again
+            log.warning("auto: %s, chosen at an earlier start, could not be built (%s: %s); measuring again", name,
+                        type(e).__name__, e)
     batch = predictor.encode(timing_questions())
     seconds = {}
     for name in names:
         try:
             trunk = build(name)
-        except (ImportError, OSError, RuntimeError, ValueError) as e:  # e.g. no room to export: not a candidate
+        except BUILD_ERRORS as e:  # e.g. no room to export: not a candidate
             skipped[name] = f"could not be built: {type(e).__name__}: {e}"
             log.warning("auto: %s %s", name, skipped[name])
             continue

@@ -215,3 +215,20 @@ def test_an_unwritable_cache_measures_at_every_start(tiny_artifact, tmp_path, ti
         again, _ = auto_backend.choose(predictor, artifact, "base", build, backends.unavailable)
     assert choice.backend == again.backend == "openvino-fp32" and not again.cached
     assert "could not cache the measurement" in caplog.text and "each start measures again" in caplog.text
+
+
+def test_a_cached_choice_that_cannot_be_built_any_more_is_measured_again(tiny_artifact, tmp_path, timed):
+    artifact = carrying(tiny_artifact, tmp_path / "a", ["openvino-fp32"])
+    predictor = load(artifact)
+    build, built = timed({"torch": 1.0, "openvino-fp32": 0.5})
+    auto_backend.choose(predictor, artifact, "base", build, backends.unavailable)  # cached: fp32
+    build, built = timed({"torch": 1.0, "openvino-fp32": 0.5})
+
+    def gone(name):
+        if name == "openvino-fp32":
+            raise RuntimeError("its IR was deleted and the cache is read-only")
+        return build(name)
+
+    choice, trunk = auto_backend.choose(predictor, artifact, "base", gone, backends.unavailable)
+    assert choice.backend == "torch" and trunk is None and not choice.cached
+    assert "could not be built: RuntimeError" in choice.skipped["openvino-fp32"]
