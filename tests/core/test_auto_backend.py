@@ -70,6 +70,17 @@ def timed(monkeypatch, tmp_path):
     return install
 
 
+def failing_for(build, broken: str, error: Exception):
+    """``build``, except that building ``broken`` raises ``error``."""
+
+    def failing(name):
+        if name == broken:
+            raise error
+        return build(name)
+
+    return failing
+
+
 def load(artifact) -> Predictor:
     return Predictor.from_artifact(artifact, backend="torch")
 
@@ -192,12 +203,7 @@ def test_a_candidate_that_cannot_be_built_is_skipped_and_the_choice_not_cached(t
     artifact = carrying(tiny_artifact, tmp_path / "a", ["openvino-fp32", "openvino-bf16"])
     predictor = load(artifact)
     build, built = timed({"torch": 1.0, "openvino-fp32": 0.5})
-
-    def failing(name):
-        if name == "openvino-bf16":
-            raise OSError("No space left on device")
-        return build(name)
-
+    failing = failing_for(build, "openvino-bf16", OSError("No space left on device"))
     choice, trunk = auto_backend.choose(predictor, artifact, "base", failing, backends.unavailable)
     assert choice.backend == "openvino-fp32" and trunk.name == "openvino-fp32"
     assert choice.skipped["openvino-bf16"] == "could not be built: OSError: No space left on device"
@@ -223,12 +229,7 @@ def test_a_cached_choice_that_cannot_be_built_any_more_is_measured_again(tiny_ar
     build, built = timed({"torch": 1.0, "openvino-fp32": 0.5})
     auto_backend.choose(predictor, artifact, "base", build, backends.unavailable)  # cached: fp32
     build, built = timed({"torch": 1.0, "openvino-fp32": 0.5})
-
-    def gone(name):
-        if name == "openvino-fp32":
-            raise RuntimeError("its IR was deleted and the cache is read-only")
-        return build(name)
-
+    gone = failing_for(build, "openvino-fp32", RuntimeError("its IR was deleted and the cache is read-only"))
     choice, trunk = auto_backend.choose(predictor, artifact, "base", gone, backends.unavailable)
     assert choice.backend == "torch" and trunk is None and not choice.cached
     assert "could not be built: RuntimeError" in choice.skipped["openvino-fp32"]
