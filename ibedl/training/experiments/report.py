@@ -333,48 +333,56 @@ def posthoc_table(results: list[dict]) -> list[str]:
             "of the same training run and fits again for the shifted streams.", ""] + lines + [""]
 
 
+def _run_dir(runs_root: Path, r: dict) -> Path:
+    """Where the benchmark wrote the run that evaluated record ``r`` (a method evaluated on another's run reads it)."""
+    return runs_root / f"{r['dataset']}-{METHODS[r['method']].trained_as}-s{r['seed']}"
+
+
+def _plotted_seed(records: dict, on_disk) -> int | None:
+    """The lowest seed whose predictions are on disk (``on_disk(record)``) for every method in ``records``
+    ({method: {seed: record}}), else None. Runs of another machine leave no predictions here, so the plots are
+    drawn from a seed that ran on this one, the same seed for every method."""
+    seeds = sorted(set.intersection(*(set(by_seed) for by_seed in records.values()))) if records else []
+    return next((seed for seed in seeds if all(on_disk(by_seed[seed]) for by_seed in records.values())), None)
+
+
 def plots(results: list[dict], runs_root: Path, out_dir: Path) -> list[Path]:
-    """Per in-distribution dataset (seed of the first run): risk-coverage of every method, and a
-    reliability diagram per method. A plot whose predictions are no longer on disk (the runs of another machine)
-    is kept as drawn before, and so is the risk-coverage plot unless every method's predictions are there."""
+    """Per in-distribution dataset: risk-coverage of every method, and a reliability diagram per method, from the
+    lowest seed whose predictions are on disk for every method. When no seed has them all, a method's plot is drawn
+    from its lowest seed on disk, or kept as drawn before if it has none, and the risk-coverage plot is kept unless
+    every method's predictions are there."""
     from ibedl.training.plots import reliability_diagram, risk_coverage_plot
 
+    def pred_path(r: dict) -> Path:  # written by ibedl.training.experiments.benchmark (Runner.evaluate)
+        return _run_dir(runs_root, r) / f"predictions-{r['method']}-{r['dataset']}.json"
+
     paths = []
-    by_dataset: dict = defaultdict(dict)
-    wanted: dict = defaultdict(list)
+    records: dict = defaultdict(lambda: defaultdict(dict))
     for r in results:
-        if r["kind"] != "id" or r["method"] in wanted[r["dataset"]]:
-            continue
-        wanted[r["dataset"]].append(r["method"])
-        trained = METHODS[r["method"]].trained_as
-        pred_path = (
-            runs_root / f"{r['dataset']}-{trained}-s{r['seed']}" / f"predictions-{r['method']}-{r['dataset']}.json"
-        )
-        if pred_path.is_file():  # written by ibedl.training.experiments.benchmark (Runner.evaluate)
-            by_dataset[r["dataset"]][r["method"]] = json.loads(pred_path.read_text())
-    for dataset, names in wanted.items():
-        methods = by_dataset[dataset]
+        if r["kind"] == "id":
+            records[r["dataset"]][r["method"]].setdefault(r["seed"], r)
+    for dataset, by_method in records.items():
+        common = _plotted_seed(by_method, lambda r: pred_path(r).is_file())
         curves = {}
-        for method in [m for m in METHODS if m in names]:
+        for method in [m for m in METHODS if m in by_method]:
             path = out_dir / f"reliability-{dataset}-{method}.png"
-            if method not in methods:
+            seeds = [common] if common is not None else sorted(by_method[method])
+            found = next((by_method[method][s] for s in seeds if pred_path(by_method[method][s]).is_file()), None)
+            if found is None:
                 paths += [path] if path.is_file() else []
                 continue
-            s = methods[method]
+            s = json.loads(pred_path(found).read_text())
             conf = [max(p) for p in s["probs"]]
             hits = [float(int(np.argmax(p)) == y) for p, y in zip(s["probs"], s["labels"])]
             curves[method_label(method)] = (conf, hits)
-            paths.append(reliability_diagram(s["probs"], s["labels"], path,
-                                             title=f"{method_label(method)} on {DATASET_NAMES.get(dataset, dataset)}"))
+            title = f"{method_label(method)} on {DATASET_NAMES.get(dataset, dataset)}, seed {found['seed']}"
+            paths.append(reliability_diagram(s["probs"], s["labels"], path, title=title))
         path = out_dir / f"risk-coverage-{dataset}.png"
-        if curves and (len(curves) == len(names) or not path.is_file()):
-            paths.append(
-                risk_coverage_plot(
-                    curves,
-                    path,
-                    title=f"Selective prediction on {DATASET_NAMES.get(dataset, dataset)} (score: max prob)",
-                )
-            )
+        if curves and (common is not None or not path.is_file()):
+            seed = f", seed {common}" if common is not None else ""
+            paths.append(risk_coverage_plot(
+                curves, path, title=f"Selective prediction on {DATASET_NAMES.get(dataset, dataset)}{seed} "
+                                    "(score: max prob)"))
         elif path.is_file():
             paths.append(path)
     return paths + ood_plots(results, runs_root, out_dir)
@@ -384,40 +392,52 @@ OOD_PLOT_SCORES = {"max p": "probs", "1/u": "uncertainty", "-energy": "energy", 
 
 
 def ood_plots(results: list[dict], runs_root: Path, out_dir: Path) -> list[Path]:
-    """Per OOD experiment and method (seed of the first run): the distribution of each OOD score (max probability,
-    1/u for Dirichlet methods, the energy and the Mahalanobis score, each oriented so higher is in-distribution)
-    on the in-distribution stream and every shifted one. A plot whose predictions are gone is kept as drawn."""
+    """Per OOD experiment and method: the distribution of each OOD score (max probability, 1/u for Dirichlet
+    methods, the energy and the Mahalanobis score, each oriented so higher is in-distribution) on the
+    in-distribution stream and every shifted one, from the lowest seed whose predictions are on disk for every
+    method. A plot whose predictions are gone is kept as drawn."""
     from ibedl.training.plots import score_distributions
 
-    paths, seen = [], set()
-    for r in results:
-        if r["kind"] != "ood" or (r["dataset"], r["method"]) in seen:
-            continue
-        seen.add((r["dataset"], r["method"]))
-        path = out_dir / f"ood-scores-{r['dataset']}-{r['method']}.png"
-        run_dir = runs_root / f"{r['dataset']}-{METHODS[r['method']].trained_as}-s{r['seed']}"
+    def files(r: dict) -> dict[str, Path]:
         shifted = dict.fromkeys(k.split("/")[1] for k in r["metrics"] if k.startswith("ood/"))
-        files = {s: run_dir / f"predictions-{r['method']}-{s.replace(':', '-')}.json" for s in [r["dataset"], *shifted]}
-        if not shifted or not all(f.is_file() for f in files.values()):
-            paths += [path] if path.is_file() else []
-            continue
-        streams = {}
-        for stream, file in files.items():
-            preds = json.loads(file.read_text())
-            scores = {}
-            for label, key in OOD_PLOT_SCORES.items():
-                values = preds.get(key)
-                if values is None:
-                    continue
-                if key == "probs":
-                    scores[label] = [max(p) for p in values]
-                elif key == "uncertainty":
-                    scores[label] = [1.0 / max(u, 1e-12) for u in values]
-                else:  # ibedl.training.ood_scores: energy and Mahalanobis are stored higher = in-distribution
-                    scores[label] = list(values)
-            streams[dataset_name(stream)] = scores
-        paths.append(score_distributions(streams, path, title=f"{method_label(r['method'])} trained on "
-                                         f"{DATASET_NAMES.get(r['dataset'], r['dataset'])}: OOD scores per stream"))
+        return {s: _run_dir(runs_root, r) / f"predictions-{r['method']}-{s.replace(':', '-')}.json"
+                for s in ([r["dataset"], *shifted] if shifted else [])}
+
+    def on_disk(r: dict) -> bool:
+        return bool(files(r)) and all(f.is_file() for f in files(r).values())
+
+    paths = []
+    records: dict = defaultdict(lambda: defaultdict(dict))
+    for r in results:
+        if r["kind"] == "ood":
+            records[r["dataset"]][r["method"]].setdefault(r["seed"], r)
+    for dataset, by_method in records.items():
+        common = _plotted_seed(by_method, on_disk)
+        for method in [m for m in METHODS if m in by_method]:
+            path = out_dir / f"ood-scores-{dataset}-{method}.png"
+            seeds = [common] if common is not None else sorted(by_method[method])
+            found = next((by_method[method][s] for s in seeds if on_disk(by_method[method][s])), None)
+            if found is None:
+                paths += [path] if path.is_file() else []
+                continue
+            streams = {}
+            for stream, file in files(found).items():
+                preds = json.loads(file.read_text())
+                scores = {}
+                for label, key in OOD_PLOT_SCORES.items():
+                    values = preds.get(key)
+                    if values is None:
+                        continue
+                    if key == "probs":
+                        scores[label] = [max(p) for p in values]
+                    elif key == "uncertainty":
+                        scores[label] = [1.0 / max(u, 1e-12) for u in values]
+                    else:  # ibedl.training.ood_scores: energy and Mahalanobis are stored higher = in-distribution
+                        scores[label] = list(values)
+                streams[dataset_name(stream)] = scores
+            paths.append(score_distributions(streams, path, title=f"{method_label(method)} trained on "
+                                             f"{DATASET_NAMES.get(dataset, dataset)}, seed {found['seed']}: "
+                                             "OOD scores per stream"))
     return paths
 
 

@@ -86,9 +86,9 @@ def test_report_lists_the_seeds_each_method_has(tmp_path):
     assert "| EDL | 0 | 0 |" in runs and "| IB-EDL | 0, 1 | 0, 1 |" in runs
 
 
-def write_predictions(runs: Path, dataset: str, method: str, rng) -> None:
+def write_predictions(runs: Path, dataset: str, method: str, rng, seed: int = 0) -> None:
     probs = rng.dirichlet(np.ones(4), size=20)
-    out = runs / f"{dataset}-{method}-s0"
+    out = runs / f"{dataset}-{method}-s{seed}"
     out.mkdir(parents=True, exist_ok=True)
     (out / f"predictions-{method}-{dataset}.json").write_text(
         json.dumps({"probs": probs.tolist(), "labels": rng.integers(0, 4, size=20).tolist()}))
@@ -115,6 +115,37 @@ def test_report_keeps_plots_whose_predictions_are_gone(tmp_path):
     assert plots.joinpath("risk-coverage-sciq.png").read_bytes() == drawn["risk-coverage-sciq.png"]
     assert plots.joinpath("reliability-sciq-map.png").read_bytes() != drawn["reliability-sciq-map.png"]
     assert "![reliability-sciq-edl](bench-plots/reliability-sciq-edl.png)" in path.read_text()
+
+
+def test_report_draws_the_plots_from_the_lowest_seed_every_method_has_on_disk(tmp_path, monkeypatch):
+    """Seed 0 ran on another machine (no predictions here) and seed 1 here: every plot is drawn from seed 1, the
+    same seed for every method, and says so; with seed 0 back for every method, seed 0 is drawn."""
+    import ibedl.training.plots as plots_module
+
+    titles = {}
+    draw = plots_module.reliability_diagram
+
+    def recording(probs, labels, path, title):
+        titles[Path(path).name] = title
+        return draw(probs, labels, path, title=title)
+
+    monkeypatch.setattr(plots_module, "reliability_diagram", recording)
+    rng = np.random.default_rng(3)
+    results = [r for r in synthetic_results() if r["dataset"] == "sciq"]
+    runs, path = tmp_path / "runs", tmp_path / "bench.md"
+    for method in ("map", "ib_edl", "edl"):
+        write_predictions(runs, "sciq", method, rng, seed=1)
+    write_predictions(runs, "sciq", "map", rng, seed=0)  # one method's seed 0 alone: not a common seed
+    written = write_report(results, {"name": "bench"}, path, runs)
+    assert {p.name for p in written[1:]} == {"reliability-sciq-map.png", "reliability-sciq-ib_edl.png",
+                                             "reliability-sciq-edl.png", "risk-coverage-sciq.png"}
+    assert titles == {"reliability-sciq-map.png": "MAP on SciQ, seed 1",
+                      "reliability-sciq-ib_edl.png": "IB-EDL on SciQ, seed 1",
+                      "reliability-sciq-edl.png": "EDL on SciQ, seed 1"}
+    for method in ("ib_edl", "edl"):
+        write_predictions(runs, "sciq", method, rng, seed=0)
+    write_report(results, {"name": "bench"}, path, runs)
+    assert set(titles.values()) == {"MAP on SciQ, seed 0", "IB-EDL on SciQ, seed 0", "EDL on SciQ, seed 0"}
 
 
 def test_report_lists_what_each_post_hoc_step_chose(tmp_path):
