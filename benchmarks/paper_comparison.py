@@ -24,7 +24,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ibedl.training.experiments.report import dataset_name, mean_std, method_label, method_metrics, method_order
+from ibedl.training.experiments.report import (
+    dataset_name,
+    mean_std,
+    method_label,
+    method_metrics,
+    method_order,
+    sigma_table,
+    training_table,
+)
 from ibedl.training.methods import METHODS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -240,10 +248,40 @@ def cost_table(efficiency: dict, paper: dict) -> list[str]:
     return lines
 
 
-def sections(results: list[dict], paper: dict, efficiency: dict | None = None) -> dict[str, str]:
-    """The generated blocks of the docs page, by marker name (``cost`` only with the efficiency results)."""
+def _ood_means(results: list[dict], method: str, score: str) -> list[float]:
+    """Per seed, the mean AUROC by ``score`` over the shifted streams of ``method``'s ood runs."""
+    by_seed: dict = {}
+    for _, r, m in method_metrics(results, "ood"):
+        if r["method"] == method:
+            values = [v for k, v in m.items() if k.startswith("ood/") and k.endswith(f"/auroc_{score}")]
+            if values:
+                by_seed[r["seed"]] = float(np.mean(values))
+    return [by_seed[s] for s in sorted(by_seed)]
+
+
+def sigma_ablation_table(results: list[dict], ablation: list[dict]) -> list[str]:
+    """IB-EDL with its learned sigma (the grid's runs) against sigma frozen at a constant in training
+    (``benchmarks/sciq_sigma_ablation.yaml``): in-distribution Acc / ECE / NLL and the mean AUROC over the shifted
+    streams by max probability and by 1/u; mean ± std over seeds."""
+    head = ["IB-EDL", "seeds", "Acc (%)", "ECE (%)", "NLL", "mean AUROC MP (%)", "mean AUROC UM (%)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, runs in (("learned σ (the grid)", results), ("σ frozen (the ablation)", ablation)):
+        cells = [_ours(_values(runs, "id", "ib_edl", key)[1], scale, digits)
+                 for key, scale, digits in (("accuracy", 100, 2), ("ece", 100, 2), ("nll", 1, 3))]
+        cells += [_ours(_ood_means(runs, "ib_edl", score), 100, 1) for score in ("mp", "um")]
+        lines.append(f"| {label} | {_seeds(runs, 'id', 'ib_edl')} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def sections(results: list[dict], paper: dict, efficiency: dict | None = None,
+             ablation: list[dict] | None = None) -> dict[str, str]:
+    """The generated blocks of the docs page, by marker name (``cost`` only with the efficiency results, the sigma
+    ablation only with its results)."""
     shift = matched_shift(results)
+    sigma = sigma_table(results) + (sigma_ablation_table(results, ablation) if ablation else [])
     return {
+        "training": "\n".join(training_table(results)).strip(),
+        "sigma": "\n".join(sigma).strip(),
         "id": "\n".join(calibration_table(results, "id", paper["id"], selective=True)),
         "ood": "\n".join(ood_table(results) + [
             "", f"With the option count matched (both sides restricted to the same number of options) no mean AUROC "
@@ -275,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", default="benchmarks/results/sciq_grid.json", help="the grid's results file")
     parser.add_argument("--efficiency", default="benchmarks/results/method_efficiency.json",
                         help="python -m benchmarks.method_efficiency's results (the cost table)")
+    parser.add_argument("--ablation", default="benchmarks/results/sciq_sigma_ablation.json",
+                        help="the sigma ablation's results (benchmarks/sciq_sigma_ablation.yaml); left out if absent")
     parser.add_argument("--paper", help=f"the paper's LaTeX source (default ${PAPER_ENV} or ../shared/paper/...)")
     parser.add_argument("--docs", default="docs/results.md", help="the page whose generated blocks are (re)written")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if the page is out of date")
@@ -283,10 +323,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         results = json.loads(Path(args.results).read_text())
         efficiency = json.loads(Path(args.efficiency).read_text())
+        ablation = json.loads(Path(args.ablation).read_text()) if Path(args.ablation).is_file() else None
         paper = parse_paper(paper_path.read_text())
         docs = Path(args.docs)
         page = docs.read_text()
-        updated = fill(page, sections(results, paper, efficiency))
+        updated = fill(page, sections(results, paper, efficiency, ablation))
     except (OSError, ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

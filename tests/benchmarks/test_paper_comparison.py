@@ -65,6 +65,7 @@ def test_a_missing_table_is_named():
 
 def record(kind: str, method: str, seed: int, **metrics) -> dict:
     return {"kind": kind, "method": method, "seed": seed, "dataset": "sciq", "metrics": metrics,
+            "label_noise": 0.3 if kind == "noise" else 0.0,
             "metrics_without_posthoc": metrics.pop("without", None)}
 
 
@@ -95,6 +96,38 @@ def test_ours_are_mean_and_population_std_over_seeds_beside_the_paper():
     assert "no mean AUROC above moves by more than 2.0 points" in blocks["ood"]
     assert blocks["noise"].splitlines()[2] == "| MAP | 0 | 70.00 | 20.00 | 0.70 | 88.63 / 19.05 / 0.50 |  |"
     assert "| IB-EDL | 87.5 / 88.3 | 86.4 / 79.8 | 88.8 / 92.6 | 89.2 / 85.5 |" in blocks["paper-ood"]
+
+
+def test_the_sigma_ablation_sits_beside_the_learned_sigma():
+    frozen = [
+        record("id", "ib_edl", 0, accuracy=0.80, ece=0.20, nll=0.6),
+        record("id", "ib_edl", 1, accuracy=0.82, ece=0.22, nll=0.6),
+        record("ood", "ib_edl", 0, **{"ood/obqa/auroc_mp": 0.70, "ood/obqa/auroc_um": 0.80,
+                                      "ood/arc_easy/auroc_mp": 0.74, "ood/arc_easy/auroc_um": 0.90}),
+    ]
+    sigma = sections(RESULTS, parse_paper(TEX), ablation=frozen)["sigma"].splitlines()
+    rows = {line.split(" | ")[0].strip("| "): line for line in sigma if line.startswith("| learned") or
+            line.startswith("| σ frozen")}
+    # learned: the grid's IB-EDL (accuracy 85 and 86, ECE 10 and 11, NLL 0.5; ood seed 0 only: MP 80, UM 95)
+    assert rows["learned σ (the grid)"] == ("| learned σ (the grid) | 0,1 | 85.50 ± 0.50 | 10.50 ± 0.50 | "
+                                            "0.500 ± 0.000 | 80.0 | 95.0 |")
+    # frozen: the mean over its two streams, per seed (MP (70 + 74) / 2, UM (80 + 90) / 2)
+    assert rows["σ frozen (the ablation)"] == ("| σ frozen (the ablation) | 0,1 | 81.00 ± 1.00 | 21.00 ± 1.00 | "
+                                               "0.600 ± 0.000 | 72.0 | 85.0 |")
+    assert "σ frozen" not in sections(RESULTS, parse_paper(TEX))["sigma"]
+
+
+def test_training_start_and_end_come_from_the_runs_records():
+    results = [dict(r) for r in RESULTS]
+    start = {"accuracy": 0.5, "mean_confidence": 0.6, "ece": 0.2, "nll": 1.0}
+    for r in results:
+        r["training"] = {"validation_start": start, "steps": [40], "best_steps": [20], "budget_steps": 100,
+                         "stopped_by": ["patience"],
+                         "validation_end": {**start, "accuracy": r["metrics"]["accuracy"], "nll": 0.4}}
+    rows = sections(results, parse_paper(TEX))["training"].splitlines()
+    same = "0.600 → 0.600 | 20.0 → 20.0 | 1.000 → 0.400 | 40 (20) of 100"
+    assert f"| MAP | clean | 50.0 → 85.0 | {same} | 2 of 2 |" in rows  # the mean of seeds 0 and 1's ends
+    assert f"| MAP | noise | 50.0 → 70.0 | {same} | 1 of 1 |" in rows
 
 
 EFFICIENCY = {"methods": {
