@@ -163,7 +163,8 @@ def test_fill_replaces_only_between_the_markers():
 @pytest.mark.skipif(not default_paper().is_file(), reason=f"the paper's source {default_paper()} is not here")
 def test_the_docs_page_matches_the_committed_results(tmp_path, capsys):
     results, docs = REPO / "benchmarks/results/sciq_grid.json", REPO / "docs/results.md"
-    efficiency = ["--efficiency", str(REPO / "benchmarks/results/method_efficiency.json")]
+    efficiency = ["--efficiency", str(REPO / "benchmarks/results/method_efficiency.json"),
+                  "--ablation", str(REPO / "benchmarks/results/sciq_sigma_ablation.json")]
     assert main(["--results", str(results), "--docs", str(docs), "--check", *efficiency]) == 0
     # a results file that changed makes the check fail, and a run without --check brings the page back in step
     changed = json.loads(results.read_text())
