@@ -216,7 +216,7 @@ class PrefixCachedTrunk:
             full = p.decoder(input_ids=enc.input_ids.to(device), attention_mask=enc.attention_mask.to(device),
                              use_cache=False).last_hidden_state
             full = full[torch.arange(full.shape[0], device=device), enc.last_index.to(device)]
-            h = self._compute(enc.input_ids, enc.attention_mask)
+            h = self._compute(enc.input_ids, enc.attention_mask).to(dtype=self.bottom.embed_tokens.weight.dtype)
             split = self.top(inputs_embeds=h, attention_mask=enc.attention_mask.to(device),
                              use_cache=False).last_hidden_state
             split = split[torch.arange(split.shape[0], device=device), enc.last_index.to(device)]

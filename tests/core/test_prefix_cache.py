@@ -143,3 +143,19 @@ def test_config_rejects_bad_train_layers(value):
     with pytest.raises(ValueError, match="train_layers must be a positive number"):
         load_config(None, ["output=x", "method=map", f"train_layers={json.dumps(value)}",
                            "data={train: [{dataset: sciq}], validation: [{dataset: sciq}]}"])
+
+
+def test_bf16_model_splits_at_its_own_dtype(tiny_model_dir, tmp_path):
+    """The cache holds float32 states; a bf16 model (the CUDA default) reads them back in bf16, the probe too."""
+    resolved = resolve_model(tiny_model_dir)
+    model, tok = load_base_model(resolved, device="cpu", dtype=torch.bfloat16)
+    head = build_head(HeadConfig("evidential", 26, model.config.hidden_size),
+                      lm_head_rows(model, option_token_ids(tok, 26)))
+    p = Predictor(model, tok, head, template="plain-v1", max_tokens=256)
+    enc = p.encode(QUESTIONS)
+    with torch.no_grad():
+        full = p.hidden(enc)
+        trunk = PrefixCachedTrunk(p, 1, resolved.sha256, root=tmp_path)  # runs the probe
+        split = trunk(enc)
+    assert split.dtype == full.dtype == torch.bfloat16
+    torch.testing.assert_close(split, full, rtol=2e-2, atol=2e-2)

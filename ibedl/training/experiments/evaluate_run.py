@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from ibedl.core.artifact import atomic_write_text
+from ibedl.core.artifact import atomic_write_text, read_manifest
 from ibedl.training import metrics
 
 
@@ -117,6 +117,15 @@ def without_posthoc(preds: dict) -> dict | None:
     return {"sets": {name: {**s, **s["without_posthoc"]} for name, s in sets.items()}}
 
 
+def trained_dtype(training: dict | None):
+    """The torch dtype a run trained in, as its config names it (``dtype: float32``), or None (then the device's
+    default: fp32 on CPU, bf16 on CUDA). A run evaluates in the dtype it trained in."""
+    import torch
+
+    name = ((training or {}).get("config") or {}).get("dtype")
+    return getattr(torch, name) if name else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ibedl.training.experiments.evaluate_run",
                                      description=__doc__.split("\n\n")[0])
@@ -139,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     limits = json.loads(args.limits)
     method = get_method(args.method)
     params = method.params(json.loads(args.method_params))
-    predictor = Predictor.from_artifact(args.artifact)
+    predictor = Predictor.from_artifact(args.artifact, dtype=trained_dtype(read_manifest(args.artifact).training))
     trained = (predictor.manifest.training or {}).get("config", {})
     if trained.get("train_layers"):  # only the top layers were trained: the states below come from the cache
         prefix_cache.attach(predictor, trained["train_layers"], predictor.manifest.base_model["sha256"])
