@@ -75,15 +75,13 @@ def main(argv=None) -> int:
     parser.add_argument("--samples", type=int, default=20)
     parser.add_argument("--output", default="benchmarks/results/ib_edl_inference.json")
     args = parser.parse_args(argv)
-    from ibedl.core import prefix_cache
+    from ibedl.training.experiments.evaluate_run import load_run
     from ibedl.training.finetune import run_questions
 
-    predictor = Predictor.from_artifact(args.artifact)
+    predictor = load_run(args.artifact)
     if predictor.head.config.kind != "ib_edl":
         parser.error(f"--artifact must hold an IB-EDL adapter, got head kind {predictor.head.config.kind!r}")
     training = predictor.manifest.training or {}
-    if training.get("config", {}).get("train_layers"):
-        prefix_cache.attach(predictor, training["config"]["train_layers"], predictor.manifest.base_model["sha256"])
     _, _, val_q = run_questions(training)
     pairs = gaussians(predictor, val_q)
     labels = [q.answer for q in val_q]

@@ -27,17 +27,14 @@ KEPT = ("accuracy", "nll", "ece", "mean_confidence")  # the metrics kept per pri
 
 def measure(run: Path, fit_samples: int) -> dict:
     """One run: the validation metrics of MAP, of the marginal likelihood's prior and of every grid value."""
-    from ibedl.core import prefix_cache
-    from ibedl.core.predictor import Predictor
+    from ibedl.training.experiments.evaluate_run import load_run
     from ibedl.training import metrics
     from ibedl.training.finetune import posthoc_questions, run_questions
     from ibedl.training.laplace_lora import PRIOR_GRID, fit_laplace, grid_edge, predictives_over_grid
     from ibedl.training.methods import get_method
 
-    predictor = Predictor.from_artifact(run)
+    predictor = load_run(run)
     training = predictor.manifest.training or {}
-    if training.get("config", {}).get("train_layers"):
-        prefix_cache.attach(predictor, training["config"]["train_layers"], predictor.manifest.base_model["sha256"])
     cfg, train_q, val_q = run_questions(training)
     laplace_method = get_method("laplace")
     fit_q = posthoc_questions(laplace_method, laplace_method.params({"fit_samples": fit_samples}), train_q, cfg.seed)

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -126,6 +127,19 @@ def trained_dtype(training: dict | None):
     return getattr(torch, name) if name else None
 
 
+def load_run(artifact: str | Path):
+    """A trained run's artifact as it trained: in its config's dtype, and, when only its top layers were trained
+    (``train_layers``), with the layers below read from the prefix cache. Returns the Predictor."""
+    from ibedl.core import prefix_cache
+    from ibedl.core.predictor import Predictor
+
+    predictor = Predictor.from_artifact(artifact, dtype=trained_dtype(read_manifest(artifact).training))
+    trained = (predictor.manifest.training or {}).get("config") or {}
+    if trained.get("train_layers"):
+        prefix_cache.attach(predictor, trained["train_layers"], predictor.manifest.base_model["sha256"])
+    return predictor
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ibedl.training.experiments.evaluate_run",
                                      description=__doc__.split("\n\n")[0])
@@ -138,8 +152,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     args = parser.parse_args(argv)
 
-    from ibedl.core import prefix_cache
-    from ibedl.core.predictor import Predictor
     from ibedl.training.evaluate import predict_all
     from ibedl.training.finetune import posthoc_questions, run_questions
     from ibedl.training.methods import get_method
@@ -148,10 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     limits = json.loads(args.limits)
     method = get_method(args.method)
     params = method.params(json.loads(args.method_params))
-    predictor = Predictor.from_artifact(args.artifact, dtype=trained_dtype(read_manifest(args.artifact).training))
-    trained = (predictor.manifest.training or {}).get("config", {})
-    if trained.get("train_layers"):  # only the top layers were trained: the states below come from the cache
-        prefix_cache.attach(predictor, trained["train_layers"], predictor.manifest.base_model["sha256"])
+    predictor = load_run(args.artifact)
     if method.num_mc_samples(params):  # the predictive of a method trained as the artifact was (MC-Dropout on MAP)
         predictor.mc_samples = method.num_mc_samples(params)
         predictor.eval()
