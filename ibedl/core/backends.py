@@ -24,6 +24,9 @@ import hashlib
 import json
 import logging
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -249,7 +252,51 @@ def openvino_trunk(model, tokenizer, artifact: Path, member: str, base_sha256: s
         log.info("exported %s; later starts load it in seconds", target)
     config = {"INFERENCE_PRECISION_HINT": precision, "PERFORMANCE_HINT": "LATENCY",
               "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0, "INFERENCE_NUM_THREADS": threads or torch.get_num_threads()}
-    return OpenVINOTrunk(core.compile_model(target / "trunk.xml", "CPU", config), target)
+    return OpenVINOTrunk(compile_checked(core, target / "trunk.xml", config, backend), target)
+
+
+class CompileCrashError(RuntimeError):
+    """OpenVINO killed the process that compiled a trunk (a native fault, which no exception handler catches)."""
+
+
+# Compiles an IR in a child process: exit 0 when it compiled (sys.argv: the IR, the config as JSON).
+_COMPILE_PROBE = ("import json, sys, openvino as ov; "
+                  "ov.Core().compile_model(sys.argv[1], 'CPU', json.loads(sys.argv[2]))")
+COMPILE_PROBE_TIMEOUT_S = 600
+
+
+def compile_checked(core, xml: Path, config: dict, backend: str):
+    """``core.compile_model(xml, "CPU", config)``, once proven in a child process on this CPU with this OpenVINO
+    and config (a marker in the cache records the proof). Some OpenVINO builds kill the process that compiles
+    certain configurations: 2026.4.1 raises SIGFPE compiling the fp32 IR in bf16 with one thread on an AMX Xeon. In
+    the service that would kill it at start; here it raises :class:`CompileCrashError` (a RuntimeError: ``auto``
+    skips the candidate, a named backend fails with this message)."""
+    import openvino as ov
+
+    from ibedl.core.auto_backend import cpu_signature
+
+    key = hashlib.sha256(json.dumps([str(Path(xml).resolve()), sha256_file(xml), config, ov.__version__,
+                                     cpu_signature()], sort_keys=True).encode()).hexdigest()[:16]
+    proven = cache_dir() / "backends" / f"compiles-{key}"
+    if not proven.is_file():
+        try:
+            done = subprocess.run([sys.executable, "-c", _COMPILE_PROBE, str(xml), json.dumps(config)],
+                                  capture_output=True, text=True, timeout=COMPILE_PROBE_TIMEOUT_S)
+        except subprocess.TimeoutExpired as e:
+            raise CompileCrashError(f"backend {backend!r}: OpenVINO {ov.__version__} did not compile {xml} within "
+                                    f"{COMPILE_PROBE_TIMEOUT_S} s on this CPU (config {config})") from e
+        if done.returncode != 0:
+            code = done.returncode
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
+            tail = done.stderr.strip().splitlines()[-1:] or [""]
+            raise CompileCrashError(f"backend {backend!r}: OpenVINO {ov.__version__} cannot compile {xml} on this CPU "
+                                    f"(config {config}): the compiling process {how} {tail[0]}".rstrip())
+        try:
+            proven.parent.mkdir(parents=True, exist_ok=True)
+            proven.touch()
+        except OSError:  # a read-only cache: prove it again at the next start
+            pass
+    return core.compile_model(str(xml), "CPU", config)
 
 
 def runs_openvino(predictor) -> str | None:
@@ -354,4 +401,4 @@ def _build(backend: str, predictor, artifact: Path, base_sha256: str):
 
 
 __all__ = ["BACKENDS", "DEFAULT_BACKEND", "check_backend", "calibration_key", "build_trunk", "runs_openvino",
-           "int8_cached", "ir_path", "LastTokenTrunk", "OpenVINOTrunk"]
+           "int8_cached", "ir_path", "compile_checked", "CompileCrashError", "LastTokenTrunk", "OpenVINOTrunk"]

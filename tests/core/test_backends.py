@@ -223,3 +223,30 @@ def test_the_quantisation_sample_is_read_whole_whatever_the_token_limit(tiny, tm
         digests.add(backends.sample_digest(sample))
     assert len(digests) == 1 and sample[0].input_ids.shape[1] > 64  # the long prompt whole, not cut at 64
     predictor.max_tokens = 256
+
+
+def test_a_compile_that_kills_its_process_is_an_error_not_a_dead_service(tiny, monkeypatch):
+    # OpenVINO 2026.4.1 dies of SIGFPE compiling the fp32 IR in bf16 with one thread on AMX Xeons; any such native
+    # fault is caught in the child process that proves the compile first.
+    predictor, artifact = tiny
+    monkeypatch.setattr(backends, "_COMPILE_PROBE", "import os, signal; os.kill(os.getpid(), signal.SIGFPE)")
+    with pytest.raises(backends.CompileCrashError, match=r"backend 'openvino-fp32': OpenVINO .* cannot compile .*"
+                                                         r"the compiling process was killed by SIGFPE"):
+        openvino_trunk(predictor.model, predictor.tokenizer, artifact, ".", "crash-sha", "openvino-fp32")
+    monkeypatch.setattr(backends, "_COMPILE_PROBE", "import sys; sys.exit('no plugin')")
+    with pytest.raises(backends.CompileCrashError, match="exited with 1 no plugin"):
+        openvino_trunk(predictor.model, predictor.tokenizer, artifact, ".", "crash-sha", "openvino-fp32")
+    assert issubclass(backends.CompileCrashError, RuntimeError)  # auto skips the candidate (BUILD_ERRORS)
+
+
+def test_a_proven_compile_is_not_proven_again(tiny, monkeypatch):
+    predictor, artifact = tiny
+    runs = []
+    real_run = backends.subprocess.run
+    monkeypatch.setattr(backends.subprocess, "run", lambda *a, **k: runs.append(a) or real_run(*a, **k))
+    first = openvino_trunk(predictor.model, predictor.tokenizer, artifact, ".", "probe-sha", "openvino-fp32")
+    again = openvino_trunk(predictor.model, predictor.tokenizer, artifact, ".", "probe-sha", "openvino-fp32")
+    assert len(runs) == 1 and again.path == first.path
+    other = openvino_trunk(predictor.model, predictor.tokenizer, artifact, ".", "probe-sha", "openvino-fp32",
+                           threads=1)  # another config is proven on its own
+    assert len(runs) == 2 and other.path == first.path
