@@ -275,8 +275,8 @@ def compile_checked(core, xml: Path, config: dict, backend: str):
 
     from ibedl.core.auto_backend import cpu_signature
 
-    key = hashlib.sha256(json.dumps([str(Path(xml).resolve()), sha256_file(xml), config, ov.__version__,
-                                     cpu_signature()], sort_keys=True).encode()).hexdigest()[:16]
+    key = hashlib.sha256(json.dumps([sha256_file(xml), config, ov.__version__, cpu_signature()],
+                                    sort_keys=True).encode()).hexdigest()[:16]  # the graph, not its weights
     proven = cache_dir() / "backends" / f"compiles-{key}"
     if not proven.is_file():
         try:

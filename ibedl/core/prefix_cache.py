@@ -194,10 +194,15 @@ class PrefixCachedTrunk:
         device = self.predictor.device
         batch = type(batch)(plain(batch.input_ids), plain(batch.attention_mask), plain(batch.last_index),
                             batch.option_mask)
-        h = self.states(batch).to(device=device, dtype=self.bottom.embed_tokens.weight.dtype)
-        out = self.top(inputs_embeds=h, attention_mask=batch.attention_mask.to(device), use_cache=False)
-        states = out.last_hidden_state
+        states = self._top(self.states(batch), batch.attention_mask)
         return states[torch.arange(states.shape[0], device=states.device), batch.last_index.to(device)]
+
+    def _top(self, h: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(B, S, d) states entering layer ``first`` (float32, as cached) -> (B, S, d) last hidden states of the
+        live layers, run in the model's dtype on its device."""
+        device = self.predictor.device
+        h = h.to(device=device, dtype=self.bottom.embed_tokens.weight.dtype)
+        return self.top(inputs_embeds=h, attention_mask=attention_mask.to(device), use_cache=False).last_hidden_state
 
     def differentiable(self, name: str) -> bool:
         """Whether a parameter of the model gets a gradient through this trunk (layers ``first..`` and the head)."""
@@ -216,9 +221,7 @@ class PrefixCachedTrunk:
             full = p.decoder(input_ids=enc.input_ids.to(device), attention_mask=enc.attention_mask.to(device),
                              use_cache=False).last_hidden_state
             full = full[torch.arange(full.shape[0], device=device), enc.last_index.to(device)]
-            h = self._compute(enc.input_ids, enc.attention_mask).to(dtype=self.bottom.embed_tokens.weight.dtype)
-            split = self.top(inputs_embeds=h, attention_mask=enc.attention_mask.to(device),
-                             use_cache=False).last_hidden_state
+            split = self._top(self._compute(enc.input_ids, enc.attention_mask), enc.attention_mask)
             split = split[torch.arange(split.shape[0], device=device), enc.last_index.to(device)]
         err = float((full - split).abs().max() / full.abs().max().clamp_min(1e-12))
         if not err <= PROBE_TOLERANCE:

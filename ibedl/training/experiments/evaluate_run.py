@@ -121,10 +121,10 @@ def without_posthoc(preds: dict) -> dict | None:
 def trained_dtype(training: dict | None):
     """The torch dtype a run trained in, as its config names it (``dtype: float32``), or None (then the device's
     default: fp32 on CPU, bf16 on CUDA). A run evaluates in the dtype it trained in."""
-    import torch
+    from ibedl.training.finetune import DTYPES
 
     name = ((training or {}).get("config") or {}).get("dtype")
-    return getattr(torch, name) if name else None
+    return DTYPES[name] if name else None
 
 
 def load_run(artifact: str | Path):
