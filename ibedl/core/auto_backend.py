@@ -106,14 +106,18 @@ def seconds_per_batch(run, repeats: int = TIMING_REPEATS) -> float:
 
 
 def cpu_signature() -> str:
-    """The CPU's model name and flags (Linux), else what ``platform`` knows."""
+    """The CPU's model name and flags (Linux), else what ``platform`` knows, and oneDNN's instruction cap when one
+    is set (ibedl.core.cpu_isa.onednn_cap: the kernels, so the timings, are another CPU's)."""
+    from ibedl.core.cpu_isa import onednn_cap
+
+    cap = [f"ONEDNN_MAX_CPU_ISA={onednn_cap()}"] if onednn_cap() else []
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return f"{platform.machine()} {platform.processor()}"
+        return " | ".join([f"{platform.machine()} {platform.processor()}", *cap])
     lines = [line.split(":", 1)[1].strip() for line in info.splitlines()
              if line.startswith(("model name", "flags")) and ":" in line]
-    return " | ".join(dict.fromkeys(lines))
+    return " | ".join([*dict.fromkeys(lines), *cap])
 
 
 def choice_path(predictor, artifact: Path, base_sha256: str, names: list[str]) -> Path:

@@ -204,7 +204,9 @@ def native_bf16() -> bool:
     """Whether OpenVINO's CPU plugin runs bfloat16 natively here (what ``openvino-bf16`` needs)."""
     import openvino as ov
 
-    return "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+    from ibedl.core.cpu_isa import capped_without_bf16
+
+    return "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES") and not capped_without_bf16()
 
 
 def sample_digest(sample: list) -> str:

@@ -51,6 +51,7 @@ import torch
 from ibedl.core import quantization_sample
 from ibedl.core.artifact import Abstention, Conformal, Manifest, check_artifact, write_manifest
 from ibedl.core.backends import BACKENDS, calibration_key
+from ibedl.core.cpu_isa import int8_isa
 from ibedl.core.conformal import SCORES, alpha_key, calibrate_quantiles, prediction_set
 from ibedl.core.model_card import write_card
 from ibedl.core.prompt import MCQuestion
@@ -475,13 +476,14 @@ def main(argv: list[str] | None = None) -> int:
             key = outputs_key(args.outputs, args.backend)
         else:
             kind, raw, labels, key = run_model(args, source, load_dataset)
-        quantized = quantization_record(source, key)
+        quantized = quantization_record(source, key, outputs_isa(args.outputs, key) if args.outputs else None)
     except (DatasetError, ArtifactError, ValueError, FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.save_outputs:
         save_outputs(args.save_outputs, source, manifest, {stream: {"labels": labels, **raw}}, kind, raw["offset"],
-                     args.max_tokens, extra={"calibration_key": key})
+                     args.max_tokens,
+                     extra={"calibration_key": key, **({"int8_isa": quantized["isa"]} if quantized else {})})
     head_update, _, sections = calibrate_outputs(kind, raw, labels, config)
     if args.dataset == "feedback":
         head_update = {}  # decided on the served outputs: the served post-hoc parameter (zeta, temperature) stays
@@ -540,10 +542,11 @@ def record(manifest: Manifest, key: str, head_update: dict, sections: dict, eval
     manifest.metrics.update(evaluated)
 
 
-def quantization_record(directory: Path, key: str) -> dict | None:
+def quantization_record(directory: Path, key: str, isa: str | None = None) -> dict | None:
     """What a calibration made on static int8 records of the trunk's quantisation (the artifact's sample file and
-    its sha256, which the service checks), None for other backends; ValueError when the artifact carries no sample
-    (outputs computed on an int8 trunk quantised on questions the artifact does not hold)."""
+    its sha256, and the int8 instruction set ``isa`` the outputs were computed on, default this machine's: what the
+    service checks), None for other backends; ValueError when the artifact carries no sample (outputs computed on
+    an int8 trunk quantised on questions the artifact does not hold)."""
     if key != "openvino-int8":
         return None
     sha = quantization_sample.sha256(directory)
@@ -551,7 +554,8 @@ def quantization_record(directory: Path, key: str) -> dict | None:
         raise ValueError(f"{directory} carries no {quantization_sample.FILE}: the int8 trunk these outputs come from "
                          "was quantised on questions the artifact does not hold, so no service could rebuild it; "
                          "calibrate without --outputs (--backend openvino-int8 writes the sample)")
-    return {"file": quantization_sample.FILE, "questions": len(quantization_sample.read(directory)), "sha256": sha}
+    return {"file": quantization_sample.FILE, "questions": len(quantization_sample.read(directory)), "sha256": sha,
+            "isa": isa or int8_isa()}
 
 
 def outputs_key(path, backend: str | None) -> str:
@@ -568,6 +572,20 @@ def outputs_key(path, backend: str | None) -> str:
         raise ValueError(f"{path} holds outputs computed on {key}, not on backend {backend}: answer the data on "
                          f"{backend} (--backend {backend} without --outputs)")
     return key
+
+
+def outputs_isa(path, key: str) -> str | None:
+    """The int8 instruction set (ibedl.core.quantization_sample.int8_isa) the static int8 outputs in ``path`` were
+    computed on, None for other backends; ValueError when such a file does not record it (its calibration could not
+    say which CPUs it holds on)."""
+    if key != "openvino-int8":
+        return None
+    isa = json.loads(Path(path).read_text()).get("int8_isa")
+    if isa is None:
+        raise ValueError(f"{path} holds static int8 outputs but not the int8 instruction set they were computed on "
+                         f"(int8_isa): int8 arithmetic differs between CPUs with and without VNNI, so compute them "
+                         f"again on the CPU kind to serve (--backend openvino-int8 --save-outputs FILE)")
+    return isa
 
 
 def run_model(args, source: Path, load_dataset) -> tuple[str, dict, list[int], str]:

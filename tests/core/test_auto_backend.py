@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from ibedl.core import auto_backend, backends, quantization_sample
+from ibedl.core import auto_backend, backends, cpu_isa, quantization_sample
 from ibedl.core.artifact import read_manifest, write_manifest
 from ibedl.core.predictor import Predictor
 from ibedl.core.prompt import MCQuestion
@@ -32,7 +32,8 @@ def carrying(source, target, keys: list[str], sample: bool = True, record_sample
         sections = copy.deepcopy({n: getattr(manifest, n) for n in ("abstention", "conformal", "calibration",
                                                                        "reference")})
         if key == "openvino-int8" and record_sample:
-            sections["calibration"]["quantization"] = {"file": quantization_sample.FILE, "sha256": sha}
+            sections["calibration"]["quantization"] = {"file": quantization_sample.FILE, "sha256": sha,
+                                                       "isa": cpu_isa.int8_isa()}
         manifest.set_calibration(key, {}, sections)
     write_manifest(target, manifest)
     return target
@@ -165,6 +166,16 @@ def test_int8_is_a_candidate_only_with_the_sample_its_calibration_was_made_on(ti
     (missing / quantization_sample.FILE).unlink()
     names, skipped = auto_backend.candidates(load(missing), missing, backends.unavailable)
     assert "carries no quantization_sample.jsonl" in skipped["openvino-int8"]
+
+
+def test_int8_is_not_a_candidate_on_another_int8_instruction_set(tiny_artifact, tmp_path, timed, monkeypatch):
+    timed({})
+    made_here = carrying(tiny_artifact, tmp_path / "a", ["openvino-int8"])
+    assert "openvino-int8" in auto_backend.candidates(load(made_here), made_here, backends.unavailable)[0]
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # this CPU as an AVX2-only one
+    names, skipped = auto_backend.candidates(load(made_here), made_here, backends.unavailable)
+    assert "openvino-int8" not in names
+    assert f"another instruction set ({cpu_isa.int8_isa(cap='')}; this CPU runs avx2)" in skipped["openvino-int8"]
 
 
 def test_nothing_but_torch_falls_back_with_the_reasons(tiny_artifact, tmp_path, timed):

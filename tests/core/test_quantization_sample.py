@@ -3,7 +3,7 @@ the same trunk anywhere), its sha256 changes with its content, and a calibration
 
 import pytest
 
-from ibedl.core import quantization_sample
+from ibedl.core import cpu_isa, quantization_sample
 from ibedl.core.prompt import MCQuestion, format_prompt
 
 QUESTIONS = [
@@ -36,8 +36,20 @@ def test_questions_without_an_answer_or_none_at_all_are_refused(tmp_path):
 
 
 def test_a_calibration_holds_only_for_the_sample_it_records():
-    record = {"quantization": {"file": quantization_sample.FILE, "sha256": "a" * 64}}
+    record = {"quantization": {"file": quantization_sample.FILE, "sha256": "a" * 64, "isa": "avx512-vnni"}}
+    assert quantization_sample.mismatch(record, "a" * 64, "avx512-vnni") is None
+    assert "quantised on other questions" in quantization_sample.mismatch(record, "b" * 64, "avx512-vnni")
+    assert "carries no quantization_sample.jsonl" in quantization_sample.mismatch(record, None, "avx512-vnni")
+    assert "does not record the questions" in quantization_sample.mismatch({}, "a" * 64, "avx512-vnni")
+
+
+def test_a_calibration_holds_only_for_the_int8_instruction_set_it_ran_on():
+    record = {"quantization": {"file": quantization_sample.FILE, "sha256": "a" * 64, "isa": "avx512-vnni"}}
+    assert quantization_sample.mismatch(record, "a" * 64, "avx2") == (
+        "the calibration was made on int8 arithmetic of another instruction set (avx512-vnni; this CPU runs avx2)")
+    older = {"quantization": {"file": quantization_sample.FILE, "sha256": "a" * 64}}  # before the isa was recorded
+    assert "does not record the int8 instruction set it ran on (this CPU runs avx2)" in \
+        quantization_sample.mismatch(older, "a" * 64, "avx2")
+    # by default, this machine's
+    record["quantization"]["isa"] = cpu_isa.int8_isa()
     assert quantization_sample.mismatch(record, "a" * 64) is None
-    assert "quantised on other questions" in quantization_sample.mismatch(record, "b" * 64)
-    assert "carries no quantization_sample.jsonl" in quantization_sample.mismatch(record, None)
-    assert "does not record the questions" in quantization_sample.mismatch({}, "a" * 64)

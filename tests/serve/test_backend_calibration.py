@@ -10,6 +10,7 @@ import shutil
 import pytest
 import torch
 
+from ibedl.core import cpu_isa
 from ibedl.core.artifact import read_manifest, write_manifest
 from ibedl.serve.app import load_predictor
 from tests.serve.conftest import wait_status
@@ -157,7 +158,8 @@ def int8_loader(sample_sha: str):
 def int8_calibrated(tiny_artifact, tmp_path):
     """Calibrated on torch-fp32 and on an int8 trunk quantised on a sample of sha256 "a" * 64."""
     return recalibrated(tiny_artifact, tmp_path / "int8", "torch-fp32", {
-        "openvino-int8": {"sections": {"calibration": {"marker": "int8", "quantization": {"sha256": "a" * 64}}}}})
+        "openvino-int8": {"sections": {"calibration": {"marker": "int8", "quantization": {
+            "sha256": "a" * 64, "isa": cpu_isa.int8_isa()}}}}})
 
 
 def test_an_int8_calibration_is_served_with_the_trunk_quantised_on_its_sample(make_client, int8_calibrated):
@@ -181,3 +183,13 @@ def test_an_int8_calibration_made_on_another_quantisation_is_refused(make_client
             card = c.get("/v1/models").json()["data"][0]
     assert card["calibration_in_use"]["key"] == "openvino-int8" and not card["calibration_in_use"]["matches_backend"]
     assert "does not hold for its trunk" in caplog.text
+
+
+def test_an_int8_calibration_made_on_another_instruction_set_is_refused(make_client, int8_calibrated, monkeypatch):
+    # the calibration records this CPU's int8 class; the service runs as on a CPU without VNNI (oneDNN's cap)
+    cap = "AVX512_CORE" if cpu_isa.int8_isa() != "avx512bw" else "AVX2"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    with make_client(loader=int8_loader("a" * 64), artifact=int8_calibrated, ready=False) as c:
+        body = wait_status(c, "failed")
+    assert "its openvino-int8 calibration does not hold for the int8 trunk served: the calibration was made on " \
+           "int8 arithmetic of another instruction set" in body["reason"]

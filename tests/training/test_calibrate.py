@@ -263,7 +263,7 @@ class TestCli:
     def test_static_int8_is_calibrated_on_the_sample_the_artifact_carries(self, tiny_artifact, tiny_jsonl, tmp_path,
                                                                           capsys):
         pytest.importorskip("nncf")
-        from ibedl.core import quantization_sample
+        from ibedl.core import cpu_isa, quantization_sample
         from ibedl.core.predictor import Predictor
 
         common = ["--dataset", "jsonl", "--path", str(tiny_jsonl), "--target-accuracy", "0.5", "--no-progress",
@@ -274,7 +274,9 @@ class TestCli:
         sha = quantization_sample.sha256(art)  # written from the training split, then quantised on
         rows = len(tiny_jsonl.read_text().splitlines())
         assert read_manifest(art).calibration_for("openvino-int8").record["quantization"] == {
-            "file": "quantization_sample.jsonl", "questions": rows, "sha256": sha}
+            "file": "quantization_sample.jsonl", "questions": rows, "sha256": sha,
+            "isa": cpu_isa.int8_isa()}
+        assert json.loads(saved.read_text())["int8_isa"] == cpu_isa.int8_isa()
         assert Predictor.from_artifact(art, backend="openvino-int8").quantized_on == sha
         # recalibrating from its outputs into another directory takes the sample along
         assert main(["--artifact", str(art), "--output", str(tmp_path / "copy"), "--outputs", str(saved),

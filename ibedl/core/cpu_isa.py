@@ -1,0 +1,63 @@
+"""The instruction sets this CPU runs OpenVINO's kernels on, as far as they change the numbers: the class of its int8
+matrix products (exact int32 dot products with VNNI or AMX; pairs of u8 x s8 products summed in saturating 16-bit
+lanes with only AVX2 or AVX512BW) and whether it has native bfloat16. oneDNN's instruction cap
+(``ONEDNN_MAX_CPU_ISA``, which OpenVINO's CPU plugin obeys) is counted: it makes this CPU run an older one's kernels,
+which is how the tests reproduce an AVX2-only CPU on a newer one.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+# CPU flag -> int8 instruction-set class, best first: the class of a CPU is its first flag found here.
+INT8_ISAS = (("amx_int8", "amx-int8"), ("avx512_vnni", "avx512-vnni"), ("avx_vnni", "avx-vnni"),
+             ("avx512bw", "avx512bw"), ("avx2", "avx2"))
+# oneDNN's cap -> the flags of INT8_ISAS it leaves usable (caps not listed leave all of them: DEFAULT, *_AMX_*).
+_CAPS = {"sse41": (), "avx": (), "avx2": ("avx2",), "avx2_vnni": ("avx2", "avx_vnni"),
+         "avx2_vnni_2": ("avx2", "avx_vnni"), "avx512_core": ("avx2", "avx_vnni", "avx512bw"),
+         "avx512_core_vnni": ("avx2", "avx_vnni", "avx512bw", "avx512_vnni")}
+_CAPS_WITHOUT_BF16 = ("sse41", "avx", "avx2", "avx2_vnni", "avx2_vnni_2", "avx512_core", "avx512_core_vnni")
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's flags (Linux /proc/cpuinfo; empty elsewhere)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in info.splitlines():
+        if line.startswith("flags") and ":" in line:
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def onednn_cap() -> str:
+    """oneDNN's instruction cap from the environment (``ONEDNN_MAX_CPU_ISA``, else ``DNNL_MAX_CPU_ISA``), lower
+    case; empty when none is set."""
+    return (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().lower()
+
+
+def int8_isa(flags: set[str] | None = None, cap: str | None = None) -> str:
+    """The instruction-set class a static int8 trunk runs its matrix products on here (``amx-int8``,
+    ``avx512-vnni``, ``avx-vnni``, ``avx512bw``, ``avx2``; ``other-<machine>`` otherwise). ``flags``: the CPU's
+    flags (default: this machine's); ``cap``: oneDNN's instruction cap (default: :func:`onednn_cap`)."""
+    flags = cpu_flags() if flags is None else flags
+    cap = onednn_cap() if cap is None else cap.strip().lower()
+    if cap in _CAPS:
+        flags = flags & set(_CAPS[cap])
+    elif cap.startswith("avx512_core_") and "amx" not in cap:  # _bf16, _fp16: VNNI, no AMX
+        flags = flags & set(_CAPS["avx512_core_vnni"])
+    for flag, name in INT8_ISAS:
+        if flag in flags:
+            return name
+    return f"other-{platform.machine() or 'unknown'}"
+
+
+def capped_without_bf16() -> bool:
+    """Whether oneDNN's cap rules out bfloat16 kernels, whatever the CPU has."""
+    return onednn_cap() in _CAPS_WITHOUT_BF16
+
+
+__all__ = ["INT8_ISAS", "cpu_flags", "onednn_cap", "int8_isa", "capped_without_bf16"]
