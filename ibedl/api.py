@@ -117,12 +117,18 @@ class Model:
 
     def record_feedback(self, labels: list[dict | FeedbackRequest]) -> FeedbackResponse:
         """Record the right options of answered questions, as ``POST /v1/feedback/batch`` does: each a
-        ``{"receipt": answer.receipt, "label": "B"}``; all or none.
+        ``{"receipt": answer.receipt, "label": "B"}``; all or none; a receipt keeps its first label.
+
+        No labelling credential and no quota: the HTTP service asks for IBEDL_LABEL_TOKEN because its clients are
+        other people, but a Python caller holds the receipt key and the store file (it could write to the store
+        directly), so a credential would prove nothing here. Keep the key and the store as private as the
+        labelling credential.
 
         Raises:
             ibedl.engine.errors.FeedbackDisabled: loaded without ``feedback_key``.
             ibedl.engine.errors.InvalidReceipt, ReceiptExpired, AdapterNotServed, InvalidRequest: a bad item
                 (``field`` starts with ``items.<i>.``); nothing is recorded.
+            ibedl.engine.errors.LabelConflict: a receipt recorded before with another label; nothing is recorded.
             pydantic.ValidationError: a dict that is not a valid item.
         """
         items = [x if isinstance(x, FeedbackRequest) else FeedbackRequest.model_validate(x) for x in labels]

@@ -101,3 +101,21 @@ class AdapterNotServed(EngineError):
     """A receipt of an adapter version that is no longer served: its label cannot count for what is served now."""
 
     type = "adapter_not_served"
+
+
+class LabelConflict(EngineError):
+    """A label for a receipt that was recorded before with another label: the first label stands. ``adapters``
+    names the adapter of each conflicting item (what the service counts them by)."""
+
+    type = "label_conflict"
+
+    def __init__(self, message: str, field: str | None = None, adapters: tuple[str, ...] = ()) -> None:
+        super().__init__(message, field)
+        self.adapters = tuple(adapters)
+
+
+class TooManyLabels(EngineError):
+    """The labelling credential has recorded as many labels as its window allows: try again after
+    ``retry_after`` seconds."""
+
+    type = "too_many_labels"

@@ -7,12 +7,15 @@ adaptive sets (``ibedl.engine.adaptive``, off by default) follow the same labels
 The store is one SQLite file that every replica opens (``IBEDL_FEEDBACK_DB``): a label counts once whichever
 replica receives it (the receipt id is the table's key) and every replica reads the same labels in the same order,
 so every replica reports the same bounds and adaptive thresholds. Without the setting the store lives in memory,
-per process (one replica, tests, notebooks).
+per process (one replica, tests, notebooks). A receipt keeps its first label: the same label again is a duplicate,
+another one is refused (``LabelConflict``). Labels sent over HTTP are counted per credential in the store, so a
+credential's cap per time window (``LabelQuota``) holds across replicas.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sqlite3
 import threading
 import time
@@ -24,7 +27,8 @@ from ibedl.core.conformal import prediction_set
 from ibedl.core.prompt import LETTERS
 from ibedl.engine.adaptive import QuantileTracker
 from ibedl.engine.confidence_sequence import BettingCS
-from ibedl.engine.errors import AdapterNotServed, FeedbackDisabled, InvalidRequest
+from ibedl.engine.errors import (AdapterNotServed, FeedbackDisabled, InvalidRequest, LabelConflict, TooLarge,
+                                 TooManyLabels)
 from ibedl.engine.receipts import Receipt, new_id, sign, verify
 from ibedl.engine.runtime import AdapterRuntime
 from ibedl.engine.settings import EngineSettings
@@ -50,11 +54,32 @@ CREATE TABLE IF NOT EXISTS feedback (
     probs TEXT NOT NULL,
     alpha TEXT,
     issued REAL NOT NULL,
-    recorded REAL NOT NULL
+    recorded REAL NOT NULL,
+    credential TEXT
 )
 """
+# what a credential's quota counts: its labels recorded since a time
+INDEX = "CREATE INDEX IF NOT EXISTS feedback_by_credential ON feedback (credential, recorded)"
 COLUMNS = ("receipt_id", "question", "adapter", "version", "options", "label", "predicted", "answered", "target",
-           "covered", "coverage", "adaptive_covered", "adaptive_coverage", "probs", "alpha", "issued", "recorded")
+           "covered", "coverage", "adaptive_covered", "adaptive_coverage", "probs", "alpha", "issued", "recorded",
+           "credential")
+ADDED = {"credential": "TEXT"}  # columns added since the first store: a store without them gains them at open
+
+
+@dataclass(frozen=True)
+class LabelQuota:
+    """At most ``labels`` new labels per ``window_s`` seconds from one ``credential`` (its name in the store), every
+    replica's together: the store counts them."""
+
+    credential: str
+    labels: int
+    window_s: float
+
+    def __post_init__(self) -> None:
+        if self.labels < 1:
+            raise ValueError(f"labels must be >= 1, got {self.labels}")
+        if self.window_s <= 0:
+            raise ValueError(f"window_s must be > 0, got {self.window_s}")
 
 
 def served_versions(runtimes: dict[str, AdapterRuntime]) -> dict[str, str]:
@@ -78,31 +103,84 @@ class FeedbackStore:
             self._db = sqlite3.connect(":memory:" if path is None else str(path), timeout=30.0,
                                        isolation_level=None, check_same_thread=False)
             self._db.execute(SCHEMA)
-            found = {row[1] for row in self._db.execute("PRAGMA table_info(feedback)")}
+            found = self._columns()
+            missing = [c for c in COLUMNS if c not in found]
+            if missing and set(missing) <= set(ADDED):  # a store of an earlier version: its labels are kept
+                for column in missing:
+                    try:
+                        self._db.execute(f"ALTER TABLE feedback ADD COLUMN {column} {ADDED[column]}")
+                    except sqlite3.OperationalError:  # another replica added it first
+                        pass
+                found = self._columns()
+                missing = [c for c in COLUMNS if c not in found]
+            if not missing:
+                self._db.execute(INDEX)
         except sqlite3.Error as e:
             raise ValueError(f"cannot use the feedback store {path} (IBEDL_FEEDBACK_DB): {e}") from None
         self._lock = threading.Lock()
-        missing = [c for c in COLUMNS if c not in found]
         if missing:
             self._db.close()
             raise ValueError(f"the feedback store {path} was written by another version of ibedl (no columns "
                              f"{missing}): point IBEDL_FEEDBACK_DB at a new file")
 
-    def add(self, rows: list[dict]) -> list[bool]:
-        """Insert ``rows`` (dicts of :data:`COLUMNS`) in one transaction; per row True if new, False if its receipt
-        was already recorded (here or by another replica)."""
-        # only a receipt recorded before is skipped (OR IGNORE would also skip rows breaking NOT NULL)
-        sql = (f"INSERT INTO feedback ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))}) "
-               "ON CONFLICT (receipt_id) DO NOTHING")
+    def _columns(self) -> set[str]:
+        return {row[1] for row in self._db.execute("PRAGMA table_info(feedback)")}
+
+    def add(self, rows: list[dict], quota: LabelQuota | None = None) -> list[str]:
+        """Record ``rows`` (dicts of :data:`COLUMNS`) in one transaction. Per row: ``recorded``; ``duplicate``, its
+        receipt was recorded before (here or by another replica, or earlier in ``rows``) with the same label; or
+        ``conflict``, with another label. Nothing is written when any row conflicts.
+
+        Raises:
+            TooManyLabels: the rows would take ``quota.credential`` over its quota (nothing is written).
+            TooLarge: ``rows`` hold more new labels than the quota allows in a whole window.
+        """
+        columns = ", ".join(COLUMNS)
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
+            self._db.execute("BEGIN IMMEDIATE")  # the write lock, held from the check to the insert
             try:
-                new = [self._db.execute(sql, [row[c] for c in COLUMNS]).rowcount == 1 for row in rows]
+                statuses, seen = [], {}
+                for row in rows:
+                    rid = row["receipt_id"]
+                    if rid not in seen:
+                        found = self._db.execute("SELECT label FROM feedback WHERE receipt_id = ?", (rid,)).fetchone()
+                        if found is not None:
+                            seen[rid] = found[0]
+                    if rid in seen:
+                        statuses.append("duplicate" if seen[rid] == row["label"] else "conflict")
+                    else:
+                        statuses.append("recorded")
+                        seen[rid] = row["label"]
+                fresh = [row for row, status in zip(rows, statuses, strict=True) if status == "recorded"]
+                if "conflict" not in statuses:
+                    if quota is not None and fresh:
+                        self._check_quota(quota, len(fresh), rows[0]["recorded"])
+                    self._db.executemany(f"INSERT INTO feedback ({columns}) VALUES ({', '.join('?' * len(COLUMNS))})",
+                                         [[row[c] for c in COLUMNS] for row in fresh])
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
-        return new
+        return statuses
+
+    def _check_quota(self, quota: LabelQuota, new: int, now: float) -> None:
+        """Raise unless ``quota.credential`` may record ``new`` more labels at ``now`` (inside the transaction)."""
+        if new > quota.labels:
+            raise TooLarge(f"{new} new labels in one request; the labelling credential may record {quota.labels} "
+                           f"per {quota.window_s:g} s (IBEDL_MAX_LABELS): send them in smaller batches", "items")
+        since = now - quota.window_s
+        (count,) = self._db.execute("SELECT COUNT(*) FROM feedback WHERE credential = ? AND recorded > ?",
+                                    (quota.credential, since)).fetchone()
+        if count + new <= quota.labels:
+            return
+        # the labels recorded in the window drop out oldest first: wait until enough of them have
+        (oldest,) = self._db.execute("SELECT recorded FROM feedback WHERE credential = ? AND recorded > ? ORDER BY "
+                                     "recorded LIMIT 1 OFFSET ?", (quota.credential, since,
+                                                                   count + new - quota.labels - 1)).fetchone()
+        wait = max(1, math.ceil(oldest + quota.window_s - now))
+        raise TooManyLabels(f"this labelling credential recorded {count} labels in the last {quota.window_s:g} s; "
+                            f"it may record {quota.labels} per window (IBEDL_MAX_LABELS per IBEDL_LABEL_WINDOW_S): "
+                            f"retry after {wait} s", retry_after=wait)
 
     def since(self, seq: int) -> list[dict]:
         """The rows recorded after ``seq``, in order, each with its ``seq``."""
@@ -211,20 +289,24 @@ class Feedback:
 
     # -- labels -----------------------------------------------------------------------------------
 
-    def record(self, served: dict[str, str], items: list[tuple[str, str]], prefix: str = "") -> list[dict]:
+    def record(self, served: dict[str, str], items: list[tuple[str, str]], prefix: str = "",
+               quota: LabelQuota | None = None) -> list[dict]:
         """Check every (receipt, label letter) of ``items``, then record them all in one transaction; one bad item
         refuses the lot and nothing is recorded. ``served``: the version of each served adapter, by name
-        (:func:`served_versions`).
+        (:func:`served_versions`). ``quota``: the sending credential's cap (the HTTP service's; None: no cap, as for
+        the Python API, whose caller holds the key and the store).
 
         Returns, per item: ``receipt_id``, ``question``, ``adapter``, ``version``, ``status`` (``recorded``, or
-        ``duplicate`` when that receipt was recorded before), ``correct`` (None when the service abstained) and
-        ``covered`` (None without a set).
+        ``duplicate`` when that receipt was recorded before with the same label), ``correct`` (None when the
+        service abstained) and ``covered`` (None without a set).
 
         Raises:
             FeedbackDisabled: no key configured.
             InvalidReceipt, ReceiptExpired: see ``ibedl.engine.receipts.verify``.
             AdapterNotServed: the receipt's adapter version is not among ``served``.
             InvalidRequest: a label that is not one of the question's options.
+            LabelConflict: a receipt recorded before (or earlier in ``items``) with another label.
+            TooManyLabels, TooLarge: over ``quota``.
         """
         if self._key is None or self.store is None:
             raise FeedbackDisabled("feedback is off: the service has no receipt key (set IBEDL_FEEDBACK_KEY), so its "
@@ -253,14 +335,21 @@ class Feedback:
                 "adaptive_coverage": receipt.adaptive_coverage, "probs": json.dumps(receipt.probs),
                 "alpha": None if receipt.alpha is None else json.dumps(receipt.alpha),
                 "issued": float(receipt.issued), "recorded": now,
+                "credential": None if quota is None else quota.credential,
             })
-        new = self.store.add(rows)
+        statuses = self.store.add(rows, quota)
+        conflicts = [i for i, status in enumerate(statuses) if status == "conflict"]
+        if conflicts:
+            first = receipts[conflicts[0]]
+            more = f" ({len(conflicts)} of the {len(items)} items conflict; nothing was recorded)" if prefix else ""
+            raise LabelConflict(f"receipt {first.id} already has another label: a receipt keeps its first label, and "
+                                f"a different one is refused{more}", f"{prefix}{conflicts[0]}.label" if prefix
+                                else "label", tuple(receipts[i].adapter for i in conflicts))
         self.refresh()
         return [{"receipt_id": r.id, "question": r.question, "adapter": r.adapter, "version": r.version,
-                 "status": "recorded" if fresh else "duplicate",
-                 "correct": bool(row["label"] == r.predicted) if r.answered else None,
+                 "status": status, "correct": bool(row["label"] == r.predicted) if r.answered else None,
                  "covered": None if row["covered"] is None else bool(row["covered"])}
-                for r, row, fresh in zip(receipts, rows, new, strict=True)]
+                for r, row, status in zip(receipts, rows, statuses, strict=True)]
 
     # -- guarantees -------------------------------------------------------------------------------
 

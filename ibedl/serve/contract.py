@@ -27,20 +27,29 @@ def _error(description: str, headers: dict | None = None) -> dict:
 # FEEDBACK_ERRORS.
 STATUSES = {
     400: _error("`invalid_body`: the body is not UTF-8 text"),
-    401: _error("`unauthorized`: `IBEDL_API_TOKEN` is set and the bearer token is missing or wrong",
+    401: _error("`unauthorized`: `IBEDL_API_TOKEN` is set and the bearer token is missing or wrong (on the labelling "
+                "routes: neither the labelling credential nor the API token)",
                 {"WWW-Authenticate": {"description": "`Bearer`", "schema": {"type": "string"}}}),
     408: _error("`request_timeout`: the body did not arrive within the server's body-read timeout"),
     413: _error("`too_large`: over a limit: the characters of a field (the schema's maxLength), the prompt's "
                 "tokens after formatting (`IBEDL_MAX_TOKENS`), the body's bytes (`IBEDL_MAX_BODY_BYTES`), the "
                 "items of a batch (maxItems), or the prompt tokens of all a request's questions "
                 "(`IBEDL_MAX_REQUEST_TOKENS`); the message names it"),
+    403: _error("`forbidden`: a labelling route (`/v1/feedback`, `/v1/feedback/batch`) called with a credential "
+                "that may not send labels (the API token), or while no labelling credential (`IBEDL_LABEL_TOKEN`) "
+                "is configured; nothing is recorded"),
     404: _error("`feedback_disabled`: the service has no receipt key (`IBEDL_FEEDBACK_KEY`), so feedback is off"),
-    409: _error("`adapter_not_served`: the receipt is of an adapter version that is no longer served"),
+    409: _error("`adapter_not_served`: the receipt is of an adapter version that is no longer served; "
+                "`label_conflict`: the receipt was recorded before with another label (a receipt keeps its first "
+                "label; counted in `ibedl_feedback_conflicts_total`)"),
     410: _error("`receipt_expired`: the receipt is older than `IBEDL_FEEDBACK_TTL_S`"),
     415: _error("`unsupported_media_type`: the body is not `application/json`"),
     422: _error("`invalid_request`: the input breaks the schema or a rule it states (the `field` names where); "
                 "`invalid_json`: the body is not JSON; `invalid_receipt`: a receipt this service did not sign "
                 "(unknown, tampered with, another key's)"),
+    429: _error("`too_many_labels`: the labelling credential recorded `IBEDL_MAX_LABELS` labels in the last "
+                "`IBEDL_LABEL_WINDOW_S` seconds (all replicas together); retry after `Retry-After` seconds",
+                RETRY_AFTER),
     500: _error("`internal_error`: a bug; the service log has the traceback. `model_error`: the model's numbers for a "
                 "question were not finite: never an answer (the same question gives the same numbers)"),
     503: _error("`not_ready` (loading, broken or draining), `overloaded` (no answer possible before the "
@@ -53,7 +62,8 @@ STATUSES = {
 API_ERRORS = {code: STATUSES[code] for code in (401, 500, 503)}
 DRIFT_ERRORS = {code: STATUSES[code] for code in (401, 422, 500, 503)}  # 422: ?adapter= names none served
 PREDICT_ERRORS = {code: STATUSES[code] for code in (400, 401, 408, 413, 415, 422, 500, 503, 504)}
-FEEDBACK_ERRORS = {code: STATUSES[code] for code in (400, 401, 404, 408, 409, 410, 413, 415, 422, 500, 503)}
+FEEDBACK_ERRORS = {code: STATUSES[code] for code in (400, 401, 403, 404, 408, 409, 410, 413, 415, 422, 429, 500,
+                                                     503)}
 GUARANTEES_ERRORS = {code: STATUSES[code] for code in (401, 404, 422, 500, 503)}  # 422: ?adapter= names none
 
 TIMEOUT_HEADER = {

@@ -29,6 +29,8 @@ STATUS = {
     "invalid_receipt": 422,
     "receipt_expired": 410,
     "adapter_not_served": 409,
+    "label_conflict": 409,
+    "too_many_labels": 429,
 }
 
 

@@ -67,6 +67,9 @@ class Metrics:
         self.feedback_labels = Counter("ibedl_feedback_labels", "labels this replica received, by outcome: recorded "
                                        "(counted; the shared store keeps each receipt once) or duplicate",
                                        ["adapter", "status"], registry=r)
+        self.feedback_conflicts = Counter("ibedl_feedback_conflicts", "labels this replica refused because their "
+                                          "receipt was recorded before with another label (the first label stands)",
+                                          ["adapter"], registry=r)
         # The realised guarantees, read from the feedback store: with a shared store (IBEDL_FEEDBACK_DB) every
         # replica reports the same totals and bounds, so aggregate across replicas with max/min, never sum.
         g = ["adapter", "version", "guarantee", "stated"]

@@ -2,9 +2,10 @@
 is a sane token, as the gateway keeps it, else a new one) and arrival time, admission (decided once, on arrival),
 the bearer token (401 before the body is read: every route but the health probes and the docs' static assets
 takes IBEDL_API_TOKEN when one is set, so a new route is protected without being listed; /metrics takes
-IBEDL_METRICS_TOKEN), content type (415), body size (413) and body-read time (408) checks, and request
-count/latency metrics (probe and metrics paths stay out of them; label values are bounded), and the access log
-line; the request id is on every log record written while the request is served (``ibedl.serve.logs``)."""
+IBEDL_METRICS_TOKEN; the labelling routes take IBEDL_LABEL_TOKEN alone, and answer the API token 403), content
+type (415), body size (413) and body-read time (408) checks, and request count/latency metrics (probe and metrics
+paths stay out of them; label values are bounded), and the access log line; the request id is on every log record
+written while the request is served (``ibedl.serve.logs``)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from ibedl.serve.errors import error_body
 UNMEASURED = ("/health/", "/metrics")
 PUBLIC = ("/health/", "/docs/assets/")  # open whatever the tokens: probes, and the docs pages' scripts and styles
 METRICS_PATH = "/metrics"
+LABEL_PATHS = ("/v1/feedback", "/v1/feedback/batch")  # labels change what the service reports: their own credential
+LABEL_TOKEN, ANONYMOUS = "label_token", "anonymous"  # who sent a label, as the feedback store counts it
 PREDICT_PATHS = ("/predict", "/predict/batch")  # admission (503 before the body is read) applies to these
 BODY_METHODS = ("POST", "PUT", "PATCH")
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})  # others count as "other"
@@ -55,6 +58,26 @@ def required_token(settings, path: str) -> str | None:
     if path == METRICS_PATH:
         return settings.metrics_secret()
     return settings.api_token.get_secret_value() if settings.api_token else None
+
+
+def label_access(settings, authorization: str) -> tuple[str | None, tuple[int, str, str] | None]:
+    """Who may send labels (to :data:`LABEL_PATHS`): (the credential a request's labels count against, None) when
+    it may, (None, (status, type, message)) when not. The labelling credential (IBEDL_LABEL_TOKEN) may; without
+    one, anyone may on a loopback service without IBEDL_API_TOKEN (local use), nobody otherwise. A request that
+    carries no valid token gets 401; the API token (or none, on an open exposed service) gets 403."""
+    label = settings.label_token.get_secret_value() if settings.label_token else None
+    if label is not None and token_ok(label, authorization):
+        return LABEL_TOKEN, None
+    if settings.labels_open():
+        return ANONYMOUS, None
+    api = settings.api_token.get_secret_value() if settings.api_token else None
+    if not token_ok(api, authorization) or (api is None and label is not None):
+        return None, (401, "unauthorized", "a valid 'Authorization: Bearer <token>' header is required")
+    if label is None:
+        return None, (403, "forbidden", "this service accepts no labels: no labelling credential is configured. "
+                      "Set IBEDL_LABEL_TOKEN on every replica and send it as the bearer token of /v1/feedback")
+    return None, (403, "forbidden", "this token may not send labels: /v1/feedback takes the labelling credential "
+                  "(IBEDL_LABEL_TOKEN), not the API token")
 
 
 class RequestGuard:
@@ -98,7 +121,15 @@ class RequestGuard:
         if measured:
             metrics.inflight.inc()
         try:
-            if not token_ok(required_token(self.state.settings, path), headers.get("authorization", "")):
+            authorization = headers.get("authorization", "")
+            if path in LABEL_PATHS:
+                scope["state"]["credential"], refused = label_access(self.state.settings, authorization)
+                if refused is not None:  # before the body is read: nothing recorded, nothing counted
+                    status, type_, message = refused
+                    status_holder["status"] = status
+                    return await self._reply(send, status, type_, message, request_id,
+                                             [(b"www-authenticate", b"Bearer")] if status == 401 else [])
+            elif not token_ok(required_token(self.state.settings, path), authorization):
                 status_holder["status"] = 401
                 return await self._reply(send, 401, "unauthorized", "a valid 'Authorization: Bearer <token>' header "
                                          "is required", request_id, [(b"www-authenticate", b"Bearer")])

@@ -1,8 +1,9 @@
 """The HTTP routes: health, predict (one question or a batch), feedback (labels sent back with an answer's receipt)
 and the realised guarantees, model metadata, drift and Prometheus metrics.
 Each gets the app's ServiceState through ``State``; RequestGuard (ibedl/serve/middleware.py) has checked the
-bearer token (every route but the health probes; a new route too, without being listed), the content type, body
-size and admission before a route runs."""
+bearer token (every route but the health probes; a new route too, without being listed; the labelling credential
+on the feedback routes, whose name it leaves in ``request.state.credential``), the content type, body size and
+admission before a route runs."""
 
 from __future__ import annotations
 
@@ -107,10 +108,10 @@ async def drift(request: Request, state: State,
 
 @router.post("/v1/feedback", response_model=FeedbackResponse, responses=FEEDBACK_ERRORS, tags=["feedback"])
 async def feedback(body: FeedbackRequest, request: Request, state: State) -> FeedbackResponse:
-    """Record the right option of one answered question, with the receipt its answer carried. Any replica may
-    receive it; a receipt counts once."""
+    """Record the right option of one answered question, with the receipt its answer carried (the labelling
+    credential, IBEDL_LABEL_TOKEN). Any replica may receive it; a receipt keeps its first label."""
     state.require_ready(request)
-    return await state.record_feedback([body], "")
+    return await state.record_feedback([body], "", request.state.credential)
 
 
 @router.post("/v1/feedback/batch", response_model=FeedbackResponse, responses=FEEDBACK_ERRORS, tags=["feedback"])
@@ -119,7 +120,7 @@ async def feedback_batch(body: FeedbackBatchRequest, request: Request, state: St
     state.require_ready(request)
     if len(body.items) > state.settings.max_batch_items:
         raise TooLarge(f"{len(body.items)} items; the limit is {state.settings.max_batch_items}", "items")
-    return await state.record_feedback(body.items, "items.")
+    return await state.record_feedback(body.items, "items.", request.state.credential)
 
 
 @router.get("/v1/guarantees", response_model=GuaranteesResponse, responses=GUARANTEES_ERRORS, tags=["feedback"])

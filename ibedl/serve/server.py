@@ -29,7 +29,7 @@ def refusal(settings: Settings) -> str | None:
 
 
 def log_exposure(settings: Settings) -> None:
-    """One line at start saying who may call the API."""
+    """One line at start saying who may call the API, and one saying who may send labels (feedback on)."""
     where = f"{settings.host}:{settings.port}"
     if settings.api_token is not None:
         log.info("serving %s; every route but the health probes requires the bearer token (IBEDL_API_TOKEN)", where)
@@ -38,6 +38,15 @@ def log_exposure(settings: Settings) -> None:
                     "can use the API", where)
     else:
         log.info("serving %s without a token: open to clients on this machine only (loopback)", where)
+    if settings.feedback_key is None:
+        return
+    if settings.label_token is not None:
+        log.info("labels (POST /v1/feedback) require the labelling credential (IBEDL_LABEL_TOKEN), at most %d per "
+                 "%d s", settings.max_labels, settings.label_window_s)
+    elif settings.labels_open():
+        log.info("labels (POST /v1/feedback) are accepted without a token (loopback, no IBEDL_API_TOKEN)")
+    else:
+        log.warning("labels (POST /v1/feedback) are refused: set IBEDL_LABEL_TOKEN to accept them")
 
 
 def header_timeout_protocol(seconds: float) -> type[H11Protocol]:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import ipaddress
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from ibedl.engine.settings import EngineSettings
 
 
-SECRET_SETTINGS = ("api_token", "metrics_token")  # never shown: not in logs, not in error messages
+SECRET_SETTINGS = ("api_token", "metrics_token", "label_token")  # never shown: not in logs, not in error messages
 
 
 class Settings(EngineSettings):
@@ -27,6 +27,15 @@ class Settings(EngineSettings):
                                         "is dropped; empty is unset)")
     metrics_token: SecretStr | None = Field(None, description="require 'Authorization: Bearer <token>' on /metrics "
                                             "(Prometheus' credential); unset: /metrics takes IBEDL_API_TOKEN")
+    label_token: SecretStr | None = Field(None, description="the labelling credential: POST /v1/feedback and "
+                                          "/v1/feedback/batch require 'Authorization: Bearer <token>' with it, and "
+                                          "refuse IBEDL_API_TOKEN (403); it opens no other route. Unset: labels are "
+                                          "refused (403) unless the service runs without IBEDL_API_TOKEN on a "
+                                          "loopback address (local use)")
+    max_labels: int = Field(5000, ge=1, description="labels the labelling credential may record per "
+                            "IBEDL_LABEL_WINDOW_S, all replicas together (counted in the feedback store); more: 429 "
+                            "with Retry-After (duplicates do not count)")
+    label_window_s: int = Field(3600, ge=1, description="the window of IBEDL_MAX_LABELS, in seconds")
     allow_anonymous: bool = Field(False, description="serve a non-loopback IBEDL_HOST without IBEDL_API_TOKEN "
                                   "(anyone who reaches the port may use the API; logged at start)")
     max_connections: int = Field(256, ge=1, description="open connections (and requests in progress) at most; a "
@@ -80,6 +89,18 @@ class Settings(EngineSettings):
                              "other character(s)")  # never the token itself
         return v
 
+    @field_validator("label_token")
+    @classmethod
+    def _own_label_token(cls, v: SecretStr | None, info: ValidationInfo) -> SecretStr | None:
+        """The labelling credential is a credential of its own: one that is also the API's or Prometheus' token
+        would let every client (or the scraper) send labels."""
+        for name in ("api_token", "metrics_token"):  # declared before label_token: already validated
+            other = info.data.get(name)
+            if v is not None and other is not None and other.get_secret_value() == v.get_secret_value():
+                raise ValueError(f"the labelling credential must differ from IBEDL_{name.upper()}: it is given only "
+                                 "to those whose labels count")  # never the token itself
+        return v
+
     def exposed(self) -> bool:
         """Whether ``host`` is reachable from other machines (any address but a loopback one)."""
         if self.host == "localhost":
@@ -88,6 +109,11 @@ class Settings(EngineSettings):
             return not ipaddress.ip_address(self.host.strip("[]")).is_loopback
         except ValueError:
             return True  # a host name other than localhost: assume it is reachable
+
+    def labels_open(self) -> bool:
+        """Whether labels are accepted without a credential: no IBEDL_LABEL_TOKEN, no IBEDL_API_TOKEN and a loopback
+        address (local use: only this machine's clients reach the service)."""
+        return self.label_token is None and self.api_token is None and not self.exposed()
 
     def metrics_secret(self) -> str | None:
         """The token /metrics requires: IBEDL_METRICS_TOKEN, else IBEDL_API_TOKEN, else none."""

@@ -19,7 +19,7 @@ from ibedl.core.predictor import Prediction, Predictor, count_prompt_tokens
 from ibedl.core.prompt import MCQuestion
 from ibedl.engine import errors
 from ibedl.engine.drift import AccuracyEstimate, DriftMonitor
-from ibedl.engine.feedback import Feedback, served_versions
+from ibedl.engine.feedback import Feedback, LabelQuota, served_versions
 from ibedl.engine.responses import build_answer
 from ibedl.engine.runtime import (AdapterRuntime, UncalibratedBackend, find_adapter, finite_prediction, load_predictors,
                                   make_runtimes)
@@ -313,10 +313,20 @@ class ServiceState:
         runtime.drift.add([pred.uncertainty if runtime.drift.statistic == "uncertainty_mass" else pred.confidence])
         return answer
 
-    async def record_feedback(self, items: list[FeedbackRequest], prefix: str) -> FeedbackResponse:
-        """Record labels (``ibedl.engine.feedback.Feedback.record``; all or none), counted by adapter and outcome."""
-        results = await asyncio.to_thread(self.feedback.record, served_versions(self.runtimes),
-                                          [(item.receipt, item.label) for item in items], prefix)
+    async def record_feedback(self, items: list[FeedbackRequest], prefix: str, credential: str) -> FeedbackResponse:
+        """Record labels sent with ``credential`` (``ibedl.engine.feedback.Feedback.record``; all or none, within
+        its quota: IBEDL_MAX_LABELS per IBEDL_LABEL_WINDOW_S), counted by adapter and outcome; a refused label that
+        contradicts its receipt's first label is counted as a conflict."""
+        quota = LabelQuota(credential, self.settings.max_labels, self.settings.label_window_s)
+        try:
+            results = await asyncio.to_thread(self.feedback.record, served_versions(self.runtimes),
+                                              [(item.receipt, item.label) for item in items], prefix, quota)
+        except errors.LabelConflict as e:
+            for adapter in e.adapters:
+                self.metrics.feedback_conflicts.labels(adapter=adapter).inc()
+            log.warning("refused %d label(s) contradicting the first label of their receipt: %s", len(e.adapters),
+                        e.message)
+            raise
         for r in results:
             self.metrics.feedback_labels.labels(adapter=r["adapter"], status=r["status"]).inc()
         recorded = sum(r["status"] == "recorded" for r in results)

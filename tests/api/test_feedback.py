@@ -9,7 +9,7 @@ import pytest
 
 import ibedl
 from ibedl.batch import main as batch_main
-from ibedl.engine.errors import FeedbackDisabled, InvalidReceipt, InvalidRequest
+from ibedl.engine.errors import FeedbackDisabled, InvalidReceipt, InvalidRequest, LabelConflict
 
 KEY = "api-feedback-key"
 QUESTIONS = [
@@ -44,6 +44,9 @@ def test_api_records_feedback_once_and_refuses_bad_labels(tiny_artifact, tmp_pat
     assert [r.question for r in response.results] == ["a", "b"]
     again = model.record_feedback([{"receipt": answers[0].receipt, "label": "A"}])
     assert (again.recorded, again.duplicates) == (0, 1)
+    with pytest.raises(LabelConflict) as e:  # a receipt keeps its first label, as over HTTP (no credential here)
+        model.record_feedback([{"receipt": answers[1].receipt, "label": "B"}])
+    assert e.value.type == "label_conflict" and e.value.field == "items.0.label"
     assert shares(model)[0] == 2
 
     # a second Model on the same store (another process, or the service) sees the same labels

@@ -1,5 +1,7 @@
-"""Receipts (signed, checked, expiring), the feedback store (once per receipt, shared by two connections, refusing
-another version's file) and the adaptive sets' threshold (its long-run miscoverage bound on any sequence)."""
+"""Receipts (signed, checked, expiring), the feedback store (once per receipt, shared by two connections; a
+receipt keeps its first label; a credential's quota counted across connections; a store of the previous version
+gains its new column, another version's file is refused) and the adaptive sets' threshold (its long-run miscoverage
+bound on any sequence)."""
 
 from __future__ import annotations
 
@@ -10,8 +12,8 @@ import numpy as np
 import pytest
 
 from ibedl.engine.adaptive import SCORE_BOUND, QuantileTracker
-from ibedl.engine.errors import InvalidReceipt, ReceiptExpired
-from ibedl.engine.feedback import COLUMNS, FeedbackStore
+from ibedl.engine.errors import InvalidReceipt, ReceiptExpired, TooLarge, TooManyLabels
+from ibedl.engine.feedback import COLUMNS, SCHEMA, FeedbackStore, LabelQuota
 from ibedl.engine.receipts import Receipt, new_id, sign, verify
 
 KEY = b"k" * 32
@@ -54,10 +56,11 @@ class TestReceipts:
         assert len({new_id() for _ in range(1000)}) == 1000
 
 
-def row(receipt_id: str, label: int = 1) -> dict:
+def row(receipt_id: str, label: int = 1, recorded: float = 2.0, credential: str | None = None) -> dict:
     values = {c: None for c in COLUMNS}
     values.update(receipt_id=receipt_id, question="q", adapter="default", version="4", options=4, label=label,
-                  predicted=1, answered=1, probs="[0.1, 0.6, 0.25, 0.05]", issued=1.0, recorded=2.0)
+                  predicted=1, answered=1, probs="[0.1, 0.6, 0.25, 0.05]", issued=1.0, recorded=recorded,
+                  credential=credential)
     return values
 
 
@@ -65,11 +68,63 @@ class TestStore:
     def test_a_receipt_is_kept_once_across_two_connections(self, tmp_path):
         db = tmp_path / "f.sqlite"
         one, two = FeedbackStore(db), FeedbackStore(db)
-        assert one.add([row("a"), row("b"), row("a")]) == [True, True, False]
-        assert two.add([row("b"), row("c")]) == [False, True]
+        assert one.add([row("a"), row("b"), row("a")]) == ["recorded", "recorded", "duplicate"]
+        assert two.add([row("b"), row("c")]) == ["duplicate", "recorded"]
         assert [r["receipt_id"] for r in one.since(0)] == ["a", "b", "c"]
         assert [r["receipt_id"] for r in two.since(2)] == ["c"]
         assert len(one.labelled("default", "4")) == 3 and one.labelled("default", "5") == []
+
+    def test_a_receipt_keeps_its_first_label(self, tmp_path):
+        """Another label for a recorded receipt (by the other connection, or earlier in the same rows) is a
+        conflict, and a conflict writes nothing of its rows."""
+        db = tmp_path / "f.sqlite"
+        one, two = FeedbackStore(db), FeedbackStore(db)
+        assert one.add([row("a", label=1)]) == ["recorded"]
+        assert two.add([row("b"), row("a", label=2)]) == ["recorded", "conflict"]
+        assert one.add([row("c", label=0), row("c", label=3)]) == ["recorded", "conflict"]
+        assert [(r["receipt_id"], r["label"]) for r in one.since(0)] == [("a", 1)]
+        assert two.add([row("a", label=1)]) == ["duplicate"]
+
+    def test_a_quota_counts_a_credentials_labels_in_its_window_on_every_connection(self, tmp_path):
+        db = tmp_path / "f.sqlite"
+        one, two = FeedbackStore(db), FeedbackStore(db)
+        quota = LabelQuota("label_token", labels=3, window_s=100)
+        assert one.add([row("a", recorded=1000.0, credential="label_token")], quota) == ["recorded"]
+        assert one.add([row("b", recorded=1010.0, credential="label_token")], quota) == ["recorded"]
+        assert two.add([row("c", recorded=1030.0, credential="label_token")], quota) == ["recorded"]
+        assert one.add([row("x", recorded=1030.0)]) == ["recorded"]  # no quota: the Python API's labels
+        with pytest.raises(TooManyLabels) as e:  # 3 in the window: the fourth waits until a drops out
+            two.add([row("d", recorded=1050.0, credential="label_token")], quota)
+        assert e.value.retry_after == 50 and "recorded 3 labels in the last 100 s" in e.value.message
+        with pytest.raises(TooManyLabels) as e:  # two more: until b drops out too
+            two.add([row("d", recorded=1050.0, credential="label_token"),
+                     row("e", recorded=1050.0, credential="label_token")], quota)
+        assert e.value.retry_after == 60
+        assert two.add([row("a", recorded=1050.0, credential="label_token")], quota) == ["duplicate"]  # not new
+        assert two.add([row("d", recorded=1100.0, credential="label_token")], quota) == ["recorded"]  # a is out
+        other = LabelQuota("anonymous", labels=3, window_s=100)  # another credential has its own count
+        assert one.add([row("f", recorded=1100.0, credential="anonymous")], other) == ["recorded"]
+        with pytest.raises(TooLarge, match="4 new labels in one request"):
+            one.add([row(f"g{i}", recorded=1100.0, credential="anonymous") for i in range(4)], other)
+        assert [r["receipt_id"] for r in one.since(0)] == ["a", "b", "c", "x", "d", "f"]
+
+    def test_a_quota_is_checked(self):
+        with pytest.raises(ValueError, match="labels must be >= 1, got 0"):
+            LabelQuota("label_token", 0, 60)
+        with pytest.raises(ValueError, match="window_s must be > 0, got 0"):
+            LabelQuota("label_token", 10, 0)
+
+    def test_a_store_of_the_previous_version_gains_the_credential_column(self, tmp_path):
+        db = tmp_path / "old.sqlite"
+        with sqlite3.connect(db) as conn:  # the table before labels were counted per credential
+            conn.execute(SCHEMA.replace(",\n    credential TEXT", ""))
+            values = row("old")
+            del values["credential"]
+            conn.execute(f"INSERT INTO feedback ({', '.join(values)}) VALUES ({', '.join('?' * len(values))})",
+                         list(values.values()))
+        one, two = FeedbackStore(db), FeedbackStore(db)  # the second finds the column added
+        assert [(r["receipt_id"], r["credential"]) for r in two.since(0)] == [("old", None)]
+        assert one.add([row("new", credential="label_token")]) == ["recorded"]
 
     def test_a_failed_transaction_records_nothing(self, tmp_path):
         store = FeedbackStore(tmp_path / "f.sqlite")

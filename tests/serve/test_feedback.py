@@ -1,5 +1,7 @@
 """POST /v1/feedback and GET /v1/guarantees on the tiny trained artifact: receipts in answers, labels counted once,
-bad inputs refused with a 4xx and nothing counted, two apps sharing one store (two replicas), the metrics."""
+bad inputs refused with a 4xx and nothing counted, two apps sharing one store (two replicas), the metrics; labels
+only with the labelling credential (the API token gets 403), a receipt's first label standing (another is refused
+and counted), the credential's quota."""
 
 from __future__ import annotations
 
@@ -11,18 +13,20 @@ import pytest
 from tests.serve.conftest import wait_ready
 
 KEY = "test-feedback-key"
+API, LABEL = "test-api-token", "test-label-token"
+AS_CLIENT, AS_LABELLER = {"Authorization": f"Bearer {API}"}, {"Authorization": f"Bearer {LABEL}"}
 Q = {"question": "Which gas do plants take in?", "options": ["oxygen", "carbon dioxide", "nitrogen"]}
 
 
-def ask(client, **extra) -> dict:
-    r = client.post("/predict", json={**Q, **extra})
+def ask(client, headers=None, **extra) -> dict:
+    r = client.post("/predict", json={**Q, **extra}, headers=headers)
     assert r.status_code == 200, r.text
     return r.json()
 
 
-def counts(client) -> dict:
+def counts(client, headers=None) -> dict:
     """Realised guarantees by name (the one adapter version), labels and hits."""
-    r = client.get("/v1/guarantees")
+    r = client.get("/v1/guarantees", headers=headers)
     assert r.status_code == 200, r.text
     return {(g["guarantee"], g["stated"]): (g["labels"], g["hits"]) for g in r.json()["guarantees"]}
 
@@ -35,6 +39,28 @@ def wrong_letter(answer: dict) -> str:
 def feedback_client(make_client, tmp_path):
     with make_client(feedback_key=KEY, feedback_db=tmp_path / "feedback.sqlite") as c:
         yield c
+
+
+def metric(text: str, sample: str) -> float | None:
+    """The value of one sample (name and labels, as exposed) in a Prometheus text, None when absent."""
+    for line in text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.split()[-1])
+    return None
+
+
+def with_version(artifact, tmp_path, name: str):
+    """A copy of ``artifact`` as the next version of its adapter (what a new deployment serves)."""
+    import shutil
+
+    from ibedl.core.artifact import read_manifest, write_manifest
+
+    newer = tmp_path / name
+    shutil.copytree(artifact, newer)
+    manifest = read_manifest(newer)
+    manifest.version = str(int(manifest.version) + 1) if str(manifest.version).isdigit() else "2"
+    write_manifest(newer, manifest)
+    return newer, manifest.version
 
 
 @pytest.fixture
@@ -177,18 +203,10 @@ class TestRefusals:
             assert client.post("/v1/feedback", json={"receipt": token, "label": "A"}).status_code == 200
 
     def test_adapter_version_no_longer_served(self, make_client, tiny_artifact, tmp_path):
-        import shutil
-
-        from ibedl.core.artifact import read_manifest, write_manifest
-
         db = tmp_path / "f.sqlite"
         with make_client(feedback_key=KEY, feedback_db=db) as old:
             token = ask(old)["receipt"]
-        newer = tmp_path / "newer"
-        shutil.copytree(tiny_artifact, newer)
-        manifest = read_manifest(newer)
-        manifest.version = str(int(manifest.version) + 1) if str(manifest.version).isdigit() else "2"
-        write_manifest(newer, manifest)
+        newer, _ = with_version(tiny_artifact, tmp_path, "newer")
         with make_client(feedback_key=KEY, feedback_db=db, artifact=newer) as new:
             self.refused(new, {"receipt": token, "label": "A"}, 409, "adapter_not_served")
 
@@ -196,6 +214,106 @@ class TestRefusals:
         with make_client(feedback_key=KEY, api_token="secret") as client:
             assert client.post("/v1/feedback", json={"receipt": "x", "label": "A"}).status_code == 401
             assert client.get("/v1/guarantees").status_code == 401
+
+
+class TestLabellingCredential:
+    """Labels take IBEDL_LABEL_TOKEN: the API token (what every client holds) gets 403 and changes nothing."""
+
+    @pytest.fixture
+    def guarded(self, make_client, tmp_path):
+        with make_client(feedback_key=KEY, feedback_db=tmp_path / "f.sqlite", api_token=API, label_token=LABEL) as c:
+            yield c
+
+    def test_the_api_token_alone_gets_403_and_changes_nothing(self, guarded):
+        answer = ask(guarded, AS_CLIENT)
+        label = {"receipt": answer["receipt"], "label": answer["prediction"]["letter"]}
+        for path, body in (("/v1/feedback", label), ("/v1/feedback/batch", {"items": [label]})):
+            r = guarded.post(path, json=body, headers=AS_CLIENT)
+            assert r.status_code == 403, r.text
+            error = r.json()["error"]
+            assert error["type"] == "forbidden" and "IBEDL_LABEL_TOKEN" in error["message"]
+            assert API not in r.text and LABEL not in r.text
+        # no label stored, no metric moved
+        assert counts(guarded, AS_CLIENT) == {} and guarded.app.state.service.feedback.store.since(0) == []
+        metrics = guarded.get("/metrics", headers=AS_CLIENT).text
+        assert "ibedl_feedback_labels_total{" not in metrics and "ibedl_guarantee_labels{" not in metrics
+        # the labelling credential records it, and opens nothing else
+        r = guarded.post("/v1/feedback", json=label, headers=AS_LABELLER)
+        assert r.status_code == 200 and r.json()["recorded"] == 1, r.text
+        assert counts(guarded, AS_CLIENT)[("answered_share", None)][0] == 1
+        assert guarded.post("/predict", json=Q, headers=AS_LABELLER).status_code == 401
+        assert guarded.get("/v1/guarantees", headers=AS_LABELLER).status_code == 401
+
+    def test_without_a_labelling_credential_labels_are_refused(self, make_client, tmp_path):
+        with make_client(feedback_key=KEY, feedback_db=tmp_path / "f.sqlite", api_token=API) as client:
+            answer = ask(client, AS_CLIENT)
+            r = client.post("/v1/feedback", json={"receipt": answer["receipt"], "label": "A"}, headers=AS_CLIENT)
+            assert r.status_code == 403
+            assert "no labelling credential is configured. Set IBEDL_LABEL_TOKEN" in r.json()["error"]["message"]
+            assert counts(client, AS_CLIENT) == {}
+
+
+class TestConflicts:
+    def test_a_different_label_is_refused_and_counted(self, feedback_client):
+        """The first label stands: the same again is a duplicate (200), another one 409 label_conflict, counted in
+        ibedl_feedback_conflicts_total; a batch holding one records none of its items."""
+        answer, other = ask(feedback_client), ask(feedback_client)
+        first = answer["prediction"]["letter"]
+        assert feedback_client.post("/v1/feedback", json={"receipt": answer["receipt"], "label": first}).json()[
+            "recorded"] == 1
+        before = counts(feedback_client)
+        r = feedback_client.post("/v1/feedback", json={"receipt": answer["receipt"], "label": first})
+        assert r.status_code == 200 and r.json()["duplicates"] == 1
+        r = feedback_client.post("/v1/feedback", json={"receipt": answer["receipt"], "label": wrong_letter(answer)})
+        assert r.status_code == 409, r.text
+        error = r.json()["error"]
+        assert error["type"] == "label_conflict" and error["field"] == "label"
+        assert "already has another label" in error["message"] and "first label" in error["message"]
+        r = feedback_client.post("/v1/feedback/batch", json={"items": [
+            {"receipt": other["receipt"], "label": "A"},
+            {"receipt": answer["receipt"], "label": wrong_letter(answer)}]})
+        assert r.status_code == 409 and r.json()["error"]["field"] == "items.1.label"
+        assert "1 of the 2 items conflict; nothing was recorded" in r.json()["error"]["message"]
+        assert counts(feedback_client) == before  # `other` was not recorded either
+        metrics = feedback_client.get("/metrics").text
+        assert metric(metrics, 'ibedl_feedback_conflicts_total{adapter="tiny"}') == 2.0
+        assert metric(metrics, 'ibedl_feedback_labels_total{adapter="tiny",status="recorded"}') == 1.0
+        # the first label still counts, and `other` can still be labelled
+        assert feedback_client.post("/v1/feedback", json={"receipt": other["receipt"], "label": "A"}).json()[
+            "recorded"] == 1
+
+    def test_one_receipt_labelled_twice_in_one_batch(self, feedback_client):
+        answer = ask(feedback_client)
+        r = feedback_client.post("/v1/feedback/batch", json={"items": [
+            {"receipt": answer["receipt"], "label": "A"}, {"receipt": answer["receipt"], "label": "B"}]})
+        assert r.status_code == 409 and r.json()["error"]["field"] == "items.1.label"
+        assert counts(feedback_client) == {}
+
+
+class TestQuota:
+    def test_a_credential_over_its_quota_gets_429_on_every_replica(self, make_client, tmp_path):
+        db = tmp_path / "shared.sqlite"
+        guard = {"feedback_key": KEY, "feedback_db": db, "label_token": LABEL, "max_labels": 2, "label_window_s": 600}
+        with make_client(**guard) as one, make_client(**guard) as two:
+            answers = [ask(one) for _ in range(3)]
+            labels = [{"receipt": a["receipt"], "label": "A"} for a in answers]
+            assert one.post("/v1/feedback", json=labels[0], headers=AS_LABELLER).status_code == 200
+            assert two.post("/v1/feedback", json=labels[1], headers=AS_LABELLER).status_code == 200
+            before = counts(one)
+            for replica in (one, two):
+                r = replica.post("/v1/feedback", json=labels[2], headers=AS_LABELLER)
+                assert r.status_code == 429, r.text
+                assert r.json()["error"]["type"] == "too_many_labels"
+                assert "recorded 2 labels in the last 600 s" in r.json()["error"]["message"]
+                assert 1 <= int(r.headers["retry-after"]) <= 600
+            assert counts(one) == before
+            # a duplicate is not a new label: still answered
+            r = two.post("/v1/feedback", json=labels[0], headers=AS_LABELLER)
+            assert r.status_code == 200 and r.json()["duplicates"] == 1
+            # the window passes (the clock moves on): the label is recorded
+            later = one.app.state.service.feedback.clock() + 601
+            one.app.state.service.feedback.clock = lambda: later
+            assert one.post("/v1/feedback", json=labels[2], headers=AS_LABELLER).status_code == 200
 
 
 def test_two_replicas_sharing_a_store_count_a_label_once(make_client, tmp_path):
@@ -209,6 +327,8 @@ def test_two_replicas_sharing_a_store_count_a_label_once(make_client, tmp_path):
         for replica in (one, two):
             r = replica.post("/v1/feedback", json={"receipt": answer["receipt"], "label": "A"})
             assert r.status_code == 200 and r.json()["duplicates"] == 1
+        r = one.post("/v1/feedback", json={"receipt": answer["receipt"], "label": "B"})  # the store knows "A"
+        assert r.status_code == 409 and r.json()["error"]["type"] == "label_conflict"
         assert counts(one) == counts(two) and counts(one)[("answered_share", None)][0] == 1
         metrics = two.get("/metrics").text
         assert 'ibedl_guarantee_labels{adapter="tiny",guarantee="answered_share",stated="",version=' in metrics

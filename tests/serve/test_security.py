@@ -1,6 +1,6 @@
 """Who may call what: the bearer tokens on every route but the health probes (found from the app's own routes, so a
-new route is checked without being listed here), the metrics token, token hygiene, request ids, bounded names,
-and the request checks running off the event loop."""
+new route is checked without being listed here), the metrics token, the labelling credential (the feedback routes'
+alone), token hygiene, request ids, bounded names, and the request checks running off the event loop."""
 
 import threading
 
@@ -13,8 +13,9 @@ from ibedl.serve.middleware import REQUEST_ID
 from ibedl.serve.settings import Settings
 
 Q = {"question": "Which is sun?", "options": ["sun", "moon", "tree", "fish"]}
-API, METRICS = "s3cret-api", "s3cret-metrics"
+API, METRICS, LABEL = "s3cret-api", "s3cret-metrics", "s3cret-label"
 PROBES = {"/health/live", "/health/ready"}
+LABELLING = ("/v1/feedback", "/v1/feedback/batch")
 # the feedback routes answer 404 feedback_disabled without a receipt key, and 422 to a question's body: their own
 # answer (not 401) is what shows the token let the request through
 NEEDS_A_RECEIPT = ("/v1/feedback", "/v1/guarantees")
@@ -48,15 +49,20 @@ def call(client, method: str, path: str, token: str | None = None):
 
 class TestTokens:
     def test_every_route_but_the_probes_and_static_assets_requires_the_token(self, make_client):
-        with make_client(api_token=API, metrics_token=METRICS) as c:
+        """Each route takes its own token alone: the API token, the metrics token on /metrics, the labelling
+        credential on the feedback routes (where the API token, known but not allowed, gets 403)."""
+        with make_client(api_token=API, metrics_token=METRICS, label_token=LABEL) as c:
             checked = set()
             for method, path in routes(c.app):
                 open_ = path in PROBES or path.startswith("/docs/assets/")
-                token = METRICS if path == "/metrics" else API
-                for given in (None, "wrong", API if token == METRICS else METRICS):
+                token = METRICS if path == "/metrics" else LABEL if path in LABELLING else API
+                for given in (None, "wrong", *(t for t in (API, METRICS, LABEL) if t != token)):
                     r = call(c, method, path, given)
                     if open_:
                         assert r.status_code == 200, (method, path, r.status_code)
+                        continue
+                    if path in LABELLING and given == API:
+                        assert r.status_code == 403 and r.json()["error"]["type"] == "forbidden", (path, r.text)
                         continue
                     assert r.status_code == 401, (method, path, given, r.status_code, r.text)
                     assert r.headers["www-authenticate"] == "Bearer"
@@ -78,6 +84,24 @@ class TestTokens:
             assert c.get("/metrics").status_code == 401
             r = c.get("/metrics", headers={"Authorization": f"Bearer {API}"})
             assert r.status_code == 200 and "ibedl_ready 1.0" in r.text
+
+    @pytest.mark.parametrize("settings, given, status", [
+        ({"api_token": API}, API, 403),  # no labelling credential configured: nobody may label
+        ({"api_token": API}, None, 401),
+        ({"host": "0.0.0.0", "allow_anonymous": True}, None, 403),  # open on purpose, but not to labels
+        ({"label_token": LABEL}, None, 401),  # a loopback service without an API token: labels still need theirs
+        ({"label_token": LABEL}, LABEL, 404),  # through (no receipt key here: feedback_disabled)
+        ({}, None, 404),  # loopback, no token at all: local use, labels open too
+    ])
+    def test_who_may_send_labels(self, make_client, settings, given, status):
+        with make_client(**settings) as c:
+            r = c.post("/v1/feedback", json={"receipt": "v1.x.y", "label": "A"},
+                       headers={"Authorization": f"Bearer {given}"} if given else {})
+            assert r.status_code == status, r.text
+            if status == 403:
+                assert r.json()["error"]["type"] == "forbidden" and "IBEDL_LABEL_TOKEN" in r.json()["error"]["message"]
+            if status != 401:  # the API routes are as open as before
+                assert call(c, "GET", "/v1/models", given if given != LABEL else None).status_code == 200
 
     def test_without_tokens_everything_is_open(self, client):
         for method, path in routes(client.app):
@@ -111,6 +135,19 @@ class TestTokens:
         assert main(["--port", "0"]) == 2  # what the operator sees: the rule, never the token
         err = capsys.readouterr().err
         assert "IBEDL_API_TOKEN: Value error, a token holds only visible ASCII" in err and bad not in err
+
+    def test_the_labelling_credential_is_a_secret_of_its_own(self, monkeypatch, capsys):
+        settings = Settings(label_token=f" {LABEL}\n")  # a Secret file's newline dropped
+        assert settings.label_token.get_secret_value() == LABEL and LABEL not in repr(settings)
+        for other in ("api_token", "metrics_token"):
+            with pytest.raises(ValidationError, match=f"must differ from IBEDL_{other.upper()}"):
+                Settings(label_token=LABEL, **{other: LABEL})
+        monkeypatch.setenv("IBEDL_API_TOKEN", LABEL)
+        monkeypatch.setenv("IBEDL_LABEL_TOKEN", LABEL)
+        assert main(["--port", "0"]) == 2
+        err = capsys.readouterr().err
+        assert "IBEDL_LABEL_TOKEN: Value error, the labelling credential must differ from IBEDL_API_TOKEN" in err
+        assert LABEL not in err
 
     def test_other_bad_settings_show_the_value_given(self, monkeypatch, capsys):
         monkeypatch.setenv("IBEDL_PORT", "70000")
