@@ -23,8 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from pydantic import Field
+
 from ibedl.core.conformal import prediction_set
 from ibedl.core.prompt import LETTERS
+from ibedl.engine import schemas
 from ibedl.engine.adaptive import QuantileTracker
 from ibedl.engine.confidence_sequence import BettingCS
 from ibedl.engine.errors import (AdapterNotServed, FeedbackDisabled, InvalidRequest, LabelConflict, TooLarge,
@@ -80,6 +83,17 @@ class LabelQuota:
             raise ValueError(f"labels must be >= 1, got {self.labels}")
         if self.window_s <= 0:
             raise ValueError(f"window_s must be > 0, got {self.window_s}")
+
+
+class Guarantee(schemas.Guarantee):
+    """One realised guarantee as ``GET /v1/guarantees`` reports it."""
+
+    retired: bool = Field(..., description="this version is no longer served (a newer one replaced it): its labels "
+                          "stay readable here, but it exports no ibedl_guarantee_* gauges and never alerts")
+
+
+class GuaranteesResponse(schemas.GuaranteesResponse):
+    guarantees: list[Guarantee]
 
 
 def served_versions(runtimes: dict[str, AdapterRuntime]) -> dict[str, str]:
@@ -382,7 +396,8 @@ class Feedback:
 
     def guarantees(self, served: dict[str, str], adapter: str | None = None) -> list[dict]:
         """Every realised guarantee in the store (of ``adapter`` only, when given): ``adapter``, ``version``,
-        ``served``, ``guarantee``, ``stated``, ``labels``, ``hits``, ``estimate``, ``lower``, ``upper``,
+        ``served``, ``retired`` (not served: labelled before a newer version replaced it; kept for the record, never
+        alerted on), ``guarantee``, ``stated``, ``labels``, ``hits``, ``estimate``, ``lower``, ``upper``,
         ``violated`` (the upper bound is below the stated level). FeedbackDisabled when feedback is off."""
         if self.store is None:
             raise FeedbackDisabled("feedback is off: no receipt key is configured (IBEDL_FEEDBACK_KEY), so no labels "
@@ -395,8 +410,9 @@ class Feedback:
                     continue
                 lower, upper = t.cs.bounds()
                 labels = int(t.cs.n)
+                now_served = served.get(t.adapter) == t.version
                 out.append({
-                    "adapter": t.adapter, "version": t.version, "served": served.get(t.adapter) == t.version,
+                    "adapter": t.adapter, "version": t.version, "served": now_served, "retired": not now_served,
                     "guarantee": t.guarantee, "stated": t.stated, "labels": labels, "hits": int(round(t.cs.total)),
                     "estimate": float(t.cs.mean()) if labels else None, "lower": round(float(lower), 6),
                     "upper": round(float(upper), 6),

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 PROBABILITY_BUCKETS = tuple(round(x, 2) for x in [i / 20 for i in range(1, 21)])
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+GUARANTEE_LABELS = ("adapter", "version", "guarantee", "stated")
 
 
 class Metrics:
@@ -70,9 +71,10 @@ class Metrics:
         self.feedback_conflicts = Counter("ibedl_feedback_conflicts", "labels this replica refused because their "
                                           "receipt was recorded before with another label (the first label stands)",
                                           ["adapter"], registry=r)
-        # The realised guarantees, read from the feedback store: with a shared store (IBEDL_FEEDBACK_DB) every
-        # replica reports the same totals and bounds, so aggregate across replicas with max/min, never sum.
-        g = ["adapter", "version", "guarantee", "stated"]
+        # The realised guarantees of the served adapter versions, read from the feedback store: with a shared store
+        # (IBEDL_FEEDBACK_DB) every replica reports the same totals and bounds, so aggregate across replicas with
+        # max/min, never sum. A retired version (labelled, no longer served) has none: only what is served alarms.
+        g = GUARANTEE_LABELS
         self.guarantee_labels = Gauge("ibedl_guarantee_labels", "labelled questions a realised guarantee counts "
                                       "(feedback store)", g, registry=r)
         self.guarantee_hits = Gauge("ibedl_guarantee_hits", "of them: right answers, covering sets or answered "
@@ -111,10 +113,17 @@ class Metrics:
             status["target_accuracy"] if status["target_accuracy"] is not None else nan)
 
     def set_guarantees(self, guarantees: list[dict]) -> None:
-        """The gauges of every realised guarantee (``ibedl.engine.feedback.Feedback.guarantees``)."""
+        """The gauges of every realised guarantee of a served version (``ibedl.engine.feedback.Feedback.guarantees``);
+        a retired version's series are removed (its guarantees stay on GET /v1/guarantees)."""
+        gauges = (self.guarantee_labels, self.guarantee_hits, self.guarantee_lower, self.guarantee_upper,
+                  self.guarantee_stated)
         for g in guarantees:
             labels = {"adapter": g["adapter"], "version": g["version"], "guarantee": g["guarantee"],
                       "stated": "" if g["stated"] is None else f"{g['stated']:g}"}
+            if g["retired"]:
+                for gauge in gauges:
+                    gauge.remove(*(labels[name] for name in GUARANTEE_LABELS))
+                continue
             self.guarantee_labels.labels(**labels).set(g["labels"])
             self.guarantee_hits.labels(**labels).set(g["hits"])
             self.guarantee_lower.labels(**labels).set(g["lower"])

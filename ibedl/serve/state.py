@@ -19,7 +19,7 @@ from ibedl.core.predictor import Prediction, Predictor, count_prompt_tokens
 from ibedl.core.prompt import MCQuestion
 from ibedl.engine import errors
 from ibedl.engine.drift import AccuracyEstimate, DriftMonitor
-from ibedl.engine.feedback import Feedback, LabelQuota, served_versions
+from ibedl.engine.feedback import Feedback, GuaranteesResponse, LabelQuota, served_versions
 from ibedl.engine.responses import build_answer
 from ibedl.engine.runtime import (AdapterRuntime, UncalibratedBackend, find_adapter, finite_prediction, load_predictors,
                                   make_runtimes)
@@ -27,7 +27,6 @@ from ibedl.engine.schemas import (
     DriftStatus,
     FeedbackRequest,
     FeedbackResponse,
-    GuaranteesResponse,
     Health,
     PredictRequest,
     PredictResponse,
@@ -333,7 +332,8 @@ class ServiceState:
         return FeedbackResponse(recorded=recorded, duplicates=len(results) - recorded, results=results)
 
     async def guarantees(self, adapter: str | None = None) -> GuaranteesResponse:
-        """The realised guarantees from the feedback store, also set on their gauges; 404 when feedback is off."""
+        """The realised guarantees from the feedback store, also set on their gauges (the served versions' only);
+        404 when feedback is off."""
         found = await asyncio.to_thread(self.feedback.guarantees, served_versions(self.runtimes), adapter)
         self.metrics.set_guarantees(found)
         return GuaranteesResponse(alpha=self.feedback.alpha, shared_store=self.feedback.shared, guarantees=found)

@@ -48,6 +48,7 @@ def test_api_records_feedback_once_and_refuses_bad_labels(tiny_artifact, tmp_pat
         model.record_feedback([{"receipt": answers[1].receipt, "label": "B"}])
     assert e.value.type == "label_conflict" and e.value.field == "items.0.label"
     assert shares(model)[0] == 2
+    assert not any(g.retired for g in model.guarantees().guarantees)
 
     # a second Model on the same store (another process, or the service) sees the same labels
     other = ibedl.load(tiny_artifact, max_tokens=96, feedback_key=KEY, feedback_db=tmp_path / "f.sqlite")

@@ -1,7 +1,7 @@
 """POST /v1/feedback and GET /v1/guarantees on the tiny trained artifact: receipts in answers, labels counted once,
 bad inputs refused with a 4xx and nothing counted, two apps sharing one store (two replicas), the metrics; labels
 only with the labelling credential (the API token gets 403), a receipt's first label standing (another is refused
-and counted), the credential's quota."""
+and counted), the credential's quota; a retired version readable but gone from what the alert reads."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import base64
 import json
 
 import pytest
+from prometheus_client import generate_latest
 
 from tests.serve.conftest import wait_ready
 
@@ -145,6 +146,7 @@ class TestRecording:
         (acc,) = [g for g in body["guarantees"] if g["guarantee"] == "answered_accuracy"]
         assert acc["labels"] == 2 and acc["hits"] == 1 and acc["estimate"] == 0.5 and acc["stated"] == 0.9
         assert 0.0 <= acc["lower"] <= 0.5 <= acc["upper"] <= 1.0 and not acc["violated"]
+        assert acc["served"] and not acc["retired"]
         assert body["alpha"] == 0.05 and body["shared_store"] is True
 
     def test_wrong_answers_show_the_accuracy_guarantee_violated(self, make_client, answering_artifact, tmp_path):
@@ -314,6 +316,56 @@ class TestQuota:
             later = one.app.state.service.feedback.clock() + 601
             one.app.state.service.feedback.clock = lambda: later
             assert one.post("/v1/feedback", json=labels[2], headers=AS_LABELLER).status_code == 200
+
+
+class TestRetiredVersions:
+    def test_serving_a_new_version_clears_what_the_alert_reads(self, make_client, answering_artifact, tmp_path):
+        """Labels show version V's accuracy guarantee broken; once V+1 is served (a new deployment on the same
+        store), V stays on GET /v1/guarantees as retired (and violated), but none of its ibedl_guarantee_* series
+        is exported: IbedlGuaranteeViolated reads those, so only what is served can alarm."""
+        db = tmp_path / "f.sqlite"
+        with make_client(artifact=answering_artifact, feedback_key=KEY, feedback_db=db) as old:
+            answers = old.post("/predict/batch", json={"items": [Q] * 30}).json()["results"]
+            r = old.post("/v1/feedback/batch", json={"items": [
+                {"receipt": a["receipt"], "label": wrong_letter(a)} for a in answers]})
+            assert r.status_code == 200
+            version = answers[0]["adapter"]["version"]
+            (acc,) = [g for g in old.get("/v1/guarantees").json()["guarantees"]
+                      if g["guarantee"] == "answered_accuracy"]
+            assert acc["violated"] and acc["served"] and not acc["retired"]
+            upper = (f'ibedl_guarantee_upper{{adapter="tiny",guarantee="answered_accuracy",stated="0.9",'
+                     f'version="{version}"}}')
+            assert metric(old.get("/metrics").text, upper) < 0.9  # what the alert reads
+        newer, new_version = with_version(answering_artifact, tmp_path, "newer")
+        with make_client(artifact=newer, feedback_key=KEY, feedback_db=db) as new:
+            body = new.get("/v1/guarantees").json()
+            retired = [g for g in body["guarantees"] if g["version"] == version]
+            assert retired and all(g["retired"] and not g["served"] for g in retired)
+            (acc,) = [g for g in retired if g["guarantee"] == "answered_accuracy"]
+            assert acc["violated"] and acc["labels"] == 30  # still readable, as it was
+            metrics = new.get("/metrics").text
+            assert "ibedl_guarantee_" not in "".join(line for line in metrics.splitlines()
+                                                     if not line.startswith("#"))
+            # the new version's own labels are exported as they come
+            answer = ask(new)
+            assert new.post("/v1/feedback", json={"receipt": answer["receipt"], "label": "A"}).status_code == 200
+            metrics = new.get("/metrics").text
+            assert f'version="{new_version}"' in metrics and metric(metrics, upper) is None
+            assert [g["retired"] for g in new.get("/v1/guarantees").json()["guarantees"]
+                    if g["version"] == new_version] == [False] * 3
+
+    def test_the_gauges_of_a_version_that_retires_are_removed(self):
+        from ibedl.serve.metrics import Metrics
+
+        metrics = Metrics()
+        g = {"adapter": "default", "version": "4", "guarantee": "answered_accuracy", "stated": 0.9, "labels": 40,
+             "hits": 20, "lower": 0.3, "upper": 0.7, "retired": False}
+        metrics.set_guarantees([g])
+        sample = 'ibedl_guarantee_upper{adapter="default",guarantee="answered_accuracy",stated="0.9",version="4"}'
+        text = lambda: generate_latest(metrics.registry).decode()  # noqa: E731
+        assert metric(text(), sample) == 0.7
+        metrics.set_guarantees([{**g, "retired": True}])
+        assert "ibedl_guarantee_" not in "".join(line for line in text().splitlines() if not line.startswith("#"))
 
 
 def test_two_replicas_sharing_a_store_count_a_label_once(make_client, tmp_path):
