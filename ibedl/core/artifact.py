@@ -104,12 +104,16 @@ class Conformal:
         quantiles: score -> alpha (as a string, e.g. "0.1") -> quantile, or null where the calibration
             sample was too small for that alpha.
         n: calibration questions the quantiles rest on.
+        delta: training-conditional (PAC) quantiles: with probability >= 1 - delta over the calibration draw, the
+            served sets' coverage is >= 1 - alpha; null: marginal quantiles (coverage >= 1 - alpha on average over
+            calibration draws; calibrations made before delta was recorded).
     """
 
     alpha: float
     score: ConformalScore
     quantiles: dict[str, dict[str, float | None]]
     n: int
+    delta: float | None = None
 
     def __post_init__(self) -> None:
         if self.score not in self.quantiles:
@@ -118,6 +122,8 @@ class Conformal:
             raise ValueError(f"conformal alpha {self.alpha} has no stored quantile for {self.score!r}")
         if self.n < 1:
             raise ValueError(f"conformal n must be >= 1, got {self.n}")
+        if self.delta is not None and (isinstance(self.delta, bool) or not 0.0 < self.delta < 1.0):
+            raise ValueError(f"conformal delta must be in (0, 1) or null (marginal), got {self.delta!r}")
 
     def quantile(self, alpha: float | None = None, score: str | None = None) -> float:
         """The stored quantile of (alpha, score), defaults where None; KeyError names what is stored."""

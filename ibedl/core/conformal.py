@@ -1,4 +1,4 @@
-"""Split-conformal prediction sets over a question's options, with marginal coverage 1 - alpha.
+"""Split-conformal prediction sets over a question's options: coverage 1 - alpha, marginal or training-conditional.
 
 Two non-conformity scores of a question's predictive probabilities p (C,) and an option y:
 
@@ -8,11 +8,22 @@ Two non-conformity scores of a question's predictive probabilities p (C,) and an
   U ~ Uniform(0, 1); its mean U = 1/2 keeps answers deterministic, and the guarantee holds for any fixed score.
   (The variant that adds all of p_y over-covers: 0.946 for a nominal 0.90 on the SciQ validation calibration part.)
 
-Calibration takes the scores of the true answers of n labelled questions and keeps their
-ceil((n + 1)(1 - alpha)) / n empirical quantile q; the set of a new question is every option whose score is
-at most q. If the calibration and served questions are exchangeable, the set holds the right answer with
-probability at least 1 - alpha (Vovk et al. 2005; Angelopoulos & Bates 2021). Sets never come out empty:
-an empty LAC set takes the top option, which can only raise coverage.
+Calibration takes the scores of the true answers of n labelled questions and keeps their k-th smallest q; the set
+of a new question is every option whose score is at most q. Sets never come out empty: an empty LAC set takes the
+top option, which can only raise coverage. Two ways to choose k:
+
+- *marginal* (``delta`` None): k = ceil((n + 1)(1 - alpha)). If the calibration and served questions are
+  exchangeable, the set holds the right answer with probability at least 1 - alpha, an average over the draw of the
+  calibration sample too (Vovk et al. 2005; Angelopoulos & Bates 2021). The coverage of the one set rule a service
+  serves is Beta(k, n + 1 - k) distributed around that: with n = 700 and alpha = 0.1 it is below 0.9 in about half
+  of all calibrations, and labelled feedback will find that out.
+- *training-conditional* (PAC, ``delta`` given): k is the smallest rank with P(Binomial(n, 1 - alpha) >= k) <= delta.
+  The served rule's own coverage F(q) is at least the coverage of the k-th smallest of n uniforms, and
+  P(U_(k) < 1 - alpha) = P(Binomial(n, 1 - alpha) >= k), so with probability at least 1 - delta over the
+  calibration draw, the rule that is served covers at least 1 - alpha of exchangeable questions (Vovk 2012,
+  "Conditional validity of inductive conformal predictors"; Bates et al. 2021, "Distribution-free,
+  risk-controlling prediction sets"). The price is a slightly larger rank: 644 instead of 631 of 700 at
+  alpha 0.1 and delta 0.05.
 
 Scores are computed per question, so questions with 2..26 options mix freely in one calibration.
 """
@@ -76,14 +87,40 @@ def label_scores(probs: Sequence[Sequence[float]], labels: Sequence[int], score:
     return out
 
 
-def conformal_quantile(scores: Sequence[float], alpha: float) -> float:
-    """The ceil((n + 1)(1 - alpha))-th smallest of n calibration scores; +inf when n is too small for alpha
-    (every option then belongs to the set, which is the only way to keep the guarantee)."""
-    alpha = _check_alpha(alpha)
+def _check_delta(delta: float | None) -> float | None:
+    if delta is not None and (isinstance(delta, bool) or not 0.0 < float(delta) < 1.0):
+        raise ValueError(f"delta must be in (0, 1) or None (marginal coverage), got {delta!r}")
+    return None if delta is None else float(delta)
+
+
+def conformal_rank(n: int, alpha: float, delta: float | None = None) -> int:
+    """Which of n sorted calibration scores is the quantile (1-based; n + 1 when n is too small): marginal
+    ceil((n + 1)(1 - alpha)) without ``delta``, else the smallest k with P(Binomial(n, 1 - alpha) >= k) <= delta."""
+    alpha, delta = _check_alpha(alpha), _check_delta(delta)
+    if n < 1:
+        raise ValueError(f"conformal_rank needs n >= 1 calibration scores, got {n}")
+    if delta is None:
+        return math.ceil((n + 1) * (1.0 - alpha))
+    from scipy.stats import binom
+
+    # P(Binomial >= k) = sf(k - 1): the smallest m = k - 1 with sf(m) <= delta, from the quantile function, then
+    # made exact against floating point in either direction.
+    k = int(binom.ppf(1.0 - delta, n, 1.0 - alpha)) + 1
+    while k > 1 and binom.sf(k - 2, n, 1.0 - alpha) <= delta:
+        k -= 1
+    while k <= n and binom.sf(k - 1, n, 1.0 - alpha) > delta:
+        k += 1
+    return k
+
+
+def conformal_quantile(scores: Sequence[float], alpha: float, delta: float | None = None) -> float:
+    """The :func:`conformal_rank`-th smallest of n calibration scores (marginal without ``delta``, PAC with it);
+    +inf when n is too small for alpha and delta (every option then belongs to the set, which is the only way to
+    keep the guarantee)."""
     s = np.sort(np.asarray(scores, dtype=np.float64))
     if s.ndim != 1 or len(s) == 0:
         raise ValueError("conformal_quantile needs at least one calibration score")
-    rank = math.ceil((len(s) + 1) * (1.0 - alpha))
+    rank = conformal_rank(len(s), alpha, delta)
     return math.inf if rank > len(s) else float(s[rank - 1])
 
 
@@ -96,14 +133,16 @@ def prediction_set(probs: Sequence[float], quantile: float, score: str) -> list[
     return keep or [int(np.argmax(p))]
 
 
-def calibrate_quantiles(probs, labels, alphas: Sequence[float], scores: Sequence[str] = SCORES) -> dict:
-    """``{score: {str(alpha): quantile}}`` from one calibration sample (JSON-ready: +inf becomes None)."""
+def calibrate_quantiles(probs, labels, alphas: Sequence[float], scores: Sequence[str] = SCORES,
+                        delta: float | None = None) -> dict:
+    """``{score: {str(alpha): quantile}}`` from one calibration sample (JSON-ready: +inf becomes None); PAC at
+    ``delta`` when given, else marginal."""
     out: dict = {}
     for score in scores:
         s = label_scores(probs, labels, score)
         qs = {}
         for alpha in alphas:
-            q = conformal_quantile(s, alpha)
+            q = conformal_quantile(s, alpha, delta)
             qs[alpha_key(alpha)] = None if math.isinf(q) else q
         out[_check_score(score)] = qs
     return out
@@ -114,5 +153,5 @@ def alpha_key(alpha: float) -> str:
     return f"{_check_alpha(alpha):g}"
 
 
-__all__ = ["SCORES", "option_scores", "label_scores", "conformal_quantile", "prediction_set",
+__all__ = ["SCORES", "option_scores", "label_scores", "conformal_rank", "conformal_quantile", "prediction_set",
            "calibrate_quantiles", "alpha_key"]

@@ -13,7 +13,7 @@ from ibedl.engine import abstention
 from ibedl.engine.feedback import Feedback
 from ibedl.engine.requests import conformal_quantile, max_options
 from ibedl.engine.runtime import AdapterRuntime
-from ibedl.engine.schemas import PredictedOption, PredictRequest, PredictResponse
+from ibedl.engine.schemas import PredictedOption, PredictRequest, PredictResponse, StatedGuarantees
 from ibedl.engine.settings import EngineSettings
 
 
@@ -60,6 +60,22 @@ def build_answer(runtime: AdapterRuntime, req: PredictRequest, q: MCQuestion, pr
         adapter=runtime.ref,
         adaptive_prediction_set=None if adaptive is None else [letters[i] for i in adaptive],
         receipt=receipt,
+        guarantees=stated_guarantees(runtime, q.num_options, None if conformal is None else conformal[1]),
+    )
+
+
+def stated_guarantees(runtime: AdapterRuntime, options: int, alpha: float | None) -> StatedGuarantees:
+    """What the calibration in use promises for an answer to a question of ``options`` options whose set has
+    miscoverage ``alpha`` (None: no set)."""
+    how, counts = runtime.thresholds.how, runtime.option_counts
+    certified = bool(how.get("certified"))
+    return StatedGuarantees(
+        holds=None if counts is None else options in counts,
+        option_counts=counts,
+        answered_accuracy=how.get("target_accuracy") if certified else None,
+        answered_accuracy_delta=how.get("delta") if certified else None,
+        set_coverage=None if alpha is None else r6(1.0 - alpha),
+        set_coverage_delta=None if alpha is None else runtime.conformal.delta,
     )
 
 
@@ -90,7 +106,9 @@ def model_card(runtime: AdapterRuntime, settings: EngineSettings) -> dict:
         "metrics": m.metrics,
         "abstention": asdict(served.thresholds),
         "conformal": None if c is None else {
-            "alpha": c.alpha, "score": c.score, "n": c.n, "alphas": c.alphas(), "scores": sorted(c.quantiles)},
+            "alpha": c.alpha, "score": c.score, "n": c.n, "alphas": c.alphas(), "scores": sorted(c.quantiles),
+            "delta": c.delta},
+        "calibrated_option_counts": runtime.option_counts,
         "calibration": served.record or None,
         "backend": {"name": runtime.predictor.backend, "requested": settings.backend,
                     "reason": runtime.predictor.backend_reason, "measured": measured(runtime.predictor.backend_choice)},

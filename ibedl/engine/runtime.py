@@ -44,6 +44,12 @@ class AdapterRuntime:
         return self.calibration.conformal
 
     @property
+    def option_counts(self) -> list[int] | None:
+        """The option counts of the calibration sample in use (None: not recorded, older calibrations)."""
+        counts = self.calibration.record.get("option_counts")
+        return None if counts is None else [int(c) for c in counts]
+
+    @property
     def calibration_matches(self) -> bool:
         """Whether the calibration in use was made on the backend and precision that serve."""
         p = self.predictor

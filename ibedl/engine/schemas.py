@@ -88,6 +88,27 @@ class AdapterRef(BaseModel):
                              "were calibrated on (the backend's own unless IBEDL_ALLOW_UNCALIBRATED_BACKEND)")
 
 
+class StatedGuarantees(BaseModel):
+    """What the adapter's calibration promises for one answer, if served questions are exchangeable with the
+    calibration sample (GET /v1/guarantees reports what labelled feedback measured)."""
+
+    holds: bool | None = Field(..., description="whether the calibration covered questions with this many options: "
+                               "false means none of the promises below holds for this answer (the gate, the answer "
+                               "threshold and the set were never calibrated for it); null when the calibration does "
+                               "not record its option counts")
+    option_counts: list[int] | None = Field(..., description="the option counts the calibration sample had")
+    answered_accuracy: float | None = Field(..., description="answered in-distribution questions are right at "
+                                            "least this often (the risk-controlled threshold's target); null when no "
+                                            "threshold was certified")
+    answered_accuracy_delta: float | None = Field(..., description="the probability, over the calibration draw, "
+                                                  "that the served threshold misses answered_accuracy")
+    set_coverage: float | None = Field(..., description="1 - alpha of the prediction set; null without sets")
+    set_coverage_delta: float | None = Field(..., description="the probability, over the calibration draw, that the "
+                                             "served set rule covers less than set_coverage (training-conditional "
+                                             "quantiles); null: marginal coverage, an average over calibration "
+                                             "draws")
+
+
 class PredictResponse(BaseModel):
     id: str
     prediction: PredictedOption
@@ -117,6 +138,9 @@ class PredictResponse(BaseModel):
         "from prediction_set's guarantee (GET /v1/guarantees, adaptive_set_coverage); null when off")
     receipt: str | None = Field(None, description="signed receipt of this answer: send it back with the right "
                                 "option to POST /v1/feedback; null when feedback is off (no IBEDL_FEEDBACK_KEY)")
+    guarantees: StatedGuarantees | None = Field(None, description="what the calibration promises for this "
+                                                "answer, with each level's delta, and whether it holds at all for "
+                                                "this many options")
 
 
 class BatchResponse(BaseModel):
@@ -230,7 +254,12 @@ class ModelCard(BaseModel):
     abstention: dict = Field(..., description="default thresholds: max_uncertainty, min_confidence, ood_score, "
                              "ood_threshold, and how they were chosen (target, delta, bound, coverage)")
     conformal: dict | None = Field(..., description="prediction sets: default alpha and score, the stored alphas "
-                                   "a request may ask for, calibration size n; null when never calibrated")
+                                   "a request may ask for, calibration size n, delta (training-conditional: the "
+                                   "served sets cover >= 1 - alpha with probability >= 1 - delta over the "
+                                   "calibration draw; null: marginal); null when never calibrated")
+    calibrated_option_counts: list[int] | None = Field(None, description="the option counts the calibration "
+                                                       "sample had: answers with another count carry "
+                                                       "guarantees.holds = false; null when not recorded")
     calibration: dict | None = Field(..., description="what ibedl.training.calibrate did for the calibration in "
                                      "use: data, post-hoc fit, OOD gate, risk control; null when never calibrated")
     backend: dict = Field(..., description="the inference backend: name (auto resolved), requested (IBEDL_BACKEND), "

@@ -75,7 +75,10 @@ class CalibrationConfig:
 
     Attributes:
         target_accuracy: accuracy guaranteed on answered in-distribution questions.
-        delta: probability that the guarantee may fail (over the draw of the calibration sample).
+        delta: probability that a guarantee may fail over the draw of the calibration sample, for the answer
+            threshold (Learn-Then-Test) and the prediction sets (training-conditional quantiles) alike: with
+            probability >= 1 - delta, the served threshold's answered accuracy is >= target_accuracy, and with
+            probability >= 1 - delta the served sets' coverage is >= 1 - alpha.
         alpha: default miscoverage of the served prediction sets (one of ``alphas``).
         alphas: conformal levels stored; a request may pick any of them.
         score: default conformal score, ``lac`` or ``aps``.
@@ -88,7 +91,7 @@ class CalibrationConfig:
     """
 
     target_accuracy: float = 0.9
-    delta: float = 0.1
+    delta: float = 0.01
     alpha: float = 0.1
     alphas: tuple[float, ...] = ALPHAS
     score: str = "lac"
@@ -282,8 +285,9 @@ def calibrate_outputs(kind: str, raw: dict, labels, config: CalibrationConfig) -
             "coverage": float(answered_cal.mean()), "n": int(len(cal)), "split": "calibration part",
         },
     )
-    quantiles = calibrate_quantiles([outputs.probs[i] for i in cal], labels[cal], config.alphas)
-    conformal = Conformal(alpha=config.alpha, score=config.score, quantiles=quantiles, n=int(len(cal)))
+    quantiles = calibrate_quantiles([outputs.probs[i] for i in cal], labels[cal], config.alphas, delta=config.delta)
+    conformal = Conformal(alpha=config.alpha, score=config.score, quantiles=quantiles, n=int(len(cal)),
+                          delta=config.delta)
     sets = {}
     for s in SCORES:
         q = conformal.quantile(config.alpha, s)
@@ -300,6 +304,7 @@ def calibrate_outputs(kind: str, raw: dict, labels, config: CalibrationConfig) -
     }
     calibration = {
         "n": n, "n_fit": int(len(fit)), "n_calibration": int(len(cal)), "seed": config.seed,
+        "option_counts": sorted({len(p) for p in outputs.probs}),
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()},
         "posthoc": posthoc, "gate": gate, "risk_control": risk.to_dict(),
         "conformal_in_sample": {"alpha": config.alpha, **sets},
@@ -409,7 +414,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target-accuracy", type=float, default=defaults.target_accuracy,
                         help=f"accuracy guaranteed on answered questions (default {defaults.target_accuracy})")
     parser.add_argument("--delta", type=float, default=defaults.delta,
-                        help=f"allowed failure probability of that guarantee (default {defaults.delta})")
+                        help="allowed probability, over the calibration draw, that the served threshold's answered "
+                        "accuracy or the served sets' coverage misses its level (default "
+                        f"{defaults.delta})")
     parser.add_argument("--alpha", type=float, default=defaults.alpha,
                         help=f"miscoverage of the served prediction sets (default {defaults.alpha})")
     parser.add_argument("--score", default=defaults.score, choices=SCORES, help="conformal score served by default")

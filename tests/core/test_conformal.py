@@ -12,6 +12,7 @@ from ibedl.core.conformal import (
     alpha_key,
     calibrate_quantiles,
     conformal_quantile,
+    conformal_rank,
     label_scores,
     option_scores,
     prediction_set,
@@ -96,3 +97,59 @@ class TestSets:
         noise = 3 * math.sqrt(alpha * (1 - alpha) / (n_test * splits)) + 3 * math.sqrt(alpha / (n_cal * splits))
         assert 1 - alpha - noise <= np.mean(exact) <= 1 - alpha + 1 / (n_cal + 1) + noise
         assert np.mean(coverage) >= np.mean(exact)
+
+
+class TestTrainingConditional:
+    """PAC quantiles (delta given): the served rule's own coverage is >= 1 - alpha in at least 1 - delta of
+    calibration draws. With continuous scores the coverage of the k-th smallest of n is Beta(k, n + 1 - k)."""
+
+    @pytest.mark.parametrize(("n", "alpha", "delta"), [(10, 0.1, 0.05), (100, 0.1, 0.05), (700, 0.1, 0.01),
+                                                       (700, 0.02, 0.1), (50, 0.3, 0.2)])
+    def test_the_rank_is_the_smallest_whose_binomial_tail_is_within_delta(self, n, alpha, delta):
+        from scipy.stats import binom
+
+        tail = [float(binom.pmf(np.arange(k, n + 1), n, 1 - alpha).sum()) for k in range(1, n + 2)]  # P(B >= k)
+        k = conformal_rank(n, alpha, delta)
+        assert (tail[k - 1] <= delta if k <= n else tail[n - 1] > delta) and (k == 1 or tail[k - 2] > delta)
+        assert k >= conformal_rank(n, alpha)  # never below the marginal rank
+
+    def test_known_ranks_and_the_price_of_delta(self):
+        assert conformal_rank(700, 0.1) == 631 and conformal_rank(700, 0.1, 0.05) == 644
+        assert conformal_rank(700, 0.1, 0.01) == 649
+        assert conformal_rank(10, 0.1, 0.05) == 11 and math.isinf(conformal_quantile(np.arange(10.0), 0.1, 0.05))
+
+    def test_bad_delta_is_refused(self):
+        for delta in (0.0, 1.0, -0.1, True):
+            with pytest.raises(ValueError, match="delta must be in"):
+                conformal_rank(100, 0.1, delta)
+
+    @pytest.mark.parametrize(("n", "alpha", "delta"), [(200, 0.1, 0.05), (700, 0.1, 0.01), (100, 0.2, 0.1)])
+    def test_served_coverage_misses_in_at_most_delta_of_draws(self, n, alpha, delta):
+        """Scores uniform on (0, 1): a threshold q covers exactly q of new questions. Over 20,000 calibration
+        draws the share of served rules below 1 - alpha matches the binomial tail at the chosen rank (<= delta);
+        marginal quantiles miss in a large share of draws (about half at n = 700)."""
+        from scipy.stats import binom
+
+        rng = np.random.default_rng(0)
+        draws = 20_000
+        scores = rng.random((draws, n))
+        pac = np.array([conformal_quantile(s, alpha, delta) for s in scores[:4000]])
+        k = conformal_rank(n, alpha, delta)
+        # the same order statistic over all draws, vectorised
+        kth = np.partition(scores, k - 1, axis=1)[:, k - 1]
+        assert np.array_equal(pac, kth[:4000])
+        missed = float(np.mean(kth < 1 - alpha))
+        expected = float(binom.sf(k - 1, n, 1 - alpha))  # P(Binomial(n, 1 - alpha) >= k)
+        noise = 4 * math.sqrt(expected * (1 - expected) / draws) + 1e-3
+        assert abs(missed - expected) <= noise and expected <= delta
+        m = conformal_rank(n, alpha)
+        marginal_missed = float(np.mean(np.partition(scores, m - 1, axis=1)[:, m - 1] < 1 - alpha))
+        assert marginal_missed > 0.3 > delta  # marginal sets are not PAC at this delta
+
+    def test_calibrate_quantiles_stores_the_pac_quantile(self):
+        probs = [[0.9, 0.1]] * 50 + [[0.4, 0.6]] * 50
+        labels = [0] * 100
+        marginal = calibrate_quantiles(probs, labels, [0.3], ["lac"])["lac"]["0.3"]
+        pac = calibrate_quantiles(probs, labels, [0.3], ["lac"], delta=0.01)["lac"]["0.3"]
+        scores = np.sort(label_scores(probs, labels, "lac"))
+        assert marginal == scores[conformal_rank(100, 0.3) - 1] and pac == scores[conformal_rank(100, 0.3, 0.01) - 1]

@@ -34,13 +34,31 @@ class TestPredict:
         assert body["id"] == "q1"
         assert set(body) == {"id", "prediction", "probabilities", "belief_masses", "uncertainty_mass", "confidence",
                              "sigma", "ood_score", "prediction_set", "prediction_set_coverage", "prediction_set_score",
-                             "abstained", "abstain_reason", "adapter", "adaptive_prediction_set", "receipt"}
+                             "abstained", "abstain_reason", "adapter", "adaptive_prediction_set", "receipt",
+                             "guarantees"}
         check_invariants(body, 4)
         assert body["prediction"]["text"] == Q["options"][body["prediction"]["index"]]
         assert body["adapter"] == {"name": "tiny", "method": "ib_edl", "version": "1", "backend": "torch",
                                    "calibration": "torch-fp32"}
         assert set(body["sigma"]) == {"A", "B", "C", "D"}
         assert r.headers["x-request-id"]
+
+    def test_an_answer_states_its_guarantees_and_whether_they_hold_for_its_option_count(self, client):
+        card = client.get("/v1/models").json()["data"][0]
+        counts = card["calibrated_option_counts"]  # tiny_jsonl: 3 to 5 options
+        assert counts == [3, 4, 5] and card["conformal"]["delta"] == 0.01
+        how = card["abstention"]["how"]
+        body = ok_json(client.post("/predict", json=Q))
+        assert body["guarantees"] == {
+            "holds": True, "option_counts": counts,
+            "answered_accuracy": how["target_accuracy"] if how["certified"] else None,
+            "answered_accuracy_delta": how["delta"] if how["certified"] else None,
+            "set_coverage": 0.9, "set_coverage_delta": 0.01}
+        for options in (["a", "b"], ["a", "b", "c", "d", "e", "f"]):  # never calibrated for: no promise holds
+            body = ok_json(client.post("/predict", json={"question": "Which?", "options": options}))
+            assert body["guarantees"]["holds"] is False and body["guarantees"]["option_counts"] == counts
+        body = ok_json(client.post("/predict", json={**Q, "conformal": {"alpha": 0.2}}))
+        assert body["guarantees"]["set_coverage"] == 0.8 == body["prediction_set_coverage"]
 
     def test_deterministic(self, client):
         a = ok_json(client.post("/predict", json=Q))
