@@ -2,10 +2,12 @@
 test sets: a request is tried on another replica only when the first surely did not process it (connection
 refused, or a 503 refusal: once), never after a timeout or a failure once it was sent; the service's own answers
 pass through; the per-client request and connection limits answer 429; no response names a replica; request ids
-are kept when sane and replaced otherwise.
+are kept when sane and replaced otherwise; labels sent through it take the labelling credential, keep their
+receipt's first label and stay within the credential's quota, with the service's own 403, 409 and 429 passed on.
 
-Stub replicas (not the real service) make each failure exact and cheap; tests/deploy/test_topology.py runs the same
-gateway in front of real replicas. nginx is required (make test installs it): no skip."""
+Stub replicas (not the real service) make each failure exact and cheap; the labelling test runs two real replicas
+of the tiny artifact on one feedback store, and tests/deploy/test_topology.py runs the same gateway in front of
+replicas of the real model. nginx is required (make test installs it): no skip."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import httpx
 import pytest
 
 from tests.deploy.render import nginx_command, render_nginx, require_binary
+from tests.serve.conftest import uvicorn_server
 
 pytestmark = pytest.mark.servers
 
@@ -275,3 +278,86 @@ def test_a_burst_over_the_request_rate_gets_429(stubs):
             codes.append(client.get(url + "/v1/models").status_code)
     assert 429 in codes, "2000 requests in a row never hit the limit"
     assert codes.index(429) >= 41  # the burst of 40 (and the first) passes
+
+
+# -- labels through the gateway, to real replicas ------------------------------------------------------------------
+
+API, LABEL = "gateway-api-token", "gateway-label-token"
+AS_CLIENT, AS_LABELLER = {"Authorization": f"Bearer {API}"}, {"Authorization": f"Bearer {LABEL}"}
+
+
+@pytest.fixture
+def labelled(tiny_artifact, tmp_path):
+    """The gateway in front of two real replicas (the tiny artifact) that share one feedback store, with tokens as
+    deployed and a quota of 2 labels per hour for the labelling credential; yields (gateway url, replica urls)."""
+    from ibedl.serve.app import create_app
+    from ibedl.serve.settings import Settings
+
+    require_binary("nginx")
+    settings = Settings(artifact=tiny_artifact, drift_bootstrap=100, max_tokens=96, feedback_key="gateway-feedback-key",
+                        feedback_db=tmp_path / "feedback.sqlite", api_token=API, label_token=LABEL, max_labels=2)
+    proc = None
+    with uvicorn_server(create_app(settings)) as one, uvicorn_server(create_app(settings)) as two:
+        try:
+            url, proc = start_gateway(tmp_path / "nginx", [int(u.rsplit(":", 1)[1]) for u in (one, two)])
+            yield url, (one, two)
+        finally:
+            if proc is not None:
+                proc.terminate()
+                proc.wait(10)
+
+
+def replica_metric(urls, sample: str) -> float:
+    """``sample`` (name and labels, as exposed) summed over the replicas; 0 where a replica has none."""
+    total = 0.0
+    for u in urls:
+        for line in httpx.get(u + "/metrics", headers=AS_CLIENT, timeout=10).text.splitlines():
+            if line.startswith(sample + " "):
+                total += float(line.split()[-1])
+    return total
+
+
+def test_labels_through_the_gateway_take_the_labelling_credential_and_keep_the_first(labelled):
+    url, replicas = labelled
+    with httpx.Client(base_url=url, timeout=30) as gw:
+        answers = [gw.post("/predict", json={**Q, "id": f"l{k}"}, headers=AS_CLIENT).json() for k in range(3)]
+        assert all(a["receipt"] for a in answers), answers
+        label = {"receipt": answers[0]["receipt"], "label": "A"}
+
+        def guarantees() -> list[dict]:
+            bodies = [httpx.get(u + "/v1/guarantees", headers=AS_CLIENT, timeout=10).json() for u in replicas]
+            assert bodies[0] == bodies[1]  # one store
+            return bodies[0]["guarantees"]
+
+        # the API token (what every client holds) may not label: the service's 403, nothing stored or counted
+        for path, body in (("/v1/feedback", label), ("/v1/feedback/batch", {"items": [label]})):
+            r = gw.post(path, json=body, headers=AS_CLIENT)
+            assert r.status_code == 403, r.text
+            assert r.json()["error"]["type"] == "forbidden" and "IBEDL_LABEL_TOKEN" in r.json()["error"]["message"]
+        assert gw.post("/v1/feedback", json=label).status_code == 401
+        assert guarantees() == []
+        assert replica_metric(replicas, 'ibedl_feedback_labels_total{adapter="tiny",status="recorded"}') == 0
+
+        # the labelling credential records it once; the same label again is a duplicate on either replica
+        r = gw.post("/v1/feedback", json=label, headers=AS_LABELLER)
+        assert r.status_code == 200 and r.json()["recorded"] == 1, r.text
+        for _ in range(2):
+            r = gw.post("/v1/feedback", json=label, headers=AS_LABELLER)
+            assert r.status_code == 200 and r.json()["duplicates"] == 1, r.text
+        recorded = guarantees()
+
+        # another label for it: the service's 409, not retried, counted once, nothing changed
+        r = gw.post("/v1/feedback", json={**label, "label": "B"}, headers=AS_LABELLER)
+        assert r.status_code == 409, r.text
+        assert r.json()["error"]["type"] == "label_conflict" and r.json()["error"]["field"] == "label"
+        assert replica_metric(replicas, 'ibedl_feedback_conflicts_total{adapter="tiny"}') == 1
+        assert guarantees() == recorded
+
+        # the credential's quota (2 per hour here), counted across both replicas: the service's 429 comes through
+        r = gw.post("/v1/feedback", json={"receipt": answers[1]["receipt"], "label": "A"}, headers=AS_LABELLER)
+        assert r.status_code == 200, r.text
+        r = gw.post("/v1/feedback", json={"receipt": answers[2]["receipt"], "label": "A"}, headers=AS_LABELLER)
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["type"] == "too_many_labels"  # not the gateway's too_many_requests
+        assert 1 <= int(r.headers["retry-after"]) <= 3600
+        assert [g["labels"] for g in guarantees() if g["guarantee"] == "answered_share"] == [2]

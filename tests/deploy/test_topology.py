@@ -5,14 +5,14 @@ front of them, and Prometheus from deploy/prometheus/ (the committed alert rules
 both. The tests show that the gateway spreads requests over both replicas and keeps request ids, that
 Prometheus scrapes both replicas and evaluates the dashboard's queries, that an in-distribution stream
 (SciQ validation questions with their support passage) leaves the drift alert quiet while a shifted stream
-(RACE questions without their article) makes it fire, that a label sent back (POST /v1/feedback) to the replica
-that did not answer counts once (the replicas share one feedback store) and bad labels change nothing, and that a
-replica stopped with SIGTERM
-drains before it exits, is routed around by the gateway and raises IbedlReplicaDown.
+(RACE questions without their article) makes it fire, that a label sent back (POST /v1/feedback, with the
+labelling credential) to the replica that did not answer counts once (the replicas share one feedback store) and
+bad labels (the API token's, another label for the same receipt) change nothing, and that a replica stopped with
+SIGTERM drains before it exits, is routed around by the gateway and raises IbedlReplicaDown.
 
-The replicas require tokens, as deployed: the clients send the API token through the gateway, Prometheus scrapes
-with the metrics token. Which replica answered a request comes from the gateway's access log (clients never see
-replica addresses).
+The replicas require tokens, as deployed: the clients send the API token through the gateway, labels go with the
+labelling credential, Prometheus scrapes with the metrics token. Which replica answered a request comes from the
+gateway's access log (clients never see replica addresses).
 
 The adapter is $IBEDL_TOPOLOGY_ARTIFACT (default artifacts/default). nginx and prometheus come from Debian
 (`apt-get install nginx prometheus`, make test installs them); without them these tests fail, they do not skip.
@@ -63,8 +63,9 @@ DOWN_ALERT = "IbedlReplicaDown"
 CLIENTS = 4  # concurrent clients sending questions through the gateway (2 in flight per replica)
 LOAD_TIMEOUT_S = 240  # first load on a fresh machine converts the base model (~20 s on an idle CPU)
 HTTP_TIMEOUT = httpx.Timeout(60.0, connect=5.0)
-API_TOKEN, METRICS_TOKEN = "topology-api-token", "topology-metrics-token"
+API_TOKEN, METRICS_TOKEN, LABEL_TOKEN = "topology-api-token", "topology-metrics-token", "topology-label-token"
 METRICS_AUTH = {"Authorization": f"Bearer {METRICS_TOKEN}"}
+LABEL_AUTH = {"Authorization": f"Bearer {LABEL_TOKEN}"}
 FEEDBACK_KEY = "topology-feedback-key"
 
 
@@ -244,6 +245,7 @@ def topology(tmp_path_factory, default_backends_ready):
         IBEDL_LOG_LEVEL="info",
         IBEDL_API_TOKEN=API_TOKEN,
         IBEDL_METRICS_TOKEN=METRICS_TOKEN,
+        IBEDL_LABEL_TOKEN=LABEL_TOKEN,
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
         PYTHONUNBUFFERED="1",
@@ -546,9 +548,12 @@ def test_feedback_reaches_any_replica_and_counts_once(topology, sciq_validation)
     before = guarantee_counts(topo, 0)
     share = before.get(("answered_share", None), (0, 0))[0]
 
-    # the replica that did not answer counts it
+    # the replica that did not answer counts it (the API token may not label: 403, nothing counted)
     label = {"receipt": answer["receipt"], "label": answer["prediction"]["letter"]}
-    r = topo.http.post(topo.replica_urls[1] + "/v1/feedback", json=label)
+    r = topo.http.post(topo.gateway_url + "/v1/feedback", json=label)
+    assert r.status_code == 403 and r.json()["error"]["type"] == "forbidden", r.text
+    assert guarantee_counts(topo, 0) == before
+    r = topo.http.post(topo.replica_urls[1] + "/v1/feedback", json=label, headers=LABEL_AUTH)
     assert r.status_code == 200, r.text
     assert r.json()["recorded"] == 1 and r.json()["results"][0]["status"] == "recorded"
     after = [guarantee_counts(topo, i) for i in range(2)]
@@ -556,7 +561,7 @@ def test_feedback_reaches_any_replica_and_counts_once(topology, sciq_validation)
 
     # the same label again, through the gateway (either replica) and to the one that answered: counted once
     for url in (topo.gateway_url, topo.gateway_url, topo.replica_urls[0]):
-        r = topo.http.post(url + "/v1/feedback", json=label)
+        r = topo.http.post(url + "/v1/feedback", json=label, headers=LABEL_AUTH)
         assert r.status_code == 200 and r.json()["duplicates"] == 1, r.text
 
     # bad inputs through the gateway: 4xx in the service's error shape, nothing counted
@@ -566,15 +571,20 @@ def test_feedback_reaches_any_replica_and_counts_once(topology, sciq_validation)
         ({"receipt": f"{version}.{payload[:-2]}AA.{mac}", "label": "A"}, 422, "invalid_receipt"),  # tampered
         ({"receipt": "v1.bm90.aGVsbG8", "label": "A"}, 422, "invalid_receipt"),  # unknown
         ({"receipt": answer["receipt"], "label": chr(ord(letters[-1]) + 1)}, 422, "invalid_request"),  # no such option
+        ({"receipt": answer["receipt"], "label": next(x for x in letters if x != label["label"])}, 409,
+         "label_conflict"),  # another label for a labelled receipt: the first stands
     ]
     other = topo.http.post(topo.gateway_url + "/predict", json=short(in_distribution(sciq_validation))[1]).json()
     bad.append(({"items": [{"receipt": other["receipt"], "label": "A"},
                            {"receipt": "forged", "label": "A"}]}, 422, "invalid_receipt"))  # a batch: all or none
     for body, status, type_ in bad:
         path = "/v1/feedback/batch" if "items" in body else "/v1/feedback"
-        r = topo.http.post(topo.gateway_url + path, json=body)
+        r = topo.http.post(topo.gateway_url + path, json=body, headers=LABEL_AUTH)
         assert r.status_code == status and r.json()["error"]["type"] == type_, (body, r.status_code, r.text)
     assert [guarantee_counts(topo, i) for i in range(2)] == after
+    conflicts = sum(metric_value(topo.metrics(i), "ibedl_feedback_conflicts_total", adapter=answer["adapter"]["name"])
+                    for i in range(2))
+    assert conflicts == 1
 
     # Prometheus sees the same totals on both replicas (aggregate with max, never sum)
     expr = 'ibedl_guarantee_labels{job="ibedl-api", guarantee="answered_share"}'
