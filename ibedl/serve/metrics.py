@@ -39,6 +39,10 @@ class Metrics:
                                     buckets=PROBABILITY_BUCKETS, registry=r)
         self.answers = Counter("ibedl_answers", "questions answered by the model (abstained or not)", ["adapter"],
                                registry=r)
+        self.uncalibrated_options = Counter(
+            "ibedl_answers_without_guarantee", "questions answered with an option count the adapter's calibration "
+            "never covered (no stated guarantee holds for them), by option count", ["adapter", "options"],
+            registry=r)
         self.abstentions = Counter("ibedl_abstentions", "abstentions by the threshold crossed", ["adapter", "reason"],
                                    registry=r)
         self.predictions = Counter("ibedl_predictions", "predicted letters", ["adapter", "letter"], registry=r)

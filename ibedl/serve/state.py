@@ -305,6 +305,8 @@ class ServiceState:
         m.predictions.labels(adapter=name, letter=pred.letter).inc()
         if pred.uncertainty is not None:
             m.uncertainty.labels(adapter=name).observe(pred.uncertainty)
+        if answer.guarantees is not None and answer.guarantees.holds is False:
+            m.uncalibrated_options.labels(adapter=name, options=str(q.num_options)).inc()
         if answer.abstain_reason:
             m.abstentions.labels(adapter=name, reason=answer.abstain_reason).inc()
         else:  # an answered question feeds the accuracy estimate; every one feeds drift

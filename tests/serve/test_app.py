@@ -57,6 +57,10 @@ class TestPredict:
         for options in (["a", "b"], ["a", "b", "c", "d", "e", "f"]):  # never calibrated for: no promise holds
             body = ok_json(client.post("/predict", json={"question": "Which?", "options": options}))
             assert body["guarantees"]["holds"] is False and body["guarantees"]["option_counts"] == counts
+        counted = {line.split('options="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                   for line in client.get("/metrics").text.splitlines()
+                   if line.startswith('ibedl_answers_without_guarantee_total{adapter="tiny"')}
+        assert counted["2"] >= 1 and counted["6"] >= 1 and not {"3", "4", "5"} & set(counted)
         body = ok_json(client.post("/predict", json={**Q, "conformal": {"alpha": 0.2}}))
         assert body["guarantees"]["set_coverage"] == 0.8 == body["prediction_set_coverage"]
 
