@@ -45,6 +45,7 @@ def test_compose_requires_the_tokens_and_the_grafana_password(compose):
     assert required_variable(api["IBEDL_API_TOKEN"]) == "IBEDL_API_TOKEN"
     assert required_variable(api["IBEDL_METRICS_TOKEN"]) == "IBEDL_METRICS_TOKEN"
     assert "IBEDL_ALLOW_ANONYMOUS" not in api
+    assert api["IBEDL_LABEL_TOKEN"] == "${IBEDL_LABEL_TOKEN:-}"  # optional: without it no label is accepted
     grafana = compose["services"]["grafana"]["environment"]
     assert required_variable(grafana["GF_SECURITY_ADMIN_PASSWORD"]) == "GRAFANA_ADMIN_PASSWORD"  # never admin/admin
 
@@ -94,8 +95,9 @@ def pod(k8s) -> dict:
 def test_k8s_secrets_are_required(k8s):
     (container,) = pod(k8s)["spec"]["containers"]
     refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"] if "valueFrom" in e}
-    assert set(refs) == {"IBEDL_API_TOKEN", "IBEDL_METRICS_TOKEN"}
-    assert all(ref.get("optional") is not True for ref in refs.values())
+    assert set(refs) == {"IBEDL_API_TOKEN", "IBEDL_METRICS_TOKEN", "IBEDL_LABEL_TOKEN"}
+    # the tokens are required; the labelling credential is not (without it no label is accepted: still closed)
+    assert [name for name, ref in refs.items() if ref.get("optional") is True] == ["IBEDL_LABEL_TOKEN"]
     assert "IBEDL_ALLOW_ANONYMOUS" not in {e["name"] for e in container["env"]}
 
 

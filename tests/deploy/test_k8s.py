@@ -208,6 +208,9 @@ def test_tokens_come_from_required_secrets(rendered):
         assert "value" not in token
         assert token["valueFrom"]["secretKeyRef"] == {"name": secret, "key": "token"}  # not optional: no pod without
         assert setting in Settings.model_fields  # the variable is a setting
+    label = env(rendered)["IBEDL_LABEL_TOKEN"]  # optional: without it the service accepts no label
+    assert label["valueFrom"]["secretKeyRef"] == {"name": "ibedl-label-token", "key": "token", "optional": True}
+    assert "label_token" in Settings.model_fields
     # Prometheus scrapes with the metrics token, from the same Secret
     (endpoint,) = rendered["ServiceMonitor"]["spec"]["endpoints"]
     assert endpoint["authorization"] == {"type": "Bearer", "credentials": {"name": "ibedl-metrics-token",
