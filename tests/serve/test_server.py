@@ -1,6 +1,6 @@
 """The process meeting the network: a non-loopback bind without a token refuses to start (unless
-IBEDL_ALLOW_ANONYMOUS=true, which it logs), and the real uvicorn server closes connections that never send their
-headers and answers 503 over IBEDL_MAX_CONNECTIONS."""
+IBEDL_ALLOW_ANONYMOUS=true, which it logs), the start log says who may send labels, and the real uvicorn server
+closes connections that never send their headers and answers 503 over IBEDL_MAX_CONNECTIONS."""
 
 import os
 import signal
@@ -14,7 +14,7 @@ import pytest
 import uvicorn
 
 from ibedl.serve.__main__ import main
-from ibedl.serve.server import refusal, uvicorn_config
+from ibedl.serve.server import log_exposure, refusal, uvicorn_config
 from ibedl.serve.settings import Settings
 
 
@@ -91,6 +91,20 @@ def test_allow_anonymous_starts_open_and_says_so(tiny_artifact, tmp_path):
     text = log_path.read_text()
     assert code == 0, text
     assert f"IBEDL_ALLOW_ANONYMOUS=true: serving 0.0.0.0:{port} OPEN, without a token" in text
+
+
+@pytest.mark.parametrize("settings, line", [
+    ({"label_token": "l" * 16}, "labels (POST /v1/feedback) require the labelling credential (IBEDL_LABEL_TOKEN), "
+                                "at most 5000 per 3600 s"),
+    ({"api_token": "a" * 16}, "labels (POST /v1/feedback) are refused: set IBEDL_LABEL_TOKEN to accept them"),
+    ({}, "labels (POST /v1/feedback) are accepted without a token (loopback, no IBEDL_API_TOKEN)"),
+])
+def test_the_start_log_says_who_may_send_labels(caplog, settings, line):
+    with caplog.at_level("INFO", logger="ibedl.serve"):
+        log_exposure(Settings(feedback_key="k" * 16, **settings))
+        log_exposure(Settings(**settings))  # feedback off: nothing about labels
+    assert [r.getMessage() for r in caplog.records].count(line) == 1
+    assert not any("l" * 16 in r.getMessage() or "a" * 16 in r.getMessage() for r in caplog.records)
 
 
 class Running:
