@@ -88,8 +88,9 @@ class LabelQuota:
 class Guarantee(schemas.Guarantee):
     """One realised guarantee as ``GET /v1/guarantees`` reports it."""
 
-    retired: bool = Field(..., description="this version is no longer served (a newer one replaced it): its labels "
-                          "stay readable here, but it exports no ibedl_guarantee_* gauges and never alerts")
+    retired: bool = Field(..., description="this replica does not serve this version (a newer one replaced it; "
+                          "during a rollout, also the other replicas' version): its labels stay readable here, but "
+                          "this replica exports no ibedl_guarantee_* gauges for it, so it never alerts from here")
 
 
 class GuaranteesResponse(schemas.GuaranteesResponse):
