@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from ibedl.core.base_model import portable_ref, sha256_file
 from ibedl.core.conformal import ConformalScore, alpha_key
 from ibedl.core.head import POSTHOC_NEUTRAL, HeadConfig, OptionHead, build_head
+from ibedl.core.prompt import MAX_OPTIONS, MIN_OPTIONS
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,9 @@ class Abstention:
         ood_score: the out-of-distribution score of the gate, or null for no gate.
         ood_threshold: abstain as out of distribution below this score, >= 0 (0: no gate).
         how: how the thresholds were chosen: rule, guarantee, target, delta, bound, coverage, n.
+        by_options: option count (as a string) -> its own ``ood_threshold``, ``min_confidence`` and ``how``, when
+            the calibration was made per option count (the top-level values are then the most common count's);
+            empty: one calibration for every count.
     """
 
     max_uncertainty: float = 1.0
@@ -80,6 +84,7 @@ class Abstention:
     ood_score: OodScore | None = None
     ood_threshold: float = 0.0
     how: dict = field(default_factory=dict)
+    by_options: dict[str, dict] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("max_uncertainty", "min_confidence"):
@@ -90,6 +95,29 @@ class Abstention:
             raise ValueError(f"ood_score must be one of {OOD_SCORES} or null, got {self.ood_score!r}")
         if isinstance(self.ood_threshold, bool) or not 0.0 <= self.ood_threshold < float("inf"):
             raise ValueError(f"ood_threshold must be a finite number >= 0, got {self.ood_threshold!r}")
+        for count, entry in self.by_options.items():
+            _check_count(count)
+            unknown = sorted(set(entry) - {"ood_threshold", "min_confidence", "how"})
+            if unknown:
+                raise ValueError(f"abstention by_options[{count}] sets only ood_threshold, min_confidence and how, "
+                                 f"got {unknown}")
+            Abstention(self.max_uncertainty, entry.get("min_confidence", 0.0), self.ood_score,
+                       entry.get("ood_threshold", 0.0), entry.get("how", {}))
+
+    def for_options(self, options: int) -> Abstention:
+        """The thresholds of questions with ``options`` options: their own when calibrated per count, else these."""
+        entry = self.by_options.get(str(options))
+        if entry is None:
+            return self
+        return Abstention(self.max_uncertainty, entry["min_confidence"], self.ood_score, entry["ood_threshold"],
+                          entry.get("how", {}))
+
+
+def _check_count(count: str) -> int:
+    """An option count written as a JSON key ("2".."26"); ValueError naming a bad one."""
+    if not (isinstance(count, str) and count.isdigit() and MIN_OPTIONS <= int(count) <= MAX_OPTIONS):
+        raise ValueError(f"by_options keys are option counts {MIN_OPTIONS}..{MAX_OPTIONS} as strings, got {count!r}")
+    return int(count)
 
 
 @dataclass
@@ -114,6 +142,7 @@ class Conformal:
     quantiles: dict[str, dict[str, float | None]]
     n: int
     delta: float | None = None
+    by_options: dict[str, dict] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.score not in self.quantiles:
@@ -124,6 +153,16 @@ class Conformal:
             raise ValueError(f"conformal n must be >= 1, got {self.n}")
         if self.delta is not None and (isinstance(self.delta, bool) or not 0.0 < self.delta < 1.0):
             raise ValueError(f"conformal delta must be in (0, 1) or null (marginal), got {self.delta!r}")
+        for count, entry in self.by_options.items():
+            _check_count(count)
+            if set(entry) != {"quantiles", "n"}:
+                raise ValueError(f"conformal by_options[{count}] holds quantiles and n, got {sorted(entry)}")
+            Conformal(self.alpha, self.score, entry["quantiles"], entry["n"], self.delta)
+
+    def for_options(self, options: int) -> Conformal:
+        """The quantiles of questions with ``options`` options: their own when calibrated per count, else these."""
+        entry = self.by_options.get(str(options))
+        return self if entry is None else Conformal(self.alpha, self.score, entry["quantiles"], entry["n"], self.delta)
 
     def quantile(self, alpha: float | None = None, score: str | None = None) -> float:
         """The stored quantile of (alpha, score), defaults where None; KeyError names what is stored."""

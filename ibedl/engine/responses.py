@@ -29,13 +29,14 @@ def build_answer(runtime: AdapterRuntime, req: PredictRequest, q: MCQuestion, pr
     signed receipt and, when adaptive sets are on, its adaptive set."""
     opts = req.abstain
     limits = abstention.effective(
-        runtime.thresholds,
+        runtime.thresholds.for_options(q.num_options),
         opts.max_uncertainty if opts else None,
         opts.min_confidence if opts else None,
     )
     reason = abstention.decide(pred.uncertainty, pred.confidence, limits)
     letters = LETTERS[: q.num_options]
-    conformal = conformal_quantile(runtime.conformal, req)
+    conformal = conformal_quantile(None if runtime.conformal is None else runtime.conformal.for_options(q.num_options),
+                                   req)
     set_indices = None if conformal is None else prediction_set(pred.probs, conformal[0], conformal[2])
     pset = None if set_indices is None else [letters[i] for i in set_indices]
     adaptive = receipt = None
@@ -67,7 +68,7 @@ def build_answer(runtime: AdapterRuntime, req: PredictRequest, q: MCQuestion, pr
 def stated_guarantees(runtime: AdapterRuntime, options: int, alpha: float | None) -> StatedGuarantees:
     """What the calibration in use promises for an answer to a question of ``options`` options whose set has
     miscoverage ``alpha`` (None: no set)."""
-    how, counts = runtime.thresholds.how, runtime.option_counts
+    how, counts = runtime.thresholds.for_options(options).how, runtime.option_counts
     certified = bool(how.get("certified"))
     return StatedGuarantees(
         holds=None if counts is None else options in counts,

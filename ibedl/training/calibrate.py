@@ -61,11 +61,14 @@ from ibedl.core.head import POSTHOC_KEYS, POSTHOC_NEUTRAL, adjust_alpha
 from ibedl.core.head import temper as head_temper
 from ibedl.core.head import temper_logits
 from ibedl.training.posthoc import adjusted_alphas, fit_zeta, padded
+from ibedl.training.data.option_counts import parse_counts, vary_option_counts
 from ibedl.training.risk_control import control_accuracy
 
 log = logging.getLogger("ibedl.training.calibrate")
 
 ALPHAS = (0.01, 0.02, 0.05, 0.1, 0.2)  # conformal levels stored for requests to choose from
+# Questions an option count needs in a mixed sample to be calibrated on its own (fit and calibration parts together).
+MIN_PER_COUNT = 100
 TEMPERATURE_GRID = tuple(float(t) for t in np.round(np.exp(np.linspace(np.log(0.05), np.log(20.0), 241)), 6))
 
 
@@ -224,38 +227,12 @@ def served_outputs(kind: str, raw: dict, head_update: dict) -> Outputs:
     return Outputs([probs[i, : len(a)] for i, a in enumerate(raw["alpha"])], out.uncertainty.double().numpy())
 
 
-def calibrate_outputs(kind: str, raw: dict, labels, config: CalibrationConfig) -> tuple[dict, Outputs, dict]:
-    """Everything ibedl.training.calibrate decides, from the raw head outputs of N labelled questions.
-
-    Args:
-        kind: the head kind (``softmax``, ``evidential``, ``ib_edl``).
-        raw: per-question lists with the head's post-hoc parameter at its neutral value: ``probs`` always,
-            ``alpha`` and ``uncertainty`` for Dirichlet heads, ``sigma`` for IB-EDL.
-        labels: (N,) answer indices.
-
-    Returns:
-        (head_update, outputs, sections): the head config keys to set (``zeta`` or ``temperature``), the
-        post-hoc outputs of all N questions, and the manifest's ``abstention``, ``conformal``,
-        ``calibration`` and ``reference`` sections.
-    """
-    labels = np.asarray(labels, dtype=np.int64)
-    n = len(labels)
-    fit, cal = split(n, config.fit_fraction, config.seed)
-    # Without the post-hoc step the parameter is set neutral: the thresholds below assume it.
-    key = POSTHOC_KEYS.get(kind)
-    head_update: dict = {} if key is None else {key: POSTHOC_NEUTRAL[key]}
-    posthoc: dict = {"kind": None}
-    if kind == "ib_edl" and config.posthoc:
-        zeta, info = fit_zeta([np.asarray(raw["alpha"][i], dtype=np.float64) for i in fit],
-                              [np.asarray(raw["sigma"][i], dtype=np.float64) for i in fit], labels[fit],
-                              offset=raw["offset"])
-        head_update, posthoc = {"zeta": zeta}, {"kind": "zeta", "zeta": zeta, **info}
-    elif kind == "softmax" and config.posthoc:
-        temperature, info = fit_temperature([np.asarray(raw["probs"][i], dtype=np.float64) for i in fit], labels[fit])
-        head_update, posthoc = {"temperature": temperature}, {"kind": "temperature", "temperature": temperature, **info}
-    outputs = posthoc_outputs(kind, raw, head_update)
+def _decide(outputs: Outputs, labels: np.ndarray, fit: np.ndarray, cal: np.ndarray,
+            config: CalibrationConfig) -> tuple[Abstention, Conformal, dict]:
+    """The gate (on the ``fit`` indices), the risk-controlled threshold and the conformal quantiles (on the ``cal``
+    indices) of post-hoc ``outputs``; returns them with their record (gate, risk control, in-sample sets)."""
     conf = outputs.confidence
-    hits = np.asarray([float(np.argmax(p) == y) for p, y in zip(outputs.probs, labels)])
+    hits = np.asarray([float(np.argmax(p) == y) for p, y in zip(outputs.probs, labels, strict=True)])
     score = outputs.ood_score()
     ood_name = "inverse_uncertainty" if outputs.uncertainty is not None else "max_probability"
     threshold = gate_threshold(score[fit], config.ood_rejection_rate)
@@ -294,20 +271,79 @@ def calibrate_outputs(kind: str, raw: dict, labels, config: CalibrationConfig) -
         members = [prediction_set(outputs.probs[i], q, s) for i in cal]
         sets[s] = {"coverage": float(np.mean([y in m for y, m in zip(labels[cal], members)])),
                    "mean_size": float(np.mean([len(m) for m in members]))}
+    return abstention, conformal, {"gate": gate, "risk_control": risk.to_dict(),
+                                   "conformal_in_sample": {"alpha": config.alpha, **sets},
+                                   "metrics": metrics.summarise(
+                                       [outputs.probs[i] for i in cal], labels[cal],
+                                       None if outputs.uncertainty is None else outputs.uncertainty[cal])}
+
+
+def calibrate_outputs(kind: str, raw: dict, labels, config: CalibrationConfig) -> tuple[dict, Outputs, dict]:
+    """Everything ibedl.training.calibrate decides, from the raw head outputs of N labelled questions.
+
+    Args:
+        kind: the head kind (``softmax``, ``evidential``, ``ib_edl``).
+        raw: per-question lists with the head's post-hoc parameter at its neutral value: ``probs`` always,
+            ``alpha`` and ``uncertainty`` for Dirichlet heads, ``sigma`` for IB-EDL.
+        labels: (N,) answer indices.
+
+    Returns:
+        (head_update, outputs, sections): the head config keys to set (``zeta`` or ``temperature``), the
+        post-hoc outputs of all N questions, and the manifest's ``abstention``, ``conformal``,
+        ``calibration`` and ``reference`` sections.
+    """
+    labels = np.asarray(labels, dtype=np.int64)
+    n = len(labels)
+    fit, cal = split(n, config.fit_fraction, config.seed)
+    # Without the post-hoc step the parameter is set neutral: the thresholds below assume it.
+    key = POSTHOC_KEYS.get(kind)
+    head_update: dict = {} if key is None else {key: POSTHOC_NEUTRAL[key]}
+    posthoc: dict = {"kind": None}
+    if kind == "ib_edl" and config.posthoc:
+        zeta, info = fit_zeta([np.asarray(raw["alpha"][i], dtype=np.float64) for i in fit],
+                              [np.asarray(raw["sigma"][i], dtype=np.float64) for i in fit], labels[fit],
+                              offset=raw["offset"])
+        head_update, posthoc = {"zeta": zeta}, {"kind": "zeta", "zeta": zeta, **info}
+    elif kind == "softmax" and config.posthoc:
+        temperature, info = fit_temperature([np.asarray(raw["probs"][i], dtype=np.float64) for i in fit], labels[fit])
+        head_update, posthoc = {"temperature": temperature}, {"kind": "temperature", "temperature": temperature, **info}
+    outputs = posthoc_outputs(kind, raw, head_update)
+    conf = outputs.confidence
+    counts = np.asarray([len(p) for p in outputs.probs])
+    present = sorted({int(c) for c in counts})
+    groups = {c: counts == c for c in present if (counts == c).sum() >= MIN_PER_COUNT}
+    if len(present) > 1 and len(groups) > 1:  # calibrated per option count: each keeps its own promises
+        skipped = sorted(set(present) - set(groups))
+        if skipped:
+            log.warning("option counts %s have fewer than %d questions: not calibrated, answers with them will say "
+                        "that no guarantee holds", skipped, MIN_PER_COUNT)
+        decided = {c: _decide(outputs, labels, fit[g[fit]], cal[g[cal]], config) for c, g in groups.items()}
+        main = max(groups, key=lambda c: (int(groups[c].sum()), -c))  # the most common count: the top level's
+        abstention, conformal, record = decided[main]
+        abstention.by_options = {str(c): {"ood_threshold": a.ood_threshold, "min_confidence": a.min_confidence,
+                                          "how": a.how} for c, (a, _, _) in decided.items()}
+        conformal.by_options = {str(c): {"quantiles": k.quantiles, "n": k.n} for c, (_, k, _) in decided.items()}
+        claimed, per_count = sorted(groups), {str(c): r for c, (_, _, r) in decided.items()}
+    else:  # one calibration over the sample's mixture of counts
+        abstention, conformal, record = _decide(outputs, labels, fit, cal, config)
+        claimed, per_count = present, None
+    # drift is watched on the traffic's usual count: per count, the reference is the main count's questions
+    pool = np.arange(n) if per_count is None else np.flatnonzero(counts == main)
     rng = np.random.default_rng(config.seed)
-    ref_idx = np.sort(rng.choice(n, size=min(config.reference_size, n), replace=False))
+    ref_idx = np.sort(rng.choice(pool, size=min(config.reference_size, len(pool)), replace=False))
     reference = {
-        "split": "calibration sample (fit and calibration parts)",
+        "split": "calibration sample (fit and calibration parts)"
+                 + ("" if per_count is None else f", questions with {main} options"),
         "uncertainty": (None if outputs.uncertainty is None
                         else [round(float(outputs.uncertainty[i]), 6) for i in ref_idx]),
         "confidence": [round(float(conf[i]), 6) for i in ref_idx],
     }
     calibration = {
         "n": n, "n_fit": int(len(fit)), "n_calibration": int(len(cal)), "seed": config.seed,
-        "option_counts": sorted({len(p) for p in outputs.probs}),
+        "option_counts": claimed,
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()},
-        "posthoc": posthoc, "gate": gate, "risk_control": risk.to_dict(),
-        "conformal_in_sample": {"alpha": config.alpha, **sets},
+        "posthoc": posthoc, **record,
+        **({"by_options": per_count} if per_count else {}),
         "metrics": metrics.summarise([outputs.probs[i] for i in cal], labels[cal],
                                      None if outputs.uncertainty is None else outputs.uncertainty[cal]),
     }
@@ -427,6 +463,13 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"share fitting the post-hoc step and the gate (default {defaults.fit_fraction})")
     parser.add_argument("--no-posthoc", action="store_true", help="keep zeta / temperature neutral")
     parser.add_argument("--seed", type=int, default=0, help="seed of the --limit subset and of the split")
+    parser.add_argument("--option-counts", type=parse_counts,
+                        help="calibrate for these option counts (e.g. 2,3,4,5,6): each question is also asked with "
+                        "each other count (its own distractors dropped, or wrong options borrowed from other "
+                        "questions; ibedl.training.data.option_counts) and the gate, threshold and sets are "
+                        "calibrated per count; answers with any other count say that no guarantee holds")
+    parser.add_argument("--per-count", type=int, default=500,
+                        help="questions asked with each count other than their own (default 500)")
     parser.add_argument("--outputs", help="read the model's raw outputs on --dataset/--split from this file "
                         "(written by --save-outputs or python -m benchmarks.decisions score) instead of running the "
                         "model")
@@ -496,7 +539,8 @@ def main(argv: list[str] | None = None) -> int:
         head_update = {}  # decided on the served outputs: the served post-hoc parameter (zeta, temperature) stays
     evaluated = None
     if args.evaluate_split:
-        eval_args = argparse.Namespace(**{**vars(args), "split": args.evaluate_split, "limit": None})
+        eval_args = argparse.Namespace(**{**vars(args), "split": args.evaluate_split, "limit": None,
+                                          "option_counts": None})
         try:
             if args.outputs:
                 ekind, eraw, elabels = read_outputs(args.outputs, f"{args.dataset}_{args.evaluate_split}", source,
@@ -601,6 +645,8 @@ def run_model(args, source: Path, load_dataset) -> tuple[str, dict, list[int], s
     from ibedl.core.predictor import Predictor
 
     questions = load_dataset(args.dataset, args.split, path=args.path, limit=args.limit, seed=args.seed)
+    if getattr(args, "option_counts", None):
+        questions = vary_option_counts(questions, args.option_counts, args.per_count, args.seed)
     missing = [i for i, q in enumerate(questions) if q.answer is None]
     if missing:
         raise ValueError(f"questions {missing[:5]} of {args.dataset}/{args.split} have no answer to calibrate on")

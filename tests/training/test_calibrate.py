@@ -150,7 +150,7 @@ class TestCalibrateOutputs:
         abst = Abstention(**sections["abstention"])
         conformal = Conformal(**sections["conformal"])
         cal = sections["calibration"]
-        assert cal["n_fit"] == 180 and cal["n_calibration"] == 420 and conformal.n == 420
+        assert cal["n_fit"] == 180 and cal["n_calibration"] == 420
         assert abst.ood_score == ("max_probability" if kind == "softmax" else "inverse_uncertainty")
         # The post-hoc outputs, recomputed here from the heads' definitions rather than by the code under test:
         # IB-EDL alpha -> max(alpha - zeta * sigma, offset), p = alpha / alpha0, u = C * offset / alpha0, OOD score
@@ -158,14 +158,39 @@ class TestCalibrateOutputs:
         probs, ood = reference_outputs(kind, raw, head_update)
         assert np.allclose(np.concatenate(outputs.probs), np.concatenate(probs), rtol=1e-12, atol=1e-12)
         assert np.allclose(outputs.ood_score(), ood, rtol=1e-12, atol=0)
-        # The gate is the k-th smallest OOD score of the fit part, k = floor(0.05 * (n_fit + 1)) = floor(9.05) = 9.
-        fit, _ = split(600, 0.3, 0)
-        assert len(fit) == 180 and abst.ood_threshold == pytest.approx(np.sort(ood[fit])[9 - 1], rel=1e-12)
-        risk = cal["risk_control"]
-        assert risk["certified"] and risk["accuracy_lower_bound"] >= 0.8 - 1e-12
-        assert abst.min_confidence == risk["min_confidence"]
-        assert sorted(conformal.alphas()) == [0.01, 0.02, 0.05, 0.1, 0.2]
-        assert len(sections["reference"]["confidence"]) == 600
+        # 2..5 options, about 150 questions each: calibrated per count. Each count's gate is the k-th smallest OOD
+        # score of its questions in the fit part, k = floor(0.05 * (n_fit_c + 1)); its quantiles rest on its
+        # questions in the calibration part; the top level is the most common count's.
+        fit, cal_idx = split(600, 0.3, 0)
+        counts = np.asarray([len(p) for p in raw["probs"]])
+        assert cal["option_counts"] == [2, 3, 4, 5] == sorted(map(int, abst.by_options))
+        for c in (2, 3, 4, 5):
+            fit_c, cal_c = fit[counts[fit] == c], cal_idx[counts[cal_idx] == c]
+            k = int(np.floor(0.05 * (len(fit_c) + 1)))
+            mine = abst.for_options(c)
+            assert mine.ood_threshold == pytest.approx(np.sort(ood[fit_c])[k - 1], rel=1e-12)
+            assert conformal.for_options(c).n == len(cal_c) == cal["by_options"][str(c)]["risk_control"]["n"] + \
+                int(np.sum(ood[cal_c] < mine.ood_threshold))  # LTT sees the questions the gate lets through
+            risk = cal["by_options"][str(c)]["risk_control"]
+            assert mine.min_confidence == risk["min_confidence"] and mine.how["n"] == len(cal_c)
+            assert not risk["certified"] or risk["accuracy_lower_bound"] >= 0.8 - 1e-12
+        main = max((2, 3, 4, 5), key=lambda c: (int(np.sum(counts == c)), -c))
+        assert abst.ood_threshold == abst.for_options(main).ood_threshold
+        assert conformal.n == conformal.for_options(main).n
+        assert abst.for_options(7) is abst  # a count never calibrated: the top level (answers say no guarantee holds)
+        assert sorted(conformal.alphas()) == [0.01, 0.02, 0.05, 0.1, 0.2] and conformal.delta == 0.1
+        assert len(sections["reference"]["confidence"]) == int(np.sum(counts == main))  # drift: the main count
+
+    def test_a_sample_with_few_questions_per_count_is_calibrated_once(self):
+        raw, labels = _synthetic("ib_edl", n=300)  # about 75 per count: fewer than MIN_PER_COUNT
+        _, outputs, sections = calibrate_outputs("ib_edl", raw, labels, CalibrationConfig(target_accuracy=0.8))
+        abst, cal = Abstention(**sections["abstention"]), sections["calibration"]
+        assert abst.by_options == {} and "by_options" not in cal and cal["option_counts"] == [2, 3, 4, 5]
+        # the gate is the k-th smallest OOD score of the whole fit part, k = floor(0.05 * (90 + 1)) = 4
+        fit, _ = split(300, 0.3, 0)
+        assert abst.ood_threshold == pytest.approx(np.sort(outputs.ood_score()[fit])[4 - 1], rel=1e-12)
+        assert cal["risk_control"]["delta"] == 0.01 and sections["conformal"]["delta"] == 0.01
+        assert len(sections["reference"]["confidence"]) == 300
 
     def test_no_posthoc_sets_the_parameter_neutral(self):
         raw, labels = _synthetic("ib_edl")
