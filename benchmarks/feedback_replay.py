@@ -15,10 +15,18 @@ Per seed:
   (SciQ without passages, OBQA, ARC-Easy, ARC-Challenge, RACE without its article), each drawn with replacement.
   Every question is labelled, its label arriving ``Uniform{0..--delay}`` questions after its answer, and the
   labels are read in arrival order (as ``POST /v1/feedback`` records them). The alert is the service's
-  (``ibedl.engine.feedback`` with ``IBEDL_GUARANTEE_ALPHA`` 0.05): answered accuracy's confidence-sequence upper
+  (``ibedl.engine.feedback`` with ``IBEDL_GUARANTEE_ALPHA``'s default): answered accuracy's confidence-sequence upper
   bound below the stated 0.9 target, or set coverage's below its nominal 0.9. Reported: how many labelled answered
   questions *of the shifted stream* had arrived when it fired (and labelled questions for the coverage alert).
 - *in distribution*: SciQ test alone until 2,000 labelled answered questions: does either alert ever fire?
+- *healthy deployments* (``--draws``, default 200): what the alert's false-alarm rate is over calibration draws,
+  as a guarantee stated with a calibration delta must be tested. The population is the stored in-distribution
+  outputs (SciQ validation and test, 2,000 questions); each draw calibrates afresh, as
+  ``python -m ibedl.training.calibrate`` does with the artifact's settings, on ``--calibration-size`` questions
+  drawn from it (i.i.d., with replacement), then serves ``--labels`` (10,000) more i.i.d. labelled questions from
+  it through that draw's own rule. Reported per guarantee: the share of draws whose served rule misses its stated
+  level on the population (at most the calibration's delta in expectation), and the share whose alert ever fires
+  (at most delta + alpha/2), and for either guarantee against the documented bound 2 x (delta + alpha/2).
 - the adaptive sets (``ibedl.engine.adaptive``, rate ``--rate``) follow the same delayed labels; their coverage
   and size before and after the shift beside the calibrated sets'.
 
@@ -44,10 +52,13 @@ from ibedl.core.artifact import read_manifest
 from ibedl.core.conformal import option_scores
 from ibedl.engine.adaptive import QuantileTracker
 from ibedl.engine.confidence_sequence import BettingCS
+from ibedl.engine.settings import EngineSettings
+from ibedl.training.calibrate import CalibrationConfig, calibrate_outputs, posthoc_outputs
 
 SHIFTS = ("sciq_no_passage", "obqa", "arc_easy", "arc_challenge", "race_no_article")
 IN_DISTRIBUTION = "sciq_test"
-ALPHA = 0.05  # IBEDL_GUARANTEE_ALPHA's default
+HEALTHY_POOL = ("sciq_validation", "sciq_test")  # the in-distribution population of the healthy draws
+ALPHA = EngineSettings.model_fields["guarantee_alpha"].default  # IBEDL_GUARANTEE_ALPHA's default
 FALSE_ALARM_ANSWERED = 2000
 CAP_ANSWERED = 1000  # labelled answered shifted questions replayed at most (the alert may not have fired by then)
 
@@ -165,6 +176,82 @@ def coverage_rows(runs: list[dict], n_before: int) -> dict:
             "300_to_2000_after_shift": set_phase(runs, n_before + 300, n_before + 2000)}
 
 
+def healthy_draws(args, dump: dict, manifest) -> dict:
+    """False alarms over calibration draws: each draw calibrates on its own i.i.d. sample of the in-distribution
+    population and then streams i.i.d. labels through its own served rule (see the module docstring)."""
+    from ibedl.core.artifact import Abstention, Conformal
+    from ibedl.core.conformal import prediction_set
+    from ibedl.engine.abstention import decide
+
+    stored = manifest.calibration.get("config", {})
+    config = CalibrationConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in stored.items()})
+    pool = {"labels": [], "probs": [], "alpha": [], "sigma": []}
+    for name in HEALTHY_POOL:
+        stream = dump["streams"][name]
+        for key in pool:
+            pool[key] += list(stream[key]) if stream.get(key) is not None else []
+    for key in ("alpha", "sigma"):
+        if not pool[key]:
+            pool[key] = None
+    labels, n = np.asarray(pool["labels"]), len(pool["labels"])
+    raw = {**{k: v for k, v in pool.items() if k != "labels"}, "offset": dump["offset"]}
+    pick = lambda idx: {k: (None if v is None else [v[i] for i in idx]) if isinstance(v, list) or v is None  # noqa: E731
+                        else v for k, v in raw.items()}
+    rng = np.random.default_rng(1)
+    answered = np.zeros((args.draws, n), dtype=bool)
+    correct = np.zeros((args.draws, n), dtype=bool)
+    covered = np.zeros((args.draws, n), dtype=bool)
+    targets, nominals, deltas = set(), set(), set()
+    for d in range(args.draws):
+        idx = rng.integers(0, n, args.calibration_size)
+        head_update, _, sections = calibrate_outputs(dump["kind"], pick(idx), labels[idx], config)
+        limits, conformal = Abstention(**sections["abstention"]), Conformal(**sections["conformal"])
+        outputs = posthoc_outputs(dump["kind"], raw, head_update)
+        u, conf = outputs.uncertainty, outputs.confidence
+        answered[d] = [decide(None if u is None else float(u[i]), float(conf[i]), limits) is None for i in range(n)]
+        correct[d] = [int(np.argmax(p)) == y for p, y in zip(outputs.probs, labels, strict=True)]
+        q = conformal.quantile()
+        covered[d] = [int(y) in prediction_set(p, q, conformal.score) for p, y in zip(outputs.probs, labels,
+                                                                                           strict=True)]
+        targets.add(float(limits.how["target_accuracy"])), nominals.add(round(1.0 - conformal.alpha, 6))
+        deltas.add(conformal.delta), deltas.add(limits.how["delta"])
+    (target,), (nominal,), (delta,) = targets, nominals, deltas
+    # the served rules' own levels on the population
+    level_acc = (correct & answered).sum(1) / np.maximum(answered.sum(1), 1)
+    level_cov = covered.mean(1)
+    traffic = rng.integers(0, n, (args.draws, args.labels))
+    rows = np.arange(args.draws)[:, None]
+    t_answered, t_correct, t_covered = answered[rows, traffic], correct[rows, traffic], covered[rows, traffic]
+    accuracy, coverage = BettingCS(ALPHA, (args.draws,)), BettingCS(ALPHA, (args.draws,))
+    fired_acc = np.full(args.draws, -1)
+    fired_cov = np.full(args.draws, -1)
+    for k in range(args.labels):
+        accuracy.update(t_correct[:, k], active=t_answered[:, k])
+        coverage.update(t_covered[:, k])
+        fired_acc[(fired_acc < 0) & accuracy.below_target(target)] = k
+        fired_cov[(fired_cov < 0) & coverage.below_target(nominal)] = k
+    bound = 2 * (delta + ALPHA / 2)
+    either = (fired_acc >= 0) | (fired_cov >= 0)
+    return {
+        "draws": args.draws, "calibration_size": args.calibration_size, "labels": args.labels,
+        "population": f"{' + '.join(HEALTHY_POOL)} stored outputs ({n} questions)",
+        "calibration_config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(config).items()},
+        "delta": delta, "guarantee_alpha": ALPHA, "target_accuracy": target, "nominal_coverage": nominal,
+        "answered_accuracy": {"rule_below_target_on_population": float(np.mean(level_acc < target)),
+                              "population_level_mean": float(level_acc.mean()),
+                              "population_level_p5": float(np.percentile(level_acc, 5)),
+                              "answered_share_mean": float(answered.mean()),
+                              "false_alarm": float(np.mean(fired_acc >= 0)), "bound": delta + ALPHA / 2},
+        "set_coverage": {"rule_below_nominal_on_population": float(np.mean(level_cov < nominal)),
+                         "population_level_mean": float(level_cov.mean()),
+                         "population_level_p5": float(np.percentile(level_cov, 5)),
+                         "false_alarm": float(np.mean(fired_cov >= 0)), "bound": delta + ALPHA / 2},
+        "false_alarm_any": float(either.mean()),
+        "documented_bound": bound,
+        "met": bool(either.mean() <= min(bound, 0.05)),
+    }
+
+
 def service_run(args) -> dict:
     """The loop once through the real service: answers, receipts, delayed labels, the guarantees as served."""
     import tempfile
@@ -244,6 +331,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=0.01, help="the adaptive sets' step (IBEDL_ADAPTIVE_RATE)")
     parser.add_argument("--output", help="default benchmarks/results/feedback_replay.json "
                         "(feedback_service.json with --service)")
+    parser.add_argument("--draws", type=int, default=200, help="healthy deployments: calibration draws")
+    parser.add_argument("--calibration-size", type=int, default=1000,
+                        help="healthy deployments: questions each draw calibrates on")
+    parser.add_argument("--labels", type=int, default=10_000, help="healthy deployments: labels streamed per draw")
+    parser.add_argument("--only-healthy", action="store_true", help="run the healthy deployments only")
     parser.add_argument("--service", action="store_true", help="run the loop once through the real service instead")
     parser.add_argument("--service-before", type=int, default=48, help="SciQ test questions before the shift")
     parser.add_argument("--service-after", type=int, default=160, help="ARC-Challenge questions after it")
@@ -263,6 +355,12 @@ def main(argv: list[str] | None = None) -> int:
     streams = {name: stream_arrays(served(dump, name, manifest), conformal) for name in (IN_DISTRIBUTION, *SHIFTS)}
     base = streams[IN_DISTRIBUTION]
     rng = np.random.default_rng(0)
+    healthy = healthy_draws(args, dump, manifest)
+    print(f"healthy deployments: {healthy}", file=sys.stderr)
+    if args.only_healthy:
+        write_result(args.output, {"artifact": args.artifact, "version": str(manifest.version),
+                                   "outputs": f"{args.scores_dir}/{args.name}.json", "healthy_deployments": healthy})
+        return 0
 
     result = {
         "artifact": args.artifact, "version": str(manifest.version), "outputs": f"{args.scores_dir}/{args.name}.json",
@@ -291,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"in distribution: false alarms {result['in_distribution']}", file=sys.stderr)
 
+    result["healthy_deployments"] = healthy
     result["shifts"] = {}
     for name in SHIFTS:
         after = streams[name]
@@ -314,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
 
     low = [n for n in SHIFTS if result["streams"][n]["answered_accuracy"] <= 0.6]
     result["done_when"] = {
+        "healthy_false_alarm_any_at_most_documented_and_5pct": healthy["met"],
         "false_alarm_accuracy_at_most_5pct": result["in_distribution"]["false_alarm_accuracy"] <= 0.05,
         "false_alarm_any_at_most_5pct": result["in_distribution"]["false_alarm_any"] <= 0.05,
         "shifts_at_most_60pct_accuracy": low,

@@ -56,3 +56,15 @@ def test_a_bad_per_count_entry_is_refused_at_load(per_count):
     with pytest.raises(ArtifactError, match="by_options keys are option counts 2..26 as strings, got '1'"):
         write_manifest(per_count, m)
         check_artifact(per_count)
+
+
+def test_labels_of_a_count_never_calibrated_test_no_guarantee(make_client, per_count, tmp_path):
+    with make_client(artifact=per_count, feedback_key="test-feedback-key", feedback_db=tmp_path / "f.sqlite") as c:
+        six = ok_json(c.post("/predict", json={"question": "Which?", "options": ["a", "b", "c", "d", "e", "f"]}))
+        three = ok_json(c.post("/predict", json={"question": "Which?", "options": ["sun", "moon", "tree"]}))
+        for answer in (six, three):
+            ok_json(c.post("/v1/feedback", json={"receipt": answer["receipt"], "label": "A"}))
+        rows = {g["guarantee"]: g["labels"] for g in ok_json(c.get("/v1/guarantees"))["guarantees"]}
+    assert rows["answered_share"] == 2  # both are counted as traffic
+    assert rows["set_coverage"] == 1  # only the 3-option answer tests the stated coverage
+    assert rows.get("answered_accuracy", 0) == (0 if three["abstained"] else 1)
