@@ -184,6 +184,18 @@ def _decisions_section(m: Manifest) -> list[str]:
     out.append(f"- Served by default: score `{c.score}` at alpha {num(c.alpha)} (coverage {num(1 - c.alpha)}), "
                f"from {c.n} calibration questions; stored alphas {', '.join(num(x) for x in c.alphas())} for scores "
                f"{', '.join(sorted(c.quantiles))}.")
+    if c.delta is None:
+        out.append("- Marginal coverage: at least 1 - alpha on average over calibration samples (the served sets' "
+                   "own coverage may be lower).")
+    else:
+        out.append(f"- Training-conditional coverage: the served sets cover at least 1 - alpha of exchangeable "
+                   f"questions with probability at least {num(1 - c.delta)} over the calibration sample (delta "
+                   f"{num(c.delta)}).")
+    counts = m.calibration.get("option_counts")
+    if counts:
+        per = " each calibrated on its own questions" if c.by_options else ""
+        out.append(f"- Option counts covered: {', '.join(map(str, counts))}{per}; answers with any other count "
+                   "carry no guarantee (`guarantees.holds: false`).")
     in_sample = m.calibration.get("conformal_in_sample") or {}
     for score in sorted(k for k in in_sample if isinstance(in_sample[k], dict)):
         s = in_sample[score]
