@@ -29,6 +29,10 @@ GRID = 200  # candidate thresholds: quantiles of the calibration confidences
 # confidences alone, before any label is read). Starting stricter spends the whole error budget on a test
 # with too few questions to pass: at 20 answers and no error, P(Binomial(20, 0.1) = 0) = 0.12 > delta = 0.1.
 START_COVERAGE = 0.1
+# ... and at no fewer answers than twice the fewest that can pass at all (no error among m answers passes once
+# (1 - epsilon)^m <= delta: 44 at epsilon 0.1, delta 0.01), so that a few errors still can. Both depend on n,
+# epsilon and delta only, never on the labels, so the guarantee is untouched.
+START_PASSABLE_FACTOR = 2
 
 
 def binomial_p_value(errors: int, n: int, epsilon: float) -> float:
@@ -61,7 +65,8 @@ class RiskControl:
     p_value: float | None
     candidates_tested: int
     procedure: str = ("learn-then-test: fixed-sequence testing of confidence thresholds from the one answering "
-                      "10% of the calibration questions down, exact binomial p-values")
+                      "10% of the calibration questions (and at least twice the fewest answers that can pass) down, "
+                      "exact binomial p-values")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -76,7 +81,8 @@ def control_accuracy(confidence, hits, target_accuracy: float, delta: float,
         hits: (N,) 1 where the top option is the right answer.
         target_accuracy: the accuracy to guarantee on answered questions, in (0, 1).
         delta: the allowed probability that the guarantee fails, in (0, 1).
-        start_coverage: the sequence starts at the strictest threshold answering at least this share.
+        start_coverage: the sequence starts at the strictest threshold answering at least this share (and at
+            least START_PASSABLE_FACTOR times the fewest answers that can pass at all).
 
     When no threshold is certified, ``min_confidence`` is 1.0 (answer only certain questions) and
     ``certified`` is False.
@@ -92,7 +98,8 @@ def control_accuracy(confidence, hits, target_accuracy: float, delta: float,
     if not 0.0 < start_coverage <= 1.0:
         raise ValueError(f"start_coverage must be in (0, 1], got {start_coverage!r}")
     n = len(conf)
-    min_answered = max(1, math.ceil(start_coverage * n))
+    passable = math.ceil(math.log(delta) / math.log(1.0 - (1.0 - target_accuracy)))  # (1 - eps)^m <= delta
+    min_answered = min(max(1, math.ceil(start_coverage * n), START_PASSABLE_FACTOR * passable), max(n, 1))
     epsilon = 1.0 - target_accuracy
     # Strictest first: thresholds descend, so each candidate answers a superset of the previous one's questions.
     cuts = np.unique(np.quantile(conf, np.linspace(0.0, 1.0, grid + 1)))[::-1] if n else np.array([])

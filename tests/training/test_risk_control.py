@@ -70,3 +70,15 @@ def test_guarantee_holds_on_calibrated_synthetic_data():
     assert np.mean(held) >= 1 - delta - 3 * np.sqrt(delta * (1 - delta) / 300)
     oracle = 1 - np.argmax(tail_mean >= target) / len(population)
     assert np.mean(coverage) > 0.5 * oracle
+
+
+def test_a_small_sample_at_a_small_delta_starts_where_a_test_can_pass():
+    """290 questions, delta 0.01: 10% is 29 answers, and no error among 29 gives P = 0.9^29 = 0.047 > 0.01, so a
+    sequence starting there stops at its first test. It starts at 2 x 44 answers instead (0.9^44 <= 0.01) and
+    certifies a threshold when the confident questions are right."""
+    rng = np.random.default_rng(0)
+    conf = rng.uniform(0.3, 1.0, 290)
+    hits = (rng.uniform(size=290) < np.where(conf > 0.6, 0.98, 0.5)).astype(float)
+    result = control_accuracy(conf, hits, target_accuracy=0.9, delta=0.01)
+    assert result.certified and result.answered >= 88 and result.accuracy_lower_bound >= 0.9
+    assert 0.9 ** 44 <= 0.01 < 0.9 ** 43

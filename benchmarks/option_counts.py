@@ -1,0 +1,136 @@
+"""The default's promises for every option count it claims, measured on SciQ test questions asked with 2 to 6
+options (built as calibration builds them: ibedl.training.data.option_counts), under the calibration of the backend
+that computed them:
+
+    python -m benchmarks.option_counts score [--backend openvino-int8] [--counts 2,3,5,6]
+    python -m benchmarks.option_counts analyse [--backend openvino-int8]
+
+``score`` runs the model once over the test variants (4 options: SciQ as it is) and keeps the raw outputs in
+``benchmarks/results/decision_scores/default-<backend>-test-options.json`` (resumable per count); ``analyse``
+serves them as the service does (each count's own gate, threshold and set when the calibration covered it) and
+writes ``benchmarks/results/option_counts.json``: per count the accuracy, the gate's refusals against its stated
+rate, the answered share and accuracy against the target, the sets' coverage against nominal, and whether the
+calibration claims the count at all. The test split is read once, for this report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import write_result
+from ibedl.core.artifact import read_manifest
+from ibedl.core.conformal import prediction_set
+from ibedl.engine.abstention import decide
+from ibedl.training.calibrate import posthoc_outputs
+from ibedl.training.data.option_counts import parse_counts
+
+SCORES = Path("benchmarks/results/decision_scores")
+
+
+def outputs_path(backend: str) -> Path:
+    return SCORES / f"default-{backend}-test-options.json"
+
+
+def score(args) -> int:
+    from ibedl.core.cpu_isa import int8_isa
+    from ibedl.core.predictor import Predictor
+    from ibedl.training.calibrate import raw_outputs, save_outputs
+    from ibedl.training.data import load_dataset
+    from ibedl.training.data.option_counts import vary_option_counts
+
+    questions = load_dataset("sciq", "test")
+    predictor = Predictor.from_artifact(args.artifact, backend=args.backend)
+    predictor.max_tokens = args.max_tokens
+    path = outputs_path(args.backend)
+    done = json.loads(path.read_text())["streams"] if path.is_file() else {}
+    for count in (4, *args.counts):
+        name = f"sciq_test_{count}_options"
+        if name in done:
+            continue
+        asked = questions if count == 4 else vary_option_counts(questions, (count,), seed=args.seed)
+        kind, raw = raw_outputs(predictor, asked, args.batch_size, progress=not args.no_progress)
+        done[name] = {"labels": [q.answer for q in asked], **raw}
+        extra = {"calibration_key": predictor.calibration_key,
+                 **({"int8_isa": int8_isa()} if predictor.backend == "openvino-int8" else {})}
+        save_outputs(path, Path(args.artifact), predictor.manifest, done, kind, raw["offset"], args.max_tokens,
+                     extra=extra)
+        print(f"{name}: {len(asked)} questions", file=sys.stderr, flush=True)
+    return 0
+
+
+def analyse(args) -> int:
+    manifest = read_manifest(Path(args.artifact))
+    dump = json.loads(outputs_path(args.backend).read_text())
+    calibration = manifest.calibration_for(dump["calibration_key"])
+    claimed = calibration.record.get("option_counts")
+    gate = calibration.record.get("gate", {})
+    rows = {}
+    for name, stream in sorted(dump["streams"].items(), key=lambda kv: int(kv[0].split("_")[2])):
+        count = int(name.split("_")[2])
+        outputs = posthoc_outputs(dump["kind"], {**stream, "offset": dump["offset"]}, calibration.head)
+        labels = np.asarray(stream["labels"])
+        limits = calibration.thresholds.for_options(count)
+        conformal = calibration.conformal.for_options(count)
+        u, conf = outputs.uncertainty, outputs.confidence
+        reasons = [decide(None if u is None else float(u[i]), float(conf[i]), limits) for i in range(len(labels))]
+        hits = np.asarray([int(np.argmax(p)) == y for p, y in zip(outputs.probs, labels, strict=True)])
+        answered = np.asarray([r is None for r in reasons])
+        q = conformal.quantile()
+        sets = [prediction_set(p, q, conformal.score) for p in outputs.probs]
+        covered = np.asarray([int(y) in s for y, s in zip(labels, sets, strict=True)])
+        refused = float(np.mean([r == "out_of_distribution" for r in reasons]))
+        target, nominal = limits.how.get("target_accuracy"), 1.0 - conformal.alpha
+        rate = gate.get("rejection_rate")
+        row = {
+            "questions": int(len(labels)), "claimed": claimed is None or count in claimed,
+            "own_calibration": str(count) in calibration.thresholds.by_options,
+            "accuracy": float(hits.mean()), "gate_refused": refused, "gate_stated_rate": rate,
+            "answered": float(answered.mean()),
+            "answered_accuracy": float(hits[answered].mean()) if answered.any() else None,
+            "target_accuracy": target, "set_coverage": float(covered.mean()), "nominal_coverage": nominal,
+            "mean_set_size": float(np.mean([len(s) for s in sets])),
+        }
+        row["met"] = {
+            "answered_accuracy_at_least_target": row["answered_accuracy"] is not None
+            and row["answered_accuracy"] >= target,
+            "set_coverage_within_2_points": abs(row["set_coverage"] - nominal) <= 0.02,
+            "gate_refusal_within_3_points": rate is not None and abs(refused - rate) <= 0.03,
+        }
+        rows[count] = row
+        print(f"{count} options: {row}", file=sys.stderr)
+    result = {
+        "artifact": args.artifact, "version": str(manifest.version), "backend": dump["calibration_key"],
+        "int8_isa": dump.get("int8_isa"), "outputs": str(outputs_path(args.backend)),
+        "calibration_command": calibration.record.get("command"), "claimed_option_counts": claimed,
+        "counts": rows,
+        "done_when": all(all(r["met"].values()) for r in rows.values() if r["claimed"]),
+    }
+    write_result(args.output, result)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.option_counts", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("score", "analyse"):
+        p = sub.add_parser(name)
+        p.add_argument("--artifact", default="artifacts/default")
+        p.add_argument("--backend", default="openvino-int8", help="the backend to run and whose calibration serves")
+    s = sub.choices["score"]
+    s.add_argument("--counts", default="2,3,5,6", type=parse_counts)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--batch-size", type=int, default=8)
+    s.add_argument("--max-tokens", type=int, default=1024)
+    s.add_argument("--no-progress", action="store_true")
+    sub.choices["analyse"].add_argument("--output", default="benchmarks/results/option_counts.json")
+    args = parser.parse_args(argv)
+    return score(args) if args.command == "score" else analyse(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
