@@ -34,7 +34,7 @@ from pydantic import ValidationError
 
 from ibedl.api import Checked, Model, load
 from ibedl.core.artifact import read_manifest
-from ibedl.engine.errors import EngineError, error_body
+from ibedl.engine.errors import EngineError, StoreUnavailable, error_body
 from ibedl.engine.feedback import Feedback
 from ibedl.engine.schemas import FeedbackRequest
 from ibedl.engine.settings import EngineSettings
@@ -205,11 +205,12 @@ def _record_line(feedback: Feedback, served: dict[str, str], line: int, text, li
 
 
 def feedback_main(artifacts: list[str], labels: Path, output: Path, limit: int = MAX_LINE_BYTES) -> int:
-    """``--feedback``: record labels into IBEDL_FEEDBACK_DB for the adapter versions of ``artifacts``."""
+    """``--feedback``: record labels into the feedback store (IBEDL_FEEDBACK_DB or IBEDL_FEEDBACK_DSN) for the adapter
+    versions of ``artifacts``."""
     settings = EngineSettings(artifacts=[Path(a) for a in artifacts])
-    if settings.feedback_key is None or settings.feedback_db is None:
+    if settings.feedback_key is None or (settings.feedback_db is None and settings.feedback_dsn is None):
         print("error: recording labels needs IBEDL_FEEDBACK_KEY (the key that signed the receipts) and "
-              "IBEDL_FEEDBACK_DB (the feedback store to record into)", file=sys.stderr)
+              "IBEDL_FEEDBACK_DB or IBEDL_FEEDBACK_DSN (the feedback store to record into)", file=sys.stderr)
         return 2
     served = {}
     for a in artifacts:
@@ -218,7 +219,7 @@ def feedback_main(artifacts: list[str], labels: Path, output: Path, limit: int =
     feedback = Feedback(settings)
     try:
         feedback.bind({})  # opens the store; no model is loaded, so no adaptive thresholds are needed
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, StoreUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     partial = output.with_name(output.name + ".partial")

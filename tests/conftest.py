@@ -134,3 +134,23 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     # integration tests opt back into the shared cache (see tests/integration/conftest.py).
     monkeypatch.setenv("IBEDL_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "ibedl-cache"))
 
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """One real PostgreSQL server for the session (tests/postgres.py), stopped and removed at the end."""
+    from tests.postgres import PostgresServer
+
+    with PostgresServer() as server:
+        yield server
+
+
+@pytest.fixture
+def postgres_dsn(postgres_server, request):
+    """The DSN (with its password) of a database of this test's own on the session's PostgreSQL server."""
+    import re
+
+    name = "t_" + re.sub(r"\W", "_", request.node.name.lower())[:40] + f"_{os.getpid()}"
+    dsn = postgres_server.create_database(name)
+    yield dsn
+    postgres_server.drop_database(name)

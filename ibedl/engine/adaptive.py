@@ -36,13 +36,18 @@ class QuantileTracker:
         if not rate > 0.0:
             raise ValueError(f"rate must be > 0, got {rate}")
         self.alpha, self.rate = float(alpha), float(rate)
-        self.quantile = min(max(float(start), 0.0), SCORE_BOUND)
+        self.start = min(max(float(start), 0.0), SCORE_BOUND)
         self.labels = 0
         self.misses = 0
 
+    @property
+    def quantile(self) -> float:
+        """The threshold now: the rule's steps summed, start + rate * (misses - alpha * labels), so the threshold
+        of a tracker restored from its counts (a replica that starts from the feedback store's states) is the one
+        of a tracker that saw every label, bit for bit."""
+        return self.start + self.rate * (self.misses - self.alpha * self.labels)
+
     def update(self, covered: bool) -> None:
         """One labelled question: whether its adaptive set held the right option."""
-        err = 0.0 if covered else 1.0
-        self.quantile += self.rate * (err - self.alpha)
         self.labels += 1
         self.misses += int(not covered)

@@ -29,6 +29,7 @@ References:
 from __future__ import annotations
 
 import math
+import zlib
 
 import numpy as np
 
@@ -85,6 +86,29 @@ class BettingCS:
         self._bet = np.where(keep, bet, self._bet)
         self.n = self.n + on
         self.total = self.total + np.where(on, x, 0.0)
+
+    def state(self) -> bytes:
+        """Everything the next outcome and the bounds depend on (the outcomes' count and sum, each gambler's log
+        wealth, bet and curvature), as zlib-compressed little-endian float64: ~36 kB for one stream. ``alpha`` is
+        not part of it (it only reads the wealth), so a state continues under any ``alpha``."""
+        parts = (self.n.astype(np.float64), self.total, self.log_wealth, self._bet, self._curvature)
+        return zlib.compress(np.concatenate([np.ravel(p) for p in parts]).astype("<f8").tobytes())
+
+    def restore(self, state: bytes) -> None:
+        """Continue from a :meth:`state` of a sequence with the same batch shape and grid: the bounds and every later
+        update are those of that sequence, bit for bit (the n outcomes it saw need not be seen again)."""
+        values = np.frombuffer(zlib.decompress(state), dtype="<f8")
+        streams, full = np.size(self.n), self.log_wealth.size
+        if values.size != 2 * streams + 3 * full:
+            raise ValueError(f"a state of {values.size} numbers is not one of this sequence (batch shape "
+                             f"{np.shape(self.n)}, grid {len(self.means) + 1}: {2 * streams + 3 * full} numbers)")
+        n, total, wealth, bet, curvature = np.split(values, np.cumsum([streams, streams, full, full]))
+        shape = np.shape(self.n)
+        self.n = n.astype(np.int64).reshape(shape)[()]  # [()]: a numpy scalar for one stream, as update leaves it
+        self.total = total.reshape(shape).copy()[()]
+        self.log_wealth = wealth.reshape(self.log_wealth.shape).copy()
+        self._bet = bet.reshape(self._bet.shape).copy()
+        self._curvature = curvature.reshape(self._curvature.shape).copy()
 
     def extend(self, xs) -> None:
         """Add a sequence of outcomes to a single stream (shape ()), in order."""

@@ -119,3 +119,11 @@ class TooManyLabels(EngineError):
     ``retry_after`` seconds."""
 
     type = "too_many_labels"
+
+
+class StoreUnavailable(EngineError):
+    """The feedback store did not answer within its timeout (``IBEDL_FEEDBACK_TIMEOUT_S``: another writer's lock, a
+    slow or unreachable server): try again after ``retry_after`` seconds. A label whose request timed out may have
+    been recorded all the same; sending it again is then a duplicate."""
+
+    type = "store_unavailable"

@@ -4,23 +4,24 @@ guarantees of each adapter version (answered accuracy, set coverage, answered sh
 with confidence sequences (``ibedl.engine.confidence_sequence``) that stay valid while they are watched; the
 adaptive sets (``ibedl.engine.adaptive``, off by default) follow the same labels.
 
-The store is one SQLite file that every replica opens (``IBEDL_FEEDBACK_DB``): a label counts once whichever
-replica receives it (the receipt id is the table's key) and every replica reads the same labels in the same order,
-so every replica reports the same bounds and adaptive thresholds. Without the setting the store lives in memory,
-per process (one replica, tests, notebooks). A receipt keeps its first label: the same label again is a duplicate,
-another one is refused (``LabelConflict``). Labels sent over HTTP are counted per credential in the store, so a
-credential's cap per time window (``LabelQuota``) holds across replicas.
+The store (``ibedl.engine.feedback_store``) is one that every replica opens: a SQLite file for the replicas of one
+host (``IBEDL_FEEDBACK_DB``) or a PostgreSQL database for several nodes (``IBEDL_FEEDBACK_DSN``). A label counts once
+whichever replica receives it (the receipt id is unique) and every replica folds the same labels in the same order,
+so every replica reports the same bounds and adaptive thresholds. A replica starts from the store's checkpoint (the
+sequences' states) and folds only the labels after it; whichever replica folds past the checkpoint moves it, so a
+start costs the same at a million labels as at none. Without a store setting it lives in memory, per process (one
+replica, tests, notebooks). A receipt keeps its first label: the same label again is a duplicate, another one is
+refused (``LabelConflict``). Labels sent over HTTP are counted per credential in the store, so a credential's cap
+per time window (``LabelQuota``) holds across replicas.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import sqlite3
+import logging
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 from pydantic import Field
@@ -30,59 +31,17 @@ from ibedl.core.prompt import LETTERS
 from ibedl.engine import schemas
 from ibedl.engine.adaptive import QuantileTracker
 from ibedl.engine.confidence_sequence import BettingCS
-from ibedl.engine.errors import (AdapterNotServed, FeedbackDisabled, InvalidRequest, LabelConflict, TooLarge,
-                                 TooManyLabels)
+from ibedl.engine.errors import AdapterNotServed, FeedbackDisabled, InvalidRequest, LabelConflict, StoreUnavailable
+from ibedl.engine.feedback_store import FeedbackStore, LabelQuota, Snapshot, open_store
 from ibedl.engine.receipts import Receipt, new_id, sign, verify
 from ibedl.engine.runtime import AdapterRuntime
 from ibedl.engine.settings import EngineSettings
 
 GUARANTEES = ("answered_accuracy", "set_coverage", "answered_share", "adaptive_set_coverage")
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS feedback (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    receipt_id TEXT NOT NULL UNIQUE,
-    question TEXT NOT NULL,
-    adapter TEXT NOT NULL,
-    version TEXT NOT NULL,
-    options INTEGER NOT NULL,
-    label INTEGER NOT NULL,
-    predicted INTEGER NOT NULL,
-    answered INTEGER NOT NULL,
-    target REAL,
-    covered INTEGER,
-    coverage REAL,
-    adaptive_covered INTEGER,
-    adaptive_coverage REAL,
-    probs TEXT NOT NULL,
-    alpha TEXT,
-    issued REAL NOT NULL,
-    recorded REAL NOT NULL,
-    credential TEXT
-)
-"""
-# what a credential's quota counts: its labels recorded since a time
-INDEX = "CREATE INDEX IF NOT EXISTS feedback_by_credential ON feedback (credential, recorded)"
-COLUMNS = ("receipt_id", "question", "adapter", "version", "options", "label", "predicted", "answered", "target",
-           "covered", "coverage", "adaptive_covered", "adaptive_coverage", "probs", "alpha", "issued", "recorded",
-           "credential")
-ADDED = {"credential": "TEXT"}  # columns added since the first store: a store without them gains them at open
+REPLAY_PAGE = 10_000  # labels folded per read when a replica catches up: memory and each read stay bounded
 
-
-@dataclass(frozen=True)
-class LabelQuota:
-    """At most ``labels`` new labels per ``window_s`` seconds from one ``credential`` (its name in the store), every
-    replica's together: the store counts them."""
-
-    credential: str
-    labels: int
-    window_s: float
-
-    def __post_init__(self) -> None:
-        if self.labels < 1:
-            raise ValueError(f"labels must be >= 1, got {self.labels}")
-        if self.window_s <= 0:
-            raise ValueError(f"window_s must be > 0, got {self.window_s}")
+log = logging.getLogger("ibedl.engine")
 
 
 class Guarantee(schemas.Guarantee):
@@ -102,122 +61,6 @@ def served_versions(runtimes: dict[str, AdapterRuntime]) -> dict[str, str]:
     return {name: rt.ref["version"] for name, rt in runtimes.items()}
 
 
-class FeedbackStore:
-    """Labelled answers, each once (by receipt id), in the order they were recorded. Thread-safe; several
-    processes may share one file (SQLite's lock serialises writers; ``seq`` grows in commit order).
-
-    Args:
-        path: the SQLite file (created with its directory); None keeps the store in memory.
-    """
-
-    def __init__(self, path: Path | None) -> None:
-        self.path = path
-        if path is not None:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-        try:
-            self._db = sqlite3.connect(":memory:" if path is None else str(path), timeout=30.0,
-                                       isolation_level=None, check_same_thread=False)
-            self._db.execute(SCHEMA)
-            found = self._columns()
-            missing = [c for c in COLUMNS if c not in found]
-            if missing and set(missing) <= set(ADDED):  # a store of an earlier version: its labels are kept
-                for column in missing:
-                    try:
-                        self._db.execute(f"ALTER TABLE feedback ADD COLUMN {column} {ADDED[column]}")
-                    except sqlite3.OperationalError:  # another replica added it first
-                        pass
-                found = self._columns()
-                missing = [c for c in COLUMNS if c not in found]
-            if not missing:
-                self._db.execute(INDEX)
-        except sqlite3.Error as e:
-            raise ValueError(f"cannot use the feedback store {path} (IBEDL_FEEDBACK_DB): {e}") from None
-        self._lock = threading.Lock()
-        if missing:
-            self._db.close()
-            raise ValueError(f"the feedback store {path} was written by another version of ibedl (no columns "
-                             f"{missing}): point IBEDL_FEEDBACK_DB at a new file")
-
-    def _columns(self) -> set[str]:
-        return {row[1] for row in self._db.execute("PRAGMA table_info(feedback)")}
-
-    def add(self, rows: list[dict], quota: LabelQuota | None = None) -> list[str]:
-        """Record ``rows`` (dicts of :data:`COLUMNS`) in one transaction. Per row: ``recorded``; ``duplicate``, its
-        receipt was recorded before (here or by another replica, or earlier in ``rows``) with the same label; or
-        ``conflict``, with another label. Nothing is written when any row conflicts.
-
-        Raises:
-            TooManyLabels: the rows would take ``quota.credential`` over its quota (nothing is written).
-            TooLarge: ``rows`` hold more new labels than the quota allows in a whole window.
-        """
-        columns = ", ".join(COLUMNS)
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")  # the write lock, held from the check to the insert
-            try:
-                statuses, seen = [], {}
-                for row in rows:
-                    rid = row["receipt_id"]
-                    if rid not in seen:
-                        found = self._db.execute("SELECT label FROM feedback WHERE receipt_id = ?", (rid,)).fetchone()
-                        if found is not None:
-                            seen[rid] = found[0]
-                    if rid in seen:
-                        statuses.append("duplicate" if seen[rid] == row["label"] else "conflict")
-                    else:
-                        statuses.append("recorded")
-                        seen[rid] = row["label"]
-                fresh = [row for row, status in zip(rows, statuses, strict=True) if status == "recorded"]
-                if "conflict" not in statuses:
-                    if quota is not None and fresh:
-                        self._check_quota(quota, len(fresh), rows[0]["recorded"])
-                    self._db.executemany(f"INSERT INTO feedback ({columns}) VALUES ({', '.join('?' * len(COLUMNS))})",
-                                         [[row[c] for c in COLUMNS] for row in fresh])
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-        return statuses
-
-    def _check_quota(self, quota: LabelQuota, new: int, now: float) -> None:
-        """Raise unless ``quota.credential`` may record ``new`` more labels at ``now`` (inside the transaction)."""
-        if new > quota.labels:
-            raise TooLarge(f"{new} new labels in one request; the labelling credential may record {quota.labels} "
-                           f"per {quota.window_s:g} s (IBEDL_MAX_LABELS): send them in smaller batches", "items")
-        since = now - quota.window_s
-        (count,) = self._db.execute("SELECT COUNT(*) FROM feedback WHERE credential = ? AND recorded > ?",
-                                    (quota.credential, since)).fetchone()
-        if count + new <= quota.labels:
-            return
-        # the labels recorded in the window drop out oldest first: wait until enough of them have
-        (oldest,) = self._db.execute("SELECT recorded FROM feedback WHERE credential = ? AND recorded > ? ORDER BY "
-                                     "recorded LIMIT 1 OFFSET ?", (quota.credential, since,
-                                                                   count + new - quota.labels - 1)).fetchone()
-        wait = max(1, math.ceil(oldest + quota.window_s - now))
-        raise TooManyLabels(f"this labelling credential recorded {count} labels in the last {quota.window_s:g} s; "
-                            f"it may record {quota.labels} per window (IBEDL_MAX_LABELS per IBEDL_LABEL_WINDOW_S): "
-                            f"retry after {wait} s", retry_after=wait)
-
-    def since(self, seq: int) -> list[dict]:
-        """The rows recorded after ``seq``, in order, each with its ``seq``."""
-        with self._lock:
-            cursor = self._db.execute(f"SELECT seq, {', '.join(COLUMNS)} FROM feedback WHERE seq > ? ORDER BY seq",
-                                      (seq,))
-            names = [d[0] for d in cursor.description]
-            return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
-
-    def labelled(self, adapter: str, version: str) -> list[dict]:
-        """Every row of one adapter version, in order."""
-        with self._lock:
-            cursor = self._db.execute(f"SELECT seq, {', '.join(COLUMNS)} FROM feedback WHERE adapter = ? AND "
-                                      "version = ? ORDER BY seq", (adapter, version))
-            names = [d[0] for d in cursor.description]
-            return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
-
-    def close(self) -> None:
-        with self._lock:
-            self._db.close()
-
-
 @dataclass
 class Tracked:
     """One realised guarantee of one adapter version: its stated level (None: none stated) and its sequence."""
@@ -233,7 +76,8 @@ class Feedback:
     """Receipts out, labels in, realised guarantees and adaptive thresholds from the store.
 
     Args:
-        settings: ``feedback_key`` (None: feedback off), ``feedback_db``, ``feedback_ttl_s``, ``guarantee_alpha``,
+        settings: ``feedback_key`` (None: feedback off), the store (``feedback_db`` or ``feedback_dsn``,
+            ``feedback_timeout_s``, ``feedback_retention_days``), ``feedback_ttl_s``, ``guarantee_alpha``,
             ``adaptive_sets``, ``adaptive_rate``.
         clock: unix seconds now (tests inject one).
     """
@@ -246,20 +90,23 @@ class Feedback:
         self.adaptive = settings.adaptive_sets
         self.adaptive_rate = settings.adaptive_rate
         self.clock = clock
-        self.db = settings.feedback_db
+        self._settings = settings  # what bind() opens the store from
         self.store: FeedbackStore | None = None  # opened by bind()
-        self.shared = settings.feedback_db is not None
+        self.shared = settings.feedback_db is not None or settings.feedback_dsn is not None
+        self.retention_s = settings.feedback_retention_days * 86400 or None  # None: raw labels kept for ever
         self._tracked: dict[tuple, Tracked] = {}
         self._trackers: dict[tuple[str, str], QuantileTracker] = {}
-        self._seq = 0
+        self._seq = 0  # the last label folded in
+        self._saved: dict[tuple, int] = {}  # labels of each series in the store's checkpoint, as last read or written
         self._lock = threading.Lock()
 
     def bind(self, runtimes: dict[str, AdapterRuntime]) -> None:
         """Start the adaptive thresholds of the served adapters (from their calibrated quantiles) and read the
-        labels already in the store: a replica that starts later reaches the same thresholds and bounds. Opens the
-        store (ValueError when it cannot be used)."""
+        labels already in the store (its checkpoint, then the labels after it): a replica that starts later reaches
+        the same thresholds and bounds. Opens the store (ValueError when it cannot be used, StoreUnavailable when it
+        does not answer)."""
         if self._key is not None and self.store is None:
-            self.store = FeedbackStore(self.db)
+            self.store = open_store(self._settings)
         if self.adaptive and self._key is not None:
             for rt in runtimes.values():
                 if rt.conformal is not None:
@@ -369,31 +216,76 @@ class Feedback:
     # -- guarantees -------------------------------------------------------------------------------
 
     def refresh(self) -> None:
-        """Read the labels recorded since the last refresh (by any replica), in store order, into the guarantees'
-        sequences and the adaptive thresholds."""
+        """Bring the guarantees' sequences and the adaptive thresholds up to the store: the states its checkpoint
+        moved past this replica (every state, at start), then the labels recorded after both (by any replica), in
+        store order, a page at a time; then move the checkpoint to what was folded. StoreUnavailable when the store
+        does not answer in time (what was folded stays folded)."""
         if self.store is None:
             return
         with self._lock:
-            rows = self.store.since(self._seq)
-            for row in rows:
-                a, v = row["adapter"], row["version"]
-                self._observe(a, v, "answered_share", None, row["answered"])
-                if row["answered"] and row["target"] is not None:
-                    self._observe(a, v, "answered_accuracy", row["target"], row["label"] == row["predicted"])
-                if row["covered"] is not None:
-                    self._observe(a, v, "set_coverage", row["coverage"], row["covered"])
-                if row["adaptive_covered"] is not None:
-                    self._observe(a, v, "adaptive_set_coverage", row["adaptive_coverage"], row["adaptive_covered"])
-                    tracker = self._trackers.get((a, v))
-                    if tracker is not None:
-                        tracker.update(bool(row["adaptive_covered"]))
-                self._seq = row["seq"]
+            while True:
+                snapshot = self.store.read(self._seq, REPLAY_PAGE)
+                if snapshot.checkpoint > self._seq:
+                    self._restore(snapshot)
+                self._fold(snapshot.rows)
+                self._save(snapshot.checkpoint)
+                if len(snapshot.rows) < REPLAY_PAGE:
+                    return
+
+    def _fold(self, rows: list[dict]) -> None:
+        """Labels after the last one folded, in store order, into the sequences and the adaptive thresholds."""
+        for row in rows:
+            a, v = row["adapter"], row["version"]
+            self._observe(a, v, "answered_share", None, row["answered"])
+            if row["answered"] and row["target"] is not None:
+                self._observe(a, v, "answered_accuracy", row["target"], row["label"] == row["predicted"])
+            if row["covered"] is not None:
+                self._observe(a, v, "set_coverage", row["coverage"], row["covered"])
+            if row["adaptive_covered"] is not None:
+                self._observe(a, v, "adaptive_set_coverage", row["adaptive_coverage"], row["adaptive_covered"])
+                tracker = self._trackers.get((a, v))
+                if tracker is not None:
+                    tracker.update(bool(row["adaptive_covered"]))
+            self._seq = row["seq"]
+
+    def _restore(self, snapshot: Snapshot) -> None:
+        """Take the store's checkpoint, past this replica's labels: the states of the series it moved (the others
+        are as this replica has them), and each adaptive threshold from its version's adaptive set coverage (the
+        threshold is a function of the labels and misses it saw)."""
+        for (adapter, version, guarantee, stated), state in snapshot.states.items():
+            self._series(adapter, version, guarantee, stated).cs.restore(state)
+        for (adapter, version), tracker in self._trackers.items():
+            seen = [t.cs for t in self._tracked.values()
+                    if (t.adapter, t.version, t.guarantee) == (adapter, version, "adaptive_set_coverage")]
+            tracker.labels = sum(int(cs.n) for cs in seen)
+            tracker.misses = tracker.labels - sum(int(round(float(cs.total))) for cs in seen)
+        self._seq = snapshot.checkpoint
+        self._saved = {key: int(t.cs.n) for key, t in self._tracked.items()}
+
+    def _save(self, checkpoint: int) -> None:
+        """Move the store's checkpoint (at label ``checkpoint``) to the last label folded here, with the states of
+        the series that changed since this replica last read or wrote it, and delete the raw labels past the
+        retention that it holds. A store that does not answer keeps its checkpoint: the next refresh tries again."""
+        changed = {key: t.cs.state() for key, t in self._tracked.items() if int(t.cs.n) != self._saved.get(key, 0)}
+        if self._seq <= checkpoint or not changed:
+            return
+        try:
+            self.store.save(self._seq, changed, None if self.retention_s is None else self.clock() - self.retention_s)
+        except StoreUnavailable as e:
+            log.warning("the feedback store's checkpoint stays at label %d: %s", checkpoint, e.message)
+            return
+        # moved, or another replica moved it as far or further: either way the store holds these states
+        self._saved.update({key: int(self._tracked[key].cs.n) for key in changed})
 
     def _observe(self, adapter: str, version: str, guarantee: str, stated: float | None, outcome) -> None:
+        self._series(adapter, version, guarantee, stated).cs.update(float(outcome))
+
+    def _series(self, adapter: str, version: str, guarantee: str, stated: float | None) -> Tracked:
+        """The realised guarantee of one series, empty the first time it is seen (a label, a checkpoint's state)."""
         key = (adapter, version, guarantee, stated)
         if key not in self._tracked:
             self._tracked[key] = Tracked(adapter, version, guarantee, stated, BettingCS(self.alpha))
-        self._tracked[key].cs.update(float(outcome))
+        return self._tracked[key]
 
     def guarantees(self, served: dict[str, str], adapter: str | None = None) -> list[dict]:
         """Every realised guarantee in the store (of ``adapter`` only, when given): ``adapter``, ``version``,

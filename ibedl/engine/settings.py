@@ -11,12 +11,15 @@ from typing import Annotated
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+SECRETS = ("feedback_key", "feedback_dsn")  # the engine's secrets: never shown in logs or error messages
+
 
 class EngineSettings(BaseSettings):
     """Engine settings; every field reads ``IBEDL_<NAME>`` (e.g. ``IBEDL_MAX_TOKENS=2048``). An unknown keyword is
     refused (``ibedl.load(api_token=...)`` is a mistake: the Python API has no HTTP settings)."""
 
-    model_config = SettingsConfigDict(env_prefix="IBEDL_", extra="forbid")
+    # an error names the setting and says what is wrong, but never quotes what was given (a key, a DSN's password)
+    model_config = SettingsConfigDict(env_prefix="IBEDL_", extra="forbid", hide_input_in_errors=True)
 
     artifact: Path = Field(Path("artifacts/default"), description="adapter directory to serve (one adapter)")
     artifacts: Annotated[list[Path], NoDecode] = Field(
@@ -92,8 +95,44 @@ class EngineSettings(BaseSettings):
     def _key_length(cls, v: SecretStr | None) -> SecretStr | None:
         if v is not None and len(v.get_secret_value()) < 16:
             raise ValueError(f"feedback_key must be at least 16 characters (e.g. openssl rand -hex 32), got "
-                             f"{len(v.get_secret_value())}")
+                             f"{len(v.get_secret_value())}")  # its length, never the key
         return v
+
+    @field_validator("feedback_dsn", mode="before")
+    @classmethod
+    def _dsn(cls, v):
+        """Surrounding whitespace dropped and empty is unset (a Secret file's newline, compose's empty default); a
+        DSN must be a PostgreSQL URI that parses. The message never quotes it: it holds a password."""
+        raw = v.get_secret_value() if isinstance(v, SecretStr) else v
+        if not isinstance(raw, str):
+            return v
+        raw = raw.strip()
+        if not raw:
+            return None
+        if not raw.startswith(("postgresql://", "postgres://")):
+            raise ValueError("feedback_dsn must be a PostgreSQL URI, postgresql://USER:PASSWORD@HOST:PORT/DATABASE "
+                             "(this one does not start with postgresql://)")
+        from psycopg import Error  # the serve extra's driver, only when a DSN is given
+        from psycopg.conninfo import conninfo_to_dict
+
+        try:
+            conninfo_to_dict(raw)
+        except Error:  # its message quotes the DSN
+            raise ValueError("feedback_dsn does not parse as a PostgreSQL URI (check its quoting: a password with "
+                             "@, : or / must be percent-encoded)") from None
+        return raw
+
+    @model_validator(mode="after")
+    def _one_store(self):
+        if self.feedback_db is not None and self.feedback_dsn is not None:
+            raise ValueError("IBEDL_FEEDBACK_DB and IBEDL_FEEDBACK_DSN both name a feedback store: set one (SQLite "
+                             "for the replicas of one host, PostgreSQL for several nodes)")
+        days = self.feedback_retention_days
+        if days and days * 86400 < self.feedback_ttl_s:
+            raise ValueError(f"IBEDL_FEEDBACK_RETENTION_DAYS ({days}) is shorter than IBEDL_FEEDBACK_TTL_S "
+                             f"({self.feedback_ttl_s} s, {self.feedback_ttl_s / 86400:g} days): a receipt whose label "
+                             "was deleted could be labelled again and count twice")
+        return self
 
     @model_validator(mode="after")
     def _adaptive_needs_feedback(self):

@@ -35,11 +35,16 @@ def settings_help(width: int = 100) -> str:
 
 
 def settings_errors(e: ValidationError) -> str:
-    """What is wrong with the settings, one line per field, with the value given (a token's never)."""
+    """What is wrong with the settings, one line per field, with the value given (a secret's never: a token, the
+    receipt key, the store's DSN). A rule across settings (no field) is shown without its input: that is every
+    setting given, secrets too."""
     lines = []
     for error in e.errors():
         name = ".".join(str(part) for part in error["loc"])
-        shown = "" if name in SECRET_SETTINGS or "input" not in error else f" (got {error['input']!r})"
+        if not name:
+            lines.append(error["msg"])
+            continue
+        shown = "" if name.split(".")[0] in SECRET_SETTINGS or "input" not in error else f" (got {error['input']!r})"
         lines.append(f"IBEDL_{name.upper()}: {error['msg']}{shown}")
     return "; ".join(lines)
 

@@ -8,17 +8,17 @@ import ipaddress
 from pydantic import Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from ibedl.engine.settings import EngineSettings
+from ibedl.engine.settings import SECRETS, EngineSettings
 
-
-SECRET_SETTINGS = ("api_token", "metrics_token", "label_token")  # never shown: not in logs, not in error messages
+TOKENS = ("api_token", "metrics_token", "label_token")
+SECRET_SETTINGS = (*SECRETS, *TOKENS)  # never shown: not in logs, not in error messages
 
 
 class Settings(EngineSettings):
     """Service settings; every field reads ``IBEDL_<NAME>`` (e.g. ``IBEDL_MAX_BATCH_SIZE=32``). The engine's
     fields come first (inherited); :meth:`engine` gives them to the engine alone."""
 
-    model_config = SettingsConfigDict(env_prefix="IBEDL_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="IBEDL_", extra="ignore", hide_input_in_errors=True)
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
@@ -71,7 +71,7 @@ class Settings(EngineSettings):
         """The engine's settings among these (the same values; validated when these were)."""
         return EngineSettings.model_construct(**{name: getattr(self, name) for name in EngineSettings.model_fields})
 
-    @field_validator(*SECRET_SETTINGS, mode="before")
+    @field_validator(*TOKENS, mode="before")
     @classmethod
     def _token(cls, v):
         """Surrounding whitespace dropped (a Secret file's trailing newline would lock every client out); an empty

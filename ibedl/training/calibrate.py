@@ -702,12 +702,13 @@ def save_outputs(path, directory: Path, manifest: Manifest, streams: dict, kind:
 
 def feedback_outputs(path, manifest: Manifest, minimum: int = 20) -> tuple[str, dict, list[int]]:
     """(kind, raw, labels) of the labelled answers of ``manifest``'s adapter version in a feedback store (the
-    service's ``IBEDL_FEEDBACK_DB``): the outputs the receipts carried, as served (post-hoc parameter applied)."""
-    from ibedl.engine.feedback import FeedbackStore
+    service's ``IBEDL_FEEDBACK_DB``, SQLite): the outputs the receipts carried, as served (post-hoc parameter
+    applied). The labels the store keeps: those past its retention (IBEDL_FEEDBACK_RETENTION_DAYS) are gone."""
+    from ibedl.engine.feedback_sqlite import SqliteStore
 
     if not Path(path).is_file():
         raise FileNotFoundError(f"no feedback store at {path} (the service's IBEDL_FEEDBACK_DB)")
-    store = FeedbackStore(Path(path))
+    store = SqliteStore(Path(path))
     try:
         rows = store.labelled(manifest.name, str(manifest.version))
     finally:

@@ -128,3 +128,33 @@ class TestGuaranteeCheck:
         for _ in range(150):
             cs.update(rng.random(100) < 0.6)
         assert cs.below_target(0.9).all()
+
+
+class TestState:
+    """What the feedback store's checkpoint keeps: a sequence restored from its state is the sequence, bit for bit,
+    under any alpha (the state holds the wealth, not a verdict)."""
+
+    @pytest.mark.parametrize("shape", [(), (3,)])
+    def test_a_restored_sequence_continues_bit_for_bit(self, shape):
+        rng = np.random.default_rng(3)
+        seen = BettingCS(0.05, shape)
+        for _ in range(200):
+            seen.update(rng.random(shape) < 0.8)
+        restored = BettingCS(0.01, shape)  # another alpha: the bounds at 0.05 are still the same
+        restored.restore(seen.state())
+        for _ in range(50):
+            x = rng.random(shape) < 0.6
+            seen.update(x)
+            restored.update(x)
+        assert np.array_equal(restored.log_wealth, seen.log_wealth) and np.array_equal(restored.n, seen.n)
+        assert np.array_equal(restored.bounds(0.05), seen.bounds()) and np.array_equal(restored.total, seen.total)
+        assert type(restored.n) is type(seen.n)  # a numpy scalar for one stream, an array for a batch
+
+    def test_a_state_is_compact(self):
+        cs = BettingCS(0.05)
+        cs.extend(np.random.default_rng(0).random(1000) < 0.9)
+        assert len(cs.state()) < 40_000  # 3 x 2 x 999 float64 (48 kB) before compression
+
+    def test_a_state_of_another_sequence_is_refused(self):
+        with pytest.raises(ValueError, match="not one of this sequence.*grid 1000"):
+            BettingCS(0.05).restore(BettingCS(0.05, grid=100).state())

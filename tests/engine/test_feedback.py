@@ -13,7 +13,8 @@ import pytest
 
 from ibedl.engine.adaptive import SCORE_BOUND, QuantileTracker
 from ibedl.engine.errors import InvalidReceipt, ReceiptExpired, TooLarge, TooManyLabels
-from ibedl.engine.feedback import COLUMNS, SCHEMA, FeedbackStore, LabelQuota
+from ibedl.engine.feedback_sqlite import SCHEMA, SqliteStore as FeedbackStore
+from ibedl.engine.feedback_store import COLUMNS, LabelQuota
 from ibedl.engine.receipts import Receipt, new_id, sign, verify
 
 KEY = b"k" * 32
@@ -166,6 +167,16 @@ class TestQuantileTracker:
         tracker.update(True)
         assert tracker.quantile == pytest.approx(0.508)
 
+    def test_a_tracker_set_from_its_counts_is_the_one_that_saw_the_labels(self):
+        """A replica restored from the store's checkpoint sets the counts: the same threshold, bit for bit."""
+        rng = np.random.default_rng(1)
+        seen = QuantileTracker(0.37, 0.1, 0.013)
+        for covered in rng.random(5000) < 0.85:
+            seen.update(bool(covered))
+        restored = QuantileTracker(0.37, 0.1, 0.013)
+        restored.labels, restored.misses = seen.labels, seen.misses
+        assert restored.quantile == seen.quantile
+
     def test_arguments_are_checked(self):
         with pytest.raises(ValueError, match="rate must be > 0, got 0"):
             QuantileTracker(0.5, 0.1, 0)
@@ -197,3 +208,35 @@ class TestSettings:
 
         with pytest.raises(ValidationError, match="IBEDL_ADAPTIVE_SETS needs IBEDL_FEEDBACK_KEY"):
             EngineSettings(adaptive_sets=True)
+
+    def test_a_bad_key_or_dsn_is_never_quoted(self):
+        """The errors name the setting and the rule, never what was given: a key, a DSN's password."""
+        from pydantic import ValidationError
+
+        from ibedl.engine.settings import EngineSettings
+
+        with pytest.raises(ValidationError) as e:
+            EngineSettings(feedback_key="short-secret")
+        assert "short-secret" not in str(e.value) and "got 12" in str(e.value)
+        for dsn, rule in [("mysql://u:pw-1234@db/x", "does not start with postgresql://"),
+                          ("postgresql://u:pw-1234@[db/x", "does not parse")]:
+            with pytest.raises(ValidationError, match=rule) as e:
+                EngineSettings(feedback_dsn=dsn)
+            assert "pw-1234" not in str(e.value)
+        settings = EngineSettings(feedback_dsn=" postgresql://u:pw-1234@db:5432/x\n")
+        assert settings.feedback_dsn.get_secret_value() == "postgresql://u:pw-1234@db:5432/x"
+        assert "pw-1234" not in repr(settings) and "pw-1234" not in str(settings)
+        assert EngineSettings(feedback_dsn="").feedback_dsn is None  # compose's empty default: no DSN
+
+    def test_one_store_and_a_retention_that_outlives_the_receipts(self, tmp_path):
+        from pydantic import ValidationError
+
+        from ibedl.engine.settings import EngineSettings
+
+        with pytest.raises(ValidationError, match="both name a feedback store") as e:
+            EngineSettings(feedback_db=tmp_path / "f.sqlite", feedback_dsn="postgresql://u:pw-1234@db/x")
+        assert "pw-1234" not in str(e.value)
+        with pytest.raises(ValidationError, match=r"RETENTION_DAYS \(10\) is shorter than IBEDL_FEEDBACK_TTL_S"):
+            EngineSettings(feedback_retention_days=10)
+        assert EngineSettings(feedback_retention_days=10, feedback_ttl_s=86400).feedback_retention_days == 10
+        assert EngineSettings(feedback_retention_days=0).feedback_retention_days == 0  # kept for ever
