@@ -78,8 +78,9 @@ RUN python -c "from ibedl.core.base_model import resolve_model; print(resolve_mo
 # The default adapter's OpenVINO IRs, exported here once: the fp32 IR that openvino-fp32 and openvino-bf16 both
 # compile, and the static int8 one NNCF quantises on the artifact's quantization_sample.jsonl (minutes, once); keyed
 # by the weights' and the sample's sha256, so /app/artifacts/default finds them. IBEDL_BACKEND=auto, the default,
-# times them at start and serves the fastest without an export's memory peak or a writable cache on a read-only
-# root filesystem (there it measures at every start: about half a minute).
+# is ready at once on torch (or this machine's cached winner), then times these IRs in the background and switches to
+# the fastest, without an export's memory peak; on a read-only root filesystem, where the measurement cannot be
+# cached, it measures after every start (about half a minute, answering meanwhile).
 COPY artifacts/default artifacts/default
 RUN for backend in openvino-fp32 openvino-int8; do \
       python -c "import sys; from ibedl.core.predictor import Predictor; Predictor.from_artifact('artifacts/default', backend=sys.argv[1])" "$backend"; \

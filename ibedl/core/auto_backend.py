@@ -1,20 +1,29 @@
-"""``IBEDL_BACKEND=auto``: the backend this machine runs an artifact fastest on, measured at start-up.
+"""``IBEDL_BACKEND=auto``: the backend this machine runs an artifact fastest on, by measurement.
 
 A CPU's flags do not say which precision is fastest: on one AVX512-BF16 CPU bfloat16 served 2.42x torch fp32, on
 another 0.76x (its bf16 matmul peak is half its fp32 one; benchmarks/results/cpu_backends.json). So ``auto`` times
-the trunk of every candidate (:data:`CANDIDATES`) this machine runs and the artifact carries a calibration for, on
-one batch of :data:`TIMING_QUESTIONS` prompts of a served length, and keeps the fastest. The measurement is cached
-under ``IBEDL_CACHE_DIR/backends/auto-<key>.json``, keyed by the CPU, thread count, library versions, adapter and
-candidates, so later starts read it; delete the file to measure again.
+the trunk of every candidate (:data:`CANDIDATES`) this machine runs and the artifact carries a calibration for, each
+against the fastest so far on batches of :data:`TIMING_QUESTIONS` prompts of a served length, the two alternated
+over :data:`TIMING_ROUNDS` rounds (median: a burst of other work slows both of a round alike), and keeps the faster
+(:func:`tournament`). The measurement is cached under ``IBEDL_CACHE_DIR/backends/auto-<key>.json``, keyed by the
+CPU, thread count, library versions, adapter and candidates.
+
+Loading never builds: :func:`start_choice` serves the cached measurement's winner when its IR is cached, else torch,
+and says which candidates are still to build and time. The service does that in the background
+(ibedl.serve.backend_switch) and switches when a faster one is proven; elsewhere
+``python -m ibedl.core.auto_backend --artifact DIR`` builds and times them (minutes, once per machine), and
+``--build NAME`` exports one backend's IR into the cache (what the service's background builder runs, niced).
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import hashlib
 import json
 import logging
 import platform
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -31,8 +40,8 @@ log = logging.getLogger(__name__)
 # Every backend auto may pick; torch, the reference, is always timed beside the OpenVINO ones it can run.
 CANDIDATES = ("openvino-int8", "openvino-bf16", "openvino-fp32", "torch")
 TIMING_QUESTIONS = 8  # the batch the issue's bar and the service's batcher use
-TIMING_REPEATS = 3  # timed calls per candidate after one warm-up; the fastest counts (the least disturbed)
-CHOICE_FORMAT = 1  # bump when what is timed changes
+TIMING_ROUNDS = 5  # rounds of a timed call of each of a pair, alternated (A B A B ...) after a warm-up; medians count
+CHOICE_FORMAT = 2  # bump when what is timed changes (2: interleaved medians of pairs)
 BUILD_ERRORS = (ImportError, OSError, RuntimeError, ValueError)  # a candidate that raises these is skipped
 # A SciQ-like prompt: a passage of about 250 tokens and four options (SciQ test prompts: 150-450 tokens).
 _PASSAGE = ("Mitochondria are the organelles where cellular respiration releases the energy stored in glucose. "
@@ -51,6 +60,9 @@ class AutoChoice:
         measured: when the timings were taken (ISO 8601, UTC).
         cached: the timings were read from an earlier start's measurement (``path``) instead of taken now.
         path: the cache file of this measurement.
+        pending: candidates not measured yet (their IR not built, or no measurement cached): to build and time
+            (the service does it in the background; ``python -m ibedl.core.auto_backend --artifact DIR``).
+        base_sha256: the base model's sha256 the cache key and IR were made with.
     """
 
     backend: str
@@ -60,6 +72,8 @@ class AutoChoice:
     measured: str | None = None
     cached: bool = False
     path: str | None = None
+    pending: list[str] = field(default_factory=list)
+    base_sha256: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -92,17 +106,59 @@ def timing_questions(n: int = TIMING_QUESTIONS) -> list[MCQuestion]:
                        context=_PASSAGE) for i in range(n)]
 
 
-def seconds_per_batch(run, repeats: int = TIMING_REPEATS) -> float:
-    """The fastest of ``repeats`` timed calls of ``run()`` after one warm-up call."""
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
+def time_call(run) -> float:
+    """Seconds one call of ``run()`` takes."""
+    start = time.perf_counter()
     run()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return time.perf_counter() - start
+
+
+def interleaved_seconds(runs: dict, rounds: int = TIMING_ROUNDS, timer=None) -> dict[str, float]:
+    """name -> median seconds of ``runs[name]()``: one warm-up call of each, then ``rounds`` rounds of one timed call
+    of each in turn (A B C A B C ...), so a slow spell of the machine falls on all of them rather than on one.
+    ``timer(run) -> seconds`` times one call (default :func:`time_call`; the service runs it between passes)."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    timer = timer or time_call
+    for run in runs.values():
+        timer(run)  # first-call costs (allocation, kernel selection) are not the backend's speed
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            times[name].append(timer(run))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def tournament(names: list[str], build, run_of, champion: tuple[str, object], timer=None,
+               rounds: int = TIMING_ROUNDS, on_win=None) -> tuple[str, object, dict[str, float], dict[str, str]]:
+    """Each of ``names`` in turn against the fastest so far, first ``champion`` ((name, trunk) of the backend
+    serving now), timed interleaved (:func:`interleaved_seconds`); one faster than it takes its place
+    (``on_win(name, trunk)``: the service switches to it then). ``build(name)`` returns a trunk (None: torch),
+    ``run_of(trunk)`` a call answering one timing batch on it. Holds two trunks at once besides torch's model.
+    Returns (the fastest's name, its trunk, name -> median seconds per batch, name -> why it was not timed)."""
+    best, best_trunk = champion
+    seconds: dict[str, float] = {}
+    skipped: dict[str, str] = {}
+    for name in names:
+        if name == best:
+            continue
+        try:
+            trunk = build(name)
+        except BUILD_ERRORS as e:  # e.g. no room to export, a compile that crashes: not a candidate
+            skipped[name] = f"could not be built: {type(e).__name__}: {e}"
+            log.warning("auto: %s %s", name, skipped[name])
+            continue
+        pair = interleaved_seconds({best: run_of(best_trunk), name: run_of(trunk)}, rounds, timer)
+        seconds.update(pair)
+        log.info("auto: %s %.3f s, %s %.3f s per batch of %d prompts (medians of %d interleaved rounds)", best,
+                 pair[best], name, pair[name], TIMING_QUESTIONS, rounds)
+        if pair[name] < pair[best]:
+            best, best_trunk = name, trunk
+            if on_win is not None:
+                on_win(name, trunk)
+        del trunk  # the loser's compiled model goes: memory stays two trunks'
+        gc.collect()
+    return best, best_trunk, seconds, skipped
 
 
 def cpu_signature() -> str:
@@ -133,60 +189,91 @@ def choice_path(predictor, artifact: Path, base_sha256: str, names: list[str]) -
     return cache_dir() / "backends" / f"auto-{digest.hexdigest()[:16]}.json"
 
 
-def choose(predictor, artifact: Path, base_sha256: str, build, unavailable,
-           fresh: bool = False) -> tuple[AutoChoice, object]:
-    """(the choice, the chosen backend's trunk: None for torch). ``build(name)`` returns the trunk of backend
-    ``name`` (None for torch); ``unavailable``: see :func:`candidates`. Times each candidate unless an earlier start
-    on this machine measured the same ones (the cache file; ``fresh``: measure anyway), and keeps the fastest;
-    torch when nothing else can run."""
+def start_choice(predictor, artifact: Path, base_sha256: str, build_cached, unavailable) -> tuple[AutoChoice, object]:
+    """(the choice, its trunk: None for torch) without building anything: the winner of the cached measurement of
+    this machine when ``build_cached(name)`` compiles it from its cached IR, else torch. ``pending``: the candidates
+    still to build and time (none when the cached measurement covers them all). ``build_cached`` raises (one of
+    :data:`BUILD_ERRORS`) where the IR is not cached."""
     names, skipped = candidates(predictor, artifact, unavailable)
     if names == ["torch"] or not names:
         why = "; ".join(f"{k}: {v}" for k, v in skipped.items() if k != "torch")
-        return AutoChoice("torch", f"the fallback: {why}", skipped=skipped), None
+        return AutoChoice("torch", f"the fallback: {why}", skipped=skipped, base_sha256=base_sha256), None
     path = choice_path(predictor, artifact, base_sha256, names)
-    stored = None if fresh else _read(path, names)
+    stored = _read(path, names)
     if stored is not None:
         name = min(stored["seconds"], key=stored["seconds"].get)
-        choice = AutoChoice(name, _reason(name, stored["seconds"], cached=True), stored["seconds"], skipped,
-                            stored["measured"], True, str(path))
         try:
-            return choice, build(name)
-        except BUILD_ERRORS as e:  # e.g. its cached IR was removed and cannot be exported here: measure again
-            log.warning("auto: %s, chosen at an earlier start, could not be built (%s: %s); measuring again", name,
+            trunk = build_cached(name)
+        except BUILD_ERRORS as e:  # e.g. its cached IR was removed: serve torch, build and measure again
+            log.warning("auto: %s, chosen at an earlier start, is not ready here (%s: %s); measuring again", name,
                         type(e).__name__, e)
+        else:
+            return AutoChoice(name, _reason(name, stored["seconds"], cached=True), stored["seconds"], skipped,
+                              stored["measured"], True, str(path), [], base_sha256), trunk
+    pending = [n for n in names if n != "torch"]
+    reason = (f"not measured on this machine yet: torch, which needs no build, until {', '.join(pending)} are built "
+              f"and timed ({HOW_TO_MEASURE})")
+    return AutoChoice("torch", reason, skipped=skipped, path=str(path), pending=pending, base_sha256=base_sha256), None
+
+
+HOW_TO_MEASURE = ("the service does it in the background and switches to a faster one once proven; elsewhere: "
+                  "python -m ibedl.core.auto_backend --artifact DIR, minutes once per machine")
+
+
+def choose(predictor, artifact: Path, base_sha256: str, build, unavailable, timer=None) -> tuple[AutoChoice, object]:
+    """(the choice, the chosen backend's trunk: None for torch), measured now: ``build(name)`` returns the trunk of
+    backend ``name`` (None for torch), building what is not cached (minutes); ``unavailable``: see
+    :func:`candidates`. Every candidate is timed against the fastest so far (:func:`tournament`) and the measurement
+    cached for :func:`start_choice`; torch when nothing else can run."""
+    names, skipped = candidates(predictor, artifact, unavailable)
+    if names == ["torch"] or not names:
+        why = "; ".join(f"{k}: {v}" for k, v in skipped.items() if k != "torch")
+        return AutoChoice("torch", f"the fallback: {why}", skipped=skipped, base_sha256=base_sha256), None
     batch = predictor.encode(timing_questions())
-    seconds = {}
-    for name in names:
-        try:
-            trunk = build(name)
-        except BUILD_ERRORS as e:  # e.g. no room to export: not a candidate
-            skipped[name] = f"could not be built: {type(e).__name__}: {e}"
-            log.warning("auto: %s %s", name, skipped[name])
-            continue
-        run = (lambda t=trunk: t(batch)) if trunk is not None else (lambda: _torch_hidden(predictor, batch))
-        seconds[name] = seconds_per_batch(run)
-        log.info("auto: %s answers a batch of %d prompts in %.3f s", name, TIMING_QUESTIONS, seconds[name])
-        del trunk, run  # one compiled model at a time beside torch's: the start's memory peak stays one model's
-        gc.collect()
-    if not seconds:
-        why = "; ".join(f"{k}: {v}" for k, v in skipped.items())
-        return AutoChoice("torch", f"the fallback: {why}", skipped=skipped), None
-    best = min(seconds, key=seconds.get)
+    best, trunk, seconds, failed = tournament([n for n in names if n != "torch"], build, runner(predictor, batch),
+                                              ("torch", None), timer)
+    return record(predictor, artifact, base_sha256, names, seconds, {**skipped, **failed}, best), trunk
+
+
+def record(predictor, artifact: Path, base_sha256: str, names: list[str], seconds: dict[str, float],
+           skipped: dict[str, str], best: str) -> AutoChoice:
+    """The choice of ``best`` after ``seconds`` were measured, cached when every candidate of ``names`` was timed (a
+    measurement with a candidate missing is not the one to read back)."""
+    path = choice_path(predictor, artifact, base_sha256, names)
     measured = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    if set(seconds) == set(names):  # a measurement with a candidate missing is not the one to read back
+    if seconds and set(seconds) == set(names):
         _write(path, {"format": CHOICE_FORMAT, "candidates": names, "seconds": seconds, "measured": measured,
                       "cpu": cpu_signature(), "threads": torch.get_num_threads()})
-    choice = AutoChoice(best, _reason(best, seconds, cached=False), seconds, skipped, measured, False, str(path))
-    return choice, build(best)  # compiled again from the cached IR: seconds
+    if not seconds:
+        why = "; ".join(f"{k}: {v}" for k, v in skipped.items())
+        return AutoChoice("torch", f"the fallback: {why}", skipped=skipped, measured=measured, path=str(path),
+                          base_sha256=base_sha256)
+    return AutoChoice(best, _reason(best, seconds, cached=False), seconds, skipped, measured, False, str(path), [],
+                      base_sha256)
 
 
-def _torch_hidden(predictor, batch) -> torch.Tensor:
-    trunk, predictor.trunk = predictor.trunk, None
-    try:
-        with torch.no_grad():
-            return predictor.hidden(batch)
-    finally:
-        predictor.trunk = trunk
+def runner(predictor, batch):
+    """``run_of(trunk)`` for :func:`tournament`: a call answering ``batch`` on ``trunk`` (None: the predictor's
+    torch model, without touching what the predictor serves with)."""
+    def run_of(trunk):
+        return (lambda: trunk(batch)) if trunk is not None else (lambda: torch_hidden(predictor, batch))
+    return run_of
+
+
+def torch_hidden(predictor, batch) -> torch.Tensor:
+    """The (B, d) last-token hidden states of ``batch`` on the predictor's torch model, whatever its trunk."""
+    with torch.no_grad():
+        out = predictor.decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    states = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return states[torch.arange(states.shape[0]), batch.last_index]
+
+
+def age_s(choice: AutoChoice, now: datetime | None = None) -> float | None:
+    """Seconds since ``choice`` was measured (None: never)."""
+    if choice.measured is None:
+        return None
+    now = now or datetime.now(timezone.utc)
+    return (now - datetime.fromisoformat(choice.measured)).total_seconds()
 
 
 def _reason(name: str, seconds: dict[str, float], cached: bool) -> str:
@@ -194,8 +281,8 @@ def _reason(name: str, seconds: dict[str, float], cached: bool) -> str:
     times = ", ".join(f"{k} {v:.3f} s" for k, v in sorted(seconds.items(), key=lambda kv: kv[1]))
     vs = f", {ratio:.2f}x torch" if ratio is not None else ""
     when = "measured at an earlier start" if cached else "measured"
-    return (f"the fastest calibrated backend on this machine ({when} on a batch of {TIMING_QUESTIONS} prompts: "
-            f"{times}{vs})")
+    return (f"the fastest calibrated backend on this machine ({when} on batches of {TIMING_QUESTIONS} prompts, "
+            f"medians of interleaved rounds: {times}{vs})")
 
 
 def _read(path: Path, names: list[str]) -> dict | None:
@@ -220,5 +307,37 @@ def _write(path: Path, data: dict) -> None:
         log.warning("auto: could not cache the measurement in %s (%s): each start measures again", path, e)
 
 
-__all__ = ["CANDIDATES", "TIMING_QUESTIONS", "AutoChoice", "candidates", "choose", "seconds_per_batch",
-           "timing_questions", "choice_path"]
+def main(argv: list[str] | None = None) -> None:
+    """``python -m ibedl.core.auto_backend --artifact DIR``: build every candidate and time them (the measurement the
+    service reads at its next start); ``--build NAME``: export backend NAME's IR into the cache and exit."""
+    from ibedl.core import backends
+    from ibedl.core.base_model import resolve_model
+    from ibedl.core.predictor import Predictor
+
+    parser = argparse.ArgumentParser(prog="python -m ibedl.core.auto_backend", description=main.__doc__)
+    parser.add_argument("--artifact", required=True)
+    parser.add_argument("--base-model", default=None, help="base model reference (default: the manifest's)")
+    parser.add_argument("--build", default=None, choices=[c for c in CANDIDATES if c != "torch"],
+                        help="only export this backend's IR into IBEDL_CACHE_DIR/backends")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    predictor = Predictor.from_artifact(args.artifact, base_model=args.base_model, backend="torch")
+    sha = resolve_model(args.base_model or predictor.manifest.base_model_ref().ref).sha256
+    if args.build is not None:
+        print(backends.export_ir(args.build, predictor, Path(args.artifact), sha, copy_model=False))
+        return
+    choice, _ = choose(predictor, Path(args.artifact), sha,
+                       lambda name: backends.build_one(name, predictor, Path(args.artifact), sha),
+                       backends.unavailable)
+    print(json.dumps(choice.to_dict(), indent=1))
+
+
+__all__ = ["CANDIDATES", "TIMING_QUESTIONS", "TIMING_ROUNDS", "AutoChoice", "candidates", "start_choice", "choose",
+           "tournament", "interleaved_seconds", "record", "runner", "timing_questions", "choice_path", "age_s"]
+
+
+if __name__ == "__main__":
+    main()

@@ -2,8 +2,9 @@
 batch into the (B, d) hidden state of each prompt's last real token. The option head, Dirichlet outputs and
 abstention stay the predictor's own code whatever the backend.
 
-``auto`` (the default): the backend this machine runs the artifact fastest on, measured at start-up among those
-the artifact carries a calibration for (ibedl.core.auto_backend); ``torch`` when no other can run (CUDA,
+``auto`` (the default): the backend this machine runs the artifact fastest on, measured among those the artifact
+carries a calibration for (ibedl.core.auto_backend; loading builds nothing: the cached measurement's winner, else
+torch, until the others are built and timed); ``torch`` when no other can run (CUDA,
 MC-Dropout, ensembles, no openvino, no calibration made on OpenVINO). ``torch``: the PEFT model as loaded (fp32
 eager on CPU). ``openvino-fp32``: the LoRA-merged trunk converted once to OpenVINO IR. ``openvino-bf16``: that fp32
 IR run with bfloat16 matmuls (fp32 accumulation) on CPUs with native bf16 instructions (AVX512-BF16, AMX).
@@ -153,15 +154,17 @@ def quantize_static(ir, sample: list):
     return nncf.quantize(ir, data, model_type=nncf.ModelType.TRANSFORMER, subset_size=len(sample))
 
 
-def _export(model, tokenizer, target: Path, compress: bool, sample: list | None = None) -> None:
+def _export(model, tokenizer, target: Path, compress: bool, sample: list | None = None,
+            copy_model: bool = True) -> None:
     """LoRA-merged trunk -> OpenVINO IR in ``target`` (written to a temporary directory, then renamed); int8
-    weights with ``compress``, static int8 quantised on ``sample`` (encoded batches) when one is given."""
+    weights with ``compress``, static int8 quantised on ``sample`` (encoded batches) when one is given; the LoRA is
+    merged into a copy of ``model`` unless ``copy_model`` is False (then into ``model`` itself)."""
     import openvino as ov
 
     from ibedl.core.base_model import decoder_of
 
     start = time.perf_counter()
-    merged = copy.deepcopy(model)
+    merged = copy.deepcopy(model) if copy_model else model
     merged = merged.merge_and_unload() if hasattr(merged, "merge_and_unload") else merged
     trunk = LastTokenTrunk(decoder_of(merged)).eval()
     ids = tokenizer("a b c d e f g h")["input_ids"]
@@ -233,9 +236,10 @@ def ir_path(artifact: Path, member: str, base_sha256: str, backend: str, sample:
 
 
 def openvino_trunk(model, tokenizer, artifact: Path, member: str, base_sha256: str, backend: str,
-                   threads: int | None = None, sample: list | None = None) -> OpenVINOTrunk:
-    """Compile the cached IR of this adapter (exporting it once if missing). ``sample``: the encoded batches
-    ``openvino-int8`` is quantised on (once per adapter and sample; the cached IR is used after)."""
+                   threads: int | None = None, sample: list | None = None, export: bool = True) -> OpenVINOTrunk:
+    """Compile the cached IR of this adapter, exporting it once if missing (``export``; else FileNotFoundError).
+    ``sample``: the encoded batches ``openvino-int8`` is quantised on (once per adapter and sample; the cached IR is
+    used after)."""
     try:
         import openvino as ov
     except ImportError as e:
@@ -245,16 +249,28 @@ def openvino_trunk(model, tokenizer, artifact: Path, member: str, base_sha256: s
     if precision == "bf16" and not native_bf16():
         raise ValueError(f"backend {backend!r} needs a CPU with native bfloat16 (AVX512-BF16 or AMX); this one has "
                          f"{', '.join(core.get_property('CPU', 'OPTIMIZATION_CAPABILITIES'))}: use openvino-fp32")
-    ir = IR_OF[backend]
-    target = ir_path(artifact, member, base_sha256, backend, sample)
-    if not (target / MARKER).is_file():
-        log.info("exporting the trunk of %s for backend %s into %s: once per adapter, %s", artifact, backend,
-                 target, "a few minutes (NNCF quantises it)" if ir == "openvino-int8" else "about a minute")
-        _export(model, tokenizer, target, compress=ir == "openvino", sample=sample if ir == "openvino-int8" else None)
-        log.info("exported %s; later starts load it in seconds", target)
+    target = ensure_ir(model, tokenizer, artifact, member, base_sha256, backend, sample, export)
     config = {"INFERENCE_PRECISION_HINT": precision, "PERFORMANCE_HINT": "LATENCY",
               "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0, "INFERENCE_NUM_THREADS": threads or torch.get_num_threads()}
     return OpenVINOTrunk(compile_checked(core, target / "trunk.xml", config, backend), target)
+
+
+def ensure_ir(model, tokenizer, artifact: Path, member: str, base_sha256: str, backend: str,
+              sample: list | None = None, export: bool = True, copy_model: bool = True) -> Path:
+    """The directory of the cached IR of ``backend`` for this adapter, exported first when missing (``export``;
+    else FileNotFoundError). ``copy_model=False`` merges the LoRA into ``model`` itself (a process that exits
+    after the export: no second copy of the weights at its memory peak)."""
+    ir = IR_OF[backend]
+    target = ir_path(artifact, member, base_sha256, backend, sample)
+    if not (target / MARKER).is_file():
+        if not export:
+            raise FileNotFoundError(f"the {backend} IR of {artifact} is not built ({target})")
+        log.info("exporting the trunk of %s for backend %s into %s: once per adapter, %s", artifact, backend,
+                 target, "a few minutes (NNCF quantises it)" if ir == "openvino-int8" else "about a minute")
+        _export(model, tokenizer, target, compress=ir == "openvino", sample=sample if ir == "openvino-int8" else None,
+                copy_model=copy_model)
+        log.info("exported %s; later starts load it in seconds", target)
+    return target
 
 
 class CompileCrashError(RuntimeError):
@@ -364,13 +380,13 @@ def int8_cached(predictor, artifact: Path, base_sha256: str = "") -> bool:
 
 def build_trunk(backend: str, predictor, artifact: Path, base_sha256: str):
     """The trunk callable of ``backend`` for a loaded predictor; None for ``torch`` (the predictor's own path).
-    ``auto`` is resolved by measurement (ibedl.core.auto_backend.choose; what it measured in
-    ``predictor.backend_choice``). Records the concrete backend as ``predictor.backend`` and why as
-    ``predictor.backend_reason`` (logged when ``auto`` chose). ``openvino-int8`` is quantised on the artifact's
-    quantisation sample (``predictor.quantized_on``: its file's sha256, which its calibration must record)."""
+    A named backend is built (its IR exported once when not cached: minutes). ``auto`` builds nothing
+    (ibedl.core.auto_backend.start_choice: the cached measurement's winner, else torch; what it weighed and what is
+    still to build and time in ``predictor.backend_choice``). Records the concrete backend as ``predictor.backend``
+    and why as ``predictor.backend_reason`` (logged when ``auto`` chose). ``openvino-int8`` is quantised on the
+    artifact's quantisation sample (``predictor.quantized_on``: its file's sha256, which its calibration must
+    record)."""
     from ibedl.core import auto_backend
-
-    from ibedl.core import quantization_sample
 
     check_backend(backend)
     artifact = Path(artifact)
@@ -378,29 +394,60 @@ def build_trunk(backend: str, predictor, artifact: Path, base_sha256: str):
         trunk = _build(backend, predictor, artifact, base_sha256)
         predictor.backend, predictor.backend_reason = backend, "named"
     else:
-        choice, trunk = auto_backend.choose(predictor, artifact, base_sha256,
-                                            lambda name: _build(name, predictor, artifact, base_sha256), unavailable)
+        choice, trunk = auto_backend.start_choice(
+            predictor, artifact, base_sha256, lambda name: _build(name, predictor, artifact, base_sha256, export=False),
+            unavailable)
         predictor.backend, predictor.backend_reason, predictor.backend_choice = choice.backend, choice.reason, choice
         log.info("inference backend auto -> %s (%s)%s", choice.backend, choice.reason,
-                 f"; measured again once {choice.path} is deleted" if choice.path else "")
-    if IR_OF.get(predictor.backend) == "openvino-int8":  # which sample quantised it: its calibration must match
-        predictor.quantized_on = quantization_sample.sha256(artifact)
+                 f"; measured again once {choice.path} is deleted" if choice.path and choice.cached else "")
+        if choice.pending:
+            log.warning("inference backend auto: %s not measured on this machine yet; serving %s meanwhile (%s)",
+                        ", ".join(choice.pending), choice.backend, auto_backend.HOW_TO_MEASURE)
+    mark_quantized(predictor, artifact)
     return trunk
 
 
-def _build(backend: str, predictor, artifact: Path, base_sha256: str):
-    if backend == "torch":
-        return None
+def mark_quantized(predictor, artifact: Path) -> None:
+    """Record which sample quantised a static int8 trunk (its calibration must match): ``predictor.quantized_on``."""
+    from ibedl.core import quantization_sample
+
+    predictor.quantized_on = (quantization_sample.sha256(artifact) if IR_OF.get(predictor.backend) == "openvino-int8"
+                              else None)
+
+
+def build_one(backend: str, predictor, artifact: Path, base_sha256: str, export: bool = True):
+    """The trunk of the concrete ``backend`` (None for torch), its IR exported first when not cached (``export``;
+    else FileNotFoundError)."""
+    return _build(backend, predictor, Path(artifact), base_sha256, export)
+
+
+def export_ir(backend: str, predictor, artifact: Path, base_sha256: str, copy_model: bool = True) -> Path:
+    """Export the IR of ``backend`` for ``predictor`` into the cache (nothing compiled); its directory."""
+    _check_openvino_predictor(backend, predictor)
+    artifact = Path(artifact)
+    encoded = artifact_sample(predictor, artifact) if IR_OF[backend] == "openvino-int8" else None
+    return ensure_ir(predictor.model, predictor.tokenizer, artifact, _member(predictor), base_sha256, backend,
+                     encoded, copy_model=copy_model)
+
+
+def _check_openvino_predictor(backend: str, predictor) -> None:
     if len(predictor.heads) > 1 or predictor.mc_samples > 0:
         raise ValueError(
             f"backend {backend!r} serves single adapters only; MC-Dropout and ensembles need IBEDL_BACKEND=torch"
         )
     if predictor.device.type != "cpu":
         raise ValueError(f"backend {backend!r} runs on the CPU; got device {predictor.device}")
+
+
+def _build(backend: str, predictor, artifact: Path, base_sha256: str, export: bool = True):
+    if backend == "torch":
+        return None
+    _check_openvino_predictor(backend, predictor)
     encoded = artifact_sample(predictor, artifact) if IR_OF[backend] == "openvino-int8" else None
     return openvino_trunk(predictor.model, predictor.tokenizer, artifact, _member(predictor), base_sha256, backend,
-                          sample=encoded)
+                          sample=encoded, export=export)
 
 
-__all__ = ["BACKENDS", "DEFAULT_BACKEND", "check_backend", "calibration_key", "build_trunk", "runs_openvino",
+__all__ = ["BACKENDS", "DEFAULT_BACKEND", "check_backend", "calibration_key", "build_trunk", "build_one", "export_ir",
+           "ensure_ir", "mark_quantized", "runs_openvino",
            "int8_cached", "ir_path", "compile_checked", "CompileCrashError", "LastTokenTrunk", "OpenVINOTrunk"]

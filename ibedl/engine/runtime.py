@@ -5,9 +5,11 @@ each adapter's runtime (predictor view, thresholds, prediction sets, answer refe
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -87,9 +89,11 @@ def load_predictors(settings: EngineSettings) -> list[Predictor]:
     )
 
 
-def make_runtimes(predictors: list[Predictor], settings: EngineSettings) -> dict[str, AdapterRuntime]:
+def make_runtimes(predictors: list[Predictor], settings: EngineSettings,
+                  keep_model: bool = False) -> dict[str, AdapterRuntime]:
     """One runtime per predictor, by adapter name (in order: the first is the default). Refuses predictors
-    without a manifest, two adapters of one name, and weights that hold NaN or inf."""
+    without a manifest, two adapters of one name, and weights that hold NaN or inf. The torch model a backend's trunk
+    answers without is dropped, unless ``keep_model`` (the service's background switcher exports and times with it)."""
     if not predictors:
         raise ValueError("no adapters to serve")
     bad = nonfinite_weights(predictors)
@@ -118,9 +122,33 @@ def make_runtimes(predictors: list[Predictor], settings: EngineSettings) -> dict
             count_tokenizer=count_tokenizer,
         )
     for predictor in predictors:  # checked: the torch weights an OpenVINO trunk no longer needs are dropped
-        if predictor.trunk is not None:
+        if predictor.trunk is not None and not keep_model:
             predictor.release_model()
     return runtimes
+
+
+def switched(runtime: AdapterRuntime, backend: str, trunk, reason: str, choice, artifact: Path,
+             settings: EngineSettings) -> AdapterRuntime:
+    """The runtime of the same adapter answering on ``backend`` (``trunk``; None: the torch model) with the
+    calibration made on it: a new object beside ``runtime``, which stays whole (its predictor, heads, calibration and
+    ``ref``), so a pass queued on it before a switch is answered on it and under its calibration. Its drift monitor and
+    accuracy estimate are shared. UncalibratedBackend when the artifact carries no calibration for ``backend``."""
+    from ibedl.core.backends import calibration_key, mark_quantized
+
+    predictor = copy.copy(runtime.predictor)
+    # the calibration sets the heads' post-hoc parameter: the old runtime keeps its own
+    predictor.heads = [copy.deepcopy(h) for h in runtime.predictor.heads]
+    predictor.trunk, predictor.backend, predictor.backend_reason = trunk, backend, reason
+    predictor.backend_choice = choice
+    mark_quantized(predictor, Path(artifact))
+    predictor.calibration = None
+    if predictor._released is not None:  # its torch model was dropped: the key is the new trunk's
+        if trunk is None:
+            raise ValueError(f"adapter {runtime.name!r} released its torch model: it cannot switch to torch")
+        predictor._released = (predictor._released[0], calibration_key(backend))
+    calibration = served_calibration(predictor, settings)
+    return dataclasses.replace(runtime, predictor=predictor, calibration=calibration,
+                               ref={**runtime.ref, "backend": backend, "calibration": calibration.key})
 
 
 class UncalibratedBackend(ValueError):

@@ -288,6 +288,15 @@ class MicroBatcher:
         self._signal()
         return futures
 
+    async def between_passes(self, fn: Callable[[], object], idle_wait_s: float = 2.0):
+        """``fn()`` on the model's thread between two passes (never during one), once no question waits or after
+        ``idle_wait_s``: background work on the model (a timing call, a switch of backend) delays answers by one
+        call of it at most. Returns what ``fn`` returns."""
+        end = self.clock() + idle_wait_s
+        while (self._live_depth() or self._busy) and self.clock() < end:
+            await asyncio.sleep(0.01)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
     # -- the worker -------------------------------------------------------------------------------
 
     def _signal(self) -> None:
@@ -388,7 +397,7 @@ class MicroBatcher:
         now = self.clock()
         for request in self._in_turn():
             head = request.items[0]
-            if request.predict is not first.predict or head.tokens > room_tokens:
+            if request.predict != first.predict or head.tokens > room_tokens:  # bound methods: equal per object
                 continue
             if not first.tokens / SIMILAR <= head.tokens <= first.tokens * SIMILAR:
                 continue

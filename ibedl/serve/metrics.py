@@ -91,6 +91,9 @@ class Metrics:
                                       registry=r)
         self.ready = Gauge("ibedl_ready", "1 when the model is loaded and the service accepts requests", registry=r)
         self.model_info = Info("ibedl_model", "a served adapter", ["adapter"], registry=r)
+        self.backend_switches = Counter("ibedl_backend_switches", "switches of an adapter's inference backend to one "
+                                        "proven faster in the background (IBEDL_BACKEND=auto)",
+                                        ["adapter", "from", "to"], registry=r)
 
     def set_drift(self, adapter: str, status: dict) -> None:
         nan = float("nan")

@@ -95,7 +95,10 @@ async def predict_batch(body: BatchRequest, request: Request, state: State) -> B
 @router.get("/v1/models", response_model=ModelList, responses=API_ERRORS, tags=["metadata"])
 async def models(request: Request, state: State) -> dict:
     state.require_ready(request)
-    return {"data": [model_card(rt, state.engine) for rt in state.runtimes.values()]}
+    cards = [model_card(rt, state.engine) for rt in state.runtimes.values()]
+    if cards:
+        cards[0]["backend"]["background"] = state.backend_status()
+    return {"data": cards}
 
 
 @router.get("/v1/drift", response_model=DriftStatus, responses=DRIFT_ERRORS, tags=["metadata"])

@@ -46,6 +46,11 @@ class Settings(EngineSettings):
     log_format: str = Field("text", description="json: one JSON object per log line (the container images set "
                             "it); text: human-readable lines")
 
+    backend_switching: bool = Field(True, description="IBEDL_BACKEND=auto: be ready at once on the cached "
+                                     "measurement's winner (else torch) and build and time the other candidates in the "
+                                     "background, switching to one proven faster; false: serve that start choice only")
+    backend_max_age_s: float = Field(7 * 24 * 3600.0, gt=0, description="IBEDL_BACKEND=auto: a cached measurement "
+                                     "older than this is taken again in the background (the start may have been busy)")
     max_batch_tokens: int = Field(2048, ge=16, description="prompt tokens per forward pass (bounds how long one "
                                   "pass holds the model; a longer single question runs alone)")
     max_wait_ms: float = Field(5.0, ge=0, le=1000, description="how long a batch waits for more questions")

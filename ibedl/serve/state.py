@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import logging
 import math
@@ -22,7 +23,7 @@ from ibedl.engine.drift import AccuracyEstimate, DriftMonitor
 from ibedl.engine.feedback import Feedback, GuaranteesResponse, LabelQuota, served_versions
 from ibedl.engine.responses import build_answer
 from ibedl.engine.runtime import (AdapterRuntime, UncalibratedBackend, find_adapter, finite_prediction, load_predictors,
-                                  make_runtimes)
+                                  make_runtimes, switched)
 from ibedl.engine.schemas import (
     DriftStatus,
     FeedbackRequest,
@@ -66,6 +67,7 @@ class ServiceState:
         self.runtimes: dict[str, AdapterRuntime] = {}  # by adapter name, the default first
         self.batcher: MicroBatcher | None = None
         self.server = None  # uvicorn.Server when run by ibedl.serve.__main__, to notice SIGTERM
+        self.switcher = None  # ibedl.serve.backend_switch.BackendSwitcher while auto measures in the background
         self._watcher: asyncio.Task | None = None
         self._checker: ThreadPoolExecutor | None = None
 
@@ -94,7 +96,8 @@ class ServiceState:
         try:
             loaded = await asyncio.to_thread(self.loader, self.settings)
             predictors = loaded if isinstance(loaded, list) else [loaded]
-            runtimes = await asyncio.to_thread(make_runtimes, predictors, self.engine)
+            to_measure = self._to_measure(predictors)
+            runtimes = await asyncio.to_thread(make_runtimes, predictors, self.engine, bool(to_measure))
             for rt in runtimes.values():
                 rt.drift = await asyncio.to_thread(
                     DriftMonitor, rt.reference(), rt.drift_statistic, self.settings.drift_window,
@@ -113,8 +116,6 @@ class ServiceState:
                 self.reason = f"the adapter failed to load: {e}"
             return
         self.runtimes = runtimes
-        # one callable per adapter: the batcher keeps each pass to one of them (passes never mix adapters)
-        self._predict = {name: rt.predict for name, rt in runtimes.items()}
         self.batcher = MicroBatcher(
             self.default.predict,
             self.settings.max_batch_size,
@@ -139,6 +140,61 @@ class ServiceState:
             log.info("serving adapter %s (%s) on %s", name, manifest.method, base.name)
         self.status, self.reason = "ready", None
         self.metrics.ready.set(1)
+        if to_measure:
+            self._start_switcher(to_measure)
+
+    # -- backends (IBEDL_BACKEND=auto) --------------------------------------------------------------
+
+    def _to_measure(self, predictors: list[Predictor]) -> list[str]:
+        """The backends ``auto`` still has to build and time for the one served adapter, in the background: those
+        never measured here, or every candidate once the measurement is older than IBEDL_BACKEND_MAX_AGE_S; none
+        with IBEDL_BACKEND_SWITCHING off or a named backend."""
+        from ibedl.core.auto_backend import age_s
+
+        choice = predictors[0].backend_choice if len(predictors) == 1 else None
+        if self.settings.backend != "auto" or not self.settings.backend_switching or choice is None:
+            return []
+        if choice.pending:
+            return list(choice.pending)
+        age = age_s(choice)
+        if choice.cached and age is not None and age > self.settings.backend_max_age_s:
+            log.info("auto: the measurement of %s is %.0f s old (IBEDL_BACKEND_MAX_AGE_S %.0f): measuring again in "
+                     "the background", choice.path, age, self.settings.backend_max_age_s)
+            return [n for n in choice.seconds if n != choice.backend]
+        return []
+
+    def _start_switcher(self, names: list[str]) -> None:
+        from ibedl.serve.backend_switch import BackendSwitcher
+
+        self.switcher = BackendSwitcher(self, self.default.name, names)
+        self.switcher.start()
+        log.info("auto: serving %s; building and timing %s in the background", self.default.ref["backend"],
+                 ", ".join(names))
+
+    async def switch_backend(self, adapter: str, backend: str, trunk, reason: str, choice) -> None:
+        """Serve ``adapter`` on ``backend`` (its ``trunk``) from now on: one assignment of a new runtime with the
+        calibration made on it (ibedl.engine.runtime.switched), on the event loop. Requests that took the old runtime
+        are answered on it, under its calibration; the next ones on the new one."""
+        old = self.runtimes[adapter]
+        new = switched(old, backend, trunk, reason, choice, self.settings.served_artifacts()[0], self.engine)
+        self.runtimes[adapter] = new
+        self.metrics.backend_switches.labels(adapter=adapter, **{"from": old.ref["backend"], "to": backend}).inc()
+        log.info("auto: adapter %s switched from %s (calibration %s) to %s (calibration %s): %s", adapter,
+                 old.ref["backend"], old.ref["calibration"], backend, new.ref["calibration"], reason)
+
+    async def settle_backend(self, adapter: str, choice) -> None:
+        """The background measurement is done: record it on the serving predictor (``GET /v1/models``) and drop the
+        torch model where a backend's trunk answers without it (between passes)."""
+        predictor = self.runtimes[adapter].predictor
+        predictor.backend_choice = choice
+        if predictor.trunk is not None:
+            await self.batcher.between_passes(predictor.release_model)
+
+    def backend_status(self) -> dict | None:
+        """What the background measurement is doing and has done (``GET /v1/models``: ``backend.background``)."""
+        if self.switcher is None:
+            return None
+        return copy.deepcopy(self.switcher.status)
 
     def begin_drain(self) -> None:
         """Stop admitting (readiness 503) and let the batcher answer what can finish within the grace period."""
@@ -246,7 +302,8 @@ class ServiceState:
         rejected = self.metrics.rejected
         try:
             admitted = request.scope.get("state", {}).get("admitted", False)
-            futures = await self.batcher.submit_many(questions, tokens, deadline, self._predict[runtime.name],
+            # the runtime's own predict: passes never mix adapters, nor backends across a switch
+            futures = await self.batcher.submit_many(questions, tokens, deadline, runtime.predict,
                                                      admitted_before_drain=admitted)
         except TooLarge as e:
             if deadline < request.scope.get("state", {}).get("arrived", 0.0) + self.settings.request_timeout_s:

@@ -1,7 +1,7 @@
 """``auto`` chooses by measurement: the fastest calibrated candidate is kept and a slower one is not, whatever the
 CPU's flags say; candidates are only backends the artifact carries a matching calibration for; the measurement is
-cached per machine and adapter and read back at the next start. Timings are injected (the tests do not depend on
-this machine's speed); the real trunks are timed in tests/integration/test_backends_real.py."""
+cached per machine and adapter and read back at the next start, which builds nothing. Timings are injected (the
+tests do not depend on this machine's speed); the real trunks are timed in tests/integration/test_backends_real.py."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def timed(monkeypatch, tmp_path):
     monkeypatch.setenv("IBEDL_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(backends, "native_bf16", lambda: True)
     monkeypatch.setattr(backends, "has_nncf", lambda: True)
-    monkeypatch.setattr(auto_backend, "_torch_hidden", lambda predictor, batch: "torch")
+    monkeypatch.setattr(auto_backend, "torch_hidden", lambda predictor, batch: "torch")
     built: list[str] = []
 
     def build(name):
@@ -65,7 +65,7 @@ def timed(monkeypatch, tmp_path):
 
     def install(seconds: dict[str, float]):
         built.clear()
-        monkeypatch.setattr(auto_backend, "seconds_per_batch", lambda run, repeats=3: seconds[run()])
+        monkeypatch.setattr(auto_backend, "time_call", lambda run: seconds[run()])
         return build, built
 
     return install
@@ -99,29 +99,33 @@ def test_the_fastest_calibrated_backend_is_chosen_and_a_slower_one_is_not(tiny_a
     assert choice.seconds == {"openvino-int8": 0.4, "openvino-bf16": 1.3, "openvino-fp32": 0.7, "torch": 1.0}
     assert "2.50x torch" in choice.reason and not choice.cached
     build, built = timed({"torch": 1.0, "openvino-fp32": 0.7, "openvino-bf16": 1.3, "openvino-int8": 0.9})
-    choice, trunk = auto_backend.choose(predictor, artifact, "base", build, backends.unavailable, fresh=True)
+    choice, trunk = auto_backend.choose(predictor, artifact, "base", build, backends.unavailable)
     assert choice.backend == "openvino-fp32" and trunk.name == "openvino-fp32"  # not bf16, not int8
     build, built = timed({"torch": 0.5, "openvino-fp32": 0.7, "openvino-bf16": 1.3, "openvino-int8": 0.9})
-    choice, trunk = auto_backend.choose(predictor, artifact, "base", build, backends.unavailable, fresh=True)
+    choice, trunk = auto_backend.choose(predictor, artifact, "base", build, backends.unavailable)
     assert choice.backend == "torch" and trunk is None  # OpenVINO slower than torch here: torch
 
 
-def test_the_measurement_is_cached_and_read_back(tiny_artifact, tmp_path, timed):
+def test_the_measurement_is_cached_and_read_back_without_building(tiny_artifact, tmp_path, timed):
     artifact = carrying(tiny_artifact, tmp_path / "a", ["openvino-fp32"])
     predictor = load(artifact)
+    build, built = timed({})
+    start, trunk = auto_backend.start_choice(predictor, artifact, "base", build, backends.unavailable)
+    assert start.backend == "torch" and trunk is None and built == [] and start.pending == ["openvino-fp32"]
+    assert "not measured on this machine yet" in start.reason and "python -m ibedl.core.auto_backend" in start.reason
     build, built = timed({"torch": 1.0, "openvino-fp32": 0.5})
     first, _ = auto_backend.choose(predictor, artifact, "base", build, backends.unavailable)
     stored = json.loads(open(first.path).read())
     assert stored["seconds"] == {"openvino-fp32": 0.5, "torch": 1.0} and stored["candidates"] == ["openvino-fp32",
                                                                                                   "torch"]
     build, built = timed({})  # timing again would fail: nothing is measured
-    again, trunk = auto_backend.choose(predictor, artifact, "base", build, backends.unavailable)
+    again, trunk = auto_backend.start_choice(predictor, artifact, "base", build, backends.unavailable)
     assert again.cached and again.backend == "openvino-fp32" and built == ["openvino-fp32"]  # only the choice built
     assert again.seconds == first.seconds and again.measured == first.measured and "earlier start" in again.reason
-    open(first.path, "w").write("{not json")  # a damaged cache is measured again, not trusted
-    build, built = timed({"torch": 0.2, "openvino-fp32": 0.5})
-    third, _ = auto_backend.choose(predictor, artifact, "base", build, backends.unavailable)
-    assert not third.cached and third.backend == "torch"
+    assert again.pending == [] and auto_backend.age_s(again) >= 0
+    open(first.path, "w").write("{not json")  # a damaged cache is not trusted: torch until measured again
+    third, _ = auto_backend.start_choice(predictor, artifact, "base", build, backends.unavailable)
+    assert not third.cached and third.backend == "torch" and third.pending == ["openvino-fp32"]
 
 
 def test_the_cache_is_per_candidate_set_and_thread_count(tiny_artifact, tmp_path, timed, monkeypatch):
@@ -189,25 +193,53 @@ def test_nothing_but_torch_falls_back_with_the_reasons(tiny_artifact, tmp_path, 
 def test_build_trunk_records_the_choice_on_the_predictor(tiny_artifact, tmp_path, timed, monkeypatch, caplog):
     artifact = carrying(tiny_artifact, tmp_path / "a", ["openvino-fp32", "openvino-bf16"])
     predictor = load(artifact)
-    timed({"torch": 1.0, "openvino-fp32": 0.5, "openvino-bf16": 0.8})
-    monkeypatch.setattr(backends, "_build", lambda name, *args: None if name == "torch" else Named(name))
+    build, built = timed({"torch": 1.0, "openvino-fp32": 0.5, "openvino-bf16": 0.8})
+    exported = []
+
+    def fake_build(name, *args, export=True):
+        exported.append((name, export))
+        return None if name == "torch" else Named(name)
+
+    monkeypatch.setattr(backends, "_build", fake_build)
+    with caplog.at_level("INFO", logger="ibedl.core.backends"):
+        assert backends.build_trunk("auto", predictor, artifact, "base") is None  # nothing measured: torch, no build
+    assert predictor.backend == "torch" and exported == []
+    assert predictor.backend_choice.pending == ["openvino-bf16", "openvino-fp32"]
+    assert "openvino-bf16, openvino-fp32 not measured on this machine yet; serving torch meanwhile" in caplog.text
+    auto_backend.choose(predictor, artifact, "base", build, backends.unavailable)
     with caplog.at_level("INFO", logger="ibedl.core.backends"):
         trunk = backends.build_trunk("auto", predictor, artifact, "base")
-    assert trunk.name == predictor.backend == "openvino-fp32"
+    assert trunk.name == predictor.backend == "openvino-fp32" and exported == [("openvino-fp32", False)]
     assert predictor.backend_choice.seconds["openvino-bf16"] == 0.8
     assert "inference backend auto -> openvino-fp32 (the fastest calibrated backend on this machine" in caplog.text
     assert backends.build_trunk("openvino-bf16", predictor, artifact, "base").name == "openvino-bf16"
-    assert predictor.backend_reason == "named"
+    assert predictor.backend_reason == "named" and exported[-1] == ("openvino-bf16", True)  # a named one is built
 
 
-def test_seconds_per_batch_keeps_the_fastest_call_after_a_warm_up(monkeypatch):
-    clock = iter([0.0, 5.0, 10.0, 12.0, 20.0, 23.0])  # three timed calls of 5, 2 and 3 s
-    monkeypatch.setattr(auto_backend.time, "perf_counter", lambda: next(clock))
-    calls = []
-    assert auto_backend.seconds_per_batch(lambda: calls.append(1)) == 2.0
-    assert len(calls) == 4  # one warm-up, three timed
-    with pytest.raises(ValueError, match="repeats must be >= 1, got 0"):
-        auto_backend.seconds_per_batch(lambda: None, repeats=0)
+def test_interleaved_seconds_alternates_the_candidates_and_keeps_medians():
+    order = []
+    seconds = {"a": iter([9.0, 1.0, 3.0, 2.0]), "b": iter([9.0, 5.0, 4.0, 30.0])}  # a warm-up, then three rounds
+
+    def timer(run):
+        name = run()
+        order.append(name)
+        return next(seconds[name])
+
+    assert auto_backend.interleaved_seconds({"a": lambda: "a", "b": lambda: "b"}, rounds=3, timer=timer) == \
+        {"a": 2.0, "b": 5.0}  # one slow call of b (30 s) does not decide
+    assert order == ["a", "b"] * 4
+    with pytest.raises(ValueError, match="rounds must be >= 1, got 0"):
+        auto_backend.interleaved_seconds({"a": lambda: None}, rounds=0)
+
+
+def test_each_candidate_is_timed_against_the_fastest_so_far(timed):
+    wins = []
+    build, built = timed({"torch": 1.0, "x": 0.5, "y": 0.8, "z": 0.3})
+    best, trunk, seconds, skipped = auto_backend.tournament(
+        ["x", "y", "z"], build, lambda t: (lambda: t.name) if t else (lambda: "torch"), ("torch", None),
+        on_win=lambda name, trunk: wins.append(name))
+    assert best == trunk.name == "z" and wins == ["x", "z"] and skipped == {}
+    assert seconds == {"torch": 1.0, "x": 0.5, "y": 0.8, "z": 0.3}
 
 
 def test_a_candidate_that_cannot_be_built_is_skipped_and_the_choice_not_cached(tiny_artifact, tmp_path, timed):
@@ -234,13 +266,11 @@ def test_an_unwritable_cache_measures_at_every_start(tiny_artifact, tmp_path, ti
     assert "could not cache the measurement" in caplog.text and "each start measures again" in caplog.text
 
 
-def test_a_cached_choice_that_cannot_be_built_any_more_is_measured_again(tiny_artifact, tmp_path, timed):
+def test_a_cached_choice_that_cannot_be_built_any_more_starts_on_torch(tiny_artifact, tmp_path, timed):
     artifact = carrying(tiny_artifact, tmp_path / "a", ["openvino-fp32"])
     predictor = load(artifact)
     build, built = timed({"torch": 1.0, "openvino-fp32": 0.5})
     auto_backend.choose(predictor, artifact, "base", build, backends.unavailable)  # cached: fp32
-    build, built = timed({"torch": 1.0, "openvino-fp32": 0.5})
-    gone = failing_for(build, "openvino-fp32", RuntimeError("its IR was deleted and the cache is read-only"))
-    choice, trunk = auto_backend.choose(predictor, artifact, "base", gone, backends.unavailable)
-    assert choice.backend == "torch" and trunk is None and not choice.cached
-    assert "could not be built: RuntimeError" in choice.skipped["openvino-fp32"]
+    gone = failing_for(build, "openvino-fp32", FileNotFoundError("its IR was deleted"))
+    choice, trunk = auto_backend.start_choice(predictor, artifact, "base", gone, backends.unavailable)
+    assert choice.backend == "torch" and trunk is None and not choice.cached and choice.pending == ["openvino-fp32"]

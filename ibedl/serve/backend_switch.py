@@ -1,0 +1,144 @@
+"""``IBEDL_BACKEND=auto`` in the service: ready at once on what needs no build, faster once proven.
+
+The service loads on the cached measurement's winner, else torch (ibedl.core.auto_backend.start_choice). Then a
+:class:`BackendSwitcher` builds each candidate still to measure (its IR exported by a child process at the lowest
+CPU priority: ``python -m ibedl.core.auto_backend --build NAME``; the parent only compiles the cached IR), times it
+against the backend serving now, the two alternated on the model's thread between passes (a timing call delays
+answers by one batch's time at most), and switches to it when it is faster (ibedl.core.auto_backend.tournament). A
+switch replaces the adapter's runtime by one on the new trunk with the calibration made on it
+(ibedl.engine.runtime.switched): a request keeps the runtime it started with, so no pass mixes backends and every
+answer carries the backend and calibration that computed it. A build that fails or crashes leaves the service where
+it was; the reason is logged and shown in ``GET /v1/models`` (``backend.background``). A measurement older than
+``IBEDL_BACKEND_MAX_AGE_S`` is taken again the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from ibedl.core import auto_backend, backends
+
+log = logging.getLogger("ibedl.serve.backend_switch")
+
+BUILD_TIMEOUT_S = 3600  # NNCF quantises the int8 trunk in minutes at the lowest priority on a busy machine
+
+
+class BuildFailed(RuntimeError):
+    """The child process that exports an IR failed, crashed or ran out of time."""
+
+
+def build_in_child(name: str, artifact: Path, base_model: str | None, threads: int | None) -> None:
+    """Export the IR of backend ``name`` into the cache in a child process at the lowest CPU priority (``nice 19``):
+    its memory peak ends with it and it never holds the service's GIL. BuildFailed with its last error line."""
+    cmd = [sys.executable, "-m", "ibedl.core.auto_backend", "--artifact", str(artifact), "--build", name,
+           *(["--base-model", base_model] if base_model else []), *(["--threads", str(threads)] if threads else [])]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
+                              preexec_fn=lambda: os.nice(19))
+    except subprocess.TimeoutExpired as e:
+        raise BuildFailed(f"exporting {name} took over {BUILD_TIMEOUT_S} s") from e
+    if done.returncode != 0:
+        code = done.returncode
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
+        tail = (done.stderr.strip().splitlines() or [""])[-1]
+        raise BuildFailed(f"the process exporting {name} {how}: {tail}".rstrip(": "))
+
+
+class BackendSwitcher:
+    """The background measurement of one adapter's backends (``auto``), switching the service as it proves one
+    faster. ``build(name)`` returns a compiled trunk (default: the cached IR, exported first by
+    :func:`build_in_child` when missing); ``timer(run) -> seconds`` times one call (default
+    ibedl.core.auto_backend.time_call), always on the model's thread between passes."""
+
+    def __init__(self, state, adapter: str, names: list[str], build=None, timer=None,
+                 rounds: int = auto_backend.TIMING_ROUNDS) -> None:
+        if rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {rounds}")
+        self.state, self.adapter, self.names, self.rounds = state, adapter, list(names), rounds
+        settings, runtime = state.settings, state.runtimes[adapter]
+        self.artifact = Path(settings.served_artifacts()[0])
+        self.choice = runtime.predictor.backend_choice
+        # the model's thread owns the predictor's tokenizer: this thread encodes with its own copy
+        self.shadow = copy.copy(runtime.predictor)
+        self.shadow.tokenizer = copy.deepcopy(runtime.predictor.tokenizer)
+        self._build = build or self._build_cached_or_in_child
+        self.timer = timer or auto_backend.time_call
+        self.status: dict = {"state": "waiting", "candidates": list(names), "failed": {}, "switches": [],
+                             "seconds": {}}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.done = threading.Event()
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._work, name="ibedl-backend-switch", daemon=True)
+        self._thread.start()
+
+    # -- on the switcher's thread -----------------------------------------------------------------
+
+    def _on_loop(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def _build_cached_or_in_child(self, name: str):
+        settings = self.state.settings
+        try:
+            return backends.build_one(name, self.shadow, self.artifact, self.choice.base_sha256, export=False)
+        except FileNotFoundError:
+            log.info("auto: building %s in a child process at low priority", name)
+            build_in_child(name, self.artifact, settings.base_model, settings.threads)
+        self.status["state"] = f"compiling {name}"
+        return backends.build_one(name, self.shadow, self.artifact, self.choice.base_sha256, export=False)
+
+    def _build_noted(self, name: str):
+        self.status["state"] = f"building {name}"
+        try:
+            trunk = self._build(name)
+        except auto_backend.BUILD_ERRORS as e:
+            self.status["failed"][name] = f"{type(e).__name__}: {e}"
+            log.warning("auto: building %s failed (%s: %s); still serving %s", name, type(e).__name__, e,
+                        self.state.runtimes[self.adapter].ref["backend"])
+            raise
+        self.status["state"] = f"timing {name}"
+        return trunk
+
+    def _time(self, run) -> float:
+        return self._on_loop(self.state.batcher.between_passes(lambda: self.timer(run)))
+
+    def _switch(self, name: str, trunk) -> None:
+        before = self.state.runtimes[self.adapter].ref["backend"]
+        self._on_loop(self.state.switch_backend(self.adapter, name, trunk, "proven faster in the background",
+                                                self.choice))
+        self.status["switches"].append({"from": before, "to": name})
+
+    def _work(self) -> None:
+        try:
+            runtime = self.state.runtimes[self.adapter]
+            serving = (runtime.ref["backend"], runtime.predictor.trunk)
+            batch = self.shadow.encode(auto_backend.timing_questions())
+            best, _, seconds, failed = auto_backend.tournament(
+                self.names, self._build_noted, auto_backend.runner(self.shadow, batch), serving, self._time,
+                self.rounds, self._switch)
+            names, skipped = auto_backend.candidates(self.shadow, self.artifact, backends.unavailable)
+            self.choice = auto_backend.record(self.shadow, self.artifact, self.choice.base_sha256, names, seconds,
+                                              {**skipped, **failed}, best)
+            self.status.update(state="done", seconds=seconds)
+            self.shadow.model = self.shadow.decoder = None  # the torch model is freed once the runtime drops it too
+            self._on_loop(self.state.settle_backend(self.adapter, self.choice))
+            log.info("auto: measured in the background: serving %s (%s)", best, self.choice.reason)
+        except Exception as e:  # the service stays where it was
+            self.status.update(state="failed", reason=f"{type(e).__name__}: {e}")
+            log.exception("auto: the background measurement failed; the service stays on %s",
+                          self.state.runtimes[self.adapter].ref["backend"])
+        finally:
+            self.done.set()
+
+
+__all__ = ["BackendSwitcher", "BuildFailed", "build_in_child", "BUILD_TIMEOUT_S"]

@@ -1,0 +1,173 @@
+"""IBEDL_BACKEND=auto in the service: ready at once on a backend that needs no build, then the others are built and
+timed in the background and the service switches to one proven faster; requests keep being answered through the
+switch, each under the calibration of the backend that computed it. Builds and timings are injected (no OpenVINO, no
+dependence on this machine's speed); the real ones are recorded by benchmarks/backend_switch.py."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from ibedl.core import auto_backend, backends
+from ibedl.core.auto_backend import AutoChoice
+from ibedl.serve import backend_switch
+from ibedl.serve.app import load_predictor
+from ibedl.serve.backend_switch import BackendSwitcher, BuildFailed, build_in_child
+from tests.serve.test_backend_calibration import Q, recalibrated
+
+LAST: list[str] = []  # the backend whose trunk ran last (the injected timer reads it)
+
+
+class Trunk:
+    """Stands for a compiled OpenVINO trunk: the torch decoder's hidden states, scaled (other arithmetic)."""
+
+    def __init__(self, decoder, name: str) -> None:
+        self.decoder, self.name = decoder, name
+
+    def __call__(self, batch):
+        LAST.append(self.name)
+        out = self.decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+        return out.last_hidden_state[range(batch.input_ids.shape[0]), batch.last_index] * (1.0 + 1e-3)
+
+
+@pytest.fixture
+def bf16_calibrated(tiny_artifact, tmp_path, monkeypatch):
+    """The tiny artifact calibrated on torch-fp32 and on openvino-bf16 (which abstains below confidence 0.25)."""
+    monkeypatch.setenv("IBEDL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(backends, "native_bf16", lambda: True)
+    return recalibrated(tiny_artifact, tmp_path / "bf16", "torch-fp32", {
+        "openvino-bf16": {"sections": {"abstention": {"min_confidence": 0.25}, "calibration": {"marker": "bf16"}}}})
+
+
+def unmeasured_loader(settings):
+    """The predictor as ``auto`` loads it on a fresh machine: torch, with openvino-bf16 still to build and time."""
+    predictor = load_predictor(settings.model_copy(update={"backend": "torch"}))
+    predictor.backend_choice = AutoChoice("torch", "not measured on this machine yet", pending=["openvino-bf16"],
+                                          base_sha256="base")
+    predictor.backend_reason = predictor.backend_choice.reason
+    return predictor
+
+
+@pytest.fixture
+def switching(monkeypatch):
+    """``switching(seconds, fail=None)``: the service's switcher builds a Trunk (or raises ``fail``) once the returned
+    gate is set, and times each backend at ``seconds[name]``."""
+
+    def install(seconds: dict[str, float], fail: Exception | None = None) -> threading.Event:
+        gate = threading.Event()
+        real_torch = auto_backend.torch_hidden
+
+        def torch_hidden(predictor, batch):
+            LAST.append("torch")
+            return real_torch(predictor, batch)
+
+        def build(switcher):
+            def run(name):
+                assert gate.wait(30)
+                if fail is not None:
+                    raise fail
+                return Trunk(switcher.shadow.decoder, name)
+            return run
+
+        def timer(run):
+            run()
+            return seconds[LAST[-1]]
+
+        class Injected(BackendSwitcher):
+            def __init__(self, state, adapter, names):
+                super().__init__(state, adapter, names, timer=timer, rounds=3)
+                self._build = build(self)
+
+        monkeypatch.setattr(auto_backend, "torch_hidden", torch_hidden)
+        monkeypatch.setattr(backend_switch, "BackendSwitcher", Injected)
+        return gate
+
+    return install
+
+
+def served(r) -> tuple[str, str]:
+    return r.json()["adapter"]["backend"], r.json()["adapter"]["calibration"]
+
+
+def test_ready_at_once_then_switched_when_proven_faster_without_failing_a_request(make_client, bf16_calibrated,
+                                                                                    switching):
+    gate = switching({"torch": 1.0, "openvino-bf16": 0.4})
+    with make_client(loader=unmeasured_loader, artifact=bf16_calibrated) as c:
+        state = c.app.state.service
+        r = c.post("/predict", json=Q)  # ready while the candidate is not built yet
+        assert r.status_code == 200 and served(r) == ("torch", "torch-fp32")
+        card = c.get("/v1/models").json()["data"][0]
+        assert card["backend"]["name"] == "torch" and card["backend"]["background"]["state"] == "building openvino-bf16"
+        answers, stop = [], threading.Event()
+
+        def traffic():
+            while not stop.is_set():
+                answers.append(c.post("/predict", json=Q))
+
+        sender = threading.Thread(target=traffic)
+        sender.start()
+        gate.set()
+        assert state.switcher.done.wait(30)
+        stop.set()
+        sender.join(30)
+        after = c.post("/predict", json=Q)
+        card = c.get("/v1/models").json()["data"][0]
+        metrics = c.get("/metrics").text
+    assert answers and all(a.status_code == 200 for a in answers)
+    # every answer says the backend that computed it and the calibration made on that backend
+    assert {served(a) for a in answers} <= {("torch", "torch-fp32"), ("openvino-bf16", "openvino-bf16")}
+    assert served(after) == ("openvino-bf16", "openvino-bf16")
+    assert card["backend"]["name"] == "openvino-bf16" and card["calibration_in_use"]["key"] == "openvino-bf16"
+    assert card["abstention"]["min_confidence"] == 0.25 and card["calibration"]["marker"] == "bf16"
+    background = card["backend"]["background"]
+    assert background["state"] == "done" and background["switches"] == [{"from": "torch", "to": "openvino-bf16"}]
+    assert background["seconds"] == {"torch": 1.0, "openvino-bf16": 0.4} and background["failed"] == {}
+    assert card["backend"]["measured"]["seconds"] == {"torch": 1.0, "openvino-bf16": 0.4}
+    assert 'ibedl_backend_switches_total{adapter="tiny",from="torch",to="openvino-bf16"} 1.0' in metrics
+    assert state.default.predictor.model is None  # the torch model is dropped once the trunk serves alone
+
+
+def test_a_slower_candidate_is_measured_and_not_switched_to(make_client, bf16_calibrated, switching):
+    gate = switching({"torch": 1.0, "openvino-bf16": 1.5})
+    gate.set()
+    with make_client(loader=unmeasured_loader, artifact=bf16_calibrated) as c:
+        assert c.app.state.service.switcher.done.wait(30)
+        r = c.post("/predict", json=Q)
+        card = c.get("/v1/models").json()["data"][0]
+        metrics = c.get("/metrics").text
+    assert served(r) == ("torch", "torch-fp32") and card["backend"]["background"]["switches"] == []
+    assert "ibedl_backend_switches_total{" not in metrics
+
+
+def test_a_build_that_fails_leaves_the_service_where_it_was_with_the_reason(make_client, bf16_calibrated,
+                                                                            switching, caplog):
+    gate = switching({"torch": 1.0, "openvino-bf16": 0.4},
+                     fail=BuildFailed("the process exporting openvino-bf16 was killed by SIGKILL"))
+    gate.set()
+    with caplog.at_level("WARNING", logger="ibedl.serve.backend_switch"):
+        with make_client(loader=unmeasured_loader, artifact=bf16_calibrated) as c:
+            assert c.app.state.service.switcher.done.wait(30)
+            r = c.post("/predict", json=Q)
+            card = c.get("/v1/models").json()["data"][0]
+    assert r.status_code == 200 and served(r) == ("torch", "torch-fp32")
+    background = card["backend"]["background"]
+    assert background["state"] == "done" and background["switches"] == []
+    assert background["failed"] == {"openvino-bf16": "BuildFailed: the process exporting openvino-bf16 was killed "
+                                                     "by SIGKILL"}
+    assert "building openvino-bf16 failed (BuildFailed: the process exporting openvino-bf16 was killed by SIGKILL); " \
+           "still serving torch" in caplog.text
+
+
+def test_switching_off_serves_the_start_choice_only(make_client, bf16_calibrated, switching):
+    switching({"torch": 1.0, "openvino-bf16": 0.4}).set()
+    with make_client(loader=unmeasured_loader, artifact=bf16_calibrated, backend_switching=False) as c:
+        r = c.post("/predict", json=Q)
+        card = c.get("/v1/models").json()["data"][0]
+        assert c.app.state.service.switcher is None
+    assert served(r) == ("torch", "torch-fp32") and card["backend"]["background"] is None
+
+
+def test_a_child_build_that_fails_says_how(tmp_path):
+    with pytest.raises(BuildFailed, match="the process exporting openvino-fp32 exited with 1: .*no-artifact"):
+        build_in_child("openvino-fp32", tmp_path / "no-artifact", None, None)
