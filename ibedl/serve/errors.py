@@ -31,6 +31,7 @@ STATUS = {
     "adapter_not_served": 409,
     "label_conflict": 409,
     "too_many_labels": 429,
+    "store_unavailable": 503,  # the feedback store did not answer in time: a refusal, retried elsewhere
 }
 
 
