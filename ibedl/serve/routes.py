@@ -8,12 +8,13 @@ admission before a route runs."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ibedl.engine.errors import InvalidRequest, TooLarge
+from ibedl.engine.errors import InvalidRequest, StoreUnavailable, TooLarge
 from ibedl.serve.contract import (
     API_ERRORS,
     DRIFT_ERRORS,
@@ -38,7 +39,7 @@ from ibedl.engine.schemas import (
     PredictRequest,
     PredictResponse,
 )
-from ibedl.serve.state import State
+from ibedl.serve.state import METRICS_STORE_WAIT_S, State
 
 router = APIRouter()
 
@@ -139,5 +140,8 @@ async def metrics(state: State) -> Response:
         state.metrics.set_drift(name, await asyncio.to_thread(rt.drift.status))
         state.metrics.set_accuracy(name, rt.accuracy.status())
     if state.feedback.enabled and state.runtimes:
-        await state.guarantees()  # sets the ibedl_guarantee_* gauges
+        # sets the ibedl_guarantee_* gauges; a store that does not answer at once leaves them as they are (its call
+        # sets them when it returns): a scrape never waits on another replica's lock
+        with contextlib.suppress(StoreUnavailable):
+            await state.guarantees(timeout=METRICS_STORE_WAIT_S)
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

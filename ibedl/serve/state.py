@@ -42,6 +42,11 @@ log = logging.getLogger("ibedl.serve")
 
 # A loader gives the predictors of the served adapters (the default first); one predictor for one adapter.
 Loader = Callable[[Settings], "list[Predictor] | Predictor"]
+# A feedback call is at most a connect, the label's write, a read and a checkpoint, each waiting up to
+# IBEDL_FEEDBACK_TIMEOUT_S for the store: a request waits this many timeouts for its call, then 503 store_unavailable.
+STORE_WAITS = 4
+METRICS_STORE_WAIT_S = 1.0  # /metrics waits this long for the store's guarantees, then serves the gauges as they are
+STORE_RETRY_S = 2.0  # while loading, a store that does not answer (yet) is tried again this often
 
 
 def load_predictor(settings: Settings) -> Predictor:
@@ -61,7 +66,7 @@ class ServiceState:
         self.loader = loader
         self.metrics = Metrics()
         self.admission = Admission(settings.request_timeout_s, settings.admission_margin)
-        self.feedback = Feedback(self.engine)  # receipts out, labels in (shared store: IBEDL_FEEDBACK_DB)
+        self.feedback = Feedback(self.engine)  # receipts out, labels in (IBEDL_FEEDBACK_DB or IBEDL_FEEDBACK_DSN)
         self.status = "loading"
         self.reason: str | None = "the model is loading"
         self.runtimes: dict[str, AdapterRuntime] = {}  # by adapter name, the default first
@@ -70,6 +75,7 @@ class ServiceState:
         self.switcher = None  # ibedl.serve.backend_switch.BackendSwitcher while auto measures in the background
         self._watcher: asyncio.Task | None = None
         self._checker: ThreadPoolExecutor | None = None
+        self._store_thread: ThreadPoolExecutor | None = None
 
     async def off_loop(self, fn: Callable, *args):
         """``fn(*args)`` on the request-checking thread; its exception is raised here. Tokenizing a prompt takes
@@ -78,6 +84,25 @@ class ServiceState:
         if self._checker is None:
             self._checker = ThreadPoolExecutor(1, thread_name_prefix="ibedl-check")
         return await asyncio.get_running_loop().run_in_executor(self._checker, fn, *args)
+
+    def _store_calls(self) -> ThreadPoolExecutor:
+        """The feedback store's own thread, never the event loop nor the default pool that /metrics uses: a store
+        that waits (another replica's lock, a slow or unreachable server) holds only this thread."""
+        if self._store_thread is None:
+            self._store_thread = ThreadPoolExecutor(1, thread_name_prefix="ibedl-store")
+        return self._store_thread
+
+    async def on_store(self, fn: Callable, *args, timeout: float | None = None):
+        """``fn(*args)`` on the feedback store's thread, waited for at most ``timeout`` seconds (default STORE_WAITS x
+        IBEDL_FEEDBACK_TIMEOUT_S), then StoreUnavailable; the call itself goes on to its end on its thread (a label
+        it records counts: sent again, it is a duplicate)."""
+        call = asyncio.get_running_loop().run_in_executor(self._store_calls(), fn, *args)
+        wait = STORE_WAITS * self.settings.feedback_timeout_s if timeout is None else timeout
+        try:
+            return await asyncio.wait_for(call, wait)
+        except asyncio.TimeoutError:
+            raise errors.StoreUnavailable(f"the feedback store did not answer within {wait:g} s; retry shortly",
+                                          retry_after=max(1, math.ceil(self.settings.feedback_timeout_s))) from None
 
     @property
     def default(self) -> AdapterRuntime | None:
@@ -106,7 +131,7 @@ class ServiceState:
                 rt.accuracy = AccuracyEstimate(self.settings.drift_window, float(target) if target else None)
             # one trunk: one estimate of seconds per token for every adapter (the heads' cost is negligible)
             service_time = await asyncio.to_thread(warm_up, [rt.predictor for rt in runtimes.values()])
-            await asyncio.to_thread(self.feedback.bind, runtimes)
+            await self._bind_feedback(runtimes)
         except Exception as e:  # a broken artifact must not kill the process: readiness reports it
             # The log has the exception's text and traceback (paths, hashes, settings); clients get its type alone.
             log.exception("loading the adapter failed")
@@ -196,6 +221,19 @@ class ServiceState:
             return None
         return copy.deepcopy(self.switcher.status)
 
+    async def _bind_feedback(self, runtimes: dict[str, AdapterRuntime]) -> None:
+        """Open the feedback store and catch up with it (its checkpoint, then the labels after it). A store that does
+        not answer (yet: a database still starting) is waited for, the reason on the readiness probe, as long as
+        the orchestrator lets the replica start."""
+        while True:
+            try:
+                await asyncio.get_running_loop().run_in_executor(self._store_calls(), self.feedback.bind, runtimes)
+                return
+            except errors.StoreUnavailable as e:
+                self.reason = f"waiting for the feedback store: {e.message}"
+                log.warning("%s", self.reason)
+                await asyncio.sleep(STORE_RETRY_S)
+
     def begin_drain(self) -> None:
         """Stop admitting (readiness 503) and let the batcher answer what can finish within the grace period."""
         if self.status != "draining":
@@ -222,6 +260,11 @@ class ServiceState:
         if self._checker is not None:
             self._checker.shutdown(wait=False, cancel_futures=True)
             self._checker = None
+        if self._store_thread is not None:
+            if self.feedback.store is not None:  # after the calls already queued
+                self._store_thread.submit(self.feedback.store.close)
+            self._store_thread.shutdown(wait=False)
+            self._store_thread = None
 
     def health(self) -> tuple[int, Health]:
         if self.status == "ready" and self.server is not None and getattr(self.server, "should_exit", False):
@@ -377,8 +420,8 @@ class ServiceState:
         contradicts its receipt's first label is counted as a conflict."""
         quota = LabelQuota(credential, self.settings.max_labels, self.settings.label_window_s)
         try:
-            results = await asyncio.to_thread(self.feedback.record, served_versions(self.runtimes),
-                                              [(item.receipt, item.label) for item in items], prefix, quota)
+            results = await self.on_store(self.feedback.record, served_versions(self.runtimes),
+                                          [(item.receipt, item.label) for item in items], prefix, quota)
         except errors.LabelConflict as e:
             for adapter in e.adapters:
                 self.metrics.feedback_conflicts.labels(adapter=adapter).inc()
@@ -390,11 +433,18 @@ class ServiceState:
         recorded = sum(r["status"] == "recorded" for r in results)
         return FeedbackResponse(recorded=recorded, duplicates=len(results) - recorded, results=results)
 
-    async def guarantees(self, adapter: str | None = None) -> GuaranteesResponse:
+    async def guarantees(self, adapter: str | None = None, timeout: float | None = None) -> GuaranteesResponse:
         """The realised guarantees from the feedback store, also set on their gauges (the served versions' only);
-        404 when feedback is off."""
-        found = await asyncio.to_thread(self.feedback.guarantees, served_versions(self.runtimes), adapter)
-        self.metrics.set_guarantees(found)
+        404 when feedback is off. Waits for the store as :meth:`on_store` does (``timeout``); the gauges are set
+        when the store answers, even after the wait gave up (StoreUnavailable)."""
+        served = served_versions(self.runtimes)
+
+        def read() -> list[dict]:
+            found = self.feedback.guarantees(served, adapter)
+            self.metrics.set_guarantees(found)
+            return found
+
+        found = await self.on_store(read, timeout=timeout)
         return GuaranteesResponse(alpha=self.feedback.alpha, shared_store=self.feedback.shared, guarantees=found)
 
     def drift_status(self, runtime: AdapterRuntime) -> DriftStatus:
