@@ -138,7 +138,11 @@ class Feedback:
         if self._key is None:
             return None
         now = int(self.clock())
-        target = runtime.thresholds.how.get("target_accuracy")
+        # an option count the calibration never covered carries no stated level: its labels test no guarantee
+        counts = runtime.option_counts
+        claimed = counts is None or len(pred.probs) in counts
+        target = runtime.thresholds.for_options(len(pred.probs)).how.get("target_accuracy") if claimed else None
+        coverage = coverage if claimed else None
         tracker = self._tracker(runtime)
         return sign(Receipt(
             id=new_id(), question=question, adapter=runtime.name, version=runtime.ref["version"],

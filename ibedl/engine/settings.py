@@ -69,8 +69,10 @@ class EngineSettings(BaseSettings):
                                       "gives up: 503 store_unavailable, Retry-After")
     feedback_ttl_s: int = Field(30 * 24 * 3600, ge=60, description="seconds after an answer that its receipt "
                                 "accepts a label (default 30 days)")
-    guarantee_alpha: float = Field(0.05, gt=0.0, lt=0.5, description="error probability of the realised "
-                                   "guarantees' confidence sequences, over the whole life of an adapter version")
+    guarantee_alpha: float = Field(0.03, gt=0.0, lt=0.5, description="error probability of each realised "
+                                   "guarantee's confidence sequence over the whole life of an adapter version (a "
+                                   "false alarm on healthy traffic: <= alpha/2 per sequence, plus the calibration's "
+                                   "delta; with the defaults <= 2 x (0.01 + 0.015) = 5% per adapter version)")
     adaptive_sets: bool = Field(False, description="answers also carry an adaptive conformal set whose threshold "
                                 "follows the labels (ACI); needs feedback on")
     adaptive_rate: float = Field(0.01, gt=0.0, le=0.5, description="step of the adaptive sets' threshold per label")
