@@ -29,7 +29,8 @@ def refusal(settings: Settings) -> str | None:
 
 
 def log_exposure(settings: Settings) -> None:
-    """One line at start saying who may call the API, and one saying who may send labels (feedback on)."""
+    """One line at start saying who may call the API, and one saying who may send labels (feedback on), with a
+    warning when a service others reach keeps its labels in memory (each replica would count its own)."""
     where = f"{settings.host}:{settings.port}"
     if settings.api_token is not None:
         log.info("serving %s; every route but the health probes requires the bearer token (IBEDL_API_TOKEN)", where)
@@ -40,6 +41,9 @@ def log_exposure(settings: Settings) -> None:
         log.info("serving %s without a token: open to clients on this machine only (loopback)", where)
     if settings.feedback_key is None:
         return
+    if settings.feedback_db is None and settings.feedback_dsn is None and settings.exposed():
+        log.warning("labelled feedback keeps its labels in this process only (no IBEDL_FEEDBACK_DB or "
+                    "IBEDL_FEEDBACK_DSN): with several replicas each counts its own, and a restart forgets them")
     if settings.label_token is not None:
         log.info("labels (POST /v1/feedback) require the labelling credential (IBEDL_LABEL_TOKEN), at most %d per "
                  "%d s", settings.max_labels, settings.label_window_s)

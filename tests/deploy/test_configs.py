@@ -337,6 +337,30 @@ def test_compose_file_services_and_mounts():
             assert re.search(r":[\w.-]+$", svc["image"]) and not svc["image"].endswith(":latest"), f"pin {name}'s image"
 
 
+def test_compose_ships_the_feedback_store_on_postgresql():
+    """The replicas share one PostgreSQL store on the backend network, its password a required secret of .env (never
+    a value in the file), the DSN naming that service; a replica starts after the database answers."""
+    from ibedl.engine.settings import EngineSettings
+
+    services = yaml.safe_load(COMPOSE_YML.read_text())["services"]
+    db, api = services["feedback-db"], services["api"]
+    env = api["environment"]
+    assert "IBEDL_FEEDBACK_DB" not in env  # one store: the DSN
+    password = "${IBEDL_FEEDBACK_DB_PASSWORD:?"
+    assert env["IBEDL_FEEDBACK_DSN"].startswith(f"postgresql://ibedl:{password}")
+    assert env["IBEDL_FEEDBACK_DSN"].endswith("}@feedback-db:5432/ibedl")
+    assert db["environment"]["POSTGRES_PASSWORD"].startswith(password)
+    assert (db["environment"]["POSTGRES_USER"], db["environment"]["POSTGRES_DB"]) == ("ibedl", "ibedl")
+    assert "ports" not in db and db["networks"] == api["networks"]  # reached by the replicas only
+    assert "pg_isready" in db["healthcheck"]["test"]
+    assert api["depends_on"]["feedback-db"]["condition"] == "service_healthy"
+    assert any(v.endswith(":/var/lib/postgresql/data") for v in db["volumes"])
+    # the DSN as a replica reads it (the password substituted) is a valid setting
+    dsn = re.sub(r"\$\{IBEDL_FEEDBACK_DB_PASSWORD:\?[^}]*\}", "0a1b", env["IBEDL_FEEDBACK_DSN"])
+    assert EngineSettings(feedback_dsn=dsn).feedback_dsn.get_secret_value() == \
+        "postgresql://ibedl:0a1b@feedback-db:5432/ibedl"
+
+
 def test_docker_compose_config():
     docker = shutil.which("docker")
     probe = [docker, "compose", "version"] if docker else None

@@ -16,6 +16,7 @@ from tests.deploy.render import COMPOSE_METRICS_TOKEN_FILE, COMPOSE_YML, DEPLOY,
 pytestmark = pytest.mark.servers
 
 EXACT_TAG = re.compile(r"^[\w./-]+:v?\d+\.\d+\.\d+(-[\w.]+)?(@sha256:[0-9a-f]{64})?$")  # name:1.2.3[-variant][@digest]
+POSTGRES_TAG = re.compile(r"^postgres:\d+\.\d+(-[\w.]+)?(@sha256:[0-9a-f]{64})?$")  # its releases are major.minor
 REQUIRED = re.compile(r"^\$\{(\w+):\?[^}]+\}$")  # compose's ${VAR:?message}: no value, no stack
 PROJECT_VERSION = re.search(r'^version = "([^"]+)"$', (REPO / "pyproject.toml").read_text(), re.M)[1]
 
@@ -48,6 +49,8 @@ def test_compose_requires_the_tokens_and_the_grafana_password(compose):
     assert api["IBEDL_LABEL_TOKEN"] == "${IBEDL_LABEL_TOKEN:-}"  # optional: without it no label is accepted
     grafana = compose["services"]["grafana"]["environment"]
     assert required_variable(grafana["GF_SECURITY_ADMIN_PASSWORD"]) == "GRAFANA_ADMIN_PASSWORD"  # never admin/admin
+    database = compose["services"]["feedback-db"]["environment"]
+    assert required_variable(database["POSTGRES_PASSWORD"]) == "IBEDL_FEEDBACK_DB_PASSWORD"  # no default password
 
 
 def test_prometheus_scrapes_with_the_metrics_token_and_has_no_lifecycle_api(compose):
@@ -82,6 +85,8 @@ def test_compose_images_are_exact_versions(compose):
         image = service["image"]
         if name == "api":  # built here: the project's version unless IBEDL_IMAGE_TAG says otherwise
             assert image == f"ibedl-service:${{IBEDL_IMAGE_TAG:-{PROJECT_VERSION}}}"
+        elif image.startswith("postgres:"):
+            assert POSTGRES_TAG.match(image), f"{name}: pin {image} to an exact version"
         else:
             assert EXACT_TAG.match(image), f"{name}: pin {image} to an exact version"
 
@@ -95,9 +100,12 @@ def pod(k8s) -> dict:
 def test_k8s_secrets_are_required(k8s):
     (container,) = pod(k8s)["spec"]["containers"]
     refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"] if "valueFrom" in e}
-    assert set(refs) == {"IBEDL_API_TOKEN", "IBEDL_METRICS_TOKEN", "IBEDL_LABEL_TOKEN"}
-    # the tokens are required; the labelling credential is not (without it no label is accepted: still closed)
-    assert [name for name, ref in refs.items() if ref.get("optional") is True] == ["IBEDL_LABEL_TOKEN"]
+    assert set(refs) == {"IBEDL_API_TOKEN", "IBEDL_METRICS_TOKEN", "IBEDL_LABEL_TOKEN", "IBEDL_FEEDBACK_KEY",
+                         "IBEDL_FEEDBACK_DSN"}
+    # the tokens are required; the labelling credential is not (without it no label is accepted: still closed), nor
+    # is labelled feedback (without its Secret it is off)
+    assert sorted(name for name, ref in refs.items() if ref.get("optional") is True) == [
+        "IBEDL_FEEDBACK_DSN", "IBEDL_FEEDBACK_KEY", "IBEDL_LABEL_TOKEN"]
     assert "IBEDL_ALLOW_ANONYMOUS" not in {e["name"] for e in container["env"]}
 
 

@@ -247,3 +247,65 @@ def test_hpa_queue_depth_recipe_names_a_metric_the_service_exposes():
     text = (K8S / "hpa.yaml").read_text()
     names = set(re.findall(r"\bibedl_\w+", text))
     assert names and names <= exposed_metric_names(), names - exposed_metric_names()
+
+
+# -- labelled feedback: the store ------------------------------------------------------------------------
+
+def test_feedback_comes_from_one_optional_secret(rendered):
+    """Without the Secret ibedl-feedback feedback is off; with it every replica signs with its key and records in
+    the PostgreSQL store its DSN names (never a value in the manifest)."""
+    for variable, setting, key in [("IBEDL_FEEDBACK_KEY", "feedback_key", "key"),
+                                   ("IBEDL_FEEDBACK_DSN", "feedback_dsn", "dsn")]:
+        ref = env(rendered)[variable]
+        assert "value" not in ref and setting in Settings.model_fields
+        assert ref["valueFrom"]["secretKeyRef"] == {"name": "ibedl-feedback", "key": key, "optional": True}
+    assert "IBEDL_FEEDBACK_DB" not in env(rendered)  # a SQLite file cannot be shared across nodes
+    days = int(env(rendered)["IBEDL_FEEDBACK_RETENTION_DAYS"]["value"])
+    assert days * 86400 >= Settings.model_fields["feedback_ttl_s"].default  # outlives the receipts
+
+
+@pytest.fixture(scope="module")
+def with_feedback_db(tmp_path_factory) -> dict[str, dict]:
+    """An overlay as deploy/k8s/feedback-db/kustomization.yaml shows it (the base and the component), rendered."""
+    import os
+
+    overlay = tmp_path_factory.mktemp("overlay")
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [os.path.relpath(K8S, overlay)], "components": [os.path.relpath(K8S / "feedback-db", overlay)]}))
+    r = subprocess.run([require_binary("kubectl"), "kustomize", str(overlay)], capture_output=True, text=True,
+                       timeout=60, stdin=subprocess.DEVNULL, check=False)
+    assert r.returncode == 0, r.stderr
+    return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(r.stdout) if d}
+
+
+def test_the_feedback_db_component_validates_and_serves_the_replicas_only(with_feedback_db):
+    docs = with_feedback_db
+    db = docs[("StatefulSet", "ibedl-feedback-db")]
+    for doc in docs.values():
+        if doc["kind"] not in CRD_MODELS:
+            kubernetes_validate.validate(doc, K8S_VERSIONS[-1], strict=True)
+    pod = db["spec"]["template"]
+    (postgres,) = pod["spec"]["containers"]
+    assert re.fullmatch(r"postgres:\d+\.\d+-alpine", postgres["image"])  # pinned
+    assert db["spec"]["replicas"] == 1
+    (claim,) = db["spec"]["volumeClaimTemplates"]
+    assert {"name": claim["metadata"]["name"], "mountPath": "/var/lib/postgresql/data"} in postgres["volumeMounts"]
+    variables = {e["name"]: e for e in postgres["env"]}
+    assert variables["POSTGRES_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "ibedl-feedback",
+                                                                          "key": "db-password"}
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert postgres["securityContext"]["readOnlyRootFilesystem"] is True
+    # the DSN's host is the Service, which finds the database's pod on its port
+    service = docs[("Service", "ibedl-feedback-db")]
+    assert "ibedl-feedback-db:5432" in (K8S / "feedback-db" / "kustomization.yaml").read_text()
+    assert matches(service["spec"]["selector"], pod["metadata"]["labels"])
+    assert service["spec"]["ports"][0]["port"] == 5432
+    assert service["spec"]["ports"][0]["targetPort"] in {p["name"] for p in postgres["ports"]}
+    # only the replicas reach it
+    policy = docs[("NetworkPolicy", "ibedl-feedback-db")]["spec"]
+    assert matches(policy["podSelector"]["matchLabels"], pod["metadata"]["labels"])
+    ((source,),) = [rule["from"] for rule in policy["ingress"]]
+    api_pods = docs[("Deployment", "ibedl-api")]["spec"]["template"]["metadata"]["labels"]
+    assert matches(source["podSelector"]["matchLabels"], api_pods) and "namespaceSelector" not in source
+    assert not matches(policy["podSelector"]["matchLabels"], api_pods)

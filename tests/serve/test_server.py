@@ -107,6 +107,17 @@ def test_the_start_log_says_who_may_send_labels(caplog, settings, line):
     assert not any("l" * 16 in r.getMessage() or "a" * 16 in r.getMessage() for r in caplog.records)
 
 
+def test_the_start_log_warns_of_labels_kept_in_one_process(caplog, tmp_path):
+    line = ("labelled feedback keeps its labels in this process only (no IBEDL_FEEDBACK_DB or IBEDL_FEEDBACK_DSN): "
+            "with several replicas each counts its own, and a restart forgets them")
+    exposed = {"host": "0.0.0.0", "api_token": "a" * 16, "feedback_key": "k" * 16}
+    with caplog.at_level("INFO", logger="ibedl.serve"):
+        log_exposure(Settings(**exposed))
+        log_exposure(Settings(**exposed, feedback_db=tmp_path / "f.sqlite"))  # a shared store: no warning
+        log_exposure(Settings(feedback_key="k" * 16))  # loopback: one process is all there is
+    assert [r.getMessage() for r in caplog.records].count(line) == 1
+
+
 class Running:
     """A real uvicorn server, configured as the service configures it, in a thread, around a trivial app."""
 
