@@ -24,7 +24,7 @@ import numpy as np
 
 from benchmarks.common import write_result
 from ibedl.core.artifact import read_manifest
-from ibedl.core.conformal import prediction_set
+from ibedl.core.conformal import conformal_rank, prediction_set
 from ibedl.engine.abstention import decide
 from ibedl.training.calibrate import posthoc_outputs
 from ibedl.training.data.option_counts import parse_counts
@@ -63,6 +63,17 @@ def score(args) -> int:
     return 0
 
 
+def predicted(k: int, n: int, m: int, draws: int = 200_000, seed: int = 0) -> list[float]:
+    """The 1% and 99% quantiles of what m test questions measure of a rule set at the k-th smallest of n
+    exchangeable scores: its level ~ Beta(k, n + 1 - k), then Binomial(m, level) / m."""
+    rng = np.random.default_rng(seed)
+    if k > n:
+        return [1.0, 1.0]
+    level = rng.beta(k, n + 1 - k, draws)
+    measured = rng.binomial(m, level) / m
+    return [float(np.quantile(measured, 0.01)), float(np.quantile(measured, 0.99))]
+
+
 def analyse(args) -> int:
     manifest = read_manifest(Path(args.artifact))
     dump = json.loads(outputs_path(args.backend).read_text())
@@ -95,12 +106,25 @@ def analyse(args) -> int:
             "target_accuracy": target, "set_coverage": float(covered.mean()), "nominal_coverage": nominal,
             "mean_set_size": float(np.mean([len(s) for s in sets])),
         }
+        # what the calibration predicts a test of this size measures (98% interval): the served rule's own level is
+        # Beta(k, n + 1 - k) over calibration draws (k-th smallest of n), and a test of m questions adds binomial noise
+        per_count = (calibration.record.get("by_options") or {}).get(str(count), calibration.record)
+        n_fit = int(per_count.get("gate", {}).get("n", 0))
+        if rate and n_fit:
+            row["gate_refused_predicted_98"] = predicted(int(np.floor(rate * (n_fit + 1))), n_fit, len(labels))
+        k = conformal_rank(conformal.n, conformal.alpha, conformal.delta)
+        row["set_coverage_predicted_98"] = predicted(k, conformal.n, len(labels))
         row["met"] = {
             "answered_accuracy_at_least_target": row["answered_accuracy"] is not None
             and row["answered_accuracy"] >= target,
             "set_coverage_within_2_points": abs(row["set_coverage"] - nominal) <= 0.02,
             "gate_refusal_within_3_points": rate is not None and abs(refused - rate) <= 0.03,
         }
+        row["met"]["set_coverage_as_predicted"] = \
+            row["set_coverage_predicted_98"][0] <= row["set_coverage"] <= row["set_coverage_predicted_98"][1]
+        if "gate_refused_predicted_98" in row:
+            row["met"]["gate_refusal_as_predicted"] = \
+                row["gate_refused_predicted_98"][0] <= refused <= row["gate_refused_predicted_98"][1]
         rows[count] = row
         print(f"{count} options: {row}", file=sys.stderr)
     result = {
@@ -109,6 +133,10 @@ def analyse(args) -> int:
         "calibration_command": calibration.record.get("command"), "claimed_option_counts": claimed,
         "counts": rows,
         "done_when": all(all(r["met"].values()) for r in rows.values() if r["claimed"]),
+        "as_predicted": all(r["met"]["answered_accuracy_at_least_target"] or r["answered"] == 0
+                            for r in rows.values() if r["claimed"])
+        and all(r["met"].get(k, True) for r in rows.values() if r["claimed"]
+                for k in ("set_coverage_as_predicted", "gate_refusal_as_predicted")),
     }
     write_result(args.output, result)
     return 0
