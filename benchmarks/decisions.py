@@ -154,6 +154,7 @@ def repeated_splits(s: dict, manifest, splits: int, seed: int = 0, key: str | No
     target = cal_cfg.get("target_accuracy", calibration.thresholds.how.get("target_accuracy", 0.9))
     delta = cal_cfg.get("delta", 0.1)
     alpha = calibration.conformal.alpha if calibration.conformal else 0.1
+    set_delta = calibration.conformal.delta if calibration.conformal else None  # None: marginal quantiles
     probs, labels, conf, hits = s["outputs"].probs, s["labels"], s["confidence"], s["hits"]
     limits = calibration.thresholds
     passed = s["outputs"].ood_score() >= limits.ood_threshold  # the artifact's gate, fixed
@@ -167,7 +168,7 @@ def repeated_splits(s: dict, manifest, splits: int, seed: int = 0, key: str | No
         perm = rng.permutation(n)
         cal, test = perm[: n // 2], perm[n // 2:]
         for sc in SCORES:
-            q = conformal_quantile(scores[sc][cal], alpha)
+            q = conformal_quantile(scores[sc][cal], alpha, set_delta)
             sets = [prediction_set(probs[i], q, sc) for i in test]
             cover[sc].append(np.mean([labels[i] in m for i, m in zip(test, sets)]))
             size[sc].append(np.mean([len(m) for m in sets]))
@@ -180,7 +181,9 @@ def repeated_splits(s: dict, manifest, splits: int, seed: int = 0, key: str | No
         answered_acc.append(acc)
     return {
         "splits": splits, "calibration_size": n // 2, "alpha": alpha, "target_accuracy": target, "delta": delta,
+        "set_delta": set_delta,
         "sets": {sc: {"nominal": 1 - alpha, "mean_coverage": float(np.mean(cover[sc])),
+                      "share_of_splits_at_least_nominal": float(np.mean(np.asarray(cover[sc]) >= 1 - alpha)),
                       "coverage_p5_p95": [float(np.quantile(cover[sc], 0.05)), float(np.quantile(cover[sc], 0.95))],
                       "mean_size": float(np.mean(size[sc]))} for sc in SCORES},
         "risk": {"share_of_splits_guarantee_held": float(np.mean(held)), "required": 1 - delta,
