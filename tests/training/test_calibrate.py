@@ -348,10 +348,10 @@ class TestFeedbackSample:
         assert new.abstention["min_confidence"] == sections["abstention"]["min_confidence"]
 
     def test_too_few_labels_or_another_version_is_a_clear_error(self, tiny_artifact, tmp_path, capsys):
-        from ibedl.engine.feedback import FeedbackStore
+        from ibedl.engine.feedback_sqlite import SqliteStore
 
         db = tmp_path / "feedback.sqlite"
-        FeedbackStore(db).close()
+        SqliteStore(db).close()
         assert main(["--artifact", str(tiny_artifact), "--dataset", "feedback", "--path", str(db)]) == 2
         assert "holds 0 labels of adapter" in capsys.readouterr().err
         assert main(["--artifact", str(tiny_artifact), "--dataset", "feedback"]) == 2
