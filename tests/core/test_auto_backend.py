@@ -173,6 +173,10 @@ def test_int8_is_a_candidate_only_with_the_sample_its_calibration_was_made_on(ti
 
 
 def test_int8_is_not_a_candidate_on_another_int8_instruction_set(tiny_artifact, tmp_path, timed, monkeypatch):
+    for cap in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):  # calibrated on this CPU as it is
+        monkeypatch.delenv(cap, raising=False)
+    if cpu_isa.int8_isa() == "avx2":
+        pytest.skip("this CPU's int8 class is avx2 already: no other class to cap it to")
     timed({})
     made_here = carrying(tiny_artifact, tmp_path / "a", ["openvino-int8"])
     assert "openvino-int8" in auto_backend.candidates(load(made_here), made_here, backends.unavailable)[0]
