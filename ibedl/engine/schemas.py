@@ -198,8 +198,8 @@ class Guarantee(BaseModel):
 
 class GuaranteesResponse(BaseModel):
     alpha: float = Field(..., description="each sequence holds the mean at all times with probability >= 1 - alpha")
-    shared_store: bool = Field(..., description="labels come from the store every replica shares (IBEDL_FEEDBACK_DB)"
-                               "; false: this replica's labels only")
+    shared_store: bool = Field(..., description="labels come from the store every replica shares (IBEDL_FEEDBACK_DB "
+                               "or IBEDL_FEEDBACK_DSN); false: this replica's labels only")
     guarantees: list[Guarantee]
 
 
