@@ -75,7 +75,8 @@ def main(argv=None) -> int:
             detect = first_below(upper, STATED)
             row[name] = {
                 "ever_excludes_true_mean": float(missed.mean()),
-                "upper_mean_at": {str(t): float(upper[:, t - 1].mean()) for t in (*CHECKPOINTS, args.length) if t <= args.length},
+                "upper_mean_at": {str(t): float(upper[:, t - 1].mean())
+                                  for t in (*CHECKPOINTS, args.length) if t <= args.length},
                 "alarm_share": float((detect > 0).mean()),
                 "labels_to_alarm_median": float(np.median(detect[detect > 0])) if (detect > 0).any() else None,
                 "seconds": round(time.perf_counter() - start, 1),

@@ -39,7 +39,8 @@ import numpy as np
 
 from benchmarks.common import write_result
 from ibedl.engine.feedback import Feedback
-from ibedl.engine.feedback_store import COLUMNS, open_store
+from ibedl.engine.feedback import open_store
+from ibedl.engine.feedback_store import COLUMNS
 from ibedl.engine.settings import EngineSettings
 
 KEY = "benchmark-feedback-key-0123456789"

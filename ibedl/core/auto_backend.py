@@ -11,13 +11,12 @@ CPU, thread count, library versions, adapter and candidates.
 Loading never builds: :func:`start_choice` serves the cached measurement's winner when its IR is cached, else torch,
 and says which candidates are still to build and time. The service does that in the background
 (ibedl.serve.backend_switch) and switches when a faster one is proven; elsewhere
-``python -m ibedl.core.auto_backend --artifact DIR`` builds and times them (minutes, once per machine), and
+``python -m ibedl.core.measure_backends --artifact DIR`` builds and times them (minutes, once per machine), and
 ``--build NAME`` exports one backend's IR into the cache (what the service's background builder runs, niced).
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import hashlib
 import json
@@ -61,7 +60,7 @@ class AutoChoice:
         cached: the timings were read from an earlier start's measurement (``path``) instead of taken now.
         path: the cache file of this measurement.
         pending: candidates not measured yet (their IR not built, or no measurement cached): to build and time
-            (the service does it in the background; ``python -m ibedl.core.auto_backend --artifact DIR``).
+            (the service does it in the background; ``python -m ibedl.core.measure_backends --artifact DIR``).
         base_sha256: the base model's sha256 the cache key and IR were made with.
     """
 
@@ -217,7 +216,7 @@ def start_choice(predictor, artifact: Path, base_sha256: str, build_cached, unav
 
 
 HOW_TO_MEASURE = ("the service does it in the background and switches to a faster one once proven; elsewhere: "
-                  "python -m ibedl.core.auto_backend --artifact DIR, minutes once per machine")
+                  "python -m ibedl.core.measure_backends --artifact DIR, minutes once per machine")
 
 
 def choose(predictor, artifact: Path, base_sha256: str, build, unavailable, timer=None) -> tuple[AutoChoice, object]:
@@ -307,37 +306,5 @@ def _write(path: Path, data: dict) -> None:
         log.warning("auto: could not cache the measurement in %s (%s): each start measures again", path, e)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``python -m ibedl.core.auto_backend --artifact DIR``: build every candidate and time them (the measurement the
-    service reads at its next start); ``--build NAME``: export backend NAME's IR into the cache and exit."""
-    from ibedl.core import backends
-    from ibedl.core.base_model import resolve_model
-    from ibedl.core.predictor import Predictor
-
-    parser = argparse.ArgumentParser(prog="python -m ibedl.core.auto_backend", description=main.__doc__)
-    parser.add_argument("--artifact", required=True)
-    parser.add_argument("--base-model", default=None, help="base model reference (default: the manifest's)")
-    parser.add_argument("--build", default=None, choices=[c for c in CANDIDATES if c != "torch"],
-                        help="only export this backend's IR into IBEDL_CACHE_DIR/backends")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    predictor = Predictor.from_artifact(args.artifact, base_model=args.base_model, backend="torch")
-    sha = resolve_model(args.base_model or predictor.manifest.base_model_ref().ref).sha256
-    if args.build is not None:
-        print(backends.export_ir(args.build, predictor, Path(args.artifact), sha, copy_model=False))
-        return
-    choice, _ = choose(predictor, Path(args.artifact), sha,
-                       lambda name: backends.build_one(name, predictor, Path(args.artifact), sha),
-                       backends.unavailable)
-    print(json.dumps(choice.to_dict(), indent=1))
-
-
 __all__ = ["CANDIDATES", "TIMING_QUESTIONS", "TIMING_ROUNDS", "AutoChoice", "candidates", "start_choice", "choose",
            "tournament", "interleaved_seconds", "record", "runner", "timing_questions", "choice_path", "age_s"]
-
-
-if __name__ == "__main__":
-    main()

@@ -32,7 +32,7 @@ from ibedl.engine import schemas
 from ibedl.engine.adaptive import QuantileTracker
 from ibedl.engine.confidence_sequence import BettingCS
 from ibedl.engine.errors import AdapterNotServed, FeedbackDisabled, InvalidRequest, LabelConflict, StoreUnavailable
-from ibedl.engine.feedback_store import FeedbackStore, LabelQuota, Snapshot, open_store
+from ibedl.engine.feedback_store import FeedbackStore, LabelQuota, Snapshot
 from ibedl.engine.receipts import Receipt, new_id, sign, verify
 from ibedl.engine.runtime import AdapterRuntime
 from ibedl.engine.settings import EngineSettings
@@ -54,6 +54,18 @@ class Guarantee(schemas.Guarantee):
 
 class GuaranteesResponse(schemas.GuaranteesResponse):
     guarantees: list[Guarantee]
+
+
+def open_store(settings: EngineSettings) -> FeedbackStore:
+    """The store ``settings`` name: PostgreSQL at ``feedback_dsn``, else SQLite at ``feedback_db`` (in memory when
+    unset). ValueError when it cannot be used; StoreUnavailable when it does not answer (yet)."""
+    if settings.feedback_dsn is not None:
+        from ibedl.engine.feedback_postgres import PostgresStore
+
+        return PostgresStore(settings.feedback_dsn.get_secret_value(), settings.feedback_timeout_s)
+    from ibedl.engine.feedback_sqlite import SqliteStore
+
+    return SqliteStore(settings.feedback_db, settings.feedback_timeout_s)
 
 
 def served_versions(runtimes: dict[str, AdapterRuntime]) -> dict[str, str]:

@@ -20,7 +20,6 @@ import threading
 from dataclasses import dataclass
 
 from ibedl.engine.errors import StoreUnavailable, TooLarge, TooManyLabels
-from ibedl.engine.settings import EngineSettings
 
 # one label: what its receipt said and what was sent back, when, by which credential
 COLUMNS = ("receipt_id", "question", "adapter", "version", "options", "label", "predicted", "answered", "target",
@@ -236,15 +235,3 @@ class FeedbackStore:
                 self._execute("DELETE FROM feedback WHERE seq IN (SELECT seq FROM feedback WHERE recorded < ? AND "
                               "seq <= ? ORDER BY seq LIMIT ?)", (prune_before, seq, PRUNE_BATCH))
         return True
-
-
-def open_store(settings: EngineSettings) -> FeedbackStore:
-    """The store ``settings`` name: PostgreSQL at ``feedback_dsn``, else SQLite at ``feedback_db`` (in memory when
-    unset). ValueError when it cannot be used; StoreUnavailable when it does not answer (yet)."""
-    if settings.feedback_dsn is not None:
-        from ibedl.engine.feedback_postgres import PostgresStore
-
-        return PostgresStore(settings.feedback_dsn.get_secret_value(), settings.feedback_timeout_s)
-    from ibedl.engine.feedback_sqlite import SqliteStore
-
-    return SqliteStore(settings.feedback_db, settings.feedback_timeout_s)

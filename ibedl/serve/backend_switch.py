@@ -2,7 +2,7 @@
 
 The service loads on the cached measurement's winner, else torch (ibedl.core.auto_backend.start_choice). Then a
 :class:`BackendSwitcher` builds each candidate still to measure (its IR exported by a child process at the lowest
-CPU priority: ``python -m ibedl.core.auto_backend --build NAME``; the parent only compiles the cached IR), times it
+CPU priority: ``python -m ibedl.core.measure_backends --build NAME``; the parent only compiles the cached IR), times it
 against the backend serving now, the two alternated on the model's thread between passes (a timing call delays
 answers by one batch's time at most), and switches to it when it is faster (ibedl.core.auto_backend.tournament). A
 switch replaces the adapter's runtime by one on the new trunk with the calibration made on it
@@ -38,7 +38,7 @@ class BuildFailed(RuntimeError):
 def build_in_child(name: str, artifact: Path, base_model: str | None, threads: int | None) -> None:
     """Export the IR of backend ``name`` into the cache in a child process at the lowest CPU priority (``nice 19``):
     its memory peak ends with it and it never holds the service's GIL. BuildFailed with its last error line."""
-    cmd = [sys.executable, "-m", "ibedl.core.auto_backend", "--artifact", str(artifact), "--build", name,
+    cmd = [sys.executable, "-m", "ibedl.core.measure_backends", "--artifact", str(artifact), "--build", name,
            *(["--base-model", base_model] if base_model else []), *(["--threads", str(threads)] if threads else [])]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,

@@ -21,7 +21,8 @@ import pytest
 from ibedl.engine.errors import ReceiptExpired, StoreUnavailable
 from ibedl.engine.feedback import Feedback
 from ibedl.engine.feedback_sqlite import SCHEMA, SqliteStore
-from ibedl.engine.feedback_store import Snapshot, open_store
+from ibedl.engine.feedback import open_store
+from ibedl.engine.feedback_store import Snapshot
 from ibedl.engine.receipts import Receipt, new_id, sign
 from ibedl.engine.settings import EngineSettings
 

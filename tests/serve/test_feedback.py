@@ -11,6 +11,8 @@ import json
 import pytest
 from prometheus_client import generate_latest
 
+from ibedl.engine.settings import EngineSettings
+
 from tests.serve.conftest import wait_ready
 
 KEY = "test-feedback-key"
@@ -147,7 +149,8 @@ class TestRecording:
         assert acc["labels"] == 2 and acc["hits"] == 1 and acc["estimate"] == 0.5 and acc["stated"] == 0.9
         assert 0.0 <= acc["lower"] <= 0.5 <= acc["upper"] <= 1.0 and not acc["violated"]
         assert acc["served"] and not acc["retired"]
-        assert body["alpha"] == 0.05 and body["shared_store"] is True
+        assert body["alpha"] == EngineSettings.model_fields["guarantee_alpha"].default == 0.03
+        assert body["shared_store"] is True
 
     def test_wrong_answers_show_the_accuracy_guarantee_violated(self, make_client, answering_artifact, tmp_path):
         """Every label contradicts the answer: the upper bound falls below the stated 0.9 after a few dozen
