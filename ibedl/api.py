@@ -23,11 +23,12 @@ from pathlib import Path
 
 from ibedl.core.prompt import MCQuestion
 from ibedl.engine.errors import EngineError, ModelError
-from ibedl.engine.feedback import Feedback, GuaranteesResponse, served_versions
+from ibedl.engine.feedback import Feedback, served_versions
 from ibedl.engine.requests import to_question
 from ibedl.engine.responses import build_answer, model_card
 from ibedl.engine.runtime import AdapterRuntime, find_adapter, finite_prediction, load_predictors, make_runtimes
-from ibedl.engine.schemas import FeedbackRequest, FeedbackResponse, PredictRequest, PredictResponse
+from ibedl.engine.schemas import (FeedbackRequest, FeedbackResponse, GuaranteesResponse, PredictRequest,
+                                  PredictResponse)
 from ibedl.engine.settings import EngineSettings
 
 __all__ = ["load", "Model", "Checked", "EngineError", "PredictResponse"]

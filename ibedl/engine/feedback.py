@@ -24,11 +24,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from pydantic import Field
 
 from ibedl.core.conformal import prediction_set
 from ibedl.core.prompt import LETTERS
-from ibedl.engine import schemas
 from ibedl.engine.adaptive import QuantileTracker
 from ibedl.engine.confidence_sequence import BettingCS
 from ibedl.engine.errors import AdapterNotServed, FeedbackDisabled, InvalidRequest, LabelConflict, StoreUnavailable
@@ -42,18 +40,6 @@ GUARANTEES = ("answered_accuracy", "set_coverage", "answered_share", "adaptive_s
 REPLAY_PAGE = 10_000  # labels folded per read when a replica catches up: memory and each read stay bounded
 
 log = logging.getLogger("ibedl.engine")
-
-
-class Guarantee(schemas.Guarantee):
-    """One realised guarantee as ``GET /v1/guarantees`` reports it."""
-
-    retired: bool = Field(..., description="this replica does not serve this version (a newer one replaced it; "
-                          "during a rollout, also the other replicas' version): its labels stay readable here, but "
-                          "this replica exports no ibedl_guarantee_* gauges for it, so it never alerts from here")
-
-
-class GuaranteesResponse(schemas.GuaranteesResponse):
-    guarantees: list[Guarantee]
 
 
 def open_store(settings: EngineSettings) -> FeedbackStore:

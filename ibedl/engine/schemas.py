@@ -194,6 +194,9 @@ class Guarantee(BaseModel):
     lower: float = Field(..., description="lower end of the confidence sequence (valid under continuous monitoring)")
     upper: float = Field(..., description="upper end")
     violated: bool = Field(..., description="upper < stated: the labels show the stated guarantee does not hold")
+    retired: bool = Field(..., description="this replica does not serve this version (a newer one replaced it; "
+                          "during a rollout, also the other replicas' version): its labels stay readable here, but "
+                          "this replica exports no ibedl_guarantee_* gauges for it, so it never alerts from here")
 
 
 class GuaranteesResponse(BaseModel):

@@ -23,7 +23,6 @@ from ibedl.serve.contract import (
     PREDICT_ERRORS,
     PREDICT_EXTRA,
 )
-from ibedl.engine.feedback import GuaranteesResponse
 from ibedl.engine.requests import to_question
 from ibedl.engine.responses import model_card
 from ibedl.engine.schemas import (
@@ -34,6 +33,7 @@ from ibedl.engine.schemas import (
     FeedbackBatchRequest,
     FeedbackRequest,
     FeedbackResponse,
+    GuaranteesResponse,
     Health,
     ModelList,
     PredictRequest,

@@ -20,7 +20,7 @@ from ibedl.core.predictor import Prediction, Predictor, count_prompt_tokens
 from ibedl.core.prompt import MCQuestion
 from ibedl.engine import errors
 from ibedl.engine.drift import AccuracyEstimate, DriftMonitor
-from ibedl.engine.feedback import Feedback, GuaranteesResponse, LabelQuota, served_versions
+from ibedl.engine.feedback import Feedback, LabelQuota, served_versions
 from ibedl.engine.responses import build_answer
 from ibedl.engine.runtime import (AdapterRuntime, UncalibratedBackend, find_adapter, finite_prediction, load_predictors,
                                   make_runtimes, switched)
@@ -28,6 +28,7 @@ from ibedl.engine.schemas import (
     DriftStatus,
     FeedbackRequest,
     FeedbackResponse,
+    GuaranteesResponse,
     Health,
     PredictRequest,
     PredictResponse,
