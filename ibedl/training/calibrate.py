@@ -442,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
                                      "questions exchangeable with the calibration sample.")
     parser.add_argument("--artifact", required=True, help="adapter directory (with manifest.json)")
     parser.add_argument("--dataset", required=True, help=f"labelled data: one of {sorted(DATASETS)}, or feedback "
-                        "(the labels sent back to the service: --path is its IBEDL_FEEDBACK_DB)")
+                        "(the labels sent back to the service: --path is its IBEDL_FEEDBACK_DB, or its "
+                        "IBEDL_FEEDBACK_DSN)")
     parser.add_argument("--split", default="validation", help="split to calibrate on (default validation)")
     parser.add_argument("--path", help="file for --dataset jsonl")
     parser.add_argument("--limit", type=int, help="a seeded random subset of this size")
@@ -553,10 +554,11 @@ def main(argv: list[str] | None = None) -> int:
         out = posthoc_outputs(ekind, eraw, head_update)
         evaluated = metrics.summarise(out.probs, elabels, out.uncertainty)
     sections["calibration"].update({
-        "backend": key, "dataset": args.dataset, "split": args.split, "path": args.path, "limit": args.limit,
-        "outputs": args.outputs, "max_tokens": args.max_tokens, "evaluated_split": args.evaluate_split,
+        "backend": key, "dataset": args.dataset, "split": args.split, "path": without_password(args.path),
+        "limit": args.limit, "outputs": args.outputs, "max_tokens": args.max_tokens,
+        "evaluated_split": args.evaluate_split,
         "command": "python -m ibedl.training.calibrate " + " ".join(
-            shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+            shlex.quote(without_password(a)) for a in (argv if argv is not None else sys.argv[1:])),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "previous_version": str(manifest.version),
         **({"quantization": quantized} if quantized else {}),
@@ -700,21 +702,44 @@ def save_outputs(path, directory: Path, manifest: Manifest, streams: dict, kind:
     return path
 
 
+def without_password(text: str | None) -> str | None:
+    """``text`` with the password of a postgresql:// URI in it replaced by ``***`` (what the manifest records of a
+    --path that is the service's IBEDL_FEEDBACK_DSN); anything else as it is."""
+    import re
+
+    return None if text is None else re.sub(r"(postgres(?:ql)?://[^:/@\s]*:)[^@\s]*@", r"\1***@", text)
+
+
 def feedback_outputs(path, manifest: Manifest, minimum: int = 20) -> tuple[str, dict, list[int]]:
     """(kind, raw, labels) of the labelled answers of ``manifest``'s adapter version in a feedback store (the
-    service's ``IBEDL_FEEDBACK_DB``, SQLite): the outputs the receipts carried, as served (post-hoc parameter
+    service's ``IBEDL_FEEDBACK_DB``, a SQLite file, or its ``IBEDL_FEEDBACK_DSN``, a postgresql:// URI): the outputs
+    the receipts carried, as served (post-hoc parameter
     applied). The labels the store keeps: those past its retention (IBEDL_FEEDBACK_RETENTION_DAYS) are gone."""
-    from ibedl.engine.feedback_sqlite import SqliteStore
+    from urllib.parse import urlsplit
 
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"no feedback store at {path} (the service's IBEDL_FEEDBACK_DB)")
-    store = SqliteStore(Path(path))
+    from ibedl.engine.errors import EngineError
+
+    dsn = str(path).startswith(("postgresql://", "postgres://"))
+    where = f"the PostgreSQL store at {urlsplit(str(path)).hostname}{urlsplit(str(path)).path}" if dsn else str(path)
     try:
-        rows = store.labelled(manifest.name, str(manifest.version))
-    finally:
-        store.close()
+        if dsn:  # the service's IBEDL_FEEDBACK_DSN: its password is never shown
+            from ibedl.engine.feedback_postgres import PostgresStore
+
+            store = PostgresStore(str(path), 30.0)
+        else:
+            from ibedl.engine.feedback_sqlite import SqliteStore
+
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"no feedback store at {path} (the service's IBEDL_FEEDBACK_DB)")
+            store = SqliteStore(Path(path))
+        try:
+            rows = store.labelled(manifest.name, str(manifest.version))
+        finally:
+            store.close()
+    except EngineError as e:  # a store that did not answer: its message names no secret
+        raise ValueError(f"the feedback store did not answer: {e.message}") from None
     if len(rows) < minimum:
-        raise ValueError(f"{path} holds {len(rows)} labels of adapter {manifest.name!r} version {manifest.version}; "
+        raise ValueError(f"{where} holds {len(rows)} labels of adapter {manifest.name!r} version {manifest.version}; "
                          f"calibrating needs at least {minimum} (the more, the tighter the guarantees)")
     probs = [json.loads(r["probs"]) for r in rows]
     alphas = [None if r["alpha"] is None else json.loads(r["alpha"]) for r in rows]

@@ -347,6 +347,21 @@ class TestFeedbackSample:
         assert new.conformal["quantiles"] == sections["conformal"]["quantiles"]
         assert new.abstention["min_confidence"] == sections["abstention"]["min_confidence"]
 
+    @pytest.mark.servers
+    def test_a_postgresql_store_is_read_by_its_dsn_and_its_password_never_shown(self, tiny_artifact, postgres_dsn,
+                                                                                  capsys):
+        from ibedl.engine.feedback_postgres import PostgresStore
+
+        PostgresStore(postgres_dsn).close()  # the service's tables, no labels yet
+        assert main(["--artifact", str(tiny_artifact), "--dataset", "feedback", "--path", postgres_dsn]) == 2
+        err = capsys.readouterr().err
+        password = postgres_dsn.split("://", 1)[1].split("@", 1)[0].split(":", 1)[1]
+        assert "holds 0 labels of adapter" in err and password not in err
+        from ibedl.training.calibrate import without_password
+
+        assert without_password(postgres_dsn) == postgres_dsn.replace(password, "***")
+        assert without_password("runs/feedback.sqlite") == "runs/feedback.sqlite" and without_password(None) is None
+
     def test_too_few_labels_or_another_version_is_a_clear_error(self, tiny_artifact, tmp_path, capsys):
         from ibedl.engine.feedback_sqlite import SqliteStore
 
