@@ -18,7 +18,7 @@ SCORES = ROOT / "benchmarks" / "results" / "decision_scores"
 @pytest.mark.parametrize(("key", "file"), [("torch-fp32", "default.json"),
                                            ("openvino-fp32", "default-openvino-fp32.json"),
                                            ("openvino-bf16", "default-openvino-bf16.json"),
-                                           ("openvino-int8", "default-openvino-int8.json")])
+                                           ("openvino-int8", "default-openvino-int8-options.json")])
 def test_a_backend_is_judged_under_the_calibration_stored_for_it(key, file):
     manifest = read_manifest(ROOT / "artifacts" / "default")
     dump = json.loads((SCORES / file).read_text())
