@@ -4,6 +4,14 @@ service on each backend, and what each backend decides under its own calibration
     python -m benchmarks.cpu_backends [--artifact artifacts/default] [--questions 200] [--limit N] \
         [--backends torch openvino-fp32 openvino-bf16 openvino openvino-int8] [--splits 200] \
         [--output benchmarks/results/cpu_backends.json]
+    python -m benchmarks.cpu_backends --service [--questions 64] [--backends ...]
+
+``--service``: the same backends through the real service, one ``python -m ibedl.serve`` per backend (IBEDL_BACKEND
+named, IBEDL_BACKEND_SWITCHING=false), all started at once and asked in turn, question by question, so only one
+computes at a time and every ratio to torch is of the same minutes: the first ``--questions`` of SciQ test (with
+passages, varied lengths) as single POST /predict requests (p50/p99 latency) and as POST /predict/batch batches of 8
+(p50/p99 per batch, questions/s), each GFLOP/s at the single-request p50 as a fraction of its precision's measured
+peak. Merged into the result file under ``service`` (the in-process figures stay where they are).
 
 Speed: on the first ``--questions`` of a seed-0 draw of SciQ test (with passages) the backends run interleaved
 question by question in one process: p50/p99 latency at batch 1, throughput at batch 8, both as ratios to torch
@@ -277,6 +285,129 @@ def done_when(manifest, predictor, rows: dict, artifact: Path, sha: str, trunks:
     return {"auto": chosen, "reason": reason, "judged": True, "bar": DONE_WHEN, **checks, "met": met}
 
 
+SERVICE_BATCH = 8  # a client-sized POST /predict/batch
+
+
+def service_summary(measured: dict, peak: dict, gflop_per_question: float) -> dict:
+    """Per backend, from the seconds of its single requests (``single_s``) and of its batches of
+    ``SERVICE_BATCH`` (``batch_s``, each with its question count in ``batch_sizes``): p50/p99, questions/s, the
+    ratios to torch's (when torch was measured) and the GFLOP/s at the single-request p50 as a fraction of the
+    peak of the precision the backend computes in (``peak``: :func:`peaks`)."""
+    rows = {}
+    for name, m in measured.items():
+        if "skipped" in m:
+            rows[name] = m
+            continue
+        single, batch = m["single_s"], m["batch_s"]
+        p50 = float(np.percentile(single, 50))
+        precision, top = peak_of(name, peak)
+        rows[name] = {
+            "single_p50_s": p50, "single_p99_s": float(np.percentile(single, 99)),
+            "single_questions_per_s": len(single) / sum(single),
+            "batch_p50_s": float(np.percentile(batch, 50)), "batch_p99_s": float(np.percentile(batch, 99)),
+            "batch_questions_per_s": sum(m["batch_sizes"]) / sum(batch),
+            "precision": precision, "gflops_at_single_p50": gflop_per_question / p50,
+            "fraction_of_own_peak_at_single_p50": None if not top else gflop_per_question / p50 / top,
+            **{k: v for k, v in m.items() if k not in ("single_s", "batch_s", "batch_sizes")},
+        }
+    base = rows.get("torch")
+    if base is not None and "skipped" not in base:
+        for r in rows.values():
+            if "skipped" in r:
+                continue
+            r["single_p50_speedup_vs_torch"] = base["single_p50_s"] / r["single_p50_s"]
+            r["single_p99_speedup_vs_torch"] = base["single_p99_s"] / r["single_p99_s"]
+            r["batch_throughput_vs_torch"] = r["batch_questions_per_s"] / base["batch_questions_per_s"]
+            r["batch_p99_speedup_vs_torch"] = base["batch_p99_s"] / r["batch_p99_s"]
+    return rows
+
+
+def through_service(names: list[str], artifact: str, n: int) -> dict:
+    """Every backend in ``names`` through its own service process (started together, asked in turn): the raw
+    seconds of single requests and of batches of ``SERVICE_BATCH``, and the mean prompt tokens."""
+    import httpx
+
+    from benchmarks.service_process import ServiceProcess
+
+    questions = load_dataset("sciq", "test", limit=n, seed=0)
+    payloads = [{"question": q.question, "options": list(q.options), "context": q.context} for q in questions]
+    servers, measured = {}, {}
+    for name in names:
+        servers[name] = ServiceProcess(artifact, {"IBEDL_BACKEND": name, "IBEDL_BACKEND_SWITCHING": "false",
+                                                  "IBEDL_MAX_TOKENS": str(SERVED_MAX_TOKENS)},
+                                       log_path=f"/tmp/ibedl-service-{name}.log")
+    try:
+        for name, server in servers.items():
+            try:
+                server.wait_ready(timeout=900)
+            except AssertionError as e:
+                measured[name] = {"skipped": str(e)[-400:]}
+        live = {k: v for k, v in servers.items() if k not in measured}
+        with httpx.Client(timeout=300) as client:
+            for name, server in live.items():  # warm-up: a single and a batch each
+                client.post(server.url + "/predict", json=payloads[0]).raise_for_status()
+                client.post(server.url + "/predict/batch", json={"items": payloads[:SERVICE_BATCH]}).raise_for_status()
+                measured[name] = {"single_s": [], "batch_s": [], "batch_sizes": [], "non_200": 0,
+                                  "answered_by": None}
+            for p in payloads:
+                for name, server in live.items():
+                    start = time.perf_counter()
+                    r = client.post(server.url + "/predict", json=p)
+                    measured[name]["single_s"].append(time.perf_counter() - start)
+                    measured[name]["non_200"] += r.status_code != 200
+                    if r.status_code == 200:
+                        measured[name]["answered_by"] = {k: r.json()["adapter"][k] for k in ("backend", "calibration")}
+            for i in range(0, len(payloads), SERVICE_BATCH):
+                items = payloads[i: i + SERVICE_BATCH]
+                for name, server in live.items():
+                    start = time.perf_counter()
+                    r = client.post(server.url + "/predict/batch", json={"items": items})
+                    measured[name]["batch_s"].append(time.perf_counter() - start)
+                    measured[name]["batch_sizes"].append(len(items))
+                    measured[name]["non_200"] += r.status_code != 200
+        for name, server in live.items():
+            measured[name]["service_rss_mib"] = server.rss_mib()
+            measured[name]["service_peak_rss_mib"] = int(next(
+                line.split()[1] for line in Path(f"/proc/{server.proc.pid}/status").read_text().splitlines()
+                if line.startswith("VmHWM:"))) / 1024
+    finally:
+        for server in servers.values():
+            server.stop()
+    return {"questions": questions, "measured": measured}
+
+
+def service_main(args, argv) -> int:
+    """The --service mode: measure through the service and merge under ``service`` in the result file."""
+    names = ["torch", *[b for b in args.backends if b != "torch"]]
+    run = through_service(names, args.artifact, args.questions)
+    predictor = Predictor.from_artifact(args.artifact)  # for the prompt lengths and the FLOP count only
+    predictor.max_tokens = SERVED_MAX_TOKENS
+    tokens = [len(predictor._encode_one(i, q, True)) for i, q in enumerate(run["questions"])]
+    seq = float(np.mean(tokens))
+    gflop = gflop_per_token(predictor.model.config, seq) * seq
+    del predictor
+    peak = peaks()
+    path = Path(args.output)
+    result = json.loads(path.read_text()) if path.exists() else {}
+    if "backends" in result and "in_process_measured_on" not in result:
+        result["in_process_measured_on"] = {"cpu": result.get("cpu"), "note": "the top-level speed, backends and "
+                                            "peak_gflops figures were measured in one process (not through the "
+                                            "service) on this CPU"}
+    result["service"] = {
+        "note": "one service process per backend (IBEDL_BACKEND named, switching off), started together and asked in "
+                "turn question by question on loopback: compare the ratios to torch, measured in the same run",
+        "command": "python -m benchmarks.cpu_backends " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "cpu": cpu_features(), "cores": len(os.sched_getaffinity(0)), "peak_gflops": peak,
+        "split": "sciq test, seed 0, with passages", "questions": len(run["questions"]),
+        "prompt_tokens": {"mean": seq, "min": int(min(tokens)), "max": int(max(tokens))},
+        "gflop_per_question": gflop, "batch_size": SERVICE_BATCH,
+        "backends": service_summary(run["measured"], peak, gflop),
+    }
+    write_result(path, result, echo=False)
+    print(json.dumps(result["service"], indent=2))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.cpu_backends", description=__doc__.split("\n\n")[0])
     parser.add_argument("--artifact", default="artifacts/default")
@@ -289,6 +420,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-memory", action="store_true", help="skip the per-backend memory processes")
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp reference")
     parser.add_argument("--output", default="benchmarks/results/cpu_backends.json")
+    parser.add_argument("--service", action="store_true", help="measure through the service instead (one process "
+                        "per backend; --questions SciQ test questions, singles and batches of 8), merged under service")
     parser.add_argument("--rss-of", choices=[*BACKENDS, "auto"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rss_of:
@@ -297,6 +430,8 @@ def main(argv=None) -> int:
         value = getattr(args, name)
         if value is not None and value < 2:
             parser.error(f"--{name} must be >= 2, got {value}")
+    if args.service:
+        return service_main(args, argv)
     names = ["torch", *[b for b in args.backends if b != "torch"]]
     timed = load_dataset("sciq", "test", limit=min(args.questions, args.limit or args.questions), seed=0)
     val = load_dataset("sciq", "validation", limit=args.limit, seed=0)

@@ -53,3 +53,21 @@ def test_each_backend_is_measured_against_the_peak_of_its_precision():
     assert peak_of("openvino", peak) == ("fp32", 100.0)  # int8 weights, fp32 compute
     assert peak_of("openvino-bf16", peak) == ("bf16", 300.0)
     assert peak_of("openvino-int8", peak) == ("int8", 600.0)
+
+
+def test_through_the_service_each_backend_is_a_ratio_to_torch_and_a_fraction_of_its_peak():
+    from benchmarks.cpu_backends import service_summary
+
+    measured = {"torch": {"single_s": [0.2] * 9 + [1.0], "batch_s": [1.6, 1.6], "batch_sizes": [8, 8]},
+                "openvino-int8": {"single_s": [0.1] * 9 + [0.5], "batch_s": [0.4, 0.4], "batch_sizes": [8, 8],
+                                  "non_200": 0},
+                "openvino": {"skipped": "no calibration"}}
+    rows = service_summary(measured, {"fp32": 100.0, "int8": 400.0}, gflop_per_question=10.0)
+    assert rows["openvino"] == {"skipped": "no calibration"}
+    assert rows["torch"]["batch_questions_per_s"] == 16 / 3.2
+    assert rows["openvino-int8"]["single_p50_speedup_vs_torch"] == 2.0
+    assert rows["openvino-int8"]["batch_throughput_vs_torch"] == 4.0
+    assert rows["torch"]["fraction_of_own_peak_at_single_p50"] == 10.0 / 0.2 / 100.0
+    assert rows["openvino-int8"]["precision"] == "int8"
+    assert rows["openvino-int8"]["fraction_of_own_peak_at_single_p50"] == 10.0 / 0.1 / 400.0
+    assert rows["openvino-int8"]["non_200"] == 0 and "single_s" not in rows["openvino-int8"]
