@@ -344,9 +344,12 @@ def through_service(names: list[str], artifact: str, n: int) -> dict:
                 measured[name] = {"skipped": str(e)[-400:]}
         live = {k: v for k, v in servers.items() if k not in measured}
         with httpx.Client(timeout=300) as client:
-            for name, server in live.items():  # warm-up: a single and a batch each
-                client.post(server.url + "/predict", json=payloads[0]).raise_for_status()
-                client.post(server.url + "/predict/batch", json={"items": payloads[:SERVICE_BATCH]}).raise_for_status()
+            for name, server in live.items():  # warm-up: a single and a batch each, once the service admits them
+                for path, body in (("/predict", payloads[0]), ("/predict/batch", {"items": payloads[:SERVICE_BATCH]})):
+                    for _ in range(60):  # a cold service's admission estimate may refuse (503) at first
+                        if client.post(server.url + path, json=body).status_code == 200:
+                            break
+                        time.sleep(1)
                 measured[name] = {"single_s": [], "batch_s": [], "batch_sizes": [], "non_200": 0,
                                   "answered_by": None}
             for p in payloads:
