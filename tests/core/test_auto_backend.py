@@ -209,8 +209,8 @@ def test_build_trunk_records_the_choice_on_the_predictor(tiny_artifact, tmp_path
     with caplog.at_level("INFO", logger="ibedl.core.backends"):
         assert backends.build_trunk("auto", predictor, artifact, "base") is None  # nothing measured: torch, no build
     assert predictor.backend == "torch" and exported == []
-    assert predictor.backend_choice.pending == ["openvino-bf16", "openvino-fp32"]
-    assert "openvino-bf16, openvino-fp32 not measured on this machine yet; serving torch meanwhile" in caplog.text
+    assert predictor.backend_choice.pending == ["openvino-fp32", "openvino-bf16"]  # cheapest build first
+    assert "openvino-fp32, openvino-bf16 not measured on this machine yet; serving torch meanwhile" in caplog.text
     auto_backend.choose(predictor, artifact, "base", build, backends.unavailable)
     with caplog.at_level("INFO", logger="ibedl.core.backends"):
         trunk = backends.build_trunk("auto", predictor, artifact, "base")
