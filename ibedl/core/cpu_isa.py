@@ -7,6 +7,7 @@ which is how the tests reproduce an AVX2-only CPU on a newer one.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 from pathlib import Path
@@ -22,15 +23,20 @@ _CAPS_WITHOUT_BF16 = ("sse41", "avx", "avx2", "avx2_vnni", "avx2_vnni_2", "avx51
 
 
 def cpu_flags() -> set[str]:
-    """This CPU's flags (Linux /proc/cpuinfo; empty elsewhere)."""
+    """This CPU's flags (Linux /proc/cpuinfo; empty elsewhere), read once per process."""
+    return set(_flags())
+
+
+@functools.lru_cache(maxsize=1)
+def _flags() -> frozenset[str]:
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return frozenset()
     for line in info.splitlines():
         if line.startswith("flags") and ":" in line:
-            return set(line.split(":", 1)[1].split())
-    return set()
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
 
 
 def onednn_cap() -> str:

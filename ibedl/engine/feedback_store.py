@@ -13,6 +13,7 @@ than the retention are deleted once the checkpoint holds them: the guarantees ke
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import json
 import math
@@ -66,7 +67,7 @@ class Snapshot:
     rows: list[dict]
 
 
-class FeedbackStore:
+class FeedbackStore(abc.ABC):
     """Labels once by receipt id, in commit order, and the checkpoint of the guarantees' states. Thread-safe (one
     connection behind a lock); several processes and hosts may share one store. Every call waits at most about
     ``timeout_s`` for the store (another writer's lock, a slow server), then raises ``StoreUnavailable``.
@@ -89,17 +90,20 @@ class FeedbackStore:
 
     # -- what a backend gives -------------------------------------------------------------------
 
+    @abc.abstractmethod
     def _execute(self, sql: str, params=()):
         """Run one statement on the connection; a cursor over its rows."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def _executemany(self, sql: str, rows: list) -> None:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def _begin(self, write: bool) -> None:
         """Start a transaction: a writing one holds the store's one write lock until it ends; a reading one sees
         one consistent state of the store."""
-        raise NotImplementedError
+        ...
 
     def _rollback(self) -> None:
         with contextlib.suppress(Exception):  # a lost connection has nothing to roll back
@@ -109,8 +113,9 @@ class FeedbackStore:
         """What a backend error says, without secrets."""
         return str(error).strip()
 
+    @abc.abstractmethod
     def close(self) -> None:
-        raise NotImplementedError
+        ...
 
     # -- transactions ---------------------------------------------------------------------------
 

@@ -28,8 +28,9 @@ def build_answer(runtime: AdapterRuntime, req: PredictRequest, q: MCQuestion, pr
     conformal set; ``answer_id`` when the request carries no ``id``. With ``feedback`` (on), the answer carries its
     signed receipt and, when adaptive sets are on, its adaptive set."""
     opts = req.abstain
+    own = runtime.thresholds.for_options(q.num_options)  # its option count's, when calibrated per count
     limits = abstention.effective(
-        runtime.thresholds.for_options(q.num_options),
+        own,
         opts.max_uncertainty if opts else None,
         opts.min_confidence if opts else None,
     )
@@ -61,14 +62,14 @@ def build_answer(runtime: AdapterRuntime, req: PredictRequest, q: MCQuestion, pr
         adapter=runtime.ref,
         adaptive_prediction_set=None if adaptive is None else [letters[i] for i in adaptive],
         receipt=receipt,
-        guarantees=stated_guarantees(runtime, q.num_options, None if conformal is None else conformal[1]),
+        guarantees=stated_guarantees(runtime, own, q.num_options, None if conformal is None else conformal[1]),
     )
 
 
-def stated_guarantees(runtime: AdapterRuntime, options: int, alpha: float | None) -> StatedGuarantees:
-    """What the calibration in use promises for an answer to a question of ``options`` options whose set has
-    miscoverage ``alpha`` (None: no set)."""
-    how, counts = runtime.thresholds.for_options(options).how, runtime.option_counts
+def stated_guarantees(runtime: AdapterRuntime, thresholds, options: int, alpha: float | None) -> StatedGuarantees:
+    """What the calibration in use promises for an answer to a question of ``options`` options under
+    ``thresholds`` (that count's) whose set has miscoverage ``alpha`` (None: no set)."""
+    how, counts = thresholds.how, runtime.option_counts
     certified = bool(how.get("certified"))
     return StatedGuarantees(
         holds=None if counts is None else options in counts,
