@@ -41,6 +41,7 @@ import os
 import shlex
 import shutil
 import sys
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -91,6 +92,9 @@ class CalibrationConfig:
         seed: seed of the split.
         posthoc: refit zeta (IB-EDL) or the temperature (softmax methods).
         reference_size: drift reference values kept in the manifest.
+        main_options: in a sample calibrated per option count, the count the top level (what a count never calibrated
+            falls back to, the model card's summary) and the drift reference are for: the traffic's usual count.
+            Default: the count with the most questions (ties: the smallest).
     """
 
     target_accuracy: float = 0.9
@@ -103,6 +107,7 @@ class CalibrationConfig:
     seed: int = 0
     posthoc: bool = True
     reference_size: int = 1000
+    main_options: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("target_accuracy", "delta", "fit_fraction"):
@@ -318,7 +323,11 @@ def calibrate_outputs(kind: str, raw: dict, labels, config: CalibrationConfig) -
             log.warning("option counts %s have fewer than %d questions: not calibrated, answers with them will say "
                         "that no guarantee holds", skipped, MIN_PER_COUNT)
         decided = {c: _decide(outputs, labels, fit[g[fit]], cal[g[cal]], config) for c, g in groups.items()}
-        main = max(groups, key=lambda c: (int(groups[c].sum()), -c))  # the most common count: the top level's
+        if config.main_options is not None and config.main_options not in groups:
+            raise ValueError(f"main_options {config.main_options} is not a count calibrated here "
+                             f"({sorted(groups)})")
+        # the traffic's usual count, else the most common: the top level's and the drift reference's
+        main = config.main_options or max(groups, key=lambda c: (int(groups[c].sum()), -c))
         abstention, conformal, record = decided[main]
         abstention.by_options = {str(c): {"ood_threshold": a.ood_threshold, "min_confidence": a.min_confidence,
                                           "how": a.how} for c, (a, _, _) in decided.items()}
@@ -469,8 +478,12 @@ def main(argv: list[str] | None = None) -> int:
                         "each other count (its own distractors dropped, or wrong options borrowed from other "
                         "questions; ibedl.training.data.option_counts) and the gate, threshold and sets are "
                         "calibrated per count; answers with any other count say that no guarantee holds")
-    parser.add_argument("--per-count", type=int, default=500,
-                        help="questions asked with each count other than their own (default 500)")
+    parser.add_argument("--per-count", type=int, default=None,
+                        help="questions asked with each count other than their own (default: all of them)")
+    parser.add_argument("--main-options", type=int,
+                        help="with several option counts: the count of the traffic's usual questions, which the "
+                        "top level and the drift reference are for (default: the data's own count, else the "
+                        "most common count in --outputs)")
     parser.add_argument("--outputs", help="read the model's raw outputs on --dataset/--split from this file "
                         "(written by --save-outputs or python -m benchmarks.decisions score) instead of running the "
                         "model")
@@ -525,8 +538,10 @@ def main(argv: list[str] | None = None) -> int:
         elif args.outputs:
             kind, raw, labels = read_outputs(args.outputs, stream, source, manifest)
             key = outputs_key(args.outputs, args.backend)
+            config.main_options = args.main_options or json.loads(Path(args.outputs).read_text()).get("main_options")
         else:
             kind, raw, labels, key = run_model(args, source, load_dataset)
+            config.main_options = args.main_options
         quantized = quantization_record(source, key, outputs_isa(args.outputs, key) if args.outputs else None)
     except (DatasetError, ArtifactError, ValueError, FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -534,7 +549,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.save_outputs:
         save_outputs(args.save_outputs, source, manifest, {stream: {"labels": labels, **raw}}, kind, raw["offset"],
                      args.max_tokens,
-                     extra={"calibration_key": key, **({"int8_isa": quantized["isa"]} if quantized else {})})
+                     extra={"calibration_key": key, **({"int8_isa": quantized["isa"]} if quantized else {}),
+                            **({"main_options": config.main_options} if config.main_options else {})})
     head_update, _, sections = calibrate_outputs(kind, raw, labels, config)
     if args.dataset == "feedback":
         head_update = {}  # decided on the served outputs: the served post-hoc parameter (zeta, temperature) stays
@@ -648,6 +664,9 @@ def run_model(args, source: Path, load_dataset) -> tuple[str, dict, list[int], s
 
     questions = load_dataset(args.dataset, args.split, path=args.path, limit=args.limit, seed=args.seed)
     if getattr(args, "option_counts", None):
+        own = Counter(len(q.options) for q in questions).most_common(1)[0][0]
+        if getattr(args, "main_options", None) is None and own in args.option_counts:
+            args.main_options = own  # the data's own count: what the traffic usually asks
         questions = vary_option_counts(questions, args.option_counts, args.per_count, args.seed)
     missing = [i for i, q in enumerate(questions) if q.answer is None]
     if missing:

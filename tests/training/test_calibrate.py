@@ -181,6 +181,18 @@ class TestCalibrateOutputs:
         assert sorted(conformal.alphas()) == [0.01, 0.02, 0.05, 0.1, 0.2] and conformal.delta == 0.1
         assert len(sections["reference"]["confidence"]) == int(np.sum(counts == main))  # drift: the main count
 
+    def test_the_top_level_is_the_traffics_usual_count_when_named(self):
+        raw, labels = _synthetic("ib_edl", n=600)  # 2..5 options, about 150 each
+        counts = np.asarray([len(p) for p in raw["probs"]])
+        config = CalibrationConfig(target_accuracy=0.8, main_options=4)
+        _, _, sections = calibrate_outputs("ib_edl", raw, labels, config)
+        abst, conformal = Abstention(**sections["abstention"]), Conformal(**sections["conformal"])
+        assert abst.ood_threshold == abst.for_options(4).ood_threshold and conformal.n == conformal.for_options(4).n
+        assert abst.min_confidence == abst.for_options(4).min_confidence
+        assert len(sections["reference"]["confidence"]) == int(np.sum(counts == 4))
+        with pytest.raises(ValueError, match=r"main_options 6 is not a count calibrated here \(\[2, 3, 4, 5\]\)"):
+            calibrate_outputs("ib_edl", raw, labels, CalibrationConfig(target_accuracy=0.8, main_options=6))
+
     def test_a_sample_with_few_questions_per_count_is_calibrated_once(self):
         raw, labels = _synthetic("ib_edl", n=300)  # about 75 per count: fewer than MIN_PER_COUNT
         _, outputs, sections = calibrate_outputs("ib_edl", raw, labels, CalibrationConfig(target_accuracy=0.8))
