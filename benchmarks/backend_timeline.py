@@ -1,7 +1,7 @@
 """``IBEDL_BACKEND=auto`` from an empty backend cache: the real service's timeline to ready and to the fastest backend.
 
     python -m benchmarks.backend_timeline [--artifact artifacts/default] [--max-seconds 900] [--rate 3] \
-        [--output benchmarks/results/backend_timeline.json]
+        [--memory-limit-mib 2048] [--warm-cache] [--output benchmarks/results/backend_timeline.json]
 
 A fresh ``IBEDL_CACHE_DIR`` whose ``models/`` (the converted base model) links to the shared cache's, and no
 ``backends/`` (no IR, no cached verdict): the service starts on loopback on the default (``auto``), is polled on
@@ -9,8 +9,14 @@ A fresh ``IBEDL_CACHE_DIR`` whose ``models/`` (the converted base model) links t
 recording each status code, the answering ``adapter.backend`` / ``adapter.calibration`` and the latency, while
 GET /v1/models is polled for ``backend.background``. Recorded: seconds to ready, each switch (when, from, to, as the
 answers and the background status show it), failed requests, and the peak resident memory of the service
-(VmHWM) and of the service with its children (the IR builds), sampled from /proc. It ends when the background work
-is done (or failed) or ``--max-seconds`` after the start, and stops the service.
+(VmHWM) and of the service with its children (the IR builds), sampled from /proc, also at each step of the
+background work. ``--memory-limit-mib`` starts the service inside a memory cgroup with that limit, as a Kubernetes
+replica runs (benchmarks.memory_cgroup; needs root and a writable cgroup filesystem), and records what the kernel
+counted: the peak charge, the peak anonymous memory (file pages such as memory-mapped IRs are reclaimed under the
+limit), and the out-of-memory kills (the IR builds are the killer's first pick: ibedl.core.memory_limit). It ends
+when the background work is done (or failed) or ``--max-seconds`` after the start, and stops the service.
+``--warm-cache`` starts on the shared cache instead (the IRs and the measurement built ahead, as the image ships
+them) and ends a minute after readiness when no background work runs.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import numpy as np
 
 from benchmarks.common import write_result
 from benchmarks.cpu_backends import cpu_features
+from benchmarks.memory_cgroup import MemoryCgroup
 from benchmarks.service_process import ServiceProcess
 from ibedl.core.base_model import cache_dir
 from ibedl.training.data import load_dataset
@@ -86,8 +93,14 @@ def main(argv=None) -> int:
     parser.add_argument("--max-seconds", type=float, default=900.0)
     parser.add_argument("--rate", type=float, default=3.0, help="requests per second at most (one at a time)")
     parser.add_argument("--questions", type=int, default=500, help="SciQ test questions cycled through")
+    parser.add_argument("--memory-limit-mib", type=int, default=None,
+                        help="run the service in a memory cgroup with this limit (a replica's: 2048)")
+    parser.add_argument("--warm-cache", action="store_true",
+                        help="start on the shared cache (IRs built ahead, as the image ships them), not an empty one")
     parser.add_argument("--output", default="benchmarks/results/backend_timeline.json")
     args = parser.parse_args(argv)
+    if args.memory_limit_mib is not None and args.memory_limit_mib <= 0:
+        raise SystemExit(f"--memory-limit-mib must be > 0, got {args.memory_limit_mib}")
     if args.rate <= 0:
         raise ValueError(f"--rate must be > 0, got {args.rate}")
     shared = cache_dir()
@@ -100,14 +113,26 @@ def main(argv=None) -> int:
         fresh = Path(tmp) / "cache"
         fresh.mkdir()
         (fresh / "models").symlink_to(shared / "models")  # the base model converted; no backends/ at all
-        env = {"IBEDL_CACHE_DIR": str(fresh), "IBEDL_BACKEND": "auto"}
+        env = {"IBEDL_CACHE_DIR": str(shared if args.warm_cache else fresh), "IBEDL_BACKEND": "auto"}
         env.pop("IBEDL_BACKEND_SWITCHING", None)
         os.environ.pop("IBEDL_BACKEND_SWITCHING", None)
+        try:
+            group = MemoryCgroup(args.memory_limit_mib * 2**20) if args.memory_limit_mib else None
+        except OSError as e:
+            raise SystemExit(str(e)) from None
         start = time.monotonic()
-        server = ServiceProcess(args.artifact, env, log_path=Path(tmp) / "service.log")
+        server = ServiceProcess(args.artifact, env, log_path=Path(tmp) / "service.log",
+                                preexec_fn=None if group is None else group.preexec)
         pid = server.proc.pid
-        peak = {"service_rss_kib": 0, "with_children_kib": 0, "children_at_peak": 0}
+        peak = {"service_rss_kib": 0, "with_children_kib": 0, "children_at_peak": 0, "anon_bytes": 0}
         stop = threading.Event()
+
+        def memory_now() -> dict:
+            kids = descendants(pid)
+            own = proc_kib(pid, "VmRSS")
+            return {"service_rss_mib": round(own / 1024), "children": len(kids),
+                    "with_children_rss_mib": round((own + sum(proc_kib(k, "VmRSS") for k in kids)) / 1024),
+                    **({} if group is None else {"cgroup_anon_mib": round(group.anon_bytes() / 2**20)})}
 
         def sample_memory():
             while not stop.is_set():
@@ -115,6 +140,8 @@ def main(argv=None) -> int:
                 own = proc_kib(pid, "VmRSS")
                 total = own + sum(proc_kib(k, "VmRSS") for k in kids)
                 peak["service_rss_kib"] = max(peak["service_rss_kib"], own)
+                if group is not None:
+                    peak["anon_bytes"] = max(peak["anon_bytes"], group.anon_bytes())
                 if total > peak["with_children_kib"]:
                     peak.update(with_children_kib=total, children_at_peak=len(kids))
                 time.sleep(0.5)
@@ -137,8 +164,9 @@ def main(argv=None) -> int:
                     if not background or background[-1]["state"] != state or \
                             background[-1]["switches"] != len(bg.get("switches", [])):
                         background.append({"t_s": now - start, "state": state, "serving": card.get("name"),
-                                           "switches": len(bg.get("switches", [])), "failed": bg.get("failed")})
-                    if state in ("done", "failed"):
+                                           "switches": len(bg.get("switches", [])), "failed": bg.get("failed"),
+                                           "memory": memory_now()})
+                    if state in ("done", "failed") or (state is None and now - start - ready_s > 60):
                         break
                 p = payloads[i % len(payloads)]
                 sent = time.monotonic()
@@ -165,6 +193,10 @@ def main(argv=None) -> int:
             hwm_kib = hwm_kib or proc_kib(pid, "VmHWM")
             code = server.stop()
             log_tail = Path(tmp, "service.log").read_text()[-4000:]
+            cgroup = None
+            if group is not None:
+                cgroup = {**group.stats(), "peak_anon_mib_sampled": peak["anon_bytes"] / 2**20}
+                group.remove()
     failed = [a for a in answers if a["status"] != 200]
     ok = [a for a in answers if a["status"] == 200]
     by_backend: dict = {}
@@ -173,7 +205,8 @@ def main(argv=None) -> int:
     result = {
         "command": "python -m benchmarks.backend_timeline " + " ".join(argv if argv is not None else sys.argv[1:]),
         "cpu": cpu_features(), "cores": len(os.sched_getaffinity(0)), "artifact": args.artifact,
-        "cache": "fresh IBEDL_CACHE_DIR: models/ linked to the shared cache's converted base model, no backends/",
+        "cache": ("the shared IBEDL_CACHE_DIR, its IRs and measurement built ahead" if args.warm_cache else
+                  "fresh IBEDL_CACHE_DIR: models/ linked to the shared cache's converted base model, no backends/"),
         "max_seconds": args.max_seconds, "rate_per_s": args.rate,
         "seconds_to_ready": ready_s, "ready_within_60_s": ready_s is not None and ready_s <= 60,
         "background_final": final, "background_timeline": background,
@@ -186,7 +219,7 @@ def main(argv=None) -> int:
                    "service_peak_rss_mib_sampled": peak["service_rss_kib"] / 1024,
                    "service_and_children_peak_rss_mib_sampled": peak["with_children_kib"] / 1024,
                    "children_at_that_peak": peak["children_at_peak"], "bound_mib": 2048,
-                   "service_within_bound": hwm_kib / 1024 <= 2048},
+                   "service_within_bound": hwm_kib / 1024 <= 2048, "cgroup": cgroup},
         "error": error, "service_exit_code": code, "service_log_tail": log_tail,
     }
     write_result(args.output, result)

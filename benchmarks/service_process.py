@@ -11,8 +11,9 @@ REPO = Path(__file__).resolve().parents[1]
 class ServiceProcess:
     """``python -m ibedl.serve`` in a subprocess on a free loopback port; stopped with SIGTERM."""
 
-    def __init__(self, artifact, env: dict | None = None, log_path=None):
-        """``artifact``: one adapter directory, or a list of them (served together, ``--artifacts``)."""
+    def __init__(self, artifact, env: dict | None = None, log_path=None, preexec_fn=None):
+        """``artifact``: one adapter directory, or a list of them (served together, ``--artifacts``); ``preexec_fn``
+        runs in the child before the service (e.g. joining a memory cgroup: benchmarks.memory_cgroup)."""
         import os
         import socket
         import subprocess
@@ -32,6 +33,7 @@ class ServiceProcess:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             cwd=str(REPO),
+            preexec_fn=preexec_fn,
         )
 
     def wait_ready(self, timeout: float = 180.0) -> None:

@@ -32,6 +32,7 @@ import torch
 
 from ibedl.core import quantization_sample
 from ibedl.core.base_model import cache_dir, sha256_file
+from ibedl.core.memory_limit import return_freed_memory
 from ibedl.core.prompt import MCQuestion
 
 log = logging.getLogger(__name__)
@@ -161,6 +162,7 @@ def tournament(names: list[str], build, run_of, champion: tuple[str, object], ti
                 on_win(name, trunk)
         del trunk  # the loser's compiled model goes: memory stays two trunks'
         gc.collect()
+        return_freed_memory()
     return best, best_trunk, seconds, skipped
 
 

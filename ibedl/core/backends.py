@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from ibedl.core.base_model import MARKER, cache_dir, sha256_file
+from ibedl.core.memory_limit import expendable, killed_reason
 
 log = logging.getLogger(__name__)
 
@@ -299,16 +300,18 @@ def compile_checked(core, xml: Path, config: dict, backend: str):
     if not proven.is_file():
         try:
             done = subprocess.run([sys.executable, "-c", _COMPILE_PROBE, str(xml), json.dumps(config)],
-                                  capture_output=True, text=True, timeout=COMPILE_PROBE_TIMEOUT_S)
+                                  capture_output=True, text=True, timeout=COMPILE_PROBE_TIMEOUT_S,
+                                  preexec_fn=expendable)
         except subprocess.TimeoutExpired as e:
             raise CompileCrashError(f"backend {backend!r}: OpenVINO {ov.__version__} did not compile {xml} within "
                                     f"{COMPILE_PROBE_TIMEOUT_S} s on this CPU (config {config})") from e
         if done.returncode != 0:
             code = done.returncode
             how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
+            why = killed_reason(signal.Signals(-code).name, f"build {backend}") if code < 0 else ""
             tail = done.stderr.strip().splitlines()[-1:] or [""]
             raise CompileCrashError(f"backend {backend!r}: OpenVINO {ov.__version__} cannot compile {xml} on this CPU "
-                                    f"(config {config}): the compiling process {how} {tail[0]}".rstrip())
+                                    f"(config {config}): the compiling process {how}{why} {tail[0]}".rstrip())
         try:
             proven.parent.mkdir(parents=True, exist_ok=True)
             proven.touch()

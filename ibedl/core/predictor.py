@@ -239,10 +239,12 @@ class Predictor:
             raise ValueError("release_model needs a backend trunk (the torch backend answers with the model)")
         import gc
 
+        from ibedl.core.memory_limit import return_freed_memory
+
         self._released = (self.device, self.calibration_key)
         self.model = self.decoder = None
         gc.collect()
-        _return_freed_memory()
+        return_freed_memory()
 
     # -- tokenisation ---------------------------------------------------------------------------
 
@@ -491,17 +493,6 @@ class Predictor:
         if len(predictors) > 1:
             predictors[0].model.set_adapter(predictors[0].members[0])
         return predictors
-
-
-def _return_freed_memory() -> None:
-    """Hand memory freed by Python back to the system (glibc keeps freed heap pages otherwise)."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
 
 
 def _average(outs: list[HeadPrediction]) -> HeadPrediction:

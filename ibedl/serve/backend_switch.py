@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import threading
 from pathlib import Path
 
 from ibedl.core import auto_backend, backends
+from ibedl.core.memory_limit import expendable, killed_reason
 
 log = logging.getLogger("ibedl.serve.backend_switch")
 
@@ -36,20 +36,23 @@ class BuildFailed(RuntimeError):
 
 
 def build_in_child(name: str, artifact: Path, base_model: str | None, threads: int | None) -> None:
-    """Export the IR of backend ``name`` into the cache in a child process at the lowest CPU priority (``nice 19``):
-    its memory peak ends with it and it never holds the service's GIL. BuildFailed with its last error line."""
+    """Export the IR of backend ``name`` into the cache in a child process at the lowest CPU priority (``nice 19``)
+    and the first pick of the out-of-memory killer (ibedl.core.memory_limit.expendable): its memory peak ends with
+    it, a build that does not fit the container is killed instead of the service, and it never holds the service's
+    GIL. BuildFailed with its last error line (and, when it was killed, the likely reason and the way around)."""
     cmd = [sys.executable, "-m", "ibedl.core.measure_backends", "--artifact", str(artifact), "--build", name,
            *(["--base-model", base_model] if base_model else []), *(["--threads", str(threads)] if threads else [])]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
-                              preexec_fn=lambda: os.nice(19))
+                              preexec_fn=expendable)
     except subprocess.TimeoutExpired as e:
         raise BuildFailed(f"exporting {name} took over {BUILD_TIMEOUT_S} s") from e
     if done.returncode != 0:
         code = done.returncode
         how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
+        why = killed_reason(signal.Signals(-code).name, f"export the {name} IR") if code < 0 else ""
         tail = (done.stderr.strip().splitlines() or [""])[-1]
-        raise BuildFailed(f"the process exporting {name} {how}: {tail}".rstrip(": "))
+        raise BuildFailed(f"the process exporting {name} {how}{why}: {tail}".rstrip(": "))
 
 
 class BackendSwitcher:
@@ -117,6 +120,11 @@ class BackendSwitcher:
         self._on_loop(self.state.switch_backend(self.adapter, name, trunk, "proven faster in the background",
                                                 self.choice))
         self.status["switches"].append({"from": before, "to": name})
+        if before == "torch":  # the tournament never returns to a champion it beat: the torch weights can go now
+            self.shadow.trunk = trunk  # only to release: the shadow encodes, and keeps the torch calibration key
+            self.shadow.release_model()
+            self.shadow.trunk = None  # holding it would keep a beaten trunk's memory after the next switch
+            self._on_loop(self.state.batcher.between_passes(self.state.runtimes[self.adapter].predictor.release_model))
 
     def _work(self) -> None:
         try:

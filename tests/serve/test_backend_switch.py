@@ -5,7 +5,9 @@ dependence on this machine's speed); the real ones are recorded by benchmarks/ba
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 
 import pytest
 
@@ -51,11 +53,12 @@ def unmeasured_loader(settings):
 
 @pytest.fixture
 def switching(monkeypatch):
-    """``switching(seconds, fail=None)``: the service's switcher builds a Trunk (or raises ``fail``) once the returned
-    gate is set, and times each backend at ``seconds[name]``."""
+    """``switching(seconds, fail=None, on_build=None)``: the service's switcher builds a Trunk (or raises ``fail``) once
+    the returned gate is set, calling ``on_build(switcher, name)`` first, and times each backend at ``seconds[name]``."""
 
-    def install(seconds: dict[str, float], fail: Exception | None = None) -> threading.Event:
+    def install(seconds: dict[str, float], fail: Exception | None = None, on_build=None) -> threading.Event:
         gate = threading.Event()
+        gate.built = {}  # name -> weak reference to the trunk built for it
         real_torch = auto_backend.torch_hidden
 
         def torch_hidden(predictor, batch):
@@ -63,11 +66,17 @@ def switching(monkeypatch):
             return real_torch(predictor, batch)
 
         def build(switcher):
+            decoder = switcher.shadow.decoder  # a fake trunk computes with torch's decoder, even once it is released
+
             def run(name):
                 assert gate.wait(30)
+                if on_build is not None:
+                    on_build(switcher, name)
                 if fail is not None:
                     raise fail
-                return Trunk(switcher.shadow.decoder, name)
+                trunk = Trunk(decoder, name)
+                gate.built[name] = weakref.ref(trunk)
+                return trunk
             return run
 
         def timer(run):
@@ -166,6 +175,74 @@ def test_switching_off_serves_the_start_choice_only(make_client, bf16_calibrated
         card = c.get("/v1/models").json()["data"][0]
         assert c.app.state.service.switcher is None
     assert served(r) == ("torch", "torch-fp32") and card["backend"]["background"] is None
+
+
+def test_the_torch_weights_go_as_soon_as_torch_is_beaten(make_client, tiny_artifact, tmp_path, monkeypatch,
+                                                         switching):
+    """A replica has 2 GiB: once a trunk beats torch, the torch model is dropped before the next candidate is built,
+    not when every candidate has been timed (the tournament never returns to a champion it beat)."""
+    monkeypatch.setenv("IBEDL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(backends, "native_bf16", lambda: True)
+    artifact = recalibrated(tiny_artifact, tmp_path / "two", "torch-fp32", {"openvino-bf16": {}, "openvino-fp32": {}})
+    model_at_build: dict[str, bool] = {}
+    gate = switching({"torch": 1.0, "openvino-bf16": 0.4, "openvino-fp32": 0.6},
+                     on_build=lambda switcher, name: model_at_build.setdefault(
+                         name, switcher.state.runtimes[switcher.adapter].predictor.model is not None))
+
+    def loader(settings):
+        predictor = unmeasured_loader(settings)
+        predictor.backend_choice.pending = ["openvino-bf16", "openvino-fp32"]
+        return predictor
+
+    gate.set()
+    with make_client(loader=loader, artifact=artifact) as c:
+        assert c.app.state.service.switcher.done.wait(30)
+        r = c.post("/predict", json=Q)
+        background = c.get("/v1/models").json()["data"][0]["backend"]["background"]
+    assert background["state"] == "done" and background["failed"] == {}
+    assert served(r) == ("openvino-bf16", "openvino-bf16") and background["seconds"]["openvino-fp32"] == 0.6
+    assert background["switches"] == [{"from": "torch", "to": "openvino-bf16"}]
+    assert model_at_build == {"openvino-bf16": True, "openvino-fp32": False}
+
+
+def test_a_beaten_trunk_is_freed_once_a_faster_one_serves(make_client, tiny_artifact, tmp_path, monkeypatch,
+                                                          switching):
+    """torch -> fp32 -> bf16: after the second switch nothing holds the fp32 trunk (its compiled model's memory goes
+    back), and the torch model is gone."""
+    monkeypatch.setenv("IBEDL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(backends, "native_bf16", lambda: True)
+    artifact = recalibrated(tiny_artifact, tmp_path / "two", "torch-fp32", {"openvino-bf16": {}, "openvino-fp32": {}})
+    gate = switching({"torch": 1.0, "openvino-fp32": 0.6, "openvino-bf16": 0.4})
+
+    def loader(settings):
+        predictor = unmeasured_loader(settings)
+        predictor.backend_choice.pending = ["openvino-fp32", "openvino-bf16"]
+        return predictor
+
+    gate.set()
+    with make_client(loader=loader, artifact=artifact) as c:
+        state = c.app.state.service
+        assert state.switcher.done.wait(30)
+        r = c.post("/predict", json=Q)
+        background = c.get("/v1/models").json()["data"][0]["backend"]["background"]
+        gc.collect()
+        assert background["state"] == "done" and served(r) == ("openvino-bf16", "openvino-bf16")
+        assert [s["to"] for s in background["switches"]] == ["openvino-fp32", "openvino-bf16"]
+        assert gate.built["openvino-fp32"]() is None and gate.built["openvino-bf16"]() is not None
+        assert state.default.predictor.model is None and state.switcher.shadow.model is None
+
+
+def test_a_child_build_killed_for_memory_says_why_and_how_to_avoid_it(monkeypatch, tmp_path):
+    import subprocess
+
+    from ibedl.core import memory_limit
+
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, -9, "", ""))
+    monkeypatch.setattr(memory_limit, "container_limit_bytes", lambda: 2 << 30)
+    with pytest.raises(BuildFailed, match=r"exporting openvino-int8 was killed by SIGKILL \(probably out of memory: "
+                       r"the container allows 2048 MiB; export the openvino-int8 IR ahead of serving, where there is "
+                       r"room: python -m ibedl.core.measure_backends --artifact DIR, as the image does\)"):
+        build_in_child("openvino-int8", tmp_path, None, None)
 
 
 def test_a_child_build_that_fails_says_how(tmp_path):
