@@ -51,7 +51,7 @@ def build_in_child(name: str, artifact: Path, base_model: str | None, threads: i
         code = done.returncode
         how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
         why = killed_reason(signal.Signals(-code).name, f"export the {name} IR") if code < 0 else ""
-        tail = (done.stderr.strip().splitlines() or [""])[-1]
+        tail = "" if code < 0 else (done.stderr.strip().splitlines() or [""])[-1]  # a killed one left no error
         raise BuildFailed(f"the process exporting {name} {how}{why}: {tail}".rstrip(": "))
 
 

@@ -53,8 +53,9 @@ def unmeasured_loader(settings):
 
 @pytest.fixture
 def switching(monkeypatch):
-    """``switching(seconds, fail=None, on_build=None)``: the service's switcher builds a Trunk (or raises ``fail``) once
-    the returned gate is set, calling ``on_build(switcher, name)`` first, and times each backend at ``seconds[name]``."""
+    """``switching(seconds, fail=None, on_build=None)``: the service's switcher builds a Trunk (or raises ``fail``)
+    once the returned gate is set, calling ``on_build(switcher, name)`` first, and times each backend at
+    ``seconds[name]``."""
 
     def install(seconds: dict[str, float], fail: Exception | None = None, on_build=None) -> threading.Event:
         gate = threading.Event()
@@ -154,11 +155,11 @@ def test_a_build_that_fails_leaves_the_service_where_it_was_with_the_reason(make
     gate = switching({"torch": 1.0, "openvino-bf16": 0.4},
                      fail=BuildFailed("the process exporting openvino-bf16 was killed by SIGKILL"))
     gate.set()
-    with caplog.at_level("WARNING", logger="ibedl.serve.backend_switch"):
-        with make_client(loader=unmeasured_loader, artifact=bf16_calibrated) as c:
-            assert c.app.state.service.switcher.done.wait(30)
-            r = c.post("/predict", json=Q)
-            card = c.get("/v1/models").json()["data"][0]
+    with (caplog.at_level("WARNING", logger="ibedl.serve.backend_switch"),
+          make_client(loader=unmeasured_loader, artifact=bf16_calibrated) as c):
+        assert c.app.state.service.switcher.done.wait(30)
+        r = c.post("/predict", json=Q)
+        card = c.get("/v1/models").json()["data"][0]
     assert r.status_code == 200 and served(r) == ("torch", "torch-fp32")
     background = card["backend"]["background"]
     assert background["state"] == "done" and background["switches"] == []
@@ -237,11 +238,11 @@ def test_a_child_build_killed_for_memory_says_why_and_how_to_avoid_it(monkeypatc
 
     from ibedl.core import memory_limit
 
-    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, -9, "", ""))
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, -9, "", "a warning\n"))
     monkeypatch.setattr(memory_limit, "container_limit_bytes", lambda: 2 << 30)
     with pytest.raises(BuildFailed, match=r"exporting openvino-int8 was killed by SIGKILL \(probably out of memory: "
                        r"the container allows 2048 MiB; export the openvino-int8 IR ahead of serving, where there is "
-                       r"room: python -m ibedl.core.measure_backends --artifact DIR, as the image does\)"):
+                       r"room: python -m ibedl.core.measure_backends --artifact DIR, as the image does\)$"):
         build_in_child("openvino-int8", tmp_path, None, None)
 
 
