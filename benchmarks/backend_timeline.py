@@ -87,6 +87,72 @@ def latency_summary(seconds: list[float]) -> dict:
             "max_s": float(max(seconds))}
 
 
+class MemorySampler:
+    """Resident memory of the service (``pid``) and its children every half second, and of its cgroup (``group``,
+    or None): ``peak`` holds the highest seen, ``now()`` one reading."""
+
+    def __init__(self, pid: int, group: MemoryCgroup | None) -> None:
+        self.pid, self.group = pid, group
+        self.peak = {"service_rss_kib": 0, "with_children_kib": 0, "children_at_peak": 0, "anon_bytes": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def now(self) -> dict:
+        kids = descendants(self.pid)
+        own = proc_kib(self.pid, "VmRSS")
+        return {"service_rss_mib": round(own / 1024), "children": len(kids),
+                "with_children_rss_mib": round((own + sum(proc_kib(k, "VmRSS") for k in kids)) / 1024),
+                **({} if self.group is None else {"cgroup_anon_mib": round(self.group.anon_bytes() / 2**20)})}
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        peak = self.peak
+        while not self._stop.is_set():
+            kids = descendants(self.pid)
+            own = proc_kib(self.pid, "VmRSS")
+            total = own + sum(proc_kib(k, "VmRSS") for k in kids)
+            peak["service_rss_kib"] = max(peak["service_rss_kib"], own)
+            if self.group is not None:
+                peak["anon_bytes"] = max(peak["anon_bytes"], self.group.anon_bytes())
+            if total > peak["with_children_kib"]:
+                peak.update(with_children_kib=total, children_at_peak=len(kids))
+            time.sleep(0.5)
+
+
+def ask(client: httpx.Client, url: str, payload: dict, start: float) -> dict:
+    """POST one question to /predict: when it was sent (s after ``start``), status, latency, and the backend and
+    calibration that answered (the body's first 300 characters when refused; the error when it failed)."""
+    sent = time.monotonic()
+    try:
+        r = client.post(url + "/predict", json=payload)
+    except httpx.HTTPError as e:
+        return {"t_s": sent - start, "status": None, "latency_s": time.monotonic() - sent,
+                "error": f"{type(e).__name__}: {e}"}
+    body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+    adapter = body.get("adapter", {}) if r.status_code == 200 else {}
+    return {"t_s": sent - start, "status": r.status_code, "latency_s": time.monotonic() - sent,
+            "backend": adapter.get("backend"), "calibration": adapter.get("calibration"),
+            **({} if r.status_code == 200 else {"body": r.text[:300]})}
+
+
+def requests_summary(answers: list[dict]) -> dict:
+    """Sent, answered and failed requests, the first failures, and latency per answering backend and overall."""
+    failed = [a for a in answers if a["status"] != 200]
+    ok = [a for a in answers if a["status"] == 200]
+    by_backend: dict = {}
+    for a in ok:
+        by_backend.setdefault(a["backend"], []).append(a["latency_s"])
+    return {"sent": len(answers), "ok": len(ok), "failed": len(failed), "failed_detail": failed[:20],
+            "latency_by_backend": {k: latency_summary(v) for k, v in by_backend.items()},
+            "latency_all": latency_summary([a["latency_s"] for a in ok])}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--artifact", default="artifacts/default")
@@ -124,29 +190,7 @@ def main(argv=None) -> int:
         server = ServiceProcess(args.artifact, env, log_path=Path(tmp) / "service.log",
                                 preexec_fn=None if group is None else group.preexec)
         pid = server.proc.pid
-        peak = {"service_rss_kib": 0, "with_children_kib": 0, "children_at_peak": 0, "anon_bytes": 0}
-        stop = threading.Event()
-
-        def memory_now() -> dict:
-            kids = descendants(pid)
-            own = proc_kib(pid, "VmRSS")
-            return {"service_rss_mib": round(own / 1024), "children": len(kids),
-                    "with_children_rss_mib": round((own + sum(proc_kib(k, "VmRSS") for k in kids)) / 1024),
-                    **({} if group is None else {"cgroup_anon_mib": round(group.anon_bytes() / 2**20)})}
-
-        def sample_memory():
-            while not stop.is_set():
-                kids = descendants(pid)
-                own = proc_kib(pid, "VmRSS")
-                total = own + sum(proc_kib(k, "VmRSS") for k in kids)
-                peak["service_rss_kib"] = max(peak["service_rss_kib"], own)
-                if group is not None:
-                    peak["anon_bytes"] = max(peak["anon_bytes"], group.anon_bytes())
-                if total > peak["with_children_kib"]:
-                    peak.update(with_children_kib=total, children_at_peak=len(kids))
-                time.sleep(0.5)
-
-        sampler = threading.Thread(target=sample_memory, daemon=True)
+        sampler = MemorySampler(pid, group)
         sampler.start()
         answers, background, ready_s, hwm_kib, error = [], [], None, 0, None
         try:
@@ -165,22 +209,11 @@ def main(argv=None) -> int:
                             background[-1]["switches"] != len(bg.get("switches", [])):
                         background.append({"t_s": now - start, "state": state, "serving": card.get("name"),
                                            "switches": len(bg.get("switches", [])), "failed": bg.get("failed"),
-                                           "memory": memory_now()})
+                                           "memory": sampler.now()})
                     if state in ("done", "failed") or (state is None and now - start - ready_s > 60):
                         break
-                p = payloads[i % len(payloads)]
                 sent = time.monotonic()
-                try:
-                    r = client.post(server.url + "/predict", json=p)
-                    body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
-                    adapter = body.get("adapter", {}) if r.status_code == 200 else {}
-                    answers.append({"t_s": sent - start, "status": r.status_code,
-                                    "latency_s": time.monotonic() - sent, "backend": adapter.get("backend"),
-                                    "calibration": adapter.get("calibration"),
-                                    **({} if r.status_code == 200 else {"body": r.text[:300]})})
-                except httpx.HTTPError as e:
-                    answers.append({"t_s": sent - start, "status": None, "latency_s": time.monotonic() - sent,
-                                    "error": f"{type(e).__name__}: {e}"})
+                answers.append(ask(client, server.url, payloads[i % len(payloads)], start))
                 i += 1
                 time.sleep(max(0.0, sent + 1 / args.rate - time.monotonic()))
             final = client.get(server.url + "/v1/models").json()["data"][0]["backend"]
@@ -188,20 +221,16 @@ def main(argv=None) -> int:
         except Exception as e:  # recorded, not hidden: the timeline up to here is still written
             error, final = f"{type(e).__name__}: {e}", None
         finally:
-            stop.set()
-            sampler.join()
+            sampler.stop()
             hwm_kib = hwm_kib or proc_kib(pid, "VmHWM")
             code = server.stop()
             log_tail = Path(tmp, "service.log").read_text()[-4000:]
             cgroup = None
             if group is not None:
-                cgroup = {**group.stats(), "peak_anon_mib_sampled": peak["anon_bytes"] / 2**20}
+                cgroup = {**group.stats(), "peak_anon_mib_sampled": sampler.peak["anon_bytes"] / 2**20}
                 group.remove()
-    failed = [a for a in answers if a["status"] != 200]
     ok = [a for a in answers if a["status"] == 200]
-    by_backend: dict = {}
-    for a in ok:
-        by_backend.setdefault(a["backend"], []).append(a["latency_s"])
+    requests = requests_summary(answers)
     result = {
         "command": "python -m benchmarks.backend_timeline " + " ".join(argv if argv is not None else sys.argv[1:]),
         "cpu": cpu_features(), "cores": len(os.sched_getaffinity(0)), "artifact": args.artifact,
@@ -212,20 +241,18 @@ def main(argv=None) -> int:
         "background_final": final, "background_timeline": background,
         "background_done_s": next((b["t_s"] for b in background if b["state"] == "done"), None),
         "switches": switches_seen(ok),
-        "requests": {"sent": len(answers), "ok": len(ok), "failed": len(failed), "failed_detail": failed[:20],
-                     "latency_by_backend": {k: latency_summary(v) for k, v in by_backend.items()},
-                     "latency_all": latency_summary([a["latency_s"] for a in ok])},
+        "requests": requests,
         "memory": {"service_peak_rss_mib_vmhwm": hwm_kib / 1024,
-                   "service_peak_rss_mib_sampled": peak["service_rss_kib"] / 1024,
-                   "service_and_children_peak_rss_mib_sampled": peak["with_children_kib"] / 1024,
-                   "children_at_that_peak": peak["children_at_peak"], "bound_mib": 2048,
+                   "service_peak_rss_mib_sampled": sampler.peak["service_rss_kib"] / 1024,
+                   "service_and_children_peak_rss_mib_sampled": sampler.peak["with_children_kib"] / 1024,
+                   "children_at_that_peak": sampler.peak["children_at_peak"], "bound_mib": 2048,
                    "service_within_bound": hwm_kib / 1024 <= 2048, "cgroup": cgroup},
         "error": error, "service_exit_code": code, "service_log_tail": log_tail,
     }
     write_result(args.output, result)
     print({k: result[k] for k in ("seconds_to_ready", "background_done_s", "switches")}, result["requests"]["failed"],
           result["memory"])
-    return 0 if error is None and not failed else 1
+    return 0 if error is None and not requests["failed"] else 1
 
 
 if __name__ == "__main__":

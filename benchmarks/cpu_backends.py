@@ -101,7 +101,8 @@ def peaks(seconds: float = 2.0, n: int = 2048) -> dict:
     through torch.mm (oneDNN: AVX-512 FMA, AVX512-BF16/AMX where present), int8 through torch._int_mm (int8 x int8 ->
     int32: VNNI where present); None where this torch has no such kernel. The nominal fp32 figure (2 FMA pipes x
     16 lanes at the clock /proc/cpuinfo reports) is beside it: boost clocks run above it."""
-    mhz = max(float(line.split(":")[1]) for line in open("/proc/cpuinfo") if line.startswith("cpu MHz"))
+    info = Path("/proc/cpuinfo").read_text().splitlines()
+    mhz = max(float(line.split(":")[1]) for line in info if line.startswith("cpu MHz"))
     cores = len(os.sched_getaffinity(0))
     flop = 2 * n**3
     a, b = torch.randn(n, n), torch.randn(n, n)
@@ -122,8 +123,9 @@ def peaks(seconds: float = 2.0, n: int = 2048) -> dict:
 
 
 def cpu_features() -> dict:
-    flags = next((line.split(":")[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
-    model = next((line.split(":")[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
+    info = Path("/proc/cpuinfo").read_text().splitlines()
+    flags = next((line.split(":")[1].split() for line in info if line.startswith("flags")), [])
+    model = next((line.split(":")[1].strip() for line in info if line.startswith("model name")), "")
     return {"model": model, **{f: f in flags for f in ("avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16",
                                                          "amx_int8")}}
 
@@ -146,7 +148,7 @@ def time_split(predictor, questions) -> dict:
         t2 = time.perf_counter()
         predictor.head(hidden, batch.option_mask)
         t3 = time.perf_counter()
-        for key, value in zip(parts, (t1 - t0, t2 - t1, t3 - t2)):
+        for key, value in zip(parts, (t1 - t0, t2 - t1, t3 - t2), strict=False):
             parts[key].append(value)
     medians = {k: float(np.median(v)) for k, v in parts.items()}
     total = sum(medians.values())

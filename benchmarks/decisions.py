@@ -45,8 +45,8 @@ from ibedl.core.conformal import SCORES, conformal_quantile, label_scores, predi
 from ibedl.engine.abstention import decide
 from ibedl.training import metrics
 from ibedl.training.calibrate import CalibrationConfig, calibrate_outputs, posthoc_outputs, weights_sha256
-from ibedl.training.risk_control import control_accuracy
 from ibedl.training.experiments.evaluate_run import sigma_summary
+from ibedl.training.risk_control import control_accuracy
 
 STREAM_LIMIT = 1000
 DEV_LIMIT = 300  # questions per validation-split shifted stream (enough to compare design choices)
@@ -115,7 +115,7 @@ def served(dump: dict, stream: str, manifest, key: str | None = None) -> dict:
     u = outputs.uncertainty
     limits = calibration.thresholds
     reasons = [decide(None if u is None else float(u[i]), float(conf[i]), limits) for i in range(len(labels))]
-    hits = np.asarray([float(np.argmax(p) == y) for p, y in zip(outputs.probs, labels)])
+    hits = np.asarray([float(np.argmax(p) == y) for p, y in zip(outputs.probs, labels, strict=True)])
     sigma = raw.get("sigma")  # IB-EDL: per question, the mean over its options
     return {"outputs": outputs, "labels": labels, "confidence": conf, "hits": hits, "reasons": reasons,
             "answered": np.asarray([r is None for r in reasons]),
@@ -140,7 +140,7 @@ def stream_row(s: dict, conformal) -> dict:
     if conformal is not None:
         q = conformal.quantile()
         sets = [prediction_set(p, q, conformal.score) for p in s["outputs"].probs]
-        row["set_coverage"] = float(np.mean([y in m for y, m in zip(s["labels"], sets)]))
+        row["set_coverage"] = float(np.mean([y in m for y, m in zip(s["labels"], sets, strict=True)]))
         row["set_mean_size"] = float(np.mean([len(m) for m in sets]))
     return row
 
@@ -170,7 +170,7 @@ def repeated_splits(s: dict, manifest, splits: int, seed: int = 0, key: str | No
         for sc in SCORES:
             q = conformal_quantile(scores[sc][cal], alpha, set_delta)
             sets = [prediction_set(probs[i], q, sc) for i in test]
-            cover[sc].append(np.mean([labels[i] in m for i, m in zip(test, sets)]))
+            cover[sc].append(np.mean([labels[i] in m for i, m in zip(test, sets, strict=True)]))
             size[sc].append(np.mean([len(m) for m in sets]))
         c = cal[passed[cal]]
         risk = control_accuracy(conf[c], hits[c], target, delta)

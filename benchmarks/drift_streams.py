@@ -36,7 +36,7 @@ def streams(window: int) -> dict[str, list]:
         "sciq_test_with_passage": sciq,
         "sciq_test_no_passage": [dataclasses.replace(q, context=None) for q in sciq],
         "sciq_shuffled_options": [
-            dataclasses.replace(q, options=o.options, answer=None) for q, o in zip(sciq, others)
+            dataclasses.replace(q, options=o.options, answer=None) for q, o in zip(sciq, others, strict=False)
         ],
         "arc_easy": [q for q in load_dataset("arc_easy", "test", limit=2 * window, seed=1)
                      if len(q.options) == 4][:window],
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
         for i in range(0, len(questions), args.batch_size):
             preds += predictor.predict(questions[i:i + args.batch_size])
         u = np.asarray([p.uncertainty for p in preds], dtype=np.float64)
-        labelled = [(p.index == q.answer) for p, q in zip(preds, questions) if q.answer is not None]
+        labelled = [(p.index == q.answer) for p, q in zip(preds, questions, strict=True) if q.answer is not None]
         row = {
             "n": len(u),
             "mean_u": float(u.mean()),

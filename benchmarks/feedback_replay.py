@@ -73,10 +73,10 @@ def stream_arrays(s: dict, conformal) -> dict:
     return {
         "answered": np.asarray(s["answered"], dtype=bool),
         "correct": np.asarray(s["hits"], dtype=bool),
-        "covered": np.asarray([sc[y] <= q + 1e-9 or y == t for sc, y, t in zip(scores, labels, top)]),
+        "covered": np.asarray([sc[y] <= q + 1e-9 or y == t for sc, y, t in zip(scores, labels, top, strict=True)]),
         "size": np.asarray([max(1, int(np.sum(sc <= q + 1e-9))) for sc in scores]),
-        "label_score": np.asarray([sc[y] for sc, y in zip(scores, labels)]),
-        "label_is_top": np.asarray([y == t for y, t in zip(labels, top)]),
+        "label_score": np.asarray([sc[y] for sc, y in zip(scores, labels, strict=True)]),
+        "label_is_top": np.asarray([y == t for y, t in zip(labels, top, strict=True)]),
         "scores": scores,
     }
 

@@ -38,8 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import write_result
-from ibedl.engine.feedback import Feedback
-from ibedl.engine.feedback import open_store
+from ibedl.engine.feedback import Feedback, open_store
 from ibedl.engine.feedback_store import COLUMNS
 from ibedl.engine.settings import EngineSettings
 
@@ -74,10 +73,10 @@ def bulk_insert(settings: EngineSettings, rows: list[tuple]) -> float:
     if settings.feedback_dsn is not None:
         import psycopg
 
-        with psycopg.connect(settings.feedback_dsn.get_secret_value()) as conn, conn.cursor() as cursor:
-            with cursor.copy(f"COPY feedback ({', '.join(COLUMNS)}) FROM STDIN") as copy:
-                for row in rows:
-                    copy.write_row(row)
+        with psycopg.connect(settings.feedback_dsn.get_secret_value()) as conn, conn.cursor() as cursor, \
+                cursor.copy(f"COPY feedback ({', '.join(COLUMNS)}) FROM STDIN") as copy:
+            for row in rows:
+                copy.write_row(row)
     else:
         with sqlite3.connect(settings.feedback_db) as conn:
             conn.executemany(f"INSERT INTO feedback ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})",

@@ -69,7 +69,7 @@ def main(argv=None) -> int:
         del predictor
         print(name, json.dumps(results["runs"][name]), flush=True)
     base = results["runs"]["fp32"]
-    for name, r in results["runs"].items():
+    for r in results["runs"].values():
         r["speed_vs_fp32"] = r["train_samples_per_s"] / base["train_samples_per_s"]
         r["memory_vs_fp32"] = r["peak_gpu_mib"] / base["peak_gpu_mib"]
     # The bf16-trained adapter served with a 4-bit base: same answers?
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     a = evaluate(bf16, test_q, 32, progress=False)
     b = evaluate(q4, test_q, 32, progress=False)
     results["bf16_adapter_on_4bit_base"] = {
-        "agreement": sum(x.index == y.index for x, y in zip(a.predictions, b.predictions)) / len(test_q),
+        "agreement": sum(x.index == y.index for x, y in zip(a.predictions, b.predictions, strict=True)) / len(test_q),
         "accuracy_bf16": a.metrics["accuracy"],
         "accuracy_4bit": b.metrics["accuracy"],
     }

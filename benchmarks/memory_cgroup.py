@@ -8,6 +8,7 @@ one needs a writable cgroup filesystem (root in a container that mounts it so), 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from pathlib import Path
@@ -69,10 +70,8 @@ class MemoryCgroup:
 
     def remove(self) -> None:
         """Remove the cgroup once its processes are gone (best effort)."""
-        try:
+        with contextlib.suppress(OSError):
             self.path.rmdir()
-        except OSError:
-            pass
 
 
 __all__ = ["MemoryCgroup"]

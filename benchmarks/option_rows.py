@@ -117,20 +117,9 @@ def memory_child(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base-model", default="smollm2-135m-instruct")
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--template", default="chat-v1")
-    parser.add_argument("--output", default="benchmarks/results/option_rows.json")
-    parser.add_argument("--memory-child", choices=["rows", "full"], help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.memory_child:
-        return memory_child(args)
-
-    predictor, heads, ids, batches = setup(args)
+def time_training(args, predictor, heads, ids, batches) -> tuple[dict, dict]:
+    """(training samples per second, peak memory in MiB) of the option-rows path and the full-vocabulary one,
+    interleaved over ``batches``; the memory from CUDA's allocator, or on CPU from a child process per path."""
     device = predictor.device
     params = [p for p in predictor.model.parameters() if p.requires_grad] + list(heads["softmax"].parameters())
     optimizer = torch.optim.AdamW(params, lr=1e-5)  # small lr: the weights barely move between paths
@@ -151,7 +140,25 @@ def main(argv=None) -> int:
                                   "--batch-size", str(args.batch_size), "--rounds", "3", "--template", args.template],
                                  capture_output=True, text=True, check=True, env={**os.environ, "TQDM_DISABLE": "1"})
             memory[path] = json.loads(out.stdout.strip().splitlines()[-1])["growth_mib"]
-    rate = {p: args.batch_size / statistics.median(t) for p, t in times.items()}
+    return {p: args.batch_size / statistics.median(t) for p, t in times.items()}, memory
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base-model", default="smollm2-135m-instruct")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--template", default="chat-v1")
+    parser.add_argument("--output", default="benchmarks/results/option_rows.json")
+    parser.add_argument("--memory-child", choices=["rows", "full"], help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.memory_child:
+        return memory_child(args)
+
+    predictor, heads, ids, batches = setup(args)
+    device = predictor.device
+    rate, memory = time_training(args, predictor, heads, ids, batches)
 
     # Inference: one trunk forward per batch, then each head on the same hidden states.
     predictor.model.eval()

@@ -37,7 +37,7 @@ class PerQuestion:
     brier: np.ndarray
 
     @classmethod
-    def from_probs(cls, probs, labels) -> "PerQuestion":
+    def from_probs(cls, probs, labels) -> PerQuestion:
         """``probs``: N rows of C probabilities (C may vary per row); ``labels``: (N,) option indices.
 
         A label outside its row's options raises ValueError (``ibedl.training.metrics`` checks it).

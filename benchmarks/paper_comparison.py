@@ -86,7 +86,7 @@ def parse_paper(tex: str) -> dict:
             for line in table.splitlines():
                 if row := COST_ROW.search(line):
                     cells = [next(iter(_cells(c)), None) for c in row.group(2).split("&")]
-                    out["cost"][LABELS[row.group(1)]] = dict(zip(COST_COLUMNS, cells))
+                    out["cost"][LABELS[row.group(1)]] = dict(zip(COST_COLUMNS, cells, strict=False))
             continue
         if experiment == "ood":
             targets = re.findall(r"\{OBQA \$\\rightarrow\$ ([A-Za-z-]+)\}", table)
@@ -304,7 +304,8 @@ def fill(page: str, blocks: dict[str, str]) -> str:
         pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), flags=re.S)
         if not pattern.search(page):
             raise ValueError(f"the docs page has no '{begin}' ... '{end}' markers")
-        page = pattern.sub(lambda _: f"{begin}\n{body}\n{end}", page)
+        replacement = f"{begin}\n{body}\n{end}"
+        page = pattern.sub(lambda _, text=replacement: text, page)
     return page
 
 

@@ -52,7 +52,7 @@ def main(argv=None) -> int:
             bare, http = [], []
             # Paired: the same question through the bare predictor, then through HTTP. The idle server
             # uses no CPU while the predictor runs, and the other way round.
-            for q, p in zip(questions[: args.requests], payloads[: args.requests]):
+            for q, p in zip(questions[: args.requests], payloads[: args.requests], strict=True):
                 start = time.perf_counter()
                 predictor.predict([q], truncate_context=False)
                 bare.append(time.perf_counter() - start)

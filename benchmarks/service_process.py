@@ -24,7 +24,7 @@ class ServiceProcess:
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        self._log = open(log_path, "w") if log_path else subprocess.DEVNULL
+        self._log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 - closed by stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ibedl.serve", "--host", "127.0.0.1", "--port", str(self.port),
              *(["--artifacts", ",".join(map(str, artifact))] if isinstance(artifact, (list, tuple))

@@ -17,7 +17,6 @@ framework.
 from __future__ import annotations
 
 import threading
-
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,8 +26,7 @@ from ibedl.engine.feedback import Feedback, served_versions
 from ibedl.engine.requests import to_question
 from ibedl.engine.responses import build_answer, model_card
 from ibedl.engine.runtime import AdapterRuntime, find_adapter, finite_prediction, load_predictors, make_runtimes
-from ibedl.engine.schemas import (FeedbackRequest, FeedbackResponse, GuaranteesResponse, PredictRequest,
-                                  PredictResponse)
+from ibedl.engine.schemas import FeedbackRequest, FeedbackResponse, GuaranteesResponse, PredictRequest, PredictResponse
 from ibedl.engine.settings import EngineSettings
 
 __all__ = ["load", "Model", "Checked", "EngineError", "PredictResponse"]
@@ -108,10 +106,10 @@ class Model:
                 chunk = mine[start:start + size]
                 with self._lock:
                     preds = runtime.predict([checked[i].question for i in chunk])
-                broken = [i for i, p in zip(chunk, preds) if not finite_prediction(p)]
+                broken = [i for i, p in zip(chunk, preds, strict=True) if not finite_prediction(p)]
                 if broken:
                     raise ModelError(f"the model produced non-finite numbers for items {broken}")
-                for i, pred in zip(chunk, preds):
+                for i, pred in zip(chunk, preds, strict=True):
                     answers[i] = build_answer(runtime, checked[i].request, checked[i].question, pred, ids[i],
                                               self.feedback)
         return answers  # type: ignore[return-value]

@@ -39,7 +39,6 @@ from ibedl.engine.feedback import Feedback
 from ibedl.engine.schemas import FeedbackRequest
 from ibedl.engine.settings import EngineSettings
 
-
 MAX_LINE_BYTES = 1_000_000  # as the service's default limit on a body (IBEDL_MAX_BODY_BYTES)
 log = logging.getLogger("ibedl.batch")
 
@@ -142,7 +141,7 @@ def score(model: Model, lines, out, batch_size: int, adapter: str | None = None,
         nonlocal answered, refused
         good = [(n, c) for n, c in pending if isinstance(c, Checked)]
         answers = iter(model.answer([c for _, c in good], batch_size, [str(n) for n, _ in good]) if good else [])
-        for n, c in pending:
+        for _n, c in pending:
             record = next(answers).model_dump() if isinstance(c, Checked) else c
             out.write(json.dumps(record) + "\n")
         out.flush()

@@ -66,7 +66,7 @@ def tiny_jsonl(tmp_path_factory) -> Path:
     import json
     import random
 
-    words = "sun moon water plant stone tree bird fish cloud river".split()
+    words = ["sun", "moon", "water", "plant", "stone", "tree", "bird", "fish", "cloud", "river"]
     path = tmp_path_factory.mktemp("toy") / "toy.jsonl"
     rng = random.Random(0)
     with path.open("w") as f:

@@ -10,9 +10,9 @@ its specifier and the locked version, and the fix (``make lock``).
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
 
+import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version

@@ -94,10 +94,9 @@ def candidates(predictor, artifact: Path, unavailable) -> tuple[list[str], dict[
         key = predictor.calibration_key if name == "torch" else name
         if key not in carried:
             skipped[name] = f"the artifact carries no calibration made on it ({key})"
-        elif name == "openvino-int8" and (why := quantization_sample.mismatch(
-                predictor.manifest.calibration_for(key).record, quantization_sample.sha256(artifact))):
-            skipped[name] = why
-        elif why := unavailable(name, predictor, artifact):
+        elif why := (name == "openvino-int8" and quantization_sample.mismatch(
+                predictor.manifest.calibration_for(key).record, quantization_sample.sha256(artifact))) \
+                or unavailable(name, predictor, artifact):
             skipped[name] = why
         else:
             chosen.append(name)

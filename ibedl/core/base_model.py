@@ -11,6 +11,7 @@ machine resolves again, never this machine's cache path.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -171,10 +172,8 @@ def _directory_sha(path: Path) -> str:
         digest.update(p.name.encode())
         digest.update(sha256_file(p).encode())
     sha = digest.hexdigest()
-    try:
+    with contextlib.suppress(OSError):  # a read-only model directory only costs a re-hash next time
         marker.write_text(json.dumps({"sha256": sha, "stamp": stamp}))
-    except OSError:
-        pass  # a read-only model directory only costs a re-hash next time
     return sha
 
 

@@ -80,7 +80,7 @@ def label_scores(probs: Sequence[Sequence[float]], labels: Sequence[int], score:
     if len(probs) != len(labels):
         raise ValueError(f"{len(probs)} probability rows for {len(labels)} labels")
     out = np.empty(len(labels), dtype=np.float64)
-    for i, (p, y) in enumerate(zip(probs, labels)):
+    for i, (p, y) in enumerate(zip(probs, labels, strict=True)):
         if not 0 <= int(y) < len(p):
             raise ValueError(f"label {y} of question {i} is outside its {len(p)} options")
         out[i] = option_scores(p, score)[int(y)]

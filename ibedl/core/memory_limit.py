@@ -8,6 +8,7 @@ the background (exporting an IR, proving that OpenVINO compiles it) runs in chil
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -50,10 +51,8 @@ def expendable() -> None:
     """In a child process before it runs (``subprocess.Popen(preexec_fn=expendable)``): the lowest CPU priority and
     the first pick of the out-of-memory killer. Where /proc does not allow it, only the priority changes."""
     os.nice(19)
-    try:
+    with contextlib.suppress(OSError):
         Path("/proc/self/oom_score_adj").write_text("1000")
-    except OSError:
-        pass
 
 
 def return_freed_memory() -> None:
@@ -62,10 +61,8 @@ def return_freed_memory() -> None:
     import ctypes
     import ctypes.util
 
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to do
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
 
 
 def killed_reason(signal_name: str, what: str) -> str:

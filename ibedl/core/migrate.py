@@ -17,9 +17,20 @@ import logging
 import sys
 from pathlib import Path
 
-from ibedl.core.artifact import (ADAPTER_FILES, MANIFEST, PEFT_TASK_TYPE, SCHEMA_VERSION, ArtifactError, Manifest,
-                                 atomic_write_text, check_artifact, files_sha256, manifest_json, read_manifest_data,
-                                 verify_files)
+from ibedl.core.artifact import (
+    ADAPTER_FILES,
+    MANIFEST,
+    PEFT_TASK_TYPE,
+    SCHEMA_VERSION,
+    ArtifactError,
+    Manifest,
+    atomic_write_text,
+    check_artifact,
+    files_sha256,
+    manifest_json,
+    read_manifest_data,
+    verify_files,
+)
 from ibedl.core.model_card import CARD, render_card
 
 

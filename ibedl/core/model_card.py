@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from ibedl.core.artifact import Manifest, ArtifactError, check_artifact, write_manifest
+from ibedl.core.artifact import ArtifactError, Manifest, check_artifact, write_manifest
 from ibedl.core.base_model import HUB_REPO_ID, KNOWN_MODELS
 
 CARD = "README.md"

@@ -343,7 +343,7 @@ class Predictor:
         for group in length_groups([len(s) for s in seqs], self.max_padding):
             sub = [questions[i] for i in group]
             preds = to_predictions(self.forward(self._pad([seqs[i] for i in group], sub)), [q.num_options for q in sub])
-            for i, pred in zip(group, preds):
+            for i, pred in zip(group, preds, strict=True):
                 out[i] = pred
         return out  # type: ignore[return-value]
 
@@ -417,8 +417,6 @@ class Predictor:
         (one process holds one base model), and with ``ValueError`` for more than one artifact on a backend
         other than torch or with an MC-Dropout artifact (its dropout stays active in the shared model).
         """
-        from peft import PeftModel
-
         from ibedl.core.backends import build_trunk, check_backend
         from ibedl.core.base_model import load_base_model, resolve_model
 
@@ -433,19 +431,7 @@ class Predictor:
             backend, reason = "torch", "several adapters share one torch base model"
             log.info("inference backend auto -> torch (%s)", reason)
         if len(directories) > 1:
-            if backend != "torch":
-                raise ValueError(f"several adapters share one torch base model; backend {backend!r} builds one trunk "
-                                 "per adapter: serve them with backend torch")
-            for d, m in zip(directories, manifests):
-                other = m.base_model_ref()
-                if other.sha256 != base.sha256:
-                    raise BaseModelMismatchError(
-                        f"adapter {d} was trained on {other.name} (sha256 {other.sha256[:12]}) but adapter {first} on "
-                        f"{base.name} (sha256 {base.sha256[:12]}); adapters served together share one base model: "
-                        "serve them from separate services")
-                if m.mc_samples > 0:
-                    raise ValueError(f"adapter {d} uses MC-Dropout, whose dropout stays on in the shared base model; "
-                                     "serve it alone")
+            _check_served_together(directories, manifests, backend)
         if resolved is None:
             resolved = resolve_model(base_model or base.ref)
         if resolved.sha256 != base.sha256 and not allow_base_mismatch:
@@ -456,23 +442,10 @@ class Predictor:
             )
         model, tokenizer = load_base_model(resolved, device=device, dtype=dtype, load_in_4bit=load_in_4bit,
                                            tokenizer=tokenizer)
-        loaded = []
-        for j, (directory, manifest) in enumerate(zip(directories, manifests)):
-            ids = option_token_ids(tokenizer, manifest.head_config().num_rows)
-            if ids != manifest.option_token_ids:
-                raise BaseModelMismatchError(f"option token ids {ids} of adapter {directory} differ from its "
-                                             f"manifest's {manifest.option_token_ids}")
-            names = [f"{f'a{j}' if j else ''}m{i}" for i in range(len(manifest.members))]
-            for name, member in zip(names, manifest.members):
-                if not isinstance(model, PeftModel):
-                    model = PeftModel.from_pretrained(model, directory / member, adapter_name=name,
-                                                      use_safetensors=True)
-                else:
-                    model.load_adapter(directory / member, adapter_name=name, use_safetensors=True)
-            loaded.append(names)
+        model, loaded = _load_adapters(model, tokenizer, directories, manifests)
         model.eval()
         predictors = []
-        for directory, manifest, names in zip(directories, manifests, loaded):
+        for directory, manifest, names in zip(directories, manifests, loaded, strict=True):
             prompt = manifest.prompt_config()
             heads = [load_head(directory / member, manifest).to(model.device) for member in manifest.members]
             predictor = cls(
@@ -493,6 +466,47 @@ class Predictor:
         if len(predictors) > 1:
             predictors[0].model.set_adapter(predictors[0].members[0])
         return predictors
+
+
+def _check_served_together(directories: list[Path], manifests: list[Manifest], backend: str) -> None:
+    """Several adapters share one torch base model: refused (naming the adapter) for another backend, another base
+    model's weights, or MC-Dropout (its dropout would stay on in the shared model)."""
+    if backend != "torch":
+        raise ValueError(f"several adapters share one torch base model; backend {backend!r} builds one trunk per "
+                         "adapter: serve them with backend torch")
+    first, base = directories[0], manifests[0].base_model_ref()
+    for d, m in zip(directories, manifests, strict=True):
+        other = m.base_model_ref()
+        if other.sha256 != base.sha256:
+            raise BaseModelMismatchError(
+                f"adapter {d} was trained on {other.name} (sha256 {other.sha256[:12]}) but adapter {first} on "
+                f"{base.name} (sha256 {base.sha256[:12]}); adapters served together share one base model: "
+                "serve them from separate services")
+        if m.mc_samples > 0:
+            raise ValueError(f"adapter {d} uses MC-Dropout, whose dropout stays on in the shared base model; "
+                             "serve it alone")
+
+
+def _load_adapters(model, tokenizer, directories: list[Path], manifests: list[Manifest]) -> tuple[object, list]:
+    """(the PEFT model with every member of every artifact loaded, each artifact's adapter names): artifact j's
+    members are ``a{j}m{i}`` (``m{i}`` for the first). BaseModelMismatchError when an artifact's option token ids
+    are not this tokenizer's."""
+    from peft import PeftModel
+
+    loaded = []
+    for j, (directory, manifest) in enumerate(zip(directories, manifests, strict=True)):
+        ids = option_token_ids(tokenizer, manifest.head_config().num_rows)
+        if ids != manifest.option_token_ids:
+            raise BaseModelMismatchError(f"option token ids {ids} of adapter {directory} differ from its "
+                                         f"manifest's {manifest.option_token_ids}")
+        names = [f"{f'a{j}' if j else ''}m{i}" for i in range(len(manifest.members))]
+        for name, member in zip(names, manifest.members, strict=True):
+            if not isinstance(model, PeftModel):
+                model = PeftModel.from_pretrained(model, directory / member, adapter_name=name, use_safetensors=True)
+            else:
+                model.load_adapter(directory / member, adapter_name=name, use_safetensors=True)
+        loaded.append(names)
+    return model, loaded
 
 
 def _average(outs: list[HeadPrediction]) -> HeadPrediction:

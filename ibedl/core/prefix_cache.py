@@ -166,7 +166,7 @@ class PrefixCachedTrunk:
 
         # Python lists and unwrapped tensors: under torch.func transforms every new tensor is a wrapper without storage
         lengths = [sum(row) for row in batch.attention_mask.tolist()]
-        rows = [row[:n] for row, n in zip(batch.input_ids.tolist(), lengths)]
+        rows = [row[:n] for row, n in zip(batch.input_ids.tolist(), lengths, strict=True)]
         paths = [self._path(r) for r in rows]
         out = torch.zeros(len(rows), batch.input_ids.shape[1], self.bottom.config.hidden_size)
         missing = []

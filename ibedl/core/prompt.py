@@ -71,7 +71,7 @@ def question_body(q: MCQuestion, context: str | None = None) -> str:
     ctx = q.context if context is None else context
     lines = [f"{ctx.strip()}\n"] if ctx and ctx.strip() else []
     lines.append(f"Question: {q.question.strip()}")
-    lines += [f"{letter}. {text.strip()}" for letter, text in zip(LETTERS, q.options)]
+    lines += [f"{letter}. {text.strip()}" for letter, text in zip(LETTERS, q.options, strict=False)]
     return "\n".join(lines) + "\n"
 
 

@@ -45,11 +45,24 @@ def write(directory: str | Path, questions: list[MCQuestion]) -> str:
 
 
 def read(directory: str | Path) -> list[MCQuestion] | None:
-    """The artifact's quantisation sample, or None when it carries none."""
-    from ibedl.training.data.jsonl import read_jsonl_file
-
+    """The artifact's quantisation sample (as :func:`write` wrote it), or None when it carries none. ValueError
+    naming the line when one is not a question of that format."""
     path = Path(directory) / FILE
-    return read_jsonl_file(path) if path.is_file() else None
+    if not path.is_file():
+        return None
+    questions = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            questions.append(MCQuestion(record["question"], tuple(record["options"]),
+                                        answer=LETTERS.index(record["answer"]), context=record.get("context"),
+                                        id=f"{path.stem}-{len(questions)}"))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path} line {n + 1} is not a question of the quantisation sample: "
+                             f"{type(e).__name__}: {e}") from None
+    return questions
 
 
 def sha256(directory: str | Path) -> str | None:

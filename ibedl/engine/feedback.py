@@ -21,9 +21,8 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
-
 
 from ibedl.core.conformal import prediction_set
 from ibedl.core.prompt import LETTERS

@@ -6,6 +6,7 @@ in memory, per process (one replica, tests, notebooks)."""
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 from pathlib import Path
 
@@ -78,10 +79,8 @@ class SqliteStore(FeedbackStore):
             missing = [c for c in COLUMNS if c not in found]
             if missing and set(missing) <= set(ADDED):  # a store of an earlier version: its labels are kept
                 for column in missing:
-                    try:
+                    with contextlib.suppress(sqlite3.OperationalError):  # another replica may add it first
                         self._db.execute(f"ALTER TABLE feedback ADD COLUMN {column} {ADDED[column]}")
-                    except sqlite3.OperationalError:  # another replica added it first
-                        pass
                 found = self._columns()
                 missing = [c for c in COLUMNS if c not in found]
             if not missing:

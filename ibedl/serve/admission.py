@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 TIMEOUT_HEADER = "X-Request-Timeout"
 Reason = Literal["shutting_down", "queue_full", "too_large", "capacity"]

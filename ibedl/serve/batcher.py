@@ -23,13 +23,14 @@ within the grace period fail with :class:`ShuttingDown`, and the rest are answer
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time  # perf_counter: how long a pass took (the admission clock gives every other time)
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
 
 from ibedl.core.predictor import Prediction
 from ibedl.core.prompt import MCQuestion
@@ -89,7 +90,7 @@ class _Item:
     future: asyncio.Future
     deadline: float
     predict: Predict
-    owner: "_Request | None" = None
+    owner: _Request | None = None
 
 
 @dataclass(eq=False)
@@ -217,7 +218,7 @@ class MicroBatcher:
         end = grace_s - min(1.0, grace_s / 10)
         requests = self._in_turn()
         finish = round_robin_finish([r.live() for r in requests], self.inflight_left(), self.service_time)
-        late = [r for r, t in zip(requests, finish) if self.margin * t > end]
+        late = [r for r, t in zip(requests, finish, strict=True) if self.margin * t > end]
         for r in late:
             self._fail(r, ShuttingDown("the service is shutting down and could not answer this request in time"))
         if late:
@@ -233,10 +234,8 @@ class MicroBatcher:
             while (self._live_depth() or self._busy) and not self._task.done():
                 await asyncio.sleep(0.01)
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
         if self._shedder is not None:
             self._shedder.cancel()
         if self._drain_timer is not None:
@@ -279,7 +278,7 @@ class MicroBatcher:
         request = _Request(predict or self.predict, self._arrivals, admitted_at=self.clock(),
                            expected_s=queue.expected_wait_s)
         futures = []
-        for q, n in zip(questions, tokens):
+        for q, n in zip(questions, tokens, strict=True):
             fut = loop.create_future()
             request.items.append(_Item(q, n, fut, deadline, request.predict, request))
             futures.append(fut)
@@ -328,7 +327,7 @@ class MicroBatcher:
         now = self.clock()
         requests = self._in_turn()
         finish = round_robin_finish([r.live() for r in requests], self.inflight_left(), self.service_time)
-        late = [r for r, t in zip(requests, finish) if now < r.deadline() < now + self.overrun * t]
+        late = [r for r, t in zip(requests, finish, strict=True) if now < r.deadline() < now + self.overrun * t]
         for r in late:
             self._fail(r, Overloaded("the service slowed down and could not answer this request before its deadline",
                                      retry_after=1.0))
@@ -486,7 +485,7 @@ class MicroBatcher:
         self.service_time.observe(tokens, end - since if backlogged else seconds)
         self._backlog_since = end if self._live_depth() else None
         self.on_batch(len(live), seconds)
-        for item, result in zip(live, results):
+        for item, result in zip(live, results, strict=True):
             if not item.future.done():
                 item.future.set_result(result)
         now = self.clock()

@@ -92,6 +92,51 @@ class RequestGuard:
             (b"x-request-id", request_id.encode()), *headers]})
         await send({"type": "http.response.body", "body": body})
 
+    def _refusal(self, scope, headers: dict, path: str) -> tuple[int, str, str, list] | None:
+        """(status, type, message, headers) of a refusal decided before the body is read (credentials, labels,
+        capacity: a refusal costs next to nothing), or None. Records the labelling credential in the scope."""
+        authorization = headers.get("authorization", "")
+        bearer = [(b"www-authenticate", b"Bearer")]
+        if path in LABEL_PATHS:
+            scope["state"]["credential"], refused = label_access(self.state.settings, authorization)
+            if refused is not None:
+                status, type_, message = refused
+                return status, type_, message, bearer if status == 401 else []
+        elif not token_ok(required_token(self.state.settings, path), authorization):
+            return 401, "unauthorized", "a valid 'Authorization: Bearer <token>' header is required", bearer
+        if scope["method"] == "POST" and path in PREDICT_PATHS and scope["state"]["admitted"]:
+            wait = self.state.busy_for(headers.get("x-request-timeout"), scope["state"]["arrived"])
+            if wait is not None:  # no body read, parsed or tokenized
+                self.state.metrics.rejected.labels(reason="capacity").inc()
+                return 503, "overloaded", ("the service is busy: no request could be answered before its deadline "
+                                           "now; retry after the Retry-After seconds"), \
+                    [(b"retry-after", str(max(1, math.ceil(wait))).encode())]
+        return None
+
+    async def _buffered(self, headers: dict, receive) -> tuple[object, tuple | None]:
+        """(a receive that replays the body, None) once it is read whole within the size and time limits, else
+        (receive, refusal): 415, 413, 408, or (499, None, ...) when the client went away."""
+        limit, timeout = self.state.settings.max_body_bytes, self.state.settings.body_timeout_s
+        ctype = headers.get("content-type", "").split(";")[0].strip().lower()
+        if not (ctype == "application/json" or ctype.endswith("+json")):
+            return receive, (415, "unsupported_media_type",
+                             f"send the body as application/json, not {ctype or 'no content type'}", [])
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            return receive, (413, "too_large", f"the body is {length} bytes; the limit is {limit}", [])
+        # Without a Content-Length (chunked) the size is only known while reading: read the body here, bounded by
+        # the limit, and hand the app the buffered copy.
+        try:
+            body = await asyncio.wait_for(_read_body(receive, limit), timeout)
+        except (asyncio.TimeoutError, TimeoutError):
+            return receive, (408, "request_timeout", f"the request body did not arrive within {timeout:g} s",
+                             [(b"connection", b"close")])
+        if body is CLIENT_GONE:
+            return receive, (499, None, "", [])  # nginx's code for a client that closed the request
+        if body is None:
+            return receive, (413, "too_large", f"the body exceeds the limit of {limit} bytes", [])
+        return _replay(body, receive), None
+
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
@@ -108,7 +153,6 @@ class RequestGuard:
         metrics = self.state.metrics
         status_holder = {"status": 500}
         start = time.perf_counter()
-        limit = self.state.settings.max_body_bytes
 
         async def send_wrapper(message):
             if message["type"] == "http.response.start":
@@ -121,55 +165,15 @@ class RequestGuard:
         if measured:
             metrics.inflight.inc()
         try:
-            authorization = headers.get("authorization", "")
-            if path in LABEL_PATHS:
-                scope["state"]["credential"], refused = label_access(self.state.settings, authorization)
-                if refused is not None:  # before the body is read: nothing recorded, nothing counted
-                    status, type_, message = refused
-                    status_holder["status"] = status
-                    return await self._reply(send, status, type_, message, request_id,
-                                             [(b"www-authenticate", b"Bearer")] if status == 401 else [])
-            elif not token_ok(required_token(self.state.settings, path), authorization):
-                status_holder["status"] = 401
-                return await self._reply(send, 401, "unauthorized", "a valid 'Authorization: Bearer <token>' header "
-                                         "is required", request_id, [(b"www-authenticate", b"Bearer")])
-            if scope["method"] == "POST" and path in PREDICT_PATHS and scope["state"]["admitted"]:
-                wait = self.state.busy_for(headers.get("x-request-timeout"), scope["state"]["arrived"])
-                if wait is not None:  # no body read, parsed or tokenized: a refusal costs next to nothing
-                    self.state.metrics.rejected.labels(reason="capacity").inc()
-                    status_holder["status"] = 503
-                    return await self._reply(send, 503, "overloaded", "the service is busy: no request could be "
-                                             "answered before its deadline now; retry after the Retry-After seconds",
-                                             request_id, [(b"retry-after", str(max(1, math.ceil(wait))).encode())])
-            if scope["method"] in BODY_METHODS and _routed(scope):
-                ctype = headers.get("content-type", "").split(";")[0].strip().lower()
-                if not (ctype == "application/json" or ctype.endswith("+json")):
-                    status_holder["status"] = 415
-                    return await self._reply(send, 415, "unsupported_media_type",
-                                             f"send the body as application/json, not {ctype or 'no content type'}",
-                                             request_id)
-                length = headers.get("content-length")
-                if length is not None and length.isdigit() and int(length) > limit:
-                    status_holder["status"] = 413
-                    return await self._reply(send, 413, "too_large",
-                                             f"the body is {length} bytes; the limit is {limit}", request_id)
-                # Without a Content-Length (chunked) the size is only known while reading: read the body
-                # here, bounded by the limit, and hand the app the buffered copy.
-                try:
-                    body = await asyncio.wait_for(_read_body(receive, limit), self.state.settings.body_timeout_s)
-                except (asyncio.TimeoutError, TimeoutError):
-                    status_holder["status"] = 408
-                    return await self._reply(send, 408, "request_timeout", "the request body did not arrive within "
-                                             f"{self.state.settings.body_timeout_s:g} s", request_id,
-                                             [(b"connection", b"close")])
-                if body is CLIENT_GONE:
-                    status_holder["status"] = 499  # nginx's code for a client that closed the request
+            refused = self._refusal(scope, headers, path)
+            if refused is None and scope["method"] in BODY_METHODS and _routed(scope):
+                receive, refused = await self._buffered(headers, receive)
+            if refused is not None:  # before the route runs: nothing recorded, nothing counted
+                status, type_, message, extra = refused
+                status_holder["status"] = status
+                if type_ is None:  # the client went away while sending: nobody to answer
                     return None
-                if body is None:
-                    status_holder["status"] = 413
-                    return await self._reply(send, 413, "too_large", f"the body exceeds the limit of {limit} bytes",
-                                             request_id)
-                receive = _replay(body, receive)
+                return await self._reply(send, status, type_, message, request_id, extra)
             try:
                 await self.app(scope, receive, send_wrapper)
             except Exception:  # logged here, while the request id is still on every log line, and answered 500

@@ -15,14 +15,6 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ibedl.engine.errors import InvalidRequest, StoreUnavailable, TooLarge
-from ibedl.serve.contract import (
-    API_ERRORS,
-    DRIFT_ERRORS,
-    FEEDBACK_ERRORS,
-    GUARANTEES_ERRORS,
-    PREDICT_ERRORS,
-    PREDICT_EXTRA,
-)
 from ibedl.engine.requests import to_question
 from ibedl.engine.responses import model_card
 from ibedl.engine.schemas import (
@@ -38,6 +30,14 @@ from ibedl.engine.schemas import (
     ModelList,
     PredictRequest,
     PredictResponse,
+)
+from ibedl.serve.contract import (
+    API_ERRORS,
+    DRIFT_ERRORS,
+    FEEDBACK_ERRORS,
+    GUARANTEES_ERRORS,
+    PREDICT_ERRORS,
+    PREDICT_EXTRA,
 )
 from ibedl.serve.state import METRICS_STORE_WAIT_S, State
 
@@ -90,7 +90,7 @@ async def predict_batch(body: BatchRequest, request: Request, state: State) -> B
     preds = await state.answer(runtime, questions, tokens, request)
     rid = request.state.request_id
     return BatchResponse(results=[state.respond(runtime, item, q, p, f"{rid}-{i}") for i, (item, q, p) in
-                                  enumerate(zip(body.items, questions, preds))])
+                                  enumerate(zip(body.items, questions, preds, strict=True))])
 
 
 @router.get("/v1/models", response_model=ModelList, responses=API_ERRORS, tags=["metadata"])

@@ -11,8 +11,9 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Annotated, Callable
+from typing import Annotated
 
 from fastapi import Depends, Request
 
@@ -22,8 +23,15 @@ from ibedl.engine import errors
 from ibedl.engine.drift import AccuracyEstimate, DriftMonitor
 from ibedl.engine.feedback import Feedback, LabelQuota, served_versions
 from ibedl.engine.responses import build_answer
-from ibedl.engine.runtime import (AdapterRuntime, UncalibratedBackend, find_adapter, finite_prediction, load_predictors,
-                                  make_runtimes, switched)
+from ibedl.engine.runtime import (
+    AdapterRuntime,
+    UncalibratedBackend,
+    find_adapter,
+    finite_prediction,
+    load_predictors,
+    make_runtimes,
+    switched,
+)
 from ibedl.engine.schemas import (
     DriftStatus,
     FeedbackRequest,

@@ -52,17 +52,16 @@ import torch
 from ibedl.core import quantization_sample
 from ibedl.core.artifact import Abstention, Conformal, Manifest, check_artifact, write_manifest
 from ibedl.core.backends import BACKENDS, calibration_key
-from ibedl.core.cpu_isa import int8_isa
 from ibedl.core.conformal import SCORES, alpha_key, calibrate_quantiles, prediction_set
+from ibedl.core.cpu_isa import int8_isa
+from ibedl.core.dirichlet import dirichlet_outputs
+from ibedl.core.head import POSTHOC_KEYS, POSTHOC_NEUTRAL, adjust_alpha, temper_logits
+from ibedl.core.head import temper as head_temper
 from ibedl.core.model_card import write_card
 from ibedl.core.prompt import MCQuestion
 from ibedl.training import metrics
-from ibedl.core.dirichlet import dirichlet_outputs
-from ibedl.core.head import POSTHOC_KEYS, POSTHOC_NEUTRAL, adjust_alpha
-from ibedl.core.head import temper as head_temper
-from ibedl.core.head import temper_logits
-from ibedl.training.posthoc import adjusted_alphas, fit_zeta, padded
 from ibedl.training.data.option_counts import parse_counts, vary_option_counts
+from ibedl.training.posthoc import adjusted_alphas, fit_zeta, padded
 from ibedl.training.risk_control import control_accuracy
 
 log = logging.getLogger("ibedl.training.calibrate")
@@ -274,7 +273,7 @@ def _decide(outputs: Outputs, labels: np.ndarray, fit: np.ndarray, cal: np.ndarr
     for s in SCORES:
         q = conformal.quantile(config.alpha, s)
         members = [prediction_set(outputs.probs[i], q, s) for i in cal]
-        sets[s] = {"coverage": float(np.mean([y in m for y, m in zip(labels[cal], members)])),
+        sets[s] = {"coverage": float(np.mean([y in m for y, m in zip(labels[cal], members, strict=True)])),
                    "mean_size": float(np.mean([len(m) for m in members]))}
     return abstention, conformal, {"gate": gate, "risk_control": risk.to_dict(),
                                    "conformal_in_sample": {"alpha": config.alpha, **sets},
@@ -525,23 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         if not manifest.files:
             raise ArtifactError(f"{source} was written by an older version (no weight checksums in its manifest): "
                                 f"run python -m ibedl.core.migrate {source} first, then calibrate it")
-        if args.dataset == "feedback":
-            if args.outputs or args.limit or args.evaluate_split:
-                raise ValueError("--dataset feedback reads the outputs its receipts carried: it takes neither "
-                                 "--outputs, --limit nor --evaluate-split")
-            if not args.path:
-                raise ValueError("--dataset feedback needs --path: the service's feedback store (IBEDL_FEEDBACK_DB)")
-            kind, raw, labels = feedback_outputs(args.path, manifest)
-            config.posthoc = False  # the outputs are the served ones: the served post-hoc parameter stays
-            # the backend that served them: --backend, else the arithmetic of the manifest's top-level calibration
-            key = calibration_key(args.backend) if args.backend not in (None, "torch") else manifest.calibrated_on
-        elif args.outputs:
-            kind, raw, labels = read_outputs(args.outputs, stream, source, manifest)
-            key = outputs_key(args.outputs, args.backend)
-            config.main_options = args.main_options or json.loads(Path(args.outputs).read_text()).get("main_options")
-        else:
-            kind, raw, labels, key = run_model(args, source, load_dataset)
-            config.main_options = args.main_options
+        kind, raw, labels, key = labelled_outputs(args, source, manifest, config, load_dataset)
         quantized = quantization_record(source, key, outputs_isa(args.outputs, key) if args.outputs else None)
     except (DatasetError, ArtifactError, ValueError, FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -594,6 +577,31 @@ def main(argv: list[str] | None = None) -> int:
                       "gate": cal["gate"], "risk_control": cal["risk_control"],
                       "conformal_in_sample": cal["conformal_in_sample"]}, indent=2))
     return 0
+
+
+def labelled_outputs(args, source: Path, manifest: Manifest, config: CalibrationConfig,
+                     load_dataset) -> tuple[str, dict, list[int], str]:
+    """(head kind, raw outputs, labels, calibration key) of the labelled sample ``args`` name: the feedback store's
+    served outputs (``--dataset feedback``: the post-hoc step stays as served), a stored outputs file
+    (``--outputs``), or the model run on the data. Sets ``config.main_options`` where the sample says it."""
+    if args.dataset == "feedback":
+        if args.outputs or args.limit or args.evaluate_split:
+            raise ValueError("--dataset feedback reads the outputs its receipts carried: it takes neither "
+                             "--outputs, --limit nor --evaluate-split")
+        if not args.path:
+            raise ValueError("--dataset feedback needs --path: the service's feedback store (IBEDL_FEEDBACK_DB)")
+        kind, raw, labels = feedback_outputs(args.path, manifest)
+        config.posthoc = False  # the outputs are the served ones: the served post-hoc parameter stays
+        # the backend that served them: --backend, else the arithmetic of the manifest's top-level calibration
+        key = calibration_key(args.backend) if args.backend not in (None, "torch") else manifest.calibrated_on
+        return kind, raw, labels, key
+    if args.outputs:
+        kind, raw, labels = read_outputs(args.outputs, f"{args.dataset}_{args.split}", source, manifest)
+        config.main_options = args.main_options or json.loads(Path(args.outputs).read_text()).get("main_options")
+        return kind, raw, labels, outputs_key(args.outputs, args.backend)
+    kind, raw, labels, key = run_model(args, source, load_dataset)
+    config.main_options = args.main_options
+    return kind, raw, labels, key
 
 
 def record(manifest: Manifest, key: str, head_update: dict, sections: dict, evaluated: dict) -> None:

@@ -4,15 +4,15 @@ ValueError naming the key and the value (:func:`describe`)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Literal, Optional, Union, get_args
-
 import re
+from pathlib import Path
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
 from ibedl.core.head import check_evidence_scale
+from ibedl.training.config_errors import describe
 
 PRECISIONS = ("no", "bf16", "fp16")  # mixed_precision: accelerate's names
 TRACKERS = ("tensorboard", "mlflow")  # track: accelerate's trackers this project logs to
@@ -40,7 +40,7 @@ def yaml_load(text: str):
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 
-Real = Union[int, float]  # a number kept as written (an int stays an int in to_dict and the manifest)
+Real = int | float  # a number kept as written (an int stays an int in to_dict and the manifest)
 
 
 class _Model(BaseModel):
@@ -56,9 +56,9 @@ class DataPart(_Model):
     """One dataset split to draw from: ``{dataset, split?, limit?, path?}``."""
 
     dataset: str
-    limit: Optional[StrictInt] = Field(None, ge=1)
-    path: Optional[str] = None
-    split: Optional[str] = None  # default: the role's split (train / validation / test)
+    limit: StrictInt | None = Field(None, ge=1)
+    path: str | None = None
+    split: str | None = None  # default: the role's split (train / validation / test)
 
 
 class DataConfig(_Model):
@@ -71,7 +71,7 @@ class DataConfig(_Model):
     noise_seed: int = 0
     # The seed of the training subsets (a part's `limit`); None: the run's seed. A second stage that
     # should see the first stage's questions again (a true second epoch) sets the first stage's seed here.
-    subset_seed: Optional[int] = None
+    subset_seed: int | None = None
 
     @field_validator("train")
     @classmethod
@@ -104,19 +104,19 @@ class LoraSettings(_Model):
 
 class OptimSettings(_Model):
     lr: Real = Field(5e-5, gt=0)
-    head_lr: Optional[Real] = None  # default: same as lr
+    head_lr: Real | None = None  # default: same as lr
     weight_decay: Real = 0.0
     batch_size: StrictInt = Field(4, ge=1)
     epochs: Real = Field(1.0, gt=0)
-    max_steps: Optional[StrictInt] = None
+    max_steps: StrictInt | None = None
     warmup_ratio: Real = Field(0.1, ge=0.0, lt=1.0)
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    clip_grad_norm: Optional[Real] = None  # default: the method's (20 for the EDL family)
+    clip_grad_norm: Real | None = None  # default: the method's (20 for the EDL family)
     # Batches per optimizer step; one step then sees batch_size x processes x gradient_accumulation_steps questions.
     gradient_accumulation_steps: StrictInt = Field(1, ge=1)
     # Early stopping: validation after every epoch (or every eval_every steps); training stops after this many passes
     # without a lower validation NLL and keeps the best state. None trains the whole budget (epochs / max_steps).
-    patience: Optional[int] = None
+    patience: int | None = None
 
     @field_validator("patience", mode="before")
     @classmethod
@@ -133,8 +133,8 @@ class TrainConfig(_Model):
     data: DataConfig
     output: str
     base_model: str = "smollm2-135m-instruct"
-    name: Optional[str] = None
-    version: Union[str, int] = "1"
+    name: str | None = None
+    version: str | int = "1"
     method_params: dict = Field(default_factory=dict)
     template: str = "plain-v1"
     max_tokens: StrictInt = Field(512, ge=16)
@@ -146,26 +146,26 @@ class TrainConfig(_Model):
     eval_limit: StrictInt = Field(200, ge=1)  # validation questions used by periodic passes
     eval_batch_size: StrictInt = Field(8, ge=1)
     # evidential heads: "center" the first batch's pre-evidence, "none", or a value
-    evidence_bias: Union[str, Real] = "center"
+    evidence_bias: str | Real = "center"
     train_evidence_bias: bool = True  # False keeps that shared offset fixed during training
     centre_options: bool = False  # evidential heads: pre-evidence minus its mean over the question's options
     evidence_scale: Real = 1.0  # evidential heads: pre-evidence = s * (W h) + b (HeadConfig.evidence_scale)
     # an artifact whose LoRA weights and option rows start this run (ibedl.training.warm_start)
-    init_from: Optional[str] = None
-    train_layers: Optional[int] = None  # LoRA trains in the top K decoder layers only; the states below are cached
+    init_from: str | None = None
+    train_layers: int | None = None  # LoRA trains in the top K decoder layers only; the states below are cached
     target_accuracy: Real = Field(0.8, gt=0, le=1)
     fit_zeta: bool = True
     reference_size: StrictInt = Field(1000, ge=10)
-    device: Optional[str] = None
+    device: str | None = None
     # float32 | bfloat16 | float16; default by device (float32 under mixed_precision)
-    dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
     # bf16 | fp16: autocast on CUDA (ibedl.training.distributed); head and losses stay float32
     mixed_precision: Literal[PRECISIONS] = "no"
     fsdp: bool = False  # under accelerate launch: FSDP2 shards the base model instead of replicating it (DDP)
     load_in_4bit: bool = False
-    threads: Optional[StrictInt] = Field(None, ge=1)
+    threads: StrictInt | None = Field(None, ge=1)
     progress: bool = True
-    track: Optional[Literal[TRACKERS]] = None  # tensorboard | mlflow: losses, metrics and the manifest (accelerate)
+    track: Literal[TRACKERS] | None = None  # tensorboard | mlflow: losses, metrics and the manifest (accelerate)
     track_dir: str = "runs"  # TensorBoard logs under <track_dir>/<name>; MLflow's artifact location
 
     @field_validator("evidence_bias", mode="before")
@@ -218,113 +218,11 @@ class TrainConfig(_Model):
         try:
             super().__init__(**data)
         except ValidationError as e:
-            raise ValueError(describe(e)) from None
+            models = {"TrainConfig": TrainConfig, **{m.__name__: m for m in (*_NESTED.values(), DataPart)}}
+            raise ValueError(describe(e, models.get(e.title))) from None
 
 
 _NESTED = {"data": DataConfig, "lora": LoraSettings, "optim": OptimSettings}
-
-
-def _bounds(model: type[BaseModel], name: str) -> str | None:
-    """'in [0, 1)', '> 0', '>= 1', ... from a field's Field(ge/gt/le/lt) bounds; None without any."""
-    low = high = None
-    for m in model.model_fields[name].metadata:
-        for attr, kind in (("ge", "["), ("gt", "("), ("le", "]"), ("lt", ")")):
-            value = getattr(m, attr, None)
-            if value is not None:
-                if kind in "[(":
-                    low = (kind, value)
-                else:
-                    high = (kind, value)
-    if low and high:
-        return f"in {low[0]}{low[1]:g}, {high[1]:g}{high[0]}"
-    if low:
-        return f"{'>=' if low[0] == '[' else '>'} {low[1]:g}"
-    if high:
-        return f"{'<=' if high[0] == ']' else '<'} {high[1]:g}"
-    return None
-
-
-_NUMBER_ERRORS = {"finite_number", "float_type", "float_parsing", "int_type", "int_parsing", "int_from_float",
-                  "greater_than", "greater_than_equal", "less_than", "less_than_equal"}
-
-
-def describe(error: ValidationError, model: type[BaseModel] | None = None, prefix: str = "") -> str:
-    """A pydantic ValidationError as one line per bad key, naming the key (``optim.lr``, with ``prefix`` before it)
-    and the value given: ``optim.lr must be > 0, got -1``. ``model``: the model that raised it (default: found by
-    the error's title among this module's). The validators' own messages (they name key and value) are kept."""
-    lines, seen = [], set()
-    if model is None:
-        model = {"TrainConfig": TrainConfig, **{m.__name__: m for m in (*_NESTED.values(), DataPart)}}.get(error.title)
-    errors = error.errors()
-    for e in errors:
-        loc = [p for p in e["loc"] if not _is_tag(p)]  # field names and list indices
-        key = prefix + ".".join(str(p) for p in loc)
-        if key in seen:
-            continue  # a union's alternatives each report the same bad value
-        seen.add(key)
-        if e["type"] == "value_error":
-            lines.append(str(e["ctx"]["error"]))
-            continue
-        names = [p for p in loc if isinstance(p, str)]
-        owner = _owner(model, names)
-        field = owner.model_fields.get(names[-1]) if owner is not None and names else None
-        bounds = _bounds(owner, names[-1]) if field is not None else None
-        types = {x["type"] for x in errors if [p for p in x["loc"] if not _is_tag(p)] == loc}
-        kind = _number_kind(field)
-        if e["type"] == "extra_forbidden":
-            lines.append(f"unknown config keys [{key!r}]")
-        elif kind and types <= _NUMBER_ERRORS:  # a number field: one message for its type, nan and bounds
-            null = " (or null)" if field.default is None and not field.is_required() else ""
-            lines.append(f"{key} must be {kind}{' ' + bounds if bounds else ''}{null}, got {e['input']!r}")
-        elif e["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal") and bounds:
-            lines.append(f"{key} must be {bounds}, got {e['input']!r}")
-        elif e["type"] == "literal_error":
-            lines.append(f"{key} must be {e['ctx']['expected']}, got {e['input']!r}")
-        elif types & {"float_parsing", "float_type"}:
-            lines.append(f"{key} must be a number, got {e['input']!r}")
-        elif types & {"int_parsing", "int_type", "int_from_float"}:
-            lines.append(f"{key} must be an integer, got {e['input']!r}")
-        else:
-            lines.append(f"{key}: {e['msg'][:1].lower()}{e['msg'][1:]}, got {e['input']!r}")
-    return "; ".join(lines)
-
-
-def _number_kind(field) -> str | None:
-    """'an integer' or 'a finite number' for a field declared with ``allow_inf_nan=False`` or a strict integer (the
-    methods' hyper-parameters), so one message covers a wrong type, nan and the bounds; None otherwise."""
-    if field is None:
-        return None
-    types = {a for a in (field.annotation, *get_args(field.annotation)) if a is not type(None)}
-    for a in list(types):
-        types |= set(get_args(a))
-    floats = float in types
-    finite = any(getattr(m, "allow_inf_nan", None) is False for m in field.metadata)
-    if finite and floats:
-        return "a finite number"
-    if finite or (field.metadata and types and all("int" in str(a).lower() for a in types)):
-        return "an integer"
-    return None
-
-
-def _is_tag(part) -> bool:
-    """A union member's or validator's tag in a pydantic error location (``int``, ``literal['center','none']``,
-    ``function-before[...]``), not a key."""
-    return isinstance(part, str) and (part in ("int", "float", "str", "bool", "none")
-                                      or not part.replace("_", "a").isalnum())
-
-
-def _owner(model: type[BaseModel] | None, loc: list[str]) -> type[BaseModel] | None:
-    """The model that declares the last key of ``loc`` (a path of field names from ``model``)."""
-    for part in loc[:-1]:
-        if model is None or part not in model.model_fields:
-            return None
-        sub = model.model_fields[part].annotation
-        sub = next((a for a in (sub, *get_args(sub)) if isinstance(a, type) and issubclass(a, BaseModel)), None)
-        if sub is None:
-            args = [a for a in get_args(model.model_fields[part].annotation)]
-            sub = next((a for a in args if isinstance(a, type) and issubclass(a, BaseModel)), None)
-        model = sub
-    return model
 
 
 def config_keys_help() -> str:

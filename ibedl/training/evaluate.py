@@ -20,8 +20,8 @@ import torch
 from tqdm import tqdm
 
 from ibedl.core.backends import DEFAULT_BACKEND
-from ibedl.core.prompt import MCQuestion
 from ibedl.core.predictor import Prediction, Predictor
+from ibedl.core.prompt import MCQuestion
 from ibedl.training import metrics
 
 
@@ -49,7 +49,7 @@ class EvalResult:
 
     @property
     def hits(self) -> list[float]:
-        return [float(p.index == y) for p, y in zip(self.predictions, self.labels)]
+        return [float(p.index == y) for p, y in zip(self.predictions, self.labels, strict=True)]
 
 
 def predict_all(
@@ -67,7 +67,7 @@ def predict_all(
     with torch.no_grad(), tqdm(total=len(questions), desc=desc, disable=not progress, unit="q", leave=False) as bar:
         for i in range(0, len(order), batch_size):
             idx = order[i : i + batch_size]
-            for j, pred in zip(idx, predictor.predict([questions[k] for k in idx])):
+            for j, pred in zip(idx, predictor.predict([questions[k] for k in idx]), strict=True):
                 out[j] = pred
             bar.update(len(idx))
     if was_training:

@@ -23,6 +23,7 @@ import sys
 import time
 from collections import Counter
 from datetime import datetime, timezone
+from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -30,12 +31,14 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm import tqdm
 
+from ibedl.core import prefix_cache
 from ibedl.core.artifact import PEFT_TASK_TYPE, Manifest, files_sha256, save_head, write_manifest
 from ibedl.core.base_model import ResolvedModel, load_base_model, resolve_model
 from ibedl.core.head import CentredEvidence, HeadConfig, build_head
 from ibedl.core.model_card import write_card
 from ibedl.core.predictor import Predictor, fits, lm_head_rows
 from ibedl.core.prompt import MCQuestion, option_token_ids
+from ibedl.training import warm_start
 from ibedl.training.calibrate import CalibrationConfig, apply_sections, calibrate_predictor
 from ibedl.training.config import TRACKERS, DataPart, TrainConfig, config_keys_help, load_config
 from ibedl.training.distributed import (
@@ -47,10 +50,8 @@ from ibedl.training.distributed import (
     reset_accelerator,
 )
 from ibedl.training.evaluate import evaluate
-from ibedl.training.metrics import summarise
 from ibedl.training.methods import LossContext, Method, get_method
-from ibedl.core import prefix_cache
-from ibedl.training import warm_start
+from ibedl.training.metrics import summarise
 
 log = logging.getLogger("ibedl.training.finetune")
 
@@ -122,7 +123,7 @@ def micro_batches(idx: list[int], parts: int) -> list[list[int]]:
     at the end of an epoch) repeats the step's last question."""
     size, extra = divmod(len(idx), parts)
     bounds = [i * size + min(i, extra) for i in range(parts + 1)]
-    return [idx[a:b] or idx[-1:] for a, b in zip(bounds, bounds[1:])]
+    return [idx[a:b] or idx[-1:] for a, b in pairwise(bounds)]
 
 
 def lr_lambda(schedule: str, total: int, warmup: int):
@@ -219,6 +220,34 @@ def drop_unfit(cfg: TrainConfig, train_q, val_q, test_q, tokenizer=None):
     return (*kept, dropped)
 
 
+def make_optimizer(cfg: TrainConfig, model, head) -> tuple[torch.optim.Optimizer, int]:
+    """(AdamW over the LoRA weights at ``optim.lr`` and the head at ``optim.head_lr``, the trainable parameter
+    count); the evidence bias stays frozen unless ``train_evidence_bias``."""
+    lora_params = [p for p in model.parameters() if p.requires_grad]
+    if not cfg.train_evidence_bias and isinstance(head, CentredEvidence):
+        getattr(head, head.bias_name).requires_grad_(False)
+    head_params = [p for p in head.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        [{"params": lora_params}, {"params": head_params, "lr": cfg.optim.head_lr or cfg.optim.lr}],
+        lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
+    )
+    return optimizer, sum(p.numel() for p in lora_params + head_params)
+
+
+def centre_evidence(cfg: TrainConfig, predictor, train_q, rng: random.Random) -> None:
+    """Centre the head's pre-evidence on 16 training questions (the letter logits start near +17; see
+    EvidentialHead), shifted by ``evidence_bias`` when it is a number."""
+    model, head = predictor.model, predictor.head
+    with torch.no_grad():
+        model.eval()
+        probe = [train_q[i] for i in rng.sample(range(len(train_q)), min(16, len(train_q)))]
+        enc = predictor.encode(probe)
+        bias = head.init_bias_from(predictor.hidden(enc), enc.option_mask.to(model.device))
+        if cfg.evidence_bias != "center":
+            bias = head.set_bias(bias + float(cfg.evidence_bias))
+        log.info("head bias initialised to %.3f", bias)
+
+
 def fit_member(cfg: TrainConfig, method: Method, params: dict, train_q, val_q, member_dir: Path, seed: int,
                history_path: Path, member: int, accelerator: Accelerator, resolved: ResolvedModel | None = None,
                tokenizer=None) -> dict:
@@ -238,17 +267,9 @@ def fit_member(cfg: TrainConfig, method: Method, params: dict, train_q, val_q, m
     steps_per_epoch = math.ceil(len(train_q) / global_batch)
     total = cfg.optim.max_steps or max(1, math.ceil(steps_per_epoch * cfg.optim.epochs))
     warmup = max(1, int(cfg.optim.warmup_ratio * total))
-    lora_params = [p for p in model.parameters() if p.requires_grad]
-    if not cfg.train_evidence_bias and isinstance(head, CentredEvidence):
-        getattr(head, head.bias_name).requires_grad_(False)
-    head_params = [p for p in head.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        [{"params": lora_params}, {"params": head_params, "lr": cfg.optim.head_lr or cfg.optim.lr}],
-        lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
-    )
+    optimizer, trainable = make_optimizer(cfg, model, head)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim.schedule, total, warmup))
     clip = cfg.optim.clip_grad_norm if cfg.optim.clip_grad_norm is not None else method.clip_grad_norm
-    trainable = sum(p.numel() for p in lora_params + head_params)
     log.info("method %s %s; member %d; %d trainable parameters; %d steps (warmup %d) of %d questions "
              "(%d processes x batch %d x accumulation %d)", method.name, params, member, trainable, total, warmup,
              global_batch, accelerator.num_processes, cfg.optim.batch_size, accumulation)
@@ -264,15 +285,7 @@ def fit_member(cfg: TrainConfig, method: Method, params: dict, train_q, val_q, m
     member_path = member_dir.relative_to(history_path.parent)  # "." or members/<i>
     suffix = "" if member_path == Path(".") else f"/{member_path}"  # tracker keys: train/loss, validation/nll, ...
     if isinstance(head, CentredEvidence) and cfg.evidence_bias != "none" and not (warm and warm["head"] == "all"):
-        # Centre the pre-evidence on the first batches: the letter logits start near +17 (see EvidentialHead).
-        with torch.no_grad():
-            model.eval()
-            probe = [train_q[i] for i in rng.sample(range(len(train_q)), min(16, len(train_q)))]
-            enc = predictor.encode(probe)
-            bias = head.init_bias_from(predictor.hidden(enc), enc.option_mask.to(model.device))
-            if cfg.evidence_bias != "center":
-                bias = head.set_bias(bias + float(cfg.evidence_bias))
-            log.info("head bias initialised to %.3f", bias)
+        centre_evidence(cfg, predictor, train_q, rng)
     # One process: the same module and optimizer back. Several: DDP (or FSDP) around trunk and head together.
     scorer, optimizer = accelerator.prepare(OptionScorer(predictor), optimizer)
     device = predictor.device
@@ -316,7 +329,7 @@ def fit_member(cfg: TrainConfig, method: Method, params: dict, train_q, val_q, m
         seen += len(idx)
         if not accelerator.optimizer_step_was_skipped:  # fp16: a step with inf gradients is skipped
             scheduler.step()
-        values = dict(zip(stat_names(parts, out), torch.stack(stats).mean(0).tolist()))
+        values = dict(zip(stat_names(parts, out), torch.stack(stats).mean(0).tolist(), strict=False))
         running = values["loss"] if running is None else 0.95 * running + 0.05 * values["loss"]
         rate = seen / (time.perf_counter() - t0)
         bar.set_postfix(loss=f"{running:.4f}", samples_s=f"{rate:.2f}", epoch=epoch)

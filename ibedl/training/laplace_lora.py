@@ -140,7 +140,7 @@ class LaplaceLoRA:
                 p = probit(f, logit_variance(self.la, js))
             else:
                 p = self.la(batch, pred_type="nn", link_approx="mc", n_samples=self.samples)
-            for row, mask in zip(p.detach().cpu(), batch["option_mask"]):
+            for row, mask in zip(p.detach().cpu(), batch["option_mask"], strict=True):
                 kept = row[mask].double()
                 probs.append((kept / kept.sum()).tolist())
         return probs, time.perf_counter() - start
@@ -173,7 +173,7 @@ def predictives_over_grid(laplace: LaplaceLoRA, questions: list[MCQuestion], gri
                       disable=not progress):
         f, js = glm_moments(la, batch)
         mask = batch["option_mask"][0]
-        real = lambda p: (p[0][mask].double() / p[0][mask].double().sum()).tolist()  # noqa: E731
+        real = lambda p, mask=mask: (p[0][mask].double() / p[0][mask].double().sum()).tolist()  # noqa: E731
         map_probs.append(real(torch.softmax(f.double(), -1)))
         for i, value in enumerate(grid):
             la.prior_precision = value
@@ -201,7 +201,7 @@ def choose_prior_on_validation(laplace: LaplaceLoRA, questions: list[MCQuestion]
     _check_answered(questions, "choosing the prior precision on validation")
     over_grid, map_probs = predictives_over_grid(laplace, questions, grid, progress)
     labels = [q.answer for q in questions]
-    nll = lambda rows: -sum(math.log(max(p[y], 1e-12)) for p, y in zip(rows, labels)) / len(labels)  # noqa: E731
+    nll = lambda rows: -sum(math.log(max(p[y], 1e-12)) for p, y in zip(rows, labels, strict=True)) / len(labels)  # noqa: E731
     nlls = [nll(rows) for rows in over_grid]
     best = min(range(len(grid)), key=nlls.__getitem__)
     laplace.la.prior_precision = grid[best]

@@ -28,7 +28,7 @@ def _check(probs: list[np.ndarray], labels: np.ndarray) -> None:
         raise ValueError(f"{len(probs)} predictions for {len(labels)} labels")
     if len(probs) == 0:
         raise ValueError("metrics need at least one prediction")
-    for i, (row, y) in enumerate(zip(probs, labels)):
+    for i, (row, y) in enumerate(zip(probs, labels, strict=True)):
         if not 0 <= y < len(row):  # a negative label would silently index from the end
             raise ValueError(f"label {y} of question {i} is outside its {len(row)} options")
 
@@ -39,7 +39,7 @@ def confidences_and_hits(probs, labels) -> tuple[np.ndarray, np.ndarray]:
     labels = np.asarray(labels)
     _check(rows, labels)
     conf = np.array([r.max() for r in rows])
-    hits = np.array([float(r.argmax() == y) for r, y in zip(rows, labels)])
+    hits = np.array([float(r.argmax() == y) for r, y in zip(rows, labels, strict=True)])
     return conf, hits
 
 
@@ -54,7 +54,8 @@ def ece(probs, labels, num_bins: int = 15) -> float:
     """
     r = reliability(probs, labels, num_bins)
     n = sum(r["count"])
-    return float(sum(c / n * abs(cf - ac) for c, cf, ac in zip(r["count"], r["confidence"], r["accuracy"]) if c))
+    bins = zip(r["count"], r["confidence"], r["accuracy"], strict=True)
+    return float(sum(c / n * abs(cf - ac) for c, cf, ac in bins if c))
 
 
 def bin_index(conf: np.ndarray, num_bins: int) -> np.ndarray:
@@ -83,7 +84,7 @@ def nll_terms(probs, labels) -> np.ndarray:
     rows = _as_rows(probs)
     labels = np.asarray(labels)
     _check(rows, labels)
-    return np.array([-math.log(max(r[y], NLL_FLOOR)) for r, y in zip(rows, labels)])
+    return np.array([-math.log(max(r[y], NLL_FLOOR)) for r, y in zip(rows, labels, strict=True)])
 
 
 def nll(probs, labels) -> float:
@@ -97,7 +98,7 @@ def brier_terms(probs, labels) -> np.ndarray:
     labels = np.asarray(labels)
     _check(rows, labels)
     out = np.empty(len(rows))
-    for i, (r, y) in enumerate(zip(rows, labels)):
+    for i, (r, y) in enumerate(zip(rows, labels, strict=True)):
         target = np.zeros_like(r)
         target[y] = 1.0
         out[i] = ((r - target) ** 2).sum()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 
 import matplotlib
@@ -16,13 +17,14 @@ def reliability_diagram(probs, labels, path: str | Path, num_bins: int = 15, tit
     """Accuracy against confidence per bin, with bar widths by bin and the ECE in the legend."""
     rel = metrics.reliability(probs, labels, num_bins)
     edges = rel["edges"]
-    centres = [(a + b) / 2 for a, b in zip(edges[:-1], edges[1:])]
+    centres = [(a + b) / 2 for a, b in pairwise(edges)]
     width = 1.0 / num_bins
     fig, (ax, axc) = plt.subplots(2, 1, figsize=(4.5, 5.5), gridspec_kw={"height_ratios": [3, 1]}, sharex=True)
     acc = [a if a is not None else 0.0 for a in rel["accuracy"]]
-    conf = [c if c is not None else m for c, m in zip(rel["confidence"], centres)]
+    conf = [c if c is not None else m for c, m in zip(rel["confidence"], centres, strict=True)]
     ax.bar(centres, acc, width=width, edgecolor="black", color="#4C72B0", label="accuracy")
-    ax.bar(centres, [c - a for c, a in zip(conf, acc)], bottom=acc, width=width, color="#DD8452", alpha=0.5,
+    gap = [c - a for c, a in zip(conf, acc, strict=True)]
+    ax.bar(centres, gap, bottom=acc, width=width, color="#DD8452", alpha=0.5,
            edgecolor="#DD8452", label="gap to confidence")
     ax.plot([0, 1], [0, 1], "k--", linewidth=1)
     ax.set_ylabel("accuracy")

@@ -37,7 +37,7 @@ def adjusted_alphas(alphas, sigmas, zeta: float, offset: float = 1.0) -> list[np
 
 def _nll(adjusted: list[np.ndarray], labels) -> float:
     total = 0.0
-    for adj, y in zip(adjusted, labels):
+    for adj, y in zip(adjusted, labels, strict=True):
         total -= math.log(max(adj[y] / adj.sum(), 1e-12))
     return total / len(labels)
 

@@ -34,7 +34,8 @@ def test_a_backend_is_judged_under_the_calibration_stored_for_it(key, file):
     # alpha <- max(alpha - zeta sigma, 1) with the stored zeta, then p = alpha / alpha0 and 1/u = alpha0 / C
     assert set(stored.head) == {"zeta"} and row["calibration"]["head"] == stored.head
     zeta = stored.head["zeta"]
-    alphas = [np.maximum(np.asarray(a) - zeta * np.asarray(s), 1.0) for a, s in zip(test["alpha"], test["sigma"])]
+    alphas = [np.maximum(np.asarray(a) - zeta * np.asarray(s), 1.0)
+              for a, s in zip(test["alpha"], test["sigma"], strict=True)]
     hits = np.asarray([np.argmax(a) == y for a, y in zip(alphas, test["labels"], strict=True)])
     assert row["test"]["accuracy"] == pytest.approx(hits.mean())
     inv_u = np.asarray([np.sum(a) / len(a) for a in alphas])

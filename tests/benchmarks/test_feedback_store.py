@@ -26,7 +26,7 @@ def test_a_small_run_on_sqlite(tmp_path, capsys):
 def test_rows_are_stored_labels():
     rows = label_rows(50, 1000, seed=0, now=2000.0)
     assert len(rows) == 50 and all(len(r) == len(COLUMNS) for r in rows)
-    named = [dict(zip(COLUMNS, r)) for r in rows]
+    named = [dict(zip(COLUMNS, r, strict=True)) for r in rows]
     assert len({r["receipt_id"] for r in named}) == 50 and named[0]["receipt_id"] == f"{1000:032x}"
     assert all((r["target"] is None) == (not r["answered"]) for r in named)
 

@@ -13,7 +13,7 @@ from ibedl.training.config import load_config
 from ibedl.training.finetune import run_questions, train
 from ibedl.training.laplace_lora import PRIOR_GRID
 
-WORDS = "sun moon water plant stone tree bird fish cloud river".split()
+WORDS = ["sun", "moon", "water", "plant", "stone", "tree", "bird", "fish", "cloud", "river"]
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,16 @@ from pathlib import Path
 import pytest
 
 from ibedl.core import migrate as migrate_cli
-from ibedl.core.artifact import (MIGRATIONS, SCHEMA_VERSION, ArtifactError, Manifest, check_artifact, migrate,
-                                 read_manifest, write_manifest)
+from ibedl.core.artifact import (
+    MIGRATIONS,
+    SCHEMA_VERSION,
+    ArtifactError,
+    Manifest,
+    check_artifact,
+    migrate,
+    read_manifest,
+    write_manifest,
+)
 from ibedl.core.model_card import render_card
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -116,7 +117,7 @@ def test_the_measurement_is_cached_and_read_back_without_building(tiny_artifact,
     assert "python -m ibedl.core.measure_backends" in start.reason
     build, built = timed({"torch": 1.0, "openvino-fp32": 0.5})
     first, _ = auto_backend.choose(predictor, artifact, "base", build, backends.unavailable)
-    stored = json.loads(open(first.path).read())
+    stored = json.loads(Path(first.path).read_text())
     assert stored["seconds"] == {"openvino-fp32": 0.5, "torch": 1.0} and stored["candidates"] == ["openvino-fp32",
                                                                                                   "torch"]
     build, built = timed({})  # timing again would fail: nothing is measured
@@ -124,7 +125,7 @@ def test_the_measurement_is_cached_and_read_back_without_building(tiny_artifact,
     assert again.cached and again.backend == "openvino-fp32" and built == ["openvino-fp32"]  # only the choice built
     assert again.seconds == first.seconds and again.measured == first.measured and "earlier start" in again.reason
     assert again.pending == [] and auto_backend.age_s(again) >= 0
-    open(first.path, "w").write("{not json")  # a damaged cache is not trusted: torch until measured again
+    Path(first.path).write_text("{not json")  # a damaged cache is not trusted: torch until measured again
     third, _ = auto_backend.start_choice(predictor, artifact, "base", build, backends.unavailable)
     assert not third.cached and third.backend == "torch" and third.pending == ["openvino-fp32"]
 

@@ -53,3 +53,12 @@ def test_a_calibration_holds_only_for_the_int8_instruction_set_it_ran_on():
     # by default, this machine's
     record["quantization"]["isa"] = cpu_isa.int8_isa()
     assert quantization_sample.mismatch(record, "a" * 64) is None
+
+
+def test_a_broken_line_is_refused_naming_it(tmp_path):
+    quantization_sample.write(tmp_path, [MCQuestion("q?", ("a", "b"), answer=1)])
+    with open(tmp_path / quantization_sample.FILE, "a") as f:
+        f.write('{"question": "no options", "answer": "A"}\n')
+    with pytest.raises(ValueError, match=r"quantization_sample.jsonl line 2 is not a question of the quantisation "
+                                         r"sample: KeyError: 'options'"):
+        quantization_sample.read(tmp_path)

@@ -233,7 +233,7 @@ def test_nginx_config_has_the_gateway_logic():
 
     read_timeout = int(re.search(r"proxy_read_timeout (\d+)s;", text).group(1))
     assert read_timeout > Settings().request_timeout_s
-    assert 1 << 20 >= Settings().max_body_bytes  # client_max_body_size 1m lets every body the service accepts through
+    assert Settings().max_body_bytes <= 1 << 20  # client_max_body_size 1m lets every body the service accepts through
     # the upstream pool drops idle connections before the service closes them (no request on a closing connection)
     (pool_idle,) = [int(a[0].rstrip("s")) for a in directives(text, "keepalive_timeout") if a[0] != "65s"]
     assert pool_idle < KEEP_ALIVE_S

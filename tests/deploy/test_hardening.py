@@ -60,7 +60,7 @@ def test_prometheus_scrapes_with_the_metrics_token_and_has_no_lifecycle_api(comp
     assert compose["secrets"][secret] == {"environment": "IBEDL_METRICS_TOKEN"}  # the replicas' variable
     (job,) = [j for j in yaml.safe_load(PROMETHEUS_YML.read_text())["scrape_configs"] if j["job_name"] == "ibedl-api"]
     assert job["authorization"] == {"type": "Bearer", "credentials_file": COMPOSE_METRICS_TOKEN_FILE}
-    assert COMPOSE_METRICS_TOKEN_FILE == f"/run/secrets/{secret}"
+    assert f"/run/secrets/{secret}" == COMPOSE_METRICS_TOKEN_FILE
 
 
 def test_the_api_container_is_hardened(compose):

@@ -46,22 +46,17 @@ def test_the_checker_sees_an_import_inside_a_function(tmp_path):
         "fastapi.responses", "ibedl.serve", "ibedl.serve.errors"]
 
 
-# Run in a fresh interpreter: a finder first on sys.meta_path refuses the forbidden packages, then the API loads the
+# Run in a fresh interpreter: the blocked packages are made unimportable (as if not installed), then the API loads the
 # tiny artifact and answers, and the batch command's module imports.
 BLOCKED_RUN = """
-import importlib.abc, json, sys
+import json, sys
 
 BLOCKED = {blocked!r}
 
-
-class Refuse(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if any(name == b or name.startswith(b + ".") for b in BLOCKED):
-            raise ImportError(f"{{name}} is blocked in this test")
-        return None
-
-
-sys.meta_path.insert(0, Refuse())
+# As if not installed: ``import`` raises ModuleNotFoundError and importlib.util.find_spec returns None (what
+# libraries probe optional packages with); a submodule cannot be imported under its blocked parent.
+for name in BLOCKED:
+    sys.modules[name] = None
 for name in BLOCKED:
     try:
         __import__(name)
@@ -79,7 +74,8 @@ try:
     model.predict([{{"question": "q", "options": ["only one"]}}])
 except ibedl.EngineError as e:
     refused = [e.type, e.field]
-loaded = sorted(m for m in sys.modules if any(m == b or m.startswith(b + ".") for b in BLOCKED))
+loaded = sorted(m for m, module in sys.modules.items()
+                if module is not None and any(m == b or m.startswith(b + ".") for b in BLOCKED))
 print(json.dumps({{"id": answer.id, "adapter": answer.adapter.name, "refused": refused, "loaded": loaded}}))
 """
 
@@ -89,5 +85,51 @@ def test_the_api_loads_and_answers_without_fastapi_starlette_uvicorn_or_promethe
     code = BLOCKED_RUN.format(blocked=blocked, artifact=str(tiny_artifact))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out == {"id": "a", "adapter": "tiny", "refused": ["invalid_request", "items.0.options"], "loaded": []}
+
+
+def base_requirements() -> set[str]:
+    """The distributions ``pip install ibedl`` (no extras) brings: pyproject's dependencies and, recursively, theirs
+    (markers evaluated here, extras left out), as installed in this environment."""
+    import importlib.metadata
+
+    import tomllib
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    todo = [Requirement(r) for r in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]]
+    seen: set[str] = set()
+    while todo:
+        req = todo.pop()
+        name = canonicalize_name(req.name)
+        if name in seen or (req.marker is not None and not req.marker.evaluate({"extra": ""})):
+            continue
+        seen.add(name)
+        try:
+            todo += [Requirement(r) for r in importlib.metadata.requires(req.name) or []]
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return seen
+
+
+def test_the_base_install_loads_an_artifact_and_answers(tiny_artifact):
+    """What ``pip install .`` without extras can do: every installed package outside the base requirements is made
+    unimportable (the extras: the web stack, OpenVINO, NNCF, psycopg, matplotlib, ...), then ``ibedl.load`` loads
+    the tiny artifact (``auto`` falls back to torch) and answers."""
+    import importlib.metadata
+
+    from packaging.utils import canonicalize_name
+
+    base = base_requirements()
+    assert {"torch", "transformers", "peft", "pydantic", "pydantic-settings"} <= base
+    own = {"ibedl", "tests", "benchmarks", "deploy"}
+    blocked = sorted(module for module, dists in importlib.metadata.packages_distributions().items()
+                     if module.isidentifier() and module not in own and not module.startswith("_")
+                     and not any(canonicalize_name(d) in base for d in dists))
+    assert {"fastapi", "openvino", "nncf", "psycopg"} <= set(blocked)
+    code = BLOCKED_RUN.format(blocked=blocked, artifact=str(tiny_artifact))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out == {"id": "a", "adapter": "tiny", "refused": ["invalid_request", "items.0.options"], "loaded": []}

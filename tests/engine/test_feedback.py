@@ -13,7 +13,8 @@ import pytest
 
 from ibedl.engine.adaptive import SCORE_BOUND, QuantileTracker
 from ibedl.engine.errors import InvalidReceipt, ReceiptExpired, TooLarge, TooManyLabels
-from ibedl.engine.feedback_sqlite import SCHEMA, SqliteStore as FeedbackStore
+from ibedl.engine.feedback_sqlite import SCHEMA
+from ibedl.engine.feedback_sqlite import SqliteStore as FeedbackStore
 from ibedl.engine.feedback_store import COLUMNS, LabelQuota
 from ibedl.engine.receipts import Receipt, new_id, sign, verify
 

@@ -19,9 +19,8 @@ from types import SimpleNamespace
 import pytest
 
 from ibedl.engine.errors import ReceiptExpired, StoreUnavailable
-from ibedl.engine.feedback import Feedback
+from ibedl.engine.feedback import Feedback, open_store
 from ibedl.engine.feedback_sqlite import SCHEMA, SqliteStore
-from ibedl.engine.feedback import open_store
 from ibedl.engine.feedback_store import Snapshot
 from ibedl.engine.receipts import Receipt, new_id, sign
 from ibedl.engine.settings import EngineSettings
@@ -146,7 +145,7 @@ class TestReplicas:
             except Exception as e:  # noqa: BLE001 (reported below)
                 errors.append(e)
 
-        threads = [threading.Thread(target=write, args=pair) for pair in zip(services, batches)]
+        threads = [threading.Thread(target=write, args=pair) for pair in zip(services, batches, strict=True)]
         for t in threads:
             t.start()
         for t in threads:

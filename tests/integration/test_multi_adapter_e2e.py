@@ -7,8 +7,8 @@ import pytest
 
 from ibedl.training.data import load_dataset
 from tests.conftest import ServiceProcess
-from tests.integration.conftest import REPO
 from tests.http_json import ok_json
+from tests.integration.conftest import REPO
 
 ADAPTERS = ["default", "map", "map-twin"]
 

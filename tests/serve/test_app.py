@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from ibedl.core.artifact import read_manifest, write_manifest
-from tests.serve.conftest import load_error, per_token_loader, slow_loader, wait_status
 from tests.http_json import ok_json
+from tests.serve.conftest import load_error, per_token_loader, slow_loader, wait_status
 
 Q = {"question": "Which is sun?", "options": ["sun", "moon", "tree", "fish"]}
 

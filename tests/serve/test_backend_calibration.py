@@ -71,12 +71,12 @@ def test_the_python_api_refuses_it_at_load(cuda_calibrated):
 
 
 def test_the_override_serves_the_carried_calibration_and_says_so(make_client, cuda_calibrated, caplog):
-    with caplog.at_level("WARNING", logger="ibedl.engine"):
-        with make_client(artifact=cuda_calibrated, backend="torch", allow_uncalibrated_backend=True) as c:
-            r = c.post("/predict", json=Q)
-            assert r.status_code == 200, r.text
-            assert r.json()["adapter"]["calibration"] == "torch-cuda-bf16"
-            card = c.get("/v1/models").json()["data"][0]
+    with (caplog.at_level("WARNING", logger="ibedl.engine"),
+          make_client(artifact=cuda_calibrated, backend="torch", allow_uncalibrated_backend=True) as c):
+        r = c.post("/predict", json=Q)
+        assert r.status_code == 200, r.text
+        assert r.json()["adapter"]["calibration"] == "torch-cuda-bf16"
+        card = c.get("/v1/models").json()["data"][0]
     assert {k: v for k, v in card["calibration_in_use"].items() if k != "metrics"} == {
         "key": "torch-cuda-bf16", "backend_key": "torch-fp32", "matches_backend": False, "carried": ["torch-cuda-bf16"]}
     assert "its guarantees were made on other arithmetic" in caplog.text
@@ -177,11 +177,10 @@ def test_an_int8_calibration_made_on_another_quantisation_is_refused(make_client
     assert "its openvino-int8 calibration does not hold for the int8 trunk served: the calibration was made on a " \
            "trunk quantised on other questions than the artifact's quantization_sample.jsonl" in body["reason"]
     assert "IBEDL_ALLOW_UNCALIBRATED_BACKEND=true" in body["reason"] and "b" * 12 not in body["reason"]
-    with caplog.at_level("WARNING", logger="ibedl.engine"):
-        with make_client(loader=int8_loader("b" * 64), artifact=int8_calibrated,
-                         allow_uncalibrated_backend=True) as c:
-            assert c.post("/predict", json=Q).status_code == 200
-            card = c.get("/v1/models").json()["data"][0]
+    with (caplog.at_level("WARNING", logger="ibedl.engine"),
+          make_client(loader=int8_loader("b" * 64), artifact=int8_calibrated, allow_uncalibrated_backend=True) as c):
+        assert c.post("/predict", json=Q).status_code == 200
+        card = c.get("/v1/models").json()["data"][0]
     assert card["calibration_in_use"]["key"] == "openvino-int8" and not card["calibration_in_use"]["matches_backend"]
     assert "does not hold for its trunk" in caplog.text
 

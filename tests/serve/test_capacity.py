@@ -1,8 +1,8 @@
 """The per-token time estimate and the fair-share wait, against their closed forms."""
 
-import pytest
-
 import math
+
+import pytest
 
 from ibedl.serve.capacity import ServiceTime, round_robin_finish, round_robin_wait
 

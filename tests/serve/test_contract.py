@@ -8,8 +8,8 @@ import jsonschema_rs
 import pytest
 
 from ibedl.engine.requests import NOT_BLANK
-from tests.serve.test_app import Q
 from tests.http_json import ok_json
+from tests.serve.test_app import Q
 
 STORED_ALPHAS = [0.01, 0.02, 0.05, 0.1, 0.2]  # what ibedl.training.calibrate stores on the tiny artifact
 

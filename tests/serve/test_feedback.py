@@ -12,7 +12,6 @@ import pytest
 from prometheus_client import generate_latest
 
 from ibedl.engine.settings import EngineSettings
-
 from tests.serve.conftest import wait_ready
 
 KEY = "test-feedback-key"

@@ -7,8 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.serve.conftest import load_error, wait_status
 from tests.http_json import ok_json
+from tests.serve.conftest import load_error, wait_status
 
 Q = {"question": "Which is sun?", "options": ["sun", "moon", "tree"], "id": "q1"}
 QUESTIONS = [{"question": f"Which is {w}?", "options": [w, "stone", "bird", "fish"], "id": f"q{i}"}

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from ibedl.core.artifact import Abstention, Conformal, check_artifact, read_manifest
-from ibedl.core.model_card import num
 from ibedl.core.head import temper as torch_temper
+from ibedl.core.model_card import num
 from ibedl.training.calibrate import (
     CalibrationConfig,
     calibrate_outputs,

@@ -1,6 +1,8 @@
 """The confidence ceiling against scipy's optimiser on the full vector, and the NLL risk's stationarity
 conditions in closed form."""
 
+from itertools import pairwise
+
 import numpy as np
 import pytest
 import torch
@@ -48,8 +50,8 @@ def test_nll_stationarity_in_closed_form(beta):
 @pytest.mark.parametrize("risk", ["mse", "nll"])
 def test_ceiling_rises_as_beta_falls_and_more_options_lower_it(risk):
     values = [confidence_ceiling(b, 4, risk).confidence for b in (1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6)]
-    assert all(a < b for a, b in zip(values, values[1:]))
-    assert 0.25 < values[0] and values[-1] < 1.0
+    assert all(a < b for a, b in pairwise(values))
+    assert values[0] > 0.25 and values[-1] < 1.0
     assert confidence_ceiling(1e-3, 5, risk).confidence < confidence_ceiling(1e-3, 3, risk).confidence
 
 

@@ -8,13 +8,13 @@ import torch
 
 from ibedl.core.artifact import read_manifest
 from ibedl.core.predictor import Predictor
-from ibedl.training.config import load_config
-from ibedl.training.evaluate import evaluate
-from ibedl.training.data import load_dataset
 from ibedl.training.confidence_ceiling import confidence_ceiling
+from ibedl.training.config import load_config
+from ibedl.training.data import load_dataset
+from ibedl.training.evaluate import evaluate
 from ibedl.training.finetune import load_parts, main, run_questions, train
 
-WORDS = "sun moon water plant stone tree bird fish cloud river".split()
+WORDS = ["sun", "moon", "water", "plant", "stone", "tree", "bird", "fish", "cloud", "river"]
 
 
 @pytest.fixture(scope="module")

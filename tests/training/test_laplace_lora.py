@@ -13,7 +13,7 @@ from ibedl.training.data import load_dataset
 from ibedl.training.finetune import train
 from ibedl.training.laplace_lora import PRIOR_GRID, choose_prior_on_validation, fit_laplace
 
-WORDS = "sun moon water plant stone tree bird fish cloud river".split()
+WORDS = ["sun", "moon", "water", "plant", "stone", "tree", "bird", "fish", "cloud", "river"]
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +131,7 @@ def test_mc_predictive_samples_the_posterior(map_artifact):
     map_probs = [p.probs for p in predictor.predict(questions[20:28])]
     la = fit_laplace(predictor, questions[:20], prior_precision="marglik", predictive="mc", samples=8)
     probs = la.predict(questions[20:28], batch_size=4)[0]
-    for p, q, m in zip(probs, questions[20:28], map_probs, strict=True):
+    for p, q, _m in zip(probs, questions[20:28], map_probs, strict=True):
         assert len(p) == q.num_options and sum(p) == pytest.approx(1.0, abs=1e-6)
     # weight samples moved the answer distribution away from MAP's
     assert max(abs(a - b) for p, m in zip(probs, map_probs, strict=True) for a, b in zip(p, m, strict=True)) > 1e-4

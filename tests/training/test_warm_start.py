@@ -13,7 +13,6 @@ from ibedl.training.data import load_dataset
 from ibedl.training.evaluate import evaluate
 from ibedl.training.finetune import build, train
 from ibedl.training.methods import get_method
-
 from tests.training.test_finetune import config, jsonl_data  # noqa: F401 - the toy data fixture
 
 

@@ -55,7 +55,7 @@ def parse_race_passage(record: Any, path: Path, *, split: str | None, level: str
         )
     meta = {"dataset": "race", "split": split, "level": level}
     out = []
-    for k, (question, opts, letter) in enumerate(zip(questions, options, answers)):
+    for k, (question, opts, letter) in enumerate(zip(questions, options, answers, strict=False)):
         at = Where(path, item=f"question {k}")
         if not isinstance(question, str):
             raise at.error(f"the question must be a string, got {type(question).__name__}")

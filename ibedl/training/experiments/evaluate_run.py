@@ -55,7 +55,7 @@ def _auroc_pair(first: dict, ood: dict, keep_id, keep_ood) -> dict:
         values, keep = list(values), list(keep)
         if len(values) != len(keep):
             raise ValueError(f"{len(values)} scores for {len(keep)} questions")
-        return np.array([v for v, k in zip(values, keep) if k], dtype=np.float64)
+        return np.array([v for v, k in zip(values, keep, strict=True) if k], dtype=np.float64)
 
     out = {"mp": metrics.auroc(kept(map(max, first["probs"]), keep_id), kept(map(max, ood["probs"]), keep_ood))}
     if first["uncertainty"] is not None and ood["uncertainty"] is not None:

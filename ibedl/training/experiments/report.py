@@ -123,7 +123,7 @@ def ood_tables(results: list[dict]) -> list[str]:
     lines = []
     for score, label in OOD_SCORES.items():
         rows: dict = defaultdict(lambda: defaultdict(list))
-        for method, r, values in method_metrics(results, "ood"):
+        for method, _r, values in method_metrics(results, "ood"):
             found = [values.get(f"ood/{s}/auroc_{score}") for s in streams]
             for s, v in zip(streams, found, strict=True):
                 if v is not None:
@@ -136,7 +136,7 @@ def ood_tables(results: list[dict]) -> list[str]:
         lines += [f"AUROC (%) ↑ by {label}, {source} against each shifted stream (in-distribution is the positive "
                   "class).", ""] + _table(rows, [*streams, "mean"], True, 100, header) + [""]
     matched: dict = defaultdict(lambda: defaultdict(list))
-    for method, r, values in method_metrics(results, "ood"):
+    for method, _r, values in method_metrics(results, "ood"):
         for score in OOD_SCORES:
             found = [values.get(f"ood/{s}/auroc_{score}_matched") for s in streams]
             found = [v for v in found if v is not None]
@@ -182,7 +182,7 @@ def training_table(results: list[dict]) -> list[str]:
     ]
     order = {m: i for i, m in enumerate(METHODS)}
     for (method, labels), v in sorted(rows.items(), key=lambda kv: (kv[0][1] != "clean", order.get(kv[0][0], 99))):
-        def pair(k: str, scale: float, digits: int) -> str:
+        def pair(k: str, scale: float, digits: int, v=v) -> str:
             return f"{np.mean(v[k + '_start']) * scale:.{digits}f} → {np.mean(v[k + '_end']) * scale:.{digits}f}"
 
         budget = ", ".join(str(b) for b in sorted(set(v["budget"])))
@@ -373,7 +373,7 @@ def plots(results: list[dict], runs_root: Path, out_dir: Path) -> list[Path]:
                 continue
             s = json.loads(pred_path(found).read_text())
             conf = [max(p) for p in s["probs"]]
-            hits = [float(int(np.argmax(p)) == y) for p, y in zip(s["probs"], s["labels"])]
+            hits = [float(int(np.argmax(p)) == y) for p, y in zip(s["probs"], s["labels"], strict=True)]
             curves[method_label(method)] = (conf, hits)
             title = f"{method_label(method)} on {DATASET_NAMES.get(dataset, dataset)}, seed {found['seed']}"
             paths.append(reliability_diagram(s["probs"], s["labels"], path, title=title))

@@ -3,16 +3,16 @@ it trains, its predictive (dropout passes) and an optional post-hoc step fitted 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Union
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError
 
 from ibedl.core.head import HeadPrediction
-from ibedl.training.config import describe
+from ibedl.training.config_errors import describe
 
-Number = Union[StrictInt, StrictFloat]  # a finite number as written (an int stays an int in the manifest)
+Number = StrictInt | StrictFloat  # a finite number as written (an int stays an int in the manifest)
 
 
 class Hyper(BaseModel):

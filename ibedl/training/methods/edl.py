@@ -5,7 +5,7 @@ References:
 """
 
 from ibedl.training.losses import annealing, edl_kl_regulariser, mse_bayes_risk
-from ibedl.training.methods.base import Hyper, Number, Method, number
+from ibedl.training.methods.base import Hyper, Method, Number, number
 
 
 class EDLParams(Hyper):

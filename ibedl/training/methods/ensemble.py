@@ -9,7 +9,6 @@ from ibedl.training.methods.base import Hyper, Method, StrictInt, count
 from ibedl.training.methods.map import map_loss
 
 
-
 class EnsembleParams(Hyper):
     members: StrictInt = count(3)  # MAP adapters, seeds s, s + 1000, ...
 

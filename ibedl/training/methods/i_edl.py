@@ -7,7 +7,7 @@ References:
 """
 
 from ibedl.training.losses import annealing, edl_kl_regulariser, fisher_mse
-from ibedl.training.methods.base import Hyper, Number, Method, number
+from ibedl.training.methods.base import Hyper, Method, Number, number
 
 
 class IEDLParams(Hyper):

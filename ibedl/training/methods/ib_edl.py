@@ -18,14 +18,12 @@ References:
 
 import math
 from dataclasses import asdict
-from typing import Literal, Optional
-
-from pydantic import model_validator
+from typing import Literal
 
 import torch
+from pydantic import model_validator
 
 from ibedl.training.confidence_ceiling import confidence_ceiling
-
 from ibedl.training.losses import RISKS, gaussian_information, ib_edl_risk
 from ibedl.training.methods.base import Hyper, Method, Number, StrictInt, count, number
 
@@ -34,9 +32,9 @@ class IBEDLParams(Hyper):
     beta: Number = number(1e-3, ge=0)  # weight of the information term
     num_samples: StrictInt = count(20)  # K samples of the pre-evidence per question in training
     risk: Literal[tuple(RISKS)] = "mse"
-    beta_start: Optional[Number] = number(None, gt=0)  # anneal beta log-linearly from this to beta
+    beta_start: Number | None = number(None, gt=0)  # anneal beta log-linearly from this to beta
     beta_anneal: Number = number(0.5, gt=0, le=1)  # share of training the annealing takes
-    sigma_constant: Optional[Number] = number(None, gt=0)  # ablation: a constant sigma instead of the learned one
+    sigma_constant: Number | None = number(None, gt=0)  # ablation: a constant sigma instead of the learned one
 
     @model_validator(mode="after")
     def _anneal(self):

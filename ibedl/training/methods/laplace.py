@@ -12,7 +12,7 @@ References:
 """
 
 import math
-from typing import Literal, Union
+from typing import Literal
 
 from pydantic import field_validator
 
@@ -24,7 +24,7 @@ from ibedl.training.methods.map import map_loss
 class LaplaceParams(Hyper):
     fit_samples: StrictInt = count(200)  # training questions the KFAC posterior is fitted on
     # "validation" | "marglik" | a number > 0
-    prior_precision: Union[Literal[PRIORS], Number] = "validation"
+    prior_precision: Literal[PRIORS] | Number = "validation"
     batch_size: StrictInt = count(4)
     predictive: Literal[PREDICTIVES] = "glm"
     samples: StrictInt = count(10)  # weight draws of the mc predictive

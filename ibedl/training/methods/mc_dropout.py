@@ -9,7 +9,6 @@ from ibedl.training.methods.base import Hyper, Method, StrictInt, count
 from ibedl.training.methods.map import map_loss
 
 
-
 class MCDropoutParams(Hyper):
     mc_samples: StrictInt = count(10)  # stochastic forward passes at prediction
 

@@ -6,7 +6,7 @@ References:
 """
 
 from ibedl.training.losses import annealing, relaxed_mse, wrong_evidence_kl
-from ibedl.training.methods.base import Hyper, Number, Method, number
+from ibedl.training.methods.base import Hyper, Method, Number, number
 
 
 class REDLParams(Hyper):
