@@ -20,7 +20,7 @@ def _write(path: Path, lines: list[str]) -> Path:
 
 
 def _ai2(qid: str, stem: str, texts: list[str], key: str, labels: str = "ABCDE", **extra) -> str:
-    choices = [{"label": label, "text": text} for label, text in zip(labels, texts, strict=True)]
+    choices = [{"label": label, "text": text} for label, text in zip(labels, texts, strict=False)]
     return json.dumps({"id": qid, "question": {"stem": stem, "choices": choices, **extra}, "answerKey": key})
 
 
