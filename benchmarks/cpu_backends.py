@@ -205,7 +205,8 @@ def speed(predictor, trunks: dict, questions, peak: dict, config) -> dict:
 def decisions(manifest, key: str, kind: str, val: dict, test: dict, splits: int) -> dict:
     """One backend judged on SciQ test under its own calibration, made on its SciQ validation outputs with the
     artifact's calibration settings. ``val``, ``test``: raw outputs with ``labels``."""
-    cal = manifest.calibration
+    stored = manifest.calibration_for(key)  # its own settings (e.g. the main option count), else the top level's
+    cal = stored.record if stored is not None and stored.record.get("config") else manifest.calibration
     config = CalibrationConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in cal.get("config", {}).items()})
     head_update, _, sections = calibrate_outputs(kind, val, val["labels"], config)
     mine = copy.deepcopy(manifest)
@@ -215,7 +216,6 @@ def decisions(manifest, key: str, kind: str, val: dict, test: dict, splits: int)
     s = served(dump, "sciq_test", mine, key)
     quality = metrics.summarise(s["outputs"].probs, s["labels"], s["outputs"].uncertainty)
     row = stream_row(s, calibration.conformal)
-    stored = manifest.calibration_for(key)
     return {
         "calibration": {"n": len(val["labels"]), "head": head_update,
                         "min_confidence": calibration.thresholds.min_confidence,
