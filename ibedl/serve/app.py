@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from ibedl.engine.runtime import load_predictors
-from ibedl.serve import contract, docs_ui
+from ibedl.serve import contract, docs_ui, oip
 from ibedl.serve.errors import error_body, install_handlers
 from ibedl.serve.middleware import RequestGuard
 from ibedl.serve.routes import router
@@ -45,6 +45,7 @@ def create_app(settings: Settings | None = None, loader: Loader | None = None) -
     install_handlers(app)
     app.add_middleware(RequestGuard, state=state)
     app.include_router(router)
+    app.include_router(oip.router)
     contract.install(app, state)
     docs_ui.install(app)
     return app

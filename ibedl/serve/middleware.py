@@ -23,12 +23,19 @@ from starlette.routing import Match
 from ibedl.serve import logs
 from ibedl.serve.errors import error_body
 
-UNMEASURED = ("/health/", "/metrics")
-PUBLIC = ("/health/", "/docs/assets/")  # open whatever the tokens: probes, and the docs pages' scripts and styles
+UNMEASURED = ("/health/", "/v2/health/", "/metrics")
+# open whatever the tokens: probes (the Open Inference Protocol's too), and the docs pages' scripts and styles
+PUBLIC = ("/health/", "/v2/health/", "/docs/assets/")
 METRICS_PATH = "/metrics"
 LABEL_PATHS = ("/v1/feedback", "/v1/feedback/batch")  # labels change what the service reports: their own credential
 LABEL_TOKEN, ANONYMOUS = "label_token", "anonymous"  # who sent a label, as the feedback store counts it
 PREDICT_PATHS = ("/predict", "/predict/batch")  # admission (503 before the body is read) applies to these
+OIP_PREFIX = "/v2/"  # the Open Inference Protocol (ibedl.serve.oip): its bodies are JSON with or without a type
+
+
+def predicts(path: str) -> bool:
+    """Whether ``path`` asks questions (admission applies): /predict, /predict/batch, /v2/models/NAME/infer."""
+    return path in PREDICT_PATHS or (path.startswith(OIP_PREFIX + "models/") and path.endswith("/infer"))
 BODY_METHODS = ("POST", "PUT", "PATCH")
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})  # others count as "other"
 # An X-Request-ID the service keeps: what deploy/nginx/nginx.conf keeps (tests/deploy checks the two agree);
@@ -85,8 +92,10 @@ class RequestGuard:
         self.app = app
         self.state = state
 
-    async def _reply(self, send, status: int, type_: str, message: str, request_id: str, headers=()) -> None:
-        body = json.dumps(error_body(type_, message)).encode()
+    async def _reply(self, send, status: int, type_: str, message: str, request_id: str, headers=(),
+                     oip: bool = False) -> None:
+        """An error answered here; ``oip``: in the Open Inference Protocol's shape, ``{"error": "type: message"}``."""
+        body = json.dumps({"error": f"{type_}: {message}"} if oip else error_body(type_, message)).encode()
         await send({"type": "http.response.start", "status": status, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
             (b"x-request-id", request_id.encode()), *headers]})
@@ -104,7 +113,7 @@ class RequestGuard:
                 return status, type_, message, bearer if status == 401 else []
         elif not token_ok(required_token(self.state.settings, path), authorization):
             return 401, "unauthorized", "a valid 'Authorization: Bearer <token>' header is required", bearer
-        if scope["method"] == "POST" and path in PREDICT_PATHS and scope["state"]["admitted"]:
+        if scope["method"] == "POST" and predicts(path) and scope["state"]["admitted"]:
             wait = self.state.busy_for(headers.get("x-request-timeout"), scope["state"]["arrived"])
             if wait is not None:  # no body read, parsed or tokenized
                 self.state.metrics.rejected.labels(reason="capacity").inc()
@@ -113,11 +122,15 @@ class RequestGuard:
                     [(b"retry-after", str(max(1, math.ceil(wait))).encode())]
         return None
 
-    async def _buffered(self, headers: dict, receive) -> tuple[object, tuple | None]:
+    async def _buffered(self, headers: dict, receive, oip: bool = False) -> tuple[object, tuple | None]:
         """(a receive that replays the body, None) once it is read whole within the size and time limits, else
-        (receive, refusal): 415, 413, 408, or (499, None, ...) when the client went away."""
+        (receive, refusal): 415, 413, 408, or (499, None, ...) when the client went away. ``oip``: an Open
+        Inference Protocol body (JSON whether or not it says so: see __call__), never the binary extension."""
         limit, timeout = self.state.settings.max_body_bytes, self.state.settings.body_timeout_s
         ctype = headers.get("content-type", "").split(";")[0].strip().lower()
+        if oip and "inference-header-content-length" in headers:
+            return receive, (415, "unsupported_media_type", "binary tensor data is not supported: send the tensors "
+                             "as JSON (tritonclient: binary_data=False on inputs and outputs)", [])
         if not (ctype == "application/json" or ctype.endswith("+json")):
             return receive, (415, "unsupported_media_type",
                              f"send the body as application/json, not {ctype or 'no content type'}", [])
@@ -164,16 +177,20 @@ class RequestGuard:
 
         if measured:
             metrics.inflight.inc()
+        if path.startswith(OIP_PREFIX) and not headers.get("content-type"):  # Triton's clients send JSON untyped
+            headers["content-type"] = "application/json"
+            scope["headers"] = [*scope.get("headers", []), (b"content-type", b"application/json")]
         try:
             refused = self._refusal(scope, headers, path)
             if refused is None and scope["method"] in BODY_METHODS and _routed(scope):
-                receive, refused = await self._buffered(headers, receive)
+                receive, refused = await self._buffered(headers, receive, path.startswith(OIP_PREFIX))
             if refused is not None:  # before the route runs: nothing recorded, nothing counted
                 status, type_, message, extra = refused
                 status_holder["status"] = status
                 if type_ is None:  # the client went away while sending: nobody to answer
                     return None
-                return await self._reply(send, status, type_, message, request_id, extra)
+                return await self._reply(send, status, type_, message, request_id, extra,
+                                         oip=path.startswith(OIP_PREFIX))
             try:
                 await self.app(scope, receive, send_wrapper)
             except Exception:  # logged here, while the request id is still on every log line, and answered 500

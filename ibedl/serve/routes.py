@@ -70,27 +70,33 @@ async def predict(body: PredictRequest, request: Request, state: State) -> Predi
 @router.post("/predict/batch", response_model=BatchResponse, responses=PREDICT_ERRORS,
              tags=["predict"], openapi_extra=PREDICT_EXTRA)
 async def predict_batch(body: BatchRequest, request: Request, state: State) -> BatchResponse:
+    return BatchResponse(results=await answer_items(state, body.items, request))
+
+
+async def answer_items(state, items: list[PredictRequest], request: Request, field: str = "items") -> list:
+    """The answers (PredictResponse) to ``items`` of one adapter, scheduled as one request: what /predict/batch and
+    the Open Inference Protocol's infer (ibedl.serve.oip) both serve. ``field`` names the items in refusals."""
     state.require_ready(request)
     limit = state.settings.max_batch_items
-    if len(body.items) > limit:
-        raise TooLarge(f"{len(body.items)} items; the limit is {limit}", "items")
-    runtimes = [state.runtime(item.adapter, f"items.{i}.adapter") for i, item in enumerate(body.items)]
+    if len(items) > limit:
+        raise TooLarge(f"{len(items)} items; the limit is {limit}", field)
+    runtimes = [state.runtime(item.adapter, f"{field}.{i}.adapter") for i, item in enumerate(items)]
     if len({rt.name for rt in runtimes}) > 1:
         raise InvalidRequest("the items of one batch must use one adapter, got "
-                             f"{sorted({rt.name for rt in runtimes})}; send one batch per adapter", "items")
+                             f"{sorted({rt.name for rt in runtimes})}; send one batch per adapter", field)
     runtime = runtimes[0]
     request.state.adapter = runtime.name
     checked = await state.off_loop(
-        lambda: [to_question(runtime, state.engine, item, f"items.{i}.") for i, item in enumerate(body.items)])
+        lambda: [to_question(runtime, state.engine, item, f"{field}.{i}.") for i, item in enumerate(items)])
     questions, tokens = [q for q, _ in checked], [n for _, n in checked]
     budget = state.settings.max_request_tokens
     if sum(tokens) > budget:
         raise TooLarge(f"the items' prompts are {sum(tokens)} tokens in all; the limit per request is {budget}: "
-                       "send them in smaller batches", "items")
+                       "send them in smaller batches", field)
     preds = await state.answer(runtime, questions, tokens, request)
     rid = request.state.request_id
-    return BatchResponse(results=[state.respond(runtime, item, q, p, f"{rid}-{i}") for i, (item, q, p) in
-                                  enumerate(zip(body.items, questions, preds, strict=True))])
+    return [state.respond(runtime, item, q, p, f"{rid}-{i}") for i, (item, q, p) in
+            enumerate(zip(items, questions, preds, strict=True))]
 
 
 @router.get("/v1/models", response_model=ModelList, responses=API_ERRORS, tags=["metadata"])

@@ -14,7 +14,10 @@ from ibedl.serve.settings import Settings
 
 Q = {"question": "Which is sun?", "options": ["sun", "moon", "tree", "fish"]}
 API, METRICS, LABEL = "s3cret-api", "s3cret-metrics", "s3cret-label"
-PROBES = {"/health/live", "/health/ready"}
+PROBES = {"/health/live", "/health/ready", "/v2/health/live", "/v2/health/ready"}  # the last two: the OIP's
+# an Open Inference Protocol request (ibedl/serve/oip.py), for its infer route
+INFER = {"inputs": [{"name": "question", "shape": [1], "datatype": "BYTES", "data": [Q["question"]]},
+                    {"name": "options", "shape": [1, 4], "datatype": "BYTES", "data": Q["options"]}]}
 LABELLING = ("/v1/feedback", "/v1/feedback/batch")
 # the feedback routes answer 404 feedback_disabled without a receipt key, and 422 to a question's body: their own
 # answer (not 401) is what shows the token let the request through
@@ -43,8 +46,15 @@ def routes(app, prefix: str = "") -> list[tuple[str, str]]:
 
 def call(client, method: str, path: str, token: str | None = None):
     headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
-    body = ({"items": [Q]} if path.endswith("/batch") else Q) if method == "POST" else None
-    return client.request(method, path, json=body, headers=headers)
+    body = ({"items": [Q]} if path.endswith("/batch") else INFER if path.endswith("/infer") else Q) \
+        if method == "POST" else None
+    return client.request(method, path.replace("{model}", "tiny"), json=body, headers=headers)
+
+
+def error_type(r, path: str) -> str:
+    """The refusal's type: ``{"error": {"type": ...}}``, or the Open Inference Protocol's ``{"error": "type: ..."}``."""
+    error = r.json()["error"]
+    return error.split(":")[0] if path.startswith("/v2/") else error["type"]
 
 
 class TestTokens:
@@ -66,13 +76,13 @@ class TestTokens:
                         continue
                     assert r.status_code == 401, (method, path, given, r.status_code, r.text)
                     assert r.headers["www-authenticate"] == "Bearer"
-                    assert r.json()["error"]["type"] == "unauthorized"
+                    assert error_type(r, path) == "unauthorized"
                 r = call(c, method, path, token)
                 assert passed_auth(r, path), (method, path, r.status_code, r.text)
                 checked.add(path)
             # the test saw the routes it is about (the schema, the docs, predict, batch, drift, models, metrics)
             assert {"/predict", "/predict/batch", "/v1/models", "/v1/drift", "/openapi.json", "/docs", "/redoc",
-                    "/metrics", *PROBES} <= checked, checked
+                    "/metrics", "/v2/models/{model}/infer", "/v2", *PROBES} <= checked, checked
 
     def test_a_path_no_route_takes_needs_the_token_too(self, make_client):
         with make_client(api_token=API) as c:
