@@ -15,7 +15,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import re
 import shutil
 import tempfile
@@ -69,7 +68,10 @@ class ModelNotFoundError(FileNotFoundError):
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("IBEDL_CACHE_DIR", Path.home() / ".cache" / "ibedl")).expanduser()
+    """The cache of converted base models and exported backends (``IBEDL_CACHE_DIR``: ibedl.core.paths)."""
+    from ibedl.core.paths import cache_dir as configured
+
+    return configured()
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -19,7 +18,6 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ibedl.core.backends import DEFAULT_BACKEND
 from ibedl.core.predictor import Prediction, Predictor
 from ibedl.core.prompt import MCQuestion
 from ibedl.training import metrics
@@ -112,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the --limit subset")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--base-model", help="override the manifest's base model reference")
-    parser.add_argument("--backend", default=os.environ.get("IBEDL_BACKEND", DEFAULT_BACKEND),
+    parser.add_argument("--backend", default=None,
                         help="inference backend: auto, torch, openvino-fp32, openvino-bf16, openvino, openvino-int8 "
                              "(default IBEDL_BACKEND or auto: what the service would serve, the fastest calibrated "
                              "backend on this machine, timed at start-up)")
@@ -121,6 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.limit is not None and args.limit < 1:
         parser.error(f"--limit must be >= 1, got {args.limit}")
+    if args.backend is None:  # the service's setting, read as the service reads it
+        from pydantic import ValidationError
+
+        from ibedl.engine.settings import EngineSettings
+
+        try:
+            args.backend = EngineSettings().backend
+        except ValidationError as e:
+            parser.error(f"the IBEDL_* settings are not valid: {e}")
     handler = logging.StreamHandler()  # the backend choice and a one-off export show on stderr
     handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
     logging.getLogger("ibedl.core.backends").addHandler(handler)

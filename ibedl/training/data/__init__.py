@@ -6,7 +6,6 @@ Files are read from the data directory: ``$IBEDL_DATA_DIR``, by default ``<repo 
 from __future__ import annotations
 
 import numbers
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +41,6 @@ __all__ = [
 SPLITS = ("train", "validation", "test")
 
 # <repo root>/../shared/data, where <repo root> is the directory holding the `ibedl` package
-_DEFAULT_DATA_DIR = Path(__file__).resolve().parents[4] / "shared" / "data"
 
 
 @dataclass(frozen=True)
@@ -100,8 +98,9 @@ def data_dir() -> Path:
 
 
 def _configured_data_dir() -> Path:  # load_dataset's `data_dir` argument hides `data_dir()`
-    env = os.environ.get(DATA_DIR_ENV, "").strip()
-    return Path(env).expanduser() if env else _DEFAULT_DATA_DIR
+    from ibedl.core.paths import data_dir as configured
+
+    return configured()
 
 
 def load_dataset(

@@ -56,7 +56,9 @@ def missing_file(path: str | os.PathLike[str], *, in_data_dir: bool = True) -> D
     """
     problem = "not found"
     if in_data_dir:
-        current = os.environ.get(DATA_DIR_ENV)
+        from ibedl.core.paths import PathSettings
+
+        current = PathSettings().data_dir
         now = f"set to {current!r}" if current else "not set"
         problem += (
             f"; set {DATA_DIR_ENV} (or pass data_dir=...) to the directory that holds the datasets"
