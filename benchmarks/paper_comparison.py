@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from ibedl.training.experiments.report import (
+    NO_POSTHOC,
     dataset_name,
     mean_std,
     method_label,
@@ -135,8 +136,31 @@ def _paper(cells: dict | None, keys=("accuracy", "ece", "nll")) -> str:
 
 
 def _methods(results: list[dict], kind: str) -> list[str]:
-    """Registry order; IB-EDL's ζ = 0 row after it where a run measured one."""
-    return method_order({name for name, _, _ in method_metrics(results, kind)})
+    """Registry order; where a run measured a method without its post-hoc step (IB-EDL at ζ = 0, as the paper runs
+    it), that row first and the row with the post-hoc step after it."""
+    found = {name for name, _, _ in method_metrics(results, kind)}
+    order = method_order(found)
+    for m in [m for m in order if m.endswith(NO_POSTHOC)]:
+        base = m[: -len(NO_POSTHOC)]
+        order.remove(m)
+        order.insert(order.index(base), m)
+    return order
+
+
+def _label(method: str, methods: list[str]) -> str:
+    """The row's label: a method measured both ways is the paper's row as itself (``IB-EDL (ζ = 0)``) and, with
+    its post-hoc step, ``IB-EDL + post-hoc ζ``."""
+    if method.endswith(NO_POSTHOC):
+        return f"{method_label(method[: -len(NO_POSTHOC)])} (ζ = 0)"
+    return f"{method_label(method)} + post-hoc ζ" if method + NO_POSTHOC in methods else method_label(method)
+
+
+def _paper_row(method: str, methods: list[str]) -> str | None:
+    """The paper's method whose numbers sit beside this row: the no-post-hoc row of a method measured both ways
+    (the paper's IB-EDL has no ζ), else the method itself."""
+    if method.endswith(NO_POSTHOC):
+        return method[: -len(NO_POSTHOC)]
+    return None if method + NO_POSTHOC in methods else method
 
 
 def _seeds(results: list[dict], kind: str, method: str) -> str:
@@ -152,10 +176,11 @@ def calibration_table(results: list[dict], kind: str, paper: dict, selective: bo
         cols += [("aurc", "AURC", 1, 3), ("acc@80", "Acc@80% cov (%)", 100, 2)]
     head = ["Method", "seeds", *(c[1] for c in cols), *(f"paper {m} Acc / ECE / NLL" for m in MODELS)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for method in _methods(results, kind):
+    methods = _methods(results, kind)
+    for method in methods:
         ours = [_ours(_values(results, kind, method, key)[1], scale, digits) for key, _, scale, digits in cols]
-        theirs = [_paper(paper.get(m, {}).get(method)) for m in MODELS]  # none for a ζ = 0 row
-        lines.append(f"| {method_label(method)} | {_seeds(results, kind, method)} | "
+        theirs = [_paper(paper.get(m, {}).get(_paper_row(method, methods))) for m in MODELS]
+        lines.append(f"| {_label(method, methods)} | {_seeds(results, kind, method)} | "
                      + " | ".join(ours + theirs) + " |")
     return lines
 
@@ -172,13 +197,14 @@ def ood_table(results: list[dict]) -> list[str]:
     names = {"mp": "MP", "um": "UM", "energy": "EN", "maha": "MD"}
     head = ["Method", "seeds", *(f"{dataset_name(s)} {' / '.join(names[k] for k in scores)}" for s in streams)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for method in _methods(results, "ood"):
+    methods = _methods(results, "ood")
+    for method in methods:
         cells = []
         for s in streams:
             cells.append(
                 " / ".join(_ours(_values(results, "ood", method, f"ood/{s}/auroc_{k}")[1], 100, 1) for k in scores)
             )
-        lines.append(f"| {method_label(method)} | {_seeds(results, 'ood', method)} | " + " | ".join(cells) + " |")
+        lines.append(f"| {_label(method, methods)} | {_seeds(results, 'ood', method)} | " + " | ".join(cells) + " |")
     return lines
 
 
