@@ -88,9 +88,12 @@ def test_ours_are_mean_and_population_std_over_seeds_beside_the_paper():
     # MAP: accuracy 80 and 90 -> 85.00 ± 5.00; AURC 0.02 and 0.04 -> 0.030 ± 0.010; no Llama3 IB-EDL in this paper
     assert rows["MAP"][1:6] == ["0,1", "85.00 ± 5.00", "6.00 ± 1.00", "0.40 ± 0.00", "0.030 ± 0.010"]
     assert rows["MAP"][7:] == ["91.30 / 6.85 / 0.38", "93.37 / 5.74 / 0.36 |"]
-    assert rows["IB-EDL"][-2:] == ["91.10 / 5.01 / 0.29", " |"]
-    # the ζ = 0 row holds only the seed that measured it, and no paper numbers
-    assert rows["IB-EDL, ζ = 0"][1:4] == ["0", "84.00", "12.00"]
+    # IB-EDL as the paper runs it (ζ = 0: the seed that measured it) carries the paper's numbers; the row with the
+    # post-hoc ζ comes after it, labelled, without them
+    assert rows["IB-EDL (ζ = 0)"][1:4] == ["0", "84.00", "12.00"]
+    assert rows["IB-EDL (ζ = 0)"][-2:] == ["91.10 / 5.01 / 0.29", " |"]
+    assert rows["IB-EDL + post-hoc ζ"][-2:] == ["", " |"]
+    assert list(rows).index("IB-EDL (ζ = 0)") + 1 == list(rows).index("IB-EDL + post-hoc ζ")
     ood = {line.split(" | ")[0].strip("| "): line for line in blocks["ood"].splitlines()[2:4]}
     assert ood["MAP"].endswith("| 0 | 90.0 / – |") and ood["IB-EDL"].endswith("| 0 | 80.0 / 95.0 |")
     assert "no mean AUROC above moves by more than 2.0 points" in blocks["ood"]
