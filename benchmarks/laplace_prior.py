@@ -44,7 +44,7 @@ def measure(run: Path, fit_samples: int) -> dict:
     over_grid, map_probs = predictives_over_grid(laplace, val_q, values, progress=True)
     labels = [q.answer for q in val_q]
     kept = lambda probs: {k: v for k, v in metrics.summarise(probs, labels).items() if k in KEPT}  # noqa: E731
-    grid = [{"prior_precision": v, **kept(p)} for v, p in zip(PRIOR_GRID, over_grid, strict=True)]
+    grid = [{"prior_precision": v, **kept(p)} for v, p in zip(PRIOR_GRID, over_grid[: len(PRIOR_GRID)], strict=True)]
     best = min(range(len(grid)), key=lambda i: grid[i]["nll"])
     return {"run": str(run), "seed": cfg.seed, "label_noise": cfg.data.label_noise, "fit_questions": len(fit_q),
             "validation_questions": len(val_q), "map": kept(map_probs),
