@@ -8,9 +8,11 @@ from __future__ import annotations
 
 
 class EngineError(Exception):
-    """A refusal of the engine: ``type``, ``message``, ``field``, ``retry_after``."""
+    """A refusal of the engine: ``type``, ``message``, ``field``, ``retry_after``; ``reason``: for a request the
+    scheduler refused, why (the ``ibedl_rejected_total`` label it is counted under), else None."""
 
     type = "engine_error"
+    reason: str | None = None
 
     def __init__(self, message: str, field: str | None = None, retry_after: int | None = None) -> None:
         super().__init__(message)

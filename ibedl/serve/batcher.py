@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from ibedl.core.predictor import Prediction
 from ibedl.core.prompt import MCQuestion
+from ibedl.engine import errors
 from ibedl.serve.admission import Admission, Refusal, Snapshot
 from ibedl.serve.capacity import ServiceTime, round_robin_finish, round_robin_wait
 
@@ -44,16 +45,29 @@ OVERRUN_MAX = 4.0  # the overrun factor's cap (see MicroBatcher._observe_wait)
 SIMILAR = 2.0  # questions share a pass only if their prompt lengths are within this factor of its first one's
 
 
-class QueueFullError(RuntimeError):
+# The scheduler's refusals are the engine's (ibedl.engine.errors), each with the reason it is counted under: the
+# service answers them as they are (one refusal type, its status in ibedl.serve.errors.STATUS).
+
+
+class QueueFullError(errors.Overloaded):
     """More questions than the queue holds (a hard bound on memory, checked before capacity)."""
 
+    reason = "queue_full"
 
-class Overloaded(RuntimeError):
-    """The request would not be answered before its deadline; ``retry_after`` seconds from now it would."""
+    def __init__(self, message: str) -> None:
+        super().__init__(f"too many questions waiting ({message}); retry shortly", retry_after=1)
 
-    def __init__(self, message: str, retry_after: float) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
+
+class Overloaded(errors.Overloaded):
+    """The request would not be answered before its deadline; ``wait_s`` seconds from now it would (``retry_after``:
+    that in whole seconds, at least 1; None without an estimate). ``cause``: the message without the advice."""
+
+    reason = "capacity"
+
+    def __init__(self, message: str, retry_after: float | None) -> None:
+        super().__init__(f"{message}; retry after the Retry-After seconds",
+                         retry_after=None if retry_after is None else max(1, math.ceil(retry_after)))
+        self.wait_s, self.cause = retry_after, message
 
 
 class TooLarge(Overloaded):
@@ -61,12 +75,19 @@ class TooLarge(Overloaded):
     service (the speed may recover: ``retry_after`` is how much too slow it is now)."""
 
 
-class ShuttingDown(RuntimeError):
+class ShuttingDown(errors.ShuttingDown):
     """The service is draining: the request was not admitted, or cannot finish within the grace period."""
 
+    reason = "shutting_down"
 
-class DeadlineExceeded(TimeoutError):
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retry_after=1)
+
+
+class DeadlineExceeded(errors.Timeout):
     """The request's deadline passed while its question was queued; it never reached the model."""
+
+    reason = "timeout"
 
 
 Predict = Callable[[list[MCQuestion]], list[Prediction]]

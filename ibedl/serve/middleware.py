@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import re
 import secrets
 import time
@@ -21,7 +20,8 @@ import uuid
 from starlette.routing import Match
 
 from ibedl.serve import logs
-from ibedl.serve.errors import error_body
+from ibedl.serve.batcher import Overloaded
+from ibedl.serve.errors import error_body, status_of
 
 UNMEASURED = ("/health/", "/v2/health/", "/metrics")
 # open whatever the tokens: probes (the Open Inference Protocol's too), and the docs pages' scripts and styles
@@ -115,11 +115,10 @@ class RequestGuard:
             return 401, "unauthorized", "a valid 'Authorization: Bearer <token>' header is required", bearer
         if scope["method"] == "POST" and predicts(path) and scope["state"]["admitted"]:
             wait = self.state.busy_for(headers.get("x-request-timeout"), scope["state"]["arrived"])
-            if wait is not None:  # no body read, parsed or tokenized
-                self.state.metrics.rejected.labels(reason="capacity").inc()
-                return 503, "overloaded", ("the service is busy: no request could be answered before its deadline "
-                                           "now; retry after the Retry-After seconds"), \
-                    [(b"retry-after", str(max(1, math.ceil(wait))).encode())]
+            if wait is not None:  # no body read, parsed or tokenized: the scheduler's refusal, answered early
+                e = Overloaded("the service is busy: no request could be answered before its deadline now", wait)
+                self.state.metrics.rejected.labels(reason=e.reason).inc()
+                return status_of(e), e.type, e.message, [(b"retry-after", str(e.retry_after).encode())]
         return None
 
     async def _buffered(self, headers: dict, receive, oip: bool = False) -> tuple[object, tuple | None]:

@@ -315,20 +315,10 @@ class ServiceState:
             self.metrics.seconds_per_token.set(self.batcher.service_time.per_token_s)
             self.metrics.admission_overrun.set(self.batcher.overrun)
 
-    def _refusal(self, e: Exception, n: int) -> errors.EngineError:
-        """The answer to a request the batcher refused (``n`` questions), counted by reason."""
-        if isinstance(e, QueueFullError):
-            reason, error = "queue_full", errors.Overloaded(f"too many questions waiting ({e}); retry shortly",
-                                                            retry_after=1)
-        elif isinstance(e, Overloaded):
-            reason, error = "capacity", errors.Overloaded(f"{e}; retry after the Retry-After seconds",
-                                                          retry_after=max(1, math.ceil(e.retry_after)))
-        elif isinstance(e, ShuttingDown):
-            reason, error = "shutting_down", errors.ShuttingDown(str(e), retry_after=1)
-        else:
-            reason, error = "timeout", errors.Timeout(str(e))
-        self.metrics.rejected.labels(reason=reason).inc(n)
-        return error
+    def _count(self, e: errors.EngineError, n: int) -> None:
+        """Count a request the scheduler refused (``n`` questions) under its reason; the refusal is answered as it
+        is."""
+        self.metrics.rejected.labels(reason=e.reason or "timeout").inc(n)
 
     def deadline(self, request: Request) -> float:
         """The admission clock's time by which ``request`` must be answered: from its arrival, the server's request
@@ -361,10 +351,12 @@ class ServiceState:
             if deadline < request.scope.get("state", {}).get("arrived", 0.0) + self.settings.request_timeout_s:
                 # the client's X-Request-Timeout is what cannot be met, not the request's size
                 self.metrics.rejected.labels(reason="timeout").inc(len(questions))
-                raise errors.Timeout(f"{str(e).split(';')[0]}; its {TIMEOUT_HEADER} cannot be met") from e
-            raise self._refusal(e, len(questions)) from e
+                raise errors.Timeout(f"{e.cause}; its {TIMEOUT_HEADER} cannot be met") from e
+            self._count(e, len(questions))
+            raise
         except (QueueFullError, Overloaded, ShuttingDown) as e:
-            raise self._refusal(e, len(questions)) from e
+            self._count(e, len(questions))
+            raise
         everything = asyncio.gather(*futures)
         gone = asyncio.ensure_future(_disconnected(request))
         try:
@@ -387,7 +379,8 @@ class ServiceState:
             preds = list(everything.result())
         except (Overloaded, ShuttingDown, DeadlineExceeded) as e:  # refused after admission, before its pass
             _cancel(futures)
-            raise self._refusal(e, len(questions)) from e
+            self._count(e, len(questions))
+            raise
         except BaseException:  # one question failed (a 500): its request-mates must not keep the model busy
             _cancel(futures)
             raise

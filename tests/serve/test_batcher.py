@@ -236,7 +236,8 @@ def test_admission_refuses_what_cannot_meet_its_deadline():
         assert 0.9 <= wait <= 1.4 + 1e-9
         with pytest.raises(Overloaded) as refused:
             await b.submit_many([q("d")], [4], time.monotonic() + 0.7)
-        assert 0.2 - 1e-3 <= refused.value.retry_after <= 0.7 + 1e-3  # = expected wait - 0.7 s left
+        assert 0.2 - 1e-3 <= refused.value.wait_s <= 0.7 + 1e-3  # = expected wait - 0.7 s left
+        assert refused.value.retry_after == 1 and refused.value.reason == "capacity"  # whole seconds, at least 1
         admitted = await b.submit_many([q("e")], [4], time.monotonic() + 5)
         for _ in range(4):
             gate.release.release()
