@@ -79,7 +79,7 @@ def test_service_serves_the_chosen_backend_with_its_calibration(reference, quest
         card = ok_json(httpx.get(proc.url + "/v1/models"))["data"][0]
         tol = TOLERANCE[chosen]
         assert card["backend"]["name"] == chosen and card["calibration_in_use"]["key"] == calibration
-        for q, ref in zip(questions[:3], reference, strict=True):
+        for q, ref in zip(questions[:3], reference[:3], strict=True):
             body = ok_json(httpx.post(proc.url + "/predict", json={"question": q.question, "options": list(q.options),
                                                                   "context": q.context}, timeout=60))
             assert body["adapter"]["backend"] == chosen and body["adapter"]["calibration"] == calibration
