@@ -97,11 +97,15 @@ class MemorySampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def now(self) -> dict:
+    def _read(self) -> tuple[int, int, int]:
+        """(the service's resident KiB, with its children's, how many children)."""
         kids = descendants(self.pid)
         own = proc_kib(self.pid, "VmRSS")
-        return {"service_rss_mib": round(own / 1024), "children": len(kids),
-                "with_children_rss_mib": round((own + sum(proc_kib(k, "VmRSS") for k in kids)) / 1024),
+        return own, own + sum(proc_kib(k, "VmRSS") for k in kids), len(kids)
+
+    def now(self) -> dict:
+        own, total, kids = self._read()
+        return {"service_rss_mib": round(own / 1024), "children": kids, "with_children_rss_mib": round(total / 1024),
                 **({} if self.group is None else {"cgroup_anon_mib": round(self.group.anon_bytes() / 2**20)})}
 
     def start(self) -> None:
@@ -114,14 +118,12 @@ class MemorySampler:
     def _run(self) -> None:
         peak = self.peak
         while not self._stop.is_set():
-            kids = descendants(self.pid)
-            own = proc_kib(self.pid, "VmRSS")
-            total = own + sum(proc_kib(k, "VmRSS") for k in kids)
+            own, total, kids = self._read()
             peak["service_rss_kib"] = max(peak["service_rss_kib"], own)
             if self.group is not None:
                 peak["anon_bytes"] = max(peak["anon_bytes"], self.group.anon_bytes())
             if total > peak["with_children_kib"]:
-                peak.update(with_children_kib=total, children_at_peak=len(kids))
+                peak.update(with_children_kib=total, children_at_peak=kids)
             time.sleep(0.5)
 
 

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from ibedl.core.paths import cache_dir  # where converted models live; other modules import it from here too
+
 log = logging.getLogger(__name__)
 
 
@@ -65,13 +67,6 @@ MARKER = "ibedl-source.json"  # written last into a converted cache dir: its pre
 
 class ModelNotFoundError(FileNotFoundError):
     """A model reference that resolves to nothing on this machine."""
-
-
-def cache_dir() -> Path:
-    """The cache of converted base models and exported backends (``IBEDL_CACHE_DIR``: ibedl.core.paths)."""
-    from ibedl.core.paths import cache_dir as configured
-
-    return configured()
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:

@@ -237,6 +237,11 @@ class Predictor:
         OpenVINO model does not hold the torch weights beside its own. The heads and tokenizer stay."""
         if self.trunk is None:
             raise ValueError("release_model needs a backend trunk (the torch backend answers with the model)")
+        self.drop_model()
+
+    def drop_model(self) -> None:
+        """Drop the torch model whatever answers (a copy that only encodes, such as the background switcher's),
+        keeping the device and calibration key it had; :meth:`release_model` is the checked call for a server."""
         import gc
 
         from ibedl.core.memory_limit import return_freed_memory

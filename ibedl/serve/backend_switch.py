@@ -121,9 +121,7 @@ class BackendSwitcher:
                                                 self.choice))
         self.status["switches"].append({"from": before, "to": name})
         if before == "torch":  # the tournament never returns to a champion it beat: the torch weights can go now
-            self.shadow.trunk = trunk  # only to release: the shadow encodes, and keeps the torch calibration key
-            self.shadow.release_model()
-            self.shadow.trunk = None  # holding it would keep a beaten trunk's memory after the next switch
+            self.shadow.drop_model()  # the shadow only encodes; it keeps the torch calibration key
             self._on_loop(self.state.batcher.between_passes(self.state.runtimes[self.adapter].predictor.release_model))
 
     def _work(self) -> None:
@@ -138,7 +136,7 @@ class BackendSwitcher:
             self.choice = auto_backend.record(self.shadow, self.artifact, self.choice.base_sha256, names, seconds,
                                               {**skipped, **failed}, best)
             self.status.update(state="done", seconds=seconds)
-            self.shadow.model = self.shadow.decoder = None  # the torch model is freed once the runtime drops it too
+            self.shadow.drop_model()  # the torch model is freed once the runtime drops it too
             self._on_loop(self.state.settle_backend(self.adapter, self.choice))
             log.info("auto: measured in the background: serving %s (%s)", best, self.choice.reason)
         except Exception as e:  # the service stays where it was

@@ -15,6 +15,7 @@ Tensors travel as JSON (the binary tensor extension is refused with a message th
 
 from __future__ import annotations
 
+import functools
 import math
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -137,13 +138,29 @@ async def server_metadata() -> dict:
     return {"name": "ibedl", "version": package_version(), "extensions": []}
 
 
+def answered(route):
+    """A route whose engine refusals are answered in the protocol's shape (:func:`refusal`)."""
+
+    @functools.wraps(route)
+    async def wrapper(*args, **kwargs):
+        try:
+            return await route(*args, **kwargs)
+        except EngineError as e:
+            return refusal(e)
+
+    return wrapper
+
+
+def served(model: str, request: Request, state: State):
+    """The ready service's adapter called ``model``; EngineError otherwise."""
+    state.require_ready(request)
+    return state.runtime(model)
+
+
 @router.get("/models/{model}")
+@answered
 async def model_metadata(model: str, request: Request, state: State):
-    try:
-        state.require_ready(request)
-        runtime = state.runtime(model)
-    except EngineError as e:
-        return refusal(e)
+    runtime = served(model, request, state)
     return {"name": runtime.name, "versions": [runtime.ref["version"]], "platform": "ibedl",
             "inputs": [{"name": n, "datatype": "BYTES", "shape": s} for n, s in INPUTS.items()],
             "outputs": [{"name": n, "datatype": d, "shape": [-1, *([-1] if t else [])]}
@@ -151,27 +168,20 @@ async def model_metadata(model: str, request: Request, state: State):
 
 
 @router.get("/models/{model}/ready")
+@answered
 async def model_ready(model: str, request: Request, state: State):
-    try:
-        state.require_ready(request)
-        runtime = state.runtime(model)
-    except EngineError as e:
-        return refusal(e)
-    return {"name": runtime.name, "ready": True}
+    return {"name": served(model, request, state).name, "ready": True}
 
 
 @router.post("/models/{model}/infer")
+@answered
 async def infer(model: str, request: Request, state: State):
     try:
-        try:
-            body = InferRequest.model_validate_json(await request.body())
-        except ValueError as e:  # pydantic's ValidationError: the message names what is missing or wrong
-            raise InvalidRequest(f"the body is not an inference request: {e}", "inputs") from None
-        answers = await answer_items(state, to_items(body, model), request, "inputs")
-        runtime = state.runtime(model)
-        outputs = to_outputs(answers, body.outputs)
-    except EngineError as e:
-        return refusal(e)
+        body = InferRequest.model_validate_json(await request.body())
+    except ValueError as e:  # pydantic's ValidationError: the message names what is missing or wrong
+        raise InvalidRequest(f"the body is not an inference request: {e}", "inputs") from None
+    answers = await answer_items(state, to_items(body, model), request, "inputs")
+    runtime, outputs = state.runtime(model), to_outputs(answers, body.outputs)
     return {"model_name": runtime.name, "model_version": runtime.ref["version"],
             **({"id": body.id} if body.id is not None else {}), "outputs": outputs}
 

@@ -178,23 +178,30 @@ def test_switching_off_serves_the_start_choice_only(make_client, bf16_calibrated
     assert served(r) == ("torch", "torch-fp32") and card["backend"]["background"] is None
 
 
+def two_candidates(tiny_artifact, tmp_path, monkeypatch, pending: list[str]):
+    """(the tiny artifact calibrated on torch, bf16 and fp32, a loader that leaves ``pending`` to build in that
+    order)."""
+    monkeypatch.setenv("IBEDL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(backends, "native_bf16", lambda: True)
+    artifact = recalibrated(tiny_artifact, tmp_path / "two", "torch-fp32", {"openvino-bf16": {}, "openvino-fp32": {}})
+
+    def loader(settings):
+        predictor = unmeasured_loader(settings)
+        predictor.backend_choice.pending = list(pending)
+        return predictor
+
+    return artifact, loader
+
+
 def test_the_torch_weights_go_as_soon_as_torch_is_beaten(make_client, tiny_artifact, tmp_path, monkeypatch,
                                                          switching):
     """A replica has 2 GiB: once a trunk beats torch, the torch model is dropped before the next candidate is built,
     not when every candidate has been timed (the tournament never returns to a champion it beat)."""
-    monkeypatch.setenv("IBEDL_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(backends, "native_bf16", lambda: True)
-    artifact = recalibrated(tiny_artifact, tmp_path / "two", "torch-fp32", {"openvino-bf16": {}, "openvino-fp32": {}})
+    artifact, loader = two_candidates(tiny_artifact, tmp_path, monkeypatch, ["openvino-bf16", "openvino-fp32"])
     model_at_build: dict[str, bool] = {}
     gate = switching({"torch": 1.0, "openvino-bf16": 0.4, "openvino-fp32": 0.6},
                      on_build=lambda switcher, name: model_at_build.setdefault(
                          name, switcher.state.runtimes[switcher.adapter].predictor.model is not None))
-
-    def loader(settings):
-        predictor = unmeasured_loader(settings)
-        predictor.backend_choice.pending = ["openvino-bf16", "openvino-fp32"]
-        return predictor
-
     gate.set()
     with make_client(loader=loader, artifact=artifact) as c:
         assert c.app.state.service.switcher.done.wait(30)
@@ -210,16 +217,8 @@ def test_a_beaten_trunk_is_freed_once_a_faster_one_serves(make_client, tiny_arti
                                                           switching):
     """torch -> fp32 -> bf16: after the second switch nothing holds the fp32 trunk (its compiled model's memory goes
     back), and the torch model is gone."""
-    monkeypatch.setenv("IBEDL_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(backends, "native_bf16", lambda: True)
-    artifact = recalibrated(tiny_artifact, tmp_path / "two", "torch-fp32", {"openvino-bf16": {}, "openvino-fp32": {}})
+    artifact, loader = two_candidates(tiny_artifact, tmp_path, monkeypatch, ["openvino-fp32", "openvino-bf16"])
     gate = switching({"torch": 1.0, "openvino-fp32": 0.6, "openvino-bf16": 0.4})
-
-    def loader(settings):
-        predictor = unmeasured_loader(settings)
-        predictor.backend_choice.pending = ["openvino-fp32", "openvino-bf16"]
-        return predictor
-
     gate.set()
     with make_client(loader=loader, artifact=artifact) as c:
         state = c.app.state.service
