@@ -6,6 +6,8 @@ are. ``retry_after`` (seconds, or None) says when trying again may succeed.
 
 from __future__ import annotations
 
+import math
+
 
 class EngineError(Exception):
     """A refusal of the engine: ``type``, ``message``, ``field``, ``retry_after``; ``reason``: for a request the
@@ -41,9 +43,13 @@ class TooLarge(EngineError):
 
 class ModelError(EngineError):
     """The model's numbers for a question were not finite: never an answer (the same question gives the same
-    numbers, so retrying does not help)."""
+    numbers, so retrying does not help). ``nonfinite``: how many of the request's questions had them."""
 
     type = "model_error"
+
+    def __init__(self, message: str, field: str | None = None, nonfinite: int = 0) -> None:
+        super().__init__(message, field)
+        self.nonfinite = nonfinite
 
 
 class NotReady(EngineError):
@@ -53,27 +59,60 @@ class NotReady(EngineError):
 
 
 class Overloaded(EngineError):
-    """No answer is possible before the request's deadline: try again after ``retry_after`` seconds."""
+    """No answer is possible before the request's deadline (``reason`` capacity). ``wait_s``: seconds from now after
+    which it would be (None: no estimate); ``retry_after`` is that in whole seconds, at least 1. ``cause``: the
+    message without the advice to retry."""
 
     type = "overloaded"
+    reason = "capacity"
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(f"{message}; retry after the Retry-After seconds",
+                         retry_after=None if retry_after is None else max(1, math.ceil(retry_after)))
+        self.wait_s, self.cause = retry_after, message
+
+
+class QueueFull(Overloaded):
+    """More questions than the scheduler's queue holds (a hard bound on memory, checked before capacity)."""
+
+    reason = "queue_full"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"too many questions waiting ({message})", retry_after=1.0)
+
+
+class NeedsTooLong(Overloaded):
+    """The request alone needs more model time than its deadline allows at the current speed, even on an idle
+    engine (the speed may recover: ``wait_s`` is how much too slow it is now)."""
 
 
 class ShuttingDown(EngineError):
-    """The engine is shutting down and will not answer this request."""
+    """The engine is shutting down and will not answer this request (not admitted, or it cannot finish within the
+    grace period)."""
 
     type = "shutting_down"
+    reason = "shutting_down"
+
+    def __init__(self, message: str, retry_after: int | None = 1) -> None:
+        super().__init__(message, retry_after=retry_after)
 
 
 class Timeout(EngineError):
     """No answer before the request's deadline."""
 
     type = "timeout"
+    reason = "timeout"
+
+
+class DeadlineExceeded(Timeout):
+    """The request's deadline passed while its question was queued; it never reached the model."""
 
 
 class Cancelled(EngineError):
     """The caller went away before the answer."""
 
     type = "client_closed_request"
+    reason = "client_gone"
 
 
 def error_body(type_: str, message: str, field: str | None = None) -> dict:

@@ -26,15 +26,14 @@ log = logging.getLogger("ibedl.engine")
 class AdapterRuntime:
     """One served adapter: its predictor (a view of the shared base model with its own PEFT adapter and head),
     the calibration it serves with (made on its backend), default abstention thresholds and stored prediction sets
-    from it, and the ``adapter`` field of its answers. The service adds its drift monitor and accuracy estimate."""
+    from it, and the ``adapter`` field of its answers. What a front door watches (the service's drift monitors and
+    accuracy estimates) it keeps itself, by adapter name."""
 
     name: str
     predictor: Predictor
     calibration: ServedCalibration  # the manifest's calibration in use (made on the backend, unless overridden)
     ref: dict  # the "adapter" field of every answer: name, method, version, backend, calibration
     count_tokenizer: object  # a copy for counting tokens off the model's thread (the model's thread owns the original)
-    drift: object | None = None  # ibedl.engine.drift.DriftMonitor, service only
-    accuracy: object | None = None  # ibedl.engine.drift.AccuracyEstimate, service only
 
     @property
     def thresholds(self) -> Abstention:
@@ -131,8 +130,8 @@ def switched(runtime: AdapterRuntime, backend: str, trunk, reason: str, choice, 
              settings: EngineSettings) -> AdapterRuntime:
     """The runtime of the same adapter answering on ``backend`` (``trunk``; None: the torch model) with the
     calibration made on it: a new object beside ``runtime``, which stays whole (its predictor, heads, calibration and
-    ``ref``), so a pass queued on it before a switch is answered on it and under its calibration. Its drift monitor and
-    accuracy estimate are shared. UncalibratedBackend when the artifact carries no calibration for ``backend``."""
+    ``ref``), so a pass queued on it before a switch is answered on it and under its calibration.
+    UncalibratedBackend when the artifact carries no calibration for ``backend``."""
     from ibedl.core.backends import calibration_key, mark_quantized
 
     predictor = copy.copy(runtime.predictor)
@@ -192,15 +191,14 @@ def served_calibration(predictor: Predictor, settings: EngineSettings) -> Served
     return manifest.calibration_for(carried[0])
 
 
-def find_adapter(runtimes: dict[str, AdapterRuntime], name: str | None, field: str = "adapter",
-                 where: str = "served") -> AdapterRuntime:
+def find_adapter(runtimes: dict[str, AdapterRuntime], name: str | None, field: str = "adapter") -> AdapterRuntime:
     """The adapter called ``name`` among ``runtimes`` (None: the default, the first); UnknownAdapter naming the
-    ones there otherwise (``where``: how the message calls them, "served" or "loaded"). The one adapter lookup of
+    ones there otherwise. The one adapter lookup of
     the service and the Python API."""
     if name is None:
         return next(iter(runtimes.values()))
     if name not in runtimes:
-        raise UnknownAdapter(f"no adapter {name!r} is {where}; choose one of {list(runtimes)}", field)
+        raise UnknownAdapter(f"no adapter {name!r} is served; choose one of {list(runtimes)}", field)
     return runtimes[name]
 
 

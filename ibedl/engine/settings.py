@@ -1,7 +1,8 @@
 """The engine's settings: what loading adapters and answering questions need (the adapters, the device, the
 limits a question is checked against), read from ``IBEDL_*`` environment variables like the service's. The HTTP
 service's settings (``ibedl.serve.settings.Settings``) extend these with what only HTTP needs (bind address, API
-token, admission, batching, timeouts, drift windows)."""
+token, body and header timeouts, drain time, drift windows). The scheduler's (batching, queue, deadlines, admission)
+are here: every front door is scheduled by the engine."""
 
 from __future__ import annotations
 
@@ -46,6 +47,19 @@ class EngineSettings(BaseSettings):
     max_context_chars: int = Field(20000, ge=0)
     max_tokens: int = Field(1024, ge=16,
                             description="prompt tokens after formatting (training may have cut passages shorter)")
+
+    max_batch_tokens: int = Field(2048, ge=16, description="prompt tokens per forward pass (bounds how long one "
+                                  "pass holds the model; a longer single question runs alone)")
+    max_wait_ms: float = Field(5.0, ge=0, le=1000, description="how long a batch waits for more questions")
+    queue_size: int = Field(256, ge=1, description="questions waiting, at most (a memory bound; admission by "
+                            "capacity refuses earlier)")
+    request_timeout_s: float = Field(30.0, gt=0, description="a request's deadline from its arrival; a client may "
+                                     "ask for a shorter one with the X-Request-Timeout header (seconds)")
+    admission_margin: float = Field(1.5, ge=1, le=10, description="admit a request only if this many times its "
+                                    "expected completion fits before its deadline (else 503 + Retry-After at once)")
+    max_request_tokens: int = Field(16384, ge=16, description="prompt tokens in one request, all its questions")
+    max_batch_items: int = Field(32, ge=1, description="items in one request (POST /predict/batch, an Open "
+                                 "Inference Protocol infer)")
 
     feedback_key: SecretStr | None = Field(
         None, description="key that signs the receipt each answer carries (HMAC-SHA256, at least 16 characters); "

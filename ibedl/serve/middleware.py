@@ -19,8 +19,8 @@ import uuid
 
 from starlette.routing import Match
 
+from ibedl.engine.errors import Overloaded
 from ibedl.serve import logs
-from ibedl.serve.batcher import Overloaded
 from ibedl.serve.errors import error_body, status_of
 
 UNMEASURED = ("/health/", "/v2/health/", "/metrics")

@@ -14,9 +14,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ibedl.engine.errors import InvalidRequest, StoreUnavailable, TooLarge
-from ibedl.engine.requests import to_question
-from ibedl.engine.responses import model_card
+from ibedl.engine.errors import StoreUnavailable, TooLarge
 from ibedl.engine.schemas import (
     ADAPTER_NAME_CHARS,
     BatchRequest,
@@ -60,11 +58,10 @@ async def ready(state: State):
              tags=["predict"], openapi_extra=PREDICT_EXTRA)
 async def predict(body: PredictRequest, request: Request, state: State) -> PredictResponse:
     state.require_ready(request)
-    runtime = state.runtime(body.adapter)
-    request.state.adapter = runtime.name  # for the access log line
-    q, tokens = await state.off_loop(to_question, runtime, state.engine, body)  # counts tokens: off the event loop
-    (pred,) = await state.answer(runtime, [q], [tokens], request)
-    return state.respond(runtime, body, q, pred, request.state.request_id)
+    request.state.adapter = state.runtime(body.adapter).name  # for the access log line
+    checked = await state.off_loop(state.engine.check, body)  # counts tokens: off the event loop
+    (answer,) = await state.answer([checked], request, [request.state.request_id])
+    return answer
 
 
 @router.post("/predict/batch", response_model=BatchResponse, responses=PREDICT_ERRORS,
@@ -77,32 +74,17 @@ async def answer_items(state, items: list[PredictRequest], request: Request, fie
     """The answers (PredictResponse) to ``items`` of one adapter, scheduled as one request: what /predict/batch and
     the Open Inference Protocol's infer (ibedl.serve.oip) both serve. ``field`` names the items in refusals."""
     state.require_ready(request)
-    limit = state.settings.max_batch_items
-    if len(items) > limit:
-        raise TooLarge(f"{len(items)} items; the limit is {limit}", field)
-    runtimes = [state.runtime(item.adapter, f"{field}.{i}.adapter") for i, item in enumerate(items)]
-    if len({rt.name for rt in runtimes}) > 1:
-        raise InvalidRequest("the items of one batch must use one adapter, got "
-                             f"{sorted({rt.name for rt in runtimes})}; send one batch per adapter", field)
-    runtime = runtimes[0]
-    request.state.adapter = runtime.name
-    checked = await state.off_loop(
-        lambda: [to_question(runtime, state.engine, item, f"{field}.{i}.") for i, item in enumerate(items)])
-    questions, tokens = [q for q, _ in checked], [n for _, n in checked]
-    budget = state.settings.max_request_tokens
-    if sum(tokens) > budget:
-        raise TooLarge(f"the items' prompts are {sum(tokens)} tokens in all; the limit per request is {budget}: "
-                       "send them in smaller batches", field)
-    preds = await state.answer(runtime, questions, tokens, request)
+    checked = await state.off_loop(state.engine.check_request, items, field)
+    if checked:
+        request.state.adapter = checked[0].runtime.name  # for the access log line
     rid = request.state.request_id
-    return [state.respond(runtime, item, q, p, f"{rid}-{i}") for i, (item, q, p) in
-            enumerate(zip(items, questions, preds, strict=True))]
+    return await state.answer(checked, request, [f"{rid}-{i}" for i in range(len(checked))])
 
 
 @router.get("/v1/models", response_model=ModelList, responses=API_ERRORS, tags=["metadata"])
 async def models(request: Request, state: State) -> dict:
     state.require_ready(request)
-    cards = [model_card(rt, state.engine) for rt in state.runtimes.values()]
+    cards = state.engine.cards()
     if cards:
         cards[0]["backend"]["background"] = state.backend_status()
     return {"data": cards}
@@ -142,9 +124,9 @@ async def guarantees(request: Request, state: State, adapter: str | None = None)
 
 @router.get("/metrics", tags=["metadata"], include_in_schema=False)
 async def metrics(state: State) -> Response:
-    for name, rt in state.runtimes.items():
-        state.metrics.set_drift(name, await asyncio.to_thread(rt.drift.status))
-        state.metrics.set_accuracy(name, rt.accuracy.status())
+    for name, monitors in state.monitors.items():
+        state.metrics.set_drift(name, await asyncio.to_thread(monitors.drift.status))
+        state.metrics.set_accuracy(name, monitors.accuracy.status())
     if state.feedback.enabled and state.runtimes:
         # sets the ibedl_guarantee_* gauges; a store that does not answer at once leaves them as they are (its call
         # sets them when it returns): a scrape never waits on another replica's lock

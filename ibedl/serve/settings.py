@@ -51,21 +51,10 @@ class Settings(EngineSettings):
                                      "background, switching to one proven faster; false: serve that start choice only")
     backend_max_age_s: float = Field(7 * 24 * 3600.0, gt=0, description="IBEDL_BACKEND=auto: a cached measurement "
                                      "older than this is taken again in the background (the start may have been busy)")
-    max_batch_tokens: int = Field(2048, ge=16, description="prompt tokens per forward pass (bounds how long one "
-                                  "pass holds the model; a longer single question runs alone)")
-    max_wait_ms: float = Field(5.0, ge=0, le=1000, description="how long a batch waits for more questions")
-    queue_size: int = Field(256, ge=1, description="questions waiting, at most (a memory bound; admission by "
-                            "capacity refuses earlier)")
-    request_timeout_s: float = Field(30.0, gt=0, description="a request's deadline from its arrival; a client may "
-                                     "ask for a shorter one with the X-Request-Timeout header (seconds)")
-    admission_margin: float = Field(1.5, ge=1, le=10, description="admit a request only if this many times its "
-                                    "expected completion fits before its deadline (else 503 + Retry-After at once)")
-    max_request_tokens: int = Field(16384, ge=16, description="prompt tokens in one request, all its questions")
     body_timeout_s: float = Field(10.0, gt=0, description="time to receive a request body (else 408)")
     shutdown_grace_s: float = Field(30.0, ge=0, description="drain time on SIGTERM: what cannot finish in it gets "
                                     "503 + Retry-After")
 
-    max_batch_items: int = Field(32, ge=1, description="items in one POST /predict/batch")
     max_body_bytes: int = Field(1_000_000, ge=1024)
 
     drift_window: int = Field(500, ge=10, description="served uncertainty masses in the rolling window")

@@ -1,49 +1,37 @@
-"""The long-lived objects of one app (``app.state.service``): the served adapters (one or several on one shared
-base model, each with its drift monitor and accuracy estimate), the batcher they share, and the metrics;
-loading, health and shutdown. Routes get it through ``State``."""
+"""The long-lived objects of one app (``app.state.service``): the engine (``ibedl.engine.engine.Engine``: the served
+adapters, their scheduler and feedback), what the service adds to it (the metrics, each adapter's drift monitor and
+accuracy estimate, the feedback store's thread, the background backend switcher), loading, health and shutdown.
+Routes get it through ``State``."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
-import dataclasses
 import logging
 import math
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
 
-from ibedl.core.predictor import Prediction, Predictor, count_prompt_tokens
-from ibedl.core.prompt import MCQuestion
+from ibedl.core.predictor import Predictor
 from ibedl.engine import errors
+from ibedl.engine.admission import TIMEOUT_HEADER, Admission, InvalidTimeout
+from ibedl.engine.capacity import warm_up
 from ibedl.engine.drift import AccuracyEstimate, DriftMonitor
-from ibedl.engine.feedback import Feedback, LabelQuota, served_versions
-from ibedl.engine.responses import build_answer
-from ibedl.engine.runtime import (
-    AdapterRuntime,
-    UncalibratedBackend,
-    find_adapter,
-    finite_prediction,
-    load_predictors,
-    make_runtimes,
-    switched,
-)
+from ibedl.engine.engine import Checked, Engine
+from ibedl.engine.feedback import Feedback, LabelQuota
+from ibedl.engine.runtime import AdapterRuntime, UncalibratedBackend, load_predictors, make_runtimes, switched
 from ibedl.engine.schemas import (
     DriftStatus,
     FeedbackRequest,
     FeedbackResponse,
     GuaranteesResponse,
     Health,
-    PredictRequest,
     PredictResponse,
 )
-from ibedl.serve.admission import TIMEOUT_HEADER, Admission, InvalidTimeout
-from ibedl.serve.batcher import DeadlineExceeded, MicroBatcher, Overloaded, QueueFullError, ShuttingDown, TooLarge
-from ibedl.serve.capacity import ServiceTime
 from ibedl.serve.metrics import Metrics
 from ibedl.serve.settings import Settings
 
@@ -71,15 +59,14 @@ class ServiceState:
 
     def __init__(self, settings: Settings, loader: Loader) -> None:
         self.settings = settings
-        self.engine = settings.engine()  # what the engine's functions get: the engine's settings alone
         self.loader = loader
         self.metrics = Metrics()
-        self.admission = Admission(settings.request_timeout_s, settings.admission_margin)
-        self.feedback = Feedback(self.engine)  # receipts out, labels in (IBEDL_FEEDBACK_DB or IBEDL_FEEDBACK_DSN)
+        self.admission = Admission(settings.request_timeout_s, settings.admission_margin)  # the engine's, once loaded
+        self.feedback = Feedback(settings.engine())  # receipts out, labels in (IBEDL_FEEDBACK_DB or IBEDL_FEEDBACK_DSN)
         self.status = "loading"
         self.reason: str | None = "the model is loading"
-        self.runtimes: dict[str, AdapterRuntime] = {}  # by adapter name, the default first
-        self.batcher: MicroBatcher | None = None
+        self.engine: Engine | None = None  # once loaded
+        self.monitors: dict[str, Monitors] = {}  # each adapter's drift monitor and accuracy estimate, by name
         self.server = None  # uvicorn.Server when run by ibedl.serve.__main__, to notice SIGTERM
         self.switcher = None  # ibedl.serve.backend_switch.BackendSwitcher while auto measures in the background
         self._watcher: asyncio.Task | None = None
@@ -114,15 +101,24 @@ class ServiceState:
                                           retry_after=max(1, math.ceil(self.settings.feedback_timeout_s))) from None
 
     @property
+    def runtimes(self) -> dict[str, AdapterRuntime]:
+        """The served adapters by name, the default first (none until loaded)."""
+        return {} if self.engine is None else self.engine.runtimes
+
+    @property
+    def batcher(self):
+        """The engine's scheduler (None until loaded)."""
+        return None if self.engine is None else self.engine.batcher
+
+    @property
     def default(self) -> AdapterRuntime | None:
         """The adapter a request that names none gets (the first loaded); None until loaded."""
-        return next(iter(self.runtimes.values()), None)
+        return None if self.engine is None else self.engine.default
 
     def runtime(self, name: str | None, field: str = "adapter") -> AdapterRuntime:
         """The served adapter called ``name`` (None: the default); UnknownAdapter naming the served ones otherwise."""
-        if name is None:
-            assert self.default is not None
-        return find_adapter(self.runtimes, name, field)
+        assert self.engine is not None
+        return self.engine.runtime(name, field)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -131,13 +127,15 @@ class ServiceState:
             loaded = await asyncio.to_thread(self.loader, self.settings)
             predictors = loaded if isinstance(loaded, list) else [loaded]
             to_measure = self._to_measure(predictors)
-            runtimes = await asyncio.to_thread(make_runtimes, predictors, self.engine, bool(to_measure))
-            for rt in runtimes.values():
-                rt.drift = await asyncio.to_thread(
-                    DriftMonitor, rt.reference(), rt.drift_statistic, self.settings.drift_window,
-                    self.settings.drift_alarm_rate, self.settings.drift_bootstrap)
+            runtimes = await asyncio.to_thread(make_runtimes, predictors, self.settings.engine(), bool(to_measure))
+            monitors = {}
+            for name, rt in runtimes.items():
                 target = rt.thresholds.how.get("target_accuracy")
-                rt.accuracy = AccuracyEstimate(self.settings.drift_window, float(target) if target else None)
+                monitors[name] = Monitors(
+                    await asyncio.to_thread(DriftMonitor, rt.reference(), rt.drift_statistic,
+                                            self.settings.drift_window, self.settings.drift_alarm_rate,
+                                            self.settings.drift_bootstrap),
+                    AccuracyEstimate(self.settings.drift_window, float(target) if target else None))
             # one trunk: one estimate of seconds per token for every adapter (the heads' cost is negligible)
             service_time = await asyncio.to_thread(warm_up, [rt.predictor for rt in runtimes.values()])
             await self._bind_feedback(runtimes)
@@ -149,19 +147,11 @@ class ServiceState:
             if isinstance(e, UncalibratedBackend):  # names backends and calibrations only: what the operator must do
                 self.reason = f"the adapter failed to load: {e}"
             return
-        self.runtimes = runtimes
-        self.batcher = MicroBatcher(
-            self.default.predict,
-            self.settings.max_batch_size,
-            self.settings.max_wait_ms,
-            self.settings.queue_size,
-            on_batch=self._on_batch,
-            on_depth=self.metrics.queue_depth.set,
-            max_batch_tokens=self.settings.max_batch_tokens,
-            service_time=service_time,
-            admission=self.admission,
-        )
-        self.batcher.start()
+        self.monitors = monitors
+        self.engine = Engine(runtimes, self.settings.engine(), self.feedback, service_time, self.admission,
+                             on_batch=self._on_batch, on_depth=self.metrics.queue_depth.set)
+        self.engine.answer_hooks.append(self._observe)
+        await self.engine.start()
         self.metrics.seconds_per_token.set(service_time.per_token_s)
         self._watcher = asyncio.get_running_loop().create_task(self._watch_shutdown(), name="shutdown-watcher")
         for name, rt in runtimes.items():
@@ -169,8 +159,8 @@ class ServiceState:
             self.metrics.model_info.labels(adapter=name).info(
                 {"version": str(manifest.version), "method": manifest.method, "base_model": base.name,
                  "base_sha256": base.sha256[:12]})
-            self.metrics.set_drift(name, rt.drift.status())
-            self.metrics.set_accuracy(name, rt.accuracy.status())
+            self.metrics.set_drift(name, monitors[name].drift.status())
+            self.metrics.set_accuracy(name, monitors[name].accuracy.status())
             log.info("serving adapter %s (%s) on %s", name, manifest.method, base.name)
         self.status, self.reason = "ready", None
         self.metrics.ready.set(1)
@@ -210,7 +200,7 @@ class ServiceState:
         calibration made on it (ibedl.engine.runtime.switched), on the event loop. Requests that took the old runtime
         are answered on it, under its calibration; the next ones on the new one."""
         old = self.runtimes[adapter]
-        new = switched(old, backend, trunk, reason, choice, self.settings.served_artifacts()[0], self.engine)
+        new = switched(old, backend, trunk, reason, choice, self.settings.served_artifacts()[0], self.engine.settings)
         self.runtimes[adapter] = new
         self.metrics.backend_switches.labels(adapter=adapter, **{"from": old.ref["backend"], "to": backend}).inc()
         log.info("auto: adapter %s switched from %s (calibration %s) to %s (calibration %s): %s", adapter,
@@ -288,7 +278,7 @@ class ServiceState:
 
     def busy_for(self, timeout_header: str | None, arrived: float) -> float | None:
         """Seconds to wait before retrying when not even the smallest request could be answered before this one's
-        deadline (:meth:`ibedl.serve.admission.Admission.busy_for`); None when one could, or before the model is
+        deadline (:meth:`ibedl.engine.admission.Admission.busy_for`); None when one could, or before the model is
         ready (the route answers then)."""
         if self.batcher is None or self.status != "ready":
             return None
@@ -315,11 +305,6 @@ class ServiceState:
             self.metrics.seconds_per_token.set(self.batcher.service_time.per_token_s)
             self.metrics.admission_overrun.set(self.batcher.overrun)
 
-    def _count(self, e: errors.EngineError, n: int) -> None:
-        """Count a request the scheduler refused (``n`` questions) under its reason; the refusal is answered as it
-        is."""
-        self.metrics.rejected.labels(reason=e.reason or "timeout").inc(n)
-
     def deadline(self, request: Request) -> float:
         """The admission clock's time by which ``request`` must be answered: from its arrival, the server's request
         timeout or the shorter ``X-Request-Timeout`` (seconds) the client sent (422 when that is not one)."""
@@ -330,78 +315,32 @@ class ServiceState:
         except InvalidTimeout as e:
             raise errors.InvalidRequest(str(e), TIMEOUT_HEADER) from None
 
-    async def answer(self, runtime: AdapterRuntime, questions: list[MCQuestion], tokens: list[int],
-                     request: Request) -> list[Prediction]:
-        """The predictions of adapter ``runtime`` for one request's ``questions`` (``tokens``: prompt tokens of each).
-
-        Refused at once with 503 + Retry-After when they cannot be answered before the request's deadline
-        (or the service is draining), 504 at once when a client's shorter deadline cannot be met even on an
-        idle model; a client that goes away takes its queued questions with it; 500 model_error when the
-        model's numbers are not finite.
-        """
-        assert self.batcher is not None
+    async def answer(self, checked: list[Checked], request: Request, ids: list[str]) -> list[PredictResponse]:
+        """The answers to one request's checked questions (one adapter), scheduled by the engine
+        (:meth:`ibedl.engine.engine.Engine.submit`): due by the request's deadline, its queued questions dropped
+        when the client goes away. A refusal is counted under its reason (``ibedl_rejected_total``) and raised as it
+        is; non-finite model numbers are counted and logged."""
+        assert self.engine is not None
         deadline = self.deadline(request)
-        rejected = self.metrics.rejected
+        scope = request.scope.get("state", {})
         try:
-            admitted = request.scope.get("state", {}).get("admitted", False)
-            # the runtime's own predict: passes never mix adapters, nor backends across a switch
-            futures = await self.batcher.submit_many(questions, tokens, deadline, runtime.predict,
-                                                     admitted_before_drain=admitted)
-        except TooLarge as e:
-            if deadline < request.scope.get("state", {}).get("arrived", 0.0) + self.settings.request_timeout_s:
-                # the client's X-Request-Timeout is what cannot be met, not the request's size
-                self.metrics.rejected.labels(reason="timeout").inc(len(questions))
-                raise errors.Timeout(f"{e.cause}; its {TIMEOUT_HEADER} cannot be met") from e
-            self._count(e, len(questions))
-            raise
-        except (QueueFullError, Overloaded, ShuttingDown) as e:
-            self._count(e, len(questions))
-            raise
-        everything = asyncio.gather(*futures)
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            done, _ = await asyncio.wait({everything, gone}, timeout=max(0.0, deadline - self.admission.clock()),
-                                         return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if everything not in done:
-            everything.cancel()
-            for f in futures:
-                f.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await everything
-            if gone in done:
-                rejected.labels(reason="client_gone").inc(len(questions))
-                raise errors.Cancelled("the client went away before the answer")
-            rejected.labels(reason="timeout").inc(len(questions))
-            raise errors.Timeout("no answer before the request's deadline; the service is busy")
-        try:
-            preds = list(everything.result())
-        except (Overloaded, ShuttingDown, DeadlineExceeded) as e:  # refused after admission, before its pass
-            _cancel(futures)
-            self._count(e, len(questions))
-            raise
-        except BaseException:  # one question failed (a 500): its request-mates must not keep the model busy
-            _cancel(futures)
-            raise
-        broken = [i for i, p in enumerate(preds) if not finite_prediction(p)]
-        if broken:
-            self.metrics.nonfinite.inc(len(broken))
+            own = deadline < scope.get("arrived", 0.0) + self.settings.request_timeout_s  # the client's is shorter
+            return await self.engine.submit(checked, deadline, ids, TIMEOUT_HEADER if own else None,
+                                            scope.get("admitted", False), lambda: _disconnected(request))
+        except errors.ModelError as e:
+            self.metrics.nonfinite.inc(e.nonfinite)
             log.error("the model gave non-finite numbers for %d of %d questions (request %s); not answered",
-                      len(broken), len(preds), request.scope.get("state", {}).get("request_id"))
-            raise errors.ModelError("the model produced non-finite numbers for "
-                                    + (f"items {broken}" if len(preds) > 1 else "this question")
-                                    + "; it was not answered")
-        return preds
+                      e.nonfinite, len(checked), scope.get("request_id"))
+            raise
+        except errors.EngineError as e:
+            if e.reason is not None:
+                self.metrics.rejected.labels(reason=e.reason).inc(len(checked))
+            raise
 
-    # -- answers --------------------------------------------------------------------------------
-
-    def respond(self, runtime: AdapterRuntime, req: PredictRequest, q: MCQuestion, pred: Prediction,
-                answer_id: str) -> PredictResponse:
-        """The answer (built by :func:`ibedl.engine.responses.build_answer`, as the Python API builds it), recorded
-        in the adapter's metrics, drift window and accuracy estimate."""
-        answer = build_answer(runtime, req, q, pred, answer_id, self.feedback)
-        m, name = self.metrics, runtime.name
+    def _observe(self, runtime: AdapterRuntime, q, pred, answer: PredictResponse) -> None:
+        """An answer the engine gave (its answer hook): recorded in the adapter's metrics, drift window and
+        accuracy estimate."""
+        m, name, monitors = self.metrics, runtime.name, self.monitors[runtime.name]
         m.answers.labels(adapter=name).inc()
         m.confidence.labels(adapter=name).observe(pred.confidence)
         m.predictions.labels(adapter=name, letter=pred.letter).inc()
@@ -412,76 +351,54 @@ class ServiceState:
         if answer.abstain_reason:
             m.abstentions.labels(adapter=name, reason=answer.abstain_reason).inc()
         else:  # an answered question feeds the accuracy estimate; every one feeds drift
-            runtime.accuracy.add([pred.confidence])
-        runtime.drift.add([pred.uncertainty if runtime.drift.statistic == "uncertainty_mass" else pred.confidence])
-        return answer
+            monitors.accuracy.add([pred.confidence])
+        drift = monitors.drift
+        drift.add([pred.uncertainty if drift.statistic == "uncertainty_mass" else pred.confidence])
 
     async def record_feedback(self, items: list[FeedbackRequest], prefix: str, credential: str) -> FeedbackResponse:
-        """Record labels sent with ``credential`` (``ibedl.engine.feedback.Feedback.record``; all or none, within
-        its quota: IBEDL_MAX_LABELS per IBEDL_LABEL_WINDOW_S), counted by adapter and outcome; a refused label that
-        contradicts its receipt's first label is counted as a conflict."""
+        """Record labels sent with ``credential`` (:meth:`ibedl.engine.engine.Engine.record_feedback`, on the store's
+        thread; all or none, within its quota: IBEDL_MAX_LABELS per IBEDL_LABEL_WINDOW_S), counted by adapter and
+        outcome; a refused label that contradicts its receipt's first label is counted as a conflict."""
         quota = LabelQuota(credential, self.settings.max_labels, self.settings.label_window_s)
         try:
-            results = await self.on_store(self.feedback.record, served_versions(self.runtimes),
-                                          [(item.receipt, item.label) for item in items], prefix, quota)
+            response = await self.on_store(self.engine.record_feedback, items, prefix, quota)
         except errors.LabelConflict as e:
             for adapter in e.adapters:
                 self.metrics.feedback_conflicts.labels(adapter=adapter).inc()
             log.warning("refused %d label(s) contradicting the first label of their receipt: %s", len(e.adapters),
                         e.message)
             raise
-        for r in results:
-            self.metrics.feedback_labels.labels(adapter=r["adapter"], status=r["status"]).inc()
-        recorded = sum(r["status"] == "recorded" for r in results)
-        return FeedbackResponse(recorded=recorded, duplicates=len(results) - recorded, results=results)
+        for r in response.results:
+            self.metrics.feedback_labels.labels(adapter=r.adapter, status=r.status).inc()
+        return response
 
     async def guarantees(self, adapter: str | None = None, timeout: float | None = None) -> GuaranteesResponse:
-        """The realised guarantees from the feedback store, also set on their gauges (the served versions' only);
-        404 when feedback is off. Waits for the store as :meth:`on_store` does (``timeout``); the gauges are set
-        when the store answers, even after the wait gave up (StoreUnavailable)."""
-        served = served_versions(self.runtimes)
-
-        def read() -> list[dict]:
-            found = self.feedback.guarantees(served, adapter)
-            self.metrics.set_guarantees(found)
+        """The realised guarantees from the feedback store (:meth:`ibedl.engine.engine.Engine.guarantees`), also set
+        on their gauges (the served versions' only); 404 when feedback is off. Waits for the store as
+        :meth:`on_store` does (``timeout``); the gauges are set when the store answers, even after the wait gave up
+        (StoreUnavailable)."""
+        def read() -> GuaranteesResponse:
+            found = self.engine.guarantees(adapter)
+            self.metrics.set_guarantees([g.model_dump() for g in found.guarantees])
             return found
 
-        found = await self.on_store(read, timeout=timeout)
-        return GuaranteesResponse(alpha=self.feedback.alpha, shared_store=self.feedback.shared, guarantees=found)
+        return await self.on_store(read, timeout=timeout)
 
     def drift_status(self, runtime: AdapterRuntime) -> DriftStatus:
         """The adapter's drift monitor's and accuracy estimate's status, also set on their gauges."""
-        status, accuracy = runtime.drift.status(), runtime.accuracy.status()
+        monitors = self.monitors[runtime.name]
+        status, accuracy = monitors.drift.status(), monitors.accuracy.status()
         self.metrics.set_drift(runtime.name, status)
         self.metrics.set_accuracy(runtime.name, accuracy)
         return DriftStatus(**status, **accuracy)
 
 
-PROBE = MCQuestion(  # short question and options: its passage is cut to fit any served token limit
-    "Which one?",
-    ("this", "that", "neither", "both"),
-    " ".join(["The service times one forward pass of a question of typical length before it reports ready."] * 8),
-)
+@dataclass
+class Monitors:
+    """What the service watches per adapter: its drift monitor and the running estimate of its accuracy."""
 
-
-def warm_up(predictors: list[Predictor]) -> ServiceTime:
-    """Time the model on one question of typical length (the second pass of the first adapter: the first pass of
-    each pays its one-time costs), as the first estimate of seconds per prompt token; every served pass refines it."""
-    def probe(predictor: Predictor) -> MCQuestion:  # as many options as its head scores, at most four
-        return dataclasses.replace(PROBE, options=PROBE.options[: min(len(PROBE.options), predictor.num_rows)])
-
-    for predictor in predictors:
-        predictor.predict([probe(predictor)])  # its passage is cut to the served limit
-    first = predictors[0]
-    tokens = min(count_prompt_tokens(first.tokenizer, first.template, probe(first)), first.max_tokens)
-    start = time.perf_counter()
-    first.predict([probe(first)])
-    return ServiceTime((time.perf_counter() - start) / tokens)
-
-
-def _cancel(futures: list[asyncio.Future]) -> None:
-    for f in futures:
-        f.cancel()
+    drift: DriftMonitor
+    accuracy: AccuracyEstimate
 
 
 async def _disconnected(request: Request) -> None:

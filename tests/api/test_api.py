@@ -47,7 +47,7 @@ def test_api_takes_mcquestions_and_refuses_what_the_service_refuses(model):
     assert isinstance(e.value, ibedl.EngineError) and not hasattr(e.value, "status")  # no HTTP status in the API
     assert (e.value.type, e.value.field) == ("invalid_request", "items.1.options")
     assert "2..26 options" in e.value.message
-    with pytest.raises(UnknownAdapter, match=r"no adapter 'nope' is loaded; choose one of \['tiny', 'tiny-map'\]") as e:
+    with pytest.raises(UnknownAdapter, match=r"no adapter 'nope' is served; choose one of \['tiny', 'tiny-map'\]") as e:
         model.predict([{**QUESTIONS[0], "adapter": "nope"}])
     assert (e.value.type, e.value.field) == ("invalid_request", "items.0.adapter")
     with pytest.raises(TooLarge) as e:

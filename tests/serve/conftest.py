@@ -135,7 +135,7 @@ def slow_loader(delay: float):
 
 def per_token_loader(seconds_per_token: float):
     """A loader whose predictor sleeps ``seconds_per_token`` per prompt token of each batch: a model whose time
-    is what the admission estimate (ibedl/serve/capacity.py) assumes."""
+    is what the admission estimate (ibedl/engine/capacity.py) assumes."""
 
     def load(settings):
         from ibedl.core.predictor import count_prompt_tokens

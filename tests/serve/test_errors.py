@@ -26,9 +26,10 @@ def test_statuses(error, status):
 
 
 def test_the_handler_answers_the_error_body_and_retry_after():
-    response = engine_error_response(errors.Overloaded("busy; retry", retry_after=3))
+    response = engine_error_response(errors.Overloaded("busy", retry_after=2.5))
     assert response.status_code == 503 and response.headers["Retry-After"] == "3"
-    assert json.loads(response.body) == {"error": {"type": "overloaded", "message": "busy; retry", "field": None}}
+    assert json.loads(response.body) == {"error": {"type": "overloaded", "field": None,
+                                                   "message": "busy; retry after the Retry-After seconds"}}
     response = engine_error_response(errors.TooLarge("long", "items.0.question"))
     assert response.status_code == 413 and "Retry-After" not in response.headers
     assert json.loads(response.body)["error"] == {"type": "too_large", "message": "long", "field": "items.0.question"}

@@ -3,7 +3,7 @@
 import asyncio
 from types import SimpleNamespace
 
-from ibedl.serve.admission import Admission
+from ibedl.engine.admission import Admission
 from ibedl.serve.metrics import Metrics
 from ibedl.serve.middleware import RequestGuard
 from ibedl.serve.settings import Settings

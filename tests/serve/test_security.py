@@ -196,16 +196,16 @@ class TestBoundedNames:
 
 
 def test_requests_are_checked_off_the_event_loop(make_client, monkeypatch):
-    import ibedl.serve.routes as routes_module
+    import ibedl.engine.engine as engine_module
 
     threads = []
-    original = routes_module.to_question
+    original = engine_module.to_question
 
     def recording(*args, **kwargs):
         threads.append(threading.current_thread().name)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(routes_module, "to_question", recording)
+    monkeypatch.setattr(engine_module, "to_question", recording)
     with make_client() as c:
         assert c.post("/predict", json=Q).status_code == 200
         assert c.post("/predict/batch", json={"items": [Q, Q]}).status_code == 200

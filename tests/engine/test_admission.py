@@ -2,7 +2,8 @@
 
 import pytest
 
-from ibedl.serve.admission import Admission, InvalidTimeout, Refusal, Snapshot
+from ibedl.engine.admission import Admission, InvalidTimeout, Snapshot
+from ibedl.engine.errors import NeedsTooLong, QueueFull
 
 
 class Clock:
@@ -55,17 +56,20 @@ class TestDecide:
     def test_capacity_with_the_seconds_after_which_it_would_fit(self):
         admission = Admission(margin=1.5, clock=Clock(0.0))
         refusal = admission.decide(1, 10, 1.0, queue(expected_wait_s=1.0, alone_s=0.1, overrun=2.0))
-        assert refusal.reason == "capacity" and refusal.retry_after == pytest.approx(1.5 * 2.0 * 1.0 - 1.0)
+        assert refusal.reason == "capacity" and refusal.wait_s == pytest.approx(1.5 * 2.0 * 1.0 - 1.0)
+        assert refusal.retry_after == 2  # whole seconds, rounded up
         assert "expected in 3.0 s and the deadline leaves 1.0 s" in refusal.message
 
     def test_too_large_even_alone_comes_before_capacity(self):
         refusal = Admission(clock=Clock(0.0)).decide(1, 500, 2.0, queue(expected_wait_s=9.0, alone_s=5.0))
         message = "the request needs about 5.0 s of model time (500 prompt tokens) and its deadline leaves 2.0 s"
-        assert refusal == Refusal("too_large", message, retry_after=3.0)
+        assert isinstance(refusal, NeedsTooLong) and refusal.reason == "capacity"
+        assert refusal.cause == message and refusal.wait_s == pytest.approx(3.0)
 
     def test_queue_full_before_time(self):
         refusal = Admission(clock=Clock(0.0)).decide(3, 3, 100.0, queue(depth=6, queue_size=8))
-        assert refusal.reason == "queue_full" and refusal.message == "6 questions are waiting; the queue holds 8"
+        assert isinstance(refusal, QueueFull) and refusal.reason == "queue_full"
+        assert "(6 questions are waiting; the queue holds 8)" in refusal.message
         assert Admission(clock=Clock(0.0)).decide(2, 2, 100.0, queue(depth=6, queue_size=8)) is None
 
     def test_shutting_down_first_unless_admitted_before_the_drain(self):

@@ -8,11 +8,12 @@ questions of one model only, so adapters never share a forward pass, and every p
 thread, so passes of different adapters of a shared base model never overlap. So a large batch
 request shares the model with small requests that arrive after it instead of holding it until it is done.
 
-A request is admitted only if it can be answered before its deadline: :class:`ibedl.serve.admission.Admission`
+A request is admitted only if it can be answered before its deadline: :class:`ibedl.engine.admission.Admission`
 decides from a snapshot of the queue (its expected completion, the pass in flight plus its turns among the queued
-requests, :func:`ibedl.serve.capacity.round_robin_wait`, times a safety margin, must fit); a refusal is raised at once
-as :class:`Overloaded` (with the seconds after which it would fit), :class:`TooLarge`, :class:`QueueFullError` or
-:class:`ShuttingDown`. Every time the batcher reads comes from the admission's clock.
+requests, :func:`ibedl.engine.capacity.round_robin_wait`, times a safety margin, must fit); a refusal is raised at once
+as an engine error (``ibedl.engine.errors``: ``Overloaded`` with the seconds after which it would fit, ``NeedsTooLong``,
+``QueueFull`` or ``ShuttingDown``, each carrying the reason it is counted under). Every time the batcher reads
+comes from the admission's clock.
 Before each pass, a queued request that the current estimate says can no longer finish in time is answered
 :class:`Overloaded` then rather than timing out later. Questions whose request was abandoned (future
 cancelled: client gone or timed out) or whose deadline passed are dropped before they reach the model. On
@@ -34,74 +35,18 @@ from dataclasses import dataclass, field
 
 from ibedl.core.predictor import Prediction
 from ibedl.core.prompt import MCQuestion
-from ibedl.engine import errors
-from ibedl.serve.admission import Admission, Refusal, Snapshot
-from ibedl.serve.capacity import ServiceTime, round_robin_finish, round_robin_wait
+from ibedl.engine.admission import Admission, Snapshot
+from ibedl.engine.capacity import ServiceTime, round_robin_finish, round_robin_wait
+from ibedl.engine.errors import DeadlineExceeded, Overloaded, ShuttingDown
 
-log = logging.getLogger("ibedl.serve.batcher")
+log = logging.getLogger("ibedl.engine.batcher")
 
 
 OVERRUN_MAX = 4.0  # the overrun factor's cap (see MicroBatcher._observe_wait)
 SIMILAR = 2.0  # questions share a pass only if their prompt lengths are within this factor of its first one's
 
 
-# The scheduler's refusals are the engine's (ibedl.engine.errors), each with the reason it is counted under: the
-# service answers them as they are (one refusal type, its status in ibedl.serve.errors.STATUS).
-
-
-class QueueFullError(errors.Overloaded):
-    """More questions than the queue holds (a hard bound on memory, checked before capacity)."""
-
-    reason = "queue_full"
-
-    def __init__(self, message: str) -> None:
-        super().__init__(f"too many questions waiting ({message}); retry shortly", retry_after=1)
-
-
-class Overloaded(errors.Overloaded):
-    """The request would not be answered before its deadline; ``wait_s`` seconds from now it would (``retry_after``:
-    that in whole seconds, at least 1; None without an estimate). ``cause``: the message without the advice."""
-
-    reason = "capacity"
-
-    def __init__(self, message: str, retry_after: float | None) -> None:
-        super().__init__(f"{message}; retry after the Retry-After seconds",
-                         retry_after=None if retry_after is None else max(1, math.ceil(retry_after)))
-        self.wait_s, self.cause = retry_after, message
-
-
-class TooLarge(Overloaded):
-    """The request alone needs more model time than its deadline allows at the current speed, even on an idle
-    service (the speed may recover: ``retry_after`` is how much too slow it is now)."""
-
-
-class ShuttingDown(errors.ShuttingDown):
-    """The service is draining: the request was not admitted, or cannot finish within the grace period."""
-
-    reason = "shutting_down"
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, retry_after=1)
-
-
-class DeadlineExceeded(errors.Timeout):
-    """The request's deadline passed while its question was queued; it never reached the model."""
-
-    reason = "timeout"
-
-
 Predict = Callable[[list[MCQuestion]], list[Prediction]]
-
-
-def refused(refusal: Refusal) -> Exception:
-    """The exception :meth:`MicroBatcher.submit_many` raises for an admission refusal."""
-    if refusal.reason == "shutting_down":
-        return ShuttingDown(refusal.message)
-    if refusal.reason == "queue_full":
-        return QueueFullError(refusal.message)
-    if refusal.reason == "too_large":
-        return TooLarge(refusal.message, retry_after=refusal.retry_after)
-    return Overloaded(refusal.message, retry_after=refusal.retry_after)
 
 
 @dataclass(eq=False)
@@ -280,8 +225,8 @@ class MicroBatcher:
 
         Raises:
             ShuttingDown: the service is draining.
-            QueueFullError: the questions do not fit in the queue.
-            TooLarge: the request alone needs more model time than its deadline leaves.
+            QueueFull: the questions do not fit in the queue.
+            NeedsTooLong: the request alone needs more model time than its deadline leaves.
             Overloaded: it would not be answered before its deadline now; ``retry_after`` says when it would.
         """
         if self._wakeup is None:
@@ -293,7 +238,7 @@ class MicroBatcher:
         queue = self.snapshot(tokens)
         refusal = self.admission.decide(len(questions), sum(tokens), deadline, queue, admitted_before_drain)
         if refusal is not None:
-            raise refused(refusal)
+            raise refusal
         loop = asyncio.get_running_loop()
         self._arrivals += 1
         request = _Request(predict or self.predict, self._arrivals, admitted_at=self.clock(),

@@ -2,8 +2,9 @@
 
 Pure and clock-injected: :class:`Admission` reads the time from the clock it was given and changes nothing; the
 middleware asks it before a body is read (:meth:`Admission.busy_for`), the batcher asks it when a request's questions
-would join the queue (:meth:`Admission.decide`, with the queue's :class:`Snapshot`), and both turn its
-:class:`Refusal` into an answer (503 + Retry-After, 504). The batcher keeps the queue, the fair turns and the worker.
+would join the queue (:meth:`Admission.decide`, with the queue's :class:`Snapshot`); a refusal is an engine error
+(``ibedl.engine.errors``) carrying the ``ibedl_rejected_total`` reason it is counted under, raised as it is. The
+batcher keeps the queue, the fair turns and the worker.
 """
 
 from __future__ import annotations
@@ -12,25 +13,14 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+
+from ibedl.engine.errors import EngineError, NeedsTooLong, Overloaded, QueueFull, ShuttingDown
 
 TIMEOUT_HEADER = "X-Request-Timeout"
-Reason = Literal["shutting_down", "queue_full", "too_large", "capacity"]
 
 
 class InvalidTimeout(ValueError):
     """The ``X-Request-Timeout`` header is not a positive number of seconds."""
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """Why a request is not admitted: ``reason`` (a ``ibedl_rejected_total`` label, except ``too_large``, counted
-    as capacity, or timeout when the client's own deadline is what cannot be met), a message for the client,
-    and the seconds after which it would be admitted (None: no hint)."""
-
-    reason: Reason
-    message: str
-    retry_after: float | None = None
 
 
 @dataclass(frozen=True)
@@ -112,26 +102,27 @@ class Admission:
         return lower - left if lower > left else None
 
     def decide(self, n: int, tokens: int, deadline: float, queue: Snapshot,
-               admitted_before_drain: bool = False) -> Refusal | None:
+               admitted_before_drain: bool = False) -> EngineError | None:
         """None to admit a request of ``n`` questions and ``tokens`` prompt tokens due by ``deadline``; otherwise
-        why not, in this order: shutting down, the queue's bound, too large even alone, not before the deadline."""
+        the refusal (an engine error carrying its ``reason``), in this order: shutting down, the queue's bound,
+        too long even alone, not before the deadline."""
         now = self.clock()
         if queue.stopping or (queue.draining and not admitted_before_drain):
-            return Refusal("shutting_down", "the service is shutting down")
+            return ShuttingDown("the service is shutting down")
         if n > queue.queue_size - queue.depth:
-            return Refusal("queue_full", f"{queue.depth} questions are waiting; the queue holds {queue.queue_size}")
+            return QueueFull(f"{queue.depth} questions are waiting; the queue holds {queue.queue_size}")
         if queue.draining and queue.drain_end is not None and self.margin * queue.expected_wait_s > (
                 queue.drain_end - now):
-            return Refusal("shutting_down", "the service is shutting down and could not answer this request in time")
+            return ShuttingDown("the service is shutting down and could not answer this request in time")
         if math.isinf(deadline):
             return None
         left = deadline - now
         alone = self.margin * queue.alone_s
         if alone > left:
-            return Refusal("too_large", f"the request needs about {alone:.1f} s of model time ({tokens} prompt tokens) "
+            return NeedsTooLong(f"the request needs about {alone:.1f} s of model time ({tokens} prompt tokens) "
                                         f"and its deadline leaves {max(left, 0):.1f} s", retry_after=alone - left)
         expected = self.margin * queue.overrun * queue.expected_wait_s
         if expected > left:
-            return Refusal("capacity", f"the service is busy: an answer is expected in {expected:.1f} s and the "
+            return Overloaded(f"the service is busy: an answer is expected in {expected:.1f} s and the "
                                        f"deadline leaves {left:.1f} s", retry_after=expected - left)
         return None

@@ -7,9 +7,10 @@ import time
 import pytest
 
 from ibedl.core.prompt import MCQuestion
-from ibedl.serve.admission import Admission
-from ibedl.serve.batcher import DeadlineExceeded, MicroBatcher, Overloaded, QueueFullError, ShuttingDown, TooLarge
-from ibedl.serve.capacity import ServiceTime
+from ibedl.engine.admission import Admission
+from ibedl.engine.batcher import MicroBatcher
+from ibedl.engine.capacity import ServiceTime
+from ibedl.engine.errors import DeadlineExceeded, NeedsTooLong, Overloaded, QueueFull, ShuttingDown
 
 
 def q(text: str) -> MCQuestion:
@@ -113,7 +114,7 @@ def test_queue_full_is_all_or_nothing():
         b = MicroBatcher(FakePredict(delay=0.2), max_batch_size=1, max_wait_ms=1, queue_size=3)
         b.start()
         await b.submit_many([q("a"), q("b")])
-        with pytest.raises(QueueFullError, match="the queue holds 3"):
+        with pytest.raises(QueueFull, match="the queue holds 3"):
             await b.submit_many([q("c"), q("d")])
         depth = b.depth
         await b.stop()
@@ -225,7 +226,7 @@ def test_admission_refuses_what_cannot_meet_its_deadline():
                          admission=Admission(margin=1.0))
         b.start()
         now = time.monotonic()
-        with pytest.raises(TooLarge, match="about 2.0 s of model time"):
+        with pytest.raises(NeedsTooLong, match="about 2.0 s of model time"):
             await b.submit_many([q("huge")], [20], now + 1.5)  # 20 tokens x 0.1 s alone exceed 1.5 s
         running = await b.submit_many([q("a")], [5], now + 100)
         await gate.wait_entered()

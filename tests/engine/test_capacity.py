@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from ibedl.serve.capacity import ServiceTime, round_robin_finish, round_robin_wait
+from ibedl.engine.capacity import ServiceTime, round_robin_finish, round_robin_wait
 
 
 def test_first_pass_replaces_an_unknown_estimate_then_moves_by_the_work_it_measured():

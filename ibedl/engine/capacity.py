@@ -8,7 +8,12 @@ what else the CPU runs, so it is an exponentially weighted mean of recent passes
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import time
+
+from ibedl.core.predictor import Predictor, count_prompt_tokens
+from ibedl.core.prompt import MCQuestion
 
 
 class ServiceTime:
@@ -79,3 +84,25 @@ def round_robin_finish(queued: list[list[int]], inflight_left_s: float, service:
                 if turn == len(q) - 1:
                     finish[i] = t
     return finish
+
+
+PROBE = MCQuestion(  # short question and options: its passage is cut to fit any served token limit
+    "Which one?",
+    ("this", "that", "neither", "both"),
+    " ".join(["The service times one forward pass of a question of typical length before it reports ready."] * 8),
+)
+
+
+def warm_up(predictors: list[Predictor]) -> ServiceTime:
+    """Time the model on one question of typical length (the second pass of the first adapter: the first pass of
+    each pays its one-time costs), as the first estimate of seconds per prompt token; every served pass refines it."""
+    def probe(predictor: Predictor) -> MCQuestion:  # as many options as its head scores, at most four
+        return dataclasses.replace(PROBE, options=PROBE.options[: min(len(PROBE.options), predictor.num_rows)])
+
+    for predictor in predictors:
+        predictor.predict([probe(predictor)])  # its passage is cut to the served limit
+    first = predictors[0]
+    tokens = min(count_prompt_tokens(first.tokenizer, first.template, probe(first)), first.max_tokens)
+    start = time.perf_counter()
+    first.predict([probe(first)])
+    return ServiceTime((time.perf_counter() - start) / tokens)

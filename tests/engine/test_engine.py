@@ -1,0 +1,97 @@
+"""The engine object: its scheduler serves callers on any thread (the Python API's door) with fair turns and the
+same admission as HTTP clients; answers, feedback and guarantees come from it alone."""
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from ibedl.engine.engine import Engine
+from ibedl.engine.errors import QueueFull, Timeout
+from ibedl.engine.settings import EngineSettings
+
+Q = {"question": "Which is sun?", "options": ["sun", "moon", "tree"]}
+
+
+def engine_with(artifact: Path, delay: float = 0.0, **settings) -> tuple[Engine, list[list[str]]]:
+    """An engine on ``artifact`` whose model sleeps ``delay`` seconds per pass and records each pass's questions."""
+    engine = Engine.load(EngineSettings(artifact=artifact, max_tokens=96, **settings))
+    passes: list[list[str]] = []
+    predictor = engine.default.predictor
+    original = predictor.predict
+
+    def predict(questions, truncate_context=True):
+        passes.append([q.question for q in questions])
+        time.sleep(delay)
+        return original(questions, truncate_context)
+
+    predictor.predict = predict
+    return engine, passes
+
+
+def test_threads_take_fair_turns_in_one_scheduler(tiny_artifact):
+    """A thread that sends one question while another's six-question request waits is answered in the next pass,
+    not after all six: the notebook's threads are scheduled as the service's clients are."""
+    engine, passes = engine_with(tiny_artifact, delay=0.3, max_batch_size=2)
+    try:
+        big = [{**Q, "question": f"big {i}"} for i in range(6)]
+        done: dict[str, object] = {}
+        first = threading.Thread(target=lambda: done.setdefault("big", engine.predict(big, batch_size=6)))
+        first.start()
+        while not passes:  # the big request's first pass has started
+            time.sleep(0.01)
+        done["small"] = engine.predict([{**Q, "question": "small"}])
+        first.join()
+        assert [a.prediction.letter for a in done["big"]] and len(done["small"]) == 1
+        small_pass = next(i for i, p in enumerate(passes) if "small" in p)
+        assert small_pass == 1, passes  # the pass right after the one in flight, before big's remaining ones
+        assert sum(len(p) for p in passes) == 7 and max(len(p) for p in passes) <= 2
+    finally:
+        engine.close()
+
+
+def test_the_python_door_is_admitted_like_http(tiny_artifact):
+    engine, _ = engine_with(tiny_artifact, queue_size=2)
+    try:
+        with pytest.raises(QueueFull, match="the queue holds 2") as e:
+            engine.predict([Q, Q, Q], batch_size=3)
+        assert e.value.reason == "queue_full" and e.value.retry_after == 1
+        assert len(engine.predict([Q, Q, Q], batch_size=2)) == 3  # in requests the queue holds
+    finally:
+        engine.close()
+
+
+def test_a_deadline_is_kept(tiny_artifact):
+    engine, _ = engine_with(tiny_artifact, delay=0.5)
+    try:
+        blocker = threading.Thread(target=lambda: engine.predict([Q]))
+        blocker.start()
+        time.sleep(0.1)
+        with pytest.raises(Timeout):  # no estimate of the model's speed says otherwise: admitted, then late
+            engine.predict([Q], timeout_s=0.2)
+        blocker.join()
+    finally:
+        engine.close()
+
+
+def test_close_stops_the_engines_own_thread(tiny_artifact):
+    engine, _ = engine_with(tiny_artifact)
+    assert len(engine.predict([Q])) == 1
+    thread = engine._thread
+    assert thread is not None and thread.is_alive()
+    engine.close()
+    assert not thread.is_alive() and engine._thread is None
+    engine.close()  # twice: a no-op
+
+
+def test_answers_from_the_engine_equal_the_python_api(tiny_artifact):
+    import ibedl
+
+    engine, _ = engine_with(tiny_artifact)
+    with ibedl.load(tiny_artifact, max_tokens=96) as model:
+        try:
+            assert [a.model_dump() for a in engine.predict([Q])] == [a.model_dump() for a in model.predict([Q])]
+            assert model.engine.cards() == engine.cards()
+        finally:
+            engine.close()
