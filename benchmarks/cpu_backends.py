@@ -53,7 +53,7 @@ import torch
 from benchmarks.common import write_result
 from benchmarks.decisions import repeated_splits, served, stream_row
 from ibedl.core import auto_backend
-from ibedl.core.backends import PRECISION_OF, build_trunk, calibration_key, unavailable
+from ibedl.core.backends import Built, build_trunk, calibration_key, get, unavailable
 from ibedl.core.base_model import KNOWN_MODELS, MARKER, known_gguf, resolve_model
 from ibedl.core.predictor import Predictor
 from ibedl.core.prompt import format_prompt
@@ -132,7 +132,7 @@ def cpu_features() -> dict:
 
 def peak_of(backend: str, peak: dict) -> tuple[str, float | None]:
     """(precision, GFLOP/s peak) a backend's matmuls compute in."""
-    precision = {"torch": "fp32", "openvino-int8": "int8"}.get(backend, {"bf16": "bf16"}.get(PRECISION_OF.get(backend),
+    precision = {"torch": "fp32", "openvino-int8": "int8"}.get(backend, {"bf16": "bf16"}.get(get(backend).precision,
                                                                                              "fp32"))
     return precision, peak.get(precision)
 
@@ -263,10 +263,10 @@ def rss_of(backend: str, artifact: str) -> int:
 def done_when(manifest, predictor, rows: dict, artifact: Path, sha: str, trunks: dict) -> dict:
     """The issue's bar for the backend ``auto`` picks here (measured afresh, as a first start does) against torch
     fp32."""
-    predictor.trunk, predictor.backend = None, "torch"
+    predictor.serve_on(Built(None, "torch"))
     choice, _ = auto_backend.choose(predictor, artifact, sha, fresh=True, unavailable=unavailable,
                                     build=lambda name: trunks[name] if name in trunks else
-                                    build_trunk(name, predictor, artifact, sha))
+                                    build_trunk(name, predictor, artifact, sha).trunk)
     chosen, reason = choice.backend, f"{choice.reason}; skipped: {choice.skipped or 'none'}"
     mine, ref = rows.get(chosen, {}), rows.get("torch", {})
     if "decisions" not in mine or "decisions" not in ref or "speed" not in mine:
@@ -451,7 +451,7 @@ def main(argv=None) -> int:
     for name in names:
         start = time.perf_counter()
         try:
-            trunks[name] = build_trunk(name, predictor, artifact, sha)  # int8: on the artifact's sample
+            trunks[name] = build_trunk(name, predictor, artifact, sha).trunk  # int8: on the artifact's sample
         except (ImportError, ValueError, RuntimeError) as e:
             rows[name] = {"skipped": f"{type(e).__name__}: {e}"}
             print(f"{name}: skipped ({e})", file=sys.stderr, flush=True)

@@ -8,6 +8,7 @@ on the other questions of its batch.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,7 +191,7 @@ class Predictor:
             tokenizer.pad_token = tokenizer.eos_token
         self.decoder = decoder_of(model)
         self.trunk = None  # an inference backend's trunk (ibedl.core.backends); None: the model's own forward
-        self.backend = "torch"  # the inference backend's name (set by ibedl.core.backends.build_trunk)
+        self.backend = "torch"  # the inference backend's name (serve_on sets it)
         self.backend_reason = "named"  # why that backend (what ``auto`` weighed)
         self.backend_choice = None  # what ``auto`` measured (ibedl.core.auto_backend.AutoChoice), None: not auto
         self.quantized_on = None  # static int8: sha256 of the quantisation sample file its trunk was quantised on
@@ -215,12 +216,24 @@ class Predictor:
         (ibedl.core.backends.calibration_key): ``torch-fp32``, ``openvino-bf16``, ..."""
         from ibedl.core.backends import calibration_key
 
-        if self._released is not None:
-            return self._released[1]
-        if self.backend != "torch":
-            return calibration_key(self.backend)
+        if self.model is None:  # released: the key it had, or its trunk's (a torch key needs the model)
+            return self._released[1] if self.backend == "torch" else calibration_key(self.backend)
         dtype = getattr(self.model, "dtype", None) or next(self.model.parameters()).dtype
-        return calibration_key("torch", self.device, dtype, bool(getattr(self.model, "is_loaded_in_4bit", False)))
+        return calibration_key(self.backend, self.device, dtype, bool(getattr(self.model, "is_loaded_in_4bit", False)))
+
+    def record_choice(self, choice) -> None:
+        """What ``auto`` measured in the background (ibedl.core.auto_backend.AutoChoice), once it is done."""
+        self.backend_choice = choice
+
+    def serve_on(self, built) -> None:
+        """Answer with a built backend from now on (``ibedl.core.backends.Built``: its trunk, name, why, what ``auto``
+        measured and the sample a static int8 trunk was quantised on); the calibration is looked up again
+        (:meth:`use_calibration`). The one place a backend is set on a predictor."""
+        if built.trunk is None and self.model is None:
+            raise ValueError(f"this predictor released its torch model: it cannot serve on {built.backend}")
+        self.trunk, self.backend, self.backend_reason = built.trunk, built.backend, built.reason
+        self.backend_choice, self.quantized_on = built.choice, built.quantized_on
+        self.calibration = None
 
     def use_calibration(self) -> None:
         """Look up the manifest's calibration made on this predictor's backend and precision
@@ -463,9 +476,8 @@ class Predictor:
                 mc_samples=manifest.mc_samples,
                 manifest=manifest,
             )
-            predictor.trunk = build_trunk(backend, predictor, directory, resolved.sha256)
-            if reason is not None:
-                predictor.backend_reason = reason
+            built = build_trunk(backend, predictor, directory, resolved.sha256)
+            predictor.serve_on(dataclasses.replace(built, reason=reason) if reason is not None else built)
             predictor.use_calibration()
             predictors.append(predictor.eval())
         if len(predictors) > 1:

@@ -238,7 +238,10 @@ def attach(predictor, train_layers: int | None, base_sha256: str) -> PrefixCache
     first = check_train_layers(predictor.model, train_layers)
     if first == 0:
         return None
-    predictor.trunk = PrefixCachedTrunk(predictor, first, base_sha256)
+    from ibedl.core.backends import Built
+
+    predictor.serve_on(Built(PrefixCachedTrunk(predictor, first, base_sha256), predictor.backend,
+                             f"layers below {first} read from the prefix cache"))
     log.info("layers 0..%d read from the prefix cache %s; layers %d..%d run live", first - 1, predictor.trunk.root,
              first, first + train_layers - 1)
     return predictor.trunk

@@ -132,19 +132,12 @@ def switched(runtime: AdapterRuntime, backend: str, trunk, reason: str, choice, 
     calibration made on it: a new object beside ``runtime``, which stays whole (its predictor, heads, calibration and
     ``ref``), so a pass queued on it before a switch is answered on it and under its calibration.
     UncalibratedBackend when the artifact carries no calibration for ``backend``."""
-    from ibedl.core.backends import calibration_key, mark_quantized
+    from ibedl.core.backends import Built, quantized_on
 
     predictor = copy.copy(runtime.predictor)
     # the calibration sets the heads' post-hoc parameter: the old runtime keeps its own
     predictor.heads = [copy.deepcopy(h) for h in runtime.predictor.heads]
-    predictor.trunk, predictor.backend, predictor.backend_reason = trunk, backend, reason
-    predictor.backend_choice = choice
-    mark_quantized(predictor, Path(artifact))
-    predictor.calibration = None
-    if predictor._released is not None:  # its torch model was dropped: the key is the new trunk's
-        if trunk is None:
-            raise ValueError(f"adapter {runtime.name!r} released its torch model: it cannot switch to torch")
-        predictor._released = (predictor._released[0], calibration_key(backend))
+    predictor.serve_on(Built(trunk, backend, reason, choice, quantized_on(backend, artifact)))
     calibration = served_calibration(predictor, settings)
     return dataclasses.replace(runtime, predictor=predictor, calibration=calibration,
                                ref={**runtime.ref, "backend": backend, "calibration": calibration.key})

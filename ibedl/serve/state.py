@@ -210,7 +210,7 @@ class ServiceState:
         """The background measurement is done: record it on the serving predictor (``GET /v1/models``) and drop the
         torch model where a backend's trunk answers without it (between passes)."""
         predictor = self.runtimes[adapter].predictor
-        predictor.backend_choice = choice
+        predictor.record_choice(choice)
         if predictor.trunk is not None:
             await self.batcher.between_passes(predictor.release_model)
 

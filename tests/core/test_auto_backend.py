@@ -14,6 +14,7 @@ import pytest
 
 from ibedl.core import auto_backend, backends, cpu_isa, quantization_sample
 from ibedl.core.artifact import read_manifest, write_manifest
+from ibedl.core.backends import openvino_ir
 from ibedl.core.predictor import Predictor
 from ibedl.core.prompt import MCQuestion
 
@@ -55,8 +56,8 @@ def timed(monkeypatch, tmp_path):
     """Injects per-backend seconds: ``timed(seconds)`` makes each candidate's batch take seconds[name]; returns
     (a build function, the backends it built since, in order)."""
     monkeypatch.setenv("IBEDL_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(backends, "native_bf16", lambda: True)
-    monkeypatch.setattr(backends, "has_nncf", lambda: True)
+    monkeypatch.setattr(openvino_ir, "native_bf16", lambda: True)
+    monkeypatch.setattr(openvino_ir, "has_nncf", lambda: True)
     monkeypatch.setattr(auto_backend, "torch_hidden", lambda predictor, batch: "torch")
     built: list[str] = []
 
@@ -146,10 +147,10 @@ def test_candidates_are_the_calibrated_backends_this_machine_runs(tiny_artifact,
     artifact = carrying(tiny_artifact, tmp_path / "a", ["openvino-fp32", "openvino-bf16", "openvino-int8"])
     predictor = load(artifact)
     assert auto_backend.candidates(predictor, artifact, backends.unavailable) == (ALL + ["torch"], {})
-    monkeypatch.setattr(backends, "native_bf16", lambda: False)
+    monkeypatch.setattr(openvino_ir, "native_bf16", lambda: False)
     names, skipped = auto_backend.candidates(predictor, artifact, backends.unavailable)
     assert "openvino-bf16" not in names and skipped["openvino-bf16"] == "this CPU has no native bfloat16"
-    monkeypatch.setattr(backends, "has_nncf", lambda: False)  # no NNCF and no cached int8 IR
+    monkeypatch.setattr(openvino_ir, "has_nncf", lambda: False)  # no NNCF and no cached int8 IR
     names, skipped = auto_backend.candidates(predictor, artifact, backends.unavailable)
     assert names == ["openvino-fp32", "torch"] and "NNCF" in skipped["openvino-int8"]
 
@@ -196,7 +197,7 @@ def test_nothing_but_torch_falls_back_with_the_reasons(tiny_artifact, tmp_path, 
     assert choice.reason.startswith("the fallback: openvino-int8: the artifact carries no calibration")
 
 
-def test_build_trunk_records_the_choice_on_the_predictor(tiny_artifact, tmp_path, timed, monkeypatch, caplog):
+def test_build_trunk_gives_the_choice_the_predictor_serves_on(tiny_artifact, tmp_path, timed, monkeypatch, caplog):
     artifact = carrying(tiny_artifact, tmp_path / "a", ["openvino-fp32", "openvino-bf16"])
     predictor = load(artifact)
     build, built = timed({"torch": 1.0, "openvino-fp32": 0.5, "openvino-bf16": 0.8})
@@ -208,18 +209,20 @@ def test_build_trunk_records_the_choice_on_the_predictor(tiny_artifact, tmp_path
 
     monkeypatch.setattr(backends, "_build", fake_build)
     with caplog.at_level("INFO", logger="ibedl.core.backends"):
-        assert backends.build_trunk("auto", predictor, artifact, "base") is None  # nothing measured: torch, no build
-    assert predictor.backend == "torch" and exported == []
-    assert predictor.backend_choice.pending == ["openvino-fp32", "openvino-bf16"]  # cheapest build first
+        built = backends.build_trunk("auto", predictor, artifact, "base")  # nothing measured: torch, no build
+    assert built.trunk is None and built.backend == "torch" and exported == []
+    assert built.choice.pending == ["openvino-fp32", "openvino-bf16"]  # cheapest build first
     assert "openvino-fp32, openvino-bf16 not measured on this machine yet; serving torch meanwhile" in caplog.text
     auto_backend.choose(predictor, artifact, "base", build, backends.unavailable)
     with caplog.at_level("INFO", logger="ibedl.core.backends"):
-        trunk = backends.build_trunk("auto", predictor, artifact, "base")
-    assert trunk.name == predictor.backend == "openvino-fp32" and exported == [("openvino-fp32", False)]
-    assert predictor.backend_choice.seconds["openvino-bf16"] == 0.8
+        built = backends.build_trunk("auto", predictor, artifact, "base")
+    assert built.trunk.name == built.backend == "openvino-fp32" and exported == [("openvino-fp32", False)]
+    assert built.choice.seconds["openvino-bf16"] == 0.8
     assert "inference backend auto -> openvino-fp32 (the fastest calibrated backend on this machine" in caplog.text
-    assert backends.build_trunk("openvino-bf16", predictor, artifact, "base").name == "openvino-bf16"
-    assert predictor.backend_reason == "named" and exported[-1] == ("openvino-bf16", True)  # a named one is built
+    predictor.serve_on(built)
+    assert predictor.backend == "openvino-fp32" and predictor.backend_choice is built.choice
+    built = backends.build_trunk("openvino-bf16", predictor, artifact, "base")
+    assert built.trunk.name == "openvino-bf16" and built.reason == "named" and exported[-1] == ("openvino-bf16", True)
 
 
 def test_interleaved_seconds_alternates_the_candidates_and_keeps_medians():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ibedl.core import backends, cpu_isa
-from ibedl.core.backends import check_backend, compress_int8_groups, native_bf16, openvino_trunk
+from ibedl.core.backends import check_backend, compress_int8_groups, native_bf16, openvino_ir, openvino_trunk
 from ibedl.core.base_model import load_base_model, resolve_model
 from ibedl.core.head import HeadConfig, build_head
 from ibedl.core.predictor import Predictor, lm_head_rows
@@ -59,7 +59,7 @@ def test_openvino_trunk_matches_torch_and_is_exported_once(tiny, monkeypatch):
     def no_export(*args, **kwargs):
         raise AssertionError("the cached IR should have been reused")
 
-    monkeypatch.setattr(backends, "_export", no_export)
+    monkeypatch.setattr(openvino_ir, "_export", no_export)
     again = openvino_trunk(predictor.model, predictor.tokenizer, artifact, ".", "base-sha", "openvino-fp32")
     assert again.path == trunk.path
     with pytest.raises(AssertionError, match="reused"):  # another base model is another key
@@ -77,7 +77,7 @@ def test_bf16_runs_the_fp32_ir_in_bfloat16(tiny, monkeypatch):
     with torch.no_grad():
         expected = predictor.hidden(batch)
     fp32 = openvino_trunk(predictor.model, predictor.tokenizer, artifact, ".", "base-sha", "openvino-fp32")
-    monkeypatch.setattr(backends, "_export", lambda *a, **k: pytest.fail("bf16 should reuse the fp32 IR"))
+    monkeypatch.setattr(openvino_ir, "_export", lambda *a, **k: pytest.fail("bf16 should reuse the fp32 IR"))
     bf16 = openvino_trunk(predictor.model, predictor.tokenizer, artifact, ".", "base-sha", "openvino-bf16")
     assert bf16.path == fp32.path
     assert bf16.compiled.get_property("INFERENCE_PRECISION_HINT").to_string() == "bf16"
@@ -129,7 +129,7 @@ def test_backends_refuse_mc_dropout_and_ensembles(tiny):
             backends.build_trunk("openvino", predictor, artifact, "base-sha")
     finally:
         predictor.mc_samples = 0
-    assert backends.build_trunk("torch", predictor, artifact, "base-sha") is None
+    assert backends.build_trunk("torch", predictor, artifact, "base-sha").trunk is None
 
 
 def test_calibration_keys_name_backend_and_precision():
@@ -166,18 +166,18 @@ def test_auto_is_the_default_and_falls_back_to_torch_where_openvino_cannot_run(t
     monkeypatch.setattr(backends, "_build", lambda name, *args: name)  # what it would build
     try:
         predictor.mc_samples = 4  # MC-Dropout (and ensembles, CUDA) fall back to torch instead of failing
-        assert backends.build_trunk("auto", predictor, artifact, "base-sha") is None
-        assert predictor.backend == "torch" and "MC-Dropout and ensembles run on torch" in predictor.backend_reason
+        built = backends.build_trunk("auto", predictor, artifact, "base-sha")
+        assert built.trunk is None and built.backend == "torch"
+        assert "MC-Dropout and ensembles run on torch" in built.reason
         predictor.mc_samples = 0
         monkeypatch.setitem(__import__("sys").modules, "openvino", None)  # not installed: torch
-        assert backends.build_trunk("auto", predictor, artifact, "base-sha") is None
-        assert predictor.backend_reason.startswith("the fallback: ")
-        assert "openvino is not installed (pip install -e '.[serve]')" in predictor.backend_reason
-        assert backends.build_trunk("openvino", predictor, artifact, "base-sha") == "openvino"  # a named one is kept
-        assert predictor.backend == "openvino" and predictor.backend_reason == "named"
+        built = backends.build_trunk("auto", predictor, artifact, "base-sha")
+        assert built.trunk is None and built.reason.startswith("the fallback: ")
+        assert "openvino is not installed (pip install -e '.[serve]')" in built.reason
+        built = backends.build_trunk("openvino", predictor, artifact, "base-sha")  # a named one is kept
+        assert built.trunk == built.backend == "openvino" and built.reason == "named"
     finally:
         predictor.mc_samples = 0
-        predictor.backend = "torch"
 
 
 def test_static_int8_needs_a_sample_to_quantise(tiny):
@@ -207,7 +207,7 @@ def test_static_int8_quantises_weights_and_activations(tiny):
     # 16-bit pairs (ONEDNN_MAX_CPU_ISA=AVX2); over LoRA seeds 0-3 up to 0.024 and 0.28.
     bound = 0.05 if cpu_isa.int8_isa() in EXACT_INT8 else 0.2
     assert float((got - expected).norm() / expected.norm()) < bound
-    assert json.loads((trunk.path / backends.MARKER).read_text())["static_int8"]["sample_batches"] == 4
+    assert json.loads((trunk.path / openvino_ir.MARKER).read_text())["static_int8"]["sample_batches"] == 4
     # the IR is cached per sample: another sample is another quantisation, not the cached one
     other = backends.ir_path(artifact, ".", "base-sha", "openvino-int8", sample[:1])
     assert other != trunk.path == backends.ir_path(artifact, ".", "base-sha", "openvino-int8", sample)
@@ -275,11 +275,11 @@ def test_a_compile_that_kills_its_process_is_an_error_not_a_dead_service(tiny, m
     # OpenVINO 2026.4.1 dies of SIGFPE compiling the fp32 IR in bf16 with one thread on AMX Xeons; any such native
     # fault is caught in the child process that proves the compile first.
     predictor, artifact = tiny
-    monkeypatch.setattr(backends, "_COMPILE_PROBE", "import os, signal; os.kill(os.getpid(), signal.SIGFPE)")
+    monkeypatch.setattr(openvino_ir, "_COMPILE_PROBE", "import os, signal; os.kill(os.getpid(), signal.SIGFPE)")
     with pytest.raises(backends.CompileCrashError, match=r"backend 'openvino-fp32': OpenVINO .* cannot compile .*"
                                                          r"the compiling process was killed by SIGFPE"):
         openvino_trunk(predictor.model, predictor.tokenizer, artifact, ".", "crash-sha", "openvino-fp32")
-    monkeypatch.setattr(backends, "_COMPILE_PROBE", "import sys; sys.exit('no plugin')")
+    monkeypatch.setattr(openvino_ir, "_COMPILE_PROBE", "import sys; sys.exit('no plugin')")
     with pytest.raises(backends.CompileCrashError, match="exited with 1 no plugin"):
         openvino_trunk(predictor.model, predictor.tokenizer, artifact, ".", "crash-sha", "openvino-fp32")
     assert issubclass(backends.CompileCrashError, RuntimeError)  # auto skips the candidate (BUILD_ERRORS)
@@ -288,8 +288,8 @@ def test_a_compile_that_kills_its_process_is_an_error_not_a_dead_service(tiny, m
 def test_a_proven_compile_is_not_proven_again(tiny, monkeypatch):
     predictor, artifact = tiny
     runs = []
-    real_run = backends.subprocess.run
-    monkeypatch.setattr(backends.subprocess, "run", lambda *a, **k: runs.append(a) or real_run(*a, **k))
+    real_run = openvino_ir.subprocess.run
+    monkeypatch.setattr(openvino_ir.subprocess, "run", lambda *a, **k: runs.append(a) or real_run(*a, **k))
     first = openvino_trunk(predictor.model, predictor.tokenizer, artifact, ".", "probe-sha", "openvino-fp32")
     again = openvino_trunk(predictor.model, predictor.tokenizer, artifact, ".", "probe-sha", "openvino-fp32")
     assert len(runs) == 1 and again.path == first.path

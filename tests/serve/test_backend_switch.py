@@ -11,8 +11,9 @@ import weakref
 
 import pytest
 
-from ibedl.core import auto_backend, backends
+from ibedl.core import auto_backend
 from ibedl.core.auto_backend import AutoChoice
+from ibedl.core.backends import openvino_ir
 from ibedl.serve import backend_switch
 from ibedl.serve.app import load_predictor
 from ibedl.serve.backend_switch import BackendSwitcher, BuildFailed, build_in_child
@@ -37,7 +38,7 @@ class Trunk:
 def bf16_calibrated(tiny_artifact, tmp_path, monkeypatch):
     """The tiny artifact calibrated on torch-fp32 and on openvino-bf16 (which abstains below confidence 0.25)."""
     monkeypatch.setenv("IBEDL_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(backends, "native_bf16", lambda: True)
+    monkeypatch.setattr(openvino_ir, "native_bf16", lambda: True)
     return recalibrated(tiny_artifact, tmp_path / "bf16", "torch-fp32", {
         "openvino-bf16": {"sections": {"abstention": {"min_confidence": 0.25}, "calibration": {"marker": "bf16"}}}})
 
@@ -182,7 +183,7 @@ def two_candidates(tiny_artifact, tmp_path, monkeypatch, pending: list[str]):
     """(the tiny artifact calibrated on torch, bf16 and fp32, a loader that leaves ``pending`` to build in that
     order)."""
     monkeypatch.setenv("IBEDL_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(backends, "native_bf16", lambda: True)
+    monkeypatch.setattr(openvino_ir, "native_bf16", lambda: True)
     artifact = recalibrated(tiny_artifact, tmp_path / "two", "torch-fp32", {"openvino-bf16": {}, "openvino-fp32": {}})
 
     def loader(settings):

@@ -1,21 +1,12 @@
-"""Inference backends for the trunk: the part of :class:`~ibedl.core.predictor.Predictor` that turns an encoded
-batch into the (B, d) hidden state of each prompt's last real token. The option head, Dirichlet outputs and
-abstention stay the predictor's own code whatever the backend.
+"""What every OpenVINO backend shares: the LoRA-merged trunk exported once to OpenVINO IR and cached under
+``IBEDL_CACHE_DIR/backends`` (keyed by base model, adapter, IR kind and, for static int8, the quantisation sample),
+compiled in a precision after a child process proved the compile survives on this CPU, and :class:`OpenVINOBackend`,
+the backend record each OpenVINO backend module declares with its IR kind, precision and needs.
 
-``auto`` (the default): the backend this machine runs the artifact fastest on, measured among those the artifact
-carries a calibration for (ibedl.core.auto_backend; loading builds nothing: the cached measurement's winner, else
-torch, until the others are built and timed); ``torch`` when no other can run (CUDA,
-MC-Dropout, ensembles, no openvino, no calibration made on OpenVINO). ``torch``: the PEFT model as loaded (fp32
-eager on CPU). ``openvino-fp32``: the LoRA-merged trunk converted once to OpenVINO IR. ``openvino-bf16``: that fp32
-IR run with bfloat16 matmuls (fp32 accumulation) on CPUs with native bf16 instructions (AVX512-BF16, AMX).
-``openvino``: the IR with int8 weights (asymmetric, one scale per 64 input channels), decompressed inside the CPU
-plugin's matmul kernels; activations stay fp32. ``openvino-int8``: static int8 (weights and activations) by NNCF
-post-training quantisation on the artifact's quantisation sample (ibedl.core.quantization_sample). IR are cached
-under ``IBEDL_CACHE_DIR/backends``, keyed by base model, adapter, backend and (static int8) the quantisation sample.
-
-A guarantee is a property of the weights and of the arithmetic that runs them: thresholds and conformal quantiles
-are calibrated per backend and precision (:func:`calibration_key`), and the service serves the calibration that
-matches its backend (ibedl.core.artifact.Manifest.calibration_for).
+IR kinds: ``openvino-fp32`` (the merged trunk as is; ``openvino-bf16`` runs it with bfloat16 matmuls), ``openvino``
+(int8 weights, asymmetric, one scale per 64 input channels, decompressed inside the CPU plugin's matmul kernels;
+activations stay fp32), ``openvino-int8`` (static int8 of weights and activations by NNCF post-training quantisation
+on the artifact's quantisation sample, ibedl.core.quantization_sample).
 """
 
 from __future__ import annotations
@@ -40,46 +31,14 @@ from ibedl.core.memory_limit import expendable, killed_reason
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("torch", "openvino", "openvino-fp32", "openvino-bf16", "openvino-int8", "auto")
-# Which backend is fastest depends on the CPU, not only on its flags (benchmarks/results/cpu_backends.json): ``auto``
-# measures it at start-up (ibedl.core.auto_backend).
-DEFAULT_BACKEND = "auto"
 CACHE_FORMAT = 1  # bump when the exported graph or its compression changes
 QUANTIZATION_MAX_TOKENS = 1 << 20  # quantisation sample prompts are read whole (no context cut at a token limit)
 # Measured on 30 SciQ validation questions (max |p - p_torch|): int8 per output channel (nncf's INT8 modes)
 # 0.026-0.04; per 64 input channels 0.003. The plugin's dynamic int8 activations (groups of 16 / 64) added
 # 0.017 / 0.034, so they are off (DYNAMIC_QUANTIZATION_GROUP_SIZE 0).
 GROUP_SIZE = 64
-# The IR each OpenVINO backend runs and the precision its matmuls compute in. bf16 keeps the fp32 IR (exported
-# once for both) and lets the CPU plugin run matmuls in bfloat16; on 96 SciQ validation questions it served 2.6x
-# torch's batch-8 throughput with torch's answers and max |p - p_torch| 0.030. The plugin's per-node "keep fp32"
-# marks did not change that error here.
-IR_OF = {"openvino": "openvino", "openvino-fp32": "openvino-fp32", "openvino-bf16": "openvino-fp32",
-         "openvino-int8": "openvino-int8"}
-PRECISION_OF = {"openvino": "f32", "openvino-fp32": "f32", "openvino-bf16": "bf16", "openvino-int8": "f32"}
-_SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-
-
-def check_backend(name: str) -> str:
-    """``name`` if it is a known backend, else a ValueError naming it and the choices."""
-    if name not in BACKENDS:
-        raise ValueError(f"unknown inference backend {name!r}; choose one of {', '.join(BACKENDS)}")
-    return name
-
-
-def calibration_key(backend: str, device="cpu", dtype="float32", load_in_4bit: bool = False) -> str:
-    """The name of the arithmetic a calibration was made on (the manifest's ``calibrated_on`` and the keys of its
-    ``backend_calibrations``): an OpenVINO backend's own name (its precision is in it), ``torch-<precision>`` for
-    torch on the CPU, ``torch-cuda-[nf4-]<precision>`` on CUDA. ``dtype``: a torch dtype or its name."""
-    if check_backend(backend) == "auto":
-        raise ValueError("calibration_key needs a concrete backend; resolve auto first (build_trunk)")
-    if backend != "torch":
-        return backend
-    name = str(dtype).removeprefix("torch.")
-    if name not in _SHORT_DTYPES:
-        raise ValueError(f"no calibration key for dtype {dtype!r}; expected one of {sorted(_SHORT_DTYPES)}")
-    on_cuda = str(device).startswith("cuda")
-    return "-".join(["torch", *(["cuda"] if on_cuda else []), *(["nf4"] if load_in_4bit else []), _SHORT_DTYPES[name]])
+FP32, INT8_WEIGHTS, STATIC_INT8 = "openvino-fp32", "openvino", "openvino-int8"  # the IR kinds
+IR_KINDS = (FP32, INT8_WEIGHTS, STATIC_INT8)
 
 
 class LastTokenTrunk(torch.nn.Module):
@@ -222,12 +181,11 @@ def sample_digest(sample: list) -> str:
     return digest.hexdigest()
 
 
-def ir_path(artifact: Path, member: str, base_sha256: str, backend: str, sample: list | None = None) -> Path:
-    """Where the IR of ``backend`` for this adapter is cached; static int8's also by its quantisation sample
+def ir_path(artifact: Path, member: str, base_sha256: str, ir: str, sample: list | None = None) -> Path:
+    """Where the IR of kind ``ir`` is cached for this adapter; static int8's also by its quantisation sample
     (ValueError without one: which quantisation would it be?)."""
-    ir = IR_OF[backend]
     key = adapter_key(artifact, member, base_sha256, ir)
-    if ir == "openvino-int8":
+    if ir == STATIC_INT8:
         if not sample:
             raise ValueError("backend 'openvino-int8' quantises the trunk on the artifact's quantisation sample "
                              "(quantization_sample.jsonl), and it carries none: add one with python -m "
@@ -236,7 +194,7 @@ def ir_path(artifact: Path, member: str, base_sha256: str, backend: str, sample:
     return cache_dir() / "backends" / f"{ir}-{key[:16]}"
 
 
-def openvino_trunk(model, tokenizer, artifact: Path, member: str, base_sha256: str, backend: str,
+def openvino_trunk(model, tokenizer, artifact: Path, member: str, base_sha256: str, backend: OpenVINOBackend,
                    threads: int | None = None, sample: list | None = None, export: bool = True) -> OpenVINOTrunk:
     """Compile the cached IR of this adapter, exporting it once if missing (``export``; else FileNotFoundError).
     ``sample``: the encoded batches ``openvino-int8`` is quantised on (once per adapter and sample; the cached IR is
@@ -244,31 +202,31 @@ def openvino_trunk(model, tokenizer, artifact: Path, member: str, base_sha256: s
     try:
         import openvino as ov
     except ImportError as e:
-        raise ImportError(f"backend {backend!r} needs openvino: pip install -e '.[serve]'") from e
+        raise ImportError(f"backend {backend.name!r} needs openvino: pip install -e '.[serve]'") from e
     core = ov.Core()
-    precision = PRECISION_OF[backend]
+    precision = backend.precision
     if precision == "bf16" and not native_bf16():
-        raise ValueError(f"backend {backend!r} needs a CPU with native bfloat16 (AVX512-BF16 or AMX); this one has "
-                         f"{', '.join(core.get_property('CPU', 'OPTIMIZATION_CAPABILITIES'))}: use openvino-fp32")
+        raise ValueError(f"backend {backend.name!r} needs a CPU with native bfloat16 (AVX512-BF16 or AMX); this one "
+                         f"has {', '.join(core.get_property('CPU', 'OPTIMIZATION_CAPABILITIES'))}: use openvino-fp32")
     target = ensure_ir(model, tokenizer, artifact, member, base_sha256, backend, sample, export)
     config = {"INFERENCE_PRECISION_HINT": precision, "PERFORMANCE_HINT": "LATENCY",
               "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0, "INFERENCE_NUM_THREADS": threads or torch.get_num_threads()}
-    return OpenVINOTrunk(compile_checked(core, target / "trunk.xml", config, backend), target)
+    return OpenVINOTrunk(compile_checked(core, target / "trunk.xml", config, backend.name), target)
 
 
-def ensure_ir(model, tokenizer, artifact: Path, member: str, base_sha256: str, backend: str,
+def ensure_ir(model, tokenizer, artifact: Path, member: str, base_sha256: str, backend: OpenVINOBackend,
               sample: list | None = None, export: bool = True, copy_model: bool = True) -> Path:
     """The directory of the cached IR of ``backend`` for this adapter, exported first when missing (``export``;
     else FileNotFoundError). ``copy_model=False`` merges the LoRA into ``model`` itself (a process that exits
     after the export: no second copy of the weights at its memory peak)."""
-    ir = IR_OF[backend]
-    target = ir_path(artifact, member, base_sha256, backend, sample)
+    ir = backend.ir
+    target = ir_path(artifact, member, base_sha256, ir, sample)
     if not (target / MARKER).is_file():
         if not export:
-            raise FileNotFoundError(f"the {backend} IR of {artifact} is not built ({target})")
-        log.info("exporting the trunk of %s for backend %s into %s: once per adapter, %s", artifact, backend,
-                 target, "a few minutes (NNCF quantises it)" if ir == "openvino-int8" else "about a minute")
-        _export(model, tokenizer, target, compress=ir == "openvino", sample=sample if ir == "openvino-int8" else None,
+            raise FileNotFoundError(f"the {backend.name} IR of {artifact} is not built ({target})")
+        log.info("exporting the trunk of %s for backend %s into %s: once per adapter, %s", artifact, backend.name,
+                 target, "a few minutes (NNCF quantises it)" if ir == STATIC_INT8 else "about a minute")
+        _export(model, tokenizer, target, compress=ir == INT8_WEIGHTS, sample=sample if ir == STATIC_INT8 else None,
                 copy_model=copy_model)
         log.info("exported %s; later starts load it in seconds", target)
     return target
@@ -341,18 +299,6 @@ def has_nncf() -> bool:
     return True
 
 
-def unavailable(backend: str, predictor, artifact: Path) -> str | None:
-    """Why this machine cannot run ``backend`` for ``predictor`` (loaded from ``artifact``), or None when it can."""
-    if backend == "torch":
-        return None
-    why = runs_openvino(predictor)
-    if why is None and PRECISION_OF[backend] == "bf16" and not native_bf16():
-        why = "this CPU has no native bfloat16"
-    if why is None and IR_OF[backend] == "openvino-int8" and not has_nncf() and not int8_cached(predictor, artifact):
-        why = "quantising needs NNCF (pip install -e '.[serve]') and its IR is not cached"
-    return why
-
-
 def _member(predictor) -> str:
     return predictor.manifest.members[0] if predictor.manifest else "."
 
@@ -378,62 +324,11 @@ def int8_cached(predictor, artifact: Path, base_sha256: str = "") -> bool:
     if sample is None:
         return False
     sha = base_sha256 or predictor.manifest.base_model_ref().sha256
-    return (ir_path(artifact, _member(predictor), sha, "openvino-int8", sample) / MARKER).is_file()
-
-
-def build_trunk(backend: str, predictor, artifact: Path, base_sha256: str):
-    """The trunk callable of ``backend`` for a loaded predictor; None for ``torch`` (the predictor's own path).
-    A named backend is built (its IR exported once when not cached: minutes). ``auto`` builds nothing
-    (ibedl.core.auto_backend.start_choice: the cached measurement's winner, else torch; what it weighed and what is
-    still to build and time in ``predictor.backend_choice``). Records the concrete backend as ``predictor.backend``
-    and why as ``predictor.backend_reason`` (logged when ``auto`` chose). ``openvino-int8`` is quantised on the
-    artifact's quantisation sample (``predictor.quantized_on``: its file's sha256, which its calibration must
-    record)."""
-    from ibedl.core import auto_backend
-
-    check_backend(backend)
-    artifact = Path(artifact)
-    if backend != "auto":
-        trunk = _build(backend, predictor, artifact, base_sha256)
-        predictor.backend, predictor.backend_reason = backend, "named"
-    else:
-        choice, trunk = auto_backend.start_choice(
-            predictor, artifact, base_sha256, lambda name: _build(name, predictor, artifact, base_sha256, export=False),
-            unavailable)
-        predictor.backend, predictor.backend_reason, predictor.backend_choice = choice.backend, choice.reason, choice
-        log.info("inference backend auto -> %s (%s)%s", choice.backend, choice.reason,
-                 f"; measured again once {choice.path} is deleted" if choice.path and choice.cached else "")
-        if choice.pending:
-            log.warning("inference backend auto: %s not measured on this machine yet; serving %s meanwhile (%s)",
-                        ", ".join(choice.pending), choice.backend, auto_backend.HOW_TO_MEASURE)
-    mark_quantized(predictor, artifact)
-    return trunk
-
-
-def mark_quantized(predictor, artifact: Path) -> None:
-    """Record which sample quantised a static int8 trunk (its calibration must match): ``predictor.quantized_on``."""
-    from ibedl.core import quantization_sample
-
-    predictor.quantized_on = (quantization_sample.sha256(artifact) if IR_OF.get(predictor.backend) == "openvino-int8"
-                              else None)
-
-
-def build_one(backend: str, predictor, artifact: Path, base_sha256: str, export: bool = True):
-    """The trunk of the concrete ``backend`` (None for torch), its IR exported first when not cached (``export``;
-    else FileNotFoundError)."""
-    return _build(backend, predictor, Path(artifact), base_sha256, export)
-
-
-def export_ir(backend: str, predictor, artifact: Path, base_sha256: str, copy_model: bool = True) -> Path:
-    """Export the IR of ``backend`` for ``predictor`` into the cache (nothing compiled); its directory."""
-    _check_openvino_predictor(backend, predictor)
-    artifact = Path(artifact)
-    encoded = artifact_sample(predictor, artifact) if IR_OF[backend] == "openvino-int8" else None
-    return ensure_ir(predictor.model, predictor.tokenizer, artifact, _member(predictor), base_sha256, backend,
-                     encoded, copy_model=copy_model)
+    return (ir_path(artifact, _member(predictor), sha, STATIC_INT8, sample) / MARKER).is_file()
 
 
 def _check_openvino_predictor(backend: str, predictor) -> None:
+    """ValueError unless OpenVINO can serve ``predictor``'s trunk (one adapter, no MC-Dropout, the CPU)."""
     if len(predictor.heads) > 1 or predictor.mc_samples > 0:
         raise ValueError(
             f"backend {backend!r} serves single adapters only; MC-Dropout and ensembles need IBEDL_BACKEND=torch"
@@ -442,15 +337,57 @@ def _check_openvino_predictor(backend: str, predictor) -> None:
         raise ValueError(f"backend {backend!r} runs on the CPU; got device {predictor.device}")
 
 
-def _build(backend: str, predictor, artifact: Path, base_sha256: str, export: bool = True):
-    if backend == "torch":
-        return None
-    _check_openvino_predictor(backend, predictor)
-    encoded = artifact_sample(predictor, artifact) if IR_OF[backend] == "openvino-int8" else None
-    return openvino_trunk(predictor.model, predictor.tokenizer, artifact, _member(predictor), base_sha256, backend,
-                          sample=encoded, export=export)
+@dataclass(frozen=True)
+class OpenVINOBackend:
+    """An OpenVINO backend: the IR kind it runs (``ir``: openvino-fp32, openvino or openvino-int8), the precision its
+    matmuls compute in (``precision``, the CPU plugin's INFERENCE_PRECISION_HINT: f32 or bf16) and what it needs
+    beyond OpenVINO on the CPU. Its calibration key is its name (the precision is in it)."""
 
+    name: str
+    ir: str
+    precision: str = "f32"
 
-__all__ = ["BACKENDS", "DEFAULT_BACKEND", "check_backend", "calibration_key", "build_trunk", "build_one", "export_ir",
-           "ensure_ir", "mark_quantized", "runs_openvino",
-           "int8_cached", "ir_path", "compile_checked", "CompileCrashError", "LastTokenTrunk", "OpenVINOTrunk"]
+    def __post_init__(self) -> None:
+        if self.ir not in IR_KINDS:
+            raise ValueError(f"backend {self.name!r}: IR kind must be one of {IR_KINDS}, got {self.ir!r}")
+        if self.precision not in ("f32", "bf16"):
+            raise ValueError(f"backend {self.name!r}: precision must be f32 or bf16, got {self.precision!r}")
+
+    @property
+    def static_int8(self) -> bool:
+        """Quantised on the artifact's quantisation sample (its calibration must record which)."""
+        return self.ir == STATIC_INT8
+
+    def calibration_key(self, device="cpu", dtype="float32", load_in_4bit: bool = False) -> str:
+        return self.name
+
+    def unavailable(self, predictor, artifact: Path) -> str | None:
+        """Why this machine cannot run it for ``predictor`` (loaded from ``artifact``), or None when it can."""
+        why = runs_openvino(predictor)
+        if why is None and self.precision == "bf16" and not native_bf16():
+            why = "this CPU has no native bfloat16"
+        if why is None and self.static_int8 and not has_nncf() and not int8_cached(predictor, artifact):
+            why = "quantising needs NNCF (pip install -e '.[serve]') and its IR is not cached"
+        return why
+
+    def build(self, predictor, artifact: Path, base_sha256: str, export: bool = True) -> OpenVINOTrunk:
+        """The compiled trunk for ``predictor``, its IR exported first when not cached (``export``; else
+        FileNotFoundError)."""
+        _check_openvino_predictor(self.name, predictor)
+        sample = artifact_sample(predictor, artifact) if self.static_int8 else None
+        return openvino_trunk(predictor.model, predictor.tokenizer, artifact, _member(predictor), base_sha256, self,
+                              sample=sample, export=export)
+
+    def export(self, predictor, artifact: Path, base_sha256: str, copy_model: bool = True) -> Path:
+        """Export its IR for ``predictor`` into the cache (nothing compiled); the IR's directory."""
+        _check_openvino_predictor(self.name, predictor)
+        sample = artifact_sample(predictor, artifact) if self.static_int8 else None
+        return ensure_ir(predictor.model, predictor.tokenizer, artifact, _member(predictor), base_sha256, self, sample,
+                         copy_model=copy_model)
+
+    def quantized_on(self, artifact: Path) -> str | None:
+        """sha256 of the quantisation sample file a static int8 trunk is quantised on; None for the others."""
+        from ibedl.core import quantization_sample
+
+        return quantization_sample.sha256(artifact) if self.static_int8 else None
+

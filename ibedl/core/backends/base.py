@@ -1,0 +1,50 @@
+"""What a backend declares (:class:`Backend`) and what building one gives the predictor (:class:`Built`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+
+class Backend(Protocol):
+    """An inference backend of the trunk: one module per backend declares one (``BACKEND``), and one line of
+    ``ibedl.core.backends.REGISTRY`` lists it.
+
+    Attributes:
+        name: what ``IBEDL_BACKEND`` and ``--backend`` call it.
+        precision: what its matmuls compute in (f32, bf16; torch: the model's dtype, ``model``).
+    """
+
+    name: str
+    precision: str
+
+    def calibration_key(self, device="cpu", dtype="float32", load_in_4bit: bool = False) -> str:
+        """The name of the arithmetic it computes in, as calibrations are keyed (the manifest's ``calibrated_on``
+        and ``backend_calibrations``)."""
+
+    def unavailable(self, predictor, artifact: Path) -> str | None:
+        """Why this machine cannot run it for ``predictor`` (loaded from ``artifact``), or None when it can."""
+
+    def build(self, predictor, artifact: Path, base_sha256: str, export: bool = True):
+        """The trunk callable (an encoded batch -> (B, d) last-token hidden states), None when the predictor's own
+        model answers; its IR built first when not cached (``export``; else FileNotFoundError)."""
+
+    def export(self, predictor, artifact: Path, base_sha256: str, copy_model: bool = True) -> Path:
+        """Build what it loads ahead of serving (an IR into the cache); its directory."""
+
+    def quantized_on(self, artifact: Path) -> str | None:
+        """sha256 of the sample a quantised trunk is calibrated on (its calibration must record it), else None."""
+
+
+@dataclass(frozen=True)
+class Built:
+    """A built backend, for :meth:`ibedl.core.predictor.Predictor.serve_on`: the trunk (None: the torch model),
+    the concrete backend's name, why it was chosen, what ``auto`` measured (None: not auto) and the quantisation
+    sample a static int8 trunk was made on."""
+
+    trunk: object
+    backend: str
+    reason: str = "named"
+    choice: object = None
+    quantized_on: str | None = None

@@ -1,0 +1,6 @@
+"""The ``openvino`` backend: the IR with int8 weights (asymmetric, one scale per 64 input channels) decompressed inside
+the CPU plugin's matmul kernels; activations stay fp32."""
+
+from ibedl.core.backends.openvino_ir import INT8_WEIGHTS, OpenVINOBackend
+
+BACKEND = OpenVINOBackend("openvino", INT8_WEIGHTS, precision="f32")

@@ -1,0 +1,80 @@
+"""The backend registry: one module per backend declares it, one line of ``REGISTRY`` lists it, and a backend added
+that way is accepted, built, keyed and served with no other edit."""
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from ibedl.core import backends
+from ibedl.core.backends import REGISTRY, Built
+from ibedl.core.backends.openvino_ir import LastTokenTrunk
+from ibedl.core.predictor import Predictor
+
+MODULES = {"torch": "torch_eager", "openvino": "openvino_int8_weights", "openvino-fp32": "openvino_fp32",
+           "openvino-bf16": "openvino_bf16", "openvino-int8": "openvino_int8"}
+
+
+def test_each_backend_is_its_own_module_and_one_registry_line():
+    assert list(REGISTRY) == list(MODULES) and (*MODULES, "auto") == backends.BACKENDS
+    for name, module in MODULES.items():
+        declared = importlib.import_module(f"ibedl.core.backends.{module}").BACKEND
+        assert REGISTRY[name] is declared and declared.name == name
+    assert [REGISTRY[n].precision for n in MODULES] == ["model", "f32", "f32", "bf16", "f32"]
+    with pytest.raises(ValueError, match="auto is a choice among backends"):
+        backends.get("auto")
+    with pytest.raises(ValueError, match="unknown inference backend 'tpu'"):
+        backends.get("tpu")
+
+
+@dataclass(frozen=True)
+class EagerTrunk:
+    """A backend a contributor might add: the torch decoder called through the trunk interface."""
+
+    name: str = "eager-trunk"
+    precision: str = "f32"
+    calls: list = None  # batches its trunk ran
+
+    def calibration_key(self, device="cpu", dtype="float32", load_in_4bit=False) -> str:
+        return self.name
+
+    def unavailable(self, predictor, artifact: Path) -> str | None:
+        return None
+
+    def build(self, predictor, artifact: Path, base_sha256: str, export: bool = True):
+        trunk = LastTokenTrunk(predictor.decoder).eval()
+
+        def run(batch):
+            self.calls.append(batch.input_ids.shape[0])
+            with torch.no_grad():
+                return trunk(batch.input_ids, batch.attention_mask, batch.last_index)
+
+        return run
+
+    def export(self, predictor, artifact: Path, base_sha256: str, copy_model: bool = True) -> Path:
+        raise ValueError("nothing to export")
+
+    def quantized_on(self, artifact: Path) -> str | None:
+        return None
+
+
+def test_a_registered_backend_is_accepted_keyed_built_and_served(tiny_artifact, monkeypatch):
+    from ibedl.core.prompt import MCQuestion
+    from ibedl.engine.settings import EngineSettings
+
+    backend = EagerTrunk(calls=[])
+    monkeypatch.setitem(REGISTRY, "eager-trunk", backend)  # the one registry line
+    assert EngineSettings(backend="eager-trunk").backend == "eager-trunk"
+    assert backends.calibration_key("eager-trunk") == "eager-trunk"
+    (predictor,) = Predictor.from_artifacts([tiny_artifact], backend="torch")
+    question = MCQuestion("Which is sun?", ("sun", "moon", "tree"))
+    reference = predictor.predict([question])[0]
+    built = backends.build_trunk("eager-trunk", predictor, tiny_artifact, "sha")
+    assert built == Built(built.trunk, "eager-trunk", "named", None, None) and callable(built.trunk)
+    predictor.serve_on(built)
+    assert predictor.backend == "eager-trunk" and predictor.calibration_key == "eager-trunk"
+    served = predictor.predict([question])[0]
+    assert backend.calls == [1]  # the new backend's trunk answered
+    assert served.probs == pytest.approx(reference.probs, abs=1e-5)
