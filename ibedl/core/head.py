@@ -125,6 +125,11 @@ class HeadConfig:
         return asdict(self)
 
     @property
+    def dirichlet(self) -> bool:
+        """Whether this kind answers a Dirichlet (belief masses, an uncertainty mass)."""
+        return HEADS[self.kind].dirichlet
+
+    @property
     def posthoc_key(self) -> str | None:
         """The post-hoc parameter this head kind owns: ``zeta`` (IB-EDL), ``temperature`` (softmax), or None."""
         return POSTHOC_KEYS.get(self.kind)
@@ -190,10 +195,18 @@ class OptionHead(nn.Module):
     """Base class: scores the first C option rows for a batch of hidden states."""
 
     weight_name = "weight"  # the (num_rows, d) option rows
+    dirichlet = True  # answers a Dirichlet: belief masses and an uncertainty mass
+    has_sigma = False  # has spread rows (IB-EDL's sigma), centred with the options when they are
+    description = ""  # what the model card says it is
 
     def __init__(self, config: HeadConfig) -> None:
         super().__init__()
         self.config = config
+
+    @classmethod
+    def card_lines(cls, config: HeadConfig) -> list[str]:
+        """What the model card adds about this kind's inference and post-hoc step (its values in ``config``)."""
+        return []
 
     def _check(self, hidden: torch.Tensor, mask: torch.Tensor) -> int:
         if hidden.dim() != 2 or hidden.shape[1] != self.config.hidden_size:
@@ -248,6 +261,13 @@ class CentredEvidence:
 class SoftmaxHead(OptionHead):
     """z = W h over the option rows; probs = softmax(z). No Dirichlet, no uncertainty mass."""
 
+    dirichlet = False
+    description = "a softmax over the option letters' rows of the LM head (fine-tuned)"
+
+    @classmethod
+    def card_lines(cls, config: HeadConfig) -> list[str]:
+        return [f"- Post-hoc temperature {config.temperature:.4g}."] if config.temperature != 1.0 else []
+
     def __init__(self, config: HeadConfig, rows: torch.Tensor | None = None) -> None:
         super().__init__(config)
         init = torch.zeros(config.num_rows, config.hidden_size) if rows is None else rows.detach().float().clone()
@@ -269,6 +289,8 @@ class EvidentialHead(CentredEvidence, OptionHead):
     training), while the Dirichlet prior assumes pre-evidence of order 1. Training sets b from the
     first batch (``init_bias_from``).
     """
+
+    description = "a Dirichlet (evidential) head on the option letters' rows: alpha = softplus(pre-evidence) + offset"
 
     def __init__(self, config: HeadConfig, rows: torch.Tensor | None = None) -> None:
         super().__init__(config)
@@ -312,6 +334,13 @@ class IBEDLHead(CentredEvidence, OptionHead):
 
     weight_name = "mu_weight"
     bias_name = "mu_bias"
+    has_sigma = True
+    description = ("an IB-EDL head: a Gaussian over each option's pre-evidence (mean and spread rows), "
+                   "alpha = E[softplus] + offset")
+
+    @classmethod
+    def card_lines(cls, config: HeadConfig) -> list[str]:
+        return [f"- IB-EDL inference `{config.inference}`, post-hoc zeta {config.zeta:.4g}."]
 
     def __init__(self, config: HeadConfig, rows: torch.Tensor | None = None) -> None:
         super().__init__(config)

@@ -16,17 +16,12 @@ from pathlib import Path
 
 from ibedl.core.artifact import ArtifactError, Manifest, check_artifact, write_manifest
 from ibedl.core.base_model import HUB_REPO_ID, KNOWN_MODELS
+from ibedl.core.head import HEADS
 
 CARD = "README.md"
 METRIC_COLUMNS = (("n", "n"), ("accuracy", "accuracy"), ("ece", "ECE (15 bins)"), ("nll", "NLL"), ("brier", "Brier"),
                   ("aurc", "AURC"), ("acc@90", "acc. at 90% coverage"), ("mean_confidence", "mean confidence"),
                   ("aurc_um", "AURC by u"))
-HEADS = {
-    "softmax": "a softmax over the option letters' rows of the LM head (fine-tuned)",
-    "evidential": "a Dirichlet (evidential) head on the option letters' rows: alpha = softplus(pre-evidence) + offset",
-    "ib_edl": "an IB-EDL head: a Gaussian over each option's pre-evidence (mean and spread rows), "
-              "alpha = E[softplus] + offset",
-}
 
 
 def num(x) -> str:
@@ -49,7 +44,7 @@ def front_matter(m: Manifest) -> str:
     hub_base = known.upstream if known else (base.ref if HUB_REPO_ID.fullmatch(base.ref) else "")
     head = m.head_config()
     tags = ["ibedl", "peft", "lora", m.method.replace("_", "-"), "multiple-choice", "uncertainty", "calibration"]
-    if head.kind != "softmax":
+    if head.dirichlet:
         tags.append("evidential-deep-learning")
     if m.conformal:
         tags.append("conformal-prediction")
@@ -89,11 +84,8 @@ def _method_section(m: Manifest) -> list[str]:
     head = m.head_config()
     params = ", ".join(f"{k}={num(v) if isinstance(v, (int, float)) else v}" for k, v in m.method_config.items())
     out = ["## Method", "", f"- Method `{m.method}`" + (f" ({params})" if params else "") + ".",
-           f"- Head: {HEADS[head.kind]}; {head.num_rows} option rows, hidden size {head.hidden_size}."]
-    if head.kind == "ib_edl":
-        out.append(f"- IB-EDL inference `{head.inference}`, post-hoc zeta {num(head.zeta)}.")
-    if head.kind == "softmax" and head.temperature != 1.0:
-        out.append(f"- Post-hoc temperature {num(head.temperature)}.")
+           f"- Head: {HEADS[head.kind].description}; {head.num_rows} option rows, hidden size {head.hidden_size}.",
+           *HEADS[head.kind].card_lines(head)]
     lora = m.training.get("lora")
     if lora:
         targets = ", ".join(lora.get("targets") or [])
@@ -235,7 +227,7 @@ def _limits_section(m: Manifest) -> list[str]:
     train = [p.get("dataset") for p in (m.training.get("data") or {}).get("train", [])]
     scope = f"questions like its training data ({', '.join(train)})" if train else "questions like its training data"
     outputs = "a letter and a confidence"
-    if head.kind != "softmax":
+    if head.dirichlet:
         outputs = "a letter, a confidence and an uncertainty mass"
     out = ["## Intended use and limits", "",
            f"- Intended use: answering multiple-choice {scope} with {outputs}, and abstaining when unsure; at most "

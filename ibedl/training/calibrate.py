@@ -42,7 +42,7 @@ import shlex
 import shutil
 import sys
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -54,14 +54,12 @@ from ibedl.core.artifact import Abstention, Conformal, Manifest, check_artifact,
 from ibedl.core.backends import BACKENDS, calibration_key
 from ibedl.core.conformal import SCORES, alpha_key, calibrate_quantiles, prediction_set
 from ibedl.core.cpu_isa import int8_isa
-from ibedl.core.dirichlet import dirichlet_outputs
-from ibedl.core.head import POSTHOC_KEYS, POSTHOC_NEUTRAL, adjust_alpha, temper_logits
-from ibedl.core.head import temper as head_temper
+from ibedl.core.head import POSTHOC_NEUTRAL
 from ibedl.core.model_card import write_card
 from ibedl.core.prompt import MCQuestion
 from ibedl.training import metrics
 from ibedl.training.data.option_counts import parse_counts, vary_option_counts
-from ibedl.training.posthoc import adjusted_alphas, fit_zeta, padded
+from ibedl.training.head_kinds import Outputs, head_kind, served_kind
 from ibedl.training.risk_control import control_accuracy
 
 log = logging.getLogger("ibedl.training.calibrate")
@@ -69,7 +67,6 @@ log = logging.getLogger("ibedl.training.calibrate")
 ALPHAS = (0.01, 0.02, 0.05, 0.1, 0.2)  # conformal levels stored for requests to choose from
 # Questions an option count needs in a mixed sample to be calibrated on its own (fit and calibration parts together).
 MIN_PER_COUNT = 100
-TEMPERATURE_GRID = tuple(float(t) for t in np.round(np.exp(np.linspace(np.log(0.05), np.log(20.0), 241)), 6))
 
 
 @dataclass
@@ -124,59 +121,6 @@ class CalibrationConfig:
             raise ValueError(f"reference_size must be >= 10, got {self.reference_size}")
 
 
-@dataclass
-class Outputs:
-    """Predictive quantities of N questions after the post-hoc step.
-
-    Attributes:
-        probs: N rows of (C_i,) probabilities.
-        uncertainty: (N,) u = C / alpha0, or None without a Dirichlet.
-    """
-
-    probs: list[np.ndarray]
-    uncertainty: np.ndarray | None = None
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def confidence(self) -> np.ndarray:
-        return np.asarray([p.max() for p in self.probs])
-
-    def ood_score(self) -> np.ndarray:
-        """(N,) in-distribution score, higher = more typical: 1/u with a Dirichlet, max p without."""
-        return 1.0 / self.uncertainty if self.uncertainty is not None else self.confidence
-
-
-def _dirichlet(alphas: list[np.ndarray], offset: float) -> Outputs:
-    """Probabilities alpha / alpha0 and u = C * offset / alpha0 (ibedl.core.dirichlet.dirichlet_outputs)."""
-    probs = [a / a.sum() for a in alphas]
-    return Outputs(probs, np.asarray([len(a) * offset / a.sum() for a in alphas]))
-
-
-def temper(probs: list[np.ndarray], temperature: float) -> list[np.ndarray]:
-    """softmax(log p / T) per question, in float64: the softmax heads' post-hoc map (ibedl.core.head.temper)."""
-    values, mask = padded(probs)
-    out = head_temper(values, mask, temperature).numpy()
-    return [out[i, : len(p)] for i, p in enumerate(probs)]
-
-
-def fit_temperature(probs: list[np.ndarray], labels, grid=TEMPERATURE_GRID) -> tuple[float, dict]:
-    """The grid temperature with the lowest NLL of softmax(log p / T) (T = 1 wins ties). Returns (T, info).
-    The tempered log-probabilities are the head's map's (ibedl.core.head.temper_logits)."""
-    if not len(labels):
-        raise ValueError("fit_temperature needs at least one labelled question")
-    values, mask = padded(probs)
-    y = torch.as_tensor(np.asarray(labels), dtype=torch.long)
-
-    def nll(t: float) -> float:
-        z = temper_logits(values, mask, t)
-        return float((torch.logsumexp(z, dim=1) - z[torch.arange(len(y)), y]).mean())
-
-    scores = {t: nll(t) for t in (*grid, 1.0)}
-    best = min(scores, key=lambda t: (round(scores[t], 12), abs(math.log(t))))
-    return best, {"criterion": "NLL on the fit part", "nll_at_1": scores[1.0], "nll_at_temperature": scores[best],
-                  "grid": [min(grid), max(grid), len(grid)]}
-
-
 def gate_threshold(scores, rejection_rate: float) -> float:
     """The k-th smallest of n in-distribution scores, k = floor(rate * (n + 1)); 0 (no gate) when k = 0.
     A new exchangeable question falls below it with probability k / (n + 1) <= rate."""
@@ -196,39 +140,16 @@ def split(n: int, fit_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarra
 
 def posthoc_outputs(kind: str, raw: dict, head_update: dict) -> Outputs:
     """The predictive outputs of raw head outputs (see :func:`calibrate_outputs`) once the post-hoc parameter
-    in ``head_update`` (``zeta`` or ``temperature``; absent = neutral) is applied by the head's own map
-    (ibedl.core.head.adjust_alpha, ibedl.core.head.temper), in float64."""
-    if kind == "ib_edl":
-        zeta = head_update.get("zeta", 0.0)
-        alphas = [np.asarray(a, dtype=np.float64) for a in raw["alpha"]]
-        if zeta:
-            alphas = adjusted_alphas(alphas, raw["sigma"], zeta, raw["offset"])
-        return _dirichlet(alphas, raw["offset"])
-    if kind == "softmax":
-        probs = [np.asarray(p, dtype=np.float64) for p in raw["probs"]]
-        temperature = head_update.get("temperature", 1.0)
-        return Outputs(temper(probs, temperature) if temperature != 1.0 else probs)
-    return _dirichlet([np.asarray(a, dtype=np.float64) for a in raw["alpha"]], raw["offset"])
+    in ``head_update`` (``zeta`` or ``temperature``; absent = neutral) is applied by the head's own map, in float64
+    (ibedl.training.head_kinds)."""
+    return head_kind(kind).outputs(raw, head_update)
 
 
 def served_outputs(kind: str, raw: dict, head_update: dict) -> Outputs:
-    """What the head answers once the post-hoc parameter in ``head_update`` is set: the head's map and Dirichlet
-    outputs (ibedl.core.head, ibedl.core.dirichlet) applied to the raw outputs in float32, as its forward pass
-    computes them, so that metrics of these outputs are those of the calibrated predictor. (Calibration's own
+    """What the head answers once the post-hoc parameter in ``head_update`` is set, in float32 as its forward pass
+    computes it, so that metrics of these outputs are those of the calibrated predictor. (Calibration's own
     decisions use :func:`posthoc_outputs`, the same map in float64.)"""
-    offset = raw["offset"]
-    if kind == "softmax":
-        probs, mask = padded(raw["probs"])
-        out = head_temper(probs.float(), mask, head_update.get("temperature", 1.0)).double().numpy()
-        return Outputs([out[i, : len(p)] for i, p in enumerate(raw["probs"])])
-    alpha, mask = padded(raw["alpha"], offset)
-    alpha = alpha.float()
-    if kind == "ib_edl":
-        sigma, _ = padded(raw["sigma"])
-        alpha = adjust_alpha(alpha, sigma.float(), head_update.get("zeta", 0.0), offset)
-    out = dirichlet_outputs(alpha, mask, offset)
-    probs = out.probs.double().numpy()
-    return Outputs([probs[i, : len(a)] for i, a in enumerate(raw["alpha"])], out.uncertainty.double().numpy())
+    return head_kind(kind).served(raw, head_update)
 
 
 def _decide(outputs: Outputs, labels: np.ndarray, fit: np.ndarray, cal: np.ndarray,
@@ -300,17 +221,8 @@ def calibrate_outputs(kind: str, raw: dict, labels, config: CalibrationConfig) -
     n = len(labels)
     fit, cal = split(n, config.fit_fraction, config.seed)
     # Without the post-hoc step the parameter is set neutral: the thresholds below assume it.
-    key = POSTHOC_KEYS.get(kind)
-    head_update: dict = {} if key is None else {key: POSTHOC_NEUTRAL[key]}
-    posthoc: dict = {"kind": None}
-    if kind == "ib_edl" and config.posthoc:
-        zeta, info = fit_zeta([np.asarray(raw["alpha"][i], dtype=np.float64) for i in fit],
-                              [np.asarray(raw["sigma"][i], dtype=np.float64) for i in fit], labels[fit],
-                              offset=raw["offset"])
-        head_update, posthoc = {"zeta": zeta}, {"kind": "zeta", "zeta": zeta, **info}
-    elif kind == "softmax" and config.posthoc:
-        temperature, info = fit_temperature([np.asarray(raw["probs"][i], dtype=np.float64) for i in fit], labels[fit])
-        head_update, posthoc = {"temperature": temperature}, {"kind": "temperature", "temperature": temperature, **info}
+    method = head_kind(kind)
+    head_update, posthoc = method.fit(raw, labels, fit) if config.posthoc else (method.neutral(), {"kind": None})
     outputs = posthoc_outputs(kind, raw, head_update)
     conf = outputs.confidence
     counts = np.asarray([len(p) for p in outputs.probs])
@@ -377,11 +289,7 @@ def raw_outputs(predictor, questions: list[MCQuestion], batch_size: int = 8, pro
     if preds[0].alpha is not None:
         raw["alpha"] = [p.alpha for p in preds]
         raw["sigma"] = [p.sigma for p in preds] if preds[0].sigma is not None else None
-    kind = config.kind
-    if kind == "ib_edl" and raw.get("sigma") is None:
-        kind = "evidential"
-    if kind != "softmax" and "alpha" not in raw:
-        kind = "softmax"  # e.g. an ensemble of Dirichlet members averaged without alpha
+    kind = served_kind(config.kind, raw)
     return kind, raw
 
 
@@ -802,5 +710,4 @@ if __name__ == "__main__":
 
 
 __all__ = ["CalibrationConfig", "Outputs", "calibrate_outputs", "posthoc_outputs", "save_outputs", "read_outputs",
-           "calibrate_predictor", "apply_sections", "fit_temperature", "gate_threshold", "temper", "split",
-           "raw_outputs", "served_outputs"]
+           "calibrate_predictor", "apply_sections", "gate_threshold", "split", "raw_outputs", "served_outputs"]

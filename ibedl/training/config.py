@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, f
 
 from ibedl.core.head import check_evidence_scale
 from ibedl.training.config_errors import describe
+from ibedl.training.methods import METHODS, get_method
 
 PRECISIONS = ("no", "bf16", "fp16")  # mixed_precision: accelerate's names
 TRACKERS = ("tensorboard", "mlflow")  # track: accelerate's trackers this project logs to
@@ -207,7 +208,6 @@ class TrainConfig(_Model):
         if self.train_layers is not None and self.fsdp:
             raise ValueError("train_layers runs the top layers on cached states, which fsdp cannot shard; use one or "
                              "the other")
-        from ibedl.training.methods import get_method  # here: the method registry imports this module
 
         get_method(self.method).params(self.method_params)  # refused now, naming the key, not when training starts
         if self.name is None:
@@ -239,7 +239,6 @@ def config_keys_help() -> str:
             default = "(required)" if f.is_required() else f.get_default(call_default_factory=True)
             yield f"  {key} = {default}"
 
-    from ibedl.training.methods import METHODS  # here: the method registry imports this module
 
     lines = list(walk(TrainConfig, ""))
     lines[lines.index("  data.train = (required)")] += "   (a list of {dataset, split?, limit?, path?})"

@@ -34,7 +34,7 @@ from tqdm import tqdm
 from ibedl.core import prefix_cache
 from ibedl.core.artifact import PEFT_TASK_TYPE, Manifest, files_sha256, save_head, write_manifest
 from ibedl.core.base_model import ResolvedModel, load_base_model, resolve_model
-from ibedl.core.head import CentredEvidence, HeadConfig, build_head
+from ibedl.core.head import HEADS, CentredEvidence, HeadConfig, build_head
 from ibedl.core.model_card import write_card
 from ibedl.core.predictor import Predictor, fits, lm_head_rows
 from ibedl.core.prompt import MCQuestion, option_token_ids
@@ -173,7 +173,7 @@ def build(cfg: TrainConfig, method: Method, device: str | None = None, resolved:
         offset=method.offset(params),
         centre_options=cfg.centre_options,
         evidence_scale=cfg.evidence_scale,
-        centre_sigma=cfg.centre_options and method.head == "ib_edl",
+        centre_sigma=cfg.centre_options and HEADS[method.head].has_sigma,
     )
     head = build_head(head_config, rows).to(model.device)
     lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,

@@ -15,14 +15,13 @@ from ibedl.core.model_card import num
 from ibedl.training.calibrate import (
     CalibrationConfig,
     calibrate_outputs,
-    fit_temperature,
     gate_threshold,
     main,
     next_version,
     posthoc_outputs,
     split,
-    temper,
 )
+from ibedl.training.head_kinds import fit_temperature, temper
 
 
 class TestGate:

@@ -113,3 +113,25 @@ def test_ib_edl_sigma_constant_replaces_the_learned_sigma_in_the_loss():
     assert head.sigma_weight.grad is None and head.mu_weight.grad is not None
     with pytest.raises(ValueError, match="sigma_constant must be a finite number > 0 .* got -1"):
         method.params({"sigma_constant": -1})
+
+
+def test_a_new_method_is_one_module_and_one_registry_line(monkeypatch):
+    """What a contributor writes: a Method record (here a Brier-score softmax objective) and its registry line; the
+    config, the benchmark grid and the calibration step reach it through the registry with no other edit."""
+    from ibedl.training.config import TrainConfig
+    from ibedl.training.experiments.benchmark import expand
+    from ibedl.training.head_kinds import head_kind
+    from ibedl.training.methods import Method
+
+    def brier(out, y, mask, params, ctx):
+        onehot = torch.nn.functional.one_hot(y, out.probs.shape[1]).float()
+        return {"loss": ((out.probs - onehot) ** 2 * mask).sum(1)}
+
+    monkeypatch.setitem(METHODS, "brier", Method(name="brier", head="softmax", loss=brier, label="Brier"))
+    config = TrainConfig.model_validate({"method": "brier", "data": {"train": [{"dataset": "sciq"}],
+                                                                      "validation": [{"dataset": "sciq"}]},
+                                         "output": "runs/x"})
+    assert get_method(config.method).label == "Brier"
+    grid = expand({"methods": ["map", "brier"], "seeds": [0], "experiments": [{"kind": "id", "datasets": ["sciq"]}]})
+    assert [r.method for r in grid] == ["map", "brier"]
+    assert head_kind(get_method("brier").head).key == "temperature"  # its post-hoc step: its head kind's

@@ -16,8 +16,8 @@ from ibedl.training.methods.map import map_loss
 
 def fit(predictor, questions, validation, params):
     """The MAP predictor with its head's temperature fitted on ``validation`` (NLL over calibrate's grid)."""
-    from ibedl.training.calibrate import fit_temperature
     from ibedl.training.evaluate import predict_all
+    from ibedl.training.head_kinds import fit_temperature
 
     predictor.head.config.temperature = 1.0
     preds, _ = predict_all(predictor, validation, progress=False)
