@@ -32,8 +32,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from benchmarks.common import write_result
-from benchmarks.cpu_backends import cpu_features
+from benchmarks.common import cpu_features, write_result
 from benchmarks.memory_cgroup import MemoryCgroup
 from benchmarks.service_process import ServiceProcess
 from ibedl.core.base_model import cache_dir

@@ -1,8 +1,9 @@
-"""What the benchmark scripts share: writing their results file."""
+"""What the benchmark scripts share: writing their results file, and the CPU each speed figure was measured on."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 
@@ -15,3 +16,13 @@ def write_result(path: str | Path, result, echo: bool = True) -> Path:
     if echo:
         print(text, end="")
     return path
+
+
+def cpu_features() -> dict:
+    """The CPU's model name and the instruction sets the backends' speed depends on (Linux /proc/cpuinfo), and the
+    cores this process may use: recorded with every speed figure."""
+    info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
+    flags = next((line.split(":")[1].split() for line in info if line.startswith("flags")), [])
+    model = next((line.split(":")[1].strip() for line in info if line.startswith("model name")), "")
+    return {"model": model, **{f: f in flags for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16",
+                                                         "amx_int8")}, "cores": len(os.sched_getaffinity(0))}

@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import write_result
+from benchmarks.common import cpu_features, write_result
 from benchmarks.decisions import repeated_splits, served, stream_row
 from ibedl.core import auto_backend
 from ibedl.core.backends import Built, build_trunk, calibration_key, get, unavailable
@@ -120,14 +120,6 @@ def peaks(seconds: float = 2.0, n: int = 2048) -> dict:
         out["int8"] = None
     out["measured_by"] = "best n x n torch.mm (fp32, bf16) and torch._int_mm (int8) over the given seconds"
     return out
-
-
-def cpu_features() -> dict:
-    info = Path("/proc/cpuinfo").read_text().splitlines()
-    flags = next((line.split(":")[1].split() for line in info if line.startswith("flags")), [])
-    model = next((line.split(":")[1].strip() for line in info if line.startswith("model name")), "")
-    return {"model": model, **{f: f in flags for f in ("avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16",
-                                                         "amx_int8")}}
 
 
 def peak_of(backend: str, peak: dict) -> tuple[str, float | None]:

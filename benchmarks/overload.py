@@ -38,7 +38,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from benchmarks.common import write_result
+from benchmarks.common import cpu_features, write_result
 from benchmarks.service_process import ServiceProcess
 from ibedl.training.data import load_dataset
 
@@ -183,12 +183,13 @@ def main(argv=None) -> int:
     result: dict = {"command": "python -m benchmarks.overload " + " ".join(argv if argv is not None else sys.argv[1:]),
                     "artifact": args.artifact, "request_timeout_s": timeout_s, "admission_margin": margin,
                     "max_batch_tokens": settings.max_batch_tokens, "max_request_tokens": settings.max_request_tokens,
-                    "phases": {}}
+                    "max_connections": settings.max_connections, "cpu": cpu_features(), "phases": {}}
     server = ServiceProcess(args.artifact, {"IBEDL_LOG_LEVEL": "warning"})
     try:
         server.wait_ready()
         pid = server.proc.pid
         result["rss_mib_ready"] = rss_mib(pid)
+        result["backend"] = httpx.get(f"{server.url}/v1/models").json()["data"][0]["backend"]["name"]
 
         # 1. Unloaded latency and saturated throughput.
         async def unloaded():
