@@ -226,6 +226,9 @@ def make_optimizer(cfg: TrainConfig, model, head) -> tuple[torch.optim.Optimizer
     lora_params = [p for p in model.parameters() if p.requires_grad]
     if not cfg.train_evidence_bias and isinstance(head, CentredEvidence):
         getattr(head, head.bias_name).requires_grad_(False)
+    method = get_method(cfg.method)
+    for name in method.frozen(method.params(cfg.method_params)) if method.frozen else ():
+        getattr(head, name).requires_grad_(False)  # an ablation: kept at its initialisation
     head_params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         [{"params": lora_params}, {"params": head_params, "lr": cfg.optim.head_lr or cfg.optim.lr}],

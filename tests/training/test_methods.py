@@ -135,3 +135,22 @@ def test_a_new_method_is_one_module_and_one_registry_line(monkeypatch):
     grid = expand({"methods": ["map", "brier"], "seeds": [0], "experiments": [{"kind": "id", "datasets": ["sciq"]}]})
     assert [r.method for r in grid] == ["map", "brier"]
     assert head_kind(get_method("brier").head).key == "temperature"  # its post-hoc step: its head kind's
+
+
+def test_ib_edl_sigma_frozen_keeps_the_sigma_head_out_of_the_optimizer():
+    from types import SimpleNamespace
+
+    from ibedl.training.finetune import make_optimizer
+
+    head = build_head(HeadConfig("ib_edl", 5, 16), torch.randn(5, 16))
+    model = torch.nn.Linear(2, 2)
+    for frozen, trained in ((True, {"mu_weight"}), (False, {"mu_weight", "sigma_weight", "sigma_bias"})):
+        for p in head.parameters():
+            p.requires_grad_(True)
+        cfg = SimpleNamespace(method="ib_edl", method_params={"sigma_frozen": frozen}, train_evidence_bias=False,
+                              optim=SimpleNamespace(lr=1e-3, head_lr=None, weight_decay=0.0))
+        optimizer, _ = make_optimizer(cfg, model, head)
+        in_optimizer = {id(p) for p in optimizer.param_groups[1]["params"]}
+        assert {n for n, p in head.named_parameters() if id(p) in in_optimizer} == trained
+    with pytest.raises(ValueError, match="sigma_frozen"):
+        get_method("ib_edl").params({"sigma_frozen": "yes"})

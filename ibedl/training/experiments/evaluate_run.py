@@ -74,6 +74,7 @@ def summarise_run(preds: dict, eval_sets) -> dict:
     out = metrics.summarise(first["probs"], first["labels"], first["uncertainty"])
     if first.get("sigma") is not None:  # IB-EDL: does sigma differ between questions, and between streams?
         out.update({f"sigma/{k}": v for k, v in sigma_summary(first["sigma"]).items()})
+        out["sigma/spearman_inv_u"] = spearman(first["sigma"], 1.0 / np.asarray(first["uncertainty"]))
     counts_id = [len(p) for p in first["probs"]]
     modal = max(set(counts_id), key=counts_id.count)
     for other in eval_sets[1:]:
@@ -87,8 +88,10 @@ def summarise_run(preds: dict, eval_sets) -> dict:
                 out[f"ood/{other}/auroc_{score}_matched"] = value
             out[f"ood/{other}/matched_options"] = modal
             out[f"ood/{other}/matched_n"] = sum(keep_ood)
-        if ood.get("sigma") is not None:
+        if ood.get("sigma") is not None:  # does sigma tell the streams apart beyond 1/u? (ID positive, sigma as score)
             out[f"ood/{other}/sigma_median"] = sigma_summary(ood["sigma"])["median"]
+            out[f"ood/{other}/auroc_sigma"] = metrics.auroc(np.asarray(first["sigma"]), np.asarray(ood["sigma"]))
+            out[f"ood/{other}/sigma_spearman_inv_u"] = spearman(ood["sigma"], 1.0 / np.asarray(ood["uncertainty"]))
         ood_metrics = metrics.summarise(ood["probs"], ood["labels"])
         for key in ("accuracy", "ece", "nll"):
             out[f"ood/{other}/{key}"] = ood_metrics[key]
@@ -101,6 +104,13 @@ def outputs(preds) -> dict:
     return {"probs": [[round(x, 7) for x in p.probs] for p in preds],
             "uncertainty": None if preds[0].uncertainty is None else [p.uncertainty for p in preds],
             "sigma": None if preds[0].sigma is None else [round(float(np.mean(p.sigma)), 6) for p in preds]}
+
+
+def spearman(a, b) -> float:
+    """Spearman's rank correlation of two per-question series (scipy.stats.spearmanr)."""
+    from scipy.stats import spearmanr
+
+    return float(spearmanr(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)).statistic)
 
 
 def sigma_summary(values) -> dict:

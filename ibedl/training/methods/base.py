@@ -96,6 +96,8 @@ class Method:
             MAP+TS); the benchmark trains that run once and evaluates both on it.
         calibrates_posthoc: the calibration step (``ibedl.training.calibrate``) refits the head's post-hoc parameter:
             IB-EDL's zeta, MAP+TS's temperature; otherwise it stays neutral.
+        frozen: ``f(params) -> names`` of head parameters that keep their initialisation (no gradient; an
+            ablation), or None.
     """
 
     name: str
@@ -111,6 +113,7 @@ class Method:
     confidence_ceiling: Callable[[dict, int], dict | None] | None = None
     reuses: str | None = None
     calibrates_posthoc: bool = False
+    frozen: Callable[[dict], tuple[str, ...]] | None = None
 
     @property
     def defaults(self) -> dict:

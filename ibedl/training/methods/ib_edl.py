@@ -5,6 +5,9 @@ paper's default) or ``nll`` (eq. L_IB-NLL: log alpha0 - log alpha_y, the exact -
 
 ``sigma_constant`` (off by default) is the ablation of the learned sigma: training samples e~ = mu + c * eps with this
 constant c for every option and question (the sigma head gets no gradient and stays as initialised).
+``sigma_frozen`` (off by default) is the other ablation: the sigma head keeps its initialisation (a copy of the option
+rows, its bias centred on the first batch) and gets no gradient, but the loss samples with the sigma it computes, so
+sigma still varies with the question as the untrained head makes it vary.
 
 ``beta_start`` (off by default) anneals the information weight: it starts at ``beta_start`` and moves
 log-linearly to ``beta`` over the first ``beta_anneal`` fraction of training, then stays at ``beta``.
@@ -21,7 +24,7 @@ from dataclasses import asdict
 from typing import Literal
 
 import torch
-from pydantic import model_validator
+from pydantic import StrictBool, model_validator
 
 from ibedl.training.confidence_ceiling import confidence_ceiling
 from ibedl.training.losses import RISKS, gaussian_information, ib_edl_risk
@@ -35,6 +38,7 @@ class IBEDLParams(Hyper):
     beta_start: Number | None = number(None, gt=0)  # anneal beta log-linearly from this to beta
     beta_anneal: Number = number(0.5, gt=0, le=1)  # share of training the annealing takes
     sigma_constant: Number | None = number(None, gt=0)  # ablation: a constant sigma instead of the learned one
+    sigma_frozen: StrictBool = False  # ablation: the sigma head stays at its initialisation (no gradient)
 
     @model_validator(mode="after")
     def _anneal(self):
@@ -75,6 +79,7 @@ METHOD = Method(
     head="ib_edl",
     loss=ib_edl_loss,
     hyper=IBEDLParams,
+    frozen=lambda params: ("sigma_weight", "sigma_bias") if params["sigma_frozen"] else (),
     clip_grad_norm=20.0,
     confidence_ceiling=ceiling,
     calibrates_posthoc=True,

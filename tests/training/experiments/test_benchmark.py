@@ -125,6 +125,25 @@ def test_summarise_run_matches_option_counts():
     assert out["ood/arc_easy/matched_options"] == 4 and out["ood/arc_easy/matched_n"] == 12
 
 
+def test_summarise_run_reports_sigma_against_the_evidence_and_as_an_ood_score():
+    from scipy.stats import spearmanr
+    from sklearn.metrics import roc_auc_score
+
+    from ibedl.training.experiments.evaluate_run import summarise_run
+
+    u_id, u_ood = [0.1, 0.3, 0.05, 0.2] * 3, [0.4, 0.5, 0.3] * 4
+    sigma_id, sigma_ood = [2.0, 1.0, 3.0, 1.0] * 3, [0.9, 0.5, 1.5] * 4
+    preds = {"sets": {
+        "sciq": {"probs": [[0.7, 0.3]] * 12, "labels": [0] * 12, "uncertainty": u_id, "sigma": sigma_id},
+        "obqa": {"probs": [[0.6, 0.4]] * 12, "labels": [0] * 12, "uncertainty": u_ood, "sigma": sigma_ood},
+    }}
+    out = summarise_run(preds, ["sciq", "obqa"])
+    assert out["sigma/spearman_inv_u"] == pytest.approx(spearmanr(sigma_id, [1 / u for u in u_id]).statistic)
+    assert out["ood/obqa/auroc_sigma"] == pytest.approx(roc_auc_score([1] * 12 + [0] * 12, sigma_id + sigma_ood))
+    assert out["ood/obqa/sigma_spearman_inv_u"] == pytest.approx(
+        spearmanr(sigma_ood, [1 / u for u in u_ood]).statistic)
+
+
 def test_eval_set_variants():
     from ibedl.training.experiments.evaluate_run import load_eval_set
 
