@@ -1,6 +1,6 @@
 """The nine-method grid's tables beside the paper's own numbers, generated into docs/results.md.
 
-    python -m benchmarks.paper_comparison [--results benchmarks/results/sciq_grid.json]
+    python -m benchmarks.paper_comparison [--grid sciq_grid|sciq_grid_paper] [--results PATH.json]
         [--efficiency benchmarks/results/method_efficiency.json] [--paper PATH.tex] [--docs docs/results.md] [--check]
 
 Our numbers come from the grid's results file (mean ± std over the seeds it holds) and the per-method cost
@@ -11,6 +11,11 @@ detection, OBQA as in-distribution) and the appendix's cost table (Llama3-8B on 
 the markers ``<!-- begin generated: paper-comparison NAME -->`` and ``<!-- end generated: paper-comparison NAME -->``
 in the docs page, so the prose around them stays hand-written and the numbers cannot drift from the committed
 results; ``--check`` exits 1 when the page is not what the results and the paper give (tests/benchmarks runs it).
+
+Two grids (``--grid``, see ``GRIDS``): ``sciq_grid`` (our protocol, benchmarks/sciq_grid.yaml; blocks named ``NAME``,
+with the cost table and the sigma ablation) and ``sciq_grid_paper`` (the paper's protocol,
+benchmarks/sciq_grid_paper.yaml; blocks named ``sciq_grid_paper/NAME``: training, id, ood, noise). A grid with no
+results file, or an empty one, fills its blocks with a line that says so, and ``--check`` says so too.
 """
 
 from __future__ import annotations
@@ -51,6 +56,9 @@ ROW = re.compile(r"&\s*(" + "|".join(re.escape(label) for label in LABELS) + r")
 COST_ROW = re.compile(r"^\s*(" + "|".join(re.escape(label) for label in LABELS) + r")(?: \([^)]*\))?\s*&(.*?)\\\\")
 COST_COLUMNS = ("test_samples_per_s", "train_samples_per_s", "train_memory_gb")  # the paper's column order
 BLOCK = re.compile(r"\\multirow\{\d+\}\{\*\}\{([A-Za-z0-9-]+)")
+# grid -> the prefix of its blocks' marker names; the first grid's blocks keep their bare names
+GRIDS = {"sciq_grid": "", "sciq_grid_paper": "sciq_grid_paper/"}
+GRID_BLOCKS = ("training", "id", "ood", "noise")  # the blocks a grid other than the first has
 
 
 def default_paper() -> Path:
@@ -318,6 +326,35 @@ def sections(results: list[dict], paper: dict, efficiency: dict | None = None,
     }
 
 
+def start_overlap_line(results: list[dict]) -> str:
+    """One sentence: how many of the runs' training questions their start (``init_from``) had drawn for its own
+    training, from each record's ``training.start_overlap``."""
+    found = [(r["training"] or {}).get("start_overlap") for r in results if r.get("training") is not None]
+    overlaps = [o for o in found if o]
+    if not overlaps:
+        return "The runs did not record how many of their training questions their start had seen."
+    seen = sorted({o["seen_by_start"] for o in overlaps})
+    sizes = sorted({o["questions"] for o in overlaps})
+    starts = sorted({o["start"] for o in overlaps})
+    return (f"Training questions the start ({', '.join(starts)}) had drawn for its own training: "
+            f"{' or '.join(map(str, seen))} of {' or '.join(map(str, sizes))} in each of the {len(overlaps)} cells "
+            f"that recorded it (training.start_overlap).")
+
+
+def grid_sections(results: list[dict] | None, paper: dict, grid: str) -> dict[str, str]:
+    """The blocks of a grid other than the first (``GRID_BLOCKS``, named with its ``GRIDS`` prefix): the first
+    grid's training, calibration and OOD tables on its results, the training block with the start's overlap; with
+    no results (None or an empty list) each block says so."""
+    prefix = GRIDS[grid]
+    if not results:
+        empty = (f"No results yet: the grid (benchmarks/{grid}.yaml) has no finished cell. Run it, then "
+                 f"python -m benchmarks.paper_comparison --grid {grid}.")
+        return {prefix + name: empty for name in GRID_BLOCKS}
+    blocks = sections(results, paper)
+    blocks["training"] = blocks["training"] + "\n\n" + start_overlap_line(results)
+    return {prefix + name: blocks[name] for name in GRID_BLOCKS}
+
+
 def fill(page: str, blocks: dict[str, str]) -> str:
     """``page`` with each ``<!-- begin generated: paper-comparison NAME -->`` block replaced by ``blocks[NAME]``.
 
@@ -337,7 +374,10 @@ def fill(page: str, blocks: dict[str, str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.paper_comparison", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--results", default="benchmarks/results/sciq_grid.json", help="the grid's results file")
+    parser.add_argument("--grid", choices=list(GRIDS), default="sciq_grid",
+                        help="which grid's blocks to fill: sciq_grid (our protocol, with the cost table and the sigma "
+                             "ablation) or sciq_grid_paper (the paper's protocol) (default sciq_grid)")
+    parser.add_argument("--results", help="the grid's results file (default benchmarks/results/<grid>.json)")
     parser.add_argument("--efficiency", default="benchmarks/results/method_efficiency.json",
                         help="python -m benchmarks.method_efficiency's results (the cost table)")
     parser.add_argument("--ablation", default="benchmarks/results/sciq_sigma_ablation.json",
@@ -347,23 +387,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if the page is out of date")
     args = parser.parse_args(argv)
     paper_path = Path(args.paper) if args.paper else default_paper()
+    results_path = args.results or f"benchmarks/results/{args.grid}.json"
+    first = args.grid == next(iter(GRIDS))
     try:
-        results = json.loads(Path(args.results).read_text())
-        efficiency = json.loads(Path(args.efficiency).read_text())
-        ablation = json.loads(Path(args.ablation).read_text()) if Path(args.ablation).is_file() else None
+        # the first grid's results must exist; a grid still running may have no results file yet
+        results = json.loads(Path(results_path).read_text()) if first or Path(results_path).is_file() else []
         paper = parse_paper(paper_path.read_text())
         docs = Path(args.docs)
         page = docs.read_text()
-        updated = fill(page, sections(results, paper, efficiency, ablation))
+        if first:
+            efficiency = json.loads(Path(args.efficiency).read_text())
+            ablation = json.loads(Path(args.ablation).read_text()) if Path(args.ablation).is_file() else None
+            blocks = sections(results, paper, efficiency, ablation)
+        else:
+            blocks = grid_sections(results, paper, args.grid)
+        updated = fill(page, blocks)
     except (OSError, ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    command = "python -m benchmarks.paper_comparison" + ("" if first else f" --grid {args.grid}")
+    state = "" if results else " (no results yet)"
     if args.check:
         if updated != page:
-            print(f"{docs} is out of date with {args.results}: run python -m benchmarks.paper_comparison",
-                  file=sys.stderr)
+            print(f"{docs} is out of date with {results_path}{state}: run {command}", file=sys.stderr)
             return 1
-        print(f"{docs} matches {args.results}")
+        print(f"{docs} matches {results_path}{state}")
         return 0
     docs.write_text(updated)
     print(f"wrote the generated tables of {docs}")

@@ -4,6 +4,7 @@ ValueError naming the key and the value (:func:`describe`)."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -73,6 +74,22 @@ class DataConfig(_Model):
     # The seed of the training subsets (a part's `limit`); None: the run's seed. A second stage that
     # should see the first stage's questions again (a true second epoch) sets the first stage's seed here.
     subset_seed: int | None = None
+    # An artifact directory (usually the run's init_from): the training subsets are drawn from the questions that
+    # artifact's own training did not draw, so a run that starts from it has not seen its training questions' labels.
+    disjoint_from: str | None = None
+
+    @field_validator("disjoint_from")
+    @classmethod
+    def _disjoint_from(cls, value):
+        if value is None:
+            return value
+        manifest = Path(value) / "manifest.json"
+        if not manifest.is_file():
+            raise ValueError(f"data.disjoint_from must be an artifact directory with a manifest.json, got {value!r}")
+        if "config" not in (json.loads(manifest.read_text()).get("training") or {}):
+            raise ValueError(f"data.disjoint_from {value!r}: its manifest has no training.config, so the questions "
+                             "it was trained on are unknown")
+        return value
 
     @field_validator("train")
     @classmethod

@@ -70,9 +70,11 @@ def load_parts(parts: list[DataPart], role: str, cfg: TrainConfig | None = None)
 
     if role == "train" and cfg is None:
         raise ValueError("training parts need the run's config (subset seed, label noise)")
+    train = role == "train"
+    # a start's training questions, left out of the draw (data.disjoint_from)
+    seen = start_training_ids(cfg.data.disjoint_from) if train and cfg.data.disjoint_from else frozenset()
     questions: list[MCQuestion] = []
     for part in parts:
-        train = role == "train"
         questions += load_dataset(
             part.dataset,
             part.split or role,
@@ -81,8 +83,29 @@ def load_parts(parts: list[DataPart], role: str, cfg: TrainConfig | None = None)
             seed=subset_seed(cfg) if train else 0,
             label_noise=cfg.data.label_noise if train else 0.0,
             noise_seed=cfg.data.noise_seed if train else 0,
+            exclude=seen,
         )
     return questions
+
+
+def start_training_ids(artifact: str | Path) -> frozenset[str]:
+    """The ids of the training questions the artifact at ``artifact`` drew, as its manifest's training config drew
+    them (those it then dropped as too long included): what a run that starts from it may have seen."""
+    training = json.loads((Path(artifact) / "manifest.json").read_text()).get("training") or {}
+    if "config" not in training:
+        raise ValueError(f"{artifact}: its manifest has no training.config, so its training questions are unknown")
+    cfg = TrainConfig(**training["config"])
+    return frozenset(q.id for q in load_parts(cfg.data.train, "train", cfg))
+
+
+def start_overlap(cfg: TrainConfig, train_q: list[MCQuestion]) -> dict | None:
+    """How many of the run's training questions its start (``init_from``) drew for its own training; None without
+    a start."""
+    if not cfg.init_from:
+        return None
+    seen = start_training_ids(cfg.init_from)
+    return {"start": str(cfg.init_from), "questions": len(train_q),
+            "seen_by_start": sum(q.id in seen for q in train_q), "disjoint_from": cfg.data.disjoint_from}
 
 
 def run_questions(training: dict) -> tuple[TrainConfig, list[MCQuestion], list[MCQuestion]]:
@@ -632,6 +655,7 @@ def training_record(cfg: TrainConfig, method: Method, params: dict, command: str
         "run": run,
         "confidence_ceiling": ceiling(method.name, params, train_q),
         "init_from": runs[0]["init_from"],
+        "start_overlap": start_overlap(cfg, train_q),
         "device": str(predictor.device),
         "torch": torch.__version__,
     }

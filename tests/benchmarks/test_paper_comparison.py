@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.paper_comparison import default_paper, fill, main, parse_paper, sections
+from benchmarks.paper_comparison import default_paper, fill, grid_sections, main, parse_paper, sections
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -184,3 +184,43 @@ def test_the_docs_page_matches_the_committed_results(tmp_path, capsys):
 def test_bad_input_is_an_error_message(tmp_path, capsys):
     assert main(["--results", str(tmp_path / "missing.json"), "--paper", str(tmp_path / "p.tex")]) == 2
     assert "missing.json" in capsys.readouterr().err
+
+
+def test_the_paper_protocol_grid_fills_its_own_blocks_and_states_the_starts_overlap():
+    results = [dict(r) for r in RESULTS]
+    for r in results:
+        r["training"] = {"start_overlap": {"start": "artifacts/map", "questions": 1000, "seen_by_start": 0,
+                                           "disjoint_from": "artifacts/map"}}
+    blocks = grid_sections(results, parse_paper(TEX), "sciq_grid_paper")
+    assert set(blocks) == {"sciq_grid_paper/training", "sciq_grid_paper/id", "sciq_grid_paper/ood",
+                           "sciq_grid_paper/noise"}
+    assert blocks["sciq_grid_paper/id"] == sections(results, parse_paper(TEX))["id"]  # the first grid's tables
+    assert blocks["sciq_grid_paper/training"].endswith(
+        "Training questions the start (artifacts/map) had drawn for its own training: 0 of 1000 in each of the "
+        f"{len(results)} cells that recorded it (training.start_overlap).")
+
+
+def test_a_grid_without_results_says_so_and_its_check_passes_on_a_page_that_says_so(tmp_path, capsys):
+    empty = grid_sections([], parse_paper(TEX), "sciq_grid_paper")
+    assert all(body.startswith("No results yet: the grid (benchmarks/sciq_grid_paper.yaml) has no finished cell")
+               for body in empty.values()) and len(empty) == 4
+    (tmp_path / "p.tex").write_text(TEX)
+    docs = tmp_path / "results.md"
+    docs.write_text("".join(f"<!-- begin generated: paper-comparison {name} -->\nold\n"
+                            f"<!-- end generated: paper-comparison {name} -->\n" for name in empty))
+    args = ["--grid", "sciq_grid_paper", "--results", str(tmp_path / "none.json"), "--paper", str(tmp_path / "p.tex"),
+            "--docs", str(docs)]
+    assert main([*args, "--check"]) == 1
+    assert "out of date with " + str(tmp_path / "none.json") + " (no results yet): run python -m " \
+           "benchmarks.paper_comparison --grid sciq_grid_paper" in capsys.readouterr().err
+    assert main(args) == 0 and main([*args, "--check"]) == 0
+    assert "matches" in capsys.readouterr().out and "No results yet" in docs.read_text()
+    # the first grid's check does not read the second grid's blocks, nor needs them
+    assert "sciq_grid_paper" not in "".join(sections(RESULTS, parse_paper(TEX)))
+
+
+@pytest.mark.skipif(not default_paper().is_file(), reason=f"the paper's source {default_paper()} is not here")
+def test_the_docs_page_matches_the_paper_grids_committed_results(capsys):
+    results = REPO / "benchmarks/results/sciq_grid_paper.json"
+    assert main(["--grid", "sciq_grid_paper", "--results", str(results), "--docs", str(REPO / "docs/results.md"),
+                 "--check"]) == 0

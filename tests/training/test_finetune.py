@@ -12,7 +12,7 @@ from ibedl.training.confidence_ceiling import confidence_ceiling
 from ibedl.training.config import load_config
 from ibedl.training.data import load_dataset
 from ibedl.training.evaluate import evaluate
-from ibedl.training.finetune import load_parts, main, run_questions, train
+from ibedl.training.finetune import load_parts, main, run_questions, start_overlap, train
 
 WORDS = ["sun", "moon", "water", "plant", "stone", "tree", "bird", "fish", "cloud", "river"]
 
@@ -168,6 +168,42 @@ def test_subset_seed_picks_the_training_subset_independently_of_the_run_seed(tmp
     first, other = subset("seed=0"), subset("seed=1")
     assert len(first) == 10 and set(first) != set(other)  # the run's seed picks the subset by default
     assert subset("seed=1", "data.subset_seed=0") == first  # a second stage can see the first stage's questions
+
+
+def test_disjoint_from_draws_training_questions_its_start_did_not_draw(tmp_path, jsonl_data):
+    def run_config(*extra):
+        return load_config(None, ["method=map", f"output={tmp_path / 'run'}",
+                                  f"data={{train: [{{dataset: jsonl, path: {jsonl_data}, limit: 15}}],"
+                                  f" validation: [{{dataset: jsonl, path: {jsonl_data}, limit: 5}}]}}", *extra])
+
+    # a start whose manifest says it trained on 20 of the 40 questions (drawn with seed 0)
+    start = tmp_path / "start"
+    start.mkdir()
+    start_cfg = load_config(None, ["method=map", f"output={start}",
+                                   f"data={{train: [{{dataset: jsonl, path: {jsonl_data}, limit: 20}}],"
+                                   f" validation: [{{dataset: jsonl, path: {jsonl_data}, limit: 5}}]}}"])
+    (start / "manifest.json").write_text(json.dumps({"training": {"config": start_cfg.to_dict()}}))
+    seen = {q.id for q in load_parts(start_cfg.data.train, "train", start_cfg)}
+
+    cfg = run_config(f"init_from={start}", f"data.disjoint_from={start}")
+    drawn = load_parts(cfg.data.train, "train", cfg)
+    assert len(drawn) == 15 and not {q.id for q in drawn} & seen
+    assert start_overlap(cfg, drawn) == {"start": str(start), "questions": 15, "seen_by_start": 0,
+                                         "disjoint_from": str(start)}
+    # without it the same seed draws 15 of the start's 20 (a smaller limit picks a subset of a larger one's)
+    same = run_config(f"init_from={start}")
+    assert start_overlap(same, load_parts(same.data.train, "train", same))["seen_by_start"] == 15
+    assert start_overlap(run_config(), drawn) is None  # no start, nothing to overlap
+
+
+def test_disjoint_from_must_name_an_artifact_with_a_training_config(tmp_path):
+    base = ["method=map", f"output={tmp_path / 'run'}",
+            "data={train: [{dataset: sciq}], validation: [{dataset: sciq}]}"]
+    with pytest.raises(ValueError, match="data.disjoint_from must be an artifact directory with a manifest.json, got"):
+        load_config(None, [*base, f"data.disjoint_from={tmp_path / 'nowhere'}"])
+    (tmp_path / "manifest.json").write_text(json.dumps({"training": {}}))
+    with pytest.raises(ValueError, match="its manifest has no training.config"):
+        load_config(None, [*base, f"data.disjoint_from={tmp_path}"])
 
 
 def test_run_questions_rebuild_a_noisy_runs_training_and_validation_questions(tmp_path, tiny_model_dir, jsonl_data):

@@ -6,7 +6,7 @@ Files are read from the data directory: ``$IBEDL_DATA_DIR``, by default ``<repo 
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,6 +113,7 @@ def load_dataset(
     seed: int = 0,
     label_noise: float = 0.0,
     noise_seed: int = 0,
+    exclude: Collection[str] = (),
 ) -> list[MCQuestion]:
     """Load one split of a dataset as multiple-choice questions.
 
@@ -128,6 +129,8 @@ def load_dataset(
         label_noise: the fraction of labels to move to a wrong option, after subsetting
             (see `perturb_labels`); 0 changes nothing.
         noise_seed: the seed of the label noise.
+        exclude: ids of questions left out before the subset is drawn (a run's start's training questions,
+            ``data.disjoint_from``); the subset is then drawn from the rest as `subset` draws it.
 
     Returns:
         The questions, each with ``answer`` the 0-based index of the correct option.
@@ -152,6 +155,10 @@ def load_dataset(
             raise ValueError(f"path= is only for the 'jsonl' dataset; for {name!r} set data_dir= or {DATA_DIR_ENV}")
         root = Path(data_dir).expanduser() if data_dir is not None else _configured_data_dir()
         questions = spec.load(root, split)
+    if isinstance(exclude, str):  # a lone id would be read as a set of characters
+        raise ValueError(f"exclude must be a collection of question ids, got the string {exclude!r}")
+    if exclude:
+        questions = [q for q in questions if q.id not in exclude]
     questions = subset(questions, limit, seed)
     if label_noise:
         questions = perturb_labels(questions, label_noise, noise_seed)

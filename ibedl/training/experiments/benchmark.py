@@ -116,18 +116,28 @@ def expand(config: dict) -> list[Run]:
     return runs
 
 
+RUN_DATA = ("train", "validation", "test", "label_noise", "noise_seed")  # the data keys each cell sets itself
+
+
 def train_overrides(config: dict, run: Run, method: str, out: Path) -> list[str]:
-    """``ibedl.training.finetune`` overrides for the trained run behind ``run``."""
+    """``ibedl.training.finetune`` overrides for the trained run behind ``run``. The config's ``train.data`` may add
+    data keys the cell does not set (``disjoint_from``, ``subset_seed``); the cell's own (``RUN_DATA``) are refused
+    there."""
     sizes = config.get("sizes", {})
     limits = {**sizes.get("default", {}), **sizes.get(run.dataset, {})}
+    base = json.loads(json.dumps(config.get("train", {})))
+    extra = base.pop("data", None) or {}
+    if not isinstance(extra, dict) or set(extra) & set(RUN_DATA):
+        raise ValueError(f"train.data may only add keys the grid does not set per cell (not {list(RUN_DATA)}), "
+                         f"got {extra!r}")
     data = {
+        **extra,
         "train": [{"dataset": run.dataset, "limit": limits.get("train")}],
         "validation": [{"dataset": run.dataset, "limit": limits.get("validation")}],
         "test": [],
         "label_noise": run.label_noise,
         "noise_seed": run.seed,
     }
-    base = json.loads(json.dumps(config.get("train", {})))
     params = config.get("method_params", {}).get(method, {})
     pairs = {**base, "method": method, "seed": run.seed, "output": str(out), "name": run.train_key(method),
              "data": data, "progress": False}
@@ -281,7 +291,8 @@ class Runner:
 def training_summary(manifest: dict) -> dict:
     """What training did to a cell's run, from its manifest: validation metrics at the start and the end (before any
     post-hoc step; an ensemble's members' means), the steps run of the budget and what stopped them, and the
-    calibration's post-hoc fit (IB-EDL's zeta) with the validation metrics after it."""
+    calibration's post-hoc fit (IB-EDL's zeta) with the validation metrics after it, and how many of its training
+    questions its start had drawn (``start_overlap``; None for a run from before it was recorded)."""
     training = manifest.get("training") or {}
     run = training.get("run") or {}
     members = run.get("members") or [run]
@@ -296,6 +307,7 @@ def training_summary(manifest: dict) -> dict:
         "best_steps": [m.get("best_step") for m in members], "budget_steps": members[0].get("budget_steps"),
         "stopped_by": [m.get("stopped_by") for m in members],
         "zeta": training.get("zeta"), "validation_after_posthoc": (manifest.get("metrics") or {}).get("validation"),
+        "start_overlap": training.get("start_overlap"),
     }
 
 

@@ -109,6 +109,17 @@ def test_load_dataset_limit_and_noise(user_file: Path) -> None:
     assert sum(bool(q.meta.get("noisy_label")) for q in noisy) == 5
 
 
+def test_load_dataset_draws_its_subset_from_the_questions_not_excluded(user_file: Path) -> None:
+    seen = {q.id for q in load_dataset("jsonl", "test", path=user_file, limit=30, seed=0)}
+    fresh = load_dataset("jsonl", "test", path=user_file, limit=15, seed=0, exclude=seen)
+    assert len(fresh) == 15 and not {q.id for q in fresh} & seen
+    # the draw is `subset`'s over what is left, so it is seeded and stable like any other
+    rest = [q for q in load_dataset("jsonl", "test", path=user_file) if q.id not in seen]
+    assert [q.id for q in fresh] == [q.id for q in subset(rest, 15, seed=0)]
+    with pytest.raises(ValueError, match="collection of question ids, got the string 'user-1'"):
+        load_dataset("jsonl", "test", path=user_file, exclude="user-1")
+
+
 def test_load_dataset_rejects_bad_noise_before_reading(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="label_noise must be a number in \\[0, 1\\), got 1.0"):
         load_dataset("jsonl", "test", path=tmp_path / "does-not-exist.jsonl", label_noise=1.0)

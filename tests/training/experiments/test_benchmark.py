@@ -243,3 +243,20 @@ def test_training_summary_reads_start_end_and_zeta_from_the_manifest():
     assert summary["validation_after_posthoc"] == {"ece": 0.05}
     # a run recorded before start and end metrics existed
     assert training_summary({"training": {"run": {"steps": 38}}})["validation_start"] is None
+
+
+def test_train_data_adds_keys_the_cells_do_not_set(bench_config, tmp_path):
+    from ibedl.training.experiments.benchmark import train_overrides
+
+    _, config = bench_config
+    run = Run("noise", "noise", "sciq", "map", 1, ("sciq",), 0.3)
+    with_start = {**config, "train": {**config["train"], "data": {"disjoint_from": "artifacts/map"}}}
+    data = next(json.loads(o.split("=", 1)[1]) for o in train_overrides(with_start, run, "map", tmp_path)
+                if o.startswith("data="))
+    assert data["disjoint_from"] == "artifacts/map"
+    assert data["train"] == [{"dataset": "sciq", "limit": 8}] and data["label_noise"] == 0.3 and data["noise_seed"] == 1
+    plain = train_overrides(config, run, "map", tmp_path)
+    assert not any(o.startswith("data=") and "disjoint_from" in o for o in plain)
+    clash = {**config, "train": {**config["train"], "data": {"label_noise": 0.5}}}
+    with pytest.raises(ValueError, match="train.data may only add keys .* got \\{'label_noise': 0.5\\}"):
+        train_overrides(clash, run, "map", tmp_path)
