@@ -8,14 +8,16 @@ from pathlib import Path
 import pytest
 
 from ibedl.engine.engine import Engine
-from ibedl.engine.errors import QueueFull, Timeout
+from ibedl.engine.errors import Overloaded, QueueFull, Timeout
 from ibedl.engine.settings import EngineSettings
 
 Q = {"question": "Which is sun?", "options": ["sun", "moon", "tree"]}
 
 
-def engine_with(artifact: Path, delay: float = 0.0, **settings) -> tuple[Engine, list[list[str]]]:
-    """An engine on ``artifact`` whose model sleeps ``delay`` seconds per pass and records each pass's questions."""
+def engine_with(artifact: Path, delay: float = 0.0, gate: threading.Event | None = None,
+                **settings) -> tuple[Engine, list[list[str]]]:
+    """An engine on ``artifact`` whose model records each pass's questions, sleeps ``delay`` seconds per pass and,
+    with a ``gate``, holds its first pass until the gate opens."""
     engine = Engine.load(EngineSettings(artifact=artifact, max_tokens=96, **settings))
     passes: list[list[str]] = []
     predictor = engine.default.predictor
@@ -23,6 +25,8 @@ def engine_with(artifact: Path, delay: float = 0.0, **settings) -> tuple[Engine,
 
     def predict(questions, truncate_context=True):
         passes.append([q.question for q in questions])
+        if gate is not None and len(passes) == 1:
+            assert gate.wait(30), "the test never opened the gate"
         time.sleep(delay)
         return original(questions, truncate_context)
 
@@ -30,20 +34,31 @@ def engine_with(artifact: Path, delay: float = 0.0, **settings) -> tuple[Engine,
     return engine, passes
 
 
+def wait_until(condition, seconds: float = 30.0) -> None:
+    end = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < end, "timed out waiting"
+        time.sleep(0.01)
+
+
 def test_threads_take_fair_turns_in_one_scheduler(tiny_artifact):
     """A thread that sends one question while another's six-question request waits is answered in the next pass,
     not after all six: the notebook's threads are scheduled as the service's clients are."""
-    engine, passes = engine_with(tiny_artifact, delay=0.3, max_batch_size=2)
+    gate = threading.Event()
+    engine, passes = engine_with(tiny_artifact, gate=gate, max_batch_size=2)
     try:
         big = [{**Q, "question": f"big {i}"} for i in range(6)]
         done: dict[str, object] = {}
         first = threading.Thread(target=lambda: done.setdefault("big", engine.predict(big, batch_size=6)))
         first.start()
-        while not passes:  # the big request's first pass has started
-            time.sleep(0.01)
-        done["small"] = engine.predict([{**Q, "question": "small"}])
+        wait_until(lambda: passes)  # the big request's first pass holds the model (2 questions), 4 wait
+        second = threading.Thread(target=lambda: done.setdefault("small", engine.predict([{**Q, "question": "small"}])))
+        second.start()
+        wait_until(lambda: engine.batcher.depth == 5)  # the small question waits too
+        gate.set()
         first.join()
-        assert [a.prediction.letter for a in done["big"]] and len(done["small"]) == 1
+        second.join()
+        assert len(done["big"]) == 6 and len(done["small"]) == 1
         small_pass = next(i for i, p in enumerate(passes) if "small" in p)
         assert small_pass == 1, passes  # the pass right after the one in flight, before big's remaining ones
         assert sum(len(p) for p in passes) == 7 and max(len(p) for p in passes) <= 2
@@ -63,15 +78,18 @@ def test_the_python_door_is_admitted_like_http(tiny_artifact):
 
 
 def test_a_deadline_is_kept(tiny_artifact):
-    engine, _ = engine_with(tiny_artifact, delay=0.5)
+    gate = threading.Event()
+    engine, passes = engine_with(tiny_artifact, gate=gate)
     try:
         blocker = threading.Thread(target=lambda: engine.predict([Q]))
         blocker.start()
-        time.sleep(0.1)
-        with pytest.raises(Timeout):  # no estimate of the model's speed says otherwise: admitted, then late
-            engine.predict([Q], timeout_s=0.2)
+        wait_until(lambda: passes)  # the model is held: the next request cannot be answered in time
+        with pytest.raises((Timeout, Overloaded)):  # never answered after its deadline: timed out, or refused/shed
+            engine.predict([Q], timeout_s=0.2)  # when the speed estimate already says it cannot make it
+        gate.set()
         blocker.join()
     finally:
+        gate.set()
         engine.close()
 
 
