@@ -62,7 +62,8 @@ class ServiceState:
         self.loader = loader
         self.metrics = Metrics()
         self.admission = Admission(settings.request_timeout_s, settings.admission_margin)  # the engine's, once loaded
-        self.feedback = Feedback(settings.engine())  # receipts out, labels in (IBEDL_FEEDBACK_DB or IBEDL_FEEDBACK_DSN)
+        self.engine_settings = settings.engine()  # the engine's part of the settings, derived once
+        self.feedback = Feedback(self.engine_settings)  # receipts out, labels in (IBEDL_FEEDBACK_DB or _DSN)
         self.status = "loading"
         self.reason: str | None = "the model is loading"
         self.engine: Engine | None = None  # once loaded
@@ -127,7 +128,7 @@ class ServiceState:
             loaded = await asyncio.to_thread(self.loader, self.settings)
             predictors = loaded if isinstance(loaded, list) else [loaded]
             to_measure = self._to_measure(predictors)
-            runtimes = await asyncio.to_thread(make_runtimes, predictors, self.settings.engine(), bool(to_measure))
+            runtimes = await asyncio.to_thread(make_runtimes, predictors, self.engine_settings, bool(to_measure))
             monitors = {}
             for name, rt in runtimes.items():
                 target = rt.thresholds.how.get("target_accuracy")
@@ -148,7 +149,7 @@ class ServiceState:
                 self.reason = f"the adapter failed to load: {e}"
             return
         self.monitors = monitors
-        self.engine = Engine(runtimes, self.settings.engine(), self.feedback, service_time, self.admission,
+        self.engine = Engine(runtimes, self.engine_settings, self.feedback, service_time, self.admission,
                              on_batch=self._on_batch, on_depth=self.metrics.queue_depth.set)
         self.engine.answer_hooks.append(self._observe)
         await self.engine.start()

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ibedl.core.dirichlet import dirichlet_outputs
-from ibedl.core.head import POSTHOC_NEUTRAL, adjust_alpha, temper_logits
+from ibedl.core.head import POSTHOC_KEYS, POSTHOC_NEUTRAL, adjust_alpha, temper_logits
 from ibedl.core.head import temper as head_temper
 from ibedl.training.posthoc import adjusted_alphas, fit_zeta, padded
 
@@ -82,7 +82,11 @@ class Evidential:
     """A Dirichlet head without a post-hoc step: alpha as the head gives it."""
 
     name = "evidential"
-    key: str | None = None  # the head config's post-hoc parameter
+
+    @property
+    def key(self) -> str | None:
+        """The head config's post-hoc parameter (ibedl.core.head.POSTHOC_KEYS), None without a step."""
+        return POSTHOC_KEYS.get(self.name)
 
     def neutral(self) -> dict:
         """The head update that leaves the outputs unchanged (what the thresholds assume without the step)."""
@@ -99,16 +103,15 @@ class Evidential:
         """Predictive outputs with the head ``update`` applied, in float64 (calibration's decisions)."""
         return dirichlet(self.alphas(raw, update), raw["offset"])
 
-    def served_alpha(self, raw: dict, update: dict) -> torch.Tensor:
-        alpha, _ = padded(raw["alpha"], raw["offset"])
-        return alpha.float()
+    def served_alpha(self, alpha: torch.Tensor, raw: dict, update: dict) -> torch.Tensor:
+        """(N, max C) float32 alpha as the head serves it with ``update`` set, from the padded raw alpha."""
+        return alpha
 
     def served(self, raw: dict, update: dict) -> Outputs:
         """What the head answers with ``update`` set, in float32 as its forward pass computes it."""
         offset = raw["offset"]
-        alpha = self.served_alpha(raw, update)
-        _, mask = padded(raw["alpha"], offset)
-        out = dirichlet_outputs(alpha, mask, offset)
+        alpha, mask = padded(raw["alpha"], offset)
+        out = dirichlet_outputs(self.served_alpha(alpha.float(), raw, update), mask, offset)
         probs = out.probs.double().numpy()
         return Outputs([probs[i, : len(a)] for i, a in enumerate(raw["alpha"])], out.uncertainty.double().numpy())
 
@@ -117,7 +120,6 @@ class IBEDL(Evidential):
     """IB-EDL's head: alpha <- max(alpha - zeta * sigma, offset), zeta fitted by NLL (ibedl.training.posthoc)."""
 
     name = "ib_edl"
-    key = "zeta"
 
     def fit(self, raw: dict, labels: np.ndarray, idx: np.ndarray) -> tuple[dict, dict]:
         zeta, info = fit_zeta([np.asarray(raw["alpha"][i], dtype=np.float64) for i in idx],
@@ -130,16 +132,15 @@ class IBEDL(Evidential):
         zeta = update.get("zeta", 0.0)
         return adjusted_alphas(alphas, raw["sigma"], zeta, raw["offset"]) if zeta else alphas
 
-    def served_alpha(self, raw: dict, update: dict) -> torch.Tensor:
+    def served_alpha(self, alpha: torch.Tensor, raw: dict, update: dict) -> torch.Tensor:
         sigma, _ = padded(raw["sigma"])
-        return adjust_alpha(super().served_alpha(raw, update), sigma.float(), update.get("zeta", 0.0), raw["offset"])
+        return adjust_alpha(alpha, sigma.float(), update.get("zeta", 0.0), raw["offset"])
 
 
 class Softmax(Evidential):
     """A softmax head: softmax(log p / T), the temperature fitted by NLL."""
 
     name = "softmax"
-    key = "temperature"
 
     def fit(self, raw: dict, labels: np.ndarray, idx: np.ndarray) -> tuple[dict, dict]:
         t, info = fit_temperature([np.asarray(raw["probs"][i], dtype=np.float64) for i in idx], labels[idx])

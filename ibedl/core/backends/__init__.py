@@ -30,6 +30,7 @@ from ibedl.core.backends.openvino_int8_weights import BACKEND as OPENVINO_INT8_W
 from ibedl.core.backends.openvino_ir import (
     CompileCrashError,
     LastTokenTrunk,
+    OpenVINOBackend,
     OpenVINOTrunk,
     artifact_sample,
     compile_checked,
@@ -141,9 +142,9 @@ def ir_path(artifact: Path, member: str, base_sha256: str, backend: str, sample:
     return _ir_path(artifact, member, base_sha256, _openvino(backend).ir, sample)
 
 
-def _openvino(name: str):
+def _openvino(name: str) -> OpenVINOBackend:
     backend = get(name)
-    if not hasattr(backend, "ir"):
+    if not isinstance(backend, OpenVINOBackend):
         raise ValueError(f"backend {name!r} runs no OpenVINO IR")
     return backend
 

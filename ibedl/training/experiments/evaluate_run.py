@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from scipy.stats import spearmanr
 
 from ibedl.core.artifact import atomic_write_text, read_manifest
 from ibedl.training import metrics
@@ -108,8 +109,6 @@ def outputs(preds) -> dict:
 
 def spearman(a, b) -> float:
     """Spearman's rank correlation of two per-question series (scipy.stats.spearmanr)."""
-    from scipy.stats import spearmanr
-
     return float(spearmanr(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)).statistic)
 
 
