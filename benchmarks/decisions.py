@@ -53,17 +53,20 @@ DEV_LIMIT = 300  # questions per validation-split shifted stream (enough to comp
 SHIFTED = ("sciq_no_passage", "obqa", "arc_easy", "arc_challenge", "race_no_article")
 
 
-def streams(limit: int, dev_limit: int = DEV_LIMIT) -> dict:
+def streams(limit: int, dev_limit: int = DEV_LIMIT, test: bool = True) -> dict:
     """The calibration sample, SciQ test, and each shifted stream twice: from the datasets' validation splits
-    (``<name>_dev``: where design choices are checked) and from their test splits (the report)."""
+    (``<name>_dev``: where design choices are checked) and from their test splits (the report). ``test=False``:
+    the validation streams only (SciQ validation and the ``_dev`` streams)."""
     from ibedl.training.data import load_dataset
 
     bare = lambda qs: [dataclasses.replace(q, context=None) for q in qs]  # noqa: E731
-    sciq_val, sciq_test = load_dataset("sciq", "validation"), load_dataset("sciq", "test")
-    out = {"sciq_validation": sciq_val, "sciq_test": sciq_test}
-    for split, suffix, n in (("validation", "_dev", dev_limit), ("test", "", limit)):
+    sciq_val = load_dataset("sciq", "validation")
+    out = {"sciq_validation": sciq_val}
+    if test:
+        out["sciq_test"] = load_dataset("sciq", "test")
+    for split, suffix, n in (("validation", "_dev", dev_limit), ("test", "", limit))[:2 if test else 1]:
         out["sciq_no_passage" + suffix] = bare(load_dataset("sciq", "validation", limit=n, seed=0) if suffix
-                                               else sciq_test)
+                                               else out["sciq_test"])
         for name in ("obqa", "arc_easy", "arc_challenge"):
             out[name + suffix] = load_dataset(name, split, limit=n, seed=0)
         out["race_no_article" + suffix] = bare(load_dataset("race", split, limit=n, seed=0))

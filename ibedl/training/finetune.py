@@ -197,6 +197,7 @@ def build(cfg: TrainConfig, method: Method, device: str | None = None, resolved:
         centre_options=cfg.centre_options,
         evidence_scale=cfg.evidence_scale,
         centre_sigma=cfg.centre_options and HEADS[method.head].has_sigma,
+        **(method.head_options(params) if method.head_options else {}),
     )
     head = build_head(head_config, rows).to(model.device)
     lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
@@ -252,11 +253,16 @@ def make_optimizer(cfg: TrainConfig, model, head) -> tuple[torch.optim.Optimizer
     method = get_method(cfg.method)
     for name in method.frozen(method.params(cfg.method_params)) if method.frozen else ():
         getattr(head, name).requires_grad_(False)  # an ablation: kept at its initialisation
-    head_params = [p for p in head.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        [{"params": lora_params}, {"params": head_params, "lr": cfg.optim.head_lr or cfg.optim.lr}],
-        lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
-    )
+    head_lr = cfg.optim.head_lr or cfg.optim.lr
+    scales = method.lr_scales(method.params(cfg.method_params)) if method.lr_scales else {}
+    by_scale: dict[float, list] = {}  # the head's parameters grouped by their learning-rate factor
+    for name, p in head.named_parameters():
+        if p.requires_grad:
+            by_scale.setdefault(float(scales.get(name, 1.0)), []).append(p)
+    groups = [{"params": lora_params}, {"params": by_scale.pop(1.0, []), "lr": head_lr}]
+    groups += [{"params": ps, "lr": head_lr * scale} for scale, ps in sorted(by_scale.items())]
+    optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+    head_params = [p for g in groups[1:] for p in g["params"]]
     return optimizer, sum(p.numel() for p in lora_params + head_params)
 
 

@@ -154,3 +154,41 @@ def test_ib_edl_sigma_frozen_keeps_the_sigma_head_out_of_the_optimizer():
         assert {n for n, p in head.named_parameters() if id(p) in in_optimizer} == trained
     with pytest.raises(ValueError, match="sigma_frozen"):
         get_method("ib_edl").params({"sigma_frozen": "yes"})
+
+
+def test_ib_edl_sigma_lr_scale_trains_the_sigma_head_at_its_own_rate():
+    from types import SimpleNamespace
+
+    from ibedl.training.finetune import make_optimizer
+
+    head = build_head(HeadConfig("ib_edl", 5, 16), torch.randn(5, 16))
+    model = torch.nn.Linear(2, 2)
+    cfg = SimpleNamespace(method="ib_edl", method_params={"sigma_lr_scale": 20}, train_evidence_bias=True,
+                          optim=SimpleNamespace(lr=1e-3, head_lr=5e-5, weight_decay=0.0))
+    optimizer, count = make_optimizer(cfg, model, head)
+    names = {id(p): n for n, p in head.named_parameters()}
+    groups = {tuple(sorted(names[id(p)] for p in g["params"])): g["lr"] for g in optimizer.param_groups[1:]}
+    assert groups == {("mu_bias", "mu_weight"): 5e-5, ("sigma_bias", "sigma_weight"): pytest.approx(1e-3)}
+    assert count == sum(p.numel() for p in model.parameters()) + sum(p.numel() for p in head.parameters())
+    cfg.method_params = {}  # the default: one head group at head_lr
+    optimizer, _ = make_optimizer(cfg, model, head)
+    assert [g["lr"] for g in optimizer.param_groups[1:]] == [5e-5]
+    with pytest.raises(ValueError, match="sigma_lr_scale"):
+        get_method("ib_edl").params({"sigma_lr_scale": 0})
+
+
+def test_ib_edl_sigma_init_scale_zero_starts_sigma_equal_for_every_question():
+    """Scale 0: the sigma rows start at zero, so after the first batch's centring sigma is softplus(0) + floor for
+    every question and option; scale 1 (the paper's) makes it vary with the hidden state."""
+    from ibedl.core.head import SIGMA_FLOOR
+
+    method = get_method("ib_edl")
+    rows, hidden = torch.randn(4, 16), torch.randn(6, 16)
+    mask = torch.ones(6, 4, dtype=torch.bool)
+    for scale, constant in ((0, True), (1, False)):
+        options = method.head_options(method.params({"sigma_init_scale": scale}))
+        head = build_head(HeadConfig("ib_edl", 4, 16, centre_options=True, centre_sigma=True, **options), rows)
+        head.init_bias_from(hidden, mask)
+        _, sigma = head.gaussian(hidden, mask)
+        expected = torch.nn.functional.softplus(torch.zeros(())) + SIGMA_FLOOR
+        assert torch.allclose(sigma, expected.expand_as(sigma)) == constant

@@ -98,6 +98,10 @@ class Method:
             IB-EDL's zeta, MAP+TS's temperature; otherwise it stays neutral.
         frozen: ``f(params) -> names`` of head parameters that keep their initialisation (no gradient; an
             ablation), or None.
+        head_options: ``f(params) -> {HeadConfig field: value}`` the head is built with (IB-EDL's sigma
+            initialisation), or None.
+        lr_scales: ``f(params) -> {head parameter name: factor}``: those head parameters train at factor x the
+            head's learning rate (IB-EDL's sigma head), or None.
     """
 
     name: str
@@ -114,6 +118,8 @@ class Method:
     reuses: str | None = None
     calibrates_posthoc: bool = False
     frozen: Callable[[dict], tuple[str, ...]] | None = None
+    head_options: Callable[[dict], dict] | None = None
+    lr_scales: Callable[[dict], dict[str, float]] | None = None
 
     @property
     def defaults(self) -> dict:

@@ -8,6 +8,10 @@ constant c for every option and question (the sigma head gets no gradient and st
 ``sigma_frozen`` (off by default) is the other ablation: the sigma head keeps its initialisation (a copy of the option
 rows, its bias centred on the first batch) and gets no gradient, but the loss samples with the sigma it computes, so
 sigma still varies with the question as the untrained head makes it vary.
+``sigma_init_scale`` and ``sigma_lr_scale`` (1 by default: the paper's initialisation, the head's learning rate) set
+the sigma rows' start (scale x the option rows; 0: sigma starts the same for every question and differs between
+questions only as training makes it) and its learning rate (factor x ``optim.head_lr``): the search for a setting
+in which sigma says something the evidence does not (``benchmarks/sciq_sigma_search.yaml``).
 
 ``beta_start`` (off by default) anneals the information weight: it starts at ``beta_start`` and moves
 log-linearly to ``beta`` over the first ``beta_anneal`` fraction of training, then stays at ``beta``.
@@ -39,6 +43,8 @@ class IBEDLParams(Hyper):
     beta_anneal: Number = number(0.5, gt=0, le=1)  # share of training the annealing takes
     sigma_constant: Number | None = number(None, gt=0)  # ablation: a constant sigma instead of the learned one
     sigma_frozen: StrictBool = False  # ablation: the sigma head stays at its initialisation (no gradient)
+    sigma_init_scale: Number = number(1.0, ge=0)  # sigma rows start as this x the option rows
+    sigma_lr_scale: Number = number(1.0, gt=0)  # the sigma head trains at this x optim.head_lr
 
     @model_validator(mode="after")
     def _anneal(self):
@@ -80,6 +86,8 @@ METHOD = Method(
     loss=ib_edl_loss,
     hyper=IBEDLParams,
     frozen=lambda params: ("sigma_weight", "sigma_bias") if params["sigma_frozen"] else (),
+    head_options=lambda params: {"sigma_init_scale": float(params["sigma_init_scale"])},
+    lr_scales=lambda params: {"sigma_weight": params["sigma_lr_scale"], "sigma_bias": params["sigma_lr_scale"]},
     clip_grad_norm=20.0,
     confidence_ceiling=ceiling,
     calibrates_posthoc=True,

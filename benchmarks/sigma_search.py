@@ -1,0 +1,165 @@
+"""Does IB-EDL's sigma say anything 1/u does not, in any setting of the search? Scored on validation data only:
+
+    nice -n 19 python -m benchmarks.hparam_search --config benchmarks/sciq_sigma_search.yaml   (trains the runs)
+    python -m benchmarks.sigma_search [--search benchmarks/results/sciq_sigma_search.json]
+                                      [--output benchmarks/results/sciq_sigma_information.json]
+
+For every candidate run of the search, its raw outputs at zeta 0 (IB-EDL as the paper serves it, so that 1/u holds
+the evidence alone) on all SciQ validation questions and on the five shifted streams drawn from validation splits
+(``benchmarks.decisions``: ``<shifted>_dev``, 300 questions each). Per question sigma is its mean over the options
+and 1/u = alpha0 / C. Reported per candidate:
+
+- sigma's spread (median, coefficient of variation) and its Spearman correlation with 1/u on each stream;
+- **out of distribution**, per shifted stream (SciQ validation the positive class): the AUROC of 1/u and of sigma
+  (higher sigma read as in distribution), and of a logistic model of (log 1/u, log sigma) against one of log 1/u
+  alone, both scored out of fold (5 folds, stratified): the **gain** of adding sigma, with a 95% interval over
+  1,000 paired bootstrap resamples of the questions;
+- **in distribution**, the same gain for telling right answers from wrong ones on SciQ validation, and sigma's
+  partial Spearman correlation with being right once 1/u is accounted for (ranks residualised on 1/u's rank).
+
+Sigma adds information in a setting when a gain's interval lies above zero. The test split is never read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+from scipy.stats import rankdata, spearmanr
+from sklearn.linear_model import LogisticRegression
+from sklearn.metrics import roc_auc_score
+from sklearn.model_selection import StratifiedKFold
+
+from benchmarks.common import write_result
+from benchmarks.decisions import SHIFTED, streams
+from benchmarks.sigma_information import auroc, features
+
+SEARCH = Path("benchmarks/results/sciq_sigma_search.json")
+OUTPUT = Path("benchmarks/results/sciq_sigma_information.json")
+FOLDS = 5
+RESAMPLES = 1000
+
+
+def out_of_fold(x: np.ndarray, y: np.ndarray, seed: int = 0) -> np.ndarray:
+    """(n, k) features, (n,) 0/1 labels -> (n,) logistic scores, each from a model fitted on the other folds."""
+    scores = np.empty(len(y))
+    for fit, held in StratifiedKFold(FOLDS, shuffle=True, random_state=seed).split(x, y):
+        model = LogisticRegression(class_weight="balanced").fit(x[fit], y[fit])
+        scores[held] = model.decision_function(x[held])
+    return scores
+
+
+def gain(x: np.ndarray, y: np.ndarray, seed: int = 0) -> dict:
+    """AUROC of (log 1/u, log sigma) against log 1/u alone, both out of fold, with a paired bootstrap interval of the
+    difference. ``x``: (n, 2) with log 1/u first."""
+    alone, both = out_of_fold(x[:, :1], y, seed), out_of_fold(x, y, seed)
+    rng = np.random.default_rng(seed)
+    diffs = []
+    for _ in range(RESAMPLES):
+        i = rng.integers(0, len(y), len(y))
+        if y[i].min() == y[i].max():
+            continue
+        diffs.append(roc_auc_score(y[i], both[i]) - roc_auc_score(y[i], alone[i]))
+    low, high = np.percentile(diffs, [2.5, 97.5])
+    a, b = roc_auc_score(y, alone), roc_auc_score(y, both)
+    return {"auroc_inv_u": float(a), "auroc_inv_u_and_sigma": float(b), "gain": float(b - a),
+            "gain_ci95": [float(low), float(high)], "sigma_adds": bool(low > 0)}
+
+
+def partial_spearman(a: np.ndarray, b: np.ndarray, given: np.ndarray) -> float:
+    """Spearman correlation of ``a`` and ``b`` with ``given`` partialled out: the Pearson correlation of their ranks'
+    residuals after a linear fit on the rank of ``given``."""
+    ra, rb, rg = rankdata(a), rankdata(b), rankdata(given)
+    design = np.c_[np.ones_like(rg), rg]
+
+    def residual(r):
+        return r - design @ np.linalg.lstsq(design, r, rcond=None)[0]
+
+    ea, eb = residual(ra), residual(rb)
+    return float(np.dot(ea, eb) / np.sqrt(np.dot(ea, ea) * np.dot(eb, eb)))
+
+
+def score_candidate(feats: dict, hits: np.ndarray) -> dict:
+    """The candidate's record from its per-stream features (``features``) and SciQ validation's right answers."""
+    val = feats["sciq_validation"]
+    pair = lambda f: np.c_[np.log(f["inv_u"]), np.log(f["sigma"])]  # noqa: E731
+    sigma = val["sigma"]
+    record = {
+        "sigma_median": float(np.median(sigma)), "sigma_cv": float(np.std(sigma) / np.mean(sigma)),
+        "accuracy": float(hits.mean()),
+        "spearman_sigma_inv_u": {name: float(spearmanr(f["sigma"], f["inv_u"]).statistic) for name, f in feats.items()},
+        "in_distribution": {"questions": int(len(hits)),
+                            "partial_spearman_sigma_right_given_inv_u": partial_spearman(sigma, hits, val["inv_u"]),
+                            **gain(pair(val), hits)},
+        "ood": {},
+    }
+    for s in SHIFTED:
+        shifted = feats[f"{s}_dev"]
+        x = np.concatenate([pair(val), pair(shifted)])
+        y = np.r_[np.ones(len(val["sigma"])), np.zeros(len(shifted["sigma"]))]
+        record["ood"][s] = {"questions": int(len(shifted["sigma"])),
+                            "auroc_sigma": auroc(val["sigma"], shifted["sigma"]), **gain(x, y)}
+    return record
+
+
+def run_features(run: str, questions: dict, batch_size: int) -> tuple[dict, np.ndarray]:
+    """A trained run's per-stream features at zeta 0 and its right answers on SciQ validation."""
+    from ibedl.training.calibrate import raw_outputs
+    from ibedl.training.experiments.evaluate_run import load_run
+
+    predictor = load_run(run)
+    feats, hits = {}, None
+    for name, qs in questions.items():
+        kind, raw = raw_outputs(predictor, qs, batch_size, progress=True)
+        if raw.get("sigma") is None:
+            raise SystemExit(f"{run} has no sigma: the search's candidates must be IB-EDL runs")
+        feats[name] = features(raw, kind, raw["offset"], {})  # {}: the post-hoc parameter neutral (zeta 0)
+        if name == "sciq_validation":
+            labels = [q.answer for q in qs]
+            hits = np.asarray([float(np.argmax(p) == y) for p, y in zip(raw["probs"], labels, strict=True)])
+    return feats, hits
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sigma_search", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--search", default=str(SEARCH), help="the search's results (benchmarks.hparam_search)")
+    parser.add_argument("--output", default=str(OUTPUT))
+    parser.add_argument("--batch-size", type=int, default=16)
+    args = parser.parse_args(argv)
+    search = Path(args.search)
+    if not search.is_file():
+        print(f"error: no search results at {search}: run python -m benchmarks.hparam_search "
+              "--config benchmarks/sciq_sigma_search.yaml first", file=sys.stderr)
+        return 2
+    candidates = json.loads(search.read_text())["candidates"]
+    output = Path(args.output)
+    done = {r["run"]: r for r in json.loads(output.read_text())["candidates"]} if output.is_file() else {}
+    questions = streams(0, test=False)
+    command = "python -m benchmarks.sigma_search " + " ".join(argv if argv is not None else sys.argv[1:])
+    records = []
+    for c in candidates:
+        previous = done.get(c["run"])
+        if previous is not None and previous["overrides"] == c["overrides"]:
+            records.append(previous)  # scored before: resumes
+            continue
+        if not (Path(c["run"]) / "manifest.json").is_file():
+            print(f"error: {c['run']} is not on this machine: train it with benchmarks.hparam_search", file=sys.stderr)
+            return 2
+        feats, hits = run_features(c["run"], questions, args.batch_size)
+        records.append({"index": c["index"], "overrides": c["overrides"], "run": c["run"],
+                        "validation_nll": c["validation_end"]["nll"], **score_candidate(feats, hits)})
+        result = {"command": command, "search": str(search), "split": "validation only", "zeta": 0, "folds": FOLDS,
+                  "resamples": RESAMPLES, "streams": {k: len(v) for k, v in questions.items()},
+                  "candidates": records,
+                  "sigma_adds_anywhere": any(r["in_distribution"]["sigma_adds"] or
+                                             any(o["sigma_adds"] for o in r["ood"].values()) for r in records)}
+        write_result(output, result, echo=False)  # after every candidate: an interrupted run resumes
+        print(f"{c['run']}: scored", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

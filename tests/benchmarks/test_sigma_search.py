@@ -1,0 +1,52 @@
+"""benchmarks.sigma_search's statistics on questions whose sigma is built to carry information or not."""
+
+import numpy as np
+import pytest
+
+from benchmarks.decisions import SHIFTED
+from benchmarks.sigma_search import gain, main, partial_spearman, score_candidate
+
+
+def test_partial_spearman_removes_what_the_given_variable_explains():
+    rng = np.random.default_rng(0)
+    given = rng.normal(size=2000)
+    a = given + 0.1 * rng.normal(size=2000)  # both follow `given`: correlated, but not beyond it
+    b = given + 0.1 * rng.normal(size=2000)
+    assert abs(partial_spearman(a, b, given)) < 0.06
+    own = rng.normal(size=2000)  # a signal of their own, shared
+    assert partial_spearman(a + own, b + own, given) > 0.8
+
+
+def test_gain_is_positive_only_when_sigma_carries_a_signal_of_its_own():
+    rng = np.random.default_rng(1)
+    y = np.r_[np.ones(400), np.zeros(400)]
+    log_inv_u = y + rng.normal(size=800)  # 1/u separates the classes in part
+    echo = np.c_[log_inv_u, 0.5 * log_inv_u]  # sigma a function of 1/u: nothing to add
+    no = gain(echo, y)
+    assert abs(no["gain"]) < 0.01 and not no["sigma_adds"]
+    assert no["auroc_inv_u"] == pytest.approx(0.76, abs=0.04)  # Phi(1 / sqrt(2)) for unit shift and noise
+    own = np.c_[log_inv_u, y + rng.normal(size=800)]  # sigma an independent reading of the class
+    yes = gain(own, y)
+    assert yes["gain"] > 0.05 and yes["sigma_adds"] and yes["gain_ci95"][0] > 0
+
+
+def test_score_candidate_reads_every_stream():
+    rng = np.random.default_rng(2)
+
+    def stream(n, shift):
+        inv_u = np.exp(rng.normal(shift, 1, n))
+        return {"inv_u": inv_u, "sigma": inv_u ** 0.5, "alpha0": 4 * inv_u}
+
+    feats = {"sciq_validation": stream(300, 1.0), **{f"{s}_dev": stream(100, 0.0) for s in SHIFTED}}
+    hits = (rng.random(300) < 0.8).astype(float)
+    record = score_candidate(feats, hits)
+    assert set(record["ood"]) == set(SHIFTED)
+    assert all(v == pytest.approx(1.0) for v in record["spearman_sigma_inv_u"].values())  # sigma = sqrt(1/u)
+    assert all(not o["sigma_adds"] and o["auroc_sigma"] == pytest.approx(o["auroc_inv_u"], abs=0.01)
+               for o in record["ood"].values())
+    assert record["accuracy"] == pytest.approx(hits.mean())
+
+
+def test_a_missing_search_is_a_clear_error(tmp_path, capsys):
+    assert main(["--search", str(tmp_path / "none.json")]) == 2
+    assert "hparam_search" in capsys.readouterr().err
