@@ -17,7 +17,10 @@ and 1/u = alpha0 / C. Reported per candidate:
 - **in distribution**, the same gain for telling right answers from wrong ones on SciQ validation, and sigma's
   partial Spearman correlation with being right once 1/u is accounted for (ranks residualised on 1/u's rank).
 
-Sigma adds information in a setting when a gain's interval lies above zero. The test split is never read.
+Sigma adds information in a setting when a gain's interval lies above zero. The test split is never read. Each
+candidate's per-question 1/u and sigma are kept in ``benchmarks/results/sigma_search_scores/<run>.json``, so the
+report is recomputed from them without the model (a candidate is run through the model only when its file is
+missing or was made with other overrides).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from benchmarks.sigma_information import auroc, features
 
 SEARCH = Path("benchmarks/results/sciq_sigma_search.json")
 OUTPUT = Path("benchmarks/results/sciq_sigma_information.json")
+SCORES = Path("benchmarks/results/sigma_search_scores")
 FOLDS = 5
 RESAMPLES = 1000
 
@@ -52,6 +56,13 @@ def out_of_fold(x: np.ndarray, y: np.ndarray, seed: int = 0) -> np.ndarray:
     return scores
 
 
+def fast_auroc(y: np.ndarray, score: np.ndarray) -> float:
+    """AUROC by the Mann-Whitney statistic on average ranks (equal to sklearn's roc_auc_score, ties included)."""
+    positive = y == 1
+    n1, n0 = int(positive.sum()), int((~positive).sum())
+    return float((rankdata(score)[positive].sum() - n1 * (n1 + 1) / 2) / (n1 * n0))
+
+
 def gain(x: np.ndarray, y: np.ndarray, seed: int = 0) -> dict:
     """AUROC of (log 1/u, log sigma) against log 1/u alone, both out of fold, with a paired bootstrap interval of the
     difference. ``x``: (n, 2) with log 1/u first."""
@@ -62,7 +73,7 @@ def gain(x: np.ndarray, y: np.ndarray, seed: int = 0) -> dict:
         i = rng.integers(0, len(y), len(y))
         if y[i].min() == y[i].max():
             continue
-        diffs.append(roc_auc_score(y[i], both[i]) - roc_auc_score(y[i], alone[i]))
+        diffs.append(fast_auroc(y[i], both[i]) - fast_auroc(y[i], alone[i]))
     low, high = np.percentile(diffs, [2.5, 97.5])
     a, b = roc_auc_score(y, alone), roc_auc_score(y, both)
     return {"auroc_inv_u": float(a), "auroc_inv_u_and_sigma": float(b), "gain": float(b - a),
@@ -82,6 +93,15 @@ def partial_spearman(a: np.ndarray, b: np.ndarray, given: np.ndarray) -> float:
     return float(np.dot(ea, eb) / np.sqrt(np.dot(ea, ea) * np.dot(eb, eb)))
 
 
+def partial_spearman_ci(a: np.ndarray, b: np.ndarray, given: np.ndarray, seed: int = 0) -> dict:
+    """:func:`partial_spearman` with its 95% interval over bootstrap resamples of the questions."""
+    rng = np.random.default_rng(seed)
+    draws = [partial_spearman(a[i], b[i], given[i])
+             for i in (rng.integers(0, len(a), len(a)) for _ in range(RESAMPLES))]
+    low, high = np.percentile(draws, [2.5, 97.5])
+    return {"value": partial_spearman(a, b, given), "ci95": [float(low), float(high)]}
+
+
 def score_candidate(feats: dict, hits: np.ndarray) -> dict:
     """The candidate's record from its per-stream features (``features``) and SciQ validation's right answers."""
     val = feats["sciq_validation"]
@@ -92,7 +112,7 @@ def score_candidate(feats: dict, hits: np.ndarray) -> dict:
         "accuracy": float(hits.mean()),
         "spearman_sigma_inv_u": {name: float(spearmanr(f["sigma"], f["inv_u"]).statistic) for name, f in feats.items()},
         "in_distribution": {"questions": int(len(hits)),
-                            "partial_spearman_sigma_right_given_inv_u": partial_spearman(sigma, hits, val["inv_u"]),
+                            "partial_spearman_sigma_right_given_inv_u": partial_spearman_ci(sigma, hits, val["inv_u"]),
                             **gain(pair(val), hits)},
         "ood": {},
     }
@@ -105,28 +125,46 @@ def score_candidate(feats: dict, hits: np.ndarray) -> dict:
     return record
 
 
-def run_features(run: str, questions: dict, batch_size: int) -> tuple[dict, np.ndarray]:
-    """A trained run's per-stream features at zeta 0 and its right answers on SciQ validation."""
+def run_features(run: str, questions: dict, batch_size: int) -> dict:
+    """A trained run's per-question 1/u and mean sigma on each stream at zeta 0, and its right answers on SciQ
+    validation: {"streams": {name: {"inv_u": [...], "sigma": [...]}}, "hits": [...]}."""
     from ibedl.training.calibrate import raw_outputs
     from ibedl.training.experiments.evaluate_run import load_run
 
     predictor = load_run(run)
-    feats, hits = {}, None
+    out = {"streams": {}}
     for name, qs in questions.items():
         kind, raw = raw_outputs(predictor, qs, batch_size, progress=True)
         if raw.get("sigma") is None:
             raise SystemExit(f"{run} has no sigma: the search's candidates must be IB-EDL runs")
-        feats[name] = features(raw, kind, raw["offset"], {})  # {}: the post-hoc parameter neutral (zeta 0)
+        f = features(raw, kind, raw["offset"], {})  # {}: the post-hoc parameter neutral (zeta 0)
+        out["streams"][name] = {k: [float(f"{x:.6g}") for x in f[k]] for k in ("inv_u", "sigma")}
         if name == "sciq_validation":
-            labels = [q.answer for q in qs]
-            hits = np.asarray([float(np.argmax(p) == y) for p, y in zip(raw["probs"], labels, strict=True)])
-    return feats, hits
+            out["hits"] = [int(np.argmax(p) == q.answer) for p, q in zip(raw["probs"], qs, strict=True)]
+    return out
+
+
+def candidate_features(c: dict, questions, batch_size: int, scores: Path) -> tuple[dict, np.ndarray]:
+    """A candidate's features, from its scores file when it was made with the same overrides, else from the run
+    on ``questions()`` (then written there)."""
+    path = scores / f"{Path(c['run']).name}.json"
+    stored = json.loads(path.read_text()) if path.is_file() else None
+    if stored is None or stored["overrides"] != c["overrides"]:
+        if not (Path(c["run"]) / "manifest.json").is_file():
+            raise FileNotFoundError(f"{c['run']} is not on this machine: train it with benchmarks.hparam_search")
+        stored = {"run": c["run"], "overrides": c["overrides"], "zeta": 0,
+                  **run_features(c["run"], questions(), batch_size)}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(stored) + "\n")
+    feats = {name: {k: np.asarray(v) for k, v in f.items()} for name, f in stored["streams"].items()}
+    return feats, np.asarray(stored["hits"], dtype=float)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.sigma_search", description=__doc__.split("\n\n")[0])
     parser.add_argument("--search", default=str(SEARCH), help="the search's results (benchmarks.hparam_search)")
     parser.add_argument("--output", default=str(OUTPUT))
+    parser.add_argument("--scores", default=str(SCORES), help="per-candidate 1/u and sigma (read, or written)")
     parser.add_argument("--batch-size", type=int, default=16)
     args = parser.parse_args(argv)
     search = Path(args.search)
@@ -135,29 +173,32 @@ def main(argv: list[str] | None = None) -> int:
               "--config benchmarks/sciq_sigma_search.yaml first", file=sys.stderr)
         return 2
     candidates = json.loads(search.read_text())["candidates"]
-    output = Path(args.output)
-    done = {r["run"]: r for r in json.loads(output.read_text())["candidates"]} if output.is_file() else {}
-    questions = streams(0, test=False)
-    command = "python -m benchmarks.sigma_search " + " ".join(argv if argv is not None else sys.argv[1:])
+    if not candidates:
+        print(f"error: {search} lists no trained candidate yet", file=sys.stderr)
+        return 2
+    loaded = {}
+
+    def questions() -> dict:  # the validation streams, loaded when a candidate must be run through its model
+        if not loaded:
+            loaded.update(streams(0, test=False))
+        return loaded
+
     records = []
     for c in candidates:
-        previous = done.get(c["run"])
-        if previous is not None and previous["overrides"] == c["overrides"]:
-            records.append(previous)  # scored before: resumes
-            continue
-        if not (Path(c["run"]) / "manifest.json").is_file():
-            print(f"error: {c['run']} is not on this machine: train it with benchmarks.hparam_search", file=sys.stderr)
+        try:
+            feats, hits = candidate_features(c, questions, args.batch_size, Path(args.scores))
+        except FileNotFoundError as e:
+            print(f"error: {e}", file=sys.stderr)
             return 2
-        feats, hits = run_features(c["run"], questions, args.batch_size)
         records.append({"index": c["index"], "overrides": c["overrides"], "run": c["run"],
                         "validation_nll": c["validation_end"]["nll"], **score_candidate(feats, hits)})
-        result = {"command": command, "search": str(search), "split": "validation only", "zeta": 0, "folds": FOLDS,
-                  "resamples": RESAMPLES, "streams": {k: len(v) for k, v in questions.items()},
-                  "candidates": records,
-                  "sigma_adds_anywhere": any(r["in_distribution"]["sigma_adds"] or
-                                             any(o["sigma_adds"] for o in r["ood"].values()) for r in records)}
-        write_result(output, result, echo=False)  # after every candidate: an interrupted run resumes
-        print(f"{c['run']}: scored", file=sys.stderr, flush=True)
+    result = {"command": "python -m benchmarks.sigma_search " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "search": str(search), "split": "validation only", "zeta": 0, "folds": FOLDS, "resamples": RESAMPLES,
+              "questions": {name: len(f["inv_u"]) for name, f in feats.items()}, "candidates": records,
+              "sigma_adds_anywhere": any(r["in_distribution"]["sigma_adds"] or
+                                         any(o["sigma_adds"] for o in r["ood"].values()) for r in records)}
+    write_result(args.output, result, echo=False)
+    print(f"wrote {args.output}", file=sys.stderr)
     return 0
 
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from benchmarks.decisions import SHIFTED
-from benchmarks.sigma_search import gain, main, partial_spearman, score_candidate
+from benchmarks.sigma_search import fast_auroc, gain, main, partial_spearman, score_candidate
 
 
 def test_partial_spearman_removes_what_the_given_variable_explains():
@@ -15,6 +15,15 @@ def test_partial_spearman_removes_what_the_given_variable_explains():
     assert abs(partial_spearman(a, b, given)) < 0.06
     own = rng.normal(size=2000)  # a signal of their own, shared
     assert partial_spearman(a + own, b + own, given) > 0.8
+
+
+def test_fast_auroc_is_sklearns_with_ties():
+    from sklearn.metrics import roc_auc_score
+
+    rng = np.random.default_rng(3)
+    y = (rng.random(500) < 0.3).astype(float)
+    score = np.round(rng.normal(size=500) + y, 1)  # rounded: many ties
+    assert fast_auroc(y, score) == pytest.approx(roc_auc_score(y, score), abs=1e-12)
 
 
 def test_gain_is_positive_only_when_sigma_carries_a_signal_of_its_own():
@@ -50,3 +59,21 @@ def test_score_candidate_reads_every_stream():
 def test_a_missing_search_is_a_clear_error(tmp_path, capsys):
     assert main(["--search", str(tmp_path / "none.json")]) == 2
     assert "hparam_search" in capsys.readouterr().err
+
+
+def test_the_committed_report_is_what_the_committed_scores_give(tmp_path):
+    """benchmarks.sigma_search recomputed from the committed per-question scores (no model run) gives the committed
+    report, number for number."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "report.json"
+    assert main(["--search", str(root / "benchmarks/results/sciq_sigma_search.json"), "--output", str(out),
+                 "--scores", str(root / "benchmarks/results/sigma_search_scores")]) == 0
+    ours, committed = json.loads(out.read_text()), json.loads((root / "benchmarks/results/sciq_sigma_information.json")
+                                                              .read_text())
+    for record in (ours, committed):
+        record.pop("command"), record.pop("search")
+    assert ours == committed
+    assert committed["questions"]["sciq_validation"] == 1000 and committed["split"] == "validation only"
