@@ -64,7 +64,8 @@ def streams(limit: int, dev_limit: int = DEV_LIMIT, test: bool = True) -> dict:
     out = {"sciq_validation": sciq_val}
     if test:
         out["sciq_test"] = load_dataset("sciq", "test")
-    for split, suffix, n in (("validation", "_dev", dev_limit), ("test", "", limit))[:2 if test else 1]:
+    splits = [("validation", "_dev", dev_limit)] + ([("test", "", limit)] if test else [])
+    for split, suffix, n in splits:
         out["sciq_no_passage" + suffix] = bare(load_dataset("sciq", "validation", limit=n, seed=0) if suffix
                                                else out["sciq_test"])
         for name in ("obqa", "arc_easy", "arc_challenge"):

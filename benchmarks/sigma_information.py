@@ -41,6 +41,11 @@ def features(stream: dict, kind: str, offset: float, head: dict) -> dict:
             "sigma": np.asarray([float(np.mean(s)) for s in stream["sigma"]])}
 
 
+def pair(f: dict) -> np.ndarray:
+    """A stream's features as (n, 2): log 1/u, log mean sigma (what the combined model reads)."""
+    return np.c_[np.log(f["inv_u"]), np.log(f["sigma"])]
+
+
 def auroc(positive: np.ndarray, negative: np.ndarray) -> float:
     y = np.r_[np.ones(len(positive)), np.zeros(len(negative))]
     return float(roc_auc_score(y, np.r_[positive, negative]))
@@ -60,9 +65,6 @@ def main(argv=None) -> int:
     val_id, test_id = feats["sciq_validation"], feats["sciq_test"]
     dev = [feats[f"{s}_dev"] for s in SHIFTED]
     sign = 1.0 if np.mean([auroc(val_id["sigma"], d["sigma"]) for d in dev]) >= 0.5 else -1.0
-
-    def pair(f):
-        return np.c_[np.log(f["inv_u"]), np.log(f["sigma"])]
 
     x = np.concatenate([pair(val_id), *(pair(d) for d in dev)])
     y = np.concatenate([np.ones(len(val_id["sigma"])), *(np.zeros(len(d["sigma"])) for d in dev)])

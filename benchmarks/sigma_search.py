@@ -38,7 +38,7 @@ from sklearn.model_selection import StratifiedKFold
 
 from benchmarks.common import write_result
 from benchmarks.decisions import SHIFTED, streams
-from benchmarks.sigma_information import auroc, features
+from benchmarks.sigma_information import auroc, features, pair
 
 SEARCH = Path("benchmarks/results/sciq_sigma_search.json")
 OUTPUT = Path("benchmarks/results/sciq_sigma_information.json")
@@ -105,7 +105,6 @@ def partial_spearman_ci(a: np.ndarray, b: np.ndarray, given: np.ndarray, seed: i
 def score_candidate(feats: dict, hits: np.ndarray) -> dict:
     """The candidate's record from its per-stream features (``features``) and SciQ validation's right answers."""
     val = feats["sciq_validation"]
-    pair = lambda f: np.c_[np.log(f["inv_u"]), np.log(f["sigma"])]  # noqa: E731
     sigma = val["sigma"]
     record = {
         "sigma_median": float(np.median(sigma)), "sigma_cv": float(np.std(sigma) / np.mean(sigma)),

@@ -251,10 +251,11 @@ def make_optimizer(cfg: TrainConfig, model, head) -> tuple[torch.optim.Optimizer
     if not cfg.train_evidence_bias and isinstance(head, CentredEvidence):
         getattr(head, head.bias_name).requires_grad_(False)
     method = get_method(cfg.method)
-    for name in method.frozen(method.params(cfg.method_params)) if method.frozen else ():
+    params = method.params(cfg.method_params)
+    for name in method.frozen(params) if method.frozen else ():
         getattr(head, name).requires_grad_(False)  # an ablation: kept at its initialisation
     head_lr = cfg.optim.head_lr or cfg.optim.lr
-    scales = method.lr_scales(method.params(cfg.method_params)) if method.lr_scales else {}
+    scales = method.lr_scales(params) if method.lr_scales else {}
     by_scale: dict[float, list] = {}  # the head's parameters grouped by their learning-rate factor
     for name, p in head.named_parameters():
         if p.requires_grad:
