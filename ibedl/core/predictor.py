@@ -8,7 +8,9 @@ on the other questions of its batch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,6 +200,7 @@ class Predictor:
         self.calibration = None  # the manifest's calibration for this backend (use_calibration), None: none matches
         self._released: tuple[torch.device, str] | None = None  # (device, calibration key) once the model is dropped
         self.num_rows = self.heads[0].config.num_rows
+        self._hidden_memo: dict | None = None  # reusing_hidden's states by batch, None: outside the block
         format_prompt(MCQuestion("probe", ("a", "b")), template, tokenizer)  # fails early on a bad template
 
     @property
@@ -316,6 +319,35 @@ class Predictor:
 
     def hidden(self, batch: EncodedBatch) -> torch.Tensor:
         """(B, d) hidden state of each prompt's last real token (after the final norm)."""
+        memo = self._hidden_memo
+        if memo is None or torch.is_grad_enabled() or self.mc_samples > 0 or (self.model is not None
+                                                                             and self.model.training):
+            return self._hidden(batch)
+        digest = hashlib.blake2b(digest_size=16)
+        for t in (batch.input_ids, batch.attention_mask, batch.last_index):
+            digest.update(str(tuple(t.shape)).encode())
+            digest.update(t.detach().cpu().numpy().tobytes())
+        key = (str(getattr(self.model, "active_adapter", None)), digest.hexdigest())
+        if key not in memo:
+            memo[key] = self._hidden(batch)
+        return memo[key]
+
+    @contextlib.contextmanager
+    def reusing_hidden(self):
+        """Inside the block, :meth:`hidden` answers a batch it already ran (same token ids and mask, same active
+        adapter) from memory while the pass is deterministic: no gradient, no MC-Dropout, the model in eval mode.
+        Evaluation runs the same batches (:meth:`batches`) for the predictions, the OOD features and a post-hoc
+        step's undone predictions, so one trunk pass serves all three. The trunk's weights must not change inside
+        the block (the heads may: the memo holds the states they read)."""
+        if self._hidden_memo is not None:
+            raise RuntimeError("reusing_hidden is already active on this predictor")
+        self._hidden_memo = {}
+        try:
+            yield self
+        finally:
+            self._hidden_memo = None
+
+    def _hidden(self, batch: EncodedBatch) -> torch.Tensor:
         if self.trunk is not None:
             return self.trunk(batch)
         batch = batch.to(self.device)
@@ -356,14 +388,19 @@ class Predictor:
         """Predictions in input order. The questions run in sub-batches of similar prompt length:
         padding is computed like real tokens, and on a CPU a batch padded to its longest prompt can be
         slower than its questions one by one."""
-        seqs = [self._encode_one(i, q, truncate_context) for i, q in enumerate(questions)]
         out: list[Prediction | None] = [None] * len(questions)
-        for group in length_groups([len(s) for s in seqs], self.max_padding):
-            sub = [questions[i] for i in group]
-            preds = to_predictions(self.forward(self._pad([seqs[i] for i in group], sub)), [q.num_options for q in sub])
+        for group, batch in self.batches(questions, truncate_context):
+            preds = to_predictions(self.forward(batch), [questions[i].num_options for i in group])
             for i, pred in zip(group, preds, strict=True):
                 out[i] = pred
         return out  # type: ignore[return-value]
+
+    def batches(self, questions: list[MCQuestion], truncate_context: bool = True):
+        """Yields (indices into ``questions``, EncodedBatch) for groups of similar prompt length
+        (:func:`length_groups`): the batches :meth:`predict` runs."""
+        seqs = [self._encode_one(i, q, truncate_context) for i, q in enumerate(questions)]
+        for group in length_groups([len(s) for s in seqs], self.max_padding):
+            yield group, self._pad([seqs[i] for i in group], [questions[i] for i in group])
 
     def eval(self) -> Predictor:
         """Inference mode; MC-Dropout keeps its LoRA dropout layers active."""

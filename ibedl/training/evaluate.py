@@ -50,21 +50,27 @@ class EvalResult:
         return [float(p.index == y) for p, y in zip(self.predictions, self.labels, strict=True)]
 
 
+def chunks(questions: list[MCQuestion], batch_size: int) -> list[list[int]]:
+    """Indices of ``questions`` in the chunks of ``batch_size`` that evaluation hands the predictor, shortest
+    (in characters) first. :func:`predict_all` and the OOD features (``ibedl.training.ood_scores.features``) read
+    the same chunks, so under ``Predictor.reusing_hidden`` the second reuses the first's trunk passes."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    lengths = [len(q.question) + len(q.context or "") + sum(len(o) for o in q.options) for q in questions]
+    order = sorted(range(len(questions)), key=lengths.__getitem__)
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
 def predict_all(
     predictor: Predictor, questions: list[MCQuestion], batch_size: int = 8, progress: bool = True, desc: str = "eval"
 ) -> tuple[list[Prediction], float]:
-    """Predictions for every question, in input order; batches are formed by prompt length."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    """Predictions for every question, in input order; batches are formed by prompt length (:func:`chunks`)."""
     start = time.perf_counter()
-    lengths = [len(q.question) + len(q.context or "") + sum(len(o) for o in q.options) for q in questions]
-    order = sorted(range(len(questions)), key=lambda i: lengths[i])
     out: list[Prediction | None] = [None] * len(questions)
     was_training = predictor.model is not None and predictor.model.training  # None: released for a backend trunk
     predictor.eval()
     with torch.no_grad(), tqdm(total=len(questions), desc=desc, disable=not progress, unit="q", leave=False) as bar:
-        for i in range(0, len(order), batch_size):
-            idx = order[i : i + batch_size]
+        for idx in chunks(questions, batch_size):
             for j, pred in zip(idx, predictor.predict([questions[k] for k in idx]), strict=True):
                 out[j] = pred
             bar.update(len(idx))

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ibedl.training.evaluate import chunks
+
 SCORES = ("energy", "mahalanobis")
 
 
@@ -35,26 +37,32 @@ def energy(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def features(predictor, questions: list, batch_size: int = 8) -> tuple[np.ndarray, np.ndarray]:
-    """Energy (N,) and last-token hidden states (N, d) of ``questions`` from the first adapter's pass, dropout off."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    """Energy (N,) and last-token hidden states (N, d) of ``questions`` from the first adapter's pass, dropout off.
+    The batches are :func:`ibedl.training.evaluate.predict_all`'s: under ``Predictor.reusing_hidden`` after it, no
+    trunk pass is repeated."""
     model = predictor.model
     was_training = model.training
     model.eval()
     if predictor.members is not None and hasattr(model, "set_adapter"):
         model.set_adapter(predictor.members[0])
-    energies, hidden = [], []
+    energies = torch.zeros(len(questions), dtype=torch.float32)
+    hidden: torch.Tensor | None = None
     try:
-        for start in range(0, len(questions), batch_size):
-            batch = predictor.encode(questions[start : start + batch_size])
-            h = predictor.hidden(batch)
-            mask = batch.option_mask.to(h.device)
-            energies.append(energy(predictor.heads[0](h, mask).logits, mask).cpu())
-            hidden.append(h.float().cpu())
+        for idx in chunks(questions, batch_size):
+            for group, batch in predictor.batches([questions[k] for k in idx]):
+                rows = torch.tensor([idx[g] for g in group])
+                h = predictor.hidden(batch)
+                mask = batch.option_mask.to(h.device)
+                energies[rows] = energy(predictor.heads[0](h, mask).logits, mask).cpu()
+                if hidden is None:
+                    hidden = torch.zeros(len(questions), h.shape[-1], dtype=torch.float32)
+                hidden[rows] = h.float().cpu()
     finally:
         if was_training:
             model.train()
-    return torch.cat(energies).numpy().astype(np.float64), torch.cat(hidden).numpy().astype(np.float64)
+    if hidden is None:
+        raise ValueError("features needs at least one question")
+    return energies.numpy().astype(np.float64), hidden.numpy().astype(np.float64)
 
 
 @dataclass

@@ -105,3 +105,53 @@ def test_grouped_predict_equals_one_batch(predictor):
     together = predictor.predict_outputs(QUESTIONS)
     for i, p in enumerate(grouped):
         assert p.probs == pytest.approx(together.probs[i, : len(p.probs)].tolist(), abs=1e-5)
+
+
+def counting(predictor, monkeypatch) -> list:
+    """Records every trunk pass (Predictor._hidden) of ``predictor``."""
+    calls, real = [], predictor._hidden
+    monkeypatch.setattr(predictor, "_hidden", lambda batch: calls.append(batch.input_ids.shape[0]) or real(batch))
+    return calls
+
+
+def test_reusing_hidden_runs_each_batch_once_and_changes_no_answer(predictor, monkeypatch):
+    calls = counting(predictor, monkeypatch)
+    plain = predictor.predict(QUESTIONS)
+    assert sum(calls) == len(QUESTIONS)
+    calls.clear()
+    with predictor.reusing_hidden():
+        first = predictor.predict(QUESTIONS)
+        assert sum(calls) == len(QUESTIONS)
+        second = predictor.predict(QUESTIONS)
+        assert sum(calls) == len(QUESTIONS)  # the second pass read the memo
+        with pytest.raises(RuntimeError, match="already active"), predictor.reusing_hidden():
+            pass
+    for a, b, c in zip(plain, first, second, strict=True):
+        assert a.probs == b.probs == c.probs and a.sigma == b.sigma == c.sigma
+    predictor.predict(QUESTIONS)
+    assert sum(calls) == 2 * len(QUESTIONS)  # outside the block every pass runs again
+
+
+def test_reusing_hidden_does_not_serve_passes_that_are_not_deterministic(predictor, monkeypatch):
+    calls = counting(predictor, monkeypatch)
+    enc = predictor.encode(QUESTIONS[:2])
+    with predictor.reusing_hidden():
+        predictor.hidden(enc)  # gradient on: each call runs
+        predictor.hidden(enc)
+        assert len(calls) == 2
+        with torch.no_grad():
+            predictor.hidden(enc)
+            predictor.hidden(enc)
+            assert len(calls) == 3
+            predictor.model.train()  # dropout on
+            try:
+                predictor.hidden(enc)
+            finally:
+                predictor.model.eval()
+            assert len(calls) == 4
+            predictor.mc_samples = 3  # MC-Dropout: every sample its own masks
+            try:
+                predictor.hidden(enc)
+            finally:
+                predictor.mc_samples = 0
+            assert len(calls) == 5

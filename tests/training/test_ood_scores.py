@@ -35,3 +35,33 @@ def test_mahalanobis_matches_the_closed_form_with_ledoit_wolf_covariance():
 def test_mahalanobis_refuses_mismatched_input():
     with pytest.raises(ValueError, match=r"hidden must be \(N, d\) with N = len\(labels\) >= 2, got \(3, 2\) and 2"):
         Mahalanobis.fit(np.zeros((3, 2)), [0, 1])
+
+
+def test_features_reuse_the_trunk_passes_of_predict_all(tiny_model_dir, monkeypatch):
+    from ibedl.core.base_model import load_base_model, resolve_model
+    from ibedl.core.head import HeadConfig, build_head
+    from ibedl.core.predictor import Predictor, lm_head_rows
+    from ibedl.core.prompt import MCQuestion, option_token_ids
+    from ibedl.training.evaluate import predict_all
+    from ibedl.training.ood_scores import features
+
+    model, tok = load_base_model(resolve_model(tiny_model_dir), device="cpu")
+    rows = lm_head_rows(model, option_token_ids(tok, 26))
+    head = build_head(HeadConfig("softmax", 26, model.config.hidden_size), rows)
+    predictor = Predictor(model, tok, head, template="plain-v1", max_tokens=256)
+    questions = [MCQuestion(f"Question {i}: " + "why " * (7 * i % 11), ("a", "b", "c", "d")[: 2 + i % 3])
+                 for i in range(11)]
+    energies, hidden = features(predictor, questions, batch_size=4)  # without the memo
+    calls, real = [], predictor._hidden
+    monkeypatch.setattr(predictor, "_hidden", lambda batch: calls.append(batch.input_ids.shape[0]) or real(batch))
+    with predictor.reusing_hidden():
+        preds, _ = predict_all(predictor, questions, batch_size=4, progress=False)
+        assert sum(calls) == len(questions)
+        again = features(predictor, questions, batch_size=4)
+    assert sum(calls) == len(questions)  # no trunk pass repeated
+    np.testing.assert_array_equal(again[0], energies)  # same batches, same numbers as without the memo
+    np.testing.assert_array_equal(again[1], hidden)
+    # each question's energy is logsumexp of its own option logits: read back in input order
+    for i, q in enumerate(questions):
+        one = predictor.predict_outputs([q])
+        np.testing.assert_allclose(energies[i], torch.logsumexp(one.logits[0, : q.num_options], 0).item(), rtol=1e-4)

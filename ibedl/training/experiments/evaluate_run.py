@@ -161,10 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     args = parser.parse_args(argv)
 
-    from ibedl.training.evaluate import predict_all
     from ibedl.training.finetune import posthoc_questions, run_questions
     from ibedl.training.methods import get_method
-    from ibedl.training.ood_scores import Mahalanobis, features
 
     limits = json.loads(args.limits)
     method = get_method(args.method)
@@ -182,6 +180,18 @@ def main(argv: list[str] | None = None) -> int:
         predictor = method.posthoc.fit(predictor, fit_q, val_q, params)
         # what the post-hoc step chose (Laplace's prior precision) and its cost, data loading left out
         posthoc = {**(getattr(predictor, "posthoc_info", None) or {}), "fit_seconds": time.perf_counter() - start}
+    with predictor.reusing_hidden():  # one trunk pass per question serves predictions, features and zeta 0
+        out = predict_sets(predictor, args, limits, val_q, posthoc)
+    atomic_write_text(args.output, json.dumps(out))  # the runner takes a present file as finished
+    return 0
+
+
+def predict_sets(predictor, args, limits: dict, val_q: list, posthoc: dict | None) -> dict:
+    """evaluate_run's output for ``args.dataset``: per set, the outputs, labels, throughput, energy and Mahalanobis
+    scores, the post-hoc fit and (IB-EDL with zeta) the outputs without it."""
+    from ibedl.training.evaluate import predict_all
+    from ibedl.training.ood_scores import Mahalanobis, features
+
     # Feature-space OOD score: class-conditional Gaussians on the run's validation (calibration) questions.
     maha = Mahalanobis.fit(features(predictor, val_q, args.batch_size)[1], [q.answer for q in val_q]) if val_q else None
     out = {"artifact": str(args.artifact), "method": args.method, "sets": {},
@@ -204,8 +214,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                               progress=False)[0])
             finally:
                 zeta.zeta = fitted
-    atomic_write_text(args.output, json.dumps(out))  # the runner takes a present file as finished
-    return 0
+    return out
 
 
 if __name__ == "__main__":
