@@ -1,7 +1,8 @@
 """The nine-method grid's tables beside the paper's own numbers, generated into docs/results.md.
 
     python -m benchmarks.paper_comparison [--grid sciq_grid|sciq_grid_paper] [--results PATH.json]
-        [--efficiency benchmarks/results/method_efficiency.json] [--paper PATH.tex] [--docs docs/results.md] [--check]
+        [--first-results PATH.json] [--efficiency benchmarks/results/method_efficiency.json] [--paper PATH.tex]
+        [--docs docs/results.md] [--check]
 
 Our numbers come from the grid's results file (mean ± std over the seeds it holds) and the per-method cost
 benchmark (``python -m benchmarks.method_efficiency``, ratios to MAP); the paper's are read from its LaTeX source
@@ -14,7 +15,8 @@ results; ``--check`` exits 1 when the page is not what the results and the paper
 
 Two grids (``--grid``, see ``GRIDS``): ``sciq_grid`` (our protocol, benchmarks/sciq_grid.yaml; blocks named ``NAME``,
 with the cost table and the sigma ablation) and ``sciq_grid_paper`` (the paper's protocol,
-benchmarks/sciq_grid_paper.yaml; blocks named ``sciq_grid_paper/NAME``: training, id, ood, noise). A grid with no
+benchmarks/sciq_grid_paper.yaml; blocks named ``sciq_grid_paper/NAME``: training, id, ood, noise, and claims: the
+paper's claims about IB-EDL as paired differences per seed under both protocols, ``--first-results``). A grid with no
 results file, or an empty one, fills its blocks with a line that says so, and ``--check`` says so too.
 """
 
@@ -25,6 +27,7 @@ import json
 import os
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -282,28 +285,128 @@ def cost_table(efficiency: dict, paper: dict) -> list[str]:
     return lines
 
 
-def _ood_means(results: list[dict], method: str, score: str) -> list[float]:
-    """Per seed, the mean AUROC by ``score`` over the shifted streams of ``method``'s ood runs."""
+def _ood_means(results: list[dict], method: str, score: str) -> dict[int, float]:
+    """Per seed, the mean AUROC by ``score`` over the shifted streams of ``method``'s ood runs (a
+    ``<method>:no_posthoc`` row reads them without the post-hoc step)."""
     by_seed: dict = {}
-    for _, r, m in method_metrics(results, "ood"):
-        if r["method"] == method:
+    for name, r, m in method_metrics(results, "ood"):
+        if name == method:
             values = [v for k, v in m.items() if k.startswith("ood/") and k.endswith(f"/auroc_{score}")]
             if values:
                 by_seed[r["seed"]] = float(np.mean(values))
-    return [by_seed[s] for s in sorted(by_seed)]
+    return dict(sorted(by_seed.items()))
 
 
 def sigma_ablation_table(results: list[dict], ablation: list[dict]) -> list[str]:
     """IB-EDL with its learned sigma (the grid's runs) against sigma frozen at a constant in training
     (``benchmarks/sciq_sigma_ablation.yaml``): in-distribution Acc / ECE / NLL and the mean AUROC over the shifted
-    streams by max probability and by 1/u; mean ± std over seeds."""
-    head = ["IB-EDL", "seeds", "Acc (%)", "ECE (%)", "NLL", "mean AUROC MP (%)", "mean AUROC UM (%)"]
+    streams by max probability and by 1/u, each with the post-hoc zeta both arms fitted; mean ± std over seeds."""
+    head = ["IB-EDL + post-hoc ζ", "seeds", "Acc (%)", "ECE (%)", "NLL", "mean AUROC MP (%)", "mean AUROC UM (%)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, runs in (("learned σ (the grid)", results), ("σ frozen (the ablation)", ablation)):
         cells = [_ours(_values(runs, "id", "ib_edl", key)[1], scale, digits)
                  for key, scale, digits in (("accuracy", 100, 2), ("ece", 100, 2), ("nll", 1, 3))]
-        cells += [_ours(_ood_means(runs, "ib_edl", score), 100, 1) for score in ("mp", "um")]
+        cells += [_ours(list(_ood_means(runs, "ib_edl", score).values()), 100, 1) for score in ("mp", "um")]
         lines.append(f"| {label} | {_seeds(runs, 'id', 'ib_edl')} | " + " | ".join(cells) + " |")
+    return lines
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One of the paper's claims as a paired difference per seed: ``a`` minus ``b`` (each (method row, metric); an
+    ``ood`` metric is a score's AUROC averaged over the shifted streams), x ``scale``; it holds on a seed where the
+    difference has the sign ``better`` names, or for an ``on_par`` claim where it lies within ``tolerance``."""
+
+    text: str
+    kind: str
+    a: tuple[str, str]
+    b: tuple[str, str]
+    scale: float
+    better: str  # "lower", "higher" or "on_par"
+    tolerance: float = 0.0
+
+
+IB0 = "ib_edl" + NO_POSTHOC  # IB-EDL as the paper runs it, without the post-hoc zeta
+CLAIMS = (
+    Claim("IB-EDL is as accurate as MAP (Acc, points; on par: within 1)", "id", (IB0, "accuracy"), ("map", "accuracy"),
+          100, "on_par", 1.0),
+    Claim("IB-EDL is better calibrated than MAP (ECE, points)", "id", (IB0, "ece"), ("map", "ece"), 100, "lower"),
+    Claim("IB-EDL has a lower NLL than MAP", "id", (IB0, "nll"), ("map", "nll"), 1, "lower"),
+    Claim("IB-EDL is better calibrated than MAP with temperature scaling (ECE, points; not the paper's comparison)",
+          "id", (IB0, "ece"), ("map_ts", "ece"), 100, "lower"),
+    Claim("IB-EDL's 1/u flags shifted questions better than MAP's max probability (mean AUROC over the streams, "
+          "points)", "ood", (IB0, "um"), ("map", "mp"), 100, "higher"),
+    Claim("Under 30% label noise IB-EDL is better calibrated than MAP (ECE, points)", "noise", (IB0, "ece"),
+          ("map", "ece"), 100, "lower"),
+)
+
+
+CLAIMS_NOTE = ("Each cell: the difference IB-EDL minus the other row, mean ± std over the seeds that have both, and on "
+               "how many of them it goes the claimed way; the paper's column is the same difference in its own "
+               "numbers. IB-EDL with its post-hoc ζ and every other method are in the tables of each protocol.")
+
+
+def _per_seed(results: list[dict], kind: str, row: tuple[str, str]) -> dict[int, float]:
+    method, metric = row
+    if kind == "ood":
+        return _ood_means(results, method, metric)
+    seeds, values = _values(results, kind, method, metric)
+    return dict(zip(seeds, values, strict=True))
+
+
+def _holds(claim: Claim, diff: float) -> bool:
+    if claim.better == "on_par":
+        return abs(diff) <= claim.tolerance
+    return diff < 0 if claim.better == "lower" else diff > 0
+
+
+def claim_cell(claim: Claim, results: list[dict]) -> str:
+    """``mean ± std (holds on k of n seeds)`` of the claim's paired difference over the seeds that have both rows,
+    or ``–`` where none has."""
+    a, b = _per_seed(results, claim.kind, claim.a), _per_seed(results, claim.kind, claim.b)
+    diffs = [(a[s] - b[s]) * claim.scale for s in sorted(a.keys() & b.keys())]
+    if not diffs:
+        return "–"
+    held = sum(_holds(claim, d) for d in diffs)
+    digits = 3 if claim.scale == 1 else 2
+    spread = f" ± {np.std(diffs):.{digits}f}" if len(diffs) > 1 else ""
+    mean = round(float(np.mean(diffs)), digits) or 0.0  # no "-0.00"
+    return f"{mean:+.{digits}f}{spread} ({held} of {len(diffs)} seed{'s' if len(diffs) > 1 else ''})"
+
+
+def _paper_value(paper: dict, claim: Claim, row: tuple[str, str], model: str) -> float | None:
+    """A claim's side in the paper's numbers for ``model`` (in the paper's units: points, NLL as is), or None."""
+    method, metric = row
+    cells = paper["ood" if claim.kind == "ood" else claim.kind].get(model, {}).get(
+        method[: -len(NO_POSTHOC)] if method.endswith(NO_POSTHOC) else method)
+    if not cells:
+        return None
+    if claim.kind == "ood":  # Table 3: the mean over its targets
+        values = [target[metric][0] for target in cells.values() if target.get(metric)]
+        return float(np.mean(values)) if values else None
+    return cells[metric][0] if cells.get(metric) else None
+
+
+def paper_claim_cell(claim: Claim, paper: dict) -> str:
+    """The same difference in the paper's SciQ numbers (Tables 1-2, the appendix's noise tables) or its Table 3
+    (OOD: OBQA as in-distribution, mean over its targets), per model; empty where the paper has no such pair."""
+    cells = []
+    for model in MODELS:
+        a, b = (_paper_value(paper, claim, row, model) for row in (claim.a, claim.b))
+        if a is not None and b is not None:
+            cells.append(f"{model} {a - b:+.{3 if claim.scale == 1 else 2}f}")
+    return ", ".join(cells)
+
+
+def claims_table(first: list[dict], second: list[dict], paper: dict) -> list[str]:
+    """The paper's claims about IB-EDL as paired differences per seed under both protocols (``first``: ours, early
+    stopping; ``second``: the paper's, fixed budget), beside the same difference in the paper's numbers."""
+    head = ["Claim (IB-EDL at ζ = 0, as the paper runs it)", "in the paper (SciQ; OOD: its Table 3)",
+            "our protocol (early stopping)", "the paper's protocol (fixed budget)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for claim in CLAIMS:
+        lines.append(f"| {claim.text} | {paper_claim_cell(claim, paper)} | {claim_cell(claim, first)} | "
+                     f"{claim_cell(claim, second)} |")
     return lines
 
 
@@ -341,18 +444,20 @@ def start_overlap_line(results: list[dict]) -> str:
             f"that recorded it (training.start_overlap).")
 
 
-def grid_sections(results: list[dict] | None, paper: dict, grid: str) -> dict[str, str]:
+def grid_sections(results: list[dict] | None, paper: dict, grid: str, first: list[dict]) -> dict[str, str]:
     """The blocks of a grid other than the first (``GRID_BLOCKS``, named with its ``GRIDS`` prefix): the first
-    grid's training, calibration and OOD tables on its results, the training block with the start's overlap; with
-    no results (None or an empty list) each block says so."""
+    grid's training, calibration and OOD tables on its results, the training block with the start's overlap, and
+    ``claims``: the paper's claims under the first grid's protocol (``first``, its results) and this one's. With no
+    results (None or an empty list) each block but ``claims`` says so."""
     prefix = GRIDS[grid]
+    claims = "\n".join(claims_table(first, results or [], paper) + ["", CLAIMS_NOTE])
     if not results:
         empty = (f"No results yet: the grid (benchmarks/{grid}.yaml) has no finished cell. Run it, then "
                  f"python -m benchmarks.paper_comparison --grid {grid}.")
-        return {prefix + name: empty for name in GRID_BLOCKS}
+        return {**{prefix + name: empty for name in GRID_BLOCKS}, prefix + "claims": claims}
     blocks = sections(results, paper)
     blocks["training"] = blocks["training"] + "\n\n" + start_overlap_line(results)
-    return {prefix + name: blocks[name] for name in GRID_BLOCKS}
+    return {**{prefix + name: blocks[name] for name in GRID_BLOCKS}, prefix + "claims": claims}
 
 
 def fill(page: str, blocks: dict[str, str]) -> str:
@@ -378,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="which grid's blocks to fill: sciq_grid (our protocol, with the cost table and the sigma "
                              "ablation) or sciq_grid_paper (the paper's protocol) (default sciq_grid)")
     parser.add_argument("--results", help="the grid's results file (default benchmarks/results/<grid>.json)")
+    parser.add_argument("--first-results", default="benchmarks/results/sciq_grid.json",
+                        help="the first grid's results, beside a second grid's in its claims block")
     parser.add_argument("--efficiency", default="benchmarks/results/method_efficiency.json",
                         help="python -m benchmarks.method_efficiency's results (the cost table)")
     parser.add_argument("--ablation", default="benchmarks/results/sciq_sigma_ablation.json",
@@ -400,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
             ablation = json.loads(Path(args.ablation).read_text()) if Path(args.ablation).is_file() else None
             blocks = sections(results, paper, efficiency, ablation)
         else:
-            blocks = grid_sections(results, paper, args.grid)
+            blocks = grid_sections(results, paper, args.grid, json.loads(Path(args.first_results).read_text()))
         updated = fill(page, blocks)
     except (OSError, ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)

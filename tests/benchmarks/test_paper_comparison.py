@@ -7,7 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.paper_comparison import default_paper, fill, grid_sections, main, parse_paper, sections
+from benchmarks.paper_comparison import (
+    CLAIMS,
+    claims_table,
+    default_paper,
+    fill,
+    grid_sections,
+    main,
+    parse_paper,
+    sections,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -191,9 +200,10 @@ def test_the_paper_protocol_grid_fills_its_own_blocks_and_states_the_starts_over
     for r in results:
         r["training"] = {"start_overlap": {"start": "artifacts/map", "questions": 1000, "seen_by_start": 0,
                                            "disjoint_from": "artifacts/map"}}
-    blocks = grid_sections(results, parse_paper(TEX), "sciq_grid_paper")
+    blocks = grid_sections(results, parse_paper(TEX), "sciq_grid_paper", RESULTS)
     assert set(blocks) == {"sciq_grid_paper/training", "sciq_grid_paper/id", "sciq_grid_paper/ood",
-                           "sciq_grid_paper/noise"}
+                           "sciq_grid_paper/noise", "sciq_grid_paper/claims"}
+    assert blocks["sciq_grid_paper/claims"].startswith("\n".join(claims_table(RESULTS, results, parse_paper(TEX))))
     assert blocks["sciq_grid_paper/id"] == sections(results, parse_paper(TEX))["id"]  # the first grid's tables
     assert blocks["sciq_grid_paper/training"].endswith(
         "Training questions the start (artifacts/map) had drawn for its own training: 0 of 1000 in each of the "
@@ -201,15 +211,19 @@ def test_the_paper_protocol_grid_fills_its_own_blocks_and_states_the_starts_over
 
 
 def test_a_grid_without_results_says_so_and_its_check_passes_on_a_page_that_says_so(tmp_path, capsys):
-    empty = grid_sections([], parse_paper(TEX), "sciq_grid_paper")
+    empty = grid_sections([], parse_paper(TEX), "sciq_grid_paper", RESULTS)
+    claims = empty.pop("sciq_grid_paper/claims")  # the first protocol's column still reads the first grid
     assert all(body.startswith("No results yet: the grid (benchmarks/sciq_grid_paper.yaml) has no finished cell")
                for body in empty.values()) and len(empty) == 4
+    assert claims.startswith("\n".join(claims_table(RESULTS, [], parse_paper(TEX))))
+    empty["sciq_grid_paper/claims"] = claims
     (tmp_path / "p.tex").write_text(TEX)
+    (tmp_path / "first.json").write_text(json.dumps(RESULTS))
     docs = tmp_path / "results.md"
     docs.write_text("".join(f"<!-- begin generated: paper-comparison {name} -->\nold\n"
                             f"<!-- end generated: paper-comparison {name} -->\n" for name in empty))
     args = ["--grid", "sciq_grid_paper", "--results", str(tmp_path / "none.json"), "--paper", str(tmp_path / "p.tex"),
-            "--docs", str(docs)]
+            "--docs", str(docs), "--first-results", str(tmp_path / "first.json")]
     assert main([*args, "--check"]) == 1
     assert "out of date with " + str(tmp_path / "none.json") + " (no results yet): run python -m " \
            "benchmarks.paper_comparison --grid sciq_grid_paper" in capsys.readouterr().err
@@ -224,3 +238,38 @@ def test_the_docs_page_matches_the_paper_grids_committed_results(capsys):
     results = REPO / "benchmarks/results/sciq_grid_paper.json"
     assert main(["--grid", "sciq_grid_paper", "--results", str(results), "--docs", str(REPO / "docs/results.md"),
                  "--check"]) == 0
+
+
+def test_each_claim_is_a_paired_difference_per_seed_beside_the_papers_own():
+    first = [
+        record("id", "map", 0, accuracy=0.80, ece=0.05, nll=0.40),
+        record("id", "map", 1, accuracy=0.80, ece=0.06, nll=0.40),
+        record("id", "map", 2, accuracy=0.80, ece=0.07, nll=0.40),
+        # IB-EDL with its post-hoc zeta is better than MAP on every seed; at zeta 0 (the paper's) on two of three
+        *(record("id", "ib_edl", seed, accuracy=0.85, ece=0.01, nll=0.30,
+                 without={"accuracy": acc, "ece": ece, "nll": 0.45}) for seed, acc, ece in
+          ((0, 0.805, 0.04), (1, 0.78, 0.08), (2, 0.80, 0.06))),
+        record("ood", "map", 0, **{"ood/obqa/auroc_mp": 0.80, "ood/arc_easy/auroc_mp": 0.84}),
+        record("ood", "ib_edl", 0, **{"ood/obqa/auroc_um": 0.99, "ood/arc_easy/auroc_um": 0.99},
+               without={"ood/obqa/auroc_um": 0.90, "ood/arc_easy/auroc_um": 0.86}),
+    ]
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in
+            claims_table(first, [], parse_paper(TEX))[2:]}
+    assert len(rows) == len(CLAIMS)
+    # ECE differences at zeta 0: -1, +2, -1 points -> mean 0, population std sqrt(2); the claimed way on seeds 0, 2
+    ece = rows["IB-EDL is better calibrated than MAP (ECE, points)"]
+    assert ece == ["Llama2-7B -1.84", "+0.00 ± 1.41 (2 of 3 seeds)", "– |"]  # Llama3's IB-EDL is not in this TEX
+    # accuracy: +0.5, -2, 0 points; on par within 1 on two seeds
+    assert rows["IB-EDL is as accurate as MAP (Acc, points; on par: within 1)"][1] == "-0.50 ± 1.08 (2 of 3 seeds)"
+    assert rows["IB-EDL has a lower NLL than MAP"][1] == "+0.050 ± 0.000 (0 of 3 seeds)"
+    # OOD: IB-EDL's 1/u at zeta 0 averaged over the streams ((90 + 86) / 2) against MAP's max probability (82);
+    # the paper's Table 3 the same way (TEX: IB-EDL's UM over its two targets against MAP's MP)
+    ood = rows["IB-EDL's 1/u flags shifted questions better than MAP's max probability (mean AUROC over the "
+               "streams, points)"]
+    assert ood[1:] == ["+6.00 (1 of 1 seed)", "– |"]
+    assert ood[0] == f"Llama2-7B {(88.34 + 79.79) / 2 - (76.07 + 72.45) / 2:+.2f}"
+    # no pair in the paper's noise tables of this TEX, no MAP+TS anywhere in the paper, no noise runs here
+    noise = rows["Under 30% label noise IB-EDL is better calibrated than MAP (ECE, points)"]
+    assert noise == ["", "–", "– |"]
+    assert rows["IB-EDL is better calibrated than MAP with temperature scaling (ECE, points; not the paper's "
+                "comparison)"][0] == ""
