@@ -206,15 +206,26 @@ def predict_sets(predictor, args, limits: dict, val_q: list, posthoc: dict | Non
         out["sets"][dataset]["mahalanobis"] = None if maha is None else [round(float(m), 4) for m in maha.score(hidden)]
         if posthoc is not None:  # with every set: the benchmark caches predictions per set, and a cell's record
             out["sets"][dataset]["posthoc"] = posthoc  # names the fit behind each of its sets
-        zeta = getattr(getattr(predictor, "head", None), "config", None)
-        if zeta is not None and getattr(zeta, "zeta", 0.0):  # IB-EDL's post-hoc zeta: also without it
-            fitted, zeta.zeta = zeta.zeta, 0.0
-            try:
-                out["sets"][dataset]["without_posthoc"] = outputs(predict_all(predictor, questions, args.batch_size,
-                                                                              progress=False)[0])
-            finally:
-                zeta.zeta = fitted
+        out["sets"][dataset].update(zeta_free(predictor, questions, preds, args.batch_size))
     return out
+
+
+def zeta_free(predictor, questions: list, preds: list, batch_size: int) -> dict:
+    """IB-EDL's outputs without its post-hoc zeta (``{"without_posthoc": ...}``, the paper's IB-EDL): predicted
+    again with zeta at 0, or ``preds`` themselves where the fit chose 0, so that every IB-EDL set has the row. Other
+    heads: {}."""
+    from ibedl.training.evaluate import predict_all
+
+    config = getattr(getattr(predictor, "head", None), "config", None)
+    if getattr(config, "posthoc_key", None) != "zeta":
+        return {}
+    if not config.zeta:
+        return {"without_posthoc": outputs(preds)}
+    fitted, config.zeta = config.zeta, 0.0
+    try:
+        return {"without_posthoc": outputs(predict_all(predictor, questions, batch_size, progress=False)[0])}
+    finally:
+        config.zeta = fitted
 
 
 if __name__ == "__main__":

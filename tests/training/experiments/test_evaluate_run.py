@@ -37,3 +37,22 @@ def test_load_run_loads_a_top_layer_run_in_its_dtype_over_the_prefix_cache(tiny_
 def test_load_run_of_a_whole_model_run_keeps_the_devices_default(tiny_map_artifact):
     run = load_run(tiny_map_artifact)
     assert run.model.dtype == torch.float32 and not isinstance(run.trunk, PrefixCachedTrunk)
+
+
+def test_every_ib_edl_set_has_its_zeta_free_row_and_other_heads_none(tiny_artifact, tiny_map_artifact):
+    from ibedl.training.evaluate import predict_all
+    from ibedl.training.experiments.evaluate_run import outputs, zeta_free
+
+    run = load_run(tiny_artifact)  # IB-EDL
+    config = run.head.config
+    assert config.posthoc_key == "zeta"
+    config.zeta = 0.0  # the fit chose 0: the row is the predictions themselves
+    preds = predict_all(run, QUESTIONS, progress=False)[0]
+    assert zeta_free(run, QUESTIONS, preds, 2) == {"without_posthoc": outputs(preds)}
+    config.zeta = -5.0  # a fitted zeta: predicted again at 0, the fitted value kept
+    sharpened = predict_all(run, QUESTIONS, progress=False)[0]
+    assert outputs(sharpened) != outputs(preds)
+    assert zeta_free(run, QUESTIONS, sharpened, 2) == {"without_posthoc": outputs(preds)}
+    assert config.zeta == -5.0
+    softmax = load_run(tiny_map_artifact)
+    assert zeta_free(softmax, QUESTIONS, predict_all(softmax, QUESTIONS, progress=False)[0], 2) == {}
