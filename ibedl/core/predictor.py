@@ -327,7 +327,7 @@ class Predictor:
         for t in (batch.input_ids, batch.attention_mask, batch.last_index):
             digest.update(str(tuple(t.shape)).encode())
             digest.update(t.detach().cpu().numpy().tobytes())
-        key = (str(getattr(self.model, "active_adapter", None)), digest.hexdigest())
+        key = (id(self.trunk), str(getattr(self.model, "active_adapter", None)), digest.hexdigest())
         if key not in memo:
             memo[key] = self._hidden(batch)
         return memo[key]
@@ -335,7 +335,8 @@ class Predictor:
     @contextlib.contextmanager
     def reusing_hidden(self):
         """Inside the block, :meth:`hidden` answers a batch it already ran (same token ids and mask, same active
-        adapter) from memory while the pass is deterministic: no gradient, no MC-Dropout, the model in eval mode.
+        adapter, same trunk) from memory while the pass is deterministic: no gradient, no MC-Dropout, the model in
+        eval mode.
         Evaluation runs the same batches (:meth:`batches`) for the predictions, the OOD features and a post-hoc
         step's undone predictions, so one trunk pass serves all three. The trunk's weights must not change inside
         the block (the heads may: the memo holds the states they read)."""

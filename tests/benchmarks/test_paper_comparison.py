@@ -9,6 +9,10 @@ import pytest
 
 from benchmarks.paper_comparison import (
     CLAIMS,
+    EDL_FAMILY,
+    Claim,
+    claim_cell,
+    claim_diffs,
     claims_table,
     default_paper,
     fill,
@@ -203,7 +207,15 @@ def test_the_paper_protocol_grid_fills_its_own_blocks_and_states_the_starts_over
     blocks = grid_sections(results, parse_paper(TEX), "sciq_grid_paper", RESULTS)
     assert set(blocks) == {"sciq_grid_paper/training", "sciq_grid_paper/id", "sciq_grid_paper/ood",
                            "sciq_grid_paper/noise", "sciq_grid_paper/claims"}
-    assert blocks["sciq_grid_paper/claims"].startswith("\n".join(claims_table(RESULTS, results, parse_paper(TEX))))
+    claims = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in
+              blocks["sciq_grid_paper/claims"].splitlines()[2:2 + len(CLAIMS)]}
+    # the first protocol's column reads the first grid (RESULTS), the second this grid's runs (seed 1 changed here)
+    ece = claims["IB-EDL is better calibrated than MAP (ECE, points)"]
+    assert ece[2] == "+7.00 (0 of 1 seed)" and ece[3] == "+7.00 (0 of 1 seed) |"  # ζ-free 12% against MAP's 5%
+    better = [*results[:2], record("id", "ib_edl", 0, accuracy=0.85, ece=0.10, nll=0.5,
+                                   without={"accuracy": 0.8, "ece": 0.03}), *results[3:]]
+    changed = grid_sections(better, parse_paper(TEX), "sciq_grid_paper", RESULTS)["sciq_grid_paper/claims"]
+    assert "| +7.00 (0 of 1 seed) | -2.00 (1 of 1 seed) |" in changed
     assert blocks["sciq_grid_paper/id"] == sections(results, parse_paper(TEX))["id"]  # the first grid's tables
     assert blocks["sciq_grid_paper/training"].endswith(
         "Training questions the start (artifacts/map) had drawn for its own training: 0 of 1000 in each of the "
@@ -216,6 +228,7 @@ def test_a_grid_without_results_says_so_and_its_check_passes_on_a_page_that_says
     assert all(body.startswith("No results yet: the grid (benchmarks/sciq_grid_paper.yaml) has no finished cell")
                for body in empty.values()) and len(empty) == 4
     assert claims.startswith("\n".join(claims_table(RESULTS, [], parse_paper(TEX))))
+    assert "| +7.00 (0 of 1 seed) | – |" in claims  # no second-protocol runs yet
     empty["sciq_grid_paper/claims"] = claims
     (tmp_path / "p.tex").write_text(TEX)
     (tmp_path / "first.json").write_text(json.dumps(RESULTS))
@@ -225,8 +238,8 @@ def test_a_grid_without_results_says_so_and_its_check_passes_on_a_page_that_says
     args = ["--grid", "sciq_grid_paper", "--results", str(tmp_path / "none.json"), "--paper", str(tmp_path / "p.tex"),
             "--docs", str(docs), "--first-results", str(tmp_path / "first.json")]
     assert main([*args, "--check"]) == 1
-    assert "out of date with " + str(tmp_path / "none.json") + " (no results yet): run python -m " \
-           "benchmarks.paper_comparison --grid sciq_grid_paper" in capsys.readouterr().err
+    assert (f"out of date with {tmp_path / 'none.json'} and {tmp_path / 'first.json'} (no results yet): run python "
+            "-m benchmarks.paper_comparison --grid sciq_grid_paper") in capsys.readouterr().err
     assert main(args) == 0 and main([*args, "--check"]) == 0
     assert "matches" in capsys.readouterr().out and "No results yet" in docs.read_text()
     # the first grid's check does not read the second grid's blocks, nor needs them
@@ -269,7 +282,36 @@ def test_each_claim_is_a_paired_difference_per_seed_beside_the_papers_own():
     assert ood[1:] == ["+6.00 (1 of 1 seed)", "– |"]
     assert ood[0] == f"Llama2-7B {(88.34 + 79.79) / 2 - (76.07 + 72.45) / 2:+.2f}"
     # no pair in the paper's noise tables of this TEX, no MAP+TS anywhere in the paper, no noise runs here
-    noise = rows["Under 30% label noise IB-EDL is better calibrated than MAP (ECE, points)"]
+    noise = rows["Under 30% label noise IB-EDL is more accurate than MAP (Acc, points)"]
     assert noise == ["", "–", "– |"]
     assert rows["IB-EDL is better calibrated than MAP with temperature scaling (ECE, points; not the paper's "
                 "comparison)"][0] == ""
+
+
+def test_a_claim_against_several_rows_takes_the_best_on_seeds_that_have_them_all():
+    edl = next(c for c in CLAIMS if c.b == EDL_FAMILY)
+    noise = [record("noise", "ib_edl", seed, ece=0.0, without={"ece": ece}) for seed, ece in ((0, 0.10), (1, 0.10))]
+    noise += [record("noise", m, 0, ece=ece) for m, ece in (("edl", 0.30), ("vid", 0.08), ("i_edl", 0.2),
+                                                            ("r_edl", 0.4))]
+    noise += [record("noise", m, 1, ece=0.3) for m in ("edl", "vid", "i_edl")]  # seed 1 has no R-EDL: left out
+    assert claim_diffs(edl, noise) == pytest.approx([2.0])  # 10% against VID's 8%, the best of the four
+    assert claim_cell(edl, noise) == "+2.00 (0 of 1 seed)"
+
+
+def test_claims_are_checked_and_on_par_survives_float_error():
+    with pytest.raises(ValueError, match="better must be one of .* got 'smaller'"):
+        Claim("x", "id", ("map", "ece"), (("map", "ece"),), 100, "smaller")
+    with pytest.raises(ValueError, match="kind must be id, ood or noise, got 'test'"):
+        Claim("x", "test", ("map", "ece"), (("map", "ece"),), 100, "lower")
+    with pytest.raises(ValueError, match="on_par claim needs a tolerance > 0"):
+        Claim("x", "id", ("map", "ece"), (("map", "ece"),), 100, "on_par")
+    par = Claim("x", "id", ("ib_edl", "accuracy"), (("map", "accuracy"),), 100, "on_par", 1.0)
+    runs = [record("id", "ib_edl", 0, accuracy=0.87), record("id", "map", 0, accuracy=0.86)]
+    assert claim_cell(par, runs) == "+1.00 (1 of 1 seed)"  # (0.87 - 0.86) x 100 is 1.0000000000000009
+
+
+def test_ood_claims_average_the_streams_both_rows_have():
+    ood = next(c for c in CLAIMS if c.kind == "ood")
+    runs = [record("ood", "map", 0, **{"ood/obqa/auroc_mp": 0.80, "ood/race/auroc_mp": 0.50}),
+            record("ood", "ib_edl", 0, without={"ood/obqa/auroc_um": 0.90, "ood/arc_easy/auroc_um": 0.10})]
+    assert claim_diffs(ood, runs) == pytest.approx([10.0])  # OBQA alone: 90 against 80

@@ -155,3 +155,16 @@ def test_reusing_hidden_does_not_serve_passes_that_are_not_deterministic(predict
             finally:
                 predictor.mc_samples = 0
             assert len(calls) == 5
+
+
+def test_reusing_hidden_keeps_each_adapters_states_apart(predictor, monkeypatch):
+    calls = counting(predictor, monkeypatch)
+    enc = predictor.encode(QUESTIONS[:2])
+    try:
+        with torch.no_grad(), predictor.reusing_hidden():
+            for adapter in ("member0", "member1", "member0", "member1"):  # an ensemble's members in turn
+                predictor.model.active_adapter = adapter
+                predictor.hidden(enc)
+    finally:
+        del predictor.model.active_adapter
+    assert len(calls) == 2

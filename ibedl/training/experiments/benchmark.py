@@ -39,6 +39,7 @@ import numpy as np
 import yaml
 
 from ibedl.core.artifact import atomic_write_text
+from ibedl.core.head import POSTHOC_KEYS
 from ibedl.training.config import apply_overrides, yaml_load
 from ibedl.training.experiments.evaluate_run import limits_for, summarise_run, without_posthoc
 from ibedl.training.experiments.report import write_report
@@ -235,7 +236,9 @@ class Runner:
                 same = method.params(found.get("method_params", params)) == params
             except ValueError:  # drawn with parameters the method no longer has
                 return None
-            return found if same and found.get("limit", limits[dataset]) == limits[dataset] else None
+            # an IB-EDL set drawn before every one carried its zeta-free row (evaluate_run.zeta_free) is drawn again
+            stale = POSTHOC_KEYS.get(method.head) == "zeta" and "without_posthoc" not in found
+            return found if same and not stale and found.get("limit", limits[dataset]) == limits[dataset] else None
 
         sets = {d: load(d) for d in wanted}
         missing = [d for d, found in sets.items() if found is None]

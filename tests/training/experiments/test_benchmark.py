@@ -62,10 +62,19 @@ def test_runner_end_to_end_and_resume(bench_config, tmp_path):
     assert "## Label noise (50% of training labels moved; clean test data)" in report
     assert (tmp_path / "tiny-results-plots" / "risk-coverage-sciq.png").is_file()
 
-    # Resume: nothing is retrained; a lost result is rebuilt from its cached predictions.
+    # every IB-EDL cell has its zeta-free row (the fitted zeta itself, or the predictions again where it is 0)
+    assert all(r["metrics_without_posthoc"] for r in data if r["method"] == "ib_edl")
+    assert not any(r["metrics_without_posthoc"] for r in data if r["method"] != "ib_edl")
+
+    # Resume: nothing is retrained; a lost result is rebuilt from its cached predictions, and an IB-EDL set cached
+    # without its zeta-free row (an older evaluate_run's) is drawn again.
     stamps = {p: p.stat().st_mtime for p in runs_dir.glob("*/manifest.json")}
-    results.write_text(json.dumps([r for r in data if r["key"] != "id-sciq-ib_edl-s0"]))
+    results.write_text(json.dumps([r for r in data if r["key"] not in ("id-sciq-ib_edl-s0", "id-obqa-ib_edl-s0")]))
+    old = runs_dir / "obqa-ib_edl-s0" / "predictions-ib_edl-obqa.json"
+    cached = json.loads(old.read_text())
+    old.write_text(json.dumps({k: v for k, v in cached.items() if k != "without_posthoc"}))
     assert main(args) == 0
+    assert json.loads(old.read_text())["without_posthoc"] == cached["without_posthoc"]
     again = json.loads(results.read_text())
     assert len(again) == 12
     assert {p: p.stat().st_mtime for p in runs_dir.glob("*/manifest.json")} == stamps
