@@ -349,6 +349,16 @@ class Claim:
         if self.better == "on_par" and self.tolerance <= 0:
             raise ValueError(f"an on_par claim needs a tolerance > 0, got {self.tolerance}")
 
+    @property
+    def best(self):
+        """The best of several ``b`` values: min for a lower-is-better claim, else max (an on-par claim has one)."""
+        return min if self.better == "lower" else max
+
+    @property
+    def digits(self) -> int:
+        """Decimals of its differences: 3 for an unscaled metric (NLL), 2 for points."""
+        return 3 if self.scale == 1 else 2
+
 
 IB0 = "ib_edl" + NO_POSTHOC  # IB-EDL as the paper runs it, without the post-hoc zeta
 EDL_FAMILY = tuple((m, "ece") for m in ("edl", "vid", "i_edl", "r_edl"))
@@ -392,7 +402,6 @@ def claim_diffs(claim: Claim, results: list[dict]) -> list[float]:
     """The claim's difference (x scale) on each seed that has ``a`` and every ``b`` row, in seed order."""
     a = _per_seed(results, claim.kind, claim.a)
     bs = [_per_seed(results, claim.kind, row) for row in claim.b]
-    pick = min if claim.better == "lower" else max  # the best of several b rows (on par: one row)
     diffs = []
     for seed in sorted(set(a).intersection(*bs)):
         if claim.kind == "ood":  # the mean over the streams every row has
@@ -400,9 +409,9 @@ def claim_diffs(claim: Claim, results: list[dict]) -> list[float]:
             if not streams:
                 continue
             means = [float(np.mean([d[seed][s] for s in sorted(streams)])) for d in (a, *bs)]
-            diffs.append((means[0] - pick(means[1:])) * claim.scale)
+            diffs.append((means[0] - claim.best(means[1:])) * claim.scale)
         else:
-            diffs.append((a[seed] - pick(b[seed] for b in bs)) * claim.scale)
+            diffs.append((a[seed] - claim.best(b[seed] for b in bs)) * claim.scale)
     return diffs
 
 
@@ -413,16 +422,15 @@ def claim_cell(claim: Claim, results: list[dict]) -> str:
     if not diffs:
         return "–"
     held = sum(_holds(claim, d) for d in diffs)
-    digits = 3 if claim.scale == 1 else 2
-    spread = f" ± {np.std(diffs):.{digits}f}" if len(diffs) > 1 else ""
-    mean = round(float(np.mean(diffs)), digits) or 0.0  # no "-0.00"
-    return f"{mean:+.{digits}f}{spread} ({held} of {len(diffs)} seed{'s' if len(diffs) > 1 else ''})"
+    spread = f" ± {np.std(diffs):.{claim.digits}f}" if len(diffs) > 1 else ""
+    mean = round(float(np.mean(diffs)), claim.digits) or 0.0  # no "-0.00"
+    return f"{mean:+.{claim.digits}f}{spread} ({held} of {len(diffs)} seed{'s' if len(diffs) > 1 else ''})"
 
 
 def _paper_value(paper: dict, claim: Claim, row: tuple[str, str], model: str) -> float | None:
     """A claim's row in the paper's numbers for ``model`` (in the paper's units: points, NLL as is), or None."""
     method, metric = row
-    cells = paper["ood" if claim.kind == "ood" else claim.kind].get(model, {}).get(_bare(method))
+    cells = paper[claim.kind].get(model, {}).get(_bare(method))
     if not cells:
         return None
     if claim.kind == "ood":  # Table 3: the mean over its targets
@@ -435,12 +443,11 @@ def paper_claim_cell(claim: Claim, paper: dict) -> str:
     """The same difference in the paper's SciQ numbers (Tables 1-2, the appendix's noise tables) or its Table 3
     (OOD: OBQA as in-distribution, mean over its targets), per model; empty where the paper lacks a row."""
     cells = []
-    pick = min if claim.better == "lower" else max
     for model in MODELS:
         a = _paper_value(paper, claim, claim.a, model)
         bs = [_paper_value(paper, claim, row, model) for row in claim.b]
         if a is not None and all(b is not None for b in bs):
-            cells.append(f"{model} {a - pick(bs):+.{3 if claim.scale == 1 else 2}f}")
+            cells.append(f"{model} {a - claim.best(bs):+.{claim.digits}f}")
     return ", ".join(cells)
 
 

@@ -199,28 +199,29 @@ def predict_sets(predictor, args, limits: dict, val_q: list, posthoc: dict | Non
     for dataset in args.dataset:
         questions = load_eval_set(dataset, limits_for(limits, dataset).get("test"))
         preds, seconds = predict_all(predictor, questions, args.batch_size, progress=False)
-        out["sets"][dataset] = {**outputs(preds), "labels": [q.answer for q in questions],
+        served = outputs(preds)
+        out["sets"][dataset] = {**served, "labels": [q.answer for q in questions],
                                 "samples_per_s": len(questions) / seconds}
         energies, hidden = features(predictor, questions, args.batch_size)
         out["sets"][dataset]["energy"] = [round(float(e), 6) for e in energies]
         out["sets"][dataset]["mahalanobis"] = None if maha is None else [round(float(m), 4) for m in maha.score(hidden)]
         if posthoc is not None:  # with every set: the benchmark caches predictions per set, and a cell's record
             out["sets"][dataset]["posthoc"] = posthoc  # names the fit behind each of its sets
-        out["sets"][dataset].update(zeta_free(predictor, questions, preds, args.batch_size))
+        out["sets"][dataset].update(zeta_free(predictor, questions, served, args.batch_size))
     return out
 
 
-def zeta_free(predictor, questions: list, preds: list, batch_size: int) -> dict:
+def zeta_free(predictor, questions: list, served: dict, batch_size: int) -> dict:
     """IB-EDL's outputs without its post-hoc zeta (``{"without_posthoc": ...}``, the paper's IB-EDL): predicted
-    again with zeta at 0, or ``preds`` themselves where the fit chose 0, so that every IB-EDL set has the row. Other
-    heads: {}."""
+    again with zeta at 0, or ``served`` (:func:`outputs` of the predictions as served) where the fit chose 0, so that
+    every IB-EDL set has the row. Other heads: {}."""
     from ibedl.training.evaluate import predict_all
 
     config = getattr(getattr(predictor, "head", None), "config", None)
     if getattr(config, "posthoc_key", None) != "zeta":
         return {}
     if not config.zeta:
-        return {"without_posthoc": outputs(preds)}
+        return {"without_posthoc": served}
     fitted, config.zeta = config.zeta, 0.0
     try:
         return {"without_posthoc": outputs(predict_all(predictor, questions, batch_size, progress=False)[0])}

@@ -48,11 +48,11 @@ def test_every_ib_edl_set_has_its_zeta_free_row_and_other_heads_none(tiny_artifa
     assert config.posthoc_key == "zeta"
     config.zeta = 0.0  # the fit chose 0: the row is the predictions themselves
     preds = predict_all(run, QUESTIONS, progress=False)[0]
-    assert zeta_free(run, QUESTIONS, preds, 2) == {"without_posthoc": outputs(preds)}
+    assert zeta_free(run, QUESTIONS, outputs(preds), 2) == {"without_posthoc": outputs(preds)}
     config.zeta = -5.0  # a fitted zeta: predicted again at 0, the fitted value kept
     sharpened = predict_all(run, QUESTIONS, progress=False)[0]
     assert outputs(sharpened) != outputs(preds)
-    assert zeta_free(run, QUESTIONS, sharpened, 2) == {"without_posthoc": outputs(preds)}
+    assert zeta_free(run, QUESTIONS, outputs(sharpened), 2) == {"without_posthoc": outputs(preds)}
     assert config.zeta == -5.0
     softmax = load_run(tiny_map_artifact)
-    assert zeta_free(softmax, QUESTIONS, predict_all(softmax, QUESTIONS, progress=False)[0], 2) == {}
+    assert zeta_free(softmax, QUESTIONS, outputs(predict_all(softmax, QUESTIONS, progress=False)[0]), 2) == {}
