@@ -2,7 +2,7 @@
 
     python -m benchmarks.paper_comparison [--grid sciq_grid|sciq_grid_paper] [--results PATH.json]
         [--first-results PATH.json] [--efficiency benchmarks/results/method_efficiency.json] [--paper PATH.tex]
-        [--docs docs/results.md] [--check]
+        [--sigma-heads TRAINED.json FROZEN.json] [--docs docs/results.md] [--check]
 
 Our numbers come from the grid's results file (mean ± std over the seeds it holds) and the per-method cost
 benchmark (``python -m benchmarks.method_efficiency``, ratios to MAP); the paper's are read from its LaTeX source
@@ -322,6 +322,52 @@ def sigma_ablation_table(results: list[dict], ablation: list[dict]) -> list[str]
     return lines
 
 
+IB0 = "ib_edl" + NO_POSTHOC  # IB-EDL as the paper runs it, without the post-hoc zeta
+SIGMA_HEAD_ARMS = ("trained", "frozen")  # benchmarks/sciq_sigma_<arm>.yaml
+SIGMA_HEAD_NOTE = ("IB-EDL at ζ = 0 (its 1/u then comes from the evidence head alone), mean ± std over seeds; ρ is "
+                   "Spearman's rank correlation of each question's σ (its mean over the options) with 1/u; an AUROC "
+                   "takes SciQ test as the positive class and σ (or 1/u) as the score.")
+
+
+def _stream_values(results: list[dict], method: str, key: str) -> dict[str, list[float]]:
+    """Per shifted stream (in the order the ood runs name them), the values of ``ood/<stream>/<key>`` over seeds."""
+    streams: dict[str, list[float]] = {}
+    for name, _, m in method_metrics(results, "ood"):
+        if name == method:
+            for k, v in m.items():
+                if k.startswith("ood/") and k.endswith("/" + key) and v is not None:
+                    streams.setdefault(k.split("/")[1], []).append(float(v))
+    return streams
+
+
+def sigma_head_table(arms: list[tuple[str, list[dict]]]) -> list[str]:
+    """IB-EDL's sigma head trained against frozen at its initialisation (``arms``: (label, results) each, e.g.
+    ``benchmarks/sciq_sigma_trained.yaml`` and ``sciq_sigma_frozen.yaml``), at zeta 0: sigma's spread, test NLL and
+    rank correlation with 1/u in distribution; then per shifted stream sigma's rank correlation with 1/u and its
+    AUROC as an OOD score beside 1/u's. Mean ± std over seeds."""
+    row = IB0
+    head = ["σ head", "seeds", "median σ", "CV of σ", "test NLL", "ρ(σ, 1/u), SciQ test"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, runs in arms:
+        cells = [_ours(_values(runs, "id", row, key)[1], 1, 3)
+                 for key in ("sigma/median", "sigma/cv", "nll", "sigma/spearman_inv_u")]
+        lines.append(f"| {label} | {_seeds(runs, 'id', row)} | " + " | ".join(cells) + " |")
+    per_arm = {label: {key: _stream_values(runs, row, key) for key in ("sigma_spearman_inv_u", "auroc_sigma",
+                                                                       "auroc_um")}
+               for label, runs in arms}
+    streams = list(dict.fromkeys(s for v in per_arm.values() for s in v["auroc_sigma"]))
+    if not streams:
+        return lines
+    head = (["shifted stream"] + [f"ρ(σ, 1/u), {label}" for label, _ in arms]
+            + [f"AUROC σ, {label}" for label, _ in arms] + [f"AUROC 1/u, {label}" for label, _ in arms])
+    lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for stream in streams:
+        cells = [_ours(per_arm[label][key].get(stream, []), 1, 3)
+                 for key in ("sigma_spearman_inv_u", "auroc_sigma", "auroc_um") for label, _ in arms]
+        lines.append(f"| {dataset_name(stream)} | " + " | ".join(cells) + " |")
+    return lines
+
+
 BETTER = ("lower", "higher", "on_par")
 
 
@@ -360,7 +406,6 @@ class Claim:
         return 3 if self.scale == 1 else 2
 
 
-IB0 = "ib_edl" + NO_POSTHOC  # IB-EDL as the paper runs it, without the post-hoc zeta
 EDL_FAMILY = tuple((m, "ece") for m in ("edl", "vid", "i_edl", "r_edl"))
 CLAIMS = (
     Claim("IB-EDL is as accurate as MAP (Acc, points; on par: within 1)", "id", (IB0, "accuracy"),
@@ -464,11 +509,20 @@ def claims_table(first: list[dict], second: list[dict], paper: dict) -> list[str
 
 
 def sections(results: list[dict], paper: dict, efficiency: dict | None = None,
-             ablation: list[dict] | None = None) -> dict[str, str]:
+             ablation: list[dict] | None = None, heads: list[tuple[str, list[dict] | None]] | None = None
+             ) -> dict[str, str]:
     """The generated blocks of the docs page, by marker name (``cost`` only with the efficiency results, the sigma
-    ablation only with its results)."""
+    ablation only with its results, ``sigma-head`` only with ``heads``: (label, results or None where the arm has
+    none yet) of the sigma head trained and frozen)."""
     shift = matched_shift(results)
     sigma = sigma_table(results) + (sigma_ablation_table(results, ablation) if ablation else [])
+    if heads:
+        done = [(label, runs) for label, runs in heads if runs]
+        missing = [label for label, runs in heads if not runs]
+        head_lines = (sigma_head_table(done) + ["", SIGMA_HEAD_NOTE]) if done else []
+        if missing:
+            head_lines += ["", f"No results yet for the {' and '.join(missing)} arm (its config: "
+                               f"benchmarks/sciq_sigma_{missing[0]}.yaml)."]
     return {
         "training": "\n".join(training_table(results)).strip(),
         "sigma": "\n".join(sigma).strip(),
@@ -479,6 +533,7 @@ def sections(results: list[dict], paper: dict, efficiency: dict | None = None,
         "paper-ood": "\n".join(paper_ood_table(paper["ood"])),
         "noise": "\n".join(calibration_table(results, "noise", paper["noise"], selective=False)),
         **({"cost": "\n".join(cost_table(efficiency, paper["cost"]))} if efficiency else {}),
+        **({"sigma-head": "\n".join(head_lines).strip()} if heads else {}),
     }
 
 
@@ -542,6 +597,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="python -m benchmarks.method_efficiency's results (the cost table)")
     parser.add_argument("--ablation", default="benchmarks/results/sciq_sigma_ablation.json",
                         help="the sigma ablation's results (benchmarks/sciq_sigma_ablation.yaml); left out if absent")
+    parser.add_argument("--sigma-heads", nargs=2, metavar=("TRAINED", "FROZEN"),
+                        default=[f"benchmarks/results/sciq_sigma_{arm}.json" for arm in SIGMA_HEAD_ARMS],
+                        help="the sigma-head ablation's two arms' results (benchmarks/sciq_sigma_trained.yaml and "
+                             "sciq_sigma_frozen.yaml); an arm not run yet is named in its block")
     parser.add_argument("--paper", help=f"the paper's LaTeX source (default ${PAPER_ENV} or ../shared/paper/...)")
     parser.add_argument("--docs", default="docs/results.md", help="the page whose generated blocks are (re)written")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if the page is out of date")
@@ -558,7 +617,9 @@ def main(argv: list[str] | None = None) -> int:
         if first:
             efficiency = json.loads(Path(args.efficiency).read_text())
             ablation = json.loads(Path(args.ablation).read_text()) if Path(args.ablation).is_file() else None
-            blocks = sections(results, paper, efficiency, ablation)
+            heads = [(arm, json.loads(Path(path).read_text()) if Path(path).is_file() else None)
+                     for arm, path in zip(SIGMA_HEAD_ARMS, args.sigma_heads, strict=True)]
+            blocks = sections(results, paper, efficiency, ablation, heads)
         else:
             blocks = grid_sections(results, paper, args.grid, json.loads(Path(args.first_results).read_text()))
         updated = fill(page, blocks)

@@ -20,6 +20,7 @@ from benchmarks.paper_comparison import (
     main,
     parse_paper,
     sections,
+    sigma_head_table,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -133,6 +134,40 @@ def test_the_sigma_ablation_sits_beside_the_learned_sigma():
     assert "σ frozen" not in sections(RESULTS, parse_paper(TEX))["sigma"]
 
 
+def head_arm(sigma: float, rho: float, auroc_sigma: float, auroc_um: float) -> list[dict]:
+    """Two seeds of an IB-EDL arm: ζ = 0 metrics (``without``) carry the values, the served ones something else."""
+    runs = []
+    for seed, shift in ((0, 0.0), (1, 0.02)):
+        served = {"accuracy": 0.5, "nll": 9.0, "sigma/median": 9.0, "sigma/cv": 9.0, "sigma/spearman_inv_u": 0.0}
+        zeta0 = {"accuracy": 0.8, "nll": 0.4 + shift, "sigma/median": sigma + shift, "sigma/cv": 0.3,
+                 "sigma/spearman_inv_u": rho}
+        runs.append(record("id", "ib_edl", seed, **served, without=zeta0))
+        stream = {"ood/obqa/sigma_spearman_inv_u": rho - shift, "ood/obqa/auroc_sigma": auroc_sigma + shift,
+                  "ood/obqa/auroc_um": auroc_um}
+        runs.append(record("ood", "ib_edl", seed, **{k: 0.0 for k in stream}, without=stream))
+    return runs
+
+
+def test_the_sigma_head_table_puts_both_arms_side_by_side_at_zeta_0():
+    arms = [("trained", head_arm(2.0, 0.99, 0.90, 0.91)), ("frozen", head_arm(1.0, 0.95, 0.80, 0.81))]
+    lines = sigma_head_table(arms)
+    # in distribution: σ median (2.00 + 2.02) / 2 = 2.010 ± 0.010, NLL 0.410 ± 0.010, read at ζ = 0, not served
+    assert lines[2] == "| trained | 0,1 | 2.010 ± 0.010 | 0.300 ± 0.000 | 0.410 ± 0.010 | 0.990 ± 0.000 |"
+    assert lines[3] == "| frozen | 0,1 | 1.010 ± 0.010 | 0.300 ± 0.000 | 0.410 ± 0.010 | 0.950 ± 0.000 |"
+    # per stream, each measure with the arms adjacent: ρ 0.99 and 0.97 -> 0.980 ± 0.010
+    assert lines[5].startswith("| shifted stream | ρ(σ, 1/u), trained | ρ(σ, 1/u), frozen | AUROC σ, trained |")
+    assert lines[7] == ("| OBQA | 0.980 ± 0.010 | 0.940 ± 0.010 | 0.910 ± 0.010 | 0.810 ± 0.010 | 0.910 ± 0.000 | "
+                        "0.810 ± 0.000 |")
+
+
+def test_the_sigma_head_block_names_an_arm_without_results():
+    frozen = head_arm(1.0, 0.95, 0.80, 0.81)
+    block = sections(RESULTS, parse_paper(TEX), heads=[("trained", None), ("frozen", frozen)])["sigma-head"]
+    assert "| frozen | 0,1 |" in block and "| trained |" not in block
+    assert block.endswith("No results yet for the trained arm (its config: benchmarks/sciq_sigma_trained.yaml).")
+    assert "sigma-head" not in sections(RESULTS, parse_paper(TEX))
+
+
 def test_training_start_and_end_come_from_the_runs_records():
     results = [dict(r) for r in RESULTS]
     start = {"accuracy": 0.5, "mean_confidence": 0.6, "ece": 0.2, "nll": 1.0}
@@ -180,7 +215,9 @@ def test_fill_replaces_only_between_the_markers():
 def test_the_docs_page_matches_the_committed_results(tmp_path, capsys):
     results, docs = REPO / "benchmarks/results/sciq_grid.json", REPO / "docs/results.md"
     efficiency = ["--efficiency", str(REPO / "benchmarks/results/method_efficiency.json"),
-                  "--ablation", str(REPO / "benchmarks/results/sciq_sigma_ablation.json")]
+                  "--ablation", str(REPO / "benchmarks/results/sciq_sigma_ablation.json"),
+                  "--sigma-heads", *(str(REPO / f"benchmarks/results/sciq_sigma_{arm}.json")
+                                     for arm in ("trained", "frozen"))]
     assert main(["--results", str(results), "--docs", str(docs), "--check", *efficiency]) == 0
     # a results file that changed makes the check fail, and a run without --check brings the page back in step
     changed = json.loads(results.read_text())
