@@ -414,6 +414,8 @@ CLAIMS = (
     Claim("IB-EDL has a lower NLL than MAP", "id", (IB0, "nll"), (("map", "nll"),), 1, "lower"),
     Claim("IB-EDL is better calibrated than MAP with temperature scaling (ECE, points; not the paper's comparison)",
           "id", (IB0, "ece"), (("map_ts", "ece"),), 100, "lower"),
+    Claim("IB-EDL is better calibrated than the other EDL methods (ECE, points, against the best of EDL, VID, I-EDL "
+          "and R-EDL)", "id", (IB0, "ece"), EDL_FAMILY, 100, "lower"),
     Claim("IB-EDL's 1/u flags shifted questions better than MAP's max probability (mean AUROC over the streams, "
           "points)", "ood", (IB0, "um"), (("map", "mp"),), 100, "higher"),
     Claim("Under 30% label noise IB-EDL is more accurate than MAP (Acc, points)", "noise", (IB0, "accuracy"),
