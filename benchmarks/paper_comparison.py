@@ -290,14 +290,14 @@ def cost_table(efficiency: dict, paper: dict) -> list[str]:
     return lines
 
 
-def _ood_streams(results: list[dict], method: str, score: str) -> dict[int, dict[str, float]]:
-    """Per seed, the AUROC by ``score`` on each shifted stream of ``method``'s ood runs (a ``<method>:no_posthoc``
-    row reads them without the post-hoc step)."""
+def _ood_streams(results: list[dict], method: str, key: str) -> dict[int, dict[str, float]]:
+    """Per seed, the metric ``ood/<stream>/<key>`` (e.g. ``auroc_um``) on each shifted stream of ``method``'s ood runs
+    (a ``<method>:no_posthoc`` row reads them without the post-hoc step)."""
     by_seed: dict = {}
     for name, r, m in method_metrics(results, "ood"):
         if name == method:
             streams = {k.split("/")[1]: float(v) for k, v in m.items()
-                       if k.startswith("ood/") and k.endswith(f"/auroc_{score}") and v is not None}
+                       if k.startswith("ood/") and k.endswith("/" + key) and v is not None}
             if streams:
                 by_seed[r["seed"]] = streams
     return dict(sorted(by_seed.items()))
@@ -305,7 +305,8 @@ def _ood_streams(results: list[dict], method: str, score: str) -> dict[int, dict
 
 def _ood_means(results: list[dict], method: str, score: str) -> list[float]:
     """Per seed (in seed order), the mean AUROC by ``score`` over the shifted streams of ``method``'s ood runs."""
-    return [float(np.mean(list(streams.values()))) for streams in _ood_streams(results, method, score).values()]
+    by_seed = _ood_streams(results, method, f"auroc_{score}")
+    return [float(np.mean(list(streams.values()))) for streams in by_seed.values()]
 
 
 def sigma_ablation_table(results: list[dict], ablation: list[dict]) -> list[str]:
@@ -329,41 +330,28 @@ SIGMA_HEAD_NOTE = ("IB-EDL at ζ = 0 (its 1/u then comes from the evidence head 
                    "takes SciQ test as the positive class and σ (or 1/u) as the score.")
 
 
-def _stream_values(results: list[dict], method: str, key: str) -> dict[str, list[float]]:
-    """Per shifted stream (in the order the ood runs name them), the values of ``ood/<stream>/<key>`` over seeds."""
-    streams: dict[str, list[float]] = {}
-    for name, _, m in method_metrics(results, "ood"):
-        if name == method:
-            for k, v in m.items():
-                if k.startswith("ood/") and k.endswith("/" + key) and v is not None:
-                    streams.setdefault(k.split("/")[1], []).append(float(v))
-    return streams
-
-
 def sigma_head_table(arms: list[tuple[str, list[dict]]]) -> list[str]:
     """IB-EDL's sigma head trained against frozen at its initialisation (``arms``: (label, results) each, e.g.
     ``benchmarks/sciq_sigma_trained.yaml`` and ``sciq_sigma_frozen.yaml``), at zeta 0: sigma's spread, test NLL and
     rank correlation with 1/u in distribution; then per shifted stream sigma's rank correlation with 1/u and its
     AUROC as an OOD score beside 1/u's. Mean ± std over seeds."""
-    row = IB0
     head = ["σ head", "seeds", "median σ", "CV of σ", "test NLL", "ρ(σ, 1/u), SciQ test"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, runs in arms:
-        cells = [_ours(_values(runs, "id", row, key)[1], 1, 3)
+        cells = [_ours(_values(runs, "id", IB0, key)[1], 1, 3)
                  for key in ("sigma/median", "sigma/cv", "nll", "sigma/spearman_inv_u")]
-        lines.append(f"| {label} | {_seeds(runs, 'id', row)} | " + " | ".join(cells) + " |")
-    per_arm = {label: {key: _stream_values(runs, row, key) for key in ("sigma_spearman_inv_u", "auroc_sigma",
-                                                                       "auroc_um")}
-               for label, runs in arms}
-    streams = list(dict.fromkeys(s for v in per_arm.values() for s in v["auroc_sigma"]))
+        lines.append(f"| {label} | {_seeds(runs, 'id', IB0)} | " + " | ".join(cells) + " |")
+    keys = ("sigma_spearman_inv_u", "auroc_sigma", "auroc_um")
+    per_arm = {label: {key: list(_ood_streams(runs, IB0, key).values()) for key in keys} for label, runs in arms}
+    streams = list(dict.fromkeys(s for v in per_arm.values() for by_seed in v["auroc_sigma"] for s in by_seed))
     if not streams:
         return lines
     head = (["shifted stream"] + [f"ρ(σ, 1/u), {label}" for label, _ in arms]
             + [f"AUROC σ, {label}" for label, _ in arms] + [f"AUROC 1/u, {label}" for label, _ in arms])
     lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for stream in streams:
-        cells = [_ours(per_arm[label][key].get(stream, []), 1, 3)
-                 for key in ("sigma_spearman_inv_u", "auroc_sigma", "auroc_um") for label, _ in arms]
+        cells = [_ours([by_seed[stream] for by_seed in per_arm[label][key] if stream in by_seed], 1, 3)
+                 for key in keys for label, _ in arms]
         lines.append(f"| {dataset_name(stream)} | " + " | ".join(cells) + " |")
     return lines
 
@@ -433,7 +421,7 @@ def _per_seed(results: list[dict], kind: str, row: tuple[str, str]) -> dict[int,
     """Per seed, the row's metric; for ``ood``, the score's AUROC per stream."""
     method, metric = row
     if kind == "ood":
-        return _ood_streams(results, method, metric)
+        return _ood_streams(results, method, f"auroc_{metric}")
     seeds, values = _values(results, kind, method, metric)
     return dict(zip(seeds, values, strict=True))
 
@@ -520,11 +508,10 @@ def sections(results: list[dict], paper: dict, efficiency: dict | None = None,
     sigma = sigma_table(results) + (sigma_ablation_table(results, ablation) if ablation else [])
     if heads:
         done = [(label, runs) for label, runs in heads if runs]
-        missing = [label for label, runs in heads if not runs]
+        missing = [label for label, runs in heads if not runs]  # a label is its arm's name: sciq_sigma_<arm>.yaml
         head_lines = (sigma_head_table(done) + ["", SIGMA_HEAD_NOTE]) if done else []
-        if missing:
-            head_lines += ["", f"No results yet for the {' and '.join(missing)} arm (its config: "
-                               f"benchmarks/sciq_sigma_{missing[0]}.yaml)."]
+        head_lines += [f"\nNo results yet for the {label} arm (its config: benchmarks/sciq_sigma_{label}.yaml)."
+                       for label in missing]
     return {
         "training": "\n".join(training_table(results)).strip(),
         "sigma": "\n".join(sigma).strip(),
