@@ -38,7 +38,7 @@ from ibedl.core.head import HEADS, CentredEvidence, HeadConfig, build_head
 from ibedl.core.model_card import write_card
 from ibedl.core.predictor import Predictor, fits, lm_head_rows
 from ibedl.core.prompt import MCQuestion, option_token_ids
-from ibedl.training import warm_start
+from ibedl.training import member_resume, warm_start
 from ibedl.training.calibrate import CalibrationConfig, apply_sections, calibrate_predictor
 from ibedl.training.config import TRACKERS, DataPart, TrainConfig, config_keys_help, load_config
 from ibedl.training.distributed import (
@@ -518,7 +518,9 @@ def train(cfg: TrainConfig, command: str = "") -> Path:
     Metrics, zeta and thresholds are computed on the artifact as saved and reloaded, so what is
     measured is exactly what the service will load. Under several processes (``accelerate launch``) all of
     them train; the main process alone then calibrates, evaluates and writes the manifest, so every method
-    runs there as it does in one process (Laplace's post-hoc fit included).
+    runs there as it does in one process (Laplace's post-hoc fit included). An ensemble started again after an
+    interruption keeps the members the interrupted start had saved under the same config
+    (:mod:`ibedl.training.member_resume`) and trains the rest.
     """
     method = get_method(cfg.method)
     params = method.params(cfg.method_params)
@@ -530,18 +532,28 @@ def train(cfg: TrainConfig, command: str = "") -> Path:
     started = time.time()
     train_q, val_q, test_q = load_splits(cfg)
     out_dir = Path(cfg.output)
-    history_path = start_history(out_dir) if accelerator.is_main_process else out_dir / "history.jsonl"
     dirs = member_dirs(method, params)
     # The base model is resolved (its weights hashed) and its tokenizer loaded once per process, then passed down.
     with accelerator.main_process_first():  # one process converts a base model the cache lacks; the others reuse it
         resolved = resolve_model(cfg.base_model)
     tokenizer = base_tokenizer(resolved)
     train_q, val_q, test_q, dropped = drop_unfit(cfg, train_q, val_q, test_q, tokenizer)
-    runs = [
-        fit_member(cfg, method, params, train_q, val_q, out_dir / d, cfg.seed + 1000 * i, history_path, i, accelerator,
-                   resolved, tokenizer)
-        for i, d in enumerate(dirs)
-    ]
+    seeds = [cfg.seed + 1000 * i for i in range(len(dirs))]
+    digests = [member_resume.fingerprint(cfg.to_dict(), seed, resolved.sha256) for seed in seeds]
+    # An ensemble's members saved by an interrupted start of this run under the same config are kept, not retrained.
+    resumed = {i: run for i, d in enumerate(dirs) if len(dirs) > 1
+               and (run := member_resume.finished(out_dir / d, digests[i])) is not None}
+    history_path = start_history(out_dir, set(resumed)) if accelerator.is_main_process else out_dir / "history.jsonl"
+    runs = []
+    for i, d in enumerate(dirs):
+        if i in resumed:
+            log.info("member %d: kept as an earlier start of this run saved it (%s)", i, out_dir / d)
+            runs.append({**resumed[i], "resolved": resolved})
+            continue
+        runs.append(fit_member(cfg, method, params, train_q, val_q, out_dir / d, seeds[i], history_path, i,
+                               accelerator, resolved, tokenizer))
+        if accelerator.is_main_process and len(dirs) > 1:
+            member_resume.save(out_dir / d, digests[i], runs[-1])
     if accelerator.is_main_process:
         manifest = loadable_manifest(cfg, method, params, dirs, runs[0])
         write_manifest(out_dir, manifest)  # complete enough to load; metrics follow
@@ -568,11 +580,12 @@ def load_splits(cfg: TrainConfig) -> tuple[list[MCQuestion], list[MCQuestion], l
     return train_q, val_q, test_q
 
 
-def start_history(out_dir: Path) -> Path:
-    """Create the artifact directory and an empty ``history.jsonl`` (one line per step, every member)."""
+def start_history(out_dir: Path, resumed: set[int] = frozenset()) -> Path:
+    """Create the artifact directory and ``history.jsonl`` (one line per step, every member), keeping only the lines
+    of the ``resumed`` members."""
     out_dir.mkdir(parents=True, exist_ok=True)
     history_path = out_dir / "history.jsonl"
-    history_path.write_text("")
+    member_resume.keep_history(history_path, resumed)
     return history_path
 
 

@@ -131,6 +131,37 @@ def test_training_is_seeded(tmp_path, tiny_model_dir, jsonl_data):
     assert la == lb
 
 
+def test_an_interrupted_ensemble_keeps_its_saved_members_and_ends_as_if_uninterrupted(tmp_path, tiny_model_dir,
+                                                                                        jsonl_data):
+    extra = {"method_params.members": 3}
+    whole = read_manifest(train(config(tmp_path / "whole", tiny_model_dir, jsonl_data, "ensemble", **extra)))
+    cfg = config(tmp_path, tiny_model_dir, jsonl_data, "ensemble", **extra)
+    out = train(cfg)
+    # Killed while member 2 trained: members 0 and 1 saved with their records, member 2 half-written, no manifest.
+    (out / "members" / "2" / "member.json").unlink()
+    (out / "members" / "2" / "adapter_model.safetensors").write_bytes(b"torn")
+    (out / "manifest.json").unlink()
+    with (out / "history.jsonl").open("a") as f:
+        f.write('{"member": 2, "step": 4}\n{"member": 2, "st')
+    kept = {m: (out / "members" / m / "adapter_model.safetensors").stat().st_mtime_ns for m in ("0", "1")}
+    manifest = read_manifest(train(cfg))
+    assert {m: (out / "members" / m / "adapter_model.safetensors").stat().st_mtime_ns for m in ("0", "1")} == kept
+    runs = manifest.training["run"]["members"]
+    for m in (0, 1):  # the record of the start that trained it
+        record = json.loads((out / "members" / str(m) / "member.json").read_text())["run"]
+        assert runs[m]["seconds"] == record["seconds"]
+    history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    assert [(h["member"], h["step"]) for h in history] == [(m, s) for m in (0, 1, 2) for s in (1, 2, 3)]
+    # what the resumed run serves is what the uninterrupted one serves (CPU training is deterministic per seed)
+    assert manifest.files == whole.files
+    for key in ("accuracy", "nll", "ece"):
+        assert manifest.metrics["validation"][key] == pytest.approx(whole.metrics["validation"][key], abs=1e-6)
+    # another config: no member is kept
+    changed = config(tmp_path, tiny_model_dir, jsonl_data, "ensemble", **extra, **{"optim.lr": 2e-3})
+    train(changed)
+    assert all((out / "members" / m / "adapter_model.safetensors").stat().st_mtime_ns != kept[m] for m in kept)
+
+
 def test_one_process_trains_as_before_the_accelerate_loop(tmp_path, tiny_model_dir, jsonl_data):
     # Recorded at 7e9f104, the hand-written loop before training ran through accelerate (ibedl.training.distributed):
     # IB-EDL samples, LoRA dropout and a validation pass at step 2. One process must reproduce them. Re-recorded

@@ -118,6 +118,8 @@ def expand(config: dict) -> list[Run]:
 
 
 RUN_DATA = ("train", "validation", "test", "label_noise", "noise_seed")  # the data keys each cell sets itself
+# what an interrupted run keeps for its next start: the saved ensemble members, their steps and the log
+KEPT_ON_RESTART = ("members", "history.jsonl", "train.log")
 
 
 def train_overrides(config: dict, run: Run, method: str, out: Path) -> list[str]:
@@ -205,9 +207,15 @@ class Runner:
         if self.dry_run:
             print("train", out)
             return out, {}
-        if out.exists():
-            shutil.rmtree(out)  # an interrupted run: start it again
-        out.mkdir(parents=True)
+        if out.exists():  # an interrupted run: trained again, but for the ensemble members it had saved
+            for child in out.iterdir():  # (finetune keeps those whose member.json matches: member_resume)
+                if child.name in KEPT_ON_RESTART:
+                    continue
+                if child.is_dir():
+                    shutil.rmtree(child)
+                else:
+                    child.unlink()
+        out.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "ibedl.training.finetune", *train_overrides(self.config, run, method, out)]
         log.info("training %s", out.name)
         info = run_child(cmd, out / "train.log", self.threads)

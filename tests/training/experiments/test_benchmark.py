@@ -82,6 +82,32 @@ def test_runner_end_to_end_and_resume(bench_config, tmp_path):
     assert rebuilt["metrics"] == by_key["id-sciq-ib_edl-s0"]["metrics"]
 
 
+def test_an_interrupted_ensemble_run_restarts_from_its_saved_members(bench_config, tmp_path):
+    path, config = bench_config
+    small = {**config, "methods": ["ensemble"], "method_params": {"ensemble": {"members": 2}},
+             "experiments": [{"kind": "id", "datasets": ["sciq"]}]}
+    path.write_text(json.dumps(small))
+    runs_dir, results = tmp_path / "runs", tmp_path / "ens.json"
+    args = ["--config", str(path), "--runs-dir", str(runs_dir), "--results", str(results)]
+    assert main(args) == 0
+    first = json.loads(results.read_text())[0]
+    run = runs_dir / "sciq-ensemble-s0"
+    # killed while member 1 trained: member 0 saved, no manifest, no predictions, a stray file of the dead start
+    for name in ("benchmark-train.json", "manifest.json", "predictions-ensemble-sciq.json"):
+        (run / name).unlink()
+    (run / "members" / "1" / "member.json").unlink()
+    (run / "stray.tmp").write_text("x")
+    results.unlink()
+    kept = (run / "members" / "0" / "adapter_model.safetensors").stat().st_mtime_ns
+    assert main(args) == 0
+    assert (run / "members" / "0" / "adapter_model.safetensors").stat().st_mtime_ns == kept
+    assert not (run / "stray.tmp").exists() and (run / "members" / "1" / "member.json").is_file()
+    assert "member 0: kept" in (run / "train.log").read_text()
+    again = json.loads(results.read_text())[0]
+    for metric in ("accuracy", "nll", "ece"):
+        assert again["metrics"][metric] == pytest.approx(first["metrics"][metric], abs=1e-6)
+
+
 def test_bad_config(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\nmethods: [map]\nseeds: [0]\nexperiments: [{kind: weird}]\n")
