@@ -2,10 +2,11 @@
 
 An ensemble trains its ``members`` one after the other (3 x a MAP run: about 33 minutes on a 2-core CPU for the
 paper-protocol grid). When the job is killed after some members were saved, the next start trains only the rest.
-Each saved member gets ``member.json`` beside its adapter, written last (atomically), holding its training record
-and a fingerprint of what its training depended on: the config without where the run is written and how it
-reports, the member's seed and the base model's digest. A member is resumed only when that fingerprint matches; a
-member without the file (killed mid-training) or with another fingerprint is trained again.
+Each saved member gets ``member.json`` beside its adapter, written last (atomically), holding its training record,
+the sha256 of its weight files and a fingerprint of what its training depended on: the config without where the
+run is written and how it reports, the member's seed and the base model's digest. A member is resumed only when
+that fingerprint and its weight files match; a member without the file (killed mid-training), with another
+fingerprint or with weights changed since is trained again.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from ibedl.core.artifact import atomic_write_text
+from ibedl.core.artifact import atomic_write_text, files_sha256
 
 RECORD = "member.json"
 # config keys that do not change what a member learns
@@ -31,21 +32,28 @@ def fingerprint(config: dict, seed: int, base_sha256: str) -> str:
 
 def save(member_dir: Path, digest: str, run: dict) -> None:
     """Write ``member_dir/member.json``: the member's training record ``run`` (without the resolved base model, a
-    live object) under the fingerprint ``digest``. Call it after the member's adapter and head are saved."""
-    record = {k: v for k, v in run.items() if k != "resolved"}
-    atomic_write_text(member_dir / RECORD, json.dumps({"fingerprint": digest, "run": record}, indent=1) + "\n")
+    live object) and the sha256 of its weight files under the fingerprint ``digest``. Call it after the member's
+    adapter and head are saved."""
+    record = {"fingerprint": digest, "files": files_sha256(member_dir, ["."]),
+              "run": {k: v for k, v in run.items() if k != "resolved"}}
+    atomic_write_text(member_dir / RECORD, json.dumps(record, indent=1) + "\n")
 
 
 def finished(member_dir: Path, digest: str) -> dict | None:
     """The training record of a member saved under fingerprint ``digest``, or None: no record (never saved, or
-    killed before it was), an unreadable one, or one trained under another fingerprint."""
+    killed before it was), an unreadable one, one trained under another fingerprint, or weight files missing or
+    changed since."""
     try:
         found = json.loads((member_dir / RECORD).read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(found, dict) or found.get("fingerprint") != digest or not isinstance(found.get("run"), dict):
         return None
-    return found["run"]
+    try:
+        same = files_sha256(member_dir, ["."]) == found.get("files")
+    except OSError:
+        return None
+    return found["run"] if same else None
 
 
 def keep_history(history_path: Path, members: set[int]) -> None:

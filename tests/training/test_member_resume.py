@@ -2,6 +2,7 @@
 
 import json
 
+from ibedl.core.artifact import WEIGHT_FILES
 from ibedl.training import member_resume
 
 CONFIG = {"method": "ensemble", "seed": 0, "optim": {"lr": 1e-4}, "output": "runs/a", "threads": 1, "progress": True}
@@ -19,13 +20,25 @@ def test_fingerprint_follows_what_training_depends_on_only():
     assert member_resume.fingerprint(CONFIG, 0, "abd") != base
 
 
-def test_a_saved_record_is_read_back_under_its_fingerprint_only(tmp_path):
+def weights(member_dir, content=b"w"):
+    for name in WEIGHT_FILES:
+        (member_dir / name).write_bytes(content + name.encode())
+
+
+def test_a_saved_record_is_read_back_under_its_fingerprint_and_weights_only(tmp_path):
     run = {"seconds": 12.5, "ids": [1, 2, 3], "head": {"kind": "softmax"}, "resolved": object(), "seed": 1000}
+    weights(tmp_path)
     member_resume.save(tmp_path, "f1", run)
     assert member_resume.finished(tmp_path, "f1") == {"seconds": 12.5, "ids": [1, 2, 3], "head": {"kind": "softmax"},
                                                       "seed": 1000}
     assert member_resume.finished(tmp_path, "f2") is None  # trained under another config
     assert member_resume.finished(tmp_path / "absent", "f1") is None  # never saved
+    weights(tmp_path, b"changed")  # weights rewritten after the record: not the member it describes
+    assert member_resume.finished(tmp_path, "f1") is None
+    weights(tmp_path)
+    assert member_resume.finished(tmp_path, "f1") is not None
+    (tmp_path / WEIGHT_FILES[0]).unlink()
+    assert member_resume.finished(tmp_path, "f1") is None
     (tmp_path / member_resume.RECORD).write_text('{"fingerprint": "f1", "run": {"sec')  # torn
     assert member_resume.finished(tmp_path, "f1") is None
     (tmp_path / member_resume.RECORD).write_text('["f1"]')
