@@ -6,7 +6,8 @@ Each saved member gets ``member.json`` beside its adapter, written last (atomica
 the sha256 of its weight files and a fingerprint of what its training depended on: the config without where the
 run is written and how it reports, the member's seed and the base model's digest. A member is resumed only when
 that fingerprint and its weight files match; a member without the file (killed mid-training), with another
-fingerprint or with weights changed since is trained again.
+fingerprint or with weights changed since is trained again. The fingerprint holds the config as written, not the
+contents of the files it names (data, ``init_from``): retrain from scratch (delete the output) after changing those.
 """
 
 from __future__ import annotations
