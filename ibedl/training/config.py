@@ -170,6 +170,8 @@ class TrainConfig(_Model):
     evidence_scale: Real = 1.0  # evidential heads: pre-evidence = s * (W h) + b (HeadConfig.evidence_scale)
     # an artifact whose LoRA weights and option rows start this run (ibedl.training.warm_start)
     init_from: str | None = None
+    # an ensemble: runs whose adapter trained exactly as one of its members (MAP's run of the same seed as its first)
+    members_from: list[str] = Field(default_factory=list)
     train_layers: int | None = None  # LoRA trains in the top K decoder layers only; the states below are cached
     target_accuracy: Real = Field(0.8, gt=0, le=1)
     fit_zeta: bool = True

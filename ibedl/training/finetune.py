@@ -520,10 +520,13 @@ def train(cfg: TrainConfig, command: str = "") -> Path:
     them train; the main process alone then calibrates, evaluates and writes the manifest, so every method
     runs there as it does in one process (Laplace's post-hoc fit included). An ensemble started again after an
     interruption keeps the members the interrupted start had saved under the same config
-    (:mod:`ibedl.training.member_resume`) and trains the rest.
+    (:mod:`ibedl.training.member_resume`), copies those a run in ``members_from`` trained (MAP's run of its seed
+    is its first member) and trains the rest.
     """
     method = get_method(cfg.method)
     params = method.params(cfg.method_params)
+    dirs = member_dirs(method, params)
+    check_members_from(cfg, len(dirs))
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     accelerator = make_accelerator(cfg)
@@ -532,14 +535,13 @@ def train(cfg: TrainConfig, command: str = "") -> Path:
     started = time.time()
     train_q, val_q, test_q = load_splits(cfg)
     out_dir = Path(cfg.output)
-    dirs = member_dirs(method, params)
     # The base model is resolved (its weights hashed) and its tokenizer loaded once per process, then passed down.
     with accelerator.main_process_first():  # one process converts a base model the cache lacks; the others reuse it
         resolved = resolve_model(cfg.base_model)
     tokenizer = base_tokenizer(resolved)
     train_q, val_q, test_q, dropped = drop_unfit(cfg, train_q, val_q, test_q, tokenizer)
     seeds = [cfg.seed + 1000 * i for i in range(len(dirs))]
-    digests = [member_resume.fingerprint(cfg.to_dict(), seed, resolved.sha256) for seed in seeds]
+    digests = [member_resume.fingerprint(member_config(cfg, method), seed, resolved.sha256) for seed in seeds]
     # An ensemble's members saved by an interrupted start of this run under the same config are kept, not retrained.
     resumed = {i: run for i, d in enumerate(dirs) if len(dirs) > 1
                and (run := member_resume.finished(out_dir / d, digests[i])) is not None}
@@ -550,9 +552,12 @@ def train(cfg: TrainConfig, command: str = "") -> Path:
             log.info("member %d: kept as an earlier start of this run saved it (%s)", i, out_dir / d)
             runs.append({**resumed[i], "resolved": resolved})
             continue
+        if (adopted := adopt_member(cfg, out_dir / d, digests[i], history_path, i, accelerator)) is not None:
+            runs.append({**adopted, "resolved": resolved})
+            continue
         runs.append(fit_member(cfg, method, params, train_q, val_q, out_dir / d, seeds[i], history_path, i,
                                accelerator, resolved, tokenizer))
-        if accelerator.is_main_process and len(dirs) > 1:
+        if accelerator.is_main_process:
             member_resume.save(out_dir / d, digests[i], runs[-1])
     if accelerator.is_main_process:
         manifest = loadable_manifest(cfg, method, params, dirs, runs[0])
@@ -569,6 +574,41 @@ def train(cfg: TrainConfig, command: str = "") -> Path:
     accelerator.end_training()
     reset_accelerator()  # the next train() in this process may want another device or precision
     return out_dir
+
+
+def member_config(cfg: TrainConfig, method: Method) -> dict:
+    """The config a member of ``method`` trains under, for its fingerprint (:mod:`ibedl.training.member_resume`):
+    ``cfg`` as the method its members train as (an ensemble's as MAP), with that method's parameters as validated,
+    so a run of that method with the same settings and seed fingerprints the same."""
+    trains_as = get_method(method.member_method) if method.member_method else method
+    written = cfg.method_params if trains_as is method else {}
+    return {**cfg.to_dict(), "method": trains_as.name, "method_params": trains_as.params(written)}
+
+
+def check_members_from(cfg: TrainConfig, members: int) -> None:
+    """ValueError when ``members_from`` is set for a run of one adapter or names a directory that does not exist."""
+    if cfg.members_from and members == 1:
+        raise ValueError(f"members_from is for a run of several members (an ensemble); method {cfg.method!r} trains "
+                         f"one adapter, got members_from={cfg.members_from!r}")
+    missing = [d for d in cfg.members_from if not Path(d).is_dir()]
+    if missing:
+        raise ValueError(f"members_from: no such directory {missing}")
+
+
+def adopt_member(cfg: TrainConfig, member_dir: Path, digest: str, history_path: Path, member: int,
+                 accelerator: Accelerator) -> dict | None:
+    """The training record of the first run in ``cfg.members_from`` that trained exactly this member (fingerprint
+    ``digest``), copied into ``member_dir`` (every process waits for the main one to copy it), or None."""
+    for donor in map(Path, cfg.members_from):
+        found = member_resume.finished(donor, digest)
+        if found is None:
+            continue
+        if accelerator.is_main_process:
+            member_resume.adopt(donor, member_dir, digest, history_path, member)
+        accelerator.wait_for_everyone()
+        log.info("member %d: copied from %s, which trained it (the same config, seed and base model)", member, donor)
+        return found
+    return None
 
 
 def load_splits(cfg: TrainConfig) -> tuple[list[MCQuestion], list[MCQuestion], list[MCQuestion]]:

@@ -1,4 +1,4 @@
-"""Resuming an ensemble's training: a member whose adapter was saved is not trained again.
+"""Resuming an ensemble's training: a member whose adapter was saved is not trained again, here or in another run.
 
 An ensemble trains its ``members`` one after the other (3 x a MAP run: about 33 minutes on a 2-core CPU for the
 paper-protocol grid). When the job is killed after some members were saved, the next start trains only the rest.
@@ -8,19 +8,26 @@ run is written and how it reports, the member's seed and the base model's digest
 that fingerprint and its weight files match; a member without the file (killed mid-training), with another
 fingerprint or with weights changed since is trained again. The fingerprint holds the config as written, not the
 contents of the files it names (data, ``init_from``): retrain from scratch (delete the output) after changing those.
+
+Every run saves the record, a single adapter's too, and a member is fingerprinted as the method its members train
+as (an ensemble's as MAP), so the run of that method with the member's config and seed (an ensemble's first member
+is MAP's run of the same seed) fingerprints the same: ``members_from`` names such runs, and a member whose
+fingerprint one of them carries is copied from it (:func:`adopt`) instead of trained.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 from ibedl.core.artifact import atomic_write_text, files_sha256
 
 RECORD = "member.json"
 # config keys that do not change what a member learns
-NOT_TRAINING = ("output", "name", "progress", "track", "track_dir", "threads")
+NOT_TRAINING = ("output", "name", "progress", "track", "track_dir", "threads", "members_from")
+ADAPTER_CONFIG = "adapter_config.json"  # PEFT's, beside the weight files the record hashes
 
 
 def fingerprint(config: dict, seed: int, base_sha256: str) -> str:
@@ -57,6 +64,32 @@ def finished(member_dir: Path, digest: str) -> dict | None:
     return found["run"] if same else None
 
 
+def adopt(donor: Path, member_dir: Path, digest: str, history_path: Path, member: int) -> dict | None:
+    """Copy the adapter saved in ``donor`` (a run's directory) into ``member_dir`` as member ``member`` when the
+    donor's record carries fingerprint ``digest`` and its weights are unchanged, append the donor's
+    ``history.jsonl`` lines to ``history_path`` as that member's, and write the member's record; returns the
+    training record, or None (nothing written) when the donor trained otherwise."""
+    run = finished(donor, digest)
+    if run is None:
+        return None
+    member_dir.mkdir(parents=True, exist_ok=True)
+    (member_dir / RECORD).unlink(missing_ok=True)  # a half-trained member left here is replaced, not resumed
+    record = json.loads((donor / RECORD).read_text())
+    for name in (ADAPTER_CONFIG, *record["files"]):
+        shutil.copyfile(donor / name, member_dir / name)
+    lines = (donor / "history.jsonl").read_text().splitlines() if (donor / "history.jsonl").is_file() else []
+    steps = []
+    for line in lines:
+        try:
+            steps.append(json.dumps({**json.loads(line), "member": member}) + "\n")
+        except ValueError:  # a torn line
+            continue
+    with history_path.open("a") as f:
+        f.writelines(steps)
+    save(member_dir, digest, run)
+    return run
+
+
 def keep_history(history_path: Path, members: set[int]) -> None:
     """Truncate ``history.jsonl`` to the lines of the resumed ``members`` (one line per step and member): the
     members trained again append theirs."""
@@ -71,4 +104,4 @@ def keep_history(history_path: Path, members: set[int]) -> None:
     atomic_write_text(history_path, "".join(kept))
 
 
-__all__ = ["fingerprint", "finished", "keep_history", "save", "RECORD"]
+__all__ = ["adopt", "fingerprint", "finished", "keep_history", "save", "RECORD"]

@@ -162,6 +162,46 @@ def test_an_interrupted_ensemble_keeps_its_saved_members_and_ends_as_if_uninterr
     assert all((out / "members" / m / "adapter_model.safetensors").stat().st_mtime_ns != kept[m] for m in kept)
 
 
+def test_an_ensemble_copies_its_first_member_from_maps_run_of_its_seed(tmp_path, tiny_model_dir, jsonl_data, caplog):
+    extra = {"method_params.members": 2}
+    whole = read_manifest(train(config(tmp_path / "whole", tiny_model_dir, jsonl_data, "ensemble", **extra)))
+    donor = train(config(tmp_path, tiny_model_dir, jsonl_data, "map"))
+    assert (donor / "member.json").is_file()  # a single adapter's run records its training too
+    donor_weights = (donor / "adapter_model.safetensors").stat().st_mtime_ns
+    with caplog.at_level("INFO", logger="ibedl.training.finetune"):
+        out = train(config(tmp_path, tiny_model_dir, jsonl_data, "ensemble", **extra, members_from=f"[{donor}]"))
+    assert any(f"member 0: copied from {donor}" in r.getMessage() for r in caplog.records)
+    assert not any("member 1: copied" in r.getMessage() for r in caplog.records)
+    manifest = read_manifest(out)
+    # exactly what training it would have served: the same weights, metrics and per-step history
+    assert manifest.files == whole.files
+    for key in ("accuracy", "nll", "ece"):
+        assert manifest.metrics["validation"][key] == pytest.approx(whole.metrics["validation"][key], abs=1e-6)
+    steps = [json.loads(x) for x in (out / "history.jsonl").read_text().splitlines()]
+    donor_steps = [json.loads(x) for x in (donor / "history.jsonl").read_text().splitlines()]
+    assert [h for h in steps if h["member"] == 0] == donor_steps
+    assert [(h["member"], h["step"]) for h in steps] == [(m, s) for m in (0, 1) for s in (1, 2, 3)]
+    assert manifest.training["run"]["members"][0]["seconds"] == read_manifest(donor).training["run"]["seconds"]
+    assert (donor / "adapter_model.safetensors").stat().st_mtime_ns == donor_weights  # the donor is left as it was
+    # a MAP run trained otherwise (another learning rate) is no member: both are trained
+    other = train(config(tmp_path / "other", tiny_model_dir, jsonl_data, "map", **{"optim.lr": 2e-3}))
+    caplog.clear()
+    with caplog.at_level("INFO", logger="ibedl.training.finetune"):
+        train(config(tmp_path / "again", tiny_model_dir, jsonl_data, "ensemble", **extra, members_from=f"[{other}]"))
+    assert not any("copied from" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(("method", "members_from", "message"), [
+    ("map", "[{tmp}]", "members_from is for a run of several members"),
+    ("ensemble", "[{tmp}/absent]", "members_from: no such directory"),
+])
+def test_members_from_is_refused_where_it_cannot_apply(tmp_path, tiny_model_dir, jsonl_data, method, members_from,
+                                                       message):
+    cfg = config(tmp_path, tiny_model_dir, jsonl_data, method, members_from=members_from.format(tmp=tmp_path))
+    with pytest.raises(ValueError, match=message):
+        train(cfg)
+
+
 def test_one_process_trains_as_before_the_accelerate_loop(tmp_path, tiny_model_dir, jsonl_data):
     # Recorded at 7e9f104, the hand-written loop before training ran through accelerate (ibedl.training.distributed):
     # IB-EDL samples, LoRA dropout and a validation pass at step 2. One process must reproduce them. Re-recorded

@@ -56,3 +56,26 @@ def test_keep_history_keeps_the_resumed_members_lines(tmp_path):
     assert path.read_text() == ""
     member_resume.keep_history(tmp_path / "new.jsonl", set())  # a first start: an empty history
     assert (tmp_path / "new.jsonl").read_text() == ""
+
+
+def test_adopt_copies_a_donor_that_trained_the_member_and_nothing_else(tmp_path):
+    donor, member_dir, history = tmp_path / "map-s0", tmp_path / "ens" / "members" / "1", tmp_path / "history.jsonl"
+    donor.mkdir()
+    weights(donor)
+    (donor / member_resume.ADAPTER_CONFIG).write_text('{"r": 8}')
+    (donor / "history.jsonl").write_text('{"member": 0, "step": 1}\n{"member": 0, "step": 2}\n{"member": 0, "st')
+    (donor / "manifest.json").write_text("{}")  # the donor's own run: not part of a member
+    member_resume.save(donor, "f1", {"seconds": 3.0, "seed": 0})
+    history.write_text('{"member": 0, "step": 1}\n')
+    assert member_resume.adopt(donor, member_dir, "f2", history, 1) is None  # another training: nothing written
+    assert not member_dir.exists() and history.read_text() == '{"member": 0, "step": 1}\n'
+    assert member_resume.adopt(donor, member_dir, "f1", history, 1) == {"seconds": 3.0, "seed": 0}
+    assert sorted(p.name for p in member_dir.iterdir()) == sorted([*WEIGHT_FILES, "adapter_config.json", "member.json"])
+    for name in (*WEIGHT_FILES, "adapter_config.json"):
+        assert (member_dir / name).read_bytes() == (donor / name).read_bytes()
+    assert member_resume.finished(member_dir, "f1") == {"seconds": 3.0, "seed": 0}  # a record of its own, read back
+    # the donor's steps, as this member's, after the lines already there (its torn last line left out)
+    assert [json.loads(line) for line in history.read_text().splitlines()] == [
+        {"member": 0, "step": 1}, {"member": 1, "step": 1}, {"member": 1, "step": 2}]
+    weights(donor, b"changed")  # weights rewritten after the donor's record: not copied
+    assert member_resume.adopt(donor, tmp_path / "other", "f1", history, 2) is None

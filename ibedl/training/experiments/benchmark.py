@@ -40,6 +40,7 @@ import yaml
 
 from ibedl.core.artifact import atomic_write_text
 from ibedl.core.head import POSTHOC_KEYS
+from ibedl.training import member_resume
 from ibedl.training.config import apply_overrides, yaml_load
 from ibedl.training.experiments.evaluate_run import limits_for, summarise_run, without_posthoc
 from ibedl.training.experiments.report import write_report
@@ -146,6 +147,12 @@ def train_overrides(config: dict, run: Run, method: str, out: Path) -> list[str]
              "data": data, "progress": False}
     if params:
         pairs["method_params"] = params
+    # an ensemble copies the members the grid's runs of the method they train as have trained (its first: MAP's run
+    # of this seed, when trained with the same settings); finetune checks each one's fingerprint
+    member_method = get_method(method).member_method
+    donor = out.parent / run.train_key(member_method) if member_method else None
+    if donor is not None and (donor / member_resume.RECORD).is_file():
+        pairs["members_from"] = [str(donor)]
     # a method's own training settings (``method_train``: dotted keys, e.g. the head learning rate its search chose)
     own = config.get("method_train", {}).get(method, {})
     return [f"{k}={json.dumps(v)}" for k, v in pairs.items()] + [f"{k}={json.dumps(v)}" for k, v in own.items()]

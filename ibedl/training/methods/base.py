@@ -87,6 +87,9 @@ class Method:
         label: the method's short name in reports (``IB-EDL``).
         members: adapters trained with seeds seed, seed + 1000, ... and averaged (a deep ensemble);
             from ``params`` when a str, else the number.
+        member_method: the method each member trains as (``map`` for the ensemble), or None for this one: a
+            member's training is fingerprinted under it, so a run of that method with the same config and the
+            member's seed is the same training and can stand in for it (``members_from``).
         mc_samples: the predictive's forward passes with dropout on (MC-Dropout), 0 for one deterministic
             pass; from ``params`` when a str, else the number.
         posthoc: a :class:`PostHoc` step fitted after training (Laplace), or None.
@@ -112,6 +115,7 @@ class Method:
     head_offset: float | str = 1.0
     label: str = ""
     members: int | str = 1
+    member_method: str | None = None
     mc_samples: int | str = 0
     posthoc: PostHoc | None = None
     confidence_ceiling: Callable[[dict, int], dict | None] | None = None

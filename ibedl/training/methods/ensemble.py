@@ -1,5 +1,6 @@
 """Deep ensemble: ``members`` MAP adapters trained with different seeds, served as one artifact that
-averages their softmax probabilities.
+averages their softmax probabilities. Each member trains as MAP does (``member_method``): the first, seeded
+with the run's seed, is MAP's run of that seed, which ``members_from`` can copy instead of training it again.
 
 References:
     Lakshminarayanan et al. Simple and Scalable Predictive Uncertainty Estimation using Deep Ensembles. NeurIPS 2017.
@@ -14,4 +15,4 @@ class EnsembleParams(Hyper):
 
 
 METHOD = Method(name="ensemble", label="Ens", head="softmax", loss=map_loss, hyper=EnsembleParams,
-                members="members")
+                members="members", member_method="map")

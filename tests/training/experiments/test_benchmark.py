@@ -295,3 +295,23 @@ def test_train_data_adds_keys_the_cells_do_not_set(bench_config, tmp_path):
     clash = {**config, "train": {**config["train"], "data": {"label_noise": 0.5}}}
     with pytest.raises(ValueError, match="train.data may only add keys .* got \\{'label_noise': 0.5\\}"):
         train_overrides(clash, run, "map", tmp_path)
+
+
+def test_an_ensemble_is_offered_maps_run_of_its_seed_once_it_has_trained(bench_config, tmp_path):
+    from ibedl.training.experiments.benchmark import train_overrides
+
+    _, config = bench_config
+    run = Run("noise", "noise", "sciq", "ensemble", 1, ("sciq",), 0.3)
+    out = tmp_path / run.train_key("ensemble")
+
+    def members_from():
+        found = [o for o in train_overrides(config, run, "ensemble", out) if o.startswith("members_from=")]
+        return json.loads(found[0].split("=", 1)[1]) if found else None
+
+    assert members_from() is None  # MAP's run of this seed has not trained yet
+    donor = tmp_path / "sciq-noise0.3-map-s1"
+    donor.mkdir()
+    assert members_from() is None  # nor saved its adapter: finetune would have nothing to check
+    (donor / "member.json").write_text("{}")
+    assert members_from() == [str(donor)]
+    assert not any(o.startswith("members_from=") for o in train_overrides(config, run, "map", tmp_path / "m"))
