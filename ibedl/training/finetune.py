@@ -600,11 +600,13 @@ def adopt_member(cfg: TrainConfig, member_dir: Path, digest: str, history_path: 
     """The training record of the first run in ``cfg.members_from`` that trained exactly this member (fingerprint
     ``digest``), copied into ``member_dir`` (every process waits for the main one to copy it), or None."""
     for donor in map(Path, cfg.members_from):
-        found = member_resume.finished(donor, digest)
+        # the main process checks and copies it in one step (adopt checks as finished does); the others only check
+        if accelerator.is_main_process:
+            found = member_resume.adopt(donor, member_dir, digest, history_path, member)
+        else:
+            found = member_resume.finished(donor, digest)
         if found is None:
             continue
-        if accelerator.is_main_process:
-            member_resume.adopt(donor, member_dir, digest, history_path, member)
         accelerator.wait_for_everyone()
         log.info("member %d: copied from %s, which trained it (the same config, seed and base model)", member, donor)
         return found

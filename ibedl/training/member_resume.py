@@ -22,12 +22,11 @@ import json
 import shutil
 from pathlib import Path
 
-from ibedl.core.artifact import atomic_write_text, files_sha256
+from ibedl.core.artifact import ADAPTER_FILES, HEAD_FILE, atomic_write_text, files_sha256
 
 RECORD = "member.json"
 # config keys that do not change what a member learns
 NOT_TRAINING = ("output", "name", "progress", "track", "track_dir", "threads", "members_from")
-ADAPTER_CONFIG = "adapter_config.json"  # PEFT's, beside the weight files the record hashes
 
 
 def fingerprint(config: dict, seed: int, base_sha256: str) -> str:
@@ -74,8 +73,7 @@ def adopt(donor: Path, member_dir: Path, digest: str, history_path: Path, member
         return None
     member_dir.mkdir(parents=True, exist_ok=True)
     (member_dir / RECORD).unlink(missing_ok=True)  # a half-trained member left here is replaced, not resumed
-    record = json.loads((donor / RECORD).read_text())
-    for name in (ADAPTER_CONFIG, *record["files"]):
+    for name in (*ADAPTER_FILES, HEAD_FILE):  # what makes an adapter directory (calibrate shares the same files)
         shutil.copyfile(donor / name, member_dir / name)
     lines = (donor / "history.jsonl").read_text().splitlines() if (donor / "history.jsonl").is_file() else []
     steps = []

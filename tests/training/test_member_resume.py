@@ -62,7 +62,7 @@ def test_adopt_copies_a_donor_that_trained_the_member_and_nothing_else(tmp_path)
     donor, member_dir, history = tmp_path / "map-s0", tmp_path / "ens" / "members" / "1", tmp_path / "history.jsonl"
     donor.mkdir()
     weights(donor)
-    (donor / member_resume.ADAPTER_CONFIG).write_text('{"r": 8}')
+    (donor / "adapter_config.json").write_text('{"r": 8}')
     (donor / "history.jsonl").write_text('{"member": 0, "step": 1}\n{"member": 0, "step": 2}\n{"member": 0, "st')
     (donor / "manifest.json").write_text("{}")  # the donor's own run: not part of a member
     member_resume.save(donor, "f1", {"seconds": 3.0, "seed": 0})
