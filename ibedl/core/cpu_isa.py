@@ -66,4 +66,37 @@ def capped_without_bf16() -> bool:
     return onednn_cap() in _CAPS_WITHOUT_BF16
 
 
-__all__ = ["INT8_ISAS", "cpu_flags", "onednn_cap", "int8_isa", "capped_without_bf16"]
+def bf16_flags(flags: set[str] | None = None) -> bool:
+    """Whether the CPU's flags (default: this machine's) include native bfloat16 (AVX512-BF16 or AMX-BF16) and
+    oneDNN's cap leaves it usable. (What OpenVINO itself reports: ibedl.core.backends.native_bf16.)"""
+    flags = cpu_flags() if flags is None else flags
+    return bool(flags & {"avx512_bf16", "amx_bf16"}) and not capped_without_bf16()
+
+
+def model_name() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and ":" in line:
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def describe() -> str:
+    """One line naming this CPU's kind as far as it changes the project's numbers and tests: model, cores, int8 class,
+    native bf16, AVX-512, oneDNN's cap. Printed by CI (``python -m ibedl.core.cpu_isa``) and in pytest's header."""
+    flags = cpu_flags()
+    cap = onednn_cap()
+    return (f"{model_name()}, {os.cpu_count()} cores: int8 class {int8_isa()}, "
+            f"native bf16 {'yes' if bf16_flags() else 'no'}, avx512f {'yes' if 'avx512f' in flags else 'no'}, "
+            f"oneDNN cap {cap or 'none'}")
+
+
+__all__ = ["INT8_ISAS", "cpu_flags", "onednn_cap", "int8_isa", "capped_without_bf16", "bf16_flags", "model_name",
+           "describe"]
+
+
+if __name__ == "__main__":
+    print(f"cpu: {describe()}")

@@ -135,9 +135,11 @@ class BackendSwitcher:
             names, skipped = auto_backend.candidates(self.shadow, self.artifact, backends.unavailable)
             self.choice = auto_backend.record(self.shadow, self.artifact, self.choice.base_sha256, names, seconds,
                                               {**skipped, **failed}, best)
-            self.status.update(state="done", seconds=seconds)
+            self.status.update(state="recording the measurement", seconds=seconds)
             self.shadow.drop_model()  # the torch model is freed once the runtime drops it too
             self._on_loop(self.state.settle_backend(self.adapter, self.choice))
+            # "done" only once the card shows the measurement: a client that waits for it reads the timings
+            self.status["state"] = "done"
             log.info("auto: measured in the background: serving %s (%s)", best, self.choice.reason)
         except Exception as e:  # the service stays where it was
             self.status.update(state="failed", reason=f"{type(e).__name__}: {e}")

@@ -42,3 +42,16 @@ def test_this_cpu_s_flags_are_read():
     flags = cpu_isa.cpu_flags()
     assert isinstance(flags, set) and all(isinstance(f, str) and " " not in f for f in flags)
     assert cpu_isa.int8_isa(flags, "") == cpu_isa.int8_isa(cap="")
+
+
+def test_the_cpu_kind_is_described_in_one_line(monkeypatch):
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: {"avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"})
+    monkeypatch.setattr(cpu_isa, "model_name", lambda: "AMD EPYC")
+    monkeypatch.setattr(cpu_isa.os, "cpu_count", lambda: 2)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    assert cpu_isa.describe() == ("AMD EPYC, 2 cores: int8 class avx512-vnni, native bf16 yes, avx512f yes, "
+                                  "oneDNN cap none")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # this CPU as an AVX2-only one
+    assert cpu_isa.describe() == ("AMD EPYC, 2 cores: int8 class avx2, native bf16 no, avx512f yes, "
+                                  "oneDNN cap avx2")

@@ -139,6 +139,35 @@ def test_ready_at_once_then_switched_when_proven_faster_without_failing_a_reques
     assert state.default.predictor.model is None  # the torch model is dropped once the trunk serves alone
 
 
+def test_the_card_says_done_only_once_it_shows_the_measurement(make_client, bf16_calibrated, switching, monkeypatch):
+    """A client that waits for ``background.state == "done"`` reads the timings in ``backend.measured``: the switcher
+    announces it only after the measurement is recorded on the serving predictor (the recording is held here until
+    the card has been read in between)."""
+    import asyncio
+
+    from ibedl.serve.state import ServiceState
+
+    recording, release = threading.Event(), threading.Event()
+    settle = ServiceState.settle_backend
+
+    async def held(self, adapter, choice):
+        recording.set()
+        await asyncio.get_running_loop().run_in_executor(None, release.wait, 30)
+        await settle(self, adapter, choice)
+
+    monkeypatch.setattr(ServiceState, "settle_backend", held)
+    switching({"torch": 1.0, "openvino-bf16": 0.4}).set()
+    with make_client(loader=unmeasured_loader, artifact=bf16_calibrated) as c:
+        assert recording.wait(30)
+        before = c.get("/v1/models").json()["data"][0]["backend"]
+        release.set()
+        assert c.app.state.service.switcher.done.wait(30)
+        after = c.get("/v1/models").json()["data"][0]["backend"]
+    assert before["background"]["state"] != "done" and before["measured"]["seconds"] == {}
+    assert after["background"]["state"] == "done"
+    assert after["measured"]["seconds"] == {"torch": 1.0, "openvino-bf16": 0.4}
+
+
 def test_a_slower_candidate_is_measured_and_not_switched_to(make_client, bf16_calibrated, switching):
     gate = switching({"torch": 1.0, "openvino-bf16": 1.5})
     gate.set()
