@@ -175,6 +175,23 @@ def test_int8_is_a_candidate_only_with_the_sample_its_calibration_was_made_on(ti
     assert "carries no quantization_sample.jsonl" in skipped["openvino-int8"]
 
 
+def test_int8_calibrated_on_another_cpu_is_not_a_candidate_here(tiny_artifact, tmp_path, timed, monkeypatch):
+    """On every CPU: a calibration recorded on another int8 class (made on another machine) is skipped, with both
+    classes named."""
+    for cap in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(cap, raising=False)
+    timed({})
+    here = cpu_isa.int8_isa()
+    elsewhere = next(name for _, name in cpu_isa.INT8_ISAS if name != here)
+    other = carrying(tiny_artifact, tmp_path / "a", ["openvino-int8"])
+    manifest = read_manifest(other)
+    manifest.backend_calibrations["openvino-int8"]["calibration"]["quantization"]["isa"] = elsewhere
+    write_manifest(other, manifest)
+    names, skipped = auto_backend.candidates(load(other), other, backends.unavailable)
+    assert "openvino-int8" not in names
+    assert f"another instruction set ({elsewhere}; this CPU runs {here})" in skipped["openvino-int8"]
+
+
 def test_int8_is_not_a_candidate_on_another_int8_instruction_set(tiny_artifact, tmp_path, timed, monkeypatch):
     for cap in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):  # calibrated on this CPU as it is
         monkeypatch.delenv(cap, raising=False)
