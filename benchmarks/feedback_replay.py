@@ -11,22 +11,27 @@ them (``benchmarks.decisions.served``: post-hoc parameter, OOD gate, risk-contro
 
 Per seed:
 
-- *shift*: ``--before`` SciQ test questions (with passages, in distribution), then questions of one shifted stream
-  (SciQ without passages, OBQA, ARC-Easy, ARC-Challenge, RACE without its article), each drawn with replacement.
-  Every question is labelled, its label arriving ``Uniform{0..--delay}`` questions after its answer, and the
-  labels are read in arrival order (as ``POST /v1/feedback`` records them). The alert is the service's
-  (``ibedl.engine.feedback`` with ``IBEDL_GUARANTEE_ALPHA``'s default): answered accuracy's confidence-sequence upper
-  bound below the stated 0.9 target, or set coverage's below its nominal 0.9. Reported: how many labelled answered
-  questions *of the shifted stream* had arrived when it fired (and labelled questions for the coverage alert).
+- *shift*, after a labelled history (``--histories``, 1,000, 10,000 and 100,000 by default): a version that has read
+  that many healthy labels (SciQ test questions with passages, in distribution, i.i.d.), then ``--delay`` more
+  in-distribution questions, then questions of one shifted stream (SciQ without passages, OBQA, ARC-Easy,
+  ARC-Challenge, RACE without its article), each drawn with replacement. Every question is labelled, its label
+  arriving ``Uniform{0..--delay}`` questions after its answer, and the labels are read in arrival order (as
+  ``POST /v1/feedback`` records them). The alert is the service's (``ibedl.engine.feedback`` with its defaults):
+  answered accuracy's confidence-sequence upper bound below the stated 0.9 target (the promise never held since
+  the version started) or its change detector's alarm (``ibedl.engine.change_detector``: it stopped holding), and
+  likewise for set coverage against its nominal 0.9. Reported: how many labelled answered questions *of the
+  shifted stream* had arrived when it fired (and labelled questions for the coverage alert), per history: the
+  confidence sequences need more evidence the more history they hold; the detectors do not.
 - *in distribution*: SciQ test alone until 2,000 labelled answered questions: does either alert ever fire?
 - *healthy deployments* (``--draws``, default 200): what the alert's false-alarm rate is over calibration draws,
   as a guarantee stated with a calibration delta must be tested. The population is the stored in-distribution
   outputs (SciQ validation and test, 2,000 questions); each draw calibrates afresh, as
   ``python -m ibedl.training.calibrate`` does with the artifact's settings, on ``--calibration-size`` questions
-  drawn from it (i.i.d., with replacement), then serves ``--labels`` (10,000) more i.i.d. labelled questions from
+  drawn from it (i.i.d., with replacement), then serves ``--labels`` (100,000) more i.i.d. labelled questions from
   it through that draw's own rule. Reported per guarantee: the share of draws whose served rule misses its stated
-  level on the population (at most the calibration's delta in expectation), and the share whose alert ever fires
-  (at most delta + alpha/2), and for either guarantee against the documented bound 2 x (delta + alpha/2).
+  level on the population (at most the calibration's delta in expectation), and the share whose alert ever fires;
+  for either guarantee against the documented bound 2 x (delta + alpha/2) + the change detectors' false-alarm
+  probability (IBEDL_CHANGE_FALSE_ALARM within IBEDL_CHANGE_HORIZON labels).
 - the adaptive sets (``ibedl.engine.adaptive``, rate ``--rate``) follow the same delayed labels; their coverage
   and size before and after the shift beside the calibrated sets'.
 
@@ -51,7 +56,9 @@ from benchmarks.decisions import load_dump, served
 from ibedl.core.artifact import read_manifest
 from ibedl.core.conformal import option_scores
 from ibedl.engine.adaptive import QuantileTracker
+from ibedl.engine.change_detector import ChangeDetector, alarm_threshold
 from ibedl.engine.confidence_sequence import BettingCS
+from ibedl.engine.feedback import WATCHED
 from ibedl.engine.settings import EngineSettings
 from ibedl.training.calibrate import CalibrationConfig, calibrate_outputs, posthoc_outputs
 
@@ -59,8 +66,12 @@ SHIFTS = ("sciq_no_passage", "obqa", "arc_easy", "arc_challenge", "race_no_artic
 IN_DISTRIBUTION = "sciq_test"
 HEALTHY_POOL = ("sciq_validation", "sciq_test")  # the in-distribution population of the healthy draws
 ALPHA = EngineSettings.model_fields["guarantee_alpha"].default  # IBEDL_GUARANTEE_ALPHA's default
+CHANGE_FALSE_ALARM = EngineSettings.model_fields["change_false_alarm"].default  # IBEDL_CHANGE_FALSE_ALARM's
+CHANGE_HORIZON = EngineSettings.model_fields["change_horizon"].default  # IBEDL_CHANGE_HORIZON's
+THRESHOLD = alarm_threshold(CHANGE_HORIZON, CHANGE_FALSE_ALARM, len(WATCHED))  # the service's detectors' threshold
+
 FALSE_ALARM_ANSWERED = 2000
-CAP_ANSWERED = 1000  # labelled answered shifted questions replayed at most (the alert may not have fired by then)
+CAP_ANSWERED = 400  # labelled answered shifted questions replayed at most (the alert may not have fired by then)
 
 
 def stream_arrays(s: dict, conformal) -> dict:
@@ -119,33 +130,76 @@ def replay_seed(rng, before: dict, after: dict | None, n_before: int, n_after: i
             "covered_static": seq["covered"], "size_static": seq["size"], "shifted_by_question": shifted}
 
 
-def first_alarms(runs: list[dict], target_acc: float, target_cov: float) -> dict:
-    """Replay every seed's labels (in arrival order) through the service's confidence sequences, all seeds at
-    once; per seed, at the first accuracy alarm and the first coverage alarm: the labelled answered shifted
-    questions and labelled shifted questions arrived so far (-1: never)."""
+class Watch:
+    """What the service watches for one stated guarantee, over a batch of seeds: its confidence sequence (did the
+    promise hold since the version started) and its change detector (did it stop holding), as
+    ibedl.engine.feedback keeps them, with the service's defaults."""
+
+    def __init__(self, stated: float, seeds: int) -> None:
+        self.stated = stated
+        self.cs = BettingCS(ALPHA, (seeds,))
+        self.detector = ChangeDetector(stated, THRESHOLD, (seeds,))
+
+    def update(self, x, active) -> None:
+        self.cs.update(x, active=active)
+        self.detector.update(x, active=active)
+
+    def fired(self) -> tuple[np.ndarray, np.ndarray]:
+        """(the sequence's upper bound below the stated level, the detector alarmed), each (seeds,) bool."""
+        return self.cs.below_target(self.stated), self.detector.alarmed()
+
+
+def history(rng, base: dict, labels: int, seeds: int, target_acc: float, target_cov: float) -> dict:
+    """The watches of every seed after ``labels`` healthy labelled questions of ``base`` (i.i.d., in order), and
+    which seeds alarmed during them."""
+    watches = {"acc": Watch(target_acc, seeds), "cov": Watch(target_cov, seeds)}
+    alarmed = np.zeros(seeds, dtype=bool)
+    for _ in range(labels):
+        i = rng.integers(0, len(base["answered"]), seeds)
+        watches["acc"].update(base["correct"][i], active=base["answered"][i])
+        watches["cov"].update(base["covered"][i], active=np.ones(seeds, dtype=bool))
+        for w in watches.values():
+            cs, detector = w.fired()
+            alarmed |= cs | detector
+    return {"watches": watches, "alarmed": alarmed}
+
+
+def first_alarms(runs: list[dict], target_acc: float, target_cov: float, start: dict | None = None) -> dict:
+    """Replay every seed's labels (in arrival order) through the service's confidence sequences and change
+    detectors, all seeds at once, from ``start`` (:func:`history`'s watches after a labelled history; None: a new
+    version); per seed, at the first accuracy alarm and the first coverage alarm (either test): the labelled
+    answered shifted questions and labelled shifted questions arrived so far (-1: never), and which test fired
+    first (``*_by_detector``)."""
+    import copy
+
     seeds = len(runs)
     length = max(len(r["answered"]) for r in runs)
     pad = lambda key: np.stack([np.pad(r[key], (0, length - len(r[key]))) for r in runs])  # noqa: E731
     answered, correct, covered, shifted = pad("answered"), pad("correct"), pad("covered"), pad("shifted")
     present = np.stack([np.arange(length) < len(r["answered"]) for r in runs])
-    accuracy, coverage = BettingCS(ALPHA, (seeds,)), BettingCS(ALPHA, (seeds,))
+    watches = copy.deepcopy(start["watches"]) if start else {"acc": Watch(target_acc, seeds),
+                                                             "cov": Watch(target_cov, seeds)}
     out = {k: np.full(seeds, -1) for k in ("acc_answered", "acc_labels", "cov_answered", "cov_labels",
                                             "acc_before_shift", "cov_before_shift")}
+    by_detector = {"acc": np.zeros(seeds, dtype=bool), "cov": np.zeros(seeds, dtype=bool)}
     answered_shifted = np.zeros(seeds, dtype=np.int64)
     labels_shifted = np.zeros(seeds, dtype=np.int64)
     for k in range(length):
         on = present[:, k]
-        accuracy.update(correct[:, k], active=on & answered[:, k])
-        coverage.update(covered[:, k], active=on)
+        watches["acc"].update(correct[:, k], active=on & answered[:, k])
+        watches["cov"].update(covered[:, k], active=on)
         answered_shifted += on & answered[:, k] & shifted[:, k]
         labels_shifted += on & shifted[:, k]
-        for name, cs, stated in (("acc", accuracy, target_acc), ("cov", coverage, target_cov)):
-            fired = cs.below_target(stated) & (out[f"{name}_answered"] < 0) & (out[f"{name}_before_shift"] < 0)
+        for name, watch in watches.items():
+            cs, detector = watch.fired()
+            fired = (cs | detector) & (out[f"{name}_answered"] < 0) & (out[f"{name}_before_shift"] < 0)
             before = fired & (labels_shifted == 0)
             out[f"{name}_before_shift"][before] = k
             after = fired & ~before
             out[f"{name}_answered"][after] = answered_shifted[after]
             out[f"{name}_labels"][after] = labels_shifted[after]
+            by_detector[name][after] = detector[after] & ~cs[after]
+    out["acc_by_detector"], out["cov_by_detector"] = by_detector["acc"], by_detector["cov"]
     return out
 
 
@@ -222,15 +276,23 @@ def healthy_draws(args, dump: dict, manifest) -> dict:
     traffic = rng.integers(0, n, (args.draws, args.labels))
     rows = np.arange(args.draws)[:, None]
     t_answered, t_correct, t_covered = answered[rows, traffic], correct[rows, traffic], covered[rows, traffic]
-    accuracy, coverage = BettingCS(ALPHA, (args.draws,)), BettingCS(ALPHA, (args.draws,))
+    accuracy, coverage = Watch(target, args.draws), Watch(nominal, args.draws)
     fired_acc = np.full(args.draws, -1)
     fired_cov = np.full(args.draws, -1)
+    by = {"acc": np.zeros(args.draws, dtype=bool), "cov": np.zeros(args.draws, dtype=bool)}
     for k in range(args.labels):
         accuracy.update(t_correct[:, k], active=t_answered[:, k])
-        coverage.update(t_covered[:, k])
-        fired_acc[(fired_acc < 0) & accuracy.below_target(target)] = k
-        fired_cov[(fired_cov < 0) & coverage.below_target(nominal)] = k
-    bound = 2 * (delta + ALPHA / 2)
+        coverage.update(t_covered[:, k], active=np.ones(args.draws, dtype=bool))
+        for name, watch, fired in (("acc", accuracy, fired_acc), ("cov", coverage, fired_cov)):
+            cs, detector = watch.fired()
+            new = (fired < 0) & (cs | detector)
+            fired[new] = k
+            by[name][new] = detector[new] & ~cs[new]
+    # per version: each guarantee's sequence (alpha / 2), its served rule missing its level (delta), and the change
+    # detectors of both guarantees together (IBEDL_CHANGE_FALSE_ALARM within IBEDL_CHANGE_HORIZON labels, growing
+    # linearly beyond)
+    change = CHANGE_FALSE_ALARM * max(1.0, args.labels / CHANGE_HORIZON)
+    bound = 2 * (delta + ALPHA / 2) + change
     either = (fired_acc >= 0) | (fired_cov >= 0)
     return {
         "draws": args.draws, "calibration_size": args.calibration_size, "labels": args.labels,
@@ -241,11 +303,15 @@ def healthy_draws(args, dump: dict, manifest) -> dict:
                               "population_level_mean": float(level_acc.mean()),
                               "population_level_p5": float(np.percentile(level_acc, 5)),
                               "answered_share_mean": float(answered.mean()),
-                              "false_alarm": float(np.mean(fired_acc >= 0)), "bound": delta + ALPHA / 2},
+                              "false_alarm": float(np.mean(fired_acc >= 0)),
+                              "false_alarm_by_detector": float(np.mean(by["acc"])), "bound": delta + ALPHA / 2},
         "set_coverage": {"rule_below_nominal_on_population": float(np.mean(level_cov < nominal)),
                          "population_level_mean": float(level_cov.mean()),
                          "population_level_p5": float(np.percentile(level_cov, 5)),
-                         "false_alarm": float(np.mean(fired_cov >= 0)), "bound": delta + ALPHA / 2},
+                         "false_alarm": float(np.mean(fired_cov >= 0)),
+                         "false_alarm_by_detector": float(np.mean(by["cov"])), "bound": delta + ALPHA / 2},
+        "change_detectors": {"false_alarm": CHANGE_FALSE_ALARM, "horizon": CHANGE_HORIZON, "threshold": THRESHOLD,
+                             "bound_at_these_labels": change},
         "false_alarm_any": float(either.mean()),
         "documented_bound": bound,
         "met": bool(either.mean() <= min(bound, 0.05)),
@@ -320,13 +386,26 @@ def service_run(args) -> dict:
             "trace": trace}
 
 
+def parse_counts_list(text: str) -> list[int]:
+    """``1000,10000`` -> [1000, 10000]: each >= 1."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.feedback_replay", description=__doc__.split("\n\n")[0])
     parser.add_argument("--artifact", default="artifacts/default")
     parser.add_argument("--scores-dir", default="benchmarks/results/decision_scores")
     parser.add_argument("--name", default="default", help="the stored outputs <scores-dir>/<name>.json")
     parser.add_argument("--seeds", type=int, default=200)
-    parser.add_argument("--before", type=int, default=1000, help="in-distribution questions before the shift")
+    parser.add_argument("--histories", type=parse_counts_list, default=[1000, 10_000, 100_000],
+                        help="healthy labelled questions a version has read before the shift, one replay each "
+                        "(default 1000,10000,100000)")
     parser.add_argument("--delay", type=int, default=200, help="labels arrive up to this many questions late")
     parser.add_argument("--rate", type=float, default=0.01, help="the adaptive sets' step (IBEDL_ADAPTIVE_RATE)")
     parser.add_argument("--output", help="default benchmarks/results/feedback_replay.json "
@@ -334,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draws", type=int, default=200, help="healthy deployments: calibration draws")
     parser.add_argument("--calibration-size", type=int, default=1000,
                         help="healthy deployments: questions each draw calibrates on")
-    parser.add_argument("--labels", type=int, default=10_000, help="healthy deployments: labels streamed per draw")
+    parser.add_argument("--labels", type=int, default=100_000,
+                        help="healthy deployments: labels streamed per draw")
     parser.add_argument("--only-healthy", action="store_true", help="run the healthy deployments only")
     parser.add_argument("--service", action="store_true", help="run the loop once through the real service instead")
     parser.add_argument("--service-before", type=int, default=48, help="SciQ test questions before the shift")
@@ -344,9 +424,8 @@ def main(argv: list[str] | None = None) -> int:
         write_result(args.output or "benchmarks/results/feedback_service.json", service_run(args))
         return 0
     args.output = args.output or "benchmarks/results/feedback_replay.json"
-    if args.seeds < 1 or args.before < 1 or args.delay < 0 or not args.rate > 0:
-        parser.error(f"--seeds and --before must be >= 1, --delay >= 0, --rate > 0; got {args.seeds}, "
-                     f"{args.before}, {args.delay}, {args.rate}")
+    if args.seeds < 1 or args.delay < 0 or not args.rate > 0:
+        parser.error(f"--seeds must be >= 1, --delay >= 0, --rate > 0; got {args.seeds}, {args.delay}, {args.rate}")
     manifest = read_manifest(Path(args.artifact))
     dump = load_dump(args.scores_dir, args.name, manifest)
     conformal = manifest.conformal_sets()
@@ -365,7 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "artifact": args.artifact, "version": str(manifest.version), "outputs": f"{args.scores_dir}/{args.name}.json",
         "seeds": args.seeds, "alpha": ALPHA, "target_accuracy": target_acc, "nominal_coverage": target_cov,
-        "questions_before_shift": args.before, "label_delay_max": args.delay, "adaptive_rate": args.rate,
+        "histories": args.histories, "label_delay_max": args.delay, "adaptive_rate": args.rate,
+        "change_detectors": {"false_alarm": CHANGE_FALSE_ALARM, "horizon": CHANGE_HORIZON, "threshold": THRESHOLD},
         "streams": {name: {"questions": int(len(a["answered"])), "answered": float(a["answered"].mean()),
                            "answered_accuracy": float(a["correct"][a["answered"]].mean()),
                            "set_coverage": float(a["covered"].mean())} for name, a in streams.items()},
@@ -390,26 +470,34 @@ def main(argv: list[str] | None = None) -> int:
     print(f"in distribution: false alarms {result['in_distribution']}", file=sys.stderr)
 
     result["healthy_deployments"] = healthy
-    result["shifts"] = {}
-    for name in SHIFTS:
-        after = streams[name]
-        n_after = math.ceil(CAP_ANSWERED / max(after["answered"].mean(), 1e-3)) + args.delay
-        runs = [replay_seed(rng, base, after, args.before, n_after, args.delay, conformal.quantile(), args.rate,
-                            target_cov) for _ in range(args.seeds)]
-        alarms = first_alarms(runs, target_acc, target_cov)
-        either = np.where((alarms["acc_answered"] >= 0) & (alarms["cov_answered"] >= 0),
-                          np.minimum(alarms["acc_answered"], alarms["cov_answered"]),
-                          np.maximum(alarms["acc_answered"], alarms["cov_answered"]))
-        result["shifts"][name] = {
-            "answered_accuracy": result["streams"][name]["answered_accuracy"],
-            "alarm_before_shift": float(np.mean((alarms["acc_before_shift"] >= 0) | (alarms["cov_before_shift"] >= 0))),
-            "accuracy_alert_labelled_answered": summary(alarms["acc_answered"], 300),
-            "coverage_alert_labelled": summary(alarms["cov_labels"]),
-            "coverage_alert_labelled_answered": summary(alarms["cov_answered"], 300),
-            "either_alert_labelled_answered": summary(either, 300),
-            "sets": coverage_rows(runs, args.before),
-        }
-        print(f"{name}: {result['shifts'][name]}", file=sys.stderr)
+    result["histories"] = {}
+    for labelled in args.histories:
+        # a version that has read `labelled` healthy labels (i.i.d., in order), then --delay more in-distribution
+        # questions whose labels mix, in arrival order, with those of the shifted stream that follows
+        past = history(rng, base, labelled, args.seeds, target_acc, target_cov)
+        rows = {"alarm_during_history": float(past["alarmed"].mean()), "shifts": {}}
+        for name in SHIFTS:
+            after = streams[name]
+            n_after = math.ceil(CAP_ANSWERED / max(after["answered"].mean(), 1e-3)) + args.delay
+            runs = [replay_seed(rng, base, after, args.delay, n_after, args.delay, conformal.quantile(), args.rate,
+                                target_cov) for _ in range(args.seeds)]
+            alarms = first_alarms(runs, target_acc, target_cov, start=past)
+            either = np.where((alarms["acc_answered"] >= 0) & (alarms["cov_answered"] >= 0),
+                              np.minimum(alarms["acc_answered"], alarms["cov_answered"]),
+                              np.maximum(alarms["acc_answered"], alarms["cov_answered"]))
+            rows["shifts"][name] = {
+                "answered_accuracy": result["streams"][name]["answered_accuracy"],
+                "alarm_before_shift": float(np.mean((alarms["acc_before_shift"] >= 0)
+                                                    | (alarms["cov_before_shift"] >= 0) | past["alarmed"])),
+                "accuracy_alert_labelled_answered": summary(alarms["acc_answered"], 300),
+                "accuracy_alert_first_by_detector": float(np.mean(alarms["acc_by_detector"])),
+                "coverage_alert_labelled": summary(alarms["cov_labels"]),
+                "coverage_alert_labelled_answered": summary(alarms["cov_answered"], 300),
+                "either_alert_labelled_answered": summary(either, 300),
+                **({"sets": coverage_rows(runs, args.delay)} if labelled == args.histories[0] else {}),
+            }
+            print(f"history {labelled}, {name}: {rows['shifts'][name]}", file=sys.stderr, flush=True)
+        result["histories"][str(labelled)] = rows
 
     low = [n for n in SHIFTS if result["streams"][n]["answered_accuracy"] <= 0.6]
     result["done_when"] = {
@@ -418,8 +506,13 @@ def main(argv: list[str] | None = None) -> int:
         "false_alarm_any_at_most_5pct": result["in_distribution"]["false_alarm_any"] <= 0.05,
         "shifts_at_most_60pct_accuracy": low,
         "accuracy_alert_within_300_in_90pct": {
-            n: result["shifts"][n]["accuracy_alert_labelled_answered"]["within_300"] >= 0.9 for n in low},
+            h: {n: rows["shifts"][n]["accuracy_alert_labelled_answered"]["within_300"] >= 0.9 for n in low}
+            for h, rows in result["histories"].items()},
     }
+    result["done_when"]["met"] = bool(
+        result["done_when"]["healthy_false_alarm_any_at_most_documented_and_5pct"]
+        and result["done_when"]["false_alarm_any_at_most_5pct"]
+        and all(all(v.values()) for v in result["done_when"]["accuracy_alert_within_300_in_90pct"].values()))
     write_result(args.output, result)
     return 0
 

@@ -32,8 +32,10 @@ from ibedl.training.data.option_counts import parse_counts
 SCORES = Path("benchmarks/results/decision_scores")
 
 
-def outputs_path(backend: str) -> Path:
-    return SCORES / f"default-{backend}-test-options.json"
+def outputs_path(artifact, backend: str) -> Path:
+    """Where ``score`` keeps the raw outputs of ``artifact``'s test variants on ``backend`` (named by the artifact's
+    directory: ``default-openvino-int8-test-options.json``)."""
+    return SCORES / f"{Path(artifact).name}-{backend}-test-options.json"
 
 
 def score(args) -> int:
@@ -46,7 +48,7 @@ def score(args) -> int:
     questions = load_dataset("sciq", "test")
     predictor = Predictor.from_artifact(args.artifact, backend=args.backend)
     predictor.max_tokens = args.max_tokens
-    path = outputs_path(args.backend)
+    path = outputs_path(args.artifact, args.backend)
     done = json.loads(path.read_text())["streams"] if path.is_file() else {}
     for count in (4, *args.counts):
         name = f"sciq_test_{count}_options"
@@ -76,7 +78,7 @@ def predicted(k: int, n: int, m: int, draws: int = 200_000, seed: int = 0) -> li
 
 def analyse(args) -> int:
     manifest = read_manifest(Path(args.artifact))
-    dump = json.loads(outputs_path(args.backend).read_text())
+    dump = json.loads(outputs_path(args.artifact, args.backend).read_text())
     calibration = manifest.calibration_for(dump["calibration_key"])
     claimed = calibration.record.get("option_counts")
     gate = calibration.record.get("gate", {})
@@ -129,7 +131,7 @@ def analyse(args) -> int:
         print(f"{count} options: {row}", file=sys.stderr)
     result = {
         "artifact": args.artifact, "version": str(manifest.version), "backend": dump["calibration_key"],
-        "int8_isa": dump.get("int8_isa"), "outputs": str(outputs_path(args.backend)),
+        "int8_isa": dump.get("int8_isa"), "outputs": str(outputs_path(args.artifact, args.backend)),
         "calibration_command": calibration.record.get("command"), "claimed_option_counts": claimed,
         "counts": rows,
         "done_when": all(all(r["met"].values()) for r in rows.values() if r["claimed"]),

@@ -55,6 +55,13 @@ def make_tiny_model(directory: Path, hidden: int = 32, layers: int = 2, seed: in
     return directory
 
 
+def pytest_report_header(config):
+    """The CPU's kind in the header of every run: a failure on another machine names it."""
+    from ibedl.core.cpu_isa import describe
+
+    return f"cpu: {describe()}"
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
@@ -85,7 +92,9 @@ def train_tiny(tiny_model_dir, tiny_jsonl, root, *overrides: str):
         f"base_model={tiny_model_dir}", f"output={root / 'adapter'}",
         f"data={{train: [{{dataset: jsonl, path: {tiny_jsonl}}}], "
         f"validation: [{{dataset: jsonl, path: {tiny_jsonl}}}]}}",
-        "optim.max_steps=2", "max_tokens=96", "progress=false", *overrides,
+        "optim.max_steps=2", "max_tokens=96", "progress=false",
+        "min_per_count=10",  # the toy validation set has about 20 questions of each of 3, 4 and 5 options
+        *overrides,
     ])
     return train(cfg)
 
@@ -111,10 +120,10 @@ def shared_cache_dir() -> str:
 
 @pytest.fixture(scope="session")
 def default_backends_ready():
-    """The committed default adapter's OpenVINO IRs built (static int8 quantised on its sample: minutes on 2 cores,
-    once per machine) and ``auto``'s measurement cached in the shared cache, before the tests that start services on
-    it with IBEDL_BACKEND=auto (the default): they then become ready in seconds, as a replica does from its image.
-    A service started with other threads (IBEDL_THREADS) measures again, on the IRs already built."""
+    """The committed default adapter loaded once with IBEDL_BACKEND=auto from the shared cache, before the tests that
+    start services on it: the base model is converted there (once per machine), and the log says what ``auto``
+    starts on. Loading builds nothing (ibedl.core.auto_backend.start_choice): the first service that finds no cached
+    measurement builds and times the candidates in the background, and later ones start on its winner."""
     from ibedl.core.predictor import Predictor
 
     before = os.environ.get("IBEDL_CACHE_DIR")

@@ -68,7 +68,11 @@ class PostgresServer:
                         "scram-sha-256", "-E", "UTF8", "--no-sync"], check=True, capture_output=True, timeout=120,
                        stdin=subprocess.DEVNULL, cwd=self.root, **self._as)
         pwfile.unlink()
-        log = self.log.open("w")
+        self._start()
+        return self
+
+    def _start(self) -> None:
+        log = self.log.open("a")
         if self._as:
             shutil.chown(self.log, "postgres")
         # fsync off: a test server's data need not survive a power cut; max_connections covers the concurrent tests
@@ -78,7 +82,21 @@ class PostgresServer:
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.root, **self._as)
         log.close()
         self._wait_ready()
-        return self
+
+    def _stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(2)  # SIGINT: fast shutdown (disconnects clients, no wait for them)
+            try:
+                self._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+
+    def restart(self) -> None:
+        """Stop the server (fast shutdown: every client is disconnected) and start it again on the same data and
+        port; returns once it accepts connections."""
+        self._stop()
+        self._start()
 
     def _wait_ready(self, timeout_s: float = 60) -> None:
         import psycopg
@@ -111,11 +129,5 @@ class PostgresServer:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
     def __exit__(self, *exc) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.send_signal(2)  # SIGINT: fast shutdown (disconnects clients, no wait for them)
-            try:
-                self._proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        self._stop()
         shutil.rmtree(self.root, ignore_errors=True)

@@ -313,7 +313,9 @@ class Engine:
         store."""
         if adapter is not None:
             adapter = self.runtime(adapter).name
-        return GuaranteesResponse(alpha=self.feedback.alpha, shared_store=self.feedback.shared,
+        return GuaranteesResponse(alpha=self.feedback.alpha, change_false_alarm=self.feedback.change_false_alarm,
+                                  change_horizon=self.feedback.change_horizon, shared_store=self.feedback.shared,
+                                  conflicts=dict(self.feedback.conflicts),
                                   guarantees=self.feedback.guarantees(served_versions(self.runtimes), adapter))
 
 

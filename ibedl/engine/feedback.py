@@ -23,10 +23,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime, timezone
 
 from ibedl.core.conformal import prediction_set
 from ibedl.core.prompt import LETTERS
 from ibedl.engine.adaptive import QuantileTracker
+from ibedl.engine.change_detector import ChangeDetector, alarm_threshold
 from ibedl.engine.confidence_sequence import BettingCS
 from ibedl.engine.errors import AdapterNotServed, FeedbackDisabled, InvalidRequest, LabelConflict, StoreUnavailable
 from ibedl.engine.feedback_store import FeedbackStore, LabelQuota, Snapshot
@@ -35,6 +37,10 @@ from ibedl.engine.runtime import AdapterRuntime
 from ibedl.engine.settings import EngineSettings
 
 GUARANTEES = ("answered_accuracy", "set_coverage", "answered_share", "adaptive_set_coverage")
+# the stated guarantees a label can test, each with a change detector per option count (the detectors' threshold
+# counts them: a label updates at most this many)
+WATCHED = ("answered_accuracy", "set_coverage")
+SUSPENDED = "suspended"  # the checkpoint key (adapter, version, SUSPENDED) of a version's suspension
 
 REPLAY_PAGE = 10_000  # labels folded per read when a replica catches up: memory and each read stay bounded
 
@@ -93,6 +99,13 @@ class Feedback:
         self.retention_s = settings.feedback_retention_days * 86400 or None  # None: raw labels kept for ever
         self._tracked: dict[tuple, Tracked] = {}
         self._trackers: dict[tuple[str, str], QuantileTracker] = {}
+        # change detectors by (adapter, version, guarantee, stated, options), and the versions whose promises labels
+        # suspended: (adapter, version) -> {"since", "guarantee", "stated", "options", "by", "change_seq"}
+        self._detectors: dict[tuple, ChangeDetector] = {}
+        self._suspended: dict[tuple[str, str], dict] = {}
+        self.change_false_alarm, self.change_horizon = settings.change_false_alarm, settings.change_horizon
+        self.change_threshold = alarm_threshold(settings.change_horizon, settings.change_false_alarm, len(WATCHED))
+        self.conflicts: dict[str, int] = {}  # labels refused for contradicting their receipt's first, by adapter
         self._seq = 0  # the last label folded in
         self._saved: dict[tuple, int] = {}  # labels of each series in the store's checkpoint, as last read or written
         self._lock = threading.Lock()
@@ -203,6 +216,8 @@ class Feedback:
         statuses = self.store.add(rows, quota)
         conflicts = [i for i, status in enumerate(statuses) if status == "conflict"]
         if conflicts:
+            for i in conflicts:  # counted whichever door sent them (HTTP, the Python API, the batch command)
+                self.conflicts[receipts[i].adapter] = self.conflicts.get(receipts[i].adapter, 0) + 1
             first = receipts[conflicts[0]]
             more = f" ({len(conflicts)} of the {len(items)} items conflict; nothing was recorded)" if prefix else ""
             raise LabelConflict(f"receipt {first.id} already has another label: a receipt keeps its first label, and "
@@ -234,14 +249,15 @@ class Feedback:
                     return
 
     def _fold(self, rows: list[dict]) -> None:
-        """Labels after the last one folded, in store order, into the sequences and the adaptive thresholds."""
+        """Labels after the last one folded, in store order, into the sequences, the change detectors and the
+        adaptive thresholds; a version whose stated guarantee they show broken is suspended."""
         for row in rows:
             a, v = row["adapter"], row["version"]
             self._observe(a, v, "answered_share", None, row["answered"])
             if row["answered"] and row["target"] is not None:
-                self._observe(a, v, "answered_accuracy", row["target"], row["label"] == row["predicted"])
+                self._observe(a, v, "answered_accuracy", row["target"], row["label"] == row["predicted"], row)
             if row["covered"] is not None:
-                self._observe(a, v, "set_coverage", row["coverage"], row["covered"])
+                self._observe(a, v, "set_coverage", row["coverage"], row["covered"], row)
             if row["adaptive_covered"] is not None:
                 self._observe(a, v, "adaptive_set_coverage", row["adaptive_coverage"], row["adaptive_covered"])
                 tracker = self._trackers.get((a, v))
@@ -253,21 +269,44 @@ class Feedback:
         """Take the store's checkpoint, past this replica's labels: the states of the series it moved (the others
         are as this replica has them), and each adaptive threshold from its version's adaptive set coverage (the
         threshold is a function of the labels and misses it saw)."""
-        for (adapter, version, guarantee, stated), state in snapshot.states.items():
-            self._series(adapter, version, guarantee, stated).cs.restore(state)
+        for key, state in snapshot.states.items():
+            if len(key) == 3 and key[2] == SUSPENDED:
+                self._suspended[(key[0], key[1])] = json.loads(state)
+            elif len(key) == 5:
+                self._detector(*key).restore(state)
+            else:
+                self._series(*key).cs.restore(state)
         for (adapter, version), tracker in self._trackers.items():
             seen = [t.cs for t in self._tracked.values()
                     if (t.adapter, t.version, t.guarantee) == (adapter, version, "adaptive_set_coverage")]
             tracker.labels = sum(int(cs.n) for cs in seen)
             tracker.misses = tracker.labels - sum(int(round(float(cs.total))) for cs in seen)
         self._seq = snapshot.checkpoint
-        self._saved = {key: int(t.cs.n) for key, t in self._tracked.items()}
+        self._saved = self._counts()
+
+    def _counts(self) -> dict[tuple, int]:
+        """What each state in the checkpoint stands at: labels of a sequence or a detector, 1 for a suspension."""
+        return {**{key: int(t.cs.n) for key, t in self._tracked.items()},
+                **{key: int(d.n) for key, d in self._detectors.items()},
+                **{(*version, SUSPENDED): 1 for version in self._suspended}}
+
+    def _states(self, keys) -> dict[tuple, bytes]:
+        out = {}
+        for key in keys:
+            if len(key) == 3:
+                out[key] = json.dumps(self._suspended[key[:2]]).encode()
+            elif len(key) == 5:
+                out[key] = self._detectors[key].state()
+            else:
+                out[key] = self._tracked[key].cs.state()
+        return out
 
     def _save(self, checkpoint: int) -> None:
         """Move the store's checkpoint (at label ``checkpoint``) to the last label folded here, with the states of
         the series that changed since this replica last read or wrote it, and delete the raw labels past the
         retention that it holds. A store that does not answer keeps its checkpoint: the next refresh tries again."""
-        changed = {key: t.cs.state() for key, t in self._tracked.items() if int(t.cs.n) != self._saved.get(key, 0)}
+        counts = self._counts()
+        changed = self._states([key for key, n in counts.items() if n != self._saved.get(key, 0)])
         if self._seq <= checkpoint or not changed:
             return
         try:
@@ -276,10 +315,46 @@ class Feedback:
             log.warning("the feedback store's checkpoint stays at label %d: %s", checkpoint, e.message)
             return
         # moved, or another replica moved it as far or further: either way the store holds these states
-        self._saved.update({key: int(self._tracked[key].cs.n) for key in changed})
+        self._saved.update({key: counts[key] for key in changed})
 
-    def _observe(self, adapter: str, version: str, guarantee: str, stated: float | None, outcome) -> None:
-        self._series(adapter, version, guarantee, stated).cs.update(float(outcome))
+    def _observe(self, adapter: str, version: str, guarantee: str, stated: float | None, outcome,
+                 row: dict | None = None) -> None:
+        """One outcome of a realised guarantee; with its label's ``row``, also into the change detector of its
+        option count, and a version whose promise the sequence or the detector now shows broken is suspended."""
+        tracked = self._series(adapter, version, guarantee, stated)
+        tracked.cs.update(float(outcome))
+        if row is None or stated is None or not 0.0 < stated < 1.0:
+            return
+        detector = self._detector(adapter, version, guarantee, stated, int(row["options"]))
+        detector.update(float(outcome), mark=row["seq"])
+        if (adapter, version) in self._suspended:
+            return
+        if detector.alarmed():
+            by, change = "change_detector", int(detector.change_at)
+        elif tracked.cs.bounds()[1] < stated:
+            by, change = "confidence_sequence", None
+        else:
+            return
+        since = datetime.fromtimestamp(float(row["recorded"]), timezone.utc).isoformat(timespec="seconds")
+        self._suspended[(adapter, version)] = {"since": since, "guarantee": guarantee, "stated": stated,
+                                               "options": int(row["options"]), "by": by, "label_seq": int(row["seq"]),
+                                               "change_seq": change}
+        log.warning("adapter %s version %s: labelled feedback shows its %s (stated %g, %d options) broken (%s); its "
+                    "promises are suspended until a recalibrated version replaces it%s", adapter, version, guarantee,
+                    stated, int(row["options"]), by,
+                    f" (labels from seq {change} on show the change)" if change is not None else "")
+
+    def _detector(self, adapter: str, version: str, guarantee: str, stated: float, options: int) -> ChangeDetector:
+        key = (adapter, version, guarantee, stated, options)
+        if key not in self._detectors:
+            self._detectors[key] = ChangeDetector(stated, self.change_threshold)
+        return self._detectors[key]
+
+    def suspension(self, runtime: AdapterRuntime) -> dict | None:
+        """Why the promises of ``runtime``'s version are suspended (``since``, the ``guarantee`` shown broken, its
+        ``stated`` level and ``options``, ``by`` which test, ``change_seq``: the first label of the change the
+        detector estimated), or None while they stand. Answering reads only what this replica folded."""
+        return self._suspended.get((runtime.name, runtime.ref["version"]))
 
     def _series(self, adapter: str, version: str, guarantee: str, stated: float | None) -> Tracked:
         """The realised guarantee of one series, empty the first time it is seen (a label, a checkpoint's state)."""
@@ -305,12 +380,25 @@ class Feedback:
                 lower, upper = t.cs.bounds()
                 labels = int(t.cs.n)
                 now_served = served.get(t.adapter) == t.version
+                broken = bool(t.stated is not None and upper < t.stated)
+                change = [{"options": key[4], "labels": int(d.n), "statistic": round(float(d.statistic()), 6),
+                           "threshold": d.threshold, "alarm": bool(d.alarmed()),
+                           "change_seq": int(d.change_at) if d.alarmed() else None}
+                          for key, d in sorted(self._detectors.items(), key=lambda kv: kv[0][4])
+                          if key[:4] == (t.adapter, t.version, t.guarantee, t.stated)]
+                suspended = self._suspended.get((t.adapter, t.version))
                 out.append({
                     "adapter": t.adapter, "version": t.version, "served": now_served, "retired": not now_served,
                     "guarantee": t.guarantee, "stated": t.stated, "labels": labels, "hits": int(round(t.cs.total)),
                     "estimate": float(t.cs.mean()) if labels else None, "lower": round(float(lower), 6),
                     "upper": round(float(upper), 6),
-                    "violated": bool(t.stated is not None and upper < t.stated),
+                    # what alerts read: a served version's promise shown broken since it started (the sequence) or
+                    # since a change (a detector); a retired version's are kept apart, for the record
+                    "violated": now_served and broken,
+                    "changed": now_served and any(c["alarm"] for c in change),
+                    "violated_before_retired": not now_served and (broken or any(c["alarm"] for c in change)),
+                    "change": change,
+                    "suspended": None if suspended is None or not now_served else suspended,
                 })
         order = {g: i for i, g in enumerate(GUARANTEES)}
         return sorted(out, key=lambda g: (g["adapter"], g["version"], order[g["guarantee"]], g["stated"] or 0.0))

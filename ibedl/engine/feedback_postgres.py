@@ -46,14 +46,14 @@ WRITE_LOCK = 0x1BED1_F33DBAC  # the advisory lock key every writer of the store 
 
 
 def redacted(dsn: str) -> str:
-    """The DSN as messages may show it: user, host, port and database, never the password (nor other options)."""
+    """The DSN as messages, logs and records may show it: host, port and database only; never the user, the password
+    nor any other option (a URI's query may carry the password: ``?password=...``)."""
     try:
         parts = conninfo_to_dict(dsn)
     except psycopg.Error:  # its message would quote the DSN
         return "postgresql://(a DSN that does not parse)"
-    user = f"{parts['user']}@" if parts.get("user") else ""
     port = f":{parts['port']}" if parts.get("port") else ""
-    return f"postgresql://{user}{parts.get('host', '')}{port}/{parts.get('dbname', '')}"
+    return f"postgresql://{parts.get('host', '')}{port}/{parts.get('dbname', '')}"
 
 
 class PostgresStore(FeedbackStore):

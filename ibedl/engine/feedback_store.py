@@ -27,12 +27,15 @@ COLUMNS = ("receipt_id", "question", "adapter", "version", "options", "label", "
            "covered", "coverage", "adaptive_covered", "adaptive_coverage", "probs", "alpha", "issued", "recorded",
            "credential")
 # what a replica folds into the guarantees and the adaptive thresholds (not the question, outputs or credential)
-REPLAYED = ("seq", "adapter", "version", "answered", "target", "label", "predicted", "covered", "coverage",
-            "adaptive_covered", "adaptive_coverage")
+REPLAYED = ("seq", "adapter", "version", "options", "answered", "target", "label", "predicted", "covered", "coverage",
+            "adaptive_covered", "adaptive_coverage", "recorded")
 INSERT = f"INSERT INTO feedback ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
 PRUNE_BATCH = 10_000  # raw labels deleted per checkpoint at most: each transaction stays well inside the timeout
 
-Series = tuple  # (adapter, version, guarantee, stated): one realised guarantee's confidence sequence
+# a key of the checkpoint's states: (adapter, version, guarantee, stated) a realised guarantee's confidence sequence;
+# (adapter, version, guarantee, stated, options) its change detector for one option count; (adapter, version,
+# "suspended") the record of a version whose promises labelled feedback suspended (ibedl.engine.feedback)
+Series = tuple
 
 
 @dataclass(frozen=True)
@@ -193,11 +196,19 @@ class FeedbackStore(abc.ABC):
         with self._transaction(write=False):
             return self._rows(f"SELECT seq, {', '.join(COLUMNS)} FROM feedback WHERE seq > ? ORDER BY seq", (seq,))
 
-    def labelled(self, adapter: str, version: str) -> list[dict]:
-        """Every stored label of one adapter version, in order (what a recalibration on the traffic reads)."""
+    def labelled(self, adapter: str, version: str, from_seq: int = 0) -> list[dict]:
+        """Every stored label of one adapter version from sequence number ``from_seq`` on, in order (what a
+        recalibration on the traffic reads)."""
         with self._transaction(write=False):
             return self._rows(f"SELECT seq, {', '.join(COLUMNS)} FROM feedback WHERE adapter = ? AND version = ? "
-                              "ORDER BY seq", (adapter, version))
+                              "AND seq >= ? ORDER BY seq", (adapter, version, from_seq))
+
+    def state(self, series: Series) -> bytes | None:
+        """The checkpoint's state of one series (None: none saved)."""
+        with self._transaction(write=False):
+            row = self._execute("SELECT state FROM feedback_state WHERE series = ?",
+                                (json.dumps(list(series)),)).fetchone()
+        return None if row is None else bytes(row[0])
 
     def _rows(self, sql: str, params) -> list[dict]:
         cursor = self._execute(sql, params)

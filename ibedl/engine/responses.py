@@ -40,6 +40,8 @@ def build_answer(runtime: AdapterRuntime, req: PredictRequest, q: MCQuestion, pr
                                    req)
     set_indices = None if conformal is None else prediction_set(pred.probs, conformal[0], conformal[2])
     pset = None if set_indices is None else [letters[i] for i in set_indices]
+    guarantees = stated_guarantees(runtime, own, q.num_options, None if conformal is None else conformal[1],
+                                   None if feedback is None else feedback.suspension(runtime))
     adaptive = receipt = None
     if feedback is not None and feedback.enabled:
         adaptive = feedback.adaptive_set(runtime, pred.probs)
@@ -55,29 +57,42 @@ def build_answer(runtime: AdapterRuntime, req: PredictRequest, q: MCQuestion, pr
         sigma=None if pred.sigma is None else {k: r6(v) for k, v in zip(letters, pred.sigma, strict=True)},
         ood_score=r6(abstention.ood_score(pred.uncertainty, pred.confidence, limits.ood_score)),
         prediction_set=pset,
-        prediction_set_coverage=None if conformal is None else r6(1.0 - conformal[1]),
+        prediction_set_coverage=None if conformal is None or guarantees.holds is False else r6(1.0 - conformal[1]),
         prediction_set_score=None if conformal is None else conformal[2],
         abstained=reason is not None,
         abstain_reason=reason,
         adapter=runtime.ref,
         adaptive_prediction_set=None if adaptive is None else [letters[i] for i in adaptive],
         receipt=receipt,
-        guarantees=stated_guarantees(runtime, own, q.num_options, None if conformal is None else conformal[1]),
+        guarantees=guarantees,
     )
 
 
-def stated_guarantees(runtime: AdapterRuntime, thresholds, options: int, alpha: float | None) -> StatedGuarantees:
+def stated_guarantees(runtime: AdapterRuntime, thresholds, options: int, alpha: float | None,
+                      suspended: dict | None = None) -> StatedGuarantees:
     """What the calibration in use promises for an answer to a question of ``options`` options under
-    ``thresholds`` (that count's) whose set has miscoverage ``alpha`` (None: no set)."""
+    ``thresholds`` (that count's) whose set has miscoverage ``alpha`` (None: no set); nothing, with the reason,
+    for a count the calibration does not claim or while labelled feedback has the version's promises
+    ``suspended`` (``{"since": ISO 8601}``: ibedl.engine.feedback.Feedback.suspension)."""
     how, counts = thresholds.how, runtime.option_counts
+    reason = ("option_count_not_calibrated" if counts is not None and options not in counts
+              else "violated_by_feedback" if suspended is not None else None)
+    if reason is not None:
+        return StatedGuarantees(holds=False, reason=reason, since=None if suspended is None or reason !=
+                                "violated_by_feedback" else suspended["since"], option_counts=counts,
+                                answered_accuracy=None, answered_accuracy_delta=None, set_coverage=None,
+                                set_coverage_delta=None)
     certified = bool(how.get("certified"))
+    gate = thresholds.ood_threshold > 0 and how.get("gate_rejection_rate") is not None
     return StatedGuarantees(
-        holds=None if counts is None else options in counts,
+        holds=None if counts is None else True,
         option_counts=counts,
         answered_accuracy=how.get("target_accuracy") if certified else None,
         answered_accuracy_delta=how.get("delta") if certified else None,
         set_coverage=None if alpha is None else r6(1.0 - alpha),
         set_coverage_delta=None if alpha is None else runtime.conformal.delta,
+        gate_refusal_rate=how.get("gate_rejection_rate") if gate else None,
+        gate_refusal_delta=how.get("delta") if gate else None,
     )
 
 

@@ -143,6 +143,34 @@ def switched(runtime: AdapterRuntime, backend: str, trunk, reason: str, choice, 
                                ref={**runtime.ref, "backend": backend, "calibration": calibration.key})
 
 
+def recalibrated(runtime: AdapterRuntime, manifest, settings: EngineSettings) -> AdapterRuntime:
+    """The runtime of the same adapter and weights under a newer version of its manifest (a recalibration: new
+    thresholds, sets, drift reference and post-hoc parameter, the same weight files): a new object beside
+    ``runtime``, which stays whole, so a pass queued on it is answered under its own calibration, as a backend switch
+    is (:func:`switched`). ValueError when ``manifest`` is not a recalibration of the served one (another adapter,
+    other weights, base model, members or prompt: those need a restart), UncalibratedBackend when it carries no
+    calibration for the backend that serves."""
+    old = runtime.predictor.manifest
+    if manifest.name != old.name:
+        raise ValueError(f"the manifest names adapter {manifest.name!r}, not the served {old.name!r}")
+    changed = [what for what, a, b in (("weight files", manifest.files, old.files), ("members", manifest.members,
+                                                                                      old.members),
+                                       ("base model", manifest.base_model, old.base_model),
+                                       ("method", manifest.method, old.method), ("prompt", manifest.prompt, old.prompt))
+               if a != b]
+    if changed:
+        raise ValueError(f"version {manifest.version} of adapter {manifest.name!r} changes its {', '.join(changed)}: "
+                         "not a recalibration of the served weights; restart the service to serve it")
+    predictor = copy.copy(runtime.predictor)
+    # the calibration sets the heads' post-hoc parameter: the old runtime keeps its own
+    predictor.heads = [copy.deepcopy(h) for h in runtime.predictor.heads]
+    predictor.manifest = manifest
+    predictor.use_calibration()
+    calibration = served_calibration(predictor, settings)
+    return dataclasses.replace(runtime, predictor=predictor, calibration=calibration,
+                               ref={**runtime.ref, "version": str(manifest.version), "calibration": calibration.key})
+
+
 class UncalibratedBackend(ValueError):
     """The artifact carries no calibration made on the backend that would serve it. The message names the adapter,
     backends and calibration keys only (no path, hash or setting value), so readiness may show it whole."""

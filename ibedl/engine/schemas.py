@@ -88,25 +88,43 @@ class AdapterRef(BaseModel):
                              "were calibrated on (the backend's own unless IBEDL_ALLOW_UNCALIBRATED_BACKEND)")
 
 
+NoPromiseReason = Literal["option_count_not_calibrated", "violated_by_feedback"]
+
+
 class StatedGuarantees(BaseModel):
     """What the adapter's calibration promises for one answer, if served questions are exchangeable with the
-    calibration sample (GET /v1/guarantees reports what labelled feedback measured)."""
+    calibration sample (GET /v1/guarantees reports what labelled feedback measured). Where no promise holds, no
+    level is stated: every level below is null and ``reason`` says why."""
 
-    holds: bool | None = Field(..., description="whether the calibration covered questions with this many options: "
-                               "false means none of the promises below holds for this answer (the gate, the answer "
-                               "threshold and the set were never calibrated for it); null when the calibration does "
-                               "not record its option counts")
-    option_counts: list[int] | None = Field(..., description="the option counts the calibration sample had")
+    holds: bool | None = Field(..., description="whether the promises below hold for this answer: false means none "
+                               "does (see reason) and every level is null; null when the calibration does not record "
+                               "its option counts (an older artifact)")
+    reason: NoPromiseReason | None = Field(None, description="why no promise holds (null when they hold): "
+                                           "'option_count_not_calibrated' (the calibration sample had too few "
+                                           "questions with this many options: the gate, the answer threshold and the "
+                                           "set were never calibrated for it), 'violated_by_feedback' (labels sent "
+                                           "back showed a promise of this adapter version broken: its promises are "
+                                           "suspended until a recalibrated version replaces it)")
+    since: str | None = Field(None, description="with 'violated_by_feedback': when the violation was detected "
+                              "(ISO 8601, UTC)")
+    option_counts: list[int] | None = Field(..., description="the option counts the calibration claims")
     answered_accuracy: float | None = Field(..., description="answered in-distribution questions are right at "
                                             "least this often (the risk-controlled threshold's target); null when no "
-                                            "threshold was certified")
+                                            "threshold was certified or no promise holds")
     answered_accuracy_delta: float | None = Field(..., description="the probability, over the calibration draw, "
                                                   "that the served threshold misses answered_accuracy")
-    set_coverage: float | None = Field(..., description="1 - alpha of the prediction set; null without sets")
+    set_coverage: float | None = Field(..., description="1 - alpha of the prediction set; null without sets or "
+                                       "when no promise holds")
     set_coverage_delta: float | None = Field(..., description="the probability, over the calibration draw, that the "
                                              "served set rule covers less than set_coverage (training-conditional "
                                              "quantiles); null: marginal coverage, an average over calibration "
                                              "draws")
+    gate_refusal_rate: float | None = Field(None, description="the gate refuses at most this share of "
+                                            "in-distribution questions as out of distribution; null without a gate "
+                                            "or when no promise holds")
+    gate_refusal_delta: float | None = Field(None, description="the probability, over the calibration draw, that "
+                                             "the served gate refuses more than gate_refusal_rate "
+                                             "(training-conditional); null: on average over calibration draws")
 
 
 class PredictResponse(BaseModel):
@@ -124,7 +142,8 @@ class PredictResponse(BaseModel):
                                              "first): holds the right answer with probability >= "
                                              "prediction_set_coverage on in-distribution questions; null when the "
                                              "adapter was never calibrated (ibedl.training.calibrate)")
-    prediction_set_coverage: float | None = Field(..., description="1 - alpha of the set")
+    prediction_set_coverage: float | None = Field(..., description="1 - alpha of the set; null when no promise "
+                                                  "holds for this answer (guarantees.reason)")
     prediction_set_score: Literal["lac", "aps"] | None = Field(..., description="the set's non-conformity score")
     abstained: bool
     abstain_reason: Literal["out_of_distribution", "max_uncertainty", "min_confidence"] | None = Field(
@@ -181,6 +200,33 @@ class FeedbackResponse(BaseModel):
     results: list[FeedbackResult]
 
 
+class ChangeStatus(BaseModel):
+    """A stated guarantee's change detector for one option count (ibedl.engine.change_detector)."""
+
+    options: int
+    labels: int = Field(..., description="labels it has read")
+    statistic: float = Field(..., description="its mixture Shiryaev-Roberts statistic; an alarm at threshold")
+    threshold: float
+    alarm: bool
+    change_seq: int | None = Field(..., description="at an alarm: the store sequence number of the first label of "
+                                   "the change it estimated (calibrate --dataset feedback --since-change reads the "
+                                   "labels from there)")
+
+
+class Suspension(BaseModel):
+    """Why labelled feedback suspended a version's promises."""
+
+    since: str = Field(..., description="the time of the label that showed the promise broken (ISO 8601, UTC)")
+    guarantee: str
+    stated: float
+    options: int = Field(..., description="the option count of the questions that showed it")
+    by: Literal["change_detector", "confidence_sequence"] = Field(
+        ..., description="change_detector: a change since some label; confidence_sequence: never held since the "
+        "version started")
+    label_seq: int = Field(..., description="the store sequence number of that label")
+    change_seq: int | None = Field(..., description="the first label of the estimated change (change_detector)")
+
+
 class Guarantee(BaseModel):
     adapter: str
     version: str
@@ -193,7 +239,18 @@ class Guarantee(BaseModel):
     estimate: float | None = Field(..., description="hits / labels")
     lower: float = Field(..., description="lower end of the confidence sequence (valid under continuous monitoring)")
     upper: float = Field(..., description="upper end")
-    violated: bool = Field(..., description="upper < stated: the labels show the stated guarantee does not hold")
+    violated: bool = Field(..., description="a served version whose upper < stated: the labels show the stated "
+                           "guarantee has not held since the version started (false for a retired version: see "
+                           "violated_before_retired)")
+    changed: bool = Field(False, description="a served version whose change detector for some option count alarmed: "
+                          "the guarantee stopped holding at some point (change: where)")
+    violated_before_retired: bool = Field(False, description="a retired version whose labels showed this guarantee "
+                                          "broken (kept for the record; never alerted on)")
+    change: list[ChangeStatus] = Field(default_factory=list, description="the change detector of each option count "
+                                       "(stated guarantees only)")
+    suspended: Suspension | None = Field(None, description="a served version whose promises labelled feedback "
+                                         "suspended (its answers say holds: false, violated_by_feedback), until a "
+                                         "recalibrated version replaces it")
     retired: bool = Field(..., description="this replica does not serve this version (a newer one replaced it; "
                           "during a rollout, also the other replicas' version): its labels stay readable here, but "
                           "this replica exports no ibedl_guarantee_* gauges for it, so it never alerts from here")
@@ -201,6 +258,12 @@ class Guarantee(BaseModel):
 
 class GuaranteesResponse(BaseModel):
     alpha: float = Field(..., description="each sequence holds the mean at all times with probability >= 1 - alpha")
+    change_false_alarm: float | None = Field(None, description="the probability that a version's change detectors "
+                                             "raise any false alarm within change_horizon labels")
+    change_horizon: int | None = Field(None, description="labels over which change_false_alarm holds")
+    conflicts: dict[str, int] = Field(default_factory=dict, description="labels this process refused because their "
+                                      "receipt was recorded before with another label, by adapter (every door: "
+                                      "HTTP, the Python API, the batch command)")
     shared_store: bool = Field(..., description="labels come from the store every replica shares (IBEDL_FEEDBACK_DB "
                                "or IBEDL_FEEDBACK_DSN); false: this replica's labels only")
     guarantees: list[Guarantee]

@@ -83,10 +83,19 @@ class EngineSettings(BaseSettings):
                                       "gives up: 503 store_unavailable, Retry-After")
     feedback_ttl_s: int = Field(30 * 24 * 3600, ge=60, description="seconds after an answer that its receipt "
                                 "accepts a label (default 30 days)")
-    guarantee_alpha: float = Field(0.03, gt=0.0, lt=0.5, description="error probability of each realised "
+    guarantee_alpha: float = Field(0.02, gt=0.0, lt=0.5, description="error probability of each realised "
                                    "guarantee's confidence sequence over the whole life of an adapter version (a "
                                    "false alarm on healthy traffic: <= alpha/2 per sequence, plus the calibration's "
-                                   "delta; with the defaults <= 2 x (0.01 + 0.015) = 5% per adapter version)")
+                                   "delta)")
+    change_false_alarm: float = Field(0.01, gt=0.0, lt=0.5, description="probability that the change detectors of "
+                                      "one adapter version (every stated guarantee and option count together) raise "
+                                      "a false alarm within IBEDL_CHANGE_HORIZON labels of healthy traffic; it "
+                                      "grows linearly beyond. With the defaults a version's promises are suspended "
+                                      "by mistake with probability <= 2 x 0.01 (calibration deltas) + 0.02 "
+                                      "(IBEDL_GUARANTEE_ALPHA) + 0.01 = 5% over 100,000 labels")
+    change_horizon: int = Field(100_000, ge=100, description="labels of one adapter version over which "
+                                "IBEDL_CHANGE_FALSE_ALARM holds (the detectors' threshold is 2 x horizon / false "
+                                "alarm: a longer horizon costs about log(horizon) more labels of delay)")
     adaptive_sets: bool = Field(False, description="answers also carry an adaptive conformal set whose threshold "
                                 "follows the labels (ACI); needs feedback on")
     adaptive_rate: float = Field(0.01, gt=0.0, le=0.5, description="step of the adaptive sets' threshold per label")

@@ -4,6 +4,8 @@ model info) carries an ``adapter`` label; the request, queue and forward-pass se
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 PROBABILITY_BUCKETS = tuple(round(x, 2) for x in [i / 20 for i in range(1, 21)])
@@ -40,9 +42,9 @@ class Metrics:
         self.answers = Counter("ibedl_answers", "questions answered by the model (abstained or not)", ["adapter"],
                                registry=r)
         self.uncalibrated_options = Counter(
-            "ibedl_answers_without_guarantee", "questions answered with an option count the adapter's calibration "
-            "never covered (no stated guarantee holds for them), by option count", ["adapter", "options"],
-            registry=r)
+            "ibedl_answers_without_guarantee", "questions answered with no stated guarantee (guarantees.holds false), "
+            "by option count and reason: option_count_not_calibrated, violated_by_feedback",
+            ["adapter", "options", "reason"], registry=r)
         self.abstentions = Counter("ibedl_abstentions", "abstentions by the threshold crossed", ["adapter", "reason"],
                                    registry=r)
         self.predictions = Counter("ibedl_predictions", "predicted letters", ["adapter", "letter"], registry=r)
@@ -89,6 +91,14 @@ class Metrics:
                                      "(valid under continuous monitoring)", g, registry=r)
         self.guarantee_stated = Gauge("ibedl_guarantee_stated", "the level the guarantee states (NaN: none)", g,
                                       registry=r)
+        self.guarantee_change = Gauge("ibedl_guarantee_change_statistic", "the change detector's statistic of a stated "
+                                      "guarantee for one option count (ibedl.engine.change_detector: an alarm at "
+                                      "ibedl_guarantee_change_threshold)", [*g, "options"], registry=r)
+        self.guarantee_change_threshold = Gauge("ibedl_guarantee_change_threshold", "the change detectors' alarm "
+                                                "threshold", [*g, "options"], registry=r)
+        self.promises_suspended = Gauge("ibedl_promises_suspended", "1 while labelled feedback has the promises of a "
+                                        "served adapter version suspended (answers say holds: false, "
+                                        "violated_by_feedback)", ["adapter", "version"], registry=r)
         self.ready = Gauge("ibedl_ready", "1 when the model is loaded and the service accepts requests", registry=r)
         self.model_info = Info("ibedl_model", "a served adapter", ["adapter"], registry=r)
         self.backend_switches = Counter("ibedl_backend_switches", "switches of an adapter's inference backend to one "
@@ -130,7 +140,17 @@ class Metrics:
             if g["retired"]:
                 for gauge in gauges:
                     gauge.remove(*(labels[name] for name in GUARANTEE_LABELS))
+                for c in g.get("change") or []:
+                    for gauge in (self.guarantee_change, self.guarantee_change_threshold):
+                        gauge.remove(*(labels[name] for name in GUARANTEE_LABELS), str(c["options"]))
+                with contextlib.suppress(KeyError):
+                    self.promises_suspended.remove(g["adapter"], g["version"])
                 continue
+            for c in g.get("change") or []:
+                self.guarantee_change.labels(**labels, options=str(c["options"])).set(c["statistic"])
+                self.guarantee_change_threshold.labels(**labels, options=str(c["options"])).set(c["threshold"])
+            self.promises_suspended.labels(adapter=g["adapter"], version=g["version"]).set(
+                1.0 if g.get("suspended") else 0.0)
             self.guarantee_labels.labels(**labels).set(g["labels"])
             self.guarantee_hits.labels(**labels).set(g["hits"])
             self.guarantee_lower.labels(**labels).set(g["lower"])

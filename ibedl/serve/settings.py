@@ -55,6 +55,11 @@ class Settings(EngineSettings):
     shutdown_grace_s: float = Field(30.0, ge=0, description="drain time on SIGTERM: what cannot finish in it gets "
                                     "503 + Retry-After")
 
+    reload_interval_s: float = Field(10.0, ge=0, description="seconds between looks at each served artifact's "
+                                     "manifest.json: a newer version of the same weights (python -m "
+                                     "ibedl.training.calibrate in place, e.g. --dataset feedback) is served from the "
+                                     "next request on, without a restart (SIGHUP looks at once); 0: only on SIGHUP")
+
     max_body_bytes: int = Field(1_000_000, ge=1024)
 
     drift_window: int = Field(500, ge=10, description="served uncertainty masses in the rolling window")

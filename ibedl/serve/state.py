@@ -6,12 +6,15 @@ Routes get it through ``State``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
 import math
+import signal
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -23,7 +26,14 @@ from ibedl.engine.capacity import warm_up
 from ibedl.engine.drift import AccuracyEstimate, DriftMonitor
 from ibedl.engine.engine import Checked, Engine
 from ibedl.engine.feedback import Feedback, LabelQuota
-from ibedl.engine.runtime import AdapterRuntime, UncalibratedBackend, load_predictors, make_runtimes, switched
+from ibedl.engine.runtime import (
+    AdapterRuntime,
+    UncalibratedBackend,
+    load_predictors,
+    make_runtimes,
+    recalibrated,
+    switched,
+)
 from ibedl.engine.schemas import (
     DriftStatus,
     FeedbackRequest,
@@ -71,6 +81,8 @@ class ServiceState:
         self.server = None  # uvicorn.Server when run by ibedl.serve.__main__, to notice SIGTERM
         self.switcher = None  # ibedl.serve.backend_switch.BackendSwitcher while auto measures in the background
         self._watcher: asyncio.Task | None = None
+        self._reloader: asyncio.Task | None = None
+        self._manifests: dict = {}  # served artifact directory -> its manifest.json's mtime when last looked at
         self._checker: ThreadPoolExecutor | None = None
         self._store_thread: ThreadPoolExecutor | None = None
 
@@ -129,14 +141,7 @@ class ServiceState:
             predictors = loaded if isinstance(loaded, list) else [loaded]
             to_measure = self._to_measure(predictors)
             runtimes = await asyncio.to_thread(make_runtimes, predictors, self.engine_settings, bool(to_measure))
-            monitors = {}
-            for name, rt in runtimes.items():
-                target = rt.thresholds.how.get("target_accuracy")
-                monitors[name] = Monitors(
-                    await asyncio.to_thread(DriftMonitor, rt.reference(), rt.drift_statistic,
-                                            self.settings.drift_window, self.settings.drift_alarm_rate,
-                                            self.settings.drift_bootstrap),
-                    AccuracyEstimate(self.settings.drift_window, float(target) if target else None))
+            monitors = {name: await asyncio.to_thread(self._monitors, rt) for name, rt in runtimes.items()}
             # one trunk: one estimate of seconds per token for every adapter (the heads' cost is negligible)
             service_time = await asyncio.to_thread(warm_up, [rt.predictor for rt in runtimes.values()])
             await self._bind_feedback(runtimes)
@@ -156,17 +161,92 @@ class ServiceState:
         self.metrics.seconds_per_token.set(service_time.per_token_s)
         self._watcher = asyncio.get_running_loop().create_task(self._watch_shutdown(), name="shutdown-watcher")
         for name, rt in runtimes.items():
-            manifest, base = rt.predictor.manifest, rt.predictor.manifest.base_model_ref()
-            self.metrics.model_info.labels(adapter=name).info(
-                {"version": str(manifest.version), "method": manifest.method, "base_model": base.name,
-                 "base_sha256": base.sha256[:12]})
-            self.metrics.set_drift(name, monitors[name].drift.status())
-            self.metrics.set_accuracy(name, monitors[name].accuracy.status())
-            log.info("serving adapter %s (%s) on %s", name, manifest.method, base.name)
+            self._publish(rt)
+            log.info("serving adapter %s (%s) on %s", name, rt.predictor.manifest.method,
+                     rt.predictor.manifest.base_model_ref().name)
         self.status, self.reason = "ready", None
         self.metrics.ready.set(1)
+        self._manifests = {d: _mtime(d) for d in self.settings.served_artifacts()}
+        self._reloader = asyncio.get_running_loop().create_task(self._watch_manifests(), name="manifest-watcher")
         if to_measure:
             self._start_switcher(to_measure)
+
+    def _monitors(self, rt: AdapterRuntime) -> Monitors:
+        """A fresh drift monitor (against the calibration's reference) and accuracy estimate for an adapter."""
+        target = rt.thresholds.how.get("target_accuracy")
+        return Monitors(DriftMonitor(rt.reference(), rt.drift_statistic, self.settings.drift_window,
+                                     self.settings.drift_alarm_rate, self.settings.drift_bootstrap),
+                        AccuracyEstimate(self.settings.drift_window, float(target) if target else None))
+
+    def _publish(self, rt: AdapterRuntime) -> None:
+        """The gauges that say which version of an adapter is served and how its drift and estimate stand."""
+        manifest, base = rt.predictor.manifest, rt.predictor.manifest.base_model_ref()
+        self.metrics.model_info.labels(adapter=rt.name).info(
+            {"version": str(manifest.version), "method": manifest.method, "base_model": base.name,
+             "base_sha256": base.sha256[:12]})
+        self.metrics.set_drift(rt.name, self.monitors[rt.name].drift.status())
+        self.metrics.set_accuracy(rt.name, self.monitors[rt.name].accuracy.status())
+
+    # -- new versions of the served weights (recalibrations) ------------------------------------
+
+    async def reload_calibrations(self) -> list[str]:
+        """Serve the newer version of each served adapter whose manifest.json now holds one with the same weights (a
+        recalibration: ``python -m ibedl.training.calibrate`` in place), from the next request on: a new runtime
+        beside the old one (ibedl.engine.runtime.recalibrated; a pass already queued is answered under the old
+        calibration), a fresh drift monitor on its reference, and the labels of the new version counted apart (its
+        promises are its own; the old version's realised guarantees stay on GET /v1/guarantees as retired). A
+        manifest that changes the weights, or cannot be read, is logged and left for a restart. Returns the adapters
+        now on a new version."""
+        from ibedl.core.artifact import ArtifactError, read_manifest
+
+        done = []
+        for directory in self.settings.served_artifacts():
+            try:
+                manifest = await asyncio.to_thread(read_manifest, directory)
+            except (ArtifactError, OSError, ValueError) as e:
+                log.warning("reload: the manifest of %s cannot be read (%s); still serving what was loaded", directory,
+                            e)
+                continue
+            rt = self.runtimes.get(manifest.name)
+            if rt is None or str(manifest.version) == rt.ref["version"]:
+                continue
+            try:
+                new = recalibrated(rt, manifest, self.engine_settings)
+                monitors = await asyncio.to_thread(self._monitors, new)
+            except (ValueError, UncalibratedBackend) as e:
+                log.warning("reload: adapter %s version %s is not served: %s", manifest.name, manifest.version, e)
+                continue
+            self.monitors[new.name] = monitors
+            self.runtimes[new.name] = new
+            self._publish(new)
+            if self.feedback.enabled:
+                with contextlib.suppress(errors.StoreUnavailable):  # the next refresh reads the store
+                    await self.on_store(self.feedback.bind, self.runtimes)
+            log.info("adapter %s: serving version %s (recalibrated; was %s, calibration %s)", new.name,
+                     new.ref["version"], rt.ref["version"], new.calibration.key)
+            done.append(new.name)
+        return done
+
+    async def _watch_manifests(self) -> None:
+        """Look at the served manifests every IBEDL_RELOAD_INTERVAL_S (and at once on SIGHUP): a changed one is
+        reloaded (:meth:`reload_calibrations`)."""
+        loop = asyncio.get_running_loop()
+        poke = asyncio.Event()
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # no signals off the main thread
+            loop.add_signal_handler(signal.SIGHUP, poke.set)
+        interval = self.settings.reload_interval_s or None
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(poke.wait(), interval)
+            forced = poke.is_set()
+            poke.clear()
+            seen = {d: _mtime(d) for d in self.settings.served_artifacts()}
+            if forced or seen != self._manifests:
+                self._manifests = seen
+                try:
+                    await self.reload_calibrations()
+                except Exception:  # a reload must never stop the watcher
+                    log.exception("reload: failed; still serving what was loaded")
 
     # -- backends (IBEDL_BACKEND=auto) --------------------------------------------------------------
 
@@ -253,8 +333,9 @@ class ServiceState:
 
     async def shutdown(self) -> None:
         self.begin_drain()
-        if self._watcher is not None:
-            self._watcher.cancel()
+        for task in (self._watcher, self._reloader):
+            if task is not None:
+                task.cancel()
         if self.batcher is not None:
             await self.batcher.stop()
         if self._checker is not None:
@@ -348,7 +429,8 @@ class ServiceState:
         if pred.uncertainty is not None:
             m.uncertainty.labels(adapter=name).observe(pred.uncertainty)
         if answer.guarantees is not None and answer.guarantees.holds is False:
-            m.uncalibrated_options.labels(adapter=name, options=str(q.num_options)).inc()
+            m.uncalibrated_options.labels(adapter=name, options=str(q.num_options),
+                                          reason=answer.guarantees.reason).inc()
         if answer.abstain_reason:
             m.abstentions.labels(adapter=name, reason=answer.abstain_reason).inc()
         else:  # an answered question feeds the accuracy estimate; every one feeds drift
@@ -400,6 +482,14 @@ class Monitors:
 
     drift: DriftMonitor
     accuracy: AccuracyEstimate
+
+
+def _mtime(directory) -> float | None:
+    """When an artifact's manifest.json last changed (None: unreadable)."""
+    try:
+        return (Path(directory) / "manifest.json").stat().st_mtime_ns
+    except OSError:
+        return None
 
 
 async def _disconnected(request: Request) -> None:

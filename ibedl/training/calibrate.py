@@ -52,7 +52,7 @@ import torch
 from ibedl.core import quantization_sample
 from ibedl.core.artifact import Abstention, Conformal, Manifest, check_artifact, write_manifest
 from ibedl.core.backends import BACKENDS, calibration_key
-from ibedl.core.conformal import SCORES, alpha_key, calibrate_quantiles, prediction_set
+from ibedl.core.conformal import SCORES, alpha_key, calibrate_quantiles, conformal_rank, prediction_set
 from ibedl.core.cpu_isa import int8_isa
 from ibedl.core.head import POSTHOC_NEUTRAL
 from ibedl.core.model_card import write_card
@@ -65,8 +65,9 @@ from ibedl.training.risk_control import control_accuracy
 log = logging.getLogger("ibedl.training.calibrate")
 
 ALPHAS = (0.01, 0.02, 0.05, 0.1, 0.2)  # conformal levels stored for requests to choose from
-# Questions an option count needs in a mixed sample to be calibrated on its own (fit and calibration parts together).
-MIN_PER_COUNT = 100
+# Questions an option count needs in the sample (fit and calibration parts together) for the calibration to claim it:
+# with fewer, answers with that count say that no promise holds (CalibrationConfig.min_per_count, --min-per-count).
+MIN_PER_COUNT = 200
 
 
 @dataclass
@@ -91,6 +92,8 @@ class CalibrationConfig:
         main_options: in a sample calibrated per option count, the count the top level (what a count never calibrated
             falls back to, the model card's summary) and the drift reference are for: the traffic's usual count.
             Default: the count with the most questions (ties: the smallest).
+        min_per_count: questions an option count needs in the sample for the calibration to claim it (each claimed
+            count is calibrated on its own questions); a count with fewer is answered with ``holds: false``.
     """
 
     target_accuracy: float = 0.9
@@ -104,8 +107,11 @@ class CalibrationConfig:
     posthoc: bool = True
     reference_size: int = 1000
     main_options: int | None = None
+    min_per_count: int = MIN_PER_COUNT
 
     def __post_init__(self) -> None:
+        if isinstance(self.min_per_count, bool) or not isinstance(self.min_per_count, int) or self.min_per_count < 1:
+            raise ValueError(f"min_per_count must be an integer >= 1, got {self.min_per_count!r}")
         for name in ("target_accuracy", "delta", "fit_fraction"):
             value = getattr(self, name)
             if isinstance(value, bool) or not 0.0 < value < 1.0:
@@ -121,12 +127,25 @@ class CalibrationConfig:
             raise ValueError(f"reference_size must be >= 10, got {self.reference_size}")
 
 
-def gate_threshold(scores, rejection_rate: float) -> float:
-    """The k-th smallest of n in-distribution scores, k = floor(rate * (n + 1)); 0 (no gate) when k = 0.
-    A new exchangeable question falls below it with probability k / (n + 1) <= rate."""
+def gate_threshold(scores, rejection_rate: float, delta: float | None = None) -> float:
+    """The k-th smallest of n in-distribution scores; 0 (no gate) when k = 0. The share of exchangeable questions
+    below it, over draws of the n, is Beta(k, n + 1 - k) (continuous scores).
+
+    - marginal (``delta`` None): k = floor(rate * (n + 1)), so a new question is refused with probability
+      k / (n + 1) <= rate on average over the draw of the n;
+    - training-conditional (``delta`` given): the largest k with P(Beta(k, n + 1 - k) > rate) =
+      P(Binomial(n, rate) <= k - 1) <= delta, so with probability >= 1 - delta the gate that is served refuses at
+      most ``rate`` of in-distribution questions. By symmetry k = n + 1 - the conformal PAC rank at alpha = rate
+      (ibedl.core.conformal.conformal_rank), so one rank function serves both.
+    """
     s = np.sort(np.asarray(scores, dtype=np.float64))
-    k = math.floor(rejection_rate * (len(s) + 1))
-    return 0.0 if k == 0 else float(s[k - 1])
+    if len(s) == 0 or rejection_rate == 0.0:
+        return 0.0
+    if delta is None:
+        k = math.floor(rejection_rate * (len(s) + 1))
+    else:
+        k = len(s) + 1 - conformal_rank(len(s), rejection_rate, delta)
+    return 0.0 if k <= 0 else float(s[k - 1])
 
 
 def split(n: int, fit_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -160,12 +179,16 @@ def _decide(outputs: Outputs, labels: np.ndarray, fit: np.ndarray, cal: np.ndarr
     hits = np.asarray([float(np.argmax(p) == y) for p, y in zip(outputs.probs, labels, strict=True)])
     score = outputs.ood_score()
     ood_name = "inverse_uncertainty" if outputs.uncertainty is not None else "max_probability"
-    threshold = gate_threshold(score[fit], config.ood_rejection_rate)
+    threshold = gate_threshold(score[fit], config.ood_rejection_rate, config.delta)
     passed = score >= threshold
-    risk = control_accuracy(conf[cal][passed[cal]], hits[cal][passed[cal]], config.target_accuracy, config.delta)
+    # the fit part, independent of the calibration part, is the pilot that picks where the test sequence starts
+    risk = control_accuracy(conf[cal][passed[cal]], hits[cal][passed[cal]], config.target_accuracy, config.delta,
+                            start_from=(conf[fit][passed[fit]], hits[fit][passed[fit]]))
     answered_cal = passed[cal] & (conf[cal] >= risk.min_confidence)
     gate = {
-        "score": ood_name, "rejection_rate": config.ood_rejection_rate, "threshold": threshold, "n": len(fit),
+        "score": ood_name, "rejection_rate": config.ood_rejection_rate, "delta": config.delta, "threshold": threshold,
+        "n": len(fit), "rule": "training-conditional: the largest rank k of the fit part's scores with "
+        "P(Binomial(n, rate) <= k - 1) <= delta",
         "rejected_on_calibration_part": float(1.0 - passed[cal].mean()),
     }
     if risk.certified:
@@ -182,6 +205,9 @@ def _decide(outputs: Outputs, labels: np.ndarray, fit: np.ndarray, cal: np.ndarr
             "guarantee": f"accuracy on answered in-distribution questions >= {config.target_accuracy} with "
                          f"probability >= {1 - config.delta:g}, if served questions are exchangeable with the "
                          "calibration sample",
+            "gate": f"with probability >= {1 - config.delta:g}, at most {config.ood_rejection_rate:g} of "
+                    "in-distribution questions refused as out of distribution",
+            "gate_rejection_rate": config.ood_rejection_rate,
             "target_accuracy": config.target_accuracy, "delta": config.delta, "certified": risk.certified,
             "answered_accuracy": risk.accuracy, "accuracy_lower_bound": risk.accuracy_lower_bound,
             "coverage": float(answered_cal.mean()), "n": int(len(cal)), "split": "calibration part",
@@ -227,12 +253,13 @@ def calibrate_outputs(kind: str, raw: dict, labels, config: CalibrationConfig) -
     conf = outputs.confidence
     counts = np.asarray([len(p) for p in outputs.probs])
     present = sorted({int(c) for c in counts})
-    groups = {c: counts == c for c in present if (counts == c).sum() >= MIN_PER_COUNT}
-    if len(present) > 1 and len(groups) > 1:  # calibrated per option count: each keeps its own promises
-        skipped = sorted(set(present) - set(groups))
-        if skipped:
-            log.warning("option counts %s have fewer than %d questions: not calibrated, answers with them will say "
-                        "that no guarantee holds", skipped, MIN_PER_COUNT)
+    groups = {c: counts == c for c in present if (counts == c).sum() >= config.min_per_count}
+    skipped = sorted(set(present) - set(groups))
+    if skipped:
+        log.warning("option counts %s have fewer than %d questions each (%s): not claimed, answers with them will "
+                    "say that no promise holds (--min-per-count sets the minimum)", skipped, config.min_per_count,
+                    ", ".join(f"{c}: {int((counts == c).sum())}" for c in skipped))
+    if len(present) > 1 and groups:  # calibrated per option count: each claimed count keeps its own promises
         decided = {c: _decide(outputs, labels, fit[g[fit]], cal[g[cal]], config) for c, g in groups.items()}
         if config.main_options is not None and config.main_options not in groups:
             raise ValueError(f"main_options {config.main_options} is not a count calibrated here "
@@ -244,9 +271,9 @@ def calibrate_outputs(kind: str, raw: dict, labels, config: CalibrationConfig) -
                                           "how": a.how} for c, (a, _, _) in decided.items()}
         conformal.by_options = {str(c): {"quantiles": k.quantiles, "n": k.n} for c, (_, k, _) in decided.items()}
         claimed, per_count = sorted(groups), {str(c): r for c, (_, _, r) in decided.items()}
-    else:  # one calibration over the sample's mixture of counts
+    else:  # one count (claimed when it has enough questions), or a mixture of counts none of which can be claimed
         abstention, conformal, record = _decide(outputs, labels, fit, cal, config)
-        claimed, per_count = present, None
+        claimed, per_count = sorted(groups), None
     # drift is watched on the traffic's usual count: per count, the reference is the main count's questions
     pool = np.arange(n) if per_count is None else np.flatnonzero(counts == main)
     rng = np.random.default_rng(config.seed)
@@ -387,10 +414,19 @@ def main(argv: list[str] | None = None) -> int:
                         "calibrated per count; answers with any other count say that no guarantee holds")
     parser.add_argument("--per-count", type=int, default=None,
                         help="questions asked with each count other than their own (default: all of them)")
+    parser.add_argument("--min-per-count", type=int, default=defaults.min_per_count,
+                        help="questions an option count needs in the sample to be claimed (default "
+                        f"{defaults.min_per_count}); answers with a count that has fewer say that no promise holds")
     parser.add_argument("--main-options", type=int,
                         help="with several option counts: the count of the traffic's usual questions, which the "
                         "top level and the drift reference are for (default: the data's own count, else the "
                         "most common count in --outputs)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--since-change", action="store_true",
+                       help="with --dataset feedback: only the labels from the change the service detected on (the "
+                       "first label of the change that suspended the version's promises)")
+    where.add_argument("--from-seq", type=int, default=None,
+                       help="with --dataset feedback: only the labels from this store sequence number on")
     parser.add_argument("--outputs", help="read the model's raw outputs on --dataset/--split from this file "
                         "(written by --save-outputs or python -m benchmarks.decisions score) instead of running the "
                         "model")
@@ -426,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         config = CalibrationConfig(
             target_accuracy=args.target_accuracy, delta=args.delta, alpha=args.alpha, score=args.score,
             ood_rejection_rate=args.ood_rejection_rate, fit_fraction=args.fit_fraction, seed=args.seed,
-            posthoc=not args.no_posthoc,
+            posthoc=not args.no_posthoc, min_per_count=args.min_per_count,
         )
         manifest = check_artifact(source)
         if not manifest.files:
@@ -498,7 +534,8 @@ def labelled_outputs(args, source: Path, manifest: Manifest, config: Calibration
                              "--outputs, --limit nor --evaluate-split")
         if not args.path:
             raise ValueError("--dataset feedback needs --path: the service's feedback store (IBEDL_FEEDBACK_DB)")
-        kind, raw, labels = feedback_outputs(args.path, manifest)
+        kind, raw, labels = feedback_outputs(args.path, manifest, from_seq=args.from_seq,
+                                             since_change=args.since_change)
         config.posthoc = False  # the outputs are the served ones: the served post-hoc parameter stays
         # the backend that served them: --backend, else the arithmetic of the manifest's top-level calibration
         key = calibration_key(args.backend) if args.backend not in (None, "torch") else manifest.calibrated_on
@@ -638,44 +675,49 @@ def save_outputs(path, directory: Path, manifest: Manifest, streams: dict, kind:
 
 
 def without_password(text: str | None) -> str | None:
-    """``text`` with the password of a postgresql:// URI in it replaced by ``***`` (what the manifest records of a
-    --path that is the service's IBEDL_FEEDBACK_DSN); anything else as it is."""
+    """``text`` with every PostgreSQL DSN in it (a postgresql:// URI, or ``text`` itself when it is a libpq
+    ``key=value`` string) reduced to host, port and database (ibedl.engine.feedback_postgres.redacted): what the
+    manifest records of a --path that is the service's IBEDL_FEEDBACK_DSN. Anything else as it is."""
     import re
 
-    return None if text is None else re.sub(r"(postgres(?:ql)?://[^:/@\s]*:)[^@\s]*@", r"\1***@", text)
+    if text is None:
+        return None
+    if not is_dsn(text) and "postgres" not in text:
+        return text
+    from ibedl.engine.feedback_postgres import redacted
+
+    if is_dsn(text) and not text.startswith(("postgresql://", "postgres://")):
+        return redacted(text)
+    return re.sub(r"postgres(?:ql)?://\S+", lambda m: redacted(m.group(0)), text)
 
 
-def feedback_outputs(path, manifest: Manifest, minimum: int = 20) -> tuple[str, dict, list[int]]:
+def feedback_outputs(path, manifest: Manifest, minimum: int = 20, from_seq: int | None = None,
+                     since_change: bool = False) -> tuple[str, dict, list[int]]:
     """(kind, raw, labels) of the labelled answers of ``manifest``'s adapter version in a feedback store (the
     service's ``IBEDL_FEEDBACK_DB``, a SQLite file, or its ``IBEDL_FEEDBACK_DSN``, a postgresql:// URI): the outputs
-    the receipts carried, as served (post-hoc parameter
-    applied). The labels the store keeps: those past its retention (IBEDL_FEEDBACK_RETENTION_DAYS) are gone."""
-    from urllib.parse import urlsplit
-
+    the receipts carried, as served (post-hoc parameter applied); those from store sequence number ``from_seq`` on,
+    or with ``since_change`` from the first label of the change that suspended the version's promises (the
+    service's change detector: ``suspended.change_seq`` on GET /v1/guarantees; every label of the version when its
+    confidence sequence, not a change, showed the promise broken). The labels the store keeps: those past its
+    retention (IBEDL_FEEDBACK_RETENTION_DAYS) are gone."""
     from ibedl.engine.errors import EngineError
 
-    dsn = str(path).startswith(("postgresql://", "postgres://"))
-    where = f"the PostgreSQL store at {urlsplit(str(path)).hostname}{urlsplit(str(path)).path}" if dsn else str(path)
+    where = f"the PostgreSQL store at {without_password(str(path))}" if is_dsn(path) else str(path)
     try:
-        if dsn:  # the service's IBEDL_FEEDBACK_DSN: its password is never shown
-            from ibedl.engine.feedback_postgres import PostgresStore
-
-            store = PostgresStore(str(path), 30.0)
-        else:
-            from ibedl.engine.feedback_sqlite import SqliteStore
-
-            if not Path(path).is_file():
-                raise FileNotFoundError(f"no feedback store at {path} (the service's IBEDL_FEEDBACK_DB)")
-            store = SqliteStore(Path(path))
+        store = open_feedback_store(path)
         try:
-            rows = store.labelled(manifest.name, str(manifest.version))
+            if since_change:
+                from_seq = change_seq(store, manifest, where)
+            rows = store.labelled(manifest.name, str(manifest.version), from_seq or 0)
         finally:
             store.close()
     except EngineError as e:  # a store that did not answer: its message names no secret
         raise ValueError(f"the feedback store did not answer: {e.message}") from None
+    since = f" from label {from_seq} on" if from_seq else ""
     if len(rows) < minimum:
-        raise ValueError(f"{where} holds {len(rows)} labels of adapter {manifest.name!r} version {manifest.version}; "
-                         f"calibrating needs at least {minimum} (the more, the tighter the guarantees)")
+        raise ValueError(f"{where} holds {len(rows)} labels of adapter {manifest.name!r} version {manifest.version}"
+                         f"{since}; calibrating needs at least {minimum} (the more, the tighter the guarantees)")
+    log.info("calibrating on %d labels of adapter %s version %s%s", len(rows), manifest.name, manifest.version, since)
     probs = [json.loads(r["probs"]) for r in rows]
     alphas = [None if r["alpha"] is None else json.loads(r["alpha"]) for r in rows]
     raw = {"probs": probs, "offset": manifest.head_config().offset, "sigma": None}
@@ -685,6 +727,43 @@ def feedback_outputs(path, manifest: Manifest, minimum: int = 20) -> tuple[str, 
     else:
         kind = "softmax"
     return kind, raw, [int(r["label"]) for r in rows]
+
+
+def is_dsn(path) -> bool:
+    """Whether ``path`` is a PostgreSQL DSN (a postgresql:// URI or a libpq ``key=value`` string) rather than a file."""
+    import re
+
+    text = str(path)
+    return text.startswith(("postgresql://", "postgres://")) or bool(re.match(r"\s*(host|dbname|user)\s*=", text))
+
+
+def open_feedback_store(path):
+    """The service's feedback store at ``path``: a postgresql:// URI (IBEDL_FEEDBACK_DSN) or a SQLite file
+    (IBEDL_FEEDBACK_DB; FileNotFoundError when there is none)."""
+    if is_dsn(path):  # its password is never shown
+        from ibedl.engine.feedback_postgres import PostgresStore
+
+        return PostgresStore(str(path), 30.0)
+    from ibedl.engine.feedback_sqlite import SqliteStore
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"no feedback store at {path} (the service's IBEDL_FEEDBACK_DB)")
+    return SqliteStore(Path(path))
+
+
+def change_seq(store, manifest: Manifest, where: str) -> int:
+    """The store sequence number from which the labels of ``manifest``'s version show the change that suspended its
+    promises (0: every label, when its confidence sequence showed them broken since the start); ValueError when its
+    promises were not suspended."""
+    from ibedl.engine.feedback import SUSPENDED
+
+    state = store.state((manifest.name, str(manifest.version), SUSPENDED))
+    if state is None:
+        raise ValueError(f"{where} records no suspension of adapter {manifest.name!r} version {manifest.version} "
+                         "(no change detected, no promise shown broken, or the service has not checkpointed it yet: "
+                         "GET /v1/guarantees shows suspended); calibrate on every label without --since-change, or "
+                         "from a label on with --from-seq")
+    return int(json.loads(state).get("change_seq") or 0)
 
 
 def read_outputs(path, stream: str, directory: Path, manifest: Manifest) -> tuple[str, dict, list[int]]:

@@ -176,6 +176,8 @@ class TrainConfig(_Model):
     target_accuracy: Real = Field(0.8, gt=0, le=1)
     fit_zeta: bool = True
     reference_size: StrictInt = Field(1000, ge=10)
+    # calibration claims an option count only with at least this many validation questions of it
+    min_per_count: StrictInt = Field(200, ge=1)
     device: str | None = None
     # float32 | bfloat16 | float16; default by device (float32 under mixed_precision)
     dtype: Literal["float32", "bfloat16", "float16"] | None = None

@@ -679,6 +679,7 @@ def calibrate_and_evaluate(cfg: TrainConfig, method: Method, predictor: Predicto
         posthoc=method.calibrates_posthoc and cfg.fit_zeta,
         reference_size=cfg.reference_size,
         seed=cfg.seed,
+        min_per_count=cfg.min_per_count,
     )
     sections, outputs = calibrate_predictor(predictor, val_q, calibration, cfg.eval_batch_size, progress=cfg.progress)
     val = summarise(outputs.probs, [q.answer for q in val_q], outputs.uncertainty)

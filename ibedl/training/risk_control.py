@@ -4,11 +4,24 @@ probability at least 1 - delta, by Learn-Then-Test (Angelopoulos, Bates, Candes,
 The family: answer a question when its confidence (max probability) is at least lambda. For each candidate
 lambda, the null hypothesis "the error rate among answered questions exceeds epsilon = 1 - target" gets the
 exact binomial p-value P(Binomial(n_lambda, epsilon) <= errors_lambda) from the n_lambda calibration
-questions it answers. Candidates are tested in a fixed sequence from the strictest lambda (fewest answers)
-down and testing stops at the first null not rejected at level delta; every lambda rejected before that is
-certified, and the loosest of them (most answers) is kept. Fixed-sequence testing controls the family-wise
-error at delta, so: if calibration and served questions are exchangeable, the chosen threshold's answered
-accuracy is at least the target with probability at least 1 - delta over the draw of the calibration sample.
+questions it answers. Candidates are tested in a fixed sequence from a start lambda_0 towards looser thresholds
+(more answers), and testing stops at the first null not rejected at level delta; every lambda rejected before that
+is certified, and the loosest of them is kept. Fixed-sequence testing controls the family-wise error at delta
+whatever the order, as long as the order does not depend on the calibration questions' labels, so: if
+calibration and served questions are exchangeable, the chosen threshold's answered accuracy is at least the target
+with probability at least 1 - delta over the draw of the calibration sample.
+
+Where the sequence starts decides what can be certified: a start too strict answers too few questions for any
+p-value to pass (no error among 20 answers: P = 0.9^20 = 0.12 > 0.01) and the sequence stops there, certifying
+nothing, although looser thresholds would pass. Two starts, neither reading the calibration part's labels:
+
+- with a *pilot* sample (``start_from``: the confidences and hits of other labelled questions, the fit part
+  ibedl.training.calibrate keeps apart), the start is the threshold whose p-value, predicted from the pilot's
+  answered share and error rate at the calibration part's size, is smallest: the middle of the range most likely
+  to pass. The calibration part is independent of the pilot, so the guarantee is untouched. This is what certifies
+  6-option questions answered at 70% accuracy, whose most confident fifth is right 95% of the time.
+- without one, the strictest threshold answering 10% of the calibration questions (found from the confidences
+  alone) and at least twice the fewest answers that can pass at all.
 
 References:
     Angelopoulos et al. Learn then Test: Calibrating Predictive Algorithms to Achieve Risk Control. 2021.
@@ -33,6 +46,11 @@ START_COVERAGE = 0.1
 # (1 - epsilon)^m <= delta: 44 at epsilon 0.1, delta 0.01), so that a few errors still can. Both depend on n,
 # epsilon and delta only, never on the labels, so the guarantee is untouched.
 START_PASSABLE_FACTOR = 2
+PROCEDURE_PILOT = ("learn-then-test: fixed-sequence testing of confidence thresholds from the one a pilot sample "
+                   "(the fit part) predicts most likely to pass towards looser ones, exact binomial p-values")
+PROCEDURE_LABEL_FREE = ("learn-then-test: fixed-sequence testing of confidence thresholds from the one answering 10% "
+                        "of the calibration questions (and at least twice the fewest answers that can pass) down, "
+                        "exact binomial p-values")
 
 
 def binomial_p_value(errors: int, n: int, epsilon: float) -> float:
@@ -64,16 +82,16 @@ class RiskControl:
     accuracy_lower_bound: float | None
     p_value: float | None
     candidates_tested: int
-    procedure: str = ("learn-then-test: fixed-sequence testing of confidence thresholds from the one answering "
-                      "10% of the calibration questions (and at least twice the fewest answers that can pass) down, "
-                      "exact binomial p-values")
+    procedure: str = ""
+    start: float | None = None  # the threshold the sequence started at, when a pilot chose it
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def control_accuracy(confidence, hits, target_accuracy: float, delta: float,
-                     start_coverage: float = START_COVERAGE, grid: int = GRID) -> RiskControl:
+                     start_coverage: float = START_COVERAGE, grid: int = GRID,
+                     start_from: tuple | None = None) -> RiskControl:
     """The loosest confidence threshold certified to keep answered accuracy >= target with prob. >= 1 - delta.
 
     Args:
@@ -81,8 +99,10 @@ def control_accuracy(confidence, hits, target_accuracy: float, delta: float,
         hits: (N,) 1 where the top option is the right answer.
         target_accuracy: the accuracy to guarantee on answered questions, in (0, 1).
         delta: the allowed probability that the guarantee fails, in (0, 1).
-        start_coverage: the sequence starts at the strictest threshold answering at least this share (and at
-            least START_PASSABLE_FACTOR times the fewest answers that can pass at all).
+        start_coverage: without ``start_from``, the sequence starts at the strictest threshold answering at least
+            this share (and at least START_PASSABLE_FACTOR times the fewest answers that can pass at all).
+        start_from: (confidence (M,), hits (M,)) of a pilot sample independent of the calibration questions: the
+            sequence starts at the threshold with the smallest p-value predicted from it (:func:`pilot_start`).
 
     When no threshold is certified, ``min_confidence`` is 1.0 (answer only certain questions) and
     ``certified`` is False.
@@ -103,27 +123,61 @@ def control_accuracy(confidence, hits, target_accuracy: float, delta: float,
     epsilon = 1.0 - target_accuracy
     # Strictest first: thresholds descend, so each candidate answers a superset of the previous one's questions.
     cuts = np.unique(np.quantile(conf, np.linspace(0.0, 1.0, grid + 1)))[::-1] if n else np.array([])
+    start = None if start_from is None else pilot_start(cuts, n, *start_from, epsilon)
     chosen = None  # (lambda, answered, correct, p)
     tested = 0
     for lam in cuts:
         answered = conf >= lam
         m = int(answered.sum())
-        if m < min_answered:
+        if (m < min_answered) if start is None else (lam > start):
             continue
         tested += 1
+        if m == 0:  # a pilot's start that answers none of these questions: nothing can pass there
+            break
         correct = int(hits[answered].sum())
         p = binomial_p_value(m - correct, m, epsilon)
         if p > delta:
             break
         chosen = (float(lam), m, correct, p)
+    procedure = PROCEDURE_PILOT if start is not None else PROCEDURE_LABEL_FREE
     if chosen is None:
-        return RiskControl(1.0, False, target_accuracy, delta, n, 0, 0.0, None, None, None, tested)
+        return RiskControl(1.0, False, target_accuracy, delta, n, 0, 0.0, None, None, None, tested, procedure, start)
     lam, m, correct, p = chosen
     return RiskControl(
         min_confidence=lam, certified=True, target_accuracy=target_accuracy, delta=delta, n=n, answered=m,
         coverage=m / n, accuracy=correct / m, accuracy_lower_bound=accuracy_lower_bound(correct, m, delta),
-        p_value=p, candidates_tested=tested,
+        p_value=p, candidates_tested=tested, procedure=procedure, start=start,
     )
 
 
-__all__ = ["RiskControl", "control_accuracy", "binomial_p_value", "accuracy_lower_bound"]
+def pilot_start(cuts, n: int, pilot_confidence, pilot_hits, epsilon: float) -> float | None:
+    """The candidate threshold of ``cuts`` (descending) where a calibration part of ``n`` questions is most likely to
+    pass: the smallest p-value P(Binomial(m, epsilon) <= e) predicted with m = n x the pilot's answered share and
+    e = m x the pilot's error rate among answered (rounded); None when the pilot answers nothing at any cut (then
+    the label-free start applies). Reads the pilot only, never the calibration labels.
+
+    Args:
+        cuts: (K,) candidate thresholds, strictest first.
+        n: calibration questions the sequence will test on.
+        pilot_confidence, pilot_hits: (M,) the pilot's confidences and 0/1 hits.
+        epsilon: the error rate the nulls exceed (1 - target).
+    """
+    conf = np.asarray(pilot_confidence, dtype=np.float64)
+    hits = np.asarray(pilot_hits, dtype=np.float64)
+    if conf.shape != hits.shape or conf.ndim != 1:
+        raise ValueError(f"the pilot's confidence and hits must be (M,) of one length, got {conf.shape} and "
+                         f"{hits.shape}")
+    best, best_p = None, math.inf
+    for lam in cuts:
+        answered = conf >= lam
+        if not answered.any():
+            continue
+        m = max(1, round(n * answered.mean()))
+        errors = round(m * (1.0 - hits[answered].mean()))
+        p = binomial_p_value(min(errors, m), m, epsilon)
+        if p < best_p:
+            best, best_p = float(lam), p
+    return best
+
+
+__all__ = ["RiskControl", "control_accuracy", "pilot_start", "binomial_p_value", "accuracy_lower_bound"]

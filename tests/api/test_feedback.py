@@ -47,6 +47,7 @@ def test_api_records_feedback_once_and_refuses_bad_labels(tiny_artifact, tmp_pat
     with pytest.raises(LabelConflict) as e:  # a receipt keeps its first label, as over HTTP (no credential here)
         model.record_feedback([{"receipt": answers[1].receipt, "label": "B"}])
     assert e.value.type == "label_conflict" and e.value.field == "items.0.label"
+    assert model.guarantees().conflicts == {"tiny": 1}  # counted on this door too
     assert shares(model)[0] == 2
     assert not any(g.retired for g in model.guarantees().guarantees)
 

@@ -3,7 +3,7 @@ labelled answered questions of the shifted stream only, and the adaptive sets' d
 
 import numpy as np
 
-from benchmarks.feedback_replay import first_alarms, replay_seed, summary
+from benchmarks.feedback_replay import first_alarms, history, replay_seed, summary
 
 
 def stream(n: int, correct: bool, label_score: float) -> dict:
@@ -52,3 +52,19 @@ def test_alarm_counts_labelled_answered_shifted_questions():
 def test_summary():
     row = summary(np.array([10, 400, -1, 20]), within=300)
     assert row == {"fired": 0.75, "median": 20.0, "p90": 324.0, "max": 400, "within_300": 0.5}
+
+
+def test_after_a_long_history_the_change_detector_fires_where_the_sequence_cannot():
+    """A version that read 3,000 right answers: its confidence sequence's upper bound needs hundreds of wrong ones to
+    fall below 0.9, the change detector a few dozen, whatever the history's length."""
+    rng = np.random.default_rng(3)
+    base, broken = stream(300, True, 0.05), stream(400, False, 0.9)
+    past = history(rng, base, 3000, seeds=3, target_acc=0.9, target_cov=0.9)
+    assert not past["alarmed"].any()
+    runs = [replay_seed(rng, base, broken, 10, 400, delay=0, quantile=0.3, rate=0.01, target_cov=0.9)
+            for _ in range(3)]
+    alarms = first_alarms(runs, target_acc=0.9, target_cov=0.9, start=past)
+    assert ((alarms["acc_answered"] > 0) & (alarms["acc_answered"] < 40)).all(), alarms["acc_answered"]
+    assert alarms["acc_by_detector"].all()  # the sequence had not crossed yet
+    fresh = first_alarms(runs, target_acc=0.9, target_cov=0.9)  # a new version: the sequence fires as fast
+    assert ((fresh["acc_answered"] > 0) & (fresh["acc_answered"] < 60)).all()

@@ -113,6 +113,27 @@ class TestTrainingConditional:
         assert (tail[k - 1] <= delta if k <= n else tail[n - 1] > delta) and (k == 1 or tail[k - 2] > delta)
         assert k >= conformal_rank(n, alpha)  # never below the marginal rank
 
+    def test_the_rank_against_brute_force_in_exact_arithmetic(self):
+        """Every n from 1 to 60 at three alphas and three deltas: the served k-th smallest score covers less than
+        1 - alpha with probability P(U_(k) < 1 - alpha) = P(Binomial(n, 1 - alpha) >= k), summed here term by term
+        in rational numbers (no scipy, no floats); the rank is the smallest k (n + 1: none) with that <= delta. An
+        off-by-one in either direction fails here, though coverage simulations could not tell it."""
+        from fractions import Fraction
+        from math import comb
+
+        for alpha in (Fraction(1, 20), Fraction(1, 10), Fraction(1, 5)):
+            for delta in (Fraction(1, 100), Fraction(1, 20), Fraction(1, 10)):
+                for n in range(1, 61):
+                    tail = [sum(comb(n, j) * (1 - alpha) ** j * alpha ** (n - j) for j in range(k, n + 1))
+                            for k in range(1, n + 2)]  # tail[k - 1] = P(B >= k); tail[n] = 0
+                    brute = next(k for k in range(1, n + 2) if tail[k - 1] <= delta)
+                    assert conformal_rank(n, float(alpha), float(delta)) == brute, (n, alpha, delta)
+                    # the gate's rank mirrors it: the largest k with P(Binomial(n, alpha) <= k - 1) <= delta
+                    lower = [sum(comb(n, j) * alpha ** j * (1 - alpha) ** (n - j) for j in range(k))
+                             for k in range(0, n + 1)]  # lower[k] = P(Binomial(n, alpha) <= k - 1)
+                    gate = max((k for k in range(1, n + 1) if lower[k] <= delta), default=0)
+                    assert n + 1 - conformal_rank(n, float(alpha), float(delta)) == gate, (n, alpha, delta)
+
     def test_known_ranks_and_the_price_of_delta(self):
         assert conformal_rank(700, 0.1) == 631 and conformal_rank(700, 0.1, 0.05) == 644
         assert conformal_rank(700, 0.1, 0.01) == 649
@@ -153,3 +174,21 @@ class TestTrainingConditional:
         pac = calibrate_quantiles(probs, labels, [0.3], ["lac"], delta=0.01)["lac"]["0.3"]
         scores = np.sort(label_scores(probs, labels, "lac"))
         assert marginal == scores[conformal_rank(100, 0.3) - 1] and pac == scores[conformal_rank(100, 0.3, 0.01) - 1]
+
+
+def test_the_marginal_lac_quantile_is_mapies():
+    """MAPIE's LAC score (1 - p of the true option) and its split-conformal quantile (the ceil((n + 1)(1 - alpha))-th
+    smallest score) on the same calibration sample equal ours, at several alphas and sizes."""
+    from mapie.conformity_scores import LACConformityScore
+
+    rng = np.random.default_rng(4)
+    for n in (37, 200, 701):
+        probs = rng.dirichlet(np.ones(4), size=n)
+        labels = rng.integers(0, 4, n)
+        lac = LACConformityScore()
+        theirs_scores = lac.get_conformity_scores(labels, probs, labels)[:, 0]
+        assert label_scores(list(probs), labels, "lac") == pytest.approx(theirs_scores, abs=1e-15)
+        alphas = np.array([0.05, 0.1, 0.2])
+        theirs = lac.get_conformity_score_quantiles(theirs_scores, alphas, cv="split")
+        ours = [conformal_quantile(label_scores(list(probs), labels, "lac"), a) for a in alphas]
+        assert ours == pytest.approx(list(theirs), abs=1e-15)

@@ -205,7 +205,8 @@ print(json.dumps([feedback.record({"default": "4"}, [tuple(item)])[0]["status"] 
 class TestCheckpoint:
     def test_a_restart_loads_the_states_and_reports_what_a_full_replay_does(self, where):
         """A service records 300 labels (a checkpoint per label); a restarted one reads the states and no label,
-        and reports the same bounds and the same adaptive threshold as a replica that folds every label."""
+        and reports the same bounds, change detectors, suspension and adaptive threshold as a replica that folds
+        every label."""
         clock = Clock()
         runtime = SimpleNamespace(name="default", ref={"version": "4"},
                                   conformal=SimpleNamespace(quantile=lambda: 0.4, alpha=0.1))
@@ -214,7 +215,11 @@ class TestCheckpoint:
             first.record(SERVED, [item])
         reads = Reads(open_store(EngineSettings(**where)))
         restarted = engine(where, clock, {"default": runtime}, store=reads, adaptive_sets=True)
-        assert reads.rows == 0 and reads.states == len(reported(first)) == 4
+        found = reported(first)
+        detectors = sum(len(g["change"]) for g in found)  # one per stated guarantee: every label has 4 options
+        suspended = {g["suspended"]["since"] for g in found if g["suspended"]}  # the labels break the 0.9 promise
+        assert reads.rows == 0 and len(found) == 4 and detectors == 2 and len(suspended) == 1
+        assert reads.states == len(found) + detectors + 1  # sequences, detectors, the version's suspension
         replay = engine(where, clock, {"default": runtime}, adaptive_sets=True,
                         store=FullReplay(open_store(EngineSettings(**where))))
         assert reported(restarted) == reported(replay) == reported(first)

@@ -47,20 +47,29 @@ class TestPredict:
         card = client.get("/v1/models").json()["data"][0]
         counts = card["calibrated_option_counts"]  # tiny_jsonl: 3 to 5 options
         assert counts == [3, 4, 5] and card["conformal"]["delta"] == 0.01
-        how = card["abstention"]["how"]
+        four = card["abstention"]["by_options"]["4"]  # Q has 4 options: calibrated on its own
+        how, gate = four["how"], four["ood_threshold"] > 0
         body = ok_json(client.post("/predict", json=Q))
         assert body["guarantees"] == {
-            "holds": True, "option_counts": counts,
+            "holds": True, "reason": None, "since": None, "option_counts": counts,
             "answered_accuracy": how["target_accuracy"] if how["certified"] else None,
             "answered_accuracy_delta": how["delta"] if how["certified"] else None,
-            "set_coverage": 0.9, "set_coverage_delta": 0.01}
+            "set_coverage": 0.9, "set_coverage_delta": 0.01,
+            "gate_refusal_rate": how["gate_rejection_rate"] if gate else None,
+            "gate_refusal_delta": how["delta"] if gate else None}
         for options in (["a", "b"], ["a", "b", "c", "d", "e", "f"]):  # never calibrated for: no promise holds
             body = ok_json(client.post("/predict", json={"question": "Which?", "options": options}))
-            assert body["guarantees"]["holds"] is False and body["guarantees"]["option_counts"] == counts
+            # ... and no level is stated: every one null, with the reason
+            assert body["guarantees"] == {
+                "holds": False, "reason": "option_count_not_calibrated", "since": None, "option_counts": counts,
+                "answered_accuracy": None, "answered_accuracy_delta": None, "set_coverage": None,
+                "set_coverage_delta": None, "gate_refusal_rate": None, "gate_refusal_delta": None}
+            assert body["prediction_set_coverage"] is None and body["prediction_set"]
         counted = {line.split('options="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
                    for line in client.get("/metrics").text.splitlines()
                    if line.startswith('ibedl_answers_without_guarantee_total{adapter="tiny"')}
         assert counted["2"] >= 1 and counted["6"] >= 1 and not {"3", "4", "5"} & set(counted)
+        assert 'reason="option_count_not_calibrated"' in client.get("/metrics").text
         body = ok_json(client.post("/predict", json={**Q, "conformal": {"alpha": 0.2}}))
         assert body["guarantees"]["set_coverage"] == 0.8 == body["prediction_set_coverage"]
 

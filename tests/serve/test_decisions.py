@@ -20,9 +20,17 @@ def open_artifact(tiny_artifact, tmp_path):
     art = tmp_path / "open"
     shutil.copytree(tiny_artifact, art)
     m = read_manifest(art)
-    m.abstention.update(min_confidence=0.0, max_uncertainty=1.0, ood_threshold=0.0)
+    thresholds_everywhere(m, min_confidence=0.0, max_uncertainty=1.0, ood_threshold=0.0)
     write_manifest(art, m)
     return art
+
+
+def thresholds_everywhere(m, **values) -> None:
+    """Set abstention thresholds at the top level and in every option count's own calibration (the tiny artifact is
+    calibrated per count: 3, 4 and 5 options)."""
+    m.abstention.update(values)
+    for entry in m.abstention.get("by_options", {}).values():
+        entry.update({k: v for k, v in values.items() if k in ("min_confidence", "ood_threshold")})
 
 
 class TestPredictionSets:
@@ -78,7 +86,7 @@ class TestGate:
     @pytest.mark.parametrize("threshold, reason", [(1e9, "out_of_distribution"), (0.0, None)])
     def test_gate_abstains_below_its_threshold(self, open_artifact, make_client, threshold, reason):
         m = read_manifest(open_artifact)
-        m.abstention["ood_threshold"] = threshold
+        thresholds_everywhere(m, ood_threshold=threshold)
         write_manifest(open_artifact, m)
         with make_client(artifact=open_artifact) as c:
             body = ok_json(c.post("/predict", json=Q))

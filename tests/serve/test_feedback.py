@@ -77,7 +77,7 @@ def answering_artifact(tiny_artifact, tmp_path):
     shutil.copytree(tiny_artifact, art)
     manifest = read_manifest(art)
     manifest.abstention = {**manifest.abstention, "max_uncertainty": 1.0, "min_confidence": 0.0, "ood_threshold": 0.0,
-                           "how": {**manifest.abstention.get("how", {}), "target_accuracy": 0.9}}
+                           "how": {**manifest.abstention.get("how", {}), "target_accuracy": 0.9}, "by_options": {}}
     write_manifest(art, manifest)
     return art
 
@@ -148,7 +148,7 @@ class TestRecording:
         assert acc["labels"] == 2 and acc["hits"] == 1 and acc["estimate"] == 0.5 and acc["stated"] == 0.9
         assert 0.0 <= acc["lower"] <= 0.5 <= acc["upper"] <= 1.0 and not acc["violated"]
         assert acc["served"] and not acc["retired"]
-        assert body["alpha"] == EngineSettings.model_fields["guarantee_alpha"].default == 0.03
+        assert body["alpha"] == EngineSettings.model_fields["guarantee_alpha"].default == 0.02
         assert body["shared_store"] is True
 
     def test_wrong_answers_show_the_accuracy_guarantee_violated(self, make_client, answering_artifact, tmp_path):
@@ -281,6 +281,7 @@ class TestConflicts:
         assert counts(feedback_client) == before  # `other` was not recorded either
         metrics = feedback_client.get("/metrics").text
         assert metric(metrics, 'ibedl_feedback_conflicts_total{adapter="tiny"}') == 2.0
+        assert feedback_client.get("/v1/guarantees").json()["conflicts"] == {"tiny": 2}  # the engine's own count
         assert metric(metrics, 'ibedl_feedback_labels_total{adapter="tiny",status="recorded"}') == 1.0
         # the first label still counts, and `other` can still be labelled
         assert feedback_client.post("/v1/feedback", json={"receipt": other["receipt"], "label": "A"}).json()[
@@ -322,9 +323,10 @@ class TestQuota:
 
 class TestRetiredVersions:
     def test_serving_a_new_version_clears_what_the_alert_reads(self, make_client, answering_artifact, tmp_path):
-        """Labels show version V's accuracy guarantee broken; once V+1 is served (a new deployment on the same
-        store), V stays on GET /v1/guarantees as retired (and violated), but none of its ibedl_guarantee_* series
-        is exported: IbedlGuaranteeViolated reads those, so only what is served can alarm."""
+        """Labels show version V's accuracy guarantee broken: its answers say no promise holds from then on
+        (violated_by_feedback). Once V+1 is served (a new deployment on the same store), V stays on GET
+        /v1/guarantees as retired (violated_before_retired, not violated), and none of its ibedl_guarantee_* or
+        ibedl_promises_suspended series is exported: the alerts read those, so only what is served can alarm."""
         db = tmp_path / "f.sqlite"
         with make_client(artifact=answering_artifact, feedback_key=KEY, feedback_db=db) as old:
             answers = old.post("/predict/batch", json={"items": [Q] * 30}).json()["results"]
@@ -338,16 +340,24 @@ class TestRetiredVersions:
             upper = (f'ibedl_guarantee_upper{{adapter="tiny",guarantee="answered_accuracy",stated="0.9",'
                      f'version="{version}"}}')
             assert metric(old.get("/metrics").text, upper) < 0.9  # what the alert reads
+            assert metric(old.get("/metrics").text,
+                          f'ibedl_promises_suspended{{adapter="tiny",version="{version}"}}') == 1.0
+            stated = ask(old)["guarantees"]
+            assert stated["holds"] is False and stated["reason"] == "violated_by_feedback"
+            assert stated["since"] == acc["suspended"]["since"] and stated["answered_accuracy"] is None
         newer, new_version = with_version(answering_artifact, tmp_path, "newer")
         with make_client(artifact=newer, feedback_key=KEY, feedback_db=db) as new:
             body = new.get("/v1/guarantees").json()
             retired = [g for g in body["guarantees"] if g["version"] == version]
             assert retired and all(g["retired"] and not g["served"] for g in retired)
             (acc,) = [g for g in retired if g["guarantee"] == "answered_accuracy"]
-            assert acc["violated"] and acc["labels"] == 30  # still readable, as it was
+            assert acc["labels"] == 30 and acc["violated_before_retired"]  # still readable, for the record
+            assert not acc["violated"] and acc["suspended"] is None  # ... but not what alerts read
             metrics = new.get("/metrics").text
             assert "ibedl_guarantee_" not in "".join(line for line in metrics.splitlines()
                                                      if not line.startswith("#"))
+            assert "ibedl_promises_suspended{" not in metrics
+            assert ask(new)["guarantees"]["holds"] is True  # the new version's promises stand
             # the new version's own labels are exported as they come
             answer = ask(new)
             assert new.post("/v1/feedback", json={"receipt": answer["receipt"], "label": "A"}).status_code == 200

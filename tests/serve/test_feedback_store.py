@@ -48,6 +48,55 @@ def test_two_replicas_on_one_postgresql_database(make_client, postgres_server, p
             assert password not in text and postgres_dsn not in text
 
 
+@pytest.mark.servers
+def test_a_postgresql_restart_loses_no_acknowledged_label_and_counts_none_twice(make_client):
+    """Labels flow while the PostgreSQL server restarts (fast shutdown: every connection dropped): the labels sent
+    meanwhile get 503 store_unavailable, and a client that sends them again (as the 503 says) gets each acknowledged
+    once; the store then holds every acknowledged label exactly once, the realised guarantees count each once, and
+    the service answers and records without a restart of its own."""
+    import psycopg
+
+    from tests.postgres import PostgresServer
+
+    with PostgresServer() as server:
+        dsn = server.create_database("restart")
+        with make_client(feedback_key=KEY, feedback_dsn=dsn, feedback_timeout_s=2) as client:
+            answers = ok_json(client.post("/predict/batch", json={"items": [Q] * 30}))["results"]
+            answers += ok_json(client.post("/predict/batch", json={"items": [Q] * 30}))["results"]
+            halfway, restarted = threading.Event(), threading.Event()
+
+            def restart():
+                assert halfway.wait(120)
+                server.restart()
+                restarted.set()
+
+            restarter = threading.Thread(target=restart)
+            restarter.start()
+            acknowledged, unavailable = {}, 0
+            for i, answer in enumerate(answers):
+                if i == 20:
+                    halfway.set()  # the server goes down while the next labels are sent
+                deadline = time.monotonic() + 120
+                while True:  # sent again on 503, as the answer says; each attempt waits at most the store's timeout
+                    r = label(client, answer["receipt"])
+                    if r.status_code == 200:
+                        acknowledged[answer["receipt"]] = r.json()["results"][0]["status"]
+                        break
+                    assert r.status_code == 503 and r.json()["error"]["type"] == "store_unavailable", r.text
+                    assert time.monotonic() < deadline, "the store never came back"
+                    unavailable += 1
+            restarter.join(120)
+            assert restarted.is_set() and unavailable >= 1  # the restart was felt
+            assert len(acknowledged) == 60
+            with psycopg.connect(dsn) as conn:
+                rows, receipts = conn.execute("SELECT COUNT(*), COUNT(DISTINCT receipt_id) FROM feedback").fetchone()
+            assert rows == receipts == 60  # every acknowledged label kept, none twice
+            assert {g["guarantee"]: g["labels"] for g in guarantees(client)}["answered_share"] == 60
+            assert client.get("/health/ready").status_code == 200
+            fresh = ok_json(client.post("/predict", json=Q))
+            assert ok_json(label(client, fresh["receipt"]))["recorded"] == 1
+
+
 def test_a_store_that_waits_is_a_503_and_metrics_still_answer(make_client, tmp_path):
     """Another replica holds the SQLite write lock: a label waits the timeout on the store's own thread and gets
     503 store_unavailable with Retry-After; a scrape meanwhile answers within about a second, its gauges as they
@@ -90,7 +139,9 @@ def test_a_store_that_does_not_answer_at_start_keeps_the_replica_loading(make_cl
                 break
             assert time.monotonic() < deadline, r.text
             time.sleep(0.2)
-        assert "pw-not-shown" not in r.text and "postgresql://ibedl@127.0.0.1:1/feedback" in r.json()["reason"]
+        # the DSN as messages show it: host, port and database; neither the password nor the user
+        assert "pw-not-shown" not in r.text and "postgresql://127.0.0.1:1/feedback" in r.json()["reason"]
+        assert "ibedl@" not in r.text
 
 
 class TestSettingsErrors:

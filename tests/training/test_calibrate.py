@@ -8,6 +8,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from scipy.stats import binom
 
 from ibedl.core.artifact import Abstention, Conformal, check_artifact, read_manifest
 from ibedl.core.head import temper as torch_temper
@@ -40,6 +41,25 @@ class TestGate:
         expected = np.floor(0.05 * 301) / 301
         assert np.mean(rates) == pytest.approx(expected, abs=0.004)
         assert np.mean(rates) <= 0.05 + 0.004
+
+
+    def test_training_conditional_threshold_is_the_largest_rank_the_binomial_tail_allows(self):
+        scores = np.arange(1.0, 301.0)  # n = 300, rate 0.15, delta 0.01
+        k = max(k for k in range(1, 301) if binom.cdf(k - 1, 300, 0.15) <= 0.01)
+        assert gate_threshold(scores, 0.15, 0.01) == float(k) and 25 < k < 45 <= np.floor(0.15 * 301)
+        assert gate_threshold(np.arange(1.0, 11.0), 0.05, 0.01) == 0.0  # too few scores for any gate
+
+    def test_the_served_gate_refuses_at_most_the_rate_with_probability_one_minus_delta(self):
+        """Over 2,000 draws of 300 in-distribution scores, the refusal rate of the served threshold (exact: the
+        normal CDF at it) exceeds 15% in at most delta = 5% of draws (binomial margin), where the marginal rule's
+        does so in about half of them."""
+        from scipy.stats import norm
+
+        rng = np.random.default_rng(3)
+        pac = np.array([norm.cdf(gate_threshold(rng.normal(size=300), 0.15, 0.05)) for _ in range(2000)])
+        marginal = np.array([norm.cdf(gate_threshold(rng.normal(size=300), 0.15)) for _ in range(2000)])
+        assert np.mean(pac > 0.15) <= 0.05 + 3 * np.sqrt(0.05 * 0.95 / 2000)
+        assert 0.3 < np.mean(marginal > 0.15) < 0.7
 
 
 class TestTemperature:
@@ -143,7 +163,7 @@ class TestCalibrateOutputs:
     @pytest.mark.parametrize("kind", ["ib_edl", "evidential", "softmax"])
     def test_sections_are_valid_and_consistent(self, kind):
         raw, labels = _synthetic(kind)
-        config = CalibrationConfig(target_accuracy=0.8, delta=0.1)
+        config = CalibrationConfig(target_accuracy=0.8, delta=0.1, min_per_count=100)
         head_update, outputs, sections = calibrate_outputs(kind, raw, labels, config)
         assert set(head_update) <= {"zeta", "temperature"}
         abst = Abstention(**sections["abstention"])
@@ -157,17 +177,18 @@ class TestCalibrateOutputs:
         probs, ood = reference_outputs(kind, raw, head_update)
         assert np.allclose(np.concatenate(outputs.probs), np.concatenate(probs), rtol=1e-12, atol=1e-12)
         assert np.allclose(outputs.ood_score(), ood, rtol=1e-12, atol=0)
-        # 2..5 options, about 150 questions each: calibrated per count. Each count's gate is the k-th smallest OOD
-        # score of its questions in the fit part, k = floor(0.05 * (n_fit_c + 1)); its quantiles rest on its
-        # questions in the calibration part; the top level is the most common count's.
+        # 2..5 options, about 150 questions each (min_per_count 100): calibrated per count. Each count's gate is the
+        # k-th smallest OOD score of its questions in the fit part, k the largest with P(Binomial(n_fit_c, 0.05) <=
+        # k - 1) <= delta (training-conditional); its quantiles rest on its questions in the calibration part; the
+        # top level is the most common count's.
         fit, cal_idx = split(600, 0.3, 0)
         counts = np.asarray([len(p) for p in raw["probs"]])
         assert cal["option_counts"] == [2, 3, 4, 5] == sorted(map(int, abst.by_options))
         for c in (2, 3, 4, 5):
             fit_c, cal_c = fit[counts[fit] == c], cal_idx[counts[cal_idx] == c]
-            k = int(np.floor(0.05 * (len(fit_c) + 1)))
+            k = max((k for k in range(1, len(fit_c) + 1) if binom.cdf(k - 1, len(fit_c), 0.05) <= 0.1), default=0)
             mine = abst.for_options(c)
-            assert mine.ood_threshold == pytest.approx(np.sort(ood[fit_c])[k - 1], rel=1e-12)
+            assert mine.ood_threshold == (pytest.approx(np.sort(ood[fit_c])[k - 1], rel=1e-12) if k else 0.0)
             assert conformal.for_options(c).n == len(cal_c) == cal["by_options"][str(c)]["risk_control"]["n"] + \
                 int(np.sum(ood[cal_c] < mine.ood_threshold))  # LTT sees the questions the gate lets through
             risk = cal["by_options"][str(c)]["risk_control"]
@@ -183,25 +204,57 @@ class TestCalibrateOutputs:
     def test_the_top_level_is_the_traffics_usual_count_when_named(self):
         raw, labels = _synthetic("ib_edl", n=600)  # 2..5 options, about 150 each
         counts = np.asarray([len(p) for p in raw["probs"]])
-        config = CalibrationConfig(target_accuracy=0.8, main_options=4)
+        config = CalibrationConfig(target_accuracy=0.8, main_options=4, min_per_count=100)
         _, _, sections = calibrate_outputs("ib_edl", raw, labels, config)
         abst, conformal = Abstention(**sections["abstention"]), Conformal(**sections["conformal"])
         assert abst.ood_threshold == abst.for_options(4).ood_threshold and conformal.n == conformal.for_options(4).n
         assert abst.min_confidence == abst.for_options(4).min_confidence
         assert len(sections["reference"]["confidence"]) == int(np.sum(counts == 4))
         with pytest.raises(ValueError, match=r"main_options 6 is not a count calibrated here \(\[2, 3, 4, 5\]\)"):
-            calibrate_outputs("ib_edl", raw, labels, CalibrationConfig(target_accuracy=0.8, main_options=6))
+            calibrate_outputs("ib_edl", raw, labels, CalibrationConfig(target_accuracy=0.8, main_options=6,
+                                                                       min_per_count=100))
 
-    def test_a_sample_with_few_questions_per_count_is_calibrated_once(self):
-        raw, labels = _synthetic("ib_edl", n=300)  # about 75 per count: fewer than MIN_PER_COUNT
+    def test_a_sample_with_few_questions_per_count_is_calibrated_once_and_claims_none(self):
+        raw, labels = _synthetic("ib_edl", n=300)  # about 75 per count: fewer than MIN_PER_COUNT (200)
         _, outputs, sections = calibrate_outputs("ib_edl", raw, labels, CalibrationConfig(target_accuracy=0.8))
         abst, cal = Abstention(**sections["abstention"]), sections["calibration"]
-        assert abst.by_options == {} and "by_options" not in cal and cal["option_counts"] == [2, 3, 4, 5]
-        # the gate is the k-th smallest OOD score of the whole fit part, k = floor(0.05 * (90 + 1)) = 4
+        assert abst.by_options == {} and "by_options" not in cal and cal["option_counts"] == []
+        # the gate is the k-th smallest OOD score of the whole fit part, k the largest with P(Binomial(90, 0.05) <=
+        # k - 1) <= 0.01: 0.95^90 = 0.0099 passes at k = 1, P(<= 1) = 0.058 does not at k = 2
         fit, _ = split(300, 0.3, 0)
-        assert abst.ood_threshold == pytest.approx(np.sort(outputs.ood_score()[fit])[4 - 1], rel=1e-12)
+        assert binom.cdf(0, 90, 0.05) <= 0.01 < binom.cdf(1, 90, 0.05)
+        assert abst.ood_threshold == pytest.approx(np.sort(outputs.ood_score()[fit])[1 - 1], rel=1e-12)
         assert cal["risk_control"]["delta"] == 0.01 and sections["conformal"]["delta"] == 0.01
         assert len(sections["reference"]["confidence"]) == 300
+
+    def test_a_count_is_claimed_only_with_enough_questions_of_it(self, caplog):
+        """Five 6-option questions beside 600 of 2..5 options: the 6 is not claimed (its answers say no promise
+        holds), the others are, each on its own questions."""
+        raw, labels = _synthetic("ib_edl", n=600)
+        rng = np.random.default_rng(9)
+        for _ in range(5):
+            alpha = list(1.0 + rng.gamma(1.0, 2.0, size=6))
+            raw["alpha"].append(alpha), raw["sigma"].append([0.1] * 6), raw["probs"].append(
+                list(np.asarray(alpha) / sum(alpha)))
+            labels.append(0)
+        with caplog.at_level("WARNING", logger="ibedl.training.calibrate"):
+            _, _, sections = calibrate_outputs("ib_edl", raw, labels, CalibrationConfig(target_accuracy=0.8,
+                                                                                        min_per_count=100))
+        assert sections["calibration"]["option_counts"] == [2, 3, 4, 5]
+        assert sorted(map(int, sections["abstention"]["by_options"])) == [2, 3, 4, 5]
+        assert "option counts [6] have fewer than 100 questions each (6: 5): not claimed" in caplog.text
+        with pytest.raises(ValueError, match="min_per_count must be an integer >= 1, got 0"):
+            CalibrationConfig(min_per_count=0)
+
+    def test_a_single_count_is_claimed_when_it_has_enough_questions(self):
+        raw, labels = _synthetic("ib_edl", n=2000)
+        keep = [i for i, p in enumerate(raw["probs"]) if len(p) == 4]  # about 500 four-option questions
+        one = {k: ([v[i] for i in keep] if isinstance(v, list) else v) for k, v in raw.items()}
+        ys = [labels[i] for i in keep]
+        assert calibrate_outputs("ib_edl", one, ys, CalibrationConfig())[2]["calibration"]["option_counts"] == [4]
+        few = {k: (v[:150] if isinstance(v, list) else v) for k, v in one.items()}
+        assert calibrate_outputs("ib_edl", few, ys[:150], CalibrationConfig())[2]["calibration"][
+            "option_counts"] == []
 
     def test_no_posthoc_sets_the_parameter_neutral(self):
         raw, labels = _synthetic("ib_edl")
@@ -370,8 +423,25 @@ class TestFeedbackSample:
         assert "holds 0 labels of adapter" in err and password not in err
         from ibedl.training.calibrate import without_password
 
-        assert without_password(postgres_dsn) == postgres_dsn.replace(password, "***")
+        user = postgres_dsn.split("://", 1)[1].split(":", 1)[0]
+        shown = without_password(postgres_dsn)
+        assert password not in shown and f"{user}@" not in shown and shown.startswith("postgresql://")
         assert without_password("runs/feedback.sqlite") == "runs/feedback.sqlite" and without_password(None) is None
+
+    @pytest.mark.parametrize("dsn", [
+        "postgresql://u@db.example:5432/ibedl?password=s3cret&sslmode=require",
+        "postgresql://u:s3cret@db.example:5432/ibedl",
+        "postgres://u:s3cret@db.example/ibedl?sslpassword=s3cret",
+        "host=db.example port=5432 dbname=ibedl user=u password=s3cret"])
+    def test_every_form_of_dsn_is_redacted_to_host_port_and_database(self, dsn):
+        """User info and query parameters (which may carry the password) never reach a record or a message."""
+        from ibedl.training.calibrate import is_dsn, without_password
+
+        shown = without_password(dsn)
+        assert is_dsn(dsn) and "s3cret" not in shown and "u@" not in shown and "user" not in shown
+        assert shown.startswith("postgresql://db.example") and shown.endswith("/ibedl")
+        command = without_password(f"python -m ibedl.training.calibrate --path {dsn} --dataset feedback")
+        assert "s3cret" not in command or not dsn.startswith("postgres")  # a URI inside a command line
 
     def test_too_few_labels_or_another_version_is_a_clear_error(self, tiny_artifact, tmp_path, capsys):
         from ibedl.engine.feedback_sqlite import SqliteStore

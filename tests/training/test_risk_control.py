@@ -8,7 +8,14 @@ from math import comb
 import numpy as np
 import pytest
 
-from ibedl.training.risk_control import accuracy_lower_bound, binomial_p_value, control_accuracy
+from ibedl.training.risk_control import (
+    PROCEDURE_LABEL_FREE,
+    PROCEDURE_PILOT,
+    accuracy_lower_bound,
+    binomial_p_value,
+    control_accuracy,
+    pilot_start,
+)
 
 
 def test_p_value_is_the_binomial_lower_tail():
@@ -82,3 +89,80 @@ def test_a_small_sample_at_a_small_delta_starts_where_a_test_can_pass():
     result = control_accuracy(conf, hits, target_accuracy=0.9, delta=0.01)
     assert result.certified and result.answered >= 88 and result.accuracy_lower_bound >= 0.9
     assert 0.9 ** 44 <= 0.01 < 0.9 ** 43
+
+
+def test_a_pilot_starts_the_sequence_where_a_test_can_pass():
+    """60% accurate below confidence 0.65 and 95.5% above (about 28% of questions): the label-free start (the
+    strictest 10%, about 47 answers) fails at delta 0.05 whenever it meets 3 errors (P(Binomial(47, 0.1) <= 2) =
+    0.15), and the sequence stops there; the pilot (200 other questions) starts it near the whole accurate band
+    (about 130 answers), where 95.5% passes. Over 200 draws the pilot's start certifies a threshold at least 1.5
+    times as often and answers at least 1.5 times as much, and its threshold's true accuracy (known here: the
+    population's) reaches the target in at least 1 - delta of the draws it certifies (binomial margin)."""
+    rng = np.random.default_rng(5)
+
+    def draw(n):
+        conf = rng.beta(2.0, 2.0, n)
+        return conf, (rng.random(n) < np.where(conf > 0.65, 0.955, 0.6)).astype(float)
+
+    population, truth = draw(400_000)
+    label_free, pilot, held = [], [], []
+    for _ in range(200):
+        conf, hits = draw(470)
+        a = control_accuracy(conf, hits, 0.9, 0.05)
+        b = control_accuracy(conf, hits, 0.9, 0.05, start_from=draw(200))
+        assert a.procedure == PROCEDURE_LABEL_FREE and a.start is None
+        assert b.procedure == PROCEDURE_PILOT and b.start is not None
+        label_free.append(a.coverage), pilot.append(b.coverage)
+        if b.certified:
+            held.append(truth[population >= b.min_confidence].mean() >= 0.9)
+    label_free, pilot = np.asarray(label_free), np.asarray(pilot)
+    assert np.mean(pilot > 0) >= 1.5 * np.mean(label_free > 0) and pilot.mean() >= 1.5 * label_free.mean()
+    assert np.mean(held) >= 1 - 0.05 - 3 * np.sqrt(0.05 * 0.95 / len(held))
+
+
+def test_the_pilot_start_is_the_cut_with_the_smallest_predicted_p_value():
+    # pilot: 10 questions at confidence 0.9 (all right), 10 at 0.5 (half right); calibration part of 100
+    conf = np.r_[np.full(10, 0.9), np.full(10, 0.5)]
+    hits = np.r_[np.ones(10), np.r_[np.ones(5), np.zeros(5)]]
+    # cut 0.9: m = 50, no error: P = 0.9^50; cut 0.5: m = 100, 25 errors: P(Bin(100, 0.1) <= 25) ~ 1
+    assert binomial_p_value(0, 50, 0.1) < binomial_p_value(25, 100, 0.1)
+    assert pilot_start(np.array([0.95, 0.9, 0.5]), 100, conf, hits, 0.1) == 0.9
+    assert pilot_start(np.array([0.95]), 100, conf, hits, 0.1) is None  # the pilot answers nothing there
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_sequence_its_p_values_and_its_choice_are_mapies(seed):
+    """MAPIE's Learn-Then-Test pieces on the same thresholds: its p-value for a binary loss (the Bentkus bound,
+    min'd with Hoeffding's) equals ours, the exact binomial tail, and its fixed-sequence testing
+    (control_fwer(..., "fixed_sequence")) over our sequence, from the pilot's start towards looser thresholds,
+    rejects exactly the thresholds we certify: the loosest is the one served."""
+    from mapie.risk_control import control_fwer
+    from mapie.risk_control.methods import compute_hoeffding_bentkus_p_value
+
+    rng = np.random.default_rng(seed)
+
+    def draw(n):
+        conf = rng.beta(3.0, 1.5, n)
+        return conf, (rng.random(n) < conf).astype(float)
+
+    conf, hits = draw(600)
+    pilot = draw(250)
+    ours = control_accuracy(conf, hits, 0.85, 0.05, start_from=pilot)
+    # the candidate thresholds as control_accuracy builds them, strictest first, from the pilot's start on
+    cuts = np.unique(np.quantile(conf, np.linspace(0.0, 1.0, 201)))[::-1]
+    sequence = [lam for lam in cuts if lam <= ours.start and (conf >= lam).any()]
+    n_obs = np.array([(conf >= lam).sum() for lam in sequence], dtype=float)
+    errors = np.array([(1.0 - hits[conf >= lam]).sum() for lam in sequence])
+    # MAPIE counts errors as ceil(n * r_hat): for r_hat = e / n in floating point that is e + 1 for about 2% of
+    # (e, n) pairs (a conservative p-value, still valid); the float just below e / n gives it e itself
+    r_hat = np.where(np.ceil(n_obs * (errors / n_obs)) == errors, errors / n_obs,
+                     np.nextafter(errors / n_obs, 0.0))
+    theirs = compute_hoeffding_bentkus_p_value(r_hat, n_obs, 0.15, binary=True)[:, 0]
+    mine = [binomial_p_value(int(e), int(m), 0.15) for m, e in zip(n_obs, errors, strict=True)]
+    assert theirs == pytest.approx(mine, rel=1e-9, abs=1e-300)
+    rejected = control_fwer(theirs, 0.05, fwer_method="fixed_sequence")
+    if ours.certified:
+        assert list(rejected) == list(range(len(rejected))) and sequence[rejected[-1]] == ours.min_confidence
+        assert ours.candidates_tested == len(rejected) + (len(rejected) < len(sequence))
+    else:
+        assert len(rejected) == 0
