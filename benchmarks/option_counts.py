@@ -65,15 +65,54 @@ def score(args) -> int:
     return 0
 
 
-def predicted(k: int, n: int, m: int, draws: int = 200_000, seed: int = 0) -> list[float]:
-    """The 1% and 99% quantiles of what m test questions measure of a rule set at the k-th smallest of n
-    exchangeable scores: its level ~ Beta(k, n + 1 - k), then Binomial(m, level) / m."""
-    rng = np.random.default_rng(seed)
-    if k > n:
-        return [1.0, 1.0]
-    level = rng.beta(k, n + 1 - k, draws)
-    measured = rng.binomial(m, level) / m
-    return [float(np.quantile(measured, 0.01)), float(np.quantile(measured, 0.99))]
+FAMILY = 0.02  # the family-wise error of the per-count checks, split over the claimed counts (Bonferroni)
+
+
+def beta_binomial_quantile(q: float, m: int, k: int, n: int) -> float:
+    """The q-quantile of BetaBinomial(m, k, n + 1 - k) / m: what m test questions measure of a rule set at the k-th
+    smallest of n exchangeable scores (its level ~ Beta(k, n + 1 - k), then Binomial(m, level) / m)."""
+    from scipy.stats import betabinom
+
+    return 1.0 if k > n else float(betabinom.ppf(q, m, k, n + 1 - k) / m)
+
+
+def binomial_quantile(q: float, m: int, p: float) -> float:
+    from scipy.stats import binom
+
+    return float(binom.ppf(q, m, p) / m)
+
+
+def checks(row: dict, rank_gate: int | None, n_gate: int, rank_set: int, n_set: int, alpha_set: float,
+           family: int) -> dict:
+    """The per-count checks of issue 55 for one claimed count, each at the family-wise level FAMILY / ``family``:
+
+    - answered accuracy: the one-sided exact binomial test of "accuracy >= target" is not rejected (the promise);
+    - set coverage inside [L, U]: L the lower quantile of Binomial(m, 1 - alpha) / m (what the promise allows at
+      worst), U the upper quantile of BetaBinomial(m, k, n + 1 - k) / m (what the PAC rank predicts at most);
+    - gate refusals inside [the lower quantile of the rank's BetaBinomial, the upper quantile of Binomial(m,
+      stated rate)]: the promise bounds it above, the rank's law below.
+    """
+    from scipy.stats import binom
+
+    level = FAMILY / family
+    m = row["questions"]
+    out = {}
+    answered = round(row["answered"] * m)
+    if answered and row["answered_accuracy"] is not None:
+        right = round(row["answered_accuracy"] * answered)
+        p = float(binom.cdf(right, answered, row["target_accuracy"]))
+        out["answered_accuracy_p_value"] = p
+        out["answered_accuracy_not_below_target"] = p > level / 2
+    low = binomial_quantile(level / 2, m, 1.0 - alpha_set)
+    high = beta_binomial_quantile(1.0 - level / 2, m, rank_set, n_set)
+    out["set_coverage_range"] = [low, high]
+    out["set_coverage_in_range"] = low <= row["set_coverage"] <= high
+    if rank_gate and row["gate_stated_rate"]:
+        g_low = beta_binomial_quantile(level / 2, m, rank_gate, n_gate)
+        g_high = binomial_quantile(1.0 - level / 2, m, row["gate_stated_rate"])
+        out["gate_refused_range"] = [g_low, g_high]
+        out["gate_refused_in_range"] = g_low <= row["gate_refused"] <= g_high
+    return out
 
 
 def analyse(args) -> int:
@@ -99,48 +138,38 @@ def analyse(args) -> int:
         refused = float(np.mean([r == "out_of_distribution" for r in reasons]))
         target, nominal = limits.how.get("target_accuracy"), 1.0 - conformal.alpha
         rate = gate.get("rejection_rate")
-        row = {
+        rows[count] = {
             "questions": int(len(labels)), "claimed": claimed is None or count in claimed,
             "own_calibration": str(count) in calibration.thresholds.by_options,
             "accuracy": float(hits.mean()), "gate_refused": refused, "gate_stated_rate": rate,
             "answered": float(answered.mean()),
             "answered_accuracy": float(hits[answered].mean()) if answered.any() else None,
-            "target_accuracy": target, "set_coverage": float(covered.mean()), "nominal_coverage": nominal,
+            "target_accuracy": target, "certified": bool(limits.how.get("certified")),
+            "set_coverage": float(covered.mean()), "nominal_coverage": nominal,
             "mean_set_size": float(np.mean([len(s) for s in sets])),
         }
-        # what the calibration predicts a test of this size measures (98% interval): the served rule's own level is
-        # Beta(k, n + 1 - k) over calibration draws (k-th smallest of n), and a test of m questions adds binomial noise
         per_count = (calibration.record.get("by_options") or {}).get(str(count), calibration.record)
         n_fit = int(per_count.get("gate", {}).get("n", 0))
+        gate_delta = per_count.get("gate", {}).get("delta")
+        rank_gate = None
         if rate and n_fit:
-            row["gate_refused_predicted_98"] = predicted(int(np.floor(rate * (n_fit + 1))), n_fit, len(labels))
-        k = conformal_rank(conformal.n, conformal.alpha, conformal.delta)
-        row["set_coverage_predicted_98"] = predicted(k, conformal.n, len(labels))
-        row["met"] = {
-            "answered_accuracy_at_least_target": row["answered_accuracy"] is not None
-            and row["answered_accuracy"] >= target,
-            "set_coverage_within_2_points": abs(row["set_coverage"] - nominal) <= 0.02,
-            "gate_refusal_within_3_points": rate is not None and abs(refused - rate) <= 0.03,
-        }
-        row["met"]["set_coverage_as_predicted"] = \
-            row["set_coverage_predicted_98"][0] <= row["set_coverage"] <= row["set_coverage_predicted_98"][1]
-        if "gate_refused_predicted_98" in row:
-            row["met"]["gate_refusal_as_predicted"] = \
-                row["gate_refused_predicted_98"][0] <= refused <= row["gate_refused_predicted_98"][1]
-        rows[count] = row
+            rank_gate = (n_fit + 1 - conformal_rank(n_fit, rate, gate_delta) if gate_delta
+                         else int(np.floor(rate * (n_fit + 1))))
+        rows[count]["_ranks"] = (rank_gate, n_fit, conformal_rank(conformal.n, conformal.alpha, conformal.delta),
+                                 conformal.n, conformal.alpha)
+    family = max(1, sum(r["claimed"] for r in rows.values()))
+    for count, row in rows.items():
+        row["checks"] = checks(row, *row.pop("_ranks"), family) if row["claimed"] else {}
         print(f"{count} options: {row}", file=sys.stderr)
+    met = all(all(v for k, v in r["checks"].items() if isinstance(v, bool)) for r in rows.values() if r["claimed"])
     result = {
         "artifact": args.artifact, "version": str(manifest.version), "backend": dump["calibration_key"],
         "int8_isa": dump.get("int8_isa"), "outputs": str(outputs_path(args.artifact, args.backend)),
         "calibration_command": calibration.record.get("command"), "claimed_option_counts": claimed,
-        "counts": rows,
-        "done_when": all(all(r["met"].values()) for r in rows.values() if r["claimed"]),
-        "as_predicted": all(r["met"]["answered_accuracy_at_least_target"] or r["answered"] == 0
-                            for r in rows.values() if r["claimed"])
-        and all(r["met"].get(k, True) for r in rows.values() if r["claimed"]
-                for k in ("set_coverage_as_predicted", "gate_refusal_as_predicted")),
+        "family_wise_error": FAMILY, "counts": rows, "checks_met": met,
     }
-    write_result(args.output, result)
+    write_result(args.output or f"benchmarks/results/option_counts_{Path(args.artifact).name}_{args.backend}.json",
+                 result)
     return 0
 
 
@@ -157,7 +186,8 @@ def main(argv=None) -> int:
     s.add_argument("--batch-size", type=int, default=8)
     s.add_argument("--max-tokens", type=int, default=1024)
     s.add_argument("--no-progress", action="store_true")
-    sub.choices["analyse"].add_argument("--output", default="benchmarks/results/option_counts.json")
+    sub.choices["analyse"].add_argument("--output", help="default benchmarks/results/option_counts_<artifact>_<backend>"
+                                        ".json")
     args = parser.parse_args(argv)
     return score(args) if args.command == "score" else analyse(args)
 

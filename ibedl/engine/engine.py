@@ -104,7 +104,7 @@ class Engine:
 
     def cards(self) -> list[dict]:
         """What ``GET /v1/models`` says of each adapter."""
-        return [model_card(rt, self.settings) for rt in self.runtimes.values()]
+        return [model_card(rt, self.settings, self.feedback.suspension(rt)) for rt in self.runtimes.values()]
 
     # -- checking -------------------------------------------------------------------------------
 

@@ -106,8 +106,9 @@ def measured(choice) -> dict | None:
             "skipped": choice.skipped, "measured_at": choice.measured, "from_earlier_start": choice.cached}
 
 
-def model_card(runtime: AdapterRuntime, settings: EngineSettings) -> dict:
-    """What /v1/models says of a served adapter."""
+def model_card(runtime: AdapterRuntime, settings: EngineSettings, suspended: dict | None = None) -> dict:
+    """What /v1/models says of a served adapter; ``suspended``: why labelled feedback suspended its version's
+    promises (ibedl.engine.feedback.Feedback.suspension), None while they stand."""
     m, c, served = runtime.predictor.manifest, runtime.conformal, runtime.calibration
     head = runtime.predictor.head.config  # its post-hoc parameter is the served calibration's
     return {
@@ -126,6 +127,7 @@ def model_card(runtime: AdapterRuntime, settings: EngineSettings) -> dict:
             "alpha": c.alpha, "score": c.score, "n": c.n, "alphas": c.alphas(), "scores": sorted(c.quantiles),
             "delta": c.delta},
         "calibrated_option_counts": runtime.option_counts,
+        "promises_suspended": suspended,
         "calibration": served.record or None,
         "backend": {"name": runtime.predictor.backend, "requested": settings.backend,
                     "reason": runtime.predictor.backend_reason, "measured": measured(runtime.predictor.backend_choice)},

@@ -324,8 +324,12 @@ class ModelCard(BaseModel):
                                    "served sets cover >= 1 - alpha with probability >= 1 - delta over the "
                                    "calibration draw; null: marginal); null when never calibrated")
     calibrated_option_counts: list[int] | None = Field(None, description="the option counts the calibration "
-                                                       "sample had: answers with another count carry "
-                                                       "guarantees.holds = false; null when not recorded")
+                                                       "claims (each with enough questions of it): answers with "
+                                                       "another count carry guarantees.holds = false; null when not "
+                                                       "recorded")
+    promises_suspended: Suspension | None = Field(None, description="why labelled feedback suspended this "
+                                                  "version's promises (its answers say holds: false, "
+                                                  "violated_by_feedback); null while they stand")
     calibration: dict | None = Field(..., description="what ibedl.training.calibrate did for the calibration in "
                                      "use: data, post-hoc fit, OOD gate, risk control; null when never calibrated")
     backend: dict = Field(..., description="the inference backend: name (auto resolved), requested (IBEDL_BACKEND), "

@@ -16,10 +16,9 @@ p-value to pass (no error among 20 answers: P = 0.9^20 = 0.12 > 0.01) and the se
 nothing, although looser thresholds would pass. Two starts, neither reading the calibration part's labels:
 
 - with a *pilot* sample (``start_from``: the confidences and hits of other labelled questions, the fit part
-  ibedl.training.calibrate keeps apart), the start is the threshold whose p-value, predicted from the pilot's
-  answered share and error rate at the calibration part's size, is smallest: the middle of the range most likely
-  to pass. The calibration part is independent of the pilot, so the guarantee is untouched. This is what certifies
-  6-option questions answered at 70% accuracy, whose most confident fifth is right 95% of the time.
+  ibedl.training.calibrate keeps apart), the start is the threshold most likely to pass, predicted from the
+  pilot's answered share and (smoothed) error rate at the calibration part's size (:func:`pilot_start`). The
+  calibration part is independent of the pilot, so the guarantee is untouched.
 - without one, the strictest threshold answering 10% of the calibration questions (found from the confidences
   alone) and at least twice the fewest answers that can pass at all.
 
@@ -47,7 +46,7 @@ START_COVERAGE = 0.1
 # epsilon and delta only, never on the labels, so the guarantee is untouched.
 START_PASSABLE_FACTOR = 2
 PROCEDURE_PILOT = ("learn-then-test: fixed-sequence testing of confidence thresholds from the one a pilot sample "
-                   "(the fit part) predicts most likely to pass towards looser ones, exact binomial p-values")
+                   "(the fit part) predicts most likely to pass, towards looser ones, exact binomial p-values")
 PROCEDURE_LABEL_FREE = ("learn-then-test: fixed-sequence testing of confidence thresholds from the one answering 10% "
                         "of the calibration questions (and at least twice the fewest answers that can pass) down, "
                         "exact binomial p-values")
@@ -123,7 +122,7 @@ def control_accuracy(confidence, hits, target_accuracy: float, delta: float,
     epsilon = 1.0 - target_accuracy
     # Strictest first: thresholds descend, so each candidate answers a superset of the previous one's questions.
     cuts = np.unique(np.quantile(conf, np.linspace(0.0, 1.0, grid + 1)))[::-1] if n else np.array([])
-    start = None if start_from is None else pilot_start(cuts, n, *start_from, epsilon)
+    start = None if start_from is None else pilot_start(cuts, n, *start_from, epsilon, delta)
     chosen = None  # (lambda, answered, correct, p)
     tested = 0
     for lam in cuts:
@@ -150,33 +149,43 @@ def control_accuracy(confidence, hits, target_accuracy: float, delta: float,
     )
 
 
-def pilot_start(cuts, n: int, pilot_confidence, pilot_hits, epsilon: float) -> float | None:
+def pilot_start(cuts, n: int, pilot_confidence, pilot_hits, epsilon: float, delta: float) -> float | None:
     """The candidate threshold of ``cuts`` (descending) where a calibration part of ``n`` questions is most likely to
-    pass: the smallest p-value P(Binomial(m, epsilon) <= e) predicted with m = n x the pilot's answered share and
-    e = m x the pilot's error rate among answered (rounded); None when the pilot answers nothing at any cut (then
-    the label-free start applies). Reads the pilot only, never the calibration labels.
+    pass its test: the largest P(Binomial(m, e) <= c), m = n x the pilot's answered share at the threshold, e its
+    error rate among them (Laplace-smoothed, (errors + 1) / (answered + 2): the raw rate of a few answers is
+    optimistic exactly where it looks best), c the most errors m answers may hold and pass at level ``delta``.
+    None when the pilot answers nothing at any cut, or no cut can pass (then the label-free start applies). Reads
+    the pilot only, never the calibration labels.
 
     Args:
         cuts: (K,) candidate thresholds, strictest first.
         n: calibration questions the sequence will test on.
         pilot_confidence, pilot_hits: (M,) the pilot's confidences and 0/1 hits.
         epsilon: the error rate the nulls exceed (1 - target).
+        delta: the test's level.
     """
     conf = np.asarray(pilot_confidence, dtype=np.float64)
     hits = np.asarray(pilot_hits, dtype=np.float64)
     if conf.shape != hits.shape or conf.ndim != 1:
         raise ValueError(f"the pilot's confidence and hits must be (M,) of one length, got {conf.shape} and "
                          f"{hits.shape}")
-    best, best_p = None, math.inf
+    best, best_pass = None, 0.0
     for lam in cuts:
         answered = conf >= lam
         if not answered.any():
             continue
         m = max(1, round(n * answered.mean()))
-        errors = round(m * (1.0 - hits[answered].mean()))
-        p = binomial_p_value(min(errors, m), m, epsilon)
-        if p < best_p:
-            best, best_p = float(lam), p
+        allowed = int(binom.ppf(delta, m, epsilon))  # then made exact: the most errors with P(B <= c) <= delta
+        while allowed >= 0 and binom.cdf(allowed, m, epsilon) > delta:
+            allowed -= 1
+        while allowed + 1 <= m and binom.cdf(allowed + 1, m, epsilon) <= delta:
+            allowed += 1
+        if allowed < 0:
+            continue
+        error = (answered.sum() - hits[answered].sum() + 1.0) / (answered.sum() + 2.0)
+        chance = float(binom.cdf(allowed, m, error))
+        if chance > best_pass:
+            best, best_pass = float(lam), chance
     return best
 
 

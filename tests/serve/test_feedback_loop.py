@@ -115,6 +115,7 @@ def test_healthy_shift_alarm_suspension_recalibration_and_the_new_version(promis
         assert suspended["label_seq"] - suspended["change_seq"] < 60  # raised within a few dozen labels
         metrics = http.get("/metrics").text
         assert metric(metrics, f'ibedl_promises_suspended{{adapter="tiny",version="{version}"}}') == 1.0
+        assert ok_json(http.get("/v1/models"))["data"][0]["promises_suspended"] == suspended
         now = answer_all(http, questions(1, seed=5))[0]
         assert now["guarantees"]["holds"] is False and now["guarantees"]["reason"] == "violated_by_feedback"
         assert now["guarantees"]["since"] == suspended["since"] and now["guarantees"]["answered_accuracy"] is None
@@ -130,6 +131,7 @@ def test_healthy_shift_alarm_suspension_recalibration_and_the_new_version(promis
         deadline = time.monotonic() + 60
         while ok_json(http.get("/v1/models"))["data"][0]["version"] != str(newer.version):
             assert time.monotonic() < deadline, "the recalibrated version was not served"
+        assert ok_json(http.get("/v1/models"))["data"][0]["promises_suspended"] is None
         after = answer_all(http, questions(40, seed=6))
         assert {a["adapter"]["version"] for a in after} == {str(newer.version)}
         assert all(a["guarantees"]["holds"] and a["guarantees"]["reason"] is None for a in after)

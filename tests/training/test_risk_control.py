@@ -120,14 +120,18 @@ def test_a_pilot_starts_the_sequence_where_a_test_can_pass():
     assert np.mean(held) >= 1 - 0.05 - 3 * np.sqrt(0.05 * 0.95 / len(held))
 
 
-def test_the_pilot_start_is_the_cut_with_the_smallest_predicted_p_value():
-    # pilot: 10 questions at confidence 0.9 (all right), 10 at 0.5 (half right); calibration part of 100
+def test_the_pilot_start_is_the_cut_most_likely_to_pass():
+    """Pilot: 10 questions at confidence 0.9, all right; 10 at 0.5, half right. A calibration part of 100 would answer
+    50 at cut 0.9 (passing with at most 1 error at delta 0.01: P(B(50, 0.1) <= 1) = 0.034 > 0.01, so 0 errors:
+    0.9^50 = 0.005) and 100 at cut 0.5 (at most 3 errors). With the smoothed error rates (0 + 1) / 12 and
+    (5 + 1) / 22, cut 0.9 passes with P(B(50, 1/12) = 0) = 0.013, cut 0.5 with P(B(100, 6/22) <= 3) ~ 0: 0.9 is the
+    start; a cut where the pilot answers nothing, or where no count of errors can pass, is never one."""
     conf = np.r_[np.full(10, 0.9), np.full(10, 0.5)]
     hits = np.r_[np.ones(10), np.r_[np.ones(5), np.zeros(5)]]
-    # cut 0.9: m = 50, no error: P = 0.9^50; cut 0.5: m = 100, 25 errors: P(Bin(100, 0.1) <= 25) ~ 1
-    assert binomial_p_value(0, 50, 0.1) < binomial_p_value(25, 100, 0.1)
-    assert pilot_start(np.array([0.95, 0.9, 0.5]), 100, conf, hits, 0.1) == 0.9
-    assert pilot_start(np.array([0.95]), 100, conf, hits, 0.1) is None  # the pilot answers nothing there
+    assert binomial_p_value(0, 50, 0.1) <= 0.01 < binomial_p_value(1, 50, 0.1)
+    assert pilot_start(np.array([0.95, 0.9, 0.5]), 100, conf, hits, 0.1, 0.01) == 0.9
+    assert pilot_start(np.array([0.95]), 100, conf, hits, 0.1, 0.01) is None  # the pilot answers nothing there
+    assert pilot_start(np.array([0.9]), 20, conf, hits, 0.1, 0.01) is None  # 10 answers cannot pass at 0.01
 
 
 @pytest.mark.parametrize("seed", range(5))
