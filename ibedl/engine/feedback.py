@@ -216,8 +216,9 @@ class Feedback:
         statuses = self.store.add(rows, quota)
         conflicts = [i for i, status in enumerate(statuses) if status == "conflict"]
         if conflicts:
-            for i in conflicts:  # counted whichever door sent them (HTTP, the Python API, the batch command)
-                self.conflicts[receipts[i].adapter] = self.conflicts.get(receipts[i].adapter, 0) + 1
+            with self._lock:  # counted whichever door sent them (HTTP, the Python API, the batch command)
+                for i in conflicts:
+                    self.conflicts[receipts[i].adapter] = self.conflicts.get(receipts[i].adapter, 0) + 1
             first = receipts[conflicts[0]]
             more = f" ({len(conflicts)} of the {len(items)} items conflict; nothing was recorded)" if prefix else ""
             raise LabelConflict(f"receipt {first.id} already has another label: a receipt keeps its first label, and "

@@ -90,9 +90,10 @@ class EngineSettings(BaseSettings):
     change_false_alarm: float = Field(0.01, gt=0.0, lt=0.5, description="probability that the change detectors of "
                                       "one adapter version (every stated guarantee and option count together) raise "
                                       "a false alarm within IBEDL_CHANGE_HORIZON labels of healthy traffic; it "
-                                      "grows linearly beyond. With the defaults a version's promises are suspended "
-                                      "by mistake with probability <= 2 x 0.01 (calibration deltas) + 0.02 "
-                                      "(IBEDL_GUARANTEE_ALPHA) + 0.01 = 5% over 100,000 labels")
+                                      "grows linearly beyond. A healthy version's promises are suspended by "
+                                      "mistake with probability <= 2 x delta per labelled option count + alpha/2 per "
+                                      "stated level + this: with the defaults and one option count at one set level, "
+                                      "2 x 0.01 + 0.02 + 0.01 = 5% over 100,000 labels")
     change_horizon: int = Field(100_000, ge=100, description="labels of one adapter version over which "
                                 "IBEDL_CHANGE_FALSE_ALARM holds (the detectors' threshold is 2 x horizon / false "
                                 "alarm: a longer horizon costs about log(horizon) more labels of delay)")

@@ -83,6 +83,9 @@ class ServiceState:
         self._watcher: asyncio.Task | None = None
         self._reloader: asyncio.Task | None = None
         self._manifests: dict = {}  # served artifact directory -> its manifest.json's mtime when last looked at
+        self._poke: asyncio.Event | None = None  # set by SIGHUP: look at the manifests now
+        self._hangup = None  # the signal whose handler this state installed (SIGHUP), to remove at shutdown
+        self._swapping = asyncio.Lock()  # one runtime replacement at a time: a backend switch or a reload
         self._checker: ThreadPoolExecutor | None = None
         self._store_thread: ThreadPoolExecutor | None = None
 
@@ -136,6 +139,14 @@ class ServiceState:
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def load(self) -> None:
+        # what the manifests are before loading: a recalibration written while the model loads is seen at once
+        self._manifests = {d: _mtime(d) for d in self.settings.served_artifacts()}
+        self._poke = asyncio.Event()
+        hangup = getattr(signal, "SIGHUP", None)
+        if hangup is not None:  # SIGHUP looks at the manifests (its default action would end the process)
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # only the main thread's loop
+                asyncio.get_running_loop().add_signal_handler(hangup, self._poke.set)
+                self._hangup = hangup
         try:
             loaded = await asyncio.to_thread(self.loader, self.settings)
             predictors = loaded if isinstance(loaded, list) else [loaded]
@@ -166,7 +177,6 @@ class ServiceState:
                      rt.predictor.manifest.base_model_ref().name)
         self.status, self.reason = "ready", None
         self.metrics.ready.set(1)
-        self._manifests = {d: _mtime(d) for d in self.settings.served_artifacts()}
         self._reloader = asyncio.get_running_loop().create_task(self._watch_manifests(), name="manifest-watcher")
         if to_measure:
             self._start_switcher(to_measure)
@@ -190,9 +200,9 @@ class ServiceState:
     # -- new versions of the served weights (recalibrations) ------------------------------------
 
     async def reload_calibrations(self) -> list[str]:
-        """Serve the newer version of each served adapter whose manifest.json now holds one with the same weights (a
-        recalibration: ``python -m ibedl.training.calibrate`` in place), from the next request on: a new runtime
-        beside the old one (ibedl.engine.runtime.recalibrated; a pass already queued is answered under the old
+        """Serve the version each served adapter's manifest.json now holds, when it is another one of the same
+        weights (a recalibration: ``python -m ibedl.training.calibrate`` in place), from the next request on: a new
+        runtime beside the old one (ibedl.engine.runtime.recalibrated; a pass already queued is answered under the old
         calibration), a fresh drift monitor on its reference, and the labels of the new version counted apart (its
         promises are its own; the old version's realised guarantees stay on GET /v1/guarantees as retired). A
         manifest that changes the weights, or cannot be read, is logged and left for a restart. Returns the adapters
@@ -207,17 +217,18 @@ class ServiceState:
                 log.warning("reload: the manifest of %s cannot be read (%s); still serving what was loaded", directory,
                             e)
                 continue
-            rt = self.runtimes.get(manifest.name)
-            if rt is None or str(manifest.version) == rt.ref["version"]:
-                continue
-            try:
-                new = recalibrated(rt, manifest, self.engine_settings)
-                monitors = await asyncio.to_thread(self._monitors, new)
-            except (ValueError, UncalibratedBackend) as e:
-                log.warning("reload: adapter %s version %s is not served: %s", manifest.name, manifest.version, e)
-                continue
-            self.monitors[new.name] = monitors
-            self.runtimes[new.name] = new
+            async with self._swapping:  # a backend switch does not interleave: neither undoes the other
+                rt = self.runtimes.get(manifest.name)
+                if rt is None or str(manifest.version) == rt.ref["version"]:
+                    continue
+                try:
+                    new = recalibrated(rt, manifest, self.engine_settings)
+                    monitors = await asyncio.to_thread(self._monitors, new)
+                except (ValueError, UncalibratedBackend) as e:
+                    log.warning("reload: adapter %s version %s is not served: %s", manifest.name, manifest.version, e)
+                    continue
+                self.runtimes[new.name] = new
+                self.monitors[new.name] = monitors
             self._publish(new)
             if self.feedback.enabled:
                 with contextlib.suppress(errors.StoreUnavailable):  # the next refresh reads the store
@@ -230,10 +241,7 @@ class ServiceState:
     async def _watch_manifests(self) -> None:
         """Look at the served manifests every IBEDL_RELOAD_INTERVAL_S (and at once on SIGHUP): a changed one is
         reloaded (:meth:`reload_calibrations`)."""
-        loop = asyncio.get_running_loop()
-        poke = asyncio.Event()
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # no signals off the main thread
-            loop.add_signal_handler(signal.SIGHUP, poke.set)
+        poke = self._poke
         interval = self.settings.reload_interval_s or None
         while True:
             with contextlib.suppress(asyncio.TimeoutError):
@@ -280,9 +288,11 @@ class ServiceState:
         """Serve ``adapter`` on ``backend`` (its ``trunk``) from now on: one assignment of a new runtime with the
         calibration made on it (ibedl.engine.runtime.switched), on the event loop. Requests that took the old runtime
         are answered on it, under its calibration; the next ones on the new one."""
-        old = self.runtimes[adapter]
-        new = switched(old, backend, trunk, reason, choice, self.settings.served_artifacts()[0], self.engine.settings)
-        self.runtimes[adapter] = new
+        async with self._swapping:
+            old = self.runtimes[adapter]
+            new = switched(old, backend, trunk, reason, choice, self.settings.served_artifacts()[0],
+                           self.engine.settings)
+            self.runtimes[adapter] = new
         self.metrics.backend_switches.labels(adapter=adapter, **{"from": old.ref["backend"], "to": backend}).inc()
         log.info("auto: adapter %s switched from %s (calibration %s) to %s (calibration %s): %s", adapter,
                  old.ref["backend"], old.ref["calibration"], backend, new.ref["calibration"], reason)
@@ -336,6 +346,10 @@ class ServiceState:
         for task in (self._watcher, self._reloader):
             if task is not None:
                 task.cancel()
+        if self._hangup is not None:
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                asyncio.get_running_loop().remove_signal_handler(self._hangup)
+            self._hangup = None
         if self.batcher is not None:
             await self.batcher.stop()
         if self._checker is not None:

@@ -18,8 +18,9 @@ targets, rates or seeds) without running the model again.
 ``--backend NAME`` (ibedl.core.backends) runs the model on that inference backend and records the calibration as
 made on it: a guarantee holds for the weights and the arithmetic that ran them. The manifest keeps one calibration
 per backend and precision (``calibrated_on`` at the top level, the others in ``backend_calibrations``); the service
-serves the one matching its backend. Recalibrating the top-level one writes a new ``version`` (the answers it
-serves change); adding or replacing another backend's leaves the version and every other calibration as they were.
+serves the one matching its backend. Replacing a calibration the artifact carries writes a new ``version`` (the
+answers served on that backend change, and their labels are counted apart); adding one for a backend it never carried
+leaves the version and every other calibration as they were.
 
 ``--dataset feedback --path FEEDBACK_DB`` calibrates on production traffic: the labels sent back to the service
 (``POST /v1/feedback``) for this adapter version, with the outputs its receipts carried, so the model does not run
@@ -38,6 +39,7 @@ import json
 import logging
 import math
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -479,6 +481,13 @@ def main(argv: list[str] | None = None) -> int:
                      extra={"calibration_key": key, **({"int8_isa": quantized["isa"]} if quantized else {}),
                             **({"main_options": config.main_options} if config.main_options else {})})
     head_update, _, sections = calibrate_outputs(kind, raw, labels, config)
+    if not sections["calibration"]["option_counts"]:
+        found = Counter(len(p) for p in raw["probs"])
+        print(f"error: no option count has the {config.min_per_count} questions --min-per-count asks for in this "
+              f"sample ({', '.join(f'{c} options: {k}' for c, k in sorted(found.items()))}), so the calibration would "
+              "promise nothing for any answer; nothing was written. Label more questions, or lower --min-per-count "
+              "(each count's promises then rest on fewer questions: wider sets, fewer answers)", file=sys.stderr)
+        return 2
     if args.dataset == "feedback":
         head_update = {}  # decided on the served outputs: the served post-hoc parameter (zeta, temperature) stays
     evaluated = None
@@ -506,8 +515,12 @@ def main(argv: list[str] | None = None) -> int:
         "previous_version": str(manifest.version),
         **({"quantization": quantized} if quantized else {}),
     })
+    # A calibration that replaces one the artifact carries changes the answers served on its backend: a new version,
+    # whose labels and realised guarantees are counted apart. One added for a backend it never carried changes no
+    # answer that was served (that backend could not serve it): the version stays.
+    replaced = key in manifest.calibration_keys()
     record(manifest, key, head_update, sections, {args.evaluate_split: evaluated} if evaluated is not None else {})
-    if key == manifest.calibrated_on:  # the answers served so far change; another backend's are new, not changed
+    if replaced:
         manifest.version = next_version(str(manifest.version))
     target = Path(args.output) if args.output else source
     if target.resolve() != source.resolve():
@@ -674,21 +687,27 @@ def save_outputs(path, directory: Path, manifest: Manifest, streams: dict, kind:
     return path
 
 
-def without_password(text: str | None) -> str | None:
-    """``text`` with every PostgreSQL DSN in it (a postgresql:// URI, or ``text`` itself when it is a libpq
-    ``key=value`` string) reduced to host, port and database (ibedl.engine.feedback_postgres.redacted): what the
-    manifest records of a --path that is the service's IBEDL_FEEDBACK_DSN. Anything else as it is."""
-    import re
+_SECRET_OPTION = re.compile(r"\b((?:ssl)?password)\s*=\s*('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
+_URI = re.compile(r"postgres(?:ql)?://\S+")
 
+
+def without_password(text: str | None) -> str | None:
+    """``text`` with every PostgreSQL DSN in it reduced to host, port and database
+    (ibedl.engine.feedback_postgres.redacted): ``text`` itself when it is a DSN (a URI or a libpq ``key=value``
+    string), every postgresql:// URI inside it, and any ``password=`` / ``sslpassword=`` option left in it (a
+    ``key=value`` DSN inside a command line). What the manifest records of a --path that is the service's
+    IBEDL_FEEDBACK_DSN, and what messages show. Anything else as it is."""
     if text is None:
         return None
-    if not is_dsn(text) and "postgres" not in text:
-        return text
-    from ibedl.engine.feedback_postgres import redacted
+    if is_dsn(text):
+        from ibedl.engine.feedback_postgres import redacted
 
-    if is_dsn(text) and not text.startswith(("postgresql://", "postgres://")):
         return redacted(text)
-    return re.sub(r"postgres(?:ql)?://\S+", lambda m: redacted(m.group(0)), text)
+    if "postgres" in text:
+        from ibedl.engine.feedback_postgres import redacted
+
+        text = _URI.sub(lambda m: redacted(m.group(0)), text)
+    return _SECRET_OPTION.sub(lambda m: f"{m.group(1)}=***", text)
 
 
 def feedback_outputs(path, manifest: Manifest, minimum: int = 20, from_seq: int | None = None,
@@ -730,11 +749,21 @@ def feedback_outputs(path, manifest: Manifest, minimum: int = 20, from_seq: int 
 
 
 def is_dsn(path) -> bool:
-    """Whether ``path`` is a PostgreSQL DSN (a postgresql:// URI or a libpq ``key=value`` string) rather than a file."""
-    import re
-
-    text = str(path)
-    return text.startswith(("postgresql://", "postgres://")) or bool(re.match(r"\s*(host|dbname|user)\s*=", text))
+    """Whether ``path`` is a PostgreSQL DSN (a postgresql:// URI, or a libpq ``key=value`` string that libpq parses)
+    rather than a file."""
+    text = str(path).strip()
+    if text.startswith(("postgresql://", "postgres://")):
+        return True
+    if "=" not in text:
+        return False
+    try:
+        from psycopg.conninfo import conninfo_to_dict
+    except ImportError:  # no PostgreSQL driver: judge by libpq's keywords
+        return bool(re.match(r"(host|hostaddr|port|dbname|user|password)\s*=", text))
+    try:
+        return bool(conninfo_to_dict(text))
+    except Exception:  # noqa: BLE001 - psycopg's parse error: not a DSN
+        return False
 
 
 def open_feedback_store(path):

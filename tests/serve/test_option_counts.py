@@ -68,3 +68,18 @@ def test_labels_of_a_count_never_calibrated_test_no_guarantee(make_client, per_c
     assert rows["answered_share"] == 2  # both are counted as traffic
     assert rows["set_coverage"] == 1  # only the 3-option answer tests the stated coverage
     assert rows.get("answered_accuracy", 0) == (0 if three["abstained"] else 1)
+
+
+def test_a_gate_states_its_refusal_rate_where_it_holds(make_client, per_count):
+    """A count whose gate has a threshold and a stated training-conditional rate says it (with its delta); one
+    without a gate (threshold 0) states none."""
+    m = read_manifest(per_count)
+    m.abstention["by_options"]["3"].update(ood_threshold=1e-9, how={
+        **m.abstention["by_options"]["3"]["how"], "gate_rejection_rate": 0.15, "delta": 0.01})
+    m.abstention["by_options"]["2"]["how"] = {**m.abstention["by_options"]["2"]["how"], "gate_rejection_rate": 0.15}
+    write_manifest(per_count, m)
+    with make_client(artifact=per_count) as c:
+        three = ok_json(c.post("/predict", json={"question": "Which?", "options": ["sun", "moon", "tree"]}))
+        two = ok_json(c.post("/predict", json={"question": "Which is it?", "options": ["sun", "moon"]}))
+    assert three["guarantees"]["gate_refusal_rate"] == 0.15 and three["guarantees"]["gate_refusal_delta"] == 0.01
+    assert two["guarantees"]["gate_refusal_rate"] is None  # no gate for 2 options: nothing refused, nothing stated

@@ -283,10 +283,19 @@ class TestCli:
         assert main(["--artifact", str(tmp_path / "nope"), "--dataset", "sciq"]) == 2
         assert "not found" in capsys.readouterr().err
 
+    def test_a_sample_that_would_claim_no_count_writes_nothing(self, tiny_artifact, tiny_jsonl, tmp_path, capsys):
+        out = tmp_path / "nothing"
+        assert main(["--artifact", str(tiny_artifact), "--dataset", "jsonl", "--path", str(tiny_jsonl),
+                     "--output", str(out), "--no-progress", "--max-tokens", "96"]) == 2
+        err = capsys.readouterr().err
+        assert "no option count has the 200 questions --min-per-count asks for in this sample (3 options: " in err
+        assert "nothing was written" in err and not out.exists()
+
     def test_writes_a_new_version_sharing_the_weights(self, tiny_artifact, tiny_jsonl, tmp_path):
         out = tmp_path / "recal"
         rc = main(["--artifact", str(tiny_artifact), "--dataset", "jsonl", "--path", str(tiny_jsonl),
-                   "--output", str(out), "--target-accuracy", "0.5", "--no-progress", "--max-tokens", "96"])
+                   "--output", str(out), "--target-accuracy", "0.5", "--no-progress", "--max-tokens", "96",
+                   "--min-per-count", "10"])  # the toy file: about 20 questions of each of 3, 4 and 5 options
         assert rc == 0
         before, after = read_manifest(tiny_artifact), read_manifest(out)
         assert after.version == next_version(before.version)
@@ -302,7 +311,8 @@ class TestCli:
 
     def test_stored_outputs_recalibrate_identically_and_are_tied_to_their_weights(self, tiny_artifact, tiny_jsonl,
                                                                                   tmp_path, capsys):
-        common = ["--dataset", "jsonl", "--path", str(tiny_jsonl), "--target-accuracy", "0.5", "--no-progress"]
+        common = ["--dataset", "jsonl", "--path", str(tiny_jsonl), "--target-accuracy", "0.5", "--no-progress",
+                  "--min-per-count", "10"]
         saved = tmp_path / "outputs.json"
         assert main(["--artifact", str(tiny_artifact), "--output", str(tmp_path / "a"), "--save-outputs", str(saved),
                      "--max-tokens", "96", *common]) == 0
@@ -335,7 +345,7 @@ class TestCli:
         out = tmp_path / "ov"
         assert main(["--artifact", str(tiny_artifact), "--dataset", "jsonl", "--path", str(tiny_jsonl),
                      "--output", str(out), "--target-accuracy", "0.5", "--no-progress", "--max-tokens", "96",
-                     "--backend", "openvino-fp32"]) == 0
+                     "--backend", "openvino-fp32", "--min-per-count", "10"]) == 0
         before, after = read_manifest(tiny_artifact), read_manifest(out)
         assert after.calibration_keys() == ["torch-fp32", "openvino-fp32"]
         # the torch calibration is untouched: the same top-level sections and head, the same version (its answers)
@@ -356,7 +366,7 @@ class TestCli:
         from ibedl.core.predictor import Predictor
 
         common = ["--dataset", "jsonl", "--path", str(tiny_jsonl), "--target-accuracy", "0.5", "--no-progress",
-                  "--max-tokens", "96"]
+                  "--min-per-count", "10", "--max-tokens", "96"]
         art, saved = tmp_path / "art", tmp_path / "int8.json"
         shutil.copytree(tiny_artifact, art)
         assert main(["--artifact", str(art), "--backend", "openvino-int8", "--save-outputs", str(saved), *common]) == 0
@@ -402,12 +412,12 @@ class TestFeedbackSample:
         assert raw["probs"][0] == pytest.approx(list(answers[0].probabilities.values()), abs=1e-6)
         out = tmp_path / "recalibrated"
         assert main(["--artifact", str(tiny_artifact), "--dataset", "feedback", "--path", str(db),
-                     "--output", str(out)]) == 0
+                     "--output", str(out), "--min-per-count", "10"]) == 0
         new = read_manifest(out)
         assert new.version == next_version(str(manifest.version)) and new.calibration["dataset"] == "feedback"
         assert new.head == manifest.head  # the served post-hoc parameter stays
         # the stored decisions are those of calibrate_outputs on the served outputs, without a post-hoc refit
-        _, _, sections = calibrate_outputs(kind, raw, ys, CalibrationConfig(posthoc=False))
+        _, _, sections = calibrate_outputs(kind, raw, ys, CalibrationConfig(posthoc=False, min_per_count=10))
         assert new.conformal["quantiles"] == sections["conformal"]["quantiles"]
         assert new.abstention["min_confidence"] == sections["abstention"]["min_confidence"]
 
@@ -432,16 +442,19 @@ class TestFeedbackSample:
         "postgresql://u@db.example:5432/ibedl?password=s3cret&sslmode=require",
         "postgresql://u:s3cret@db.example:5432/ibedl",
         "postgres://u:s3cret@db.example/ibedl?sslpassword=s3cret",
-        "host=db.example port=5432 dbname=ibedl user=u password=s3cret"])
+        "host=db.example port=5432 dbname=ibedl user=u password=s3cret",
+        "port=5432 host=db.example dbname=ibedl user=u password='s3cret'"])
     def test_every_form_of_dsn_is_redacted_to_host_port_and_database(self, dsn):
-        """User info and query parameters (which may carry the password) never reach a record or a message."""
+        """User info and query parameters (which may carry the password) never reach a record or a message, whether
+        the DSN is the whole text, an argument of a command line or the value of a --path= option."""
         from ibedl.training.calibrate import is_dsn, without_password
 
         shown = without_password(dsn)
         assert is_dsn(dsn) and "s3cret" not in shown and "u@" not in shown and "user" not in shown
         assert shown.startswith("postgresql://db.example") and shown.endswith("/ibedl")
-        command = without_password(f"python -m ibedl.training.calibrate --path {dsn} --dataset feedback")
-        assert "s3cret" not in command or not dsn.startswith("postgres")  # a URI inside a command line
+        for command in (f"python -m ibedl.training.calibrate --path {dsn} --dataset feedback", f"--path={dsn}"):
+            assert "s3cret" not in without_password(command), command
+        assert not is_dsn("runs/feedback.sqlite") and not is_dsn("runs/a=b.sqlite")
 
     def test_too_few_labels_or_another_version_is_a_clear_error(self, tiny_artifact, tmp_path, capsys):
         from ibedl.engine.feedback_sqlite import SqliteStore
