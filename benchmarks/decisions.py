@@ -117,8 +117,9 @@ def served(dump: dict, stream: str, manifest, key: str | None = None) -> dict:
     labels = np.asarray(raw["labels"])
     conf = outputs.confidence
     u = outputs.uncertainty
-    limits = calibration.thresholds
-    reasons = [decide(None if u is None else float(u[i]), float(conf[i]), limits) for i in range(len(labels))]
+    limits = calibration.thresholds  # each question under its option count's own, when calibrated per count
+    reasons = [decide(None if u is None else float(u[i]), float(conf[i]), limits.for_options(len(outputs.probs[i])))
+               for i in range(len(labels))]
     hits = np.asarray([float(np.argmax(p) == y) for p, y in zip(outputs.probs, labels, strict=True)])
     sigma = raw.get("sigma")  # IB-EDL: per question, the mean over its options
     return {"outputs": outputs, "labels": labels, "confidence": conf, "hits": hits, "reasons": reasons,
@@ -141,9 +142,9 @@ def stream_row(s: dict, conformal) -> dict:
         row["mean_u"] = float(s["outputs"].uncertainty.mean())
     if s.get("sigma") is not None:  # is IB-EDL's sigma informative: its spread, in distribution and per shift
         row["sigma"] = sigma_summary(s["sigma"])
-    if conformal is not None:
-        q = conformal.quantile()
-        sets = [prediction_set(p, q, conformal.score) for p in s["outputs"].probs]
+    if conformal is not None:  # each question's set under its option count's quantile, as served
+        sets = [prediction_set(p, conformal.for_options(len(p)).quantile(), conformal.score)
+                for p in s["outputs"].probs]
         row["set_coverage"] = float(np.mean([y in m for y, m in zip(s["labels"], sets, strict=True)]))
         row["set_mean_size"] = float(np.mean([len(m) for m in sets]))
     return row

@@ -77,15 +77,16 @@ CAP_ANSWERED = 400  # labelled answered shifted questions replayed at most (the 
 def stream_arrays(s: dict, conformal) -> dict:
     """Per question of a served stream: answered, correct, covered by the calibrated set, and the option scores
     with the label's index (what an adaptive set needs)."""
-    q = conformal.quantile()
+    q = np.asarray([conformal.for_options(len(p)).quantile() for p in s["outputs"].probs])  # per count, as served
     scores = [option_scores(p, conformal.score) for p in s["outputs"].probs]
     top = [int(np.argmax(p)) for p in s["outputs"].probs]
     labels = [int(y) for y in s["labels"]]
     return {
         "answered": np.asarray(s["answered"], dtype=bool),
         "correct": np.asarray(s["hits"], dtype=bool),
-        "covered": np.asarray([sc[y] <= q + 1e-9 or y == t for sc, y, t in zip(scores, labels, top, strict=True)]),
-        "size": np.asarray([max(1, int(np.sum(sc <= q + 1e-9))) for sc in scores]),
+        "covered": np.asarray([sc[y] <= qi + 1e-9 or y == t
+                               for sc, y, t, qi in zip(scores, labels, top, q, strict=True)]),
+        "size": np.asarray([max(1, int(np.sum(sc <= qi + 1e-9))) for sc, qi in zip(scores, q, strict=True)]),
         "label_score": np.asarray([sc[y] for sc, y in zip(scores, labels, strict=True)]),
         "label_is_top": np.asarray([y == t for y, t in zip(labels, top, strict=True)]),
         "scores": scores,

@@ -173,6 +173,27 @@ def analyse(args) -> int:
     return 0
 
 
+def table(args) -> int:
+    """The docs' table (markdown, stdout) from the committed reports of ``--backends`` (one row per backend and
+    count)."""
+    print("| backend | options | accuracy | gate refused (stated 15%; PAC range) | answered | answered accuracy "
+          "(target 0.9; binomial p) | set coverage (nominal 0.9; range) | set size |")
+    print("|---|---|---|---|---|---|---|---|")
+    for backend in args.backends:
+        path = Path(f"benchmarks/results/option_counts_{Path(args.artifact).name}_{backend}.json")
+        report = json.loads(path.read_text())
+        for count, r in report["counts"].items():
+            c = r["checks"]
+            gate = c.get("gate_refused_range")
+            accuracy = ("(none answered)" if r["answered_accuracy"] is None else
+                        f"{100 * r['answered_accuracy']:.1f}% (p {c['answered_accuracy_p_value']:.3f})")
+            print(f"| {report['backend']} | {count} | {100 * r['accuracy']:.1f}% | {100 * r['gate_refused']:.1f}%"
+                  + (f" ({100 * gate[0]:.1f}-{100 * gate[1]:.1f}%)" if gate else "")
+                  + f" | {100 * r['answered']:.1f}% | {accuracy} | {r['set_coverage']:.3f} "
+                  f"({c['set_coverage_range'][0]:.3f}-{c['set_coverage_range'][1]:.3f}) | {r['mean_set_size']:.2f} |")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.option_counts", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -188,8 +209,11 @@ def main(argv=None) -> int:
     s.add_argument("--no-progress", action="store_true")
     sub.choices["analyse"].add_argument("--output", help="default benchmarks/results/option_counts_<artifact>_<backend>"
                                         ".json")
+    t = sub.add_parser("table", help="the docs' table from the committed reports")
+    t.add_argument("--artifact", default="artifacts/default")
+    t.add_argument("--backends", nargs="+", default=["openvino-int8", "openvino-bf16", "openvino-fp32", "torch"])
     args = parser.parse_args(argv)
-    return score(args) if args.command == "score" else analyse(args)
+    return {"score": score, "analyse": analyse, "table": table}[args.command](args)
 
 
 if __name__ == "__main__":
