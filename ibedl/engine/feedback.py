@@ -161,7 +161,7 @@ class Feedback:
             adaptive_set=None if adaptive_set is None else tuple(adaptive_set),
             adaptive_coverage=None if adaptive_set is None or tracker is None else round(1.0 - tracker.alpha, 6),
             target=None if target is None else float(target), probs=_rounded(pred.probs), alpha=_rounded(pred.alpha),
-            issued=now, expires=now + self.ttl_s), self._key)
+            issued=now, expires=now + self.ttl_s, calibration=runtime.ref["calibration"]), self._key)
 
     # -- labels -----------------------------------------------------------------------------------
 
@@ -211,7 +211,7 @@ class Feedback:
                 "adaptive_coverage": receipt.adaptive_coverage, "probs": json.dumps(receipt.probs),
                 "alpha": None if receipt.alpha is None else json.dumps(receipt.alpha),
                 "issued": float(receipt.issued), "recorded": now,
-                "credential": None if quota is None else quota.credential,
+                "credential": None if quota is None else quota.credential, "calibration": receipt.calibration,
             })
         statuses = self.store.add(rows, quota)
         conflicts = [i for i, status in enumerate(statuses) if status == "conflict"]

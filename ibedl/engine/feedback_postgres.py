@@ -34,8 +34,11 @@ SCHEMA = (
         alpha TEXT,
         issued DOUBLE PRECISION NOT NULL,
         recorded DOUBLE PRECISION NOT NULL,
-        credential TEXT
+        credential TEXT,
+        calibration TEXT
     )""",
+    # columns added since the first store: an older store gains them (its earlier labels: NULL)
+    "ALTER TABLE feedback ADD COLUMN IF NOT EXISTS calibration TEXT",
     "CREATE INDEX IF NOT EXISTS feedback_by_credential ON feedback (credential, recorded)",
     "CREATE INDEX IF NOT EXISTS feedback_by_recorded ON feedback (recorded)",
     "CREATE TABLE IF NOT EXISTS feedback_state (series TEXT PRIMARY KEY, seq BIGINT NOT NULL, state BYTEA NOT NULL)",

@@ -32,7 +32,8 @@ CREATE TABLE IF NOT EXISTS feedback (
     alpha TEXT,
     issued REAL NOT NULL,
     recorded REAL NOT NULL,
-    credential TEXT
+    credential TEXT,
+    calibration TEXT
 )
 """
 # what a credential's quota counts (its labels recorded since a time) and what the retention deletes (old labels)
@@ -44,7 +45,8 @@ CHECKPOINT = ("CREATE TABLE IF NOT EXISTS feedback_state (series TEXT PRIMARY KE
               "CREATE TABLE IF NOT EXISTS feedback_checkpoint (id INTEGER PRIMARY KEY CHECK (id = 1), "
               "seq INTEGER NOT NULL)",
               "INSERT INTO feedback_checkpoint (id, seq) VALUES (1, 0) ON CONFLICT (id) DO NOTHING")
-ADDED = {"credential": "TEXT"}  # columns added since the first store: a store without them gains them at open
+# columns added since the first store: a store without them gains them at open (its older labels: NULL)
+ADDED = {"credential": "TEXT", "calibration": "TEXT"}
 
 
 class SqliteStore(FeedbackStore):

@@ -25,7 +25,7 @@ from ibedl.engine.errors import StoreUnavailable, TooLarge, TooManyLabels
 # one label: what its receipt said and what was sent back, when, by which credential
 COLUMNS = ("receipt_id", "question", "adapter", "version", "options", "label", "predicted", "answered", "target",
            "covered", "coverage", "adaptive_covered", "adaptive_coverage", "probs", "alpha", "issued", "recorded",
-           "credential")
+           "credential", "calibration")
 # what a replica folds into the guarantees and the adaptive thresholds (not the question, outputs or credential)
 REPLAYED = ("seq", "adapter", "version", "options", "answered", "target", "label", "predicted", "covered", "coverage",
             "adaptive_covered", "adaptive_coverage", "recorded")

@@ -40,6 +40,9 @@ class Receipt:
         probs: the answer's probabilities (6 decimals); ``alpha`` its Dirichlet concentration, None without: what
             a recalibration on the labelled traffic needs (``python -m ibedl.training.calibrate --dataset feedback``).
         issued, expires: unix seconds.
+        calibration: the backend and precision of the calibration that answered (``torch-fp32``, ``openvino-int8``,
+            ...): the arithmetic ``probs`` were computed on, which a recalibration on them is made for; None in
+            receipts signed before it was recorded.
     """
 
     id: str
@@ -58,6 +61,7 @@ class Receipt:
     alpha: tuple[float, ...] | None
     issued: int
     expires: int
+    calibration: str | None = None
 
 
 def new_id() -> str:

@@ -444,8 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=[b for b in BACKENDS if b != "auto"],
                         help="inference backend to calibrate on (default torch); the calibration is recorded for that "
                         "backend and precision, beside the others the artifact carries. With --outputs: the backend "
-                        "that file's outputs were computed on (checked); with --dataset feedback: the backend that "
-                        "served them (default: the artifact's top-level calibration's)")
+                        "that file's outputs were computed on (checked); with --dataset feedback: the labelled "
+                        "answers of the backend that served them are taken (default: the one most of them name)")
     parser.add_argument("--device", help="cpu or cuda (default: CUDA when present)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                         help="model dtype (default: float32 on CPU, bfloat16 on CUDA)")
@@ -547,11 +547,12 @@ def labelled_outputs(args, source: Path, manifest: Manifest, config: Calibration
                              "--outputs, --limit nor --evaluate-split")
         if not args.path:
             raise ValueError("--dataset feedback needs --path: the service's feedback store (IBEDL_FEEDBACK_DB)")
-        kind, raw, labels = feedback_outputs(args.path, manifest, from_seq=args.from_seq,
-                                             since_change=args.since_change)
+        # the arithmetic the labelled answers were computed on: --backend's, else the one most of them name
+        wanted = (None if args.backend is None else "torch-" if args.backend == "torch"
+                  else calibration_key(args.backend))
+        kind, raw, labels, key = feedback_outputs(args.path, manifest, from_seq=args.from_seq,
+                                                  since_change=args.since_change, calibration=wanted)
         config.posthoc = False  # the outputs are the served ones: the served post-hoc parameter stays
-        # the backend that served them: --backend, else the arithmetic of the manifest's top-level calibration
-        key = calibration_key(args.backend) if args.backend not in (None, "torch") else manifest.calibrated_on
         return kind, raw, labels, key
     if args.outputs:
         kind, raw, labels = read_outputs(args.outputs, f"{args.dataset}_{args.split}", source, manifest)
@@ -711,14 +712,19 @@ def without_password(text: str | None) -> str | None:
 
 
 def feedback_outputs(path, manifest: Manifest, minimum: int = 20, from_seq: int | None = None,
-                     since_change: bool = False) -> tuple[str, dict, list[int]]:
-    """(kind, raw, labels) of the labelled answers of ``manifest``'s adapter version in a feedback store (the
-    service's ``IBEDL_FEEDBACK_DB``, a SQLite file, or its ``IBEDL_FEEDBACK_DSN``, a postgresql:// URI): the outputs
-    the receipts carried, as served (post-hoc parameter applied); those from store sequence number ``from_seq`` on,
-    or with ``since_change`` from the first label of the change that suspended the version's promises (the
-    service's change detector: ``suspended.change_seq`` on GET /v1/guarantees; every label of the version when its
-    confidence sequence, not a change, showed the promise broken). The labels the store keeps: those past its
-    retention (IBEDL_FEEDBACK_RETENTION_DAYS) are gone."""
+                     since_change: bool = False, calibration: str | None = None) -> tuple[str, dict, list[int], str]:
+    """(kind, raw, labels, calibration key) of the labelled answers of ``manifest``'s adapter version in a feedback
+    store (the service's ``IBEDL_FEEDBACK_DB``, a SQLite file, or its ``IBEDL_FEEDBACK_DSN``, a postgresql:// URI):
+    the outputs the receipts carried, as served (post-hoc parameter applied); those from store sequence number
+    ``from_seq`` on, or with ``since_change`` from the first label of the change that suspended the version's
+    promises (the service's change detector: ``suspended.change_seq`` on GET /v1/guarantees; every label of the
+    version when its confidence sequence, not a change, showed the promise broken). The labels the store keeps:
+    those past its retention (IBEDL_FEEDBACK_RETENTION_DAYS) are gone.
+
+    A guarantee holds for the arithmetic that computed the outputs, so only the answers of one calibration are
+    taken (each receipt names the backend and precision that answered): ``calibration`` (a key, or a prefix such as
+    ``torch-``), else the one most answers name. Labels of receipts that name none (signed before they did) count
+    only in a store where none does, as the manifest's top-level calibration's."""
     from ibedl.engine.errors import EngineError
 
     where = f"the PostgreSQL store at {without_password(str(path))}" if is_dsn(path) else str(path)
@@ -733,10 +739,13 @@ def feedback_outputs(path, manifest: Manifest, minimum: int = 20, from_seq: int 
     except EngineError as e:  # a store that did not answer: its message names no secret
         raise ValueError(f"the feedback store did not answer: {e.message}") from None
     since = f" from label {from_seq} on" if from_seq else ""
+    rows, key = of_one_calibration(rows, calibration, manifest.calibrated_on)
     if len(rows) < minimum:
         raise ValueError(f"{where} holds {len(rows)} labels of adapter {manifest.name!r} version {manifest.version}"
-                         f"{since}; calibrating needs at least {minimum} (the more, the tighter the guarantees)")
-    log.info("calibrating on %d labels of adapter %s version %s%s", len(rows), manifest.name, manifest.version, since)
+                         f"{since} answered on {key}; calibrating needs at least {minimum} (the more, the tighter "
+                         "the guarantees)")
+    log.info("calibrating on %d labels of adapter %s version %s%s, answered on %s", len(rows), manifest.name,
+             manifest.version, since, key)
     probs = [json.loads(r["probs"]) for r in rows]
     alphas = [None if r["alpha"] is None else json.loads(r["alpha"]) for r in rows]
     raw = {"probs": probs, "offset": manifest.head_config().offset, "sigma": None}
@@ -745,7 +754,32 @@ def feedback_outputs(path, manifest: Manifest, minimum: int = 20, from_seq: int 
         kind = "evidential"  # a Dirichlet whose post-hoc shift is already applied
     else:
         kind = "softmax"
-    return kind, raw, [int(r["label"]) for r in rows]
+    return kind, raw, [int(r["label"]) for r in rows], key
+
+
+def of_one_calibration(rows: list[dict], wanted: str | None, top_level: str) -> tuple[list[dict], str]:
+    """(the rows answered under one calibration, its key): ``wanted`` (a key, or a prefix such as ``torch-``), else
+    the key most rows name; rows that name none (receipts signed before they did) only when no row names one, as
+    ``top_level``'s. ValueError when ``wanted`` matches several keys."""
+    named = Counter(r.get("calibration") for r in rows if r.get("calibration"))
+    if not named:
+        if wanted and not (top_level == wanted or top_level.startswith(wanted)):
+            log.warning("the labelled receipts do not record the backend that answered them; taking them as %s's, "
+                        "the manifest's top-level calibration", top_level)
+        return rows, top_level
+    if wanted is None:
+        key = named.most_common(1)[0][0]
+    else:
+        matches = sorted(k for k in named if k == wanted or k.startswith(wanted))
+        if len(matches) > 1:
+            raise ValueError(f"the labelled answers were served on {matches}: name one with --backend")
+        key = matches[0] if matches else wanted
+    kept = [r for r in rows if r.get("calibration") == key]
+    if len(kept) < len(rows):
+        log.warning("taking the %d labels answered on %s; %d answered on other backends (%s) or unrecorded are left "
+                    "out: a calibration holds for the arithmetic it was made on", len(kept), key, len(rows) - len(kept),
+                    ", ".join(f"{k}: {n}" for k, n in named.items() if k != key) or "none")
+    return kept, key
 
 
 def is_dsn(path) -> bool:

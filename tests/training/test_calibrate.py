@@ -407,7 +407,8 @@ class TestFeedbackSample:
         assert sum(r.recorded for r in labels) == len(rows)
 
         manifest = read_manifest(tiny_artifact)
-        kind, raw, ys = feedback_outputs(db, manifest)
+        kind, raw, ys, key = feedback_outputs(db, manifest)
+        assert key == "torch-fp32"  # the receipts name the calibration that answered
         assert ys == [0] * len(rows) and len(raw["probs"]) == len(rows)
         assert raw["probs"][0] == pytest.approx(list(answers[0].probabilities.values()), abs=1e-6)
         out = tmp_path / "recalibrated"
@@ -420,6 +421,21 @@ class TestFeedbackSample:
         _, _, sections = calibrate_outputs(kind, raw, ys, CalibrationConfig(posthoc=False, min_per_count=10))
         assert new.conformal["quantiles"] == sections["conformal"]["quantiles"]
         assert new.abstention["min_confidence"] == sections["abstention"]["min_confidence"]
+
+    def test_only_the_answers_of_one_calibration_are_taken(self, caplog):
+        from ibedl.training.calibrate import of_one_calibration
+
+        rows = ([{"calibration": "openvino-int8"}] * 5 + [{"calibration": "torch-fp32"}] * 2
+                + [{"calibration": None}])
+        with caplog.at_level("WARNING", logger="ibedl.training.calibrate"):
+            kept, key = of_one_calibration(rows, None, "torch-fp32")  # the one most answers name
+        assert key == "openvino-int8" and len(kept) == 5 and "3 answered on other backends" in caplog.text
+        assert of_one_calibration(rows, "torch-", "torch-fp32")[1] == "torch-fp32"  # --backend torch
+        assert len(of_one_calibration(rows, "openvino-fp32", "torch-fp32")[0]) == 0  # none answered there
+        older = [{"calibration": None}] * 3  # receipts signed before they named one: the top level's
+        assert of_one_calibration(older, None, "torch-fp32") == (older, "torch-fp32")
+        with pytest.raises(ValueError, match="served on"):
+            of_one_calibration([{"calibration": "torch-fp32"}, {"calibration": "torch-cuda-bf16"}], "torch-", "x")
 
     @pytest.mark.servers
     def test_a_postgresql_store_is_read_by_its_dsn_and_its_password_never_shown(self, tiny_artifact, postgres_dsn,
