@@ -102,3 +102,16 @@ def test_recalibrated_refuses_other_weights_directly(tiny_artifact):
     new = recalibrated(runtime, m, settings)
     assert new.ref["version"] == "99" and runtime.ref["version"] != "99"  # the old runtime stays whole
     assert new.predictor.manifest is m and runtime.predictor.manifest is not m
+
+
+def test_with_several_adapters_only_the_recalibrated_one_moves(make_client, served, tiny_map_artifact, tmp_path):
+    other = tmp_path / "map"
+    shutil.copytree(tiny_map_artifact, other)
+    with make_client(artifacts=f"{served},{other}", reload_interval_s=0) as c:
+        state = c.app.state.service
+        before = {card["id"]: card["version"] for card in ok_json(c.get("/v1/models"))["data"]}
+        version = recalibrate(other, min_confidence=1.0)
+        assert c.portal.call(state.reload_calibrations) == ["tiny-map"]
+        after = {card["id"]: card["version"] for card in ok_json(c.get("/v1/models"))["data"]}
+        answer = ok_json(c.post("/predict", json={**Q, "adapter": "tiny-map"}))
+    assert after == {**before, "tiny-map": version} and answer["adapter"]["version"] == version
