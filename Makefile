@@ -123,7 +123,7 @@ train-map-twin: setup
 # runs (openvino-bf16 needs native bfloat16; openvino-int8's calibration holds on CPUs of this int8 class).
 CAL_BACKENDS ?= torch openvino-fp32 openvino-bf16 openvino-int8
 CALIBRATE = $(PY) -m ibedl.training.calibrate --dataset sciq --split validation --option-counts 2,3,4,5,6 \
-	--ood-rejection-rate 0.15 --main-options 4
+	--ood-rejection-rate 0.2 --main-options 4
 calibrate-default: setup
 	for backend in $(CAL_BACKENDS); do \
 	  $(CALIBRATE) --artifact artifacts/default --backend $$backend \

@@ -341,7 +341,8 @@ def main(argv=None) -> int:
     c.add_argument("--max-shifted", type=float, default=0.35, help="most of a shifted stream that may be answered")
     c.add_argument("--min-answered", type=float, default=0.85, help="least of in-distribution questions answered")
     c.add_argument("--target-accuracy", type=float, default=0.9)
-    c.add_argument("--delta", type=float, default=0.1)
+    c.add_argument("--delta", type=float, default=CalibrationConfig().delta,
+                   help="the calibration's delta, which the gate's training-conditional rank uses (default 0.01)")
     c.add_argument("--output", default="benchmarks/results/decisions_rate_choice.json")
     args = parser.parse_args(argv)
     if args.command == "analyse" and args.splits < 100:
