@@ -557,7 +557,7 @@ def labelled_outputs(args, source: Path, manifest: Manifest, config: Calibration
     if args.outputs:
         kind, raw, labels = read_outputs(args.outputs, f"{args.dataset}_{args.split}", source, manifest)
         config.main_options = args.main_options or json.loads(Path(args.outputs).read_text()).get("main_options")
-        return kind, raw, labels, outputs_key(args.outputs, args.backend)
+        return kind, raw, labels, outputs_key(args.outputs, args.backend, manifest)
     kind, raw, labels, key = run_model(args, source, load_dataset)
     config.main_options = args.main_options
     return kind, raw, labels, key
@@ -594,12 +594,17 @@ def quantization_record(directory: Path, key: str, isa: str | None = None) -> di
             "isa": isa or int8_isa()}
 
 
-def outputs_key(path, backend: str | None) -> str:
-    """The backend and precision the raw outputs in ``path`` were computed on: as recorded (``calibration_key``),
-    else torch in the precision of the devices its streams name (files written before backends were recorded).
-    ValueError when ``backend`` (the --backend given) is another one."""
+def outputs_key(path, backend: str | None, manifest: Manifest | None = None) -> str:
+    """The backend and precision the raw outputs in ``path`` were computed on: as recorded (``calibration_key``);
+    for a file written before backends were recorded, the key of the ``manifest``'s calibration that records it was
+    made from this file, else torch in the precision of the devices its streams name. ValueError when ``backend``
+    (the --backend given) is another one."""
     data = json.loads(Path(path).read_text())
     key = data.get("calibration_key")
+    made_from = [k for k in (manifest.calibration_keys() if manifest is not None else [])
+                 if manifest.calibration_for(k).record.get("outputs") == str(path)]
+    if key is None and made_from:
+        key = made_from[0]
     if key is None:
         devices = {str(s.get("device", "cpu")) for s in data["streams"].values()}
         cuda = any(d.startswith("cuda") for d in devices)
