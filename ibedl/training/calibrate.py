@@ -248,12 +248,7 @@ def calibrate_outputs(kind: str, raw: dict, labels, config: CalibrationConfig) -
     labels = np.asarray(labels, dtype=np.int64)
     n = len(labels)
     fit, cal = split(n, config.fit_fraction, config.seed)
-    # Without the post-hoc step the parameter is set neutral: the thresholds below assume it.
-    method = head_kind(kind)
-    head_update, posthoc = method.fit(raw, labels, fit) if config.posthoc else (method.neutral(), {"kind": None})
-    outputs = posthoc_outputs(kind, raw, head_update)
-    conf = outputs.confidence
-    counts = np.asarray([len(p) for p in outputs.probs])
+    counts = np.asarray([len(p) for p in raw["probs"]])
     present = sorted({int(c) for c in counts})
     groups = {c: counts == c for c in present if (counts == c).sum() >= config.min_per_count}
     skipped = sorted(set(present) - set(groups))
@@ -261,13 +256,25 @@ def calibrate_outputs(kind: str, raw: dict, labels, config: CalibrationConfig) -
         log.warning("option counts %s have fewer than %d questions each (%s): not claimed, answers with them will "
                     "say that no promise holds (--min-per-count sets the minimum)", skipped, config.min_per_count,
                     ", ".join(f"{c}: {int((counts == c).sum())}" for c in skipped))
-    if len(present) > 1 and groups:  # calibrated per option count: each claimed count keeps its own promises
-        decided = {c: _decide(outputs, labels, fit[g[fit]], cal[g[cal]], config) for c, g in groups.items()}
+    per_count = len(present) > 1 and bool(groups)  # each claimed count then keeps its own promises
+    main = None
+    if per_count:
         if config.main_options is not None and config.main_options not in groups:
             raise ValueError(f"main_options {config.main_options} is not a count calibrated here "
                              f"({sorted(groups)})")
         # the traffic's usual count, else the most common: the top level's and the drift reference's
         main = config.main_options or max(groups, key=lambda c: (int(groups[c].sum()), -c))
+    # The post-hoc parameter is one for every count (the head's); per count it is fitted on the traffic's usual
+    # count, whose calibration it would otherwise trade for the others'. The thresholds and sets below are chosen
+    # after it, each count's on its own questions, so every count's promises hold whatever it is. Without the
+    # post-hoc step the parameter is set neutral.
+    method = head_kind(kind)
+    fit_on = fit[counts[fit] == main] if per_count else fit
+    head_update, posthoc = method.fit(raw, labels, fit_on) if config.posthoc else (method.neutral(), {"kind": None})
+    outputs = posthoc_outputs(kind, raw, head_update)
+    conf = outputs.confidence
+    if per_count:
+        decided = {c: _decide(outputs, labels, fit[g[fit]], cal[g[cal]], config) for c, g in groups.items()}
         abstention, conformal, record = decided[main]
         abstention.by_options = {str(c): {"ood_threshold": a.ood_threshold, "min_confidence": a.min_confidence,
                                           "how": a.how} for c, (a, _, _) in decided.items()}
@@ -276,6 +283,8 @@ def calibrate_outputs(kind: str, raw: dict, labels, config: CalibrationConfig) -
     else:  # one count (claimed when it has enough questions), or a mixture of counts none of which can be claimed
         abstention, conformal, record = _decide(outputs, labels, fit, cal, config)
         claimed, per_count = sorted(groups), None
+    if main is not None:
+        posthoc = {**posthoc, "fitted_on_options": main}
     # drift is watched on the traffic's usual count: per count, the reference is the main count's questions
     pool = np.arange(n) if per_count is None else np.flatnonzero(counts == main)
     rng = np.random.default_rng(config.seed)

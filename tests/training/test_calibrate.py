@@ -246,6 +246,19 @@ class TestCalibrateOutputs:
         with pytest.raises(ValueError, match="min_per_count must be an integer >= 1, got 0"):
             CalibrationConfig(min_per_count=0)
 
+    def test_per_count_the_post_hoc_parameter_is_fitted_on_the_traffic_s_usual_count(self):
+        """One zeta serves every count; it is fitted on the main count's fit questions (the others' thresholds and
+        sets are chosen after it, on their own questions)."""
+        from ibedl.training.head_kinds import head_kind
+
+        raw, labels = _synthetic("ib_edl", n=600)
+        config = CalibrationConfig(target_accuracy=0.8, main_options=4, min_per_count=100)
+        head_update, _, sections = calibrate_outputs("ib_edl", raw, labels, config)
+        fit, _ = split(600, 0.3, 0)
+        counts = np.asarray([len(p) for p in raw["probs"]])
+        expected, _ = head_kind("ib_edl").fit(raw, np.asarray(labels), fit[counts[fit] == 4])
+        assert head_update == expected and sections["calibration"]["posthoc"]["fitted_on_options"] == 4
+
     def test_a_single_count_is_claimed_when_it_has_enough_questions(self):
         raw, labels = _synthetic("ib_edl", n=2000)
         keep = [i for i, p in enumerate(raw["probs"]) if len(p) == 4]  # about 500 four-option questions
