@@ -1,16 +1,18 @@
-"""The default's promises for every option count it claims, measured on SciQ test questions asked with 2 to 6
+"""An artifact's promises for every option count it claims, measured on SciQ test questions asked with 2 to 6
 options (built as calibration builds them: ibedl.training.data.option_counts), under the calibration of the backend
 that computed them:
 
-    python -m benchmarks.option_counts score [--backend openvino-int8] [--counts 2,3,5,6]
-    python -m benchmarks.option_counts analyse [--backend openvino-int8]
+    python -m benchmarks.option_counts score [--artifact artifacts/default] [--backend openvino-int8] [--counts 2,3,5,6]
+    python -m benchmarks.option_counts analyse [--artifact artifacts/default] [--backend openvino-int8]
+    python -m benchmarks.option_counts table [--backends openvino-int8 openvino-bf16 openvino-fp32 torch]
 
 ``score`` runs the model once over the test variants (4 options: SciQ as it is) and keeps the raw outputs in
-``benchmarks/results/decision_scores/default-<backend>-test-options.json`` (resumable per count); ``analyse``
-serves them as the service does (each count's own gate, threshold and set when the calibration covered it) and
-writes ``benchmarks/results/option_counts.json``: per count the accuracy, the gate's refusals against its stated
-rate, the answered share and accuracy against the target, the sets' coverage against nominal, and whether the
-calibration claims the count at all. The test split is read once, for this report.
+``benchmarks/results/decision_scores/<artifact>-<backend>-test-options.json`` (resumable per count); ``analyse``
+serves them as the service does (each count's own gate, threshold and set when the calibration covers it) and
+writes ``benchmarks/results/option_counts_<artifact>_<backend>.json``: per count the accuracy, the gate's refusals,
+the answered share and accuracy, the sets' coverage, whether the calibration claims the count, and the checks of
+:func:`checks` (family-wise over the claimed counts); ``table`` prints the docs' rows from those reports. The test
+split is read once, for this report.
 """
 
 from __future__ import annotations
