@@ -62,7 +62,7 @@ def label_rows(n: int, start: int, seed: int, now: float) -> list[tuple]:
                   "options": 4, "label": label, "predicted": 1, "answered": int(a), "target": 0.9 if a else None,
                   "covered": int(c), "coverage": 0.9, "adaptive_covered": None, "adaptive_coverage": None,
                   "probs": PROBS, "alpha": None, "issued": now - n + i - 1, "recorded": now - n + i,
-                  "credential": "label_token"}
+                  "credential": "label_token", "calibration": "torch-fp32"}
         rows.append(tuple(values[c] for c in COLUMNS))
     return rows
 

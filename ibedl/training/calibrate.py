@@ -443,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
                         "model")
     parser.add_argument("--evaluate-split", help="after calibrating, measure the adapter as calibrated on this split "
                         "of --dataset (e.g. test) and record it as the manifest's metrics for that split")
+    parser.add_argument("--evaluate-outputs", help="with --evaluate-split: read that split's raw outputs from this "
+                        "file (default: --outputs; computed on the same backend, checked)")
     parser.add_argument("--save-outputs",
                         help="write the model's raw outputs here, to recalibrate later without the model")
     parser.add_argument("--batch-size", type=int, default=8)
@@ -465,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.limit is not None and args.limit < 2:
         parser.error(f"--limit must be >= 2, got {args.limit}")
+    if args.evaluate_outputs and not args.evaluate_split:
+        parser.error("--evaluate-outputs goes with --evaluate-split")
     if args.outputs and (args.limit or args.save_outputs):
         parser.error("--outputs reads a whole stored split: it takes neither --limit nor --save-outputs")
     source = Path(args.artifact)
@@ -504,8 +508,12 @@ def main(argv: list[str] | None = None) -> int:
         eval_args = argparse.Namespace(**{**vars(args), "split": args.evaluate_split, "limit": None,
                                           "option_counts": None})
         try:
-            if args.outputs:
-                ekind, eraw, elabels = read_outputs(args.outputs, f"{args.dataset}_{args.evaluate_split}", source,
+            evaluate_from = args.evaluate_outputs or args.outputs
+            if evaluate_from:
+                if evaluate_from != args.outputs and outputs_key(evaluate_from, None, manifest) != key:
+                    raise ValueError(f"{evaluate_from} holds outputs computed on {outputs_key(evaluate_from, None)}, "
+                                     f"not on {key}: evaluate on the arithmetic calibrated on")
+                ekind, eraw, elabels = read_outputs(evaluate_from, f"{args.dataset}_{args.evaluate_split}", source,
                                                     manifest)
             else:
                 ekind, eraw, elabels, _ = run_model(eval_args, source, load_dataset)
