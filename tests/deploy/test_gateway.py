@@ -326,8 +326,14 @@ def test_labels_through_the_gateway_take_the_labelling_credential_and_keep_the_f
 
         def guarantees() -> list[dict]:
             bodies = [httpx.get(u + "/v1/guarantees", headers=AS_CLIENT, timeout=10).json() for u in replicas]
-            assert bodies[0] == bodies[1]  # one store
+            # one store: the same sequences from either replica; `conflicts` is what each process refused itself
+            assert [{k: v for k, v in b.items() if k != "conflicts"} for b in bodies] == [
+                {k: v for k, v in bodies[0].items() if k != "conflicts"}] * 2
             return bodies[0]["guarantees"]
+
+        def conflicts() -> int:
+            return sum(httpx.get(u + "/v1/guarantees", headers=AS_CLIENT, timeout=10).json()["conflicts"].get("tiny", 0)
+                       for u in replicas)
 
         # the API token (what every client holds) may not label: the service's 403, nothing stored or counted
         for path, body in (("/v1/feedback", label), ("/v1/feedback/batch", {"items": [label]})):
@@ -351,6 +357,7 @@ def test_labels_through_the_gateway_take_the_labelling_credential_and_keep_the_f
         assert r.status_code == 409, r.text
         assert r.json()["error"]["type"] == "label_conflict" and r.json()["error"]["field"] == "label"
         assert replica_metric(replicas, 'ibedl_feedback_conflicts_total{adapter="tiny"}') == 1
+        assert conflicts() == 1  # on whichever replica refused it, as the metric
         assert guarantees() == recorded
 
         # the credential's quota (2 per hour here), counted across both replicas: the service's 429 comes through

@@ -38,9 +38,12 @@ INT8_TOL = 0.06
 BF16_TOL = 0.1
 # static int8 under its own zeta: answers differ from torch's on 2.9% of SciQ test, single probabilities by up to
 # 0.53 (benchmarks/results/cpu_backends.json), so the service test compares it with its own predictor, one question
-# at a time as the service answers them (in a padded batch of 8 an int8 activation rounds to another step here and
-# there: probabilities moved by up to 0.017 on these questions)
-STATIC_INT8_TOL = 1e-3
+# at a time as the service answers them. The same IR still rounds an activation to the neighbouring int8 step where
+# the fp32 work before a quantiser is split otherwise (another batch, another process's compile): in a padded batch of
+# 8 probabilities moved by up to 0.017 on these questions; the service and the test's predictor, compiled in two
+# processes on a CI machine, by 0.0049 (0.1963 against 0.2006), where on an AVX-512 VNNI CPU they agree to 1e-6.
+# A couple of such steps; which backend answered is checked by its name and calibration key, not by this
+STATIC_INT8_TOL = 0.03
 TOLERANCE = {"openvino": INT8_TOL, "openvino-bf16": BF16_TOL, "openvino-fp32": 1e-4, "torch": 1e-4,
              "openvino-int8": STATIC_INT8_TOL}
 
