@@ -694,8 +694,11 @@ def weights_sha256(directory: Path, manifest: Manifest) -> str:
 
 def save_outputs(path, directory: Path, manifest: Manifest, streams: dict, kind: str, offset: float,
                  max_tokens: int, extra: dict | None = None) -> Path:
-    """Raw outputs (post-hoc parameter neutral) of named streams: ``{name: {labels, probs, alpha, sigma}}``."""
-    rnd = lambda rows: None if rows is None else [[round(float(x), 6) for x in r] for r in rows]  # noqa: E731
+    """Raw outputs (post-hoc parameter neutral) of named streams: ``{name: {labels, probs, alpha, sigma}}``,
+    each value to 9 significant digits (a float32 read back exactly, a float64 within 5e-10 relative). Fixed
+    decimals would round a confident model's small probabilities to 0, which moves a temperature fitted on the file
+    away from the one fitted on the model's own outputs (the MAP twin's: 2.337 against 2.279 at 6 decimals)."""
+    rnd = lambda rows: None if rows is None else [[float(f"{float(x):.9g}") for x in r] for r in rows]  # noqa: E731
     data = {
         "format": OUTPUTS_FORMAT, "artifact": str(directory), "method": manifest.method, "version": manifest.version,
         "base_model_sha256": manifest.base_model_ref().sha256, "weights_sha256": weights_sha256(directory, manifest),

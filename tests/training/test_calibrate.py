@@ -20,6 +20,8 @@ from ibedl.training.calibrate import (
     main,
     next_version,
     posthoc_outputs,
+    read_outputs,
+    save_outputs,
     split,
 )
 from ibedl.training.head_kinds import fit_temperature, temper
@@ -283,6 +285,32 @@ class TestCalibrateOutputs:
             CalibrationConfig(**kwargs)
 
 
+def test_stored_outputs_keep_a_confident_models_small_probabilities(tiny_artifact, tmp_path):
+    # A confident softmax model: its wrong answers give the right option 1e-9 to 1e-5, which fixed decimals would
+    # round to 0 (the MAP twin's temperature moved from 2.279 to 2.337 so). Saved and read back, every float32 value
+    # is the same, and so is the temperature fitted on them.
+    rng = np.random.default_rng(3)
+    labels, probs = [], []
+    for _ in range(400):
+        y = int(rng.integers(4))
+        top = y if rng.random() < 0.85 else (y + 1) % 4
+        p = np.full(4, 10.0 ** rng.uniform(-9, -5))
+        p[top] = 1.0
+        p = (p / p.sum()).astype(np.float32)
+        labels.append(y), probs.append([float(x) for x in p])
+    manifest = read_manifest(tiny_artifact)
+    path = save_outputs(tmp_path / "outputs.json", tiny_artifact, manifest,
+                        {"sciq_validation": {"labels": labels, "probs": probs}}, "softmax", 1.0, 1024)
+    kind, raw, back = read_outputs(path, "sciq_validation", tiny_artifact, manifest)
+    assert kind == "softmax" and back == labels
+    np.testing.assert_array_equal(np.asarray(raw["probs"], dtype=np.float32), np.asarray(probs, dtype=np.float32))
+    assert min(min(r) for r in raw["probs"]) < 1e-6  # kept, not rounded to 0
+    config = CalibrationConfig(target_accuracy=0.5)
+    fitted = calibrate_outputs("softmax", raw, labels, config)[0]
+    assert fitted == calibrate_outputs("softmax", {"probs": probs, "offset": 1.0}, labels, config)[0]
+    assert fitted["temperature"] > 1.0  # over-confident: the fit softens it
+
+
 def test_next_version():
     assert next_version("3") == "4" and next_version("v1") == "v1.recal"
 
@@ -332,11 +360,17 @@ class TestCli:
         assert main(["--artifact", str(tiny_artifact), "--output", str(tmp_path / "b"), "--outputs", str(saved),
                      "--evaluate-split", "validation", *common]) == 0
         a, b = read_manifest(tmp_path / "a"), read_manifest(tmp_path / "b")
-        # Stored outputs carry 6 decimals: the same decisions up to that rounding.
-        for key in ("min_confidence", "ood_threshold"):
-            assert b.abstention[key] == pytest.approx(a.abstention[key], abs=1e-5), key
-        assert b.conformal["quantiles"]["lac"] == pytest.approx(a.conformal["quantiles"]["lac"], abs=1e-5)
+        # Stored outputs keep 9 significant digits (a float32 exactly, a float64 within 5e-10 relative): the same
+        # post-hoc parameter, and thresholds and quantiles within that rounding.
         assert a.head == b.head
+        for key in ("min_confidence", "ood_threshold"):
+            assert b.abstention[key] == pytest.approx(a.abstention[key], rel=1e-8, abs=1e-12), key
+            for count, chosen in a.abstention["by_options"].items():
+                assert b.abstention["by_options"][count][key] == pytest.approx(chosen[key], rel=1e-8, abs=1e-12)
+        for method, by_alpha in a.conformal["quantiles"].items():
+            for alpha, q in by_alpha.items():
+                got = b.conformal["quantiles"][method][alpha]
+                assert got == q if q is None else got == pytest.approx(q, rel=1e-8, abs=1e-12), (method, alpha)
         assert b.metrics["validation"]["n"] == 60 and b.calibration["evaluated_split"] == "validation"
         # The same outputs against an artifact whose head changed are refused.
         other = tmp_path / "other"
