@@ -61,14 +61,21 @@ def to_question(runtime: AdapterRuntime, settings: EngineSettings, req: PredictR
     if req.context is not None and len(req.context) > s.max_context_chars:
         raise TooLarge(f"context is {len(req.context)} characters; the limit is {s.max_context_chars}",
                        prefix + "context")
-    if req.conformal is not None:
-        conformal_quantile(runtime.conformal, req, prefix)  # an alpha or score not stored is the client's error: 422
+    if req.conformal is not None:  # an alpha or score not stored for this option count is the client's error: 422,
+        conformal_quantile(conformal_of(runtime, len(options)), req, prefix)  # before the model runs
     q = MCQuestion(req.question, tuple(options), req.context or None, id=req.id)
     tokens = count_tokens(runtime, q)
     if tokens > s.max_tokens:
         raise TooLarge(f"the prompt is {tokens} tokens after formatting; the limit is {s.max_tokens}",
                        prefix + ("context" if q.context else "question"))
     return q, tokens
+
+
+def conformal_of(runtime: AdapterRuntime, options: int) -> Conformal | None:
+    """The stored quantiles a question with ``options`` options is answered with: its count's own when the
+    calibration has them, else the pooled ones; None when the adapter has no conformal calibration. The one
+    lookup the request check and the answer share."""
+    return None if runtime.conformal is None else runtime.conformal.for_options(options)
 
 
 def conformal_quantile(conformal: Conformal | None, req: PredictRequest,
