@@ -256,9 +256,8 @@ def calibrate_outputs(kind: str, raw: dict, labels, config: CalibrationConfig) -
         log.warning("option counts %s have fewer than %d questions each (%s): not claimed, answers with them will "
                     "say that no promise holds (--min-per-count sets the minimum)", skipped, config.min_per_count,
                     ", ".join(f"{c}: {int((counts == c).sum())}" for c in skipped))
-    per_count = len(present) > 1 and bool(groups)  # each claimed count then keeps its own promises
-    main = None
-    if per_count:
+    main = None  # set when calibrated per option count: each claimed count then keeps its own promises
+    if len(present) > 1 and groups:
         if config.main_options is not None and config.main_options not in groups:
             raise ValueError(f"main_options {config.main_options} is not a count calibrated here "
                              f"({sorted(groups)})")
@@ -269,29 +268,29 @@ def calibrate_outputs(kind: str, raw: dict, labels, config: CalibrationConfig) -
     # after it, each count's on its own questions, so every count's promises hold whatever it is. Without the
     # post-hoc step the parameter is set neutral.
     method = head_kind(kind)
-    fit_on = fit[counts[fit] == main] if per_count else fit
+    fit_on = fit if main is None else fit[counts[fit] == main]
     head_update, posthoc = method.fit(raw, labels, fit_on) if config.posthoc else (method.neutral(), {"kind": None})
     outputs = posthoc_outputs(kind, raw, head_update)
     conf = outputs.confidence
-    if per_count:
+    if main is not None:
         decided = {c: _decide(outputs, labels, fit[g[fit]], cal[g[cal]], config) for c, g in groups.items()}
         abstention, conformal, record = decided[main]
         abstention.by_options = {str(c): {"ood_threshold": a.ood_threshold, "min_confidence": a.min_confidence,
                                           "how": a.how} for c, (a, _, _) in decided.items()}
         conformal.by_options = {str(c): {"quantiles": k.quantiles, "n": k.n} for c, (_, k, _) in decided.items()}
-        claimed, per_count = sorted(groups), {str(c): r for c, (_, _, r) in decided.items()}
+        claimed, by_options = sorted(groups), {str(c): r for c, (_, _, r) in decided.items()}
     else:  # one count (claimed when it has enough questions), or a mixture of counts none of which can be claimed
         abstention, conformal, record = _decide(outputs, labels, fit, cal, config)
-        claimed, per_count = sorted(groups), None
+        claimed, by_options = sorted(groups), None
     if main is not None:
         posthoc = {**posthoc, "fitted_on_options": main}
     # drift is watched on the traffic's usual count: per count, the reference is the main count's questions
-    pool = np.arange(n) if per_count is None else np.flatnonzero(counts == main)
+    pool = np.arange(n) if main is None else np.flatnonzero(counts == main)
     rng = np.random.default_rng(config.seed)
     ref_idx = np.sort(rng.choice(pool, size=min(config.reference_size, len(pool)), replace=False))
     reference = {
         "split": "calibration sample (fit and calibration parts)"
-                 + ("" if per_count is None else f", questions with {main} options"),
+                 + ("" if main is None else f", questions with {main} options"),
         "uncertainty": (None if outputs.uncertainty is None
                         else [round(float(outputs.uncertainty[i]), 6) for i in ref_idx]),
         "confidence": [round(float(conf[i]), 6) for i in ref_idx],
@@ -301,7 +300,7 @@ def calibrate_outputs(kind: str, raw: dict, labels, config: CalibrationConfig) -
         "option_counts": claimed,
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()},
         "posthoc": posthoc, **record,
-        **({"by_options": per_count} if per_count else {}),
+        **({"by_options": by_options} if by_options else {}),
         "metrics": metrics.summarise([outputs.probs[i] for i in cal], labels[cal],
                                      None if outputs.uncertainty is None else outputs.uncertainty[cal]),
     }
@@ -510,8 +509,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             evaluate_from = args.evaluate_outputs or args.outputs
             if evaluate_from:
-                if evaluate_from != args.outputs and outputs_key(evaluate_from, None, manifest) != key:
-                    raise ValueError(f"{evaluate_from} holds outputs computed on {outputs_key(evaluate_from, None)}, "
+                evaluated_on = key if evaluate_from == args.outputs else outputs_key(evaluate_from, None, manifest)
+                if evaluated_on != key:
+                    raise ValueError(f"{evaluate_from} holds outputs computed on {evaluated_on}, "
                                      f"not on {key}: evaluate on the arithmetic calibrated on")
                 ekind, eraw, elabels = read_outputs(evaluate_from, f"{args.dataset}_{args.evaluate_split}", source,
                                                     manifest)
@@ -618,10 +618,9 @@ def outputs_key(path, backend: str | None, manifest: Manifest | None = None) -> 
     (the --backend given) is another one."""
     data = json.loads(Path(path).read_text())
     key = data.get("calibration_key")
-    made_from = [k for k in (manifest.calibration_keys() if manifest is not None else [])
-                 if manifest.calibration_for(k).record.get("outputs") == str(path)]
-    if key is None and made_from:
-        key = made_from[0]
+    if key is None and manifest is not None:
+        key = next((k for k in manifest.calibration_keys()
+                    if manifest.calibration_for(k).record.get("outputs") == str(path)), None)
     if key is None:
         devices = {str(s.get("device", "cpu")) for s in data["streams"].values()}
         cuda = any(d.startswith("cuda") for d in devices)
