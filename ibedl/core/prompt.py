@@ -50,10 +50,6 @@ class MCQuestion:
     def num_options(self) -> int:
         return len(self.options)
 
-    @property
-    def answer_letter(self) -> str | None:
-        return None if self.answer is None else LETTERS[self.answer]
-
 
 TEMPLATES = ("plain-v1", "chat-v1")
 INSTRUCTION = "Answer with the letter of the correct option."

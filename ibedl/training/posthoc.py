@@ -42,11 +42,6 @@ def _nll(adjusted: list[np.ndarray], labels) -> float:
     return total / len(labels)
 
 
-def nll_with_zeta(alphas, sigmas, labels, zeta: float, offset: float = 1.0) -> float:
-    """Mean NLL of the Dirichlet means after the post-hoc map with ``zeta``."""
-    return _nll(adjusted_alphas(alphas, sigmas, zeta, offset), labels)
-
-
 def fit_zeta(alphas, sigmas, labels, grid=ZETA_GRID, offset: float = 1.0) -> tuple[float, dict]:
     """The grid value of zeta with the lowest validation NLL (0 wins ties). Returns (zeta, info).
 

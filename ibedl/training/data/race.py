@@ -70,20 +70,6 @@ def parse_race_passage(record: Any, path: Path, *, split: str | None, level: str
     return out
 
 
-def read_race_file(path: str | Path, *, split: str | None = None, level: str | None = None) -> list[MCQuestion]:
-    """Read one RACE passage file.
-
-    Raises:
-        DatasetError: the file is missing, not JSON, or malformed.
-    """
-    path = Path(path)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise missing_file(path, in_data_dir=False) from None
-    return parse_race_passage(_parse(path, data), path, split=split, level=level)
-
-
 def read_race_dir(directory: str | Path, *, split: str | None = None, in_data_dir: bool = False) -> list[MCQuestion]:
     """Read every ``*.txt`` passage under ``directory/high`` and ``directory/middle``.
 

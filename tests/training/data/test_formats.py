@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ibedl.training.data import DATASETS, DatasetError, data_dir, load_dataset
-from ibedl.training.data.race import read_race_file
+from ibedl.training.data.race import read_race_dir
 from ibedl.training.data.sciq import read_sciq_file
 
 
@@ -298,6 +298,13 @@ def _race_record(**changes) -> dict:
     return record
 
 
+def _race_passage(directory: Path, name: str) -> Path:
+    """The path of high-school passage ``name`` in the RACE split directory ``directory`` (both levels made)."""
+    (directory / "middle").mkdir(parents=True, exist_ok=True)
+    (directory / "high").mkdir(exist_ok=True)
+    return directory / "high" / name
+
+
 def test_race_synthetic(tmp_path: Path) -> None:
     for level, name in [("middle", "7.txt"), ("high", "2.txt"), ("high", "10.txt")]:
         path = tmp_path / "race/RACE/dev" / level / name
@@ -322,20 +329,20 @@ def test_race_synthetic(tmp_path: Path) -> None:
     ],
 )
 def test_race_malformed_question_gives_file_and_index(tmp_path: Path, changes: dict, problem: str) -> None:
-    path = tmp_path / "5.txt"
+    path = _race_passage(tmp_path, "5.txt")
     path.write_text(json.dumps(_race_record(**changes)), encoding="utf-8")
     with pytest.raises(DatasetError) as info:
-        read_race_file(path)
+        read_race_dir(tmp_path)
     assert str(info.value) == f"{path}: {problem}"
 
 
 def test_race_missing_key_and_invalid_json(tmp_path: Path) -> None:
-    path = tmp_path / "6.txt"
+    path = _race_passage(tmp_path, "6.txt")
     record = _race_record()
     del record["article"]
     path.write_text(json.dumps(record), encoding="utf-8")
     with pytest.raises(DatasetError, match=rf"^{path}: missing key 'article'$"):
-        read_race_file(path)
+        read_race_dir(tmp_path)
     path.write_text('{"article": "x",\n "questions": [,]}', encoding="utf-8")
     with pytest.raises(DatasetError, match=rf"^{path}:2: invalid JSON"):
-        read_race_file(path)
+        read_race_dir(tmp_path)
