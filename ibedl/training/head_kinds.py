@@ -4,6 +4,10 @@ and how raw head outputs become the predictive outputs with it, in float64 for c
 float32 as the served head computes them. Calibration (ibedl.training.calibrate) asks the kind object; nothing
 outside this module branches on a head kind.
 
+Both parameters are chosen on a grid by NLL. IB-EDL's (paper appendix): alpha <- max(alpha - zeta * sigma, offset),
+zeta may be negative (an under-confident model); softmax heads': softmax(log p / T). The maps themselves are the
+head's (ibedl.core.head.adjust_alpha and temper); this module pads per-question outputs into tensors for them.
+
 Raw outputs (``raw``): ``probs`` (N rows of (C_i,) probabilities), and for a Dirichlet head ``alpha`` (N rows of
 (C_i,) concentrations with the post-hoc step neutral), ``sigma`` (IB-EDL: N rows of (C_i,) spreads, else None) and
 ``offset`` (alpha's floor).
@@ -20,8 +24,8 @@ import torch
 from ibedl.core.dirichlet import dirichlet_outputs
 from ibedl.core.head import POSTHOC_KEYS, POSTHOC_NEUTRAL, adjust_alpha, temper_logits
 from ibedl.core.head import temper as head_temper
-from ibedl.training.posthoc import adjusted_alphas, fit_zeta, padded
 
+ZETA_GRID = tuple(np.round(np.arange(-10.0, 10.01, 0.25), 2))
 TEMPERATURE_GRID = tuple(float(t) for t in np.round(np.exp(np.linspace(np.log(0.05), np.log(20.0), 241)), 6))
 
 
@@ -45,6 +49,55 @@ class Outputs:
     def ood_score(self) -> np.ndarray:
         """(N,) in-distribution score, higher = more typical: 1/u with a Dirichlet, max p without."""
         return 1.0 / self.uncertainty if self.uncertainty is not None else self.confidence
+
+
+def padded(rows, fill: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-question (C_i,) rows -> a float64 (N, max C) tensor padded with ``fill`` and its (N, max C) mask."""
+    width = max(len(r) for r in rows)
+    values = torch.full((len(rows), width), fill, dtype=torch.float64)
+    mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for i, r in enumerate(rows):
+        values[i, : len(r)] = torch.as_tensor(np.asarray(r, dtype=np.float64))
+        mask[i, : len(r)] = True
+    return values, mask
+
+
+def adjusted_alphas(alphas, sigmas, zeta: float, offset: float = 1.0) -> list[np.ndarray]:
+    """Per-question (C_i,) float64 alpha after the head's post-hoc map with ``zeta``."""
+    alpha, _ = padded(alphas, offset)
+    sigma, _ = padded(sigmas)
+    out = adjust_alpha(alpha, sigma, zeta, offset).numpy()
+    return [out[i, : len(a)] for i, a in enumerate(alphas)]
+
+
+def _nll(adjusted: list[np.ndarray], labels) -> float:
+    total = 0.0
+    for adj, y in zip(adjusted, labels, strict=True):
+        total -= math.log(max(adj[y] / adj.sum(), 1e-12))
+    return total / len(labels)
+
+
+def fit_zeta(alphas, sigmas, labels, grid=ZETA_GRID, offset: float = 1.0) -> tuple[float, dict]:
+    """The grid value of zeta with the lowest validation NLL (0 wins ties). Returns (zeta, info).
+
+    Args:
+        alphas, sigmas: per-question (C,) arrays from the head with zeta = 0.
+        labels: (N,) answer indices.
+    """
+    if not len(labels):
+        raise ValueError("fit_zeta needs at least one labelled question")
+    alpha, mask = padded(alphas, offset)
+    sigma, _ = padded(sigmas)
+    widths = mask.sum(-1).tolist()
+
+    def nll(zeta: float) -> float:
+        out = adjust_alpha(alpha, sigma, zeta, offset).numpy()
+        return _nll([out[i, :n] for i, n in enumerate(widths)], labels)
+
+    scores = {float(z): nll(float(z)) for z in grid}
+    best = min(scores, key=lambda z: (round(scores[z], 12), abs(z)))
+    return best, {"criterion": "validation NLL", "nll_at_0": nll(0.0), "nll_at_zeta": scores[best],
+                  "grid": [min(grid), max(grid), len(grid)]}
 
 
 def dirichlet(alphas: list[np.ndarray], offset: float) -> Outputs:
@@ -117,7 +170,7 @@ class Evidential:
 
 
 class IBEDL(Evidential):
-    """IB-EDL's head: alpha <- max(alpha - zeta * sigma, offset), zeta fitted by NLL (ibedl.training.posthoc)."""
+    """IB-EDL's head: alpha <- max(alpha - zeta * sigma, offset), zeta fitted by NLL (:func:`fit_zeta`)."""
 
     name = "ib_edl"
 

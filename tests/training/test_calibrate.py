@@ -24,7 +24,7 @@ from ibedl.training.calibrate import (
     save_outputs,
     split,
 )
-from ibedl.training.head_kinds import fit_temperature, temper
+from ibedl.training.head_kinds import fit_temperature, fit_zeta, temper
 
 
 class TestGate:
@@ -117,8 +117,6 @@ class TestPosthocOutputs:
     def test_fitted_zeta_minimises_nll_through_the_head_map(self):
         # One question, label 1, sigma only on the wrong option: the largest zeta on the grid wins until the
         # wrong option's alpha hits the floor (alpha 3 - zeta * 0.5 >= 1 up to zeta 4, flat after).
-        from ibedl.training.posthoc import fit_zeta
-
         zeta, info = fit_zeta([np.array([3.0, 2.0])], [np.array([0.5, 0.0])], [1])
         assert zeta == 4.0 and info["nll_at_zeta"] == pytest.approx(-np.log(2 / 3))
         assert info["nll_at_0"] == pytest.approx(-np.log(2 / 5))
