@@ -31,7 +31,7 @@ from ibedl.engine.adaptive import QuantileTracker
 from ibedl.engine.change_detector import ChangeDetector, alarm_threshold
 from ibedl.engine.confidence_sequence import BettingCS
 from ibedl.engine.errors import AdapterNotServed, FeedbackDisabled, InvalidRequest, LabelConflict, StoreUnavailable
-from ibedl.engine.feedback_store import FeedbackStore, LabelQuota, Snapshot
+from ibedl.engine.feedback_store import Checkpoint, FeedbackStore, LabelQuota
 from ibedl.engine.receipts import Receipt, new_id, sign, verify
 from ibedl.engine.runtime import AdapterRuntime
 from ibedl.engine.settings import EngineSettings
@@ -241,12 +241,12 @@ class Feedback:
             return
         with self._lock:
             while True:
-                snapshot = self.store.read(self._seq, REPLAY_PAGE)
-                if snapshot.checkpoint > self._seq:
-                    self._restore(snapshot)
-                self._fold(snapshot.rows)
-                self._save(snapshot.checkpoint)
-                if len(snapshot.rows) < REPLAY_PAGE:
+                checkpoint = self.store.read(self._seq, REPLAY_PAGE)
+                if checkpoint.seq > self._seq:
+                    self._restore(checkpoint)
+                self._fold(checkpoint.rows)
+                self._save(checkpoint.seq)
+                if len(checkpoint.rows) < REPLAY_PAGE:
                     return
 
     def _fold(self, rows: list[dict]) -> None:
@@ -266,11 +266,11 @@ class Feedback:
                     tracker.update(bool(row["adaptive_covered"]))
             self._seq = row["seq"]
 
-    def _restore(self, snapshot: Snapshot) -> None:
+    def _restore(self, checkpoint: Checkpoint) -> None:
         """Take the store's checkpoint, past this replica's labels: the states of the series it moved (the others
         are as this replica has them), and each adaptive threshold from its version's adaptive set coverage (the
         threshold is a function of the labels and misses it saw)."""
-        for key, state in snapshot.states.items():
+        for key, state in checkpoint.states.items():
             if len(key) == 3 and key[2] == SUSPENDED:
                 self._suspended[(key[0], key[1])] = json.loads(state)
             elif len(key) == 5:
@@ -282,7 +282,7 @@ class Feedback:
                     if (t.adapter, t.version, t.guarantee) == (adapter, version, "adaptive_set_coverage")]
             tracker.labels = sum(int(cs.n) for cs in seen)
             tracker.misses = tracker.labels - sum(int(round(float(cs.total))) for cs in seen)
-        self._seq = snapshot.checkpoint
+        self._seq = checkpoint.seq
         self._saved = self._counts()
 
     def _counts(self) -> dict[tuple, int]:

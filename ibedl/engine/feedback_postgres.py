@@ -12,7 +12,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 from ibedl.engine.errors import StoreUnavailable
-from ibedl.engine.feedback_store import FeedbackStore
+from ibedl.engine.feedback_sql import SqlStore
 
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS feedback (
@@ -59,7 +59,7 @@ def redacted(dsn: str) -> str:
     return f"postgresql://{parts.get('host', '')}{port}/{parts.get('dbname', '')}"
 
 
-class PostgresStore(FeedbackStore):
+class PostgresStore(SqlStore):
     """The feedback store in the PostgreSQL database at ``dsn`` (its tables are created when missing).
 
     Args:

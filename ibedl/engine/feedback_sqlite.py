@@ -10,7 +10,8 @@ import contextlib
 import sqlite3
 from pathlib import Path
 
-from ibedl.engine.feedback_store import COLUMNS, FeedbackStore
+from ibedl.engine.feedback_sql import SqlStore
+from ibedl.engine.feedback_store import COLUMNS
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS feedback (
@@ -49,7 +50,7 @@ CHECKPOINT = ("CREATE TABLE IF NOT EXISTS feedback_state (series TEXT PRIMARY KE
 ADDED = {"credential": "TEXT", "calibration": "TEXT"}
 
 
-class SqliteStore(FeedbackStore):
+class SqliteStore(SqlStore):
     """The feedback store in the SQLite file ``path`` (created with its directory, in WAL mode); None keeps it in
     memory.
 

@@ -2,11 +2,12 @@
 marked ``servers``): a label counts once across replicas, concurrent writers (threads and processes) keep one count
 and one set of states, a restart loads the checkpoint's states and reports what a full replay reports, bit for bit
 (the adaptive thresholds too), retention deletes old raw labels while the guarantees keep counting them, SQLite runs
-in WAL mode, a store that waits longer than its timeout answers StoreUnavailable, and the DSN's password is never in
-a message."""
+in WAL mode, a store that waits longer than its timeout answers StoreUnavailable, the DSN's password is never in a
+message, and a store written against the domain interface alone (dicts, no SQL) serves the engine as SQLite does."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import subprocess
@@ -18,10 +19,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from ibedl.engine.errors import ReceiptExpired, StoreUnavailable
+from ibedl.engine.errors import LabelConflict, ReceiptExpired, StoreUnavailable, TooLarge, TooManyLabels
 from ibedl.engine.feedback import Feedback, open_store
 from ibedl.engine.feedback_sqlite import SCHEMA, SqliteStore
-from ibedl.engine.feedback_store import Snapshot
+from ibedl.engine.feedback_store import REPLAYED, Checkpoint, FeedbackStore, LabelQuota
 from ibedl.engine.receipts import Receipt, new_id, sign
 from ibedl.engine.settings import EngineSettings
 
@@ -63,8 +64,8 @@ class FullReplay:
     def __init__(self, store) -> None:
         self.store = store
 
-    def read(self, after: int, limit: int) -> Snapshot:
-        return Snapshot(0, {}, self.store.since(after)[:limit])
+    def read(self, after: int, limit: int) -> Checkpoint:
+        return Checkpoint(0, {}, self.store.since(after)[:limit])
 
     def save(self, *args) -> bool:
         return False
@@ -76,11 +77,11 @@ class Reads:
     def __init__(self, store) -> None:
         self.store, self.states, self.rows = store, 0, 0
 
-    def read(self, after: int, limit: int) -> Snapshot:
-        snapshot = self.store.read(after, limit)
-        self.states += len(snapshot.states)
-        self.rows += len(snapshot.rows)
-        return snapshot
+    def read(self, after: int, limit: int) -> Checkpoint:
+        checkpoint = self.store.read(after, limit)
+        self.states += len(checkpoint.states)
+        self.rows += len(checkpoint.rows)
+        return checkpoint
 
     def __getattr__(self, name):
         return getattr(self.store, name)
@@ -354,3 +355,112 @@ class TestPostgres:
         assert password not in e.value.message and "postgresql://127.0.0.1:1/" in e.value.message
         store = PostgresStore(postgres_dsn, 2)
         assert password not in store.where and password not in repr(vars(store).get("where"))
+
+
+class DictStore(FeedbackStore):
+    """A store written against the domain interface alone, in dicts: no SQL, no ``SqlStore``. Its write is atomic
+    (one lock; inserts applied when the write ends, none when it raises), as a Redis store's MULTI would be."""
+
+    setting = "a test's dicts"
+
+    def __init__(self) -> None:
+        super().__init__("memory", 1.0)
+        self.rows: dict[int, dict] = {}  # by seq, in commit order
+        self.seq_of: dict[str, int] = {}  # by receipt id
+        self.states: dict[tuple, tuple[int, bytes]] = {}  # series -> (seq written at, state)
+        self.checkpoint = self.last = 0
+        self._lock = threading.Lock()
+        self._pending: list[dict] = []
+
+    @contextlib.contextmanager
+    def _writing(self):
+        with self._lock:
+            self._pending = []
+            yield
+            for row in self._pending:
+                self.last += 1
+                self.rows[self.last] = {"seq": self.last, **row}
+                self.seq_of[row["receipt_id"]] = self.last
+
+    def _labels_of(self, receipt_ids: list[str]) -> dict[str, int]:
+        return {rid: self.rows[self.seq_of[rid]]["label"] for rid in receipt_ids if rid in self.seq_of}
+
+    def _insert(self, rows: list[dict]) -> None:
+        self._pending += [dict(row) for row in rows]
+
+    def _window(self, credential: str, since: float) -> list[float]:
+        return sorted(r["recorded"] for r in self.rows.values() if r["credential"] == credential
+                      and r["recorded"] > since)
+
+    def _count_recorded(self, credential: str, since: float) -> int:
+        return len(self._window(credential, since))
+
+    def _recorded_at(self, credential: str, since: float, rank: int) -> float:
+        return self._window(credential, since)[rank]
+
+    def since(self, seq: int) -> list[dict]:
+        with self._lock:
+            return [dict(r) for s, r in self.rows.items() if s > seq]
+
+    def labelled(self, adapter: str, version: str, from_seq: int = 0) -> list[dict]:
+        return [r for r in self.since(from_seq - 1) if (r["adapter"], r["version"]) == (adapter, version)]
+
+    def _read(self, after: int, limit: int) -> Checkpoint:
+        with self._lock:
+            states = {} if self.checkpoint <= after else {
+                series: state for series, (seq, state) in self.states.items() if seq > after}
+            rows = [{c: r[c] for c in REPLAYED} for s, r in self.rows.items() if s > max(after, self.checkpoint)]
+            return Checkpoint(self.checkpoint, states, rows[:limit])
+
+    def state(self, series) -> bytes | None:
+        with self._lock:
+            return self.states.get(tuple(series), (0, None))[1]
+
+    def save(self, seq: int, states: dict, prune_before: float | None = None) -> bool:
+        with self._writing():
+            if self.checkpoint >= seq:
+                return False
+            self.states.update({tuple(series): (seq, state) for series, state in states.items()})
+            self.checkpoint = seq
+            for s in [s for s, r in self.rows.items() if prune_before is not None and r["recorded"] < prune_before
+                      and s <= seq]:
+                del self.seq_of[self.rows.pop(s)["receipt_id"]]
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+class TestDomainInterface:
+    def test_a_store_written_against_the_interface_alone_serves_the_engine(self, tmp_path):
+        """The engine on :class:`DictStore` records, finds duplicates, refuses a conflict (writing nothing of its
+        request), counts a credential's quota, and reports what it reports on SQLite for the same labels; a restart
+        from the dict store's checkpoint reads no label and reports the same."""
+        clock = Clock()
+        store = DictStore()
+        service, sqlite = engine({}, clock, store=store), engine({"feedback_db": tmp_path / "f.sqlite"}, clock)
+        items = labels(clock.now, 60)
+        for item in items:
+            assert [r["status"] for r in service.record(SERVED, [item])] == ["recorded"]
+            sqlite.record(SERVED, [item])
+        assert [r["status"] for r in service.record(SERVED, [items[0]])] == ["duplicate"]
+        (receipt, letter), (fresh, _) = items[0], labels(clock.now, 1, seed=1)[0]
+        with pytest.raises(LabelConflict, match="already has another label"):
+            service.record(SERVED, [(fresh, "B"), (receipt, "A" if letter != "A" else "B")], prefix="items.")
+        assert len(store.since(0)) == 60 and service.conflicts == {"default": 1}  # the fresh label is not written
+        assert reported(service) == reported(sqlite) and counts(service)[("answered_share", None)][0] == 60
+        assert store.checkpoint == 60 and store.state(("default", "4", "answered_share", None)) is not None
+
+        quota = LabelQuota("label_token", labels=2, window_s=60)
+        with pytest.raises(TooLarge, match="3 new labels in one request"):
+            service.record(SERVED, labels(clock.now, 3, seed=2), quota=quota)
+        assert [r["status"] for r in service.record(SERVED, labels(clock.now, 2, seed=3), quota=quota)] == \
+            ["recorded", "recorded"]
+        clock.now += 20
+        with pytest.raises(TooManyLabels) as e:
+            service.record(SERVED, labels(clock.now, 1, seed=4), quota=quota)
+        assert e.value.retry_after == 40 and len(store.since(0)) == 62
+
+        reads = Reads(store)
+        restarted = engine({}, clock, store=reads)
+        assert reads.rows == 0 and reads.states > 0 and reported(restarted) == reported(service)
