@@ -36,6 +36,7 @@ from ibedl.api import Checked, Model, load
 from ibedl.core.artifact import read_manifest
 from ibedl.engine.errors import EngineError, StoreUnavailable, error_body
 from ibedl.engine.feedback import Feedback
+from ibedl.engine.feedback_kinds import STORE_SETTINGS, persistent
 from ibedl.engine.schemas import FeedbackRequest
 from ibedl.engine.settings import EngineSettings
 
@@ -207,9 +208,9 @@ def feedback_main(artifacts: list[str], labels: Path, output: Path, limit: int =
     """``--feedback``: record labels into the feedback store (IBEDL_FEEDBACK_DB or IBEDL_FEEDBACK_DSN) for the adapter
     versions of ``artifacts``."""
     settings = EngineSettings(artifacts=[Path(a) for a in artifacts])
-    if settings.feedback_key is None or (settings.feedback_db is None and settings.feedback_dsn is None):
+    if settings.feedback_key is None or not persistent(settings):  # labels kept in memory would be lost at exit
         print("error: recording labels needs IBEDL_FEEDBACK_KEY (the key that signed the receipts) and "
-              "IBEDL_FEEDBACK_DB or IBEDL_FEEDBACK_DSN (the feedback store to record into)", file=sys.stderr)
+              f"{STORE_SETTINGS} (the feedback store to record into)", file=sys.stderr)
         return 2
     served = {}
     for a in artifacts:

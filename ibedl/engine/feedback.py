@@ -4,15 +4,16 @@ guarantees of each adapter version (answered accuracy, set coverage, answered sh
 with confidence sequences (``ibedl.engine.confidence_sequence``) that stay valid while they are watched; the
 adaptive sets (``ibedl.engine.adaptive``, off by default) follow the same labels.
 
-The store (``ibedl.engine.feedback_store``) is one that every replica opens: a SQLite file for the replicas of one
-host (``IBEDL_FEEDBACK_DB``) or a PostgreSQL database for several nodes (``IBEDL_FEEDBACK_DSN``). A label counts once
-whichever replica receives it (the receipt id is unique) and every replica folds the same labels in the same order,
-so every replica reports the same bounds and adaptive thresholds. A replica starts from the store's checkpoint (the
-sequences' states) and folds only the labels after it; whichever replica folds past the checkpoint moves it, so a
-start costs the same at a million labels as at none. Without a store setting it lives in memory, per process (one
-replica, tests, notebooks). A receipt keeps its first label: the same label again is a duplicate, another one is
-refused (``LabelConflict``). Labels sent over HTTP are counted per credential in the store, so a credential's cap
-per time window (``LabelQuota``) holds across replicas.
+The store (``ibedl.engine.feedback_store``; the settings choose its kind in ``ibedl.engine.feedback_kinds``) is one
+that every replica opens: a SQLite file for the replicas of one host (``IBEDL_FEEDBACK_DB``) or a PostgreSQL database
+for several nodes (``IBEDL_FEEDBACK_DSN``). A label counts once whichever replica receives it (the receipt id is
+unique) and every replica folds the same labels in the same order, so every replica reports the same bounds and
+adaptive thresholds. A replica starts from the store's checkpoint (the sequences' states) and folds only the labels
+after it; whichever replica folds past the checkpoint moves it, so a start costs the same at a million labels as at
+none. Without a store setting it lives in memory, per process (one replica, tests, notebooks). A receipt keeps its
+first label: the same label again is a duplicate, another one is refused (``LabelConflict``). Labels sent over HTTP
+are counted per credential in the store, so a credential's cap per time window (``LabelQuota``) holds across
+replicas.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ibedl.engine.adaptive import QuantileTracker
 from ibedl.engine.change_detector import ChangeDetector, alarm_threshold
 from ibedl.engine.confidence_sequence import BettingCS
 from ibedl.engine.errors import AdapterNotServed, FeedbackDisabled, InvalidRequest, LabelConflict, StoreUnavailable
+from ibedl.engine.feedback_kinds import open_store, persistent
 from ibedl.engine.feedback_store import Checkpoint, FeedbackStore, LabelQuota
 from ibedl.engine.receipts import Receipt, new_id, sign, verify
 from ibedl.engine.runtime import AdapterRuntime
@@ -45,18 +47,6 @@ SUSPENDED = "suspended"  # the checkpoint key (adapter, version, SUSPENDED) of a
 REPLAY_PAGE = 10_000  # labels folded per read when a replica catches up: memory and each read stay bounded
 
 log = logging.getLogger("ibedl.engine")
-
-
-def open_store(settings: EngineSettings) -> FeedbackStore:
-    """The store ``settings`` name: PostgreSQL at ``feedback_dsn``, else SQLite at ``feedback_db`` (in memory when
-    unset). ValueError when it cannot be used; StoreUnavailable when it does not answer (yet)."""
-    if settings.feedback_dsn is not None:
-        from ibedl.engine.feedback_postgres import PostgresStore
-
-        return PostgresStore(settings.feedback_dsn.get_secret_value(), settings.feedback_timeout_s)
-    from ibedl.engine.feedback_sqlite import SqliteStore
-
-    return SqliteStore(settings.feedback_db, settings.feedback_timeout_s)
 
 
 def served_versions(runtimes: dict[str, AdapterRuntime]) -> dict[str, str]:
@@ -95,7 +85,7 @@ class Feedback:
         self.clock = clock
         self._settings = settings  # what bind() opens the store from
         self.store: FeedbackStore | None = None  # opened by bind()
-        self.shared = settings.feedback_db is not None or settings.feedback_dsn is not None
+        self.shared = persistent(settings)
         self.retention_s = settings.feedback_retention_days * 86400 or None  # None: raw labels kept for ever
         self._tracked: dict[tuple, Tracked] = {}
         self._trackers: dict[tuple[str, str], QuantileTracker] = {}

@@ -3,7 +3,7 @@ commit order, and the checkpoint of the realised guarantees, behind one interfac
 (:class:`FeedbackStore`). The stores that implement it share their SQL (``ibedl.engine.feedback_sql``): SQLite
 (``ibedl.engine.feedback_sqlite``, ``IBEDL_FEEDBACK_DB``: one file in WAL mode, the zero-setup store of the replicas
 of one host; in memory without a file) and PostgreSQL (``ibedl.engine.feedback_postgres``, ``IBEDL_FEEDBACK_DSN``:
-replicas on several nodes).
+replicas on several nodes); which one settings or a command line name is chosen in ``ibedl.engine.feedback_kinds``.
 
 A store holds the labels, each once (its receipt id is unique; a receipt keeps its first label) and in commit order
 (``seq``: writers take one lock, so a reader that has seen a label has seen every label before it), and a
