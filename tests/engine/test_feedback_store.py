@@ -20,7 +20,8 @@ from types import SimpleNamespace
 import pytest
 
 from ibedl.engine.errors import LabelConflict, ReceiptExpired, StoreUnavailable, TooLarge, TooManyLabels
-from ibedl.engine.feedback import Feedback, open_store
+from ibedl.engine.feedback import Feedback
+from ibedl.engine.feedback_kinds import open_store
 from ibedl.engine.feedback_sqlite import SCHEMA, SqliteStore
 from ibedl.engine.feedback_store import REPLAYED, Checkpoint, FeedbackStore, LabelQuota
 from ibedl.engine.receipts import Receipt, new_id, sign
