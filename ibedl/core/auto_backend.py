@@ -2,11 +2,12 @@
 
 A CPU's flags do not say which precision is fastest: on one AVX512-BF16 CPU bfloat16 served 2.42x torch fp32, on
 another 0.76x (its bf16 matmul peak is half its fp32 one; benchmarks/results/cpu_backends.json). So ``auto`` times
-the trunk of every candidate (:data:`CANDIDATES`) this machine runs and the artifact carries a calibration for, each
-against the fastest so far on batches of :data:`TIMING_QUESTIONS` prompts of a served length, the two alternated
-over :data:`TIMING_ROUNDS` rounds (median: a burst of other work slows both of a round alike), and keeps the faster
-(:func:`tournament`). The measurement is cached under ``IBEDL_CACHE_DIR/backends/auto-<key>.json``, keyed by the
-CPU, thread count, library versions, adapter and candidates.
+the trunk of every candidate (the registered backends that declare ``auto``: :func:`candidate_names`) this machine
+runs and the artifact carries a calibration for, each against the fastest so far on batches of
+:data:`TIMING_QUESTIONS` prompts of a served length, the two alternated over :data:`TIMING_ROUNDS` rounds (median: a
+burst of other work slows both of a round alike), and keeps the faster (:func:`tournament`). The measurement is
+cached under ``IBEDL_CACHE_DIR/backends/auto-<key>.json``, keyed by the CPU, thread count, library versions, adapter
+and candidates.
 
 Loading never builds: :func:`start_choice` serves the cached measurement's winner when its IR is cached, else torch,
 and says which candidates are still to build and time. The service does that in the background
@@ -21,7 +22,6 @@ import gc
 import hashlib
 import json
 import logging
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -31,18 +31,15 @@ from pathlib import Path
 import torch
 
 from ibedl.core import quantization_sample
+from ibedl.core.backends import registry
+from ibedl.core.backends.registry import REFERENCE
 from ibedl.core.base_model import cache_dir, sha256_file
+from ibedl.core.cpu_isa import cpu_signature
 from ibedl.core.memory_limit import return_freed_memory
 from ibedl.core.prompt import MCQuestion
 
 log = logging.getLogger(__name__)
 
-# Every backend auto may pick; torch, the reference, is always timed beside the OpenVINO ones it can run.
-CANDIDATES = ("openvino-int8", "openvino-bf16", "openvino-fp32", "torch")
-# The order the background builds them in, cheapest first: fp32's IR is an export (about a minute), bf16 compiles the
-# same IR, static int8 quantises with NNCF (minutes, and its process peaks near 3 GiB): a faster backend is served
-# as soon as one is proven, not after the slowest build.
-BUILD_ORDER = ("openvino-fp32", "openvino-bf16", "openvino-int8")
 TIMING_QUESTIONS = 8  # the batch the issue's bar and the service's batcher use
 TIMING_ROUNDS = 5  # rounds of a timed call of each of a pair, alternated (A B A B ...) after a warm-up; medians count
 CHOICE_FORMAT = 2  # bump when what is timed changes (2: interleaved medians of pairs)
@@ -83,18 +80,33 @@ class AutoChoice:
         return asdict(self)
 
 
+def candidate_names() -> list[str]:
+    """Every registered backend ``auto`` may choose (``Backend.auto``), the costliest build first and so the
+    reference, torch (nothing to build), last (``Backend.build_cost``; ties in registry order): the order
+    :func:`choose` times them in and a cached measurement is keyed by (a new order makes every machine measure
+    again)."""
+    chosen = [b for b in registry.REGISTRY.values() if b.auto]
+    return [b.name for b in sorted(chosen, key=lambda b: -b.build_cost)]
+
+
+def build_order(names: list[str]) -> list[str]:
+    """``names`` but the reference, in the order the background builds them: the cheapest first
+    (``Backend.build_cost``), so a faster backend is served as soon as one is proven, not after the slowest build."""
+    return sorted((n for n in names if n != REFERENCE), key=lambda n: registry.get(n).build_cost)
+
+
 def candidates(predictor, artifact: Path, unavailable) -> tuple[list[str], dict[str, str]]:
     """(candidates to time, candidate -> why not) for ``predictor`` (on torch) loaded from ``artifact``: those whose
-    calibration the manifest carries (for static int8: one made on the artifact's quantisation sample) and this
-    machine runs: ``unavailable(name, predictor, artifact)`` says why it cannot, or None
-    (ibedl.core.backends.unavailable)."""
+    calibration the manifest carries (for a static int8 backend: one made on the artifact's quantisation sample and
+    this CPU's int8 class) and this machine runs: ``unavailable(name, predictor, artifact)`` says why it cannot, or
+    None (ibedl.core.backends.unavailable)."""
     carried = predictor.manifest.calibration_keys() if predictor.manifest is not None else []
     chosen, skipped = [], {}
-    for name in CANDIDATES:
-        key = predictor.calibration_key if name == "torch" else name
+    for name in candidate_names():
+        key = predictor.calibration_key_on(name)
         if key not in carried:
             skipped[name] = f"the artifact carries no calibration made on it ({key})"
-        elif why := (name == "openvino-int8" and quantization_sample.mismatch(
+        elif why := (registry.get(name).static_int8 and quantization_sample.mismatch(
                 predictor.manifest.calibration_for(key).record, quantization_sample.sha256(artifact))) \
                 or unavailable(name, predictor, artifact):
             skipped[name] = why
@@ -165,21 +177,6 @@ def tournament(names: list[str], build, run_of, champion: tuple[str, object], ti
     return best, best_trunk, seconds, skipped
 
 
-def cpu_signature() -> str:
-    """The CPU's model name and flags (Linux), else what ``platform`` knows, and oneDNN's instruction cap when one
-    is set (ibedl.core.cpu_isa.onednn_cap: the kernels, so the timings, are another CPU's)."""
-    from ibedl.core.cpu_isa import onednn_cap
-
-    cap = [f"ONEDNN_MAX_CPU_ISA={onednn_cap()}"] if onednn_cap() else []
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return " | ".join([f"{platform.machine()} {platform.processor()}", *cap])
-    lines = [line.split(":", 1)[1].strip() for line in info.splitlines()
-             if line.startswith(("model name", "flags")) and ":" in line]
-    return " | ".join([*dict.fromkeys(lines), *cap])
-
-
 def choice_path(predictor, artifact: Path, base_sha256: str, names: list[str]) -> Path:
     """The cache file of a measurement of ``names`` for this adapter on this machine."""
     import openvino
@@ -199,9 +196,9 @@ def start_choice(predictor, artifact: Path, base_sha256: str, build_cached, unav
     still to build and time (none when the cached measurement covers them all). ``build_cached`` raises (one of
     :data:`BUILD_ERRORS`) where the IR is not cached."""
     names, skipped = candidates(predictor, artifact, unavailable)
-    if names == ["torch"] or not names:
-        why = "; ".join(f"{k}: {v}" for k, v in skipped.items() if k != "torch")
-        return AutoChoice("torch", f"the fallback: {why}", skipped=skipped, base_sha256=base_sha256), None
+    if names == [REFERENCE] or not names:
+        why = "; ".join(f"{k}: {v}" for k, v in skipped.items() if k != REFERENCE)
+        return AutoChoice(REFERENCE, f"the fallback: {why}", skipped=skipped, base_sha256=base_sha256), None
     path = choice_path(predictor, artifact, base_sha256, names)
     stored = _read(path, names)
     if stored is not None:
@@ -214,11 +211,11 @@ def start_choice(predictor, artifact: Path, base_sha256: str, build_cached, unav
         else:
             return AutoChoice(name, _reason(name, stored["seconds"], cached=True), stored["seconds"], skipped,
                               stored["measured"], True, str(path), [], base_sha256), trunk
-    pending = sorted((n for n in names if n != "torch"),
-                     key=lambda n: BUILD_ORDER.index(n) if n in BUILD_ORDER else len(BUILD_ORDER))
-    reason = (f"not measured on this machine yet: torch, which needs no build, until {', '.join(pending)} are built "
-              f"and timed ({HOW_TO_MEASURE})")
-    return AutoChoice("torch", reason, skipped=skipped, path=str(path), pending=pending, base_sha256=base_sha256), None
+    pending = build_order(names)
+    reason = (f"not measured on this machine yet: {REFERENCE}, which needs no build, until {', '.join(pending)} are "
+              f"built and timed ({HOW_TO_MEASURE})")
+    return AutoChoice(REFERENCE, reason, skipped=skipped, path=str(path), pending=pending,
+                      base_sha256=base_sha256), None
 
 
 HOW_TO_MEASURE = ("the service does it in the background and switches to a faster one once proven; elsewhere: "
@@ -231,12 +228,12 @@ def choose(predictor, artifact: Path, base_sha256: str, build, unavailable, time
     :func:`candidates`. Every candidate is timed against the fastest so far (:func:`tournament`) and the measurement
     cached for :func:`start_choice`; torch when nothing else can run."""
     names, skipped = candidates(predictor, artifact, unavailable)
-    if names == ["torch"] or not names:
-        why = "; ".join(f"{k}: {v}" for k, v in skipped.items() if k != "torch")
-        return AutoChoice("torch", f"the fallback: {why}", skipped=skipped, base_sha256=base_sha256), None
+    if names == [REFERENCE] or not names:
+        why = "; ".join(f"{k}: {v}" for k, v in skipped.items() if k != REFERENCE)
+        return AutoChoice(REFERENCE, f"the fallback: {why}", skipped=skipped, base_sha256=base_sha256), None
     batch = predictor.encode(timing_questions())
-    best, trunk, seconds, failed = tournament([n for n in names if n != "torch"], build, runner(predictor, batch),
-                                              ("torch", None), timer)
+    best, trunk, seconds, failed = tournament([n for n in names if n != REFERENCE], build, runner(predictor, batch),
+                                              (REFERENCE, None), timer)
     return record(predictor, artifact, base_sha256, names, seconds, {**skipped, **failed}, best), trunk
 
 
@@ -251,7 +248,7 @@ def record(predictor, artifact: Path, base_sha256: str, names: list[str], second
                       "cpu": cpu_signature(), "threads": torch.get_num_threads()})
     if not seconds:
         why = "; ".join(f"{k}: {v}" for k, v in skipped.items())
-        return AutoChoice("torch", f"the fallback: {why}", skipped=skipped, measured=measured, path=str(path),
+        return AutoChoice(REFERENCE, f"the fallback: {why}", skipped=skipped, measured=measured, path=str(path),
                           base_sha256=base_sha256)
     return AutoChoice(best, _reason(best, seconds, cached=False), seconds, skipped, measured, False, str(path), [],
                       base_sha256)
@@ -282,9 +279,9 @@ def age_s(choice: AutoChoice, now: datetime | None = None) -> float | None:
 
 
 def _reason(name: str, seconds: dict[str, float], cached: bool) -> str:
-    ratio = seconds["torch"] / seconds[name] if "torch" in seconds else None
+    ratio = seconds[REFERENCE] / seconds[name] if REFERENCE in seconds else None
     times = ", ".join(f"{k} {v:.3f} s" for k, v in sorted(seconds.items(), key=lambda kv: kv[1]))
-    vs = f", {ratio:.2f}x torch" if ratio is not None else ""
+    vs = f", {ratio:.2f}x {REFERENCE}" if ratio is not None else ""
     when = "measured at an earlier start" if cached else "measured"
     return (f"the fastest calibrated backend on this machine ({when} on batches of {TIMING_QUESTIONS} prompts, "
             f"medians of interleaved rounds: {times}{vs})")
@@ -312,5 +309,6 @@ def _write(path: Path, data: dict) -> None:
         log.warning("auto: could not cache the measurement in %s (%s): each start measures again", path, e)
 
 
-__all__ = ["CANDIDATES", "TIMING_QUESTIONS", "TIMING_ROUNDS", "AutoChoice", "candidates", "start_choice", "choose",
-           "tournament", "interleaved_seconds", "record", "runner", "timing_questions", "choice_path", "age_s"]
+__all__ = ["candidate_names", "build_order", "TIMING_QUESTIONS", "TIMING_ROUNDS", "AutoChoice", "candidates",
+           "start_choice", "choose", "tournament", "interleaved_seconds", "record", "runner", "timing_questions",
+           "choice_path", "age_s"]

@@ -84,6 +84,20 @@ def model_name() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+def cpu_signature() -> str:
+    """The CPU's model name and flags (Linux), else what ``platform`` knows, and oneDNN's instruction cap when one
+    is set (:func:`onednn_cap`: the kernels, so the timings, are another CPU's): what a measurement or a compile
+    proof made on this CPU is keyed by (ibedl.core.auto_backend, ibedl.core.backends.openvino_ir)."""
+    cap = [f"ONEDNN_MAX_CPU_ISA={onednn_cap()}"] if onednn_cap() else []
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return " | ".join([f"{platform.machine()} {platform.processor()}", *cap])
+    lines = [line.split(":", 1)[1].strip() for line in info.splitlines()
+             if line.startswith(("model name", "flags")) and ":" in line]
+    return " | ".join([*dict.fromkeys(lines), *cap])
+
+
 def describe() -> str:
     """One line naming this CPU's kind as far as it changes the project's numbers and tests: model, cores, int8 class,
     native bf16, AVX-512, oneDNN's cap. Printed by CI (``python -m ibedl.core.cpu_isa``) and in pytest's header."""
@@ -95,7 +109,7 @@ def describe() -> str:
 
 
 __all__ = ["INT8_ISAS", "cpu_flags", "onednn_cap", "int8_isa", "capped_without_bf16", "bf16_flags", "model_name",
-           "describe"]
+           "cpu_signature", "describe"]
 
 
 if __name__ == "__main__":

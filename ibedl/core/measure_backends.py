@@ -28,14 +28,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m ibedl.core.measure_backends", description=main.__doc__)
     parser.add_argument("--artifact", required=True)
     parser.add_argument("--base-model", default=None, help="base model reference (default: the manifest's)")
-    parser.add_argument("--build", default=None, choices=[c for c in auto_backend.CANDIDATES if c != "torch"],
+    parser.add_argument("--build", default=None,
+                        choices=[c for c in auto_backend.candidate_names() if c != backends.REFERENCE],
                         help="only export this backend's IR into IBEDL_CACHE_DIR/backends")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    predictor = Predictor.from_artifact(args.artifact, base_model=args.base_model, backend="torch")
+    predictor = Predictor.from_artifact(args.artifact, base_model=args.base_model, backend=backends.REFERENCE)
     sha = resolve_model(args.base_model or predictor.manifest.base_model_ref().ref).sha256
     if args.build is not None:
         print(backends.export_ir(args.build, predictor, Path(args.artifact), sha, copy_model=False))

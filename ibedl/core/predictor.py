@@ -198,7 +198,8 @@ class Predictor:
         self.backend_choice = None  # what ``auto`` measured (ibedl.core.auto_backend.AutoChoice), None: not auto
         self.quantized_on = None  # static int8: sha256 of the quantisation sample file its trunk was quantised on
         self.calibration = None  # the manifest's calibration for this backend (use_calibration), None: none matches
-        self._released: tuple[torch.device, str] | None = None  # (device, calibration key) once the model is dropped
+        # (device, dtype, loaded in 4 bits) once the model is dropped: what a torch calibration key is made of
+        self._released: tuple[torch.device, torch.dtype, bool] | None = None
         self.num_rows = self.heads[0].config.num_rows
         self._hidden_memo: dict | None = None  # reusing_hidden's states by batch, None: outside the block
         format_prompt(MCQuestion("probe", ("a", "b")), template, tokenizer)  # fails early on a bad template
@@ -217,12 +218,21 @@ class Predictor:
     def calibration_key(self) -> str:
         """The backend and precision this predictor computes in, as calibrations are keyed
         (ibedl.core.backends.calibration_key): ``torch-fp32``, ``openvino-bf16``, ..."""
+        return self.calibration_key_on(self.backend)
+
+    def calibration_key_on(self, backend: str) -> str:
+        """The calibration key of this predictor's weights run on the concrete ``backend``: its device, dtype and
+        4-bit loading for those whose key names them (torch), the model's as loaded when it has been dropped."""
         from ibedl.core.backends import calibration_key
 
-        if self.model is None:  # released: the key it had, or its trunk's (a torch key needs the model)
-            return self._released[1] if self.backend == "torch" else calibration_key(self.backend)
+        return calibration_key(backend, *self._arithmetic())
+
+    def _arithmetic(self) -> tuple[torch.device, torch.dtype, bool]:
+        """(device, dtype, loaded in 4 bits) of the torch model, or of the one dropped (:meth:`drop_model`)."""
+        if self.model is None:
+            return self._released
         dtype = getattr(self.model, "dtype", None) or next(self.model.parameters()).dtype
-        return calibration_key(self.backend, self.device, dtype, bool(getattr(self.model, "is_loaded_in_4bit", False)))
+        return self.device, dtype, bool(getattr(self.model, "is_loaded_in_4bit", False))
 
     def record_choice(self, choice) -> None:
         """What ``auto`` measured in the background (ibedl.core.auto_backend.AutoChoice), once it is done."""
@@ -257,12 +267,13 @@ class Predictor:
 
     def drop_model(self) -> None:
         """Drop the torch model whatever answers (a copy that only encodes, such as the background switcher's),
-        keeping the device and calibration key it had; :meth:`release_model` is the checked call for a server."""
+        keeping the device, dtype and 4-bit loading its calibration key is made of; :meth:`release_model` is the
+        checked call for a server."""
         import gc
 
         from ibedl.core.memory_limit import return_freed_memory
 
-        self._released = (self.device, self.calibration_key)
+        self._released = self._arithmetic()
         self.model = self.decoder = None
         gc.collect()
         return_freed_memory()
@@ -473,7 +484,7 @@ class Predictor:
         (one process holds one base model), and with ``ValueError`` for more than one artifact on a backend
         other than torch or with an MC-Dropout artifact (its dropout stays active in the shared model).
         """
-        from ibedl.core.backends import build_trunk, check_backend
+        from ibedl.core.backends import REFERENCE, build_trunk, check_backend
         from ibedl.core.base_model import load_base_model, resolve_model
 
         check_backend(backend)
@@ -484,8 +495,8 @@ class Predictor:
         first, base = directories[0], manifests[0].base_model_ref()
         reason = None
         if len(directories) > 1 and backend == "auto":
-            backend, reason = "torch", "several adapters share one torch base model"
-            log.info("inference backend auto -> torch (%s)", reason)
+            backend, reason = REFERENCE, f"several adapters share one {REFERENCE} base model"
+            log.info("inference backend auto -> %s (%s)", backend, reason)
         if len(directories) > 1:
             _check_served_together(directories, manifests, backend)
         if resolved is None:
@@ -526,9 +537,11 @@ class Predictor:
 def _check_served_together(directories: list[Path], manifests: list[Manifest], backend: str) -> None:
     """Several adapters share one torch base model: refused (naming the adapter) for another backend, another base
     model's weights, or MC-Dropout (its dropout would stay on in the shared model)."""
-    if backend != "torch":
-        raise ValueError(f"several adapters share one torch base model; backend {backend!r} builds one trunk per "
-                         "adapter: serve them with backend torch")
+    from ibedl.core.backends import REFERENCE
+
+    if backend != REFERENCE:
+        raise ValueError(f"several adapters share one {REFERENCE} base model; backend {backend!r} builds one trunk "
+                         f"per adapter: serve them with backend {REFERENCE}")
     first, base = directories[0], manifests[0].base_model_ref()
     for d, m in zip(directories, manifests, strict=True):
         other = m.base_model_ref()

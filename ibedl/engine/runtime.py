@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ibedl.core import quantization_sample
+from ibedl.core import backends, quantization_sample
 from ibedl.core.artifact import Abstention, Conformal, ServedCalibration
 from ibedl.core.predictor import Prediction, Predictor
 from ibedl.engine.errors import UnknownAdapter
@@ -54,7 +54,7 @@ class AdapterRuntime:
     def calibration_matches(self) -> bool:
         """Whether the calibration in use was made on the backend and precision that serve."""
         p = self.predictor
-        quantized_elsewhere = p.backend == "openvino-int8" and quantization_sample.mismatch(
+        quantized_elsewhere = backends.get(p.backend).static_int8 and quantization_sample.mismatch(
             self.calibration.record, p.quantized_on) is not None
         return self.calibration.key == p.calibration_key and not quantized_elsewhere
 
@@ -132,12 +132,10 @@ def switched(runtime: AdapterRuntime, backend: str, trunk, reason: str, choice, 
     calibration made on it: a new object beside ``runtime``, which stays whole (its predictor, heads, calibration and
     ``ref``), so a pass queued on it before a switch is answered on it and under its calibration.
     UncalibratedBackend when the artifact carries no calibration for ``backend``."""
-    from ibedl.core.backends import Built, quantized_on
-
     predictor = copy.copy(runtime.predictor)
     # the calibration sets the heads' post-hoc parameter: the old runtime keeps its own
     predictor.heads = [copy.deepcopy(h) for h in runtime.predictor.heads]
-    predictor.serve_on(Built(trunk, backend, reason, choice, quantized_on(backend, artifact)))
+    predictor.serve_on(backends.Built(trunk, backend, reason, choice, backends.quantized_on(backend, artifact)))
     calibration = served_calibration(predictor, settings)
     return dataclasses.replace(runtime, predictor=predictor, calibration=calibration,
                                ref={**runtime.ref, "backend": backend, "calibration": calibration.key})
@@ -186,7 +184,7 @@ def served_calibration(predictor: Predictor, settings: EngineSettings) -> Served
         predictor.use_calibration()
     if predictor.calibration is not None:
         why = quantization_sample.mismatch(predictor.calibration.record, predictor.quantized_on) \
-            if predictor.backend == "openvino-int8" else None
+            if backends.get(predictor.backend).static_int8 else None
         if why is None:
             return predictor.calibration
         if not settings.allow_uncalibrated_backend:

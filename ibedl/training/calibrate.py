@@ -53,7 +53,7 @@ import torch
 
 from ibedl.core import quantization_sample
 from ibedl.core.artifact import Abstention, Conformal, Manifest, check_artifact, write_manifest
-from ibedl.core.backends import BACKENDS, calibration_key
+from ibedl.core.backends import BACKENDS, calibration_key, get, of_key
 from ibedl.core.conformal import SCORES, alpha_key, calibrate_quantiles, conformal_rank, prediction_set
 from ibedl.core.cpu_isa import int8_isa
 from ibedl.core.head import POSTHOC_NEUTRAL
@@ -565,10 +565,8 @@ def labelled_outputs(args, source: Path, manifest: Manifest, config: Calibration
         if not args.path:
             raise ValueError("--dataset feedback needs --path: the service's feedback store (IBEDL_FEEDBACK_DB)")
         # the arithmetic the labelled answers were computed on: --backend's, else the one most of them name
-        wanted = (None if args.backend is None else "torch-" if args.backend == "torch"
-                  else calibration_key(args.backend))
         kind, raw, labels, key = feedback_outputs(args.path, manifest, from_seq=args.from_seq,
-                                                  since_change=args.since_change, calibration=wanted)
+                                                  since_change=args.since_change, backend=args.backend)
         config.posthoc = False  # the outputs are the served ones: the served post-hoc parameter stays
         return kind, raw, labels, key
     if args.outputs:
@@ -595,18 +593,25 @@ def record(manifest: Manifest, key: str, head_update: dict, sections: dict, eval
     manifest.metrics.update(evaluated)
 
 
+def static_int8(key: str) -> bool:
+    """Whether calibration key ``key`` names the arithmetic of a static int8 backend (``Backend.static_int8``:
+    quantised on the artifact's quantisation sample, its numbers those of the CPU's int8 class)."""
+    backend = of_key(key)
+    return backend is not None and backend.static_int8
+
+
 def quantization_record(directory: Path, key: str, isa: str | None = None) -> dict | None:
     """What a calibration made on static int8 records of the trunk's quantisation (the artifact's sample file and
     its sha256, and the int8 instruction set ``isa`` the outputs were computed on, default this machine's: what the
     service checks), None for other backends; ValueError when the artifact carries no sample (outputs computed on
     an int8 trunk quantised on questions the artifact does not hold)."""
-    if key != "openvino-int8":
+    if not static_int8(key):
         return None
     sha = quantization_sample.sha256(directory)
     if sha is None:
         raise ValueError(f"{directory} carries no {quantization_sample.FILE}: the int8 trunk these outputs come from "
                          "was quantised on questions the artifact does not hold, so no service could rebuild it; "
-                         "calibrate without --outputs (--backend openvino-int8 writes the sample)")
+                         f"calibrate without --outputs (--backend {of_key(key).name} writes the sample)")
     return {"file": quantization_sample.FILE, "questions": len(quantization_sample.read(directory)), "sha256": sha,
             "isa": isa or int8_isa()}
 
@@ -615,7 +620,7 @@ def outputs_key(path, backend: str | None, manifest: Manifest | None = None) -> 
     """The backend and precision the raw outputs in ``path`` were computed on: as recorded (``calibration_key``);
     for a file written before backends were recorded, the key of the ``manifest``'s calibration that records it was
     made from this file, else torch in the precision of the devices its streams name. ValueError when ``backend``
-    (the --backend given) is another one."""
+    (the --backend given) is another one (``Backend.owns_key``)."""
     data = json.loads(Path(path).read_text())
     key = data.get("calibration_key")
     if key is None and manifest is not None:
@@ -625,7 +630,7 @@ def outputs_key(path, backend: str | None, manifest: Manifest | None = None) -> 
         devices = {str(s.get("device", "cpu")) for s in data["streams"].values()}
         cuda = any(d.startswith("cuda") for d in devices)
         key = calibration_key("torch", "cuda" if cuda else "cpu", "bfloat16" if cuda else "float32")
-    if backend is not None and key != backend and not (backend == "torch" and key.startswith("torch-")):
+    if backend is not None and not get(backend).owns_key(key):
         raise ValueError(f"{path} holds outputs computed on {key}, not on backend {backend}: answer the data on "
                          f"{backend} (--backend {backend} without --outputs)")
     return key
@@ -635,13 +640,13 @@ def outputs_isa(path, key: str) -> str | None:
     """The int8 instruction set (ibedl.core.quantization_sample.int8_isa) the static int8 outputs in ``path`` were
     computed on, None for other backends; ValueError when such a file does not record it (its calibration could not
     say which CPUs it holds on)."""
-    if key != "openvino-int8":
+    if not static_int8(key):
         return None
     isa = json.loads(Path(path).read_text()).get("int8_isa")
     if isa is None:
         raise ValueError(f"{path} holds static int8 outputs but not the int8 instruction set they were computed on "
                          f"(int8_isa): int8 arithmetic differs between CPUs with and without VNNI, so compute them "
-                         f"again on the CPU kind to serve (--backend openvino-int8 --save-outputs FILE)")
+                         f"again on the CPU kind to serve (--backend {of_key(key).name} --save-outputs FILE)")
     return isa
 
 
@@ -659,14 +664,14 @@ def run_model(args, source: Path, load_dataset) -> tuple[str, dict, list[int], s
     missing = [i for i, q in enumerate(questions) if q.answer is None]
     if missing:
         raise ValueError(f"questions {missing[:5]} of {args.dataset}/{args.split} have no answer to calibrate on")
-    if args.backend == "openvino-int8" and quantization_sample.sha256(source) is None:
+    if args.backend is not None and get(args.backend).static_int8 and quantization_sample.sha256(source) is None:
         # quantised on training questions (the calibration questions choose nothing else), kept in the artifact so
         # every machine quantises the trunk this calibration is made on
         sample = load_dataset(args.dataset, "train", path=args.path, limit=quantization_sample.QUESTIONS,
                               seed=args.seed)
         quantization_sample.write(source, sample)
-        log.info("wrote %s (%d %s training questions) into %s: openvino-int8 is quantised on them",
-                 quantization_sample.FILE, len(sample), args.dataset, source)
+        log.info("wrote %s (%d %s training questions) into %s: %s is quantised on them",
+                 quantization_sample.FILE, len(sample), args.dataset, source, args.backend)
     predictor = Predictor.from_artifact(source, base_model=args.base_model, device=args.device,
                                         dtype=getattr(torch, args.dtype) if args.dtype else None,
                                         backend=args.backend or "torch", load_in_4bit=args.load_in_4bit)
@@ -736,7 +741,7 @@ def without_password(text: str | None) -> str | None:
 
 
 def feedback_outputs(path, manifest: Manifest, minimum: int = 20, from_seq: int | None = None,
-                     since_change: bool = False, calibration: str | None = None) -> tuple[str, dict, list[int], str]:
+                     since_change: bool = False, backend: str | None = None) -> tuple[str, dict, list[int], str]:
     """(kind, raw, labels, calibration key) of the labelled answers of ``manifest``'s adapter version in a feedback
     store (the service's ``IBEDL_FEEDBACK_DB``, a SQLite file, or its ``IBEDL_FEEDBACK_DSN``, a postgresql:// URI):
     the outputs the receipts carried, as served (post-hoc parameter applied); those from store sequence number
@@ -746,9 +751,9 @@ def feedback_outputs(path, manifest: Manifest, minimum: int = 20, from_seq: int 
     those past its retention (IBEDL_FEEDBACK_RETENTION_DAYS) are gone.
 
     A guarantee holds for the arithmetic that computed the outputs, so only the answers of one calibration are
-    taken (each receipt names the backend and precision that answered): ``calibration`` (a key, or a prefix such as
-    ``torch-``), else the one most answers name. Labels of receipts that name none (signed before they did) count
-    only in a store where none does, as the manifest's top-level calibration's."""
+    taken (each receipt names the backend and precision that answered): one of ``backend``'s (a backend name), else
+    the one most answers name. Labels of receipts that name none (signed before they did) count only in a store
+    where none does, as the manifest's top-level calibration's."""
     from ibedl.engine.errors import EngineError
 
     where = f"the PostgreSQL store at {without_password(str(path))}" if is_dsn(path) else str(path)
@@ -763,7 +768,7 @@ def feedback_outputs(path, manifest: Manifest, minimum: int = 20, from_seq: int 
     except EngineError as e:  # a store that did not answer: its message names no secret
         raise ValueError(f"the feedback store did not answer: {e.message}") from None
     since = f" from label {from_seq} on" if from_seq else ""
-    rows, key = of_one_calibration(rows, calibration, manifest.calibrated_on)
+    rows, key = of_one_calibration(rows, backend, manifest.calibrated_on)
     if len(rows) < minimum:
         raise ValueError(f"{where} holds {len(rows)} labels of adapter {manifest.name!r} version {manifest.version}"
                          f"{since} answered on {key}; calibrating needs at least {minimum} (the more, the tighter "
@@ -781,23 +786,24 @@ def feedback_outputs(path, manifest: Manifest, minimum: int = 20, from_seq: int 
     return kind, raw, [int(r["label"]) for r in rows], key
 
 
-def of_one_calibration(rows: list[dict], wanted: str | None, top_level: str) -> tuple[list[dict], str]:
-    """(the rows answered under one calibration, its key): ``wanted`` (a key, or a prefix such as ``torch-``), else
-    the key most rows name; rows that name none (receipts signed before they did) only when no row names one, as
-    ``top_level``'s. ValueError when ``wanted`` matches several keys."""
+def of_one_calibration(rows: list[dict], backend: str | None, top_level: str) -> tuple[list[dict], str]:
+    """(the rows answered under one calibration, its key): the key of ``backend`` (a backend name: the keys it owns,
+    ``Backend.owns_key``) they name, else the key most rows name; rows that name none (receipts signed before they
+    did) only when no row names one, as ``top_level``'s. ValueError when they name several keys of ``backend``."""
+    owns = None if backend is None else get(backend).owns_key
     named = Counter(r.get("calibration") for r in rows if r.get("calibration"))
     if not named:
-        if wanted and not (top_level == wanted or top_level.startswith(wanted)):
+        if owns is not None and not owns(top_level):
             log.warning("the labelled receipts do not record the backend that answered them; taking them as %s's, "
                         "the manifest's top-level calibration", top_level)
         return rows, top_level
-    if wanted is None:
+    if owns is None:
         key = named.most_common(1)[0][0]
     else:
-        matches = sorted(k for k in named if k == wanted or k.startswith(wanted))
+        matches = sorted(k for k in named if owns(k))
         if len(matches) > 1:
             raise ValueError(f"the labelled answers were served on {matches}: name one with --backend")
-        key = matches[0] if matches else wanted
+        key = matches[0] if matches else backend
     kept = [r for r in rows if r.get("calibration") == key]
     if len(kept) < len(rows):
         log.warning("taking the %d labels answered on %s; %d answered on other backends (%s) or unrecorded are left "

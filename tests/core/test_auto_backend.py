@@ -17,6 +17,7 @@ from ibedl.core.artifact import read_manifest, write_manifest
 from ibedl.core.backends import openvino_ir
 from ibedl.core.predictor import Predictor
 from ibedl.core.prompt import MCQuestion
+from tests.core.test_backend_registry import EagerTrunk
 
 pytest.importorskip("openvino")
 
@@ -26,14 +27,14 @@ SAMPLE = [MCQuestion("Which is sun?", ("sun", "moon"), context="The sun is a sta
 
 def carrying(source, target, keys: list[str], sample: bool = True, record_sample: bool = True):
     """A copy of ``source`` carrying calibrations for ``keys`` beside its own (torch-fp32), and (``sample``) a
-    quantisation sample that the int8 calibration records (``record_sample``) or not."""
+    quantisation sample that a static int8 backend's calibration records (``record_sample``) or not."""
     shutil.copytree(source, target)
     manifest = read_manifest(target)
     sha = quantization_sample.write(target, SAMPLE) if sample else None
     for key in keys:
         sections = copy.deepcopy({n: getattr(manifest, n) for n in ("abstention", "conformal", "calibration",
                                                                        "reference")})
-        if key == "openvino-int8" and record_sample:
+        if backends.of_key(key).static_int8 and record_sample:
             sections["calibration"]["quantization"] = {"file": quantization_sample.FILE, "sha256": sha,
                                                        "isa": cpu_isa.int8_isa()}
         manifest.set_calibration(key, {}, sections)
@@ -158,6 +159,43 @@ def test_candidates_are_the_calibrated_backends_this_machine_runs(tiny_artifact,
     names, skipped = auto_backend.candidates(load(only_torch), only_torch, backends.unavailable)
     assert names == ["torch"]
     assert skipped["openvino-fp32"] == "the artifact carries no calibration made on it (openvino-fp32)"
+
+
+def test_candidates_are_the_registered_backends_that_declare_auto(tiny_artifact, tmp_path, timed, monkeypatch):
+    """auto's candidates come from the registry: a backend registered with ``auto`` is timed and can win, one
+    without is never timed; the costliest build is listed first and built last. Its name decides nothing."""
+    assert auto_backend.candidate_names() == ALL + ["torch"]
+    assert auto_backend.build_order(auto_backend.candidate_names()) == ["openvino-fp32", "openvino-bf16",
+                                                                         "openvino-int8"]  # cheapest first
+    monkeypatch.setitem(backends.REGISTRY, "npu-int4", EagerTrunk("npu-int4", auto=True, build_cost=4, calls=[]))
+    monkeypatch.setitem(backends.REGISTRY, "npu-fp32", EagerTrunk("npu-fp32", auto=False, calls=[]))
+    assert auto_backend.candidate_names() == ["npu-int4", *ALL, "torch"]
+    assert auto_backend.build_order(auto_backend.candidate_names())[-1] == "npu-int4"
+    artifact = carrying(tiny_artifact, tmp_path / "a", ["openvino-fp32", "npu-int4", "npu-fp32"])
+    predictor = load(artifact)
+    assert auto_backend.candidates(predictor, artifact, backends.unavailable)[0] == ["npu-int4", "openvino-fp32",
+                                                                                     "torch"]
+    build, built = timed({"torch": 1.0, "openvino-fp32": 0.5, "npu-int4": 0.2, "npu-fp32": 0.1})
+    choice, trunk = auto_backend.choose(predictor, artifact, "base", build, backends.unavailable)
+    assert choice.backend == trunk.name == "npu-int4" and built == ["npu-int4", "openvino-fp32"]
+    assert "npu-fp32" not in choice.seconds  # calibrated and faster, but auto may not choose it
+
+
+def test_a_registered_static_int8_backend_needs_the_sample_its_calibration_records(tiny_artifact, tmp_path, timed,
+                                                                                   monkeypatch):
+    """What makes ``openvino-int8`` need its quantisation sample is that it declares ``static_int8``: another
+    backend registered with it is held to the same check."""
+    timed({})
+    monkeypatch.setitem(backends.REGISTRY, "npu-int8",
+                        EagerTrunk("npu-int8", auto=True, build_cost=3, static_int8=True, calls=[]))
+    unrecorded = carrying(tiny_artifact, tmp_path / "a", ["npu-int8"], record_sample=False)
+    names, skipped = auto_backend.candidates(load(unrecorded), unrecorded, backends.unavailable)
+    assert "npu-int8" not in names and "does not record the questions" in skipped["npu-int8"]
+    recorded = carrying(tiny_artifact, tmp_path / "b", ["npu-int8"])
+    assert "npu-int8" in auto_backend.candidates(load(recorded), recorded, backends.unavailable)[0]
+    quantization_sample.write(recorded, SAMPLE[:1])  # the artifact's sample changed after its calibration
+    names, skipped = auto_backend.candidates(load(recorded), recorded, backends.unavailable)
+    assert "quantised on other questions" in skipped["npu-int8"]
 
 
 def test_int8_is_a_candidate_only_with_the_sample_its_calibration_was_made_on(tiny_artifact, tmp_path, timed):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ibedl.core import backends
-from ibedl.core.backends import REGISTRY, Built
+from ibedl.core.backends import REGISTRY, Built, openvino_ir
 from ibedl.core.backends.openvino_ir import LastTokenTrunk
 from ibedl.core.predictor import Predictor
 
@@ -29,16 +29,38 @@ def test_each_backend_is_its_own_module_and_one_registry_line():
         backends.get("tpu")
 
 
+def test_each_backend_declares_what_callers_ask_instead_of_its_name():
+    declared = {n: (b.auto, b.build_cost, b.static_int8) for n, b in REGISTRY.items()}
+    assert declared == {"torch": (True, 0, False), "openvino": (False, 2, False), "openvino-fp32": (True, 1, False),
+                        "openvino-bf16": (True, 2, False), "openvino-int8": (True, 3, True)}
+    assert backends.REFERENCE == "torch" and REGISTRY[backends.REFERENCE].build_cost == 0  # nothing to build
+    # every calibration key belongs to the backend that computes it, and to no other
+    for key, owner in [("torch-fp32", "torch"), ("torch-cuda-nf4-bf16", "torch"), ("openvino", "openvino"),
+                       ("openvino-fp32", "openvino-fp32"), ("openvino-int8", "openvino-int8")]:
+        assert backends.of_key(key) is REGISTRY[owner]
+        assert [n for n, b in REGISTRY.items() if b.owns_key(key)] == [owner]
+    assert backends.of_key("torch") is None and backends.of_key("tpu-fp32") is None
+    with pytest.raises(ValueError, match="build_cost must be >= 1 \\(an IR is built\\), got 0"):
+        openvino_ir.OpenVINOBackend("openvino-free", openvino_ir.FP32, build_cost=0)
+
+
 @dataclass(frozen=True)
 class EagerTrunk:
-    """A backend a contributor might add: the torch decoder called through the trunk interface."""
+    """A backend a contributor might add: the torch decoder called through the trunk interface. Its name means
+    nothing to the code: what it declares (``auto``, ``build_cost``, ``static_int8``) is what callers ask."""
 
     name: str = "eager-trunk"
     precision: str = "f32"
     calls: list = None  # batches its trunk ran
+    auto: bool = False
+    build_cost: int = 1
+    static_int8: bool = False
 
     def calibration_key(self, device="cpu", dtype="float32", load_in_4bit=False) -> str:
         return self.name
+
+    def owns_key(self, key: str) -> bool:
+        return key == self.name
 
     def unavailable(self, predictor, artifact: Path) -> str | None:
         return None
@@ -57,7 +79,9 @@ class EagerTrunk:
         raise ValueError("nothing to export")
 
     def quantized_on(self, artifact: Path) -> str | None:
-        return None
+        from ibedl.core import quantization_sample
+
+        return quantization_sample.sha256(artifact) if self.static_int8 else None
 
 
 def test_a_registered_backend_is_accepted_keyed_built_and_served(tiny_artifact, monkeypatch):

@@ -435,6 +435,42 @@ class TestCli:
         assert "carries no quantization_sample.jsonl" in capsys.readouterr().err
 
 
+class TestWhatTheBackendDeclares:
+    """Calibration asks the backend, never tests its name: a registered backend that declares ``static_int8``
+    records its quantisation sample and int8 class, and ``--backend`` names every key a backend owns."""
+
+    def test_a_registered_static_int8_backend_records_its_sample_and_int8_class(self, tmp_path, monkeypatch):
+        from ibedl.core import backends, quantization_sample
+        from ibedl.core.prompt import MCQuestion
+        from ibedl.training.calibrate import outputs_isa, quantization_record
+        from tests.core.test_backend_registry import EagerTrunk
+
+        monkeypatch.setitem(backends.REGISTRY, "npu-int8", EagerTrunk("npu-int8", static_int8=True, calls=[]))
+        with pytest.raises(ValueError, match="carries no quantization_sample.jsonl.*--backend npu-int8 writes"):
+            quantization_record(tmp_path, "npu-int8")
+        sha = quantization_sample.write(tmp_path, [MCQuestion("Which is sun?", ("sun", "moon"), answer=0)])
+        assert quantization_record(tmp_path, "npu-int8", "avx2") == {
+            "file": quantization_sample.FILE, "questions": 1, "sha256": sha, "isa": "avx2"}
+        assert quantization_record(tmp_path, "openvino-fp32") is None and quantization_record(tmp_path, "x") is None
+        outputs = tmp_path / "outputs.json"
+        outputs.write_text(json.dumps({"calibration_key": "npu-int8"}))  # computed on int8, its class not recorded
+        with pytest.raises(ValueError, match="--backend npu-int8 --save-outputs FILE"):
+            outputs_isa(outputs, "npu-int8")
+        assert outputs_isa(outputs, "openvino-fp32") is None
+
+    def test_backend_names_the_keys_it_owns(self, tmp_path):
+        from ibedl.training.calibrate import outputs_key
+
+        outputs = tmp_path / "outputs.json"
+        outputs.write_text(json.dumps({"calibration_key": "torch-cuda-bf16", "streams": {}}))
+        assert outputs_key(outputs, "torch") == outputs_key(outputs, None) == "torch-cuda-bf16"  # any precision
+        with pytest.raises(ValueError, match="computed on torch-cuda-bf16, not on backend openvino-fp32"):
+            outputs_key(outputs, "openvino-fp32")
+        outputs.write_text(json.dumps({"calibration_key": "openvino-int8", "streams": {}}))
+        with pytest.raises(ValueError, match="computed on openvino-int8, not on backend openvino:"):
+            outputs_key(outputs, "openvino")  # its name begins the key, but the key is another backend's
+
+
 class TestFeedbackSample:
     """``--dataset feedback``: a recalibration on the labels sent back to the service, with the outputs its
     receipts carried (the model does not run again)."""
@@ -475,12 +511,14 @@ class TestFeedbackSample:
         with caplog.at_level("WARNING", logger="ibedl.training.calibrate"):
             kept, key = of_one_calibration(rows, None, "torch-fp32")  # the one most answers name
         assert key == "openvino-int8" and len(kept) == 5 and "3 answered on other backends" in caplog.text
-        assert of_one_calibration(rows, "torch-", "torch-fp32")[1] == "torch-fp32"  # --backend torch
+        assert of_one_calibration(rows, "torch", "torch-fp32")[1] == "torch-fp32"  # --backend torch: any precision
         assert len(of_one_calibration(rows, "openvino-fp32", "torch-fp32")[0]) == 0  # none answered there
+        # a backend's keys are the ones it owns, not every key its name begins: openvino-int8's are not openvino's
+        assert of_one_calibration(rows, "openvino", "torch-fp32") == ([], "openvino")
         older = [{"calibration": None}] * 3  # receipts signed before they named one: the top level's
         assert of_one_calibration(older, None, "torch-fp32") == (older, "torch-fp32")
         with pytest.raises(ValueError, match="served on"):
-            of_one_calibration([{"calibration": "torch-fp32"}, {"calibration": "torch-cuda-bf16"}], "torch-", "x")
+            of_one_calibration([{"calibration": "torch-fp32"}, {"calibration": "torch-cuda-bf16"}], "torch", "x")
 
     @pytest.mark.servers
     def test_a_postgresql_store_is_read_by_its_dsn_and_its_password_never_shown(self, tiny_artifact, postgres_dsn,

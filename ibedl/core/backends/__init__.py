@@ -3,7 +3,8 @@ batch into the (B, d) hidden state of each prompt's last real token. The option 
 abstention stay the predictor's own code whatever the backend.
 
 One module per backend declares it (``BACKEND``: a :class:`~ibedl.core.backends.base.Backend` with its name,
-precision, what it needs, how it builds and its calibration key), and one line of :data:`REGISTRY` lists it:
+precision, what it needs, how it builds, its calibration key, whether ``auto`` may choose it and whether it is
+quantised on a sample), and one line of ``REGISTRY`` (ibedl.core.backends.registry) lists it:
 ``torch`` (torch_eager: the PEFT model as loaded, on the CPU or CUDA), ``openvino`` (openvino_int8_weights),
 ``openvino-fp32``, ``openvino-bf16`` and ``openvino-int8`` (static int8); the OpenVINO ones share
 ibedl.core.backends.openvino_ir (export, IR cache, compile). ``auto`` (the default) is not a backend but a choice
@@ -23,10 +24,6 @@ import logging
 from pathlib import Path
 
 from ibedl.core.backends.base import Backend, Built
-from ibedl.core.backends.openvino_bf16 import BACKEND as OPENVINO_BF16
-from ibedl.core.backends.openvino_fp32 import BACKEND as OPENVINO_FP32
-from ibedl.core.backends.openvino_int8 import BACKEND as OPENVINO_INT8
-from ibedl.core.backends.openvino_int8_weights import BACKEND as OPENVINO_INT8_WEIGHTS
 from ibedl.core.backends.openvino_ir import (
     CompileCrashError,
     LastTokenTrunk,
@@ -42,36 +39,17 @@ from ibedl.core.backends.openvino_ir import (
 )
 from ibedl.core.backends.openvino_ir import ir_path as _ir_path
 from ibedl.core.backends.openvino_ir import openvino_trunk as _openvino_trunk
-from ibedl.core.backends.torch_eager import BACKEND as TORCH
+from ibedl.core.backends.registry import (
+    BACKENDS,
+    DEFAULT_BACKEND,
+    REFERENCE,
+    REGISTRY,
+    check_backend,
+    get,
+    of_key,
+)
 
 log = logging.getLogger(__name__)
-
-# Every backend, one line each (the order the choices are listed in).
-REGISTRY: dict[str, Backend] = {b.name: b for b in (
-    TORCH,
-    OPENVINO_INT8_WEIGHTS,
-    OPENVINO_FP32,
-    OPENVINO_BF16,
-    OPENVINO_INT8,
-)}
-BACKENDS = (*REGISTRY, "auto")  # what IBEDL_BACKEND accepts
-# Which backend is fastest depends on the CPU, not only on its flags (benchmarks/results/cpu_backends.json): ``auto``
-# measures it at start-up (ibedl.core.auto_backend).
-DEFAULT_BACKEND = "auto"
-
-
-def check_backend(name: str) -> str:
-    """``name`` if it is a registered backend or ``auto``, else a ValueError naming it and the choices."""
-    if name != "auto" and name not in REGISTRY:
-        raise ValueError(f"unknown inference backend {name!r}; choose one of {', '.join([*REGISTRY, 'auto'])}")
-    return name
-
-
-def get(name: str) -> Backend:
-    """The backend called ``name`` (ValueError for an unknown name, or for ``auto``: resolve it first)."""
-    if check_backend(name) == "auto":
-        raise ValueError("auto is a choice among backends, not one: resolve it first (build_trunk)")
-    return REGISTRY[name]
 
 
 def calibration_key(backend: str, device="cpu", dtype="float32", load_in_4bit: bool = False) -> str:
@@ -153,7 +131,7 @@ def _build(backend: str, predictor, artifact: Path, base_sha256: str, export: bo
     return get(backend).build(predictor, artifact, base_sha256, export)
 
 
-__all__ = ["REGISTRY", "BACKENDS", "DEFAULT_BACKEND", "Backend", "Built", "check_backend", "get", "calibration_key",
-           "unavailable", "build_trunk", "build_one", "export_ir", "quantized_on", "openvino_trunk", "ir_path",
-           "runs_openvino", "native_bf16", "int8_cached", "artifact_sample", "sample_digest", "compile_checked",
-           "compress_int8_groups", "CompileCrashError", "LastTokenTrunk", "OpenVINOTrunk"]
+__all__ = ["REGISTRY", "BACKENDS", "DEFAULT_BACKEND", "REFERENCE", "Backend", "Built", "check_backend", "get", "of_key",
+           "calibration_key", "unavailable", "build_trunk", "build_one", "export_ir", "quantized_on", "openvino_trunk",
+           "ir_path", "runs_openvino", "native_bf16", "int8_cached", "artifact_sample", "sample_digest",
+           "compile_checked", "compress_int8_groups", "CompileCrashError", "LastTokenTrunk", "OpenVINOTrunk"]

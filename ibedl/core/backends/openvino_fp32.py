@@ -2,4 +2,4 @@
 
 from ibedl.core.backends.openvino_ir import FP32, OpenVINOBackend
 
-BACKEND = OpenVINOBackend("openvino-fp32", FP32, precision="f32")
+BACKEND = OpenVINOBackend("openvino-fp32", FP32, precision="f32", auto=True, build_cost=1)

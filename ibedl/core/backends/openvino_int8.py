@@ -3,4 +3,4 @@ artifact's quantisation sample (ibedl.core.quantization_sample); its calibration
 
 from ibedl.core.backends.openvino_ir import STATIC_INT8, OpenVINOBackend
 
-BACKEND = OpenVINOBackend("openvino-int8", STATIC_INT8, precision="f32")
+BACKEND = OpenVINOBackend("openvino-int8", STATIC_INT8, precision="f32", auto=True, build_cost=3)

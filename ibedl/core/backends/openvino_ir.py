@@ -250,7 +250,7 @@ def compile_checked(core, xml: Path, config: dict, backend: str):
     skips the candidate, a named backend fails with this message)."""
     import openvino as ov
 
-    from ibedl.core.auto_backend import cpu_signature
+    from ibedl.core.cpu_isa import cpu_signature
 
     key = hashlib.sha256(json.dumps([sha256_file(xml), config, ov.__version__, cpu_signature()],
                                     sort_keys=True).encode()).hexdigest()[:16]  # the graph, not its weights
@@ -340,26 +340,35 @@ def _check_openvino_predictor(backend: str, predictor) -> None:
 @dataclass(frozen=True)
 class OpenVINOBackend:
     """An OpenVINO backend: the IR kind it runs (``ir``: openvino-fp32, openvino or openvino-int8), the precision its
-    matmuls compute in (``precision``, the CPU plugin's INFERENCE_PRECISION_HINT: f32 or bf16) and what it needs
-    beyond OpenVINO on the CPU. Its calibration key is its name (the precision is in it)."""
+    matmuls compute in (``precision``, the CPU plugin's INFERENCE_PRECISION_HINT: f32 or bf16), whether ``auto`` may
+    choose it and what building it costs (``auto``, ``build_cost``: :class:`~ibedl.core.backends.base.Backend`), and
+    what it needs beyond OpenVINO on the CPU. Its calibration key is its name (the precision is in it)."""
 
     name: str
     ir: str
     precision: str = "f32"
+    auto: bool = False
+    build_cost: int = 1
 
     def __post_init__(self) -> None:
         if self.ir not in IR_KINDS:
             raise ValueError(f"backend {self.name!r}: IR kind must be one of {IR_KINDS}, got {self.ir!r}")
         if self.precision not in ("f32", "bf16"):
             raise ValueError(f"backend {self.name!r}: precision must be f32 or bf16, got {self.precision!r}")
+        if self.build_cost < 1:
+            raise ValueError(f"backend {self.name!r}: build_cost must be >= 1 (an IR is built), got {self.build_cost}")
 
     @property
     def static_int8(self) -> bool:
-        """Quantised on the artifact's quantisation sample (its calibration must record which)."""
+        """Quantised on the artifact's quantisation sample (its calibration must record which, and the CPU int8
+        class it was made on)."""
         return self.ir == STATIC_INT8
 
     def calibration_key(self, device="cpu", dtype="float32", load_in_4bit: bool = False) -> str:
         return self.name
+
+    def owns_key(self, key: str) -> bool:
+        return key == self.name
 
     def unavailable(self, predictor, artifact: Path) -> str | None:
         """Why this machine cannot run it for ``predictor`` (loaded from ``artifact``), or None when it can."""

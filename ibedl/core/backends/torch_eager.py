@@ -12,6 +12,9 @@ SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 class TorchBackend:
     name: str = "torch"
     precision: str = "model"  # the loaded model's dtype
+    auto: bool = True  # the reference auto times the others against, and its fallback
+    build_cost: int = 0  # nothing to build: the model as loaded
+    static_int8: bool = False
 
     def calibration_key(self, device="cpu", dtype="float32", load_in_4bit: bool = False) -> str:
         """``torch-<precision>`` on the CPU, ``torch-cuda-[nf4-]<precision>`` on CUDA; ``dtype``: a torch dtype or its
@@ -22,6 +25,9 @@ class TorchBackend:
         on_cuda = str(device).startswith("cuda")
         return "-".join(["torch", *(["cuda"] if on_cuda else []), *(["nf4"] if load_in_4bit else []),
                          SHORT_DTYPES[name]])
+
+    def owns_key(self, key: str) -> bool:
+        return key.startswith(f"{self.name}-")  # torch-<precision>, torch-cuda-[nf4-]<precision>
 
     def unavailable(self, predictor, artifact: Path) -> str | None:
         return None  # runs wherever the model loaded
