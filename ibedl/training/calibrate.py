@@ -267,9 +267,9 @@ def calibrate_outputs(kind: str, raw: dict, labels, config: CalibrationConfig) -
     # count, whose calibration it would otherwise trade for the others'. The thresholds and sets below are chosen
     # after it, each count's on its own questions, so every count's promises hold whatever it is. Without the
     # post-hoc step the parameter is set neutral.
-    method = head_kind(kind)
+    step = head_kind(kind)  # the head kind's post-hoc step (ibedl.training.head_kinds)
     fit_on = fit if main is None else fit[counts[fit] == main]
-    head_update, posthoc = method.fit(raw, labels, fit_on) if config.posthoc else (method.neutral(), {"kind": None})
+    head_update, posthoc = step.fit(raw, labels, fit_on) if config.posthoc else (step.neutral(), {"kind": None})
     outputs = posthoc_outputs(kind, raw, head_update)
     conf = outputs.confidence
     if main is not None:
