@@ -100,5 +100,5 @@ def conformal_quantile(conformal: Conformal | None, req: PredictRequest,
 
 
 def count_tokens(runtime: AdapterRuntime, q: MCQuestion) -> int:
-    """Tokens of ``q``'s formatted prompt, counted on the runtime's own tokenizer copy."""
-    return count_prompt_tokens(runtime.count_tokenizer, runtime.predictor.template, q)
+    """Tokens of ``q``'s formatted prompt, counted on the calling thread's own copy of the runtime's tokenizer."""
+    return count_prompt_tokens(runtime.count_tokenizers.get(), runtime.predictor.template, q)

@@ -18,6 +18,7 @@ from ibedl.core.artifact import Abstention, Conformal, ServedCalibration
 from ibedl.core.predictor import Prediction, Predictor
 from ibedl.engine.errors import UnknownAdapter
 from ibedl.engine.settings import EngineSettings
+from ibedl.engine.thread_tokenizer import PerThreadTokenizer
 
 log = logging.getLogger("ibedl.engine")
 
@@ -33,7 +34,7 @@ class AdapterRuntime:
     predictor: Predictor
     calibration: ServedCalibration  # the manifest's calibration in use (made on the backend, unless overridden)
     ref: dict  # the "adapter" field of every answer: name, method, version, backend, calibration
-    count_tokenizer: object  # a copy for counting tokens off the model's thread (the model's thread owns the original)
+    count_tokenizers: PerThreadTokenizer  # a copy per thread for counting tokens (the model thread owns the original)
 
     @property
     def thresholds(self) -> Abstention:
@@ -99,7 +100,7 @@ def make_runtimes(predictors: list[Predictor], settings: EngineSettings,
     if bad:
         raise ValueError(f"{len(bad)} weight tensors hold NaN or inf (first: {', '.join(bad[:3])}); "
                          "the artifact is broken: retrain or restore it")
-    count_tokenizer = copy.deepcopy(predictors[0].tokenizer)  # one base model: one tokenizer
+    count_tokenizers = PerThreadTokenizer(predictors[0].tokenizer)  # one base model: one tokenizer
     runtimes: dict[str, AdapterRuntime] = {}
     for predictor in predictors:
         manifest = predictor.manifest
@@ -118,7 +119,7 @@ def make_runtimes(predictors: list[Predictor], settings: EngineSettings,
             calibration=calibration,
             ref={"name": manifest.name, "method": manifest.method, "version": str(manifest.version),
                  "backend": predictor.backend, "calibration": calibration.key},
-            count_tokenizer=count_tokenizer,
+            count_tokenizers=count_tokenizers,
         )
     for predictor in predictors:  # checked: the torch weights an OpenVINO trunk no longer needs are dropped
         if predictor.trunk is not None and not keep_model:
