@@ -62,7 +62,7 @@ def to_question(runtime: AdapterRuntime, settings: EngineSettings, req: PredictR
         raise TooLarge(f"context is {len(req.context)} characters; the limit is {s.max_context_chars}",
                        prefix + "context")
     if req.conformal is not None:  # an alpha or score not stored for this option count is the client's error: 422,
-        conformal_quantile(conformal_of(runtime, len(options)), req, prefix)  # before the model runs
+        stored_quantile(conformal_of(runtime, len(options)), req, prefix)  # before the model runs
     q = MCQuestion(req.question, tuple(options), req.context or None, id=req.id)
     tokens = count_tokens(runtime, q)
     if tokens > s.max_tokens:
@@ -78,9 +78,12 @@ def conformal_of(runtime: AdapterRuntime, options: int) -> Conformal | None:
     return None if runtime.conformal is None else runtime.conformal.for_options(options)
 
 
-def conformal_quantile(conformal: Conformal | None, req: PredictRequest,
-                       prefix: str = "") -> tuple[float, float, str] | None:
-    """(quantile, alpha, score) of the set a request gets; None when the adapter has no conformal calibration."""
+def stored_quantile(conformal: Conformal | None, req: PredictRequest,
+                    prefix: str = "") -> tuple[float, float, str] | None:
+    """(quantile, alpha, score) of the set a request gets, looked up among ``conformal``'s stored quantiles (the
+    request's alpha and score, else the calibration's defaults; computing a quantile from scores is
+    ibedl.core.conformal.conformal_quantile); None when the adapter has no conformal calibration, InvalidRequest for
+    an alpha or score not stored."""
     opts = req.conformal
     if conformal is None:
         if opts is not None and (opts.alpha is not None or opts.score is not None):

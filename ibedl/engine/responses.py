@@ -11,7 +11,7 @@ from ibedl.core.predictor import Prediction
 from ibedl.core.prompt import LETTERS, MCQuestion
 from ibedl.engine import abstention
 from ibedl.engine.feedback import Feedback
-from ibedl.engine.requests import conformal_of, conformal_quantile, max_options
+from ibedl.engine.requests import conformal_of, max_options, stored_quantile
 from ibedl.engine.runtime import AdapterRuntime
 from ibedl.engine.schemas import PredictedOption, PredictRequest, PredictResponse, StatedGuarantees
 from ibedl.engine.settings import EngineSettings
@@ -36,7 +36,7 @@ def build_answer(runtime: AdapterRuntime, req: PredictRequest, q: MCQuestion, pr
     )
     reason = abstention.decide(pred.uncertainty, pred.confidence, limits)
     letters = LETTERS[: q.num_options]
-    conformal = conformal_quantile(conformal_of(runtime, q.num_options), req)
+    conformal = stored_quantile(conformal_of(runtime, q.num_options), req)
     set_indices = None if conformal is None else prediction_set(pred.probs, conformal[0], conformal[2])
     pset = None if set_indices is None else [letters[i] for i in set_indices]
     guarantees = stated_guarantees(runtime, own, q.num_options, None if conformal is None else conformal[1],
