@@ -29,7 +29,7 @@ def measure(run: Path, fit_samples: int) -> dict:
     """One run: the validation metrics of MAP, of the marginal likelihood's prior and of every grid value."""
     from ibedl.training import metrics
     from ibedl.training.experiments.evaluate_run import load_run
-    from ibedl.training.finetune import posthoc_questions, run_questions
+    from ibedl.training.finetune import predictive_fit_questions, run_questions
     from ibedl.training.laplace_lora import PRIOR_GRID, fit_laplace, grid_edge, predictives_over_grid
     from ibedl.training.methods import get_method
 
@@ -37,7 +37,8 @@ def measure(run: Path, fit_samples: int) -> dict:
     training = predictor.manifest.training or {}
     cfg, train_q, val_q = run_questions(training)
     laplace_method = get_method("laplace")
-    fit_q = posthoc_questions(laplace_method, laplace_method.params({"fit_samples": fit_samples}), train_q, cfg.seed)
+    fit_q = predictive_fit_questions(laplace_method, laplace_method.params({"fit_samples": fit_samples}), train_q,
+                                     cfg.seed)
     laplace = fit_laplace(predictor, fit_q, prior_precision="marglik")
     marglik = laplace.prior_info["prior_precision"]
     values = (*PRIOR_GRID, marglik)

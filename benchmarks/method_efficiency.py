@@ -8,7 +8,7 @@ itself records the same columns, but its runs share the cores (``--jobs``) and t
 fills the prefix cache the later ones read; here one run goes at a time, every training and every test pass in its
 own child process (peak RSS from wait4, ``ibedl.training.experiments.benchmark.Runner``), after an untimed MAP run that
 fills the prefix cache for these questions. MC-Dropout and Laplace reuse MAP's training (their train columns are
-MAP's); Laplace's post-hoc fit (KFAC curvature on ``fit_samples`` training questions and its prior precision chosen
+MAP's); Laplace's predictive fit (KFAC curvature on ``fit_samples`` training questions and its prior precision chosen
 on the validation questions) is reported on its own, apart from its test samples/s.
 """
 
@@ -38,7 +38,7 @@ def efficiency_config(config: dict, methods: list[str], train: int, validation: 
 
 
 def measure(config: dict, root: Path) -> dict:
-    """Per method: the Runner's efficiency record, its training run (seconds, samples) and any post-hoc fit."""
+    """Per method: the Runner's efficiency record, its training run (seconds, samples) and any predictive fit."""
     Runner({**config, "methods": ["map"]}, root / "warm-up", root / "warm-up.json").run(
         Run("id", "id", "sciq", "map", 0, ("sciq",)))  # fills the prefix cache; not measured
     runner = Runner(config, root / "runs", root / "results.json")

@@ -118,9 +118,9 @@ def run_questions(training: dict) -> tuple[TrainConfig, list[MCQuestion], list[M
     return cfg, train_q, val_q
 
 
-def posthoc_questions(method: Method, params: dict, train_q: list[MCQuestion], seed: int) -> list[MCQuestion]:
-    """The training questions a method's post-hoc step is fitted on: ``num_samples`` of them drawn with ``seed``."""
-    return random.Random(seed).sample(train_q, min(method.posthoc.num_samples(params), len(train_q)))
+def predictive_fit_questions(method: Method, params: dict, train_q: list[MCQuestion], seed: int) -> list[MCQuestion]:
+    """The training questions a method's predictive is fitted on: ``num_samples`` of them drawn with ``seed``."""
+    return random.Random(seed).sample(train_q, min(method.predictive_fit.num_samples(params), len(train_q)))
 
 
 def length_grouped_batches(
@@ -512,13 +512,13 @@ def ceiling(method: str, params: dict, train_q: list[MCQuestion]) -> dict | None
 
 
 def train(cfg: TrainConfig, command: str = "") -> Path:
-    """Run one fine-tuning job (M jobs for an ensemble, then a post-hoc step if the method has one);
+    """Run one fine-tuning job (M jobs for an ensemble, then the method's predictive fit if it has one);
     returns the artifact directory.
 
     Metrics, zeta and thresholds are computed on the artifact as saved and reloaded, so what is
     measured is exactly what the service will load. Under several processes (``accelerate launch``) all of
     them train; the main process alone then calibrates, evaluates and writes the manifest, so every method
-    runs there as it does in one process (Laplace's post-hoc fit included). An ensemble started again after an
+    runs there as it does in one process (Laplace's predictive fit included). An ensemble started again after an
     interruption keeps the members the interrupted start had saved under the same config
     (:mod:`ibedl.training.member_resume`), copies those a run in ``members_from`` trained (MAP's run of its seed
     is its first member) and trains the rest.
@@ -650,7 +650,7 @@ def loadable_manifest(cfg: TrainConfig, method: Method, params: dict, dirs: list
 
 def load_trained(cfg: TrainConfig, method: Method, params: dict, out_dir: Path, train_q: list[MCQuestion],
                  val_q: list[MCQuestion], resolved: ResolvedModel | None = None, tokenizer=None) -> Predictor:
-    """The artifact as the service will load it, with the method's post-hoc step fitted (e.g. Laplace:
+    """The artifact as the service will load it, with the method's predictive fitted (e.g. Laplace:
     a posterior over the saved adapter, its prior chosen on ``val_q``, so metrics use its predictive).
     ``resolved``, ``tokenizer``: the base model as :func:`train` resolved it (default: resolved here)."""
     dtype = DTYPES[cfg.dtype] if cfg.dtype else None
@@ -659,10 +659,10 @@ def load_trained(cfg: TrainConfig, method: Method, params: dict, out_dir: Path, 
     predictor = Predictor.from_artifact(out_dir, base_model=cfg.base_model, device=cfg.device, dtype=dtype,
                                         load_in_4bit=cfg.load_in_4bit, resolved=resolved, tokenizer=tokenizer)
     prefix_cache.attach(predictor, cfg.train_layers, resolved.sha256)
-    if method.posthoc is not None:
-        fit_q = posthoc_questions(method, params, train_q, cfg.seed)
-        log.info("post-hoc %s on %d training questions", method.name, len(fit_q))
-        predictor = method.posthoc.fit(predictor, fit_q, val_q, params)
+    if method.predictive_fit is not None:
+        fit_q = predictive_fit_questions(method, params, train_q, cfg.seed)
+        log.info("predictive fit of %s on %d training questions", method.name, len(fit_q))
+        predictor = method.predictive_fit.fit(predictor, fit_q, val_q, params)
     return predictor
 
 
@@ -713,7 +713,7 @@ def training_record(cfg: TrainConfig, method: Method, params: dict, command: str
         "label_noise": cfg.data.label_noise,
         "lora": cfg.lora.to_dict(),
         "zeta": sections["calibration"]["posthoc"] if method.calibrates_posthoc and cfg.fit_zeta else None,
-        "posthoc": getattr(predictor, "posthoc_info", None),  # what a post-hoc step chose (Laplace's prior)
+        "posthoc": getattr(predictor, "predictive_fit_info", None),  # what the predictive fit chose (Laplace's prior)
         "dropped_too_long": dropped,
         "run": run,
         "confidence_ceiling": ceiling(method.name, params, train_q),

@@ -1,4 +1,4 @@
-"""Laplace-LoRA: a post-hoc Laplace posterior over the LoRA weights of a MAP adapter (laplace-torch).
+"""Laplace-LoRA: a Laplace posterior over the LoRA weights of a trained MAP adapter (laplace-torch).
 
 KFAC ("kron") generalised Gauss-Newton over every LoRA matrix, the prior precision chosen by the validation NLL of
 the predictive (or fitted by the marginal likelihood, or given), and the GLM predictive with the probit
@@ -226,7 +226,7 @@ class LaplacePredictor:
         return getattr(self.laplace.predictor, name)
 
     @property
-    def posthoc_info(self) -> dict:
+    def predictive_fit_info(self) -> dict:
         """How the posterior's prior precision was chosen (:attr:`LaplaceLoRA.prior_info`)."""
         return self.laplace.prior_info
 

@@ -189,7 +189,7 @@ class Runner:
     def plan(self, runs: list[Run]) -> None:
         """Evaluate each (trained run, method) once for all its cells: the first cell to need predictions draws
         them for every set any cell of that run and method reads (an id cell's and an ood cell's), in one process, so
-        a post-hoc fit (Laplace's posterior) is made once per run rather than once per cell."""
+        a predictive fit (Laplace's posterior) is made once per run rather than once per cell."""
         for run in runs:
             key = (run.train_key(get_method(run.method).trained_as), run.method)
             have = self.sets_of.get(key, ())
@@ -299,7 +299,7 @@ class Runner:
                 "eval_peak_rss_mib": preds.get("eval_peak_rss_mib"),
             },
         }
-        if fits := posthoc_fits(preds["sets"], run.eval_sets):
+        if fits := predictive_fits(preds["sets"], run.eval_sets):
             record["posthoc"] = fits
         record["training"] = training_summary(json.loads((artifact / "manifest.json").read_text()))
         self.add(record)
@@ -329,8 +329,8 @@ def training_summary(manifest: dict) -> dict:
     }
 
 
-def posthoc_fits(sets: dict, eval_sets) -> list[dict]:
-    """The post-hoc fits behind a cell's predictions (Laplace: its prior precision and the fit's seconds), each with
+def predictive_fits(sets: dict, eval_sets) -> list[dict]:
+    """The predictive fits behind a cell's predictions (Laplace: its prior precision and the fit's seconds), each with
     the sets it predicted. The id and ood cells of a trained run are evaluated in one process (Runner.plan), so both
     name the same fit; predictions cached by an earlier version of the runner may name two."""
     fits: list[dict] = []

@@ -4,7 +4,7 @@
         --output FILE
 
 The method's record says how the artifact predicts: its dropout-on passes (MC-Dropout on a MAP artifact)
-and its post-hoc step, fitted on the artifact's training data (Laplace: a KFAC posterior over the LoRA
+and its predictive fit, made on the artifact's training data (Laplace: a KFAC posterior over the LoRA
 weights, the ``laplace`` extra). Writes, per dataset, the predictive probabilities, labels, uncertainty
 masses and test throughput.
 """
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     args = parser.parse_args(argv)
 
-    from ibedl.training.finetune import posthoc_questions, run_questions
+    from ibedl.training.finetune import predictive_fit_questions, run_questions
     from ibedl.training.methods import get_method
 
     limits = json.loads(args.limits)
@@ -171,24 +171,24 @@ def main(argv: list[str] | None = None) -> int:
     if method.num_mc_samples(params):  # the predictive of a method trained as the artifact was (MC-Dropout on MAP)
         predictor.mc_samples = method.num_mc_samples(params)
         predictor.eval()
-    # The run's training and validation questions, drawn once: the post-hoc step and the Mahalanobis score use them.
+    # The run's training and validation questions, drawn once: the predictive fit and the Mahalanobis score use them.
     cfg, train_q, val_q = run_questions(predictor.manifest.training) if predictor.manifest.training else (None, [], [])
-    posthoc = None
-    if method.posthoc is not None:  # fitted on the questions the run trained and was calibrated on, as finetune does
-        fit_q = posthoc_questions(method, params, train_q, cfg.seed)
+    fit = None
+    if method.predictive_fit is not None:  # on the questions the run trained and was calibrated on, as finetune does
+        fit_q = predictive_fit_questions(method, params, train_q, cfg.seed)
         start = time.perf_counter()
-        predictor = method.posthoc.fit(predictor, fit_q, val_q, params)
-        # what the post-hoc step chose (Laplace's prior precision) and its cost, data loading left out
-        posthoc = {**(getattr(predictor, "posthoc_info", None) or {}), "fit_seconds": time.perf_counter() - start}
+        predictor = method.predictive_fit.fit(predictor, fit_q, val_q, params)
+        # what the predictive fit chose (Laplace's prior precision) and its cost, data loading left out
+        fit = {**(getattr(predictor, "predictive_fit_info", None) or {}), "fit_seconds": time.perf_counter() - start}
     with predictor.reusing_hidden():  # one trunk pass per question serves predictions, features and zeta 0
-        out = predict_sets(predictor, args, limits, val_q, posthoc)
+        out = predict_sets(predictor, args, limits, val_q, fit)
     atomic_write_text(args.output, json.dumps(out))  # the runner takes a present file as finished
     return 0
 
 
-def predict_sets(predictor, args, limits: dict, val_q: list, posthoc: dict | None) -> dict:
+def predict_sets(predictor, args, limits: dict, val_q: list, fit: dict | None) -> dict:
     """evaluate_run's output for ``args.dataset``: per set, the outputs, labels, throughput, energy and Mahalanobis
-    scores, the post-hoc fit and (IB-EDL with zeta) the outputs without it."""
+    scores, the predictive ``fit`` (under ``posthoc``) and (IB-EDL with zeta) the outputs without zeta."""
     from ibedl.training.evaluate import predict_all
     from ibedl.training.ood_scores import Mahalanobis, features
 
@@ -205,8 +205,8 @@ def predict_sets(predictor, args, limits: dict, val_q: list, posthoc: dict | Non
         energies, hidden = features(predictor, questions, args.batch_size)
         out["sets"][dataset]["energy"] = [round(float(e), 6) for e in energies]
         out["sets"][dataset]["mahalanobis"] = None if maha is None else [round(float(m), 4) for m in maha.score(hidden)]
-        if posthoc is not None:  # with every set: the benchmark caches predictions per set, and a cell's record
-            out["sets"][dataset]["posthoc"] = posthoc  # names the fit behind each of its sets
+        if fit is not None:  # with every set: the benchmark caches predictions per set, and a cell's record
+            out["sets"][dataset]["posthoc"] = fit  # names the fit behind each of its sets
         out["sets"][dataset].update(zeta_free(predictor, questions, served, args.batch_size))
     return out
 

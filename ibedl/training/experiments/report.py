@@ -301,8 +301,8 @@ def efficiency_table(results: list[dict]) -> list[str]:
             "`python -m benchmarks.method_efficiency` measures one run at a time.", ""] + lines + [""]
 
 
-def posthoc_table(results: list[dict]) -> list[str]:
-    """What each post-hoc fit chose (Laplace's prior precision), what it cost and which cells and sets use it: an
+def predictive_fit_table(results: list[dict]) -> list[str]:
+    """What each predictive fit chose (Laplace's prior precision), what it cost and which cells and sets use it: an
     ood cell's in-distribution predictions come from its id cell's fit, its shifted streams from its own."""
     fits: dict = {}
     for r in sorted(results, key=lambda r: (list(METHODS).index(r["method"]), r["seed"], r["label_noise"], r["key"])):
@@ -488,8 +488,8 @@ def write_report(results: list[dict], config: dict, path: Path, runs_root: Path 
         lines += [f"## Label noise ({fraction:.0%} of training labels moved; clean test data)", ""]
         lines += id_tables(results, "noise", ID_METRICS[:3])
     lines += ["## Efficiency", ""] + efficiency_table(results)
-    if posthoc := posthoc_table(results):
-        lines += ["## Post-hoc steps", ""] + posthoc
+    if fits := predictive_fit_table(results):
+        lines += ["## Post-hoc steps", ""] + fits
     written = [path]
     if runs_root is not None:
         images = plots(results, Path(runs_root), path.parent / f"{path.stem}-plots")

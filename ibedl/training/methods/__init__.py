@@ -1,7 +1,7 @@
 """The method registry: one module per method, one line here per method, in the order reports list them."""
 
 from ibedl.training.methods import edl, ensemble, i_edl, ib_edl, laplace, map, map_ts, mc_dropout, r_edl, vid
-from ibedl.training.methods.base import LossContext, Method, PostHoc
+from ibedl.training.methods.base import LossContext, Method, PredictiveFit
 
 METHODS: dict[str, Method] = {}
 METHODS["map"] = map.METHOD
@@ -22,4 +22,4 @@ def get_method(name: str) -> Method:
     return METHODS[name]
 
 
-__all__ = ["METHODS", "Method", "LossContext", "PostHoc", "get_method"]
+__all__ = ["METHODS", "Method", "LossContext", "PredictiveFit", "get_method"]

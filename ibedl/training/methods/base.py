@@ -1,5 +1,5 @@
 """What a method is, in one record: its head and training objective, its hyper-parameters, how many adapters
-it trains, its predictive (dropout passes) and an optional post-hoc step fitted after training."""
+it trains, its predictive (dropout passes) and an optional predictive fit after training."""
 
 from __future__ import annotations
 
@@ -54,8 +54,10 @@ LossFn = Callable[[HeadPrediction, torch.Tensor, torch.Tensor, dict, LossContext
 
 
 @dataclass(frozen=True)
-class PostHoc:
-    """A step fitted on training questions once the adapter is saved; its predictor replaces the artifact's.
+class PredictiveFit:
+    """A method's predictive fitted once the adapter is saved (Laplace's posterior, MAP+TS's temperature); the
+    predictor it returns replaces the artifact's. Not the head's post-hoc parameter, which calibration fits
+    (``Method.calibrates_posthoc``).
 
     Attributes:
         fit: ``fit(predictor, questions, validation, params) -> predictor``, fitted on the training ``questions``
@@ -92,7 +94,7 @@ class Method:
             member's seed is the same training and can stand in for it (``members_from``).
         mc_samples: the predictive's forward passes with dropout on (MC-Dropout), 0 for one deterministic
             pass; from ``params`` when a str, else the number.
-        posthoc: a :class:`PostHoc` step fitted after training (Laplace), or None.
+        predictive_fit: a :class:`PredictiveFit` made after training (Laplace, MAP+TS), or None.
         confidence_ceiling: ``f(params, num_options) -> dict | None``, the highest confidence the
             objective allows at that option count (IB-EDL), or None when it has no ceiling.
         reuses: a method whose training run is the same as this one's (``map`` for MC-Dropout, Laplace and
@@ -117,7 +119,7 @@ class Method:
     members: int | str = 1
     member_method: str | None = None
     mc_samples: int | str = 0
-    posthoc: PostHoc | None = None
+    predictive_fit: PredictiveFit | None = None
     confidence_ceiling: Callable[[dict, int], dict | None] | None = None
     reuses: str | None = None
     calibrates_posthoc: bool = False

@@ -17,7 +17,7 @@ from typing import Literal
 from pydantic import field_validator
 
 from ibedl.training.laplace_lora import PREDICTIVES, PRIORS, LaplacePredictor, fit_laplace
-from ibedl.training.methods.base import Hyper, Method, Number, PostHoc, StrictInt, count
+from ibedl.training.methods.base import Hyper, Method, Number, PredictiveFit, StrictInt, count
 from ibedl.training.methods.map import map_loss
 
 
@@ -54,6 +54,6 @@ METHOD = Method(
     head="softmax",
     loss=map_loss,
     hyper=LaplaceParams,
-    posthoc=PostHoc(fit=fit),
+    predictive_fit=PredictiveFit(fit=fit),
     reuses="map",
 )

@@ -10,7 +10,7 @@ References:
 
 import numpy as np
 
-from ibedl.training.methods.base import Method, PostHoc
+from ibedl.training.methods.base import Method, PredictiveFit
 from ibedl.training.methods.map import map_loss
 
 
@@ -24,9 +24,9 @@ def fit(predictor, questions, validation, params):
     temperature, info = fit_temperature([np.asarray(p.probs, dtype=np.float64) for p in preds],
                                         [q.answer for q in validation])
     predictor.head.config.temperature = temperature
-    predictor.posthoc_info = {"temperature": temperature, "n": len(validation), **info}
+    predictor.predictive_fit_info = {"temperature": temperature, "n": len(validation), **info}
     return predictor
 
 
-METHOD = Method(name="map_ts", label="MAP+TS", head="softmax", loss=map_loss, posthoc=PostHoc(fit=fit, samples=None),
-                reuses="map", calibrates_posthoc=True)
+METHOD = Method(name="map_ts", label="MAP+TS", head="softmax", loss=map_loss,
+                predictive_fit=PredictiveFit(fit=fit, samples=None), reuses="map", calibrates_posthoc=True)
