@@ -2,15 +2,14 @@
 
     python -m benchmarks.hparam_search --config benchmarks/sciq_grid.yaml [--jobs 2] [--only-methods ib_edl]
 
-The config's ``search`` section names a seed and, per method, candidate overrides of its training run (dotted
-keys as ``ibedl.training.finetune`` takes them: ``optim.head_lr``, ``method_params.beta``, ...). Every candidate
-trains as the grid's runs do (same data sizes, warm start, early stopping) into ``runs/search/<name>/``;
-the criterion is the
-validation NLL of the state early stopping kept (before any post-hoc step), read from the run's manifest. The test
-split is never read. Results (every candidate's start and end validation metrics, the choice per method) go to
-``benchmarks/results/<name>_search.json``; the grid's ``method_params`` and ``method_train`` sections are then set
-from the choices by hand, with this file as the evidence. Candidates already in that file with the same overrides
-are not trained again: the command resumes, also on a fresh machine.
+The config's ``search`` section names a seed and, per method, candidate overrides of its training run (dotted keys as
+``ibedl.training.finetune`` takes them: ``optim.head_lr``, ``method_params.beta``, ...). Every candidate trains as the
+grid's runs do (same data sizes, warm start, early stopping) into ``runs/search/<name>/``; the criterion is the
+validation NLL of the state early stopping kept (before calibration or a predictive fit), read from the run's manifest.
+The test split is never read. Results (every candidate's start and end validation metrics, the choice per method) go to
+``benchmarks/results/<name>_search.json``; the grid's ``method_params`` and ``method_train`` sections are then set from
+the choices by hand, with this file as the evidence. Candidates already in that file with the same overrides are not
+trained again: the command resumes, also on a fresh machine.
 """
 
 from __future__ import annotations

@@ -174,6 +174,8 @@ class TrainConfig(_Model):
     members_from: list[str] = Field(default_factory=list)
     train_layers: int | None = None  # LoRA trains in the top K decoder layers only; the states below are cached
     target_accuracy: Real = Field(0.8, gt=0, le=1)
+    # calibration fits the head's post-hoc parameter: IB-EDL's zeta, a softmax method's temperature (the name is
+    # older than the temperature; it stays, as manifests and member fingerprints hold it)
     fit_zeta: bool = True
     reference_size: StrictInt = Field(1000, ge=10)
     # calibration claims an option count only with at least this many validation questions of it

@@ -282,7 +282,7 @@ def test_disjoint_from_must_name_an_artifact_with_a_training_config(tmp_path):
 
 
 def test_run_questions_rebuild_a_noisy_runs_training_and_validation_questions(tmp_path, tiny_model_dir, jsonl_data):
-    # what evaluate_run fits a post-hoc step on: the training draw and noisy labels the run trained with
+    # what evaluate_run makes a predictive fit on: the training draw and noisy labels the run trained with
     cfg = config(tmp_path, tiny_model_dir, jsonl_data, "map", seed=1, **{"data.label_noise": 0.5, "data.noise_seed": 3})
     rebuilt_cfg, train_q, val_q = run_questions({"config": cfg.to_dict()})
     assert rebuilt_cfg.seed == 1 and rebuilt_cfg.data.label_noise == 0.5

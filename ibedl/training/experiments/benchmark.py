@@ -307,10 +307,10 @@ class Runner:
 
 
 def training_summary(manifest: dict) -> dict:
-    """What training did to a cell's run, from its manifest: validation metrics at the start and the end (before any
-    post-hoc step; an ensemble's members' means), the steps run of the budget and what stopped them, and the
-    calibration's post-hoc fit (IB-EDL's zeta) with the validation metrics after it, and how many of its training
-    questions its start had drawn (``start_overlap``; None for a run from before it was recorded)."""
+    """What training did to a cell's run, from its manifest: validation metrics at the start and the end (before
+    calibration or a predictive fit; an ensemble's members' means), the steps run of the budget and what stopped them,
+    and the calibration's post-hoc fit (IB-EDL's zeta) with the validation metrics after it, and how many of its
+    training questions its start had drawn (``start_overlap``; None for a run from before it was recorded)."""
     training = manifest.get("training") or {}
     run = training.get("run") or {}
     members = run.get("members") or [run]

@@ -53,7 +53,7 @@ def test_runner_end_to_end_and_resume(bench_config, tmp_path):
     ood = by_key["ood-obqa-ib_edl-s0"]["metrics"]
     assert 0 <= ood["ood/arc_easy/auroc_mp"] <= 1 and 0 <= ood["ood/arc_easy/auroc_um"] <= 1
     assert "ood/arc_easy/auroc_um" not in by_key["ood-obqa-map-s0"]["metrics"]
-    # MC-Dropout and Laplace-style post-hoc methods reuse the MAP training run
+    # MC-Dropout and the methods with a predictive fit (Laplace, MAP+TS) reuse the MAP training run
     assert not (runs_dir / "sciq-mc_dropout-s0").exists()
     assert (runs_dir / "sciq-map-s0" / "predictions-mc_dropout-sciq.json").is_file()
     manifest = json.loads((runs_dir / "arc_easy-noise0.5-map-s0" / "manifest.json").read_text())
