@@ -11,7 +11,7 @@ and candidates.
 
 Loading never builds: :func:`start_choice` serves the cached measurement's winner when its IR is cached, else torch,
 and says which candidates are still to build and time. The service does that in the background
-(ibedl.serve.backend_switch) and switches when a faster one is proven; elsewhere
+(ibedl.engine.backend_switch) and switches when a faster one is proven; elsewhere
 ``python -m ibedl.core.measure_backends --artifact DIR`` builds and times them (minutes, once per machine), and
 ``--build NAME`` exports one backend's IR into the cache (what the service's background builder runs, niced).
 """
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from ibedl.core import quantization_sample
+from ibedl.core import backends, quantization_sample
 from ibedl.core.backends import registry
 from ibedl.core.backends.registry import REFERENCE
 from ibedl.core.base_model import cache_dir, sha256_file
@@ -309,6 +309,26 @@ def _write(path: Path, data: dict) -> None:
         log.warning("auto: could not cache the measurement in %s (%s): each start measures again", path, e)
 
 
-__all__ = ["candidate_names", "build_order", "TIMING_QUESTIONS", "TIMING_ROUNDS", "AutoChoice", "candidates",
+def build(backend: str, predictor, artifact: Path, base_sha256: str) -> backends.Built:
+    """What ``predictor`` serves on (:meth:`ibedl.core.predictor.Predictor.serve_on` applies it): a named backend
+    built (ibedl.core.backends.build_trunk); ``auto`` builds nothing (:func:`start_choice`: the cached measurement's
+    winner, else torch; what it weighed and what is still to build and time in ``Built.choice``), and logs what it
+    chose and why."""
+    if registry.check_backend(backend) != "auto":
+        return backends.build_trunk(backend, predictor, artifact, base_sha256)
+    artifact = Path(artifact)
+    choice, trunk = start_choice(
+        predictor, artifact, base_sha256,
+        lambda name: backends.build_one(name, predictor, artifact, base_sha256, export=False), backends.unavailable)
+    log.info("inference backend auto -> %s (%s)%s", choice.backend, choice.reason,
+             f"; measured again once {choice.path} is deleted" if choice.path and choice.cached else "")
+    if choice.pending:
+        log.warning("inference backend auto: %s not measured on this machine yet; serving %s meanwhile (%s)",
+                    ", ".join(choice.pending), choice.backend, HOW_TO_MEASURE)
+    return backends.Built(trunk, choice.backend, choice.reason, choice,
+                          registry.get(choice.backend).quantized_on(artifact))
+
+
+__all__ = ["build", "candidate_names", "build_order", "TIMING_QUESTIONS", "TIMING_ROUNDS", "AutoChoice", "candidates",
            "start_choice", "choose", "tournament", "interleaved_seconds", "record", "runner", "timing_questions",
            "choice_path", "age_s"]

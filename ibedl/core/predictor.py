@@ -484,7 +484,8 @@ class Predictor:
         (one process holds one base model), and with ``ValueError`` for more than one artifact on a backend
         other than torch or with an MC-Dropout artifact (its dropout stays active in the shared model).
         """
-        from ibedl.core.backends import REFERENCE, build_trunk, check_backend
+        from ibedl.core.auto_backend import build as build_trunk
+        from ibedl.core.backends import REFERENCE, check_backend
         from ibedl.core.base_model import load_base_model, resolve_model
 
         check_backend(backend)

@@ -263,14 +263,14 @@ def test_build_trunk_gives_the_choice_the_predictor_serves_on(tiny_artifact, tmp
         return None if name == "torch" else Named(name)
 
     monkeypatch.setattr(backends, "_build", fake_build)
-    with caplog.at_level("INFO", logger="ibedl.core.backends"):
-        built = backends.build_trunk("auto", predictor, artifact, "base")  # nothing measured: torch, no build
+    with caplog.at_level("INFO", logger="ibedl.core.auto_backend"):
+        built = auto_backend.build("auto", predictor, artifact, "base")  # nothing measured: torch, no build
     assert built.trunk is None and built.backend == "torch" and exported == []
     assert built.choice.pending == ["openvino-fp32", "openvino-bf16"]  # cheapest build first
     assert "openvino-fp32, openvino-bf16 not measured on this machine yet; serving torch meanwhile" in caplog.text
     auto_backend.choose(predictor, artifact, "base", build, backends.unavailable)
-    with caplog.at_level("INFO", logger="ibedl.core.backends"):
-        built = backends.build_trunk("auto", predictor, artifact, "base")
+    with caplog.at_level("INFO", logger="ibedl.core.auto_backend"):
+        built = auto_backend.build("auto", predictor, artifact, "base")
     assert built.trunk.name == built.backend == "openvino-fp32" and exported == [("openvino-fp32", False)]
     assert built.choice.seconds["openvino-bf16"] == 0.8
     assert "inference backend auto -> openvino-fp32 (the fastest calibrated backend on this machine" in caplog.text

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from ibedl.core import backends, cpu_isa
+from ibedl.core import auto_backend, backends, cpu_isa
 from ibedl.core.backends import check_backend, compress_int8_groups, native_bf16, openvino_ir, openvino_trunk
 from ibedl.core.base_model import load_base_model, resolve_model
 from ibedl.core.head import HeadConfig, build_head
@@ -166,12 +166,12 @@ def test_auto_is_the_default_and_falls_back_to_torch_where_openvino_cannot_run(t
     monkeypatch.setattr(backends, "_build", lambda name, *args: name)  # what it would build
     try:
         predictor.mc_samples = 4  # MC-Dropout (and ensembles, CUDA) fall back to torch instead of failing
-        built = backends.build_trunk("auto", predictor, artifact, "base-sha")
+        built = auto_backend.build("auto", predictor, artifact, "base-sha")
         assert built.trunk is None and built.backend == "torch"
         assert "MC-Dropout and ensembles run on torch" in built.reason
         predictor.mc_samples = 0
         monkeypatch.setitem(__import__("sys").modules, "openvino", None)  # not installed: torch
-        built = backends.build_trunk("auto", predictor, artifact, "base-sha")
+        built = auto_backend.build("auto", predictor, artifact, "base-sha")
         assert built.trunk is None and built.reason.startswith("the fallback: ")
         assert "openvino is not installed (pip install -e '.[serve]')" in built.reason
         built = backends.build_trunk("openvino", predictor, artifact, "base-sha")  # a named one is kept

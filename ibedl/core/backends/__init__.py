@@ -67,28 +67,15 @@ def unavailable(backend: str, predictor, artifact: Path) -> str | None:
 
 
 def build_trunk(backend: str, predictor, artifact: Path, base_sha256: str) -> Built:
-    """What ``predictor`` serves on (:meth:`ibedl.core.predictor.Predictor.serve_on` applies it). A named backend is
-    built (its IR exported once when not cached: minutes). ``auto`` builds nothing
-    (ibedl.core.auto_backend.start_choice: the cached measurement's winner, else torch; what it weighed and what is
-    still to build and time in ``Built.choice``), and logs what it chose and why. ``openvino-int8`` is quantised on
-    the artifact's quantisation sample (``Built.quantized_on``: its file's sha256, which its calibration must
-    record)."""
-    from ibedl.core import auto_backend
-
-    check_backend(backend)
+    """What ``predictor`` serves on with the concrete ``backend`` (:meth:`ibedl.core.predictor.Predictor.serve_on`
+    applies it), built (its IR exported once when not cached: minutes); ``openvino-int8`` is quantised on the
+    artifact's quantisation sample (``Built.quantized_on``: its file's sha256, which its calibration must record).
+    ``auto`` is a choice among backends: ibedl.core.auto_backend.build resolves it."""
+    if check_backend(backend) == "auto":
+        raise ValueError("auto is a choice among backends, not one: ibedl.core.auto_backend.build resolves it")
     artifact = Path(artifact)
-    if backend != "auto":
-        return Built(_build(backend, predictor, artifact, base_sha256), backend, "named", None,
-                     get(backend).quantized_on(artifact))
-    choice, trunk = auto_backend.start_choice(
-        predictor, artifact, base_sha256, lambda name: _build(name, predictor, artifact, base_sha256, export=False),
-        unavailable)
-    log.info("inference backend auto -> %s (%s)%s", choice.backend, choice.reason,
-             f"; measured again once {choice.path} is deleted" if choice.path and choice.cached else "")
-    if choice.pending:
-        log.warning("inference backend auto: %s not measured on this machine yet; serving %s meanwhile (%s)",
-                    ", ".join(choice.pending), choice.backend, auto_backend.HOW_TO_MEASURE)
-    return Built(trunk, choice.backend, choice.reason, choice, get(choice.backend).quantized_on(artifact))
+    return Built(_build(backend, predictor, artifact, base_sha256), backend, "named", None,
+                 get(backend).quantized_on(artifact))
 
 
 def quantized_on(backend: str, artifact: Path) -> str | None:
@@ -99,7 +86,7 @@ def quantized_on(backend: str, artifact: Path) -> str | None:
 def build_one(backend: str, predictor, artifact: Path, base_sha256: str, export: bool = True):
     """The trunk of the concrete ``backend`` (None for torch), its IR exported first when not cached (``export``;
     else FileNotFoundError)."""
-    return _build(backend, predictor, Path(artifact), base_sha256, export)
+    return _build(backend, predictor, Path(artifact), base_sha256, export=export)
 
 
 def export_ir(backend: str, predictor, artifact: Path, base_sha256: str, copy_model: bool = True) -> Path:
