@@ -19,9 +19,12 @@ class ServiceProcess:
         import subprocess
         import sys
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        def free_port() -> int:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                return s.getsockname()[1]
+
+        self.port, self.grpc_port = free_port(), free_port()  # HTTP, and the Open Inference Protocol over gRPC
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 - closed by stop()
@@ -29,7 +32,7 @@ class ServiceProcess:
             [sys.executable, "-m", "ibedl.serve", "--host", "127.0.0.1", "--port", str(self.port),
              *(["--artifacts", ",".join(map(str, artifact))] if isinstance(artifact, (list, tuple))
                else ["--artifact", str(artifact)])],
-            env={**os.environ, "TQDM_DISABLE": "1", **(env or {})},
+            env={**os.environ, "TQDM_DISABLE": "1", "IBEDL_GRPC_PORT": str(self.grpc_port), **(env or {})},
             stdout=self._log,
             stderr=subprocess.STDOUT,
             cwd=str(REPO),

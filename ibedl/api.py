@@ -79,14 +79,15 @@ class Model:
             ibedl.engine.errors.ModelError: non-finite model outputs (the service's 500 ``model_error``).
             ibedl.engine.errors.Overloaded, QueueFull, Timeout: the scheduler could not answer in time (the
                 service's 503/504; ``retry_after`` says when to try again).
-            (All are ``ibedl.EngineError``s.)
-            pydantic.ValidationError: a dict that is not a valid request body.
+            ibedl.engine.errors.NotReady: the model was closed.
+            (All are ``ibedl.EngineError``s; a dict that is not a valid request body is an InvalidRequest naming
+            the field.)
         """
         return self.engine.predict(questions, adapter, batch_size, timeout_s)
 
     def check(self, question: dict | PredictRequest | MCQuestion, prefix: str = "",
               adapter: str | None = None) -> Checked:
-        """A question checked as the service checks it (``EngineError`` or ``pydantic.ValidationError`` if not)."""
+        """A question checked as the service checks it (an ``EngineError`` if not)."""
         return self.engine.check(question, prefix, adapter)
 
     def answer(self, checked: list[Checked], batch_size: int | None = None,
@@ -109,7 +110,7 @@ class Model:
             ibedl.engine.errors.InvalidReceipt, ReceiptExpired, AdapterNotServed, InvalidRequest: a bad item
                 (``field`` starts with ``items.<i>.``); nothing is recorded.
             ibedl.engine.errors.LabelConflict: a receipt recorded before with another label; nothing is recorded.
-            pydantic.ValidationError: a dict that is not a valid item.
+            ibedl.engine.errors.TooLarge: more than ``max_batch_items`` labels.
         """
         return self.engine.record_feedback(labels, "items.")
 

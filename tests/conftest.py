@@ -12,6 +12,10 @@ import pytest
 
 from benchmarks.service_process import ServiceProcess  # noqa: F401  (the tests import it from here)
 
+# Every service a test starts opens its gRPC door on a free port, never the fixed default (8001): tests run services
+# side by side, and a developer's own service may hold it. A test that needs the port reads it from the door.
+os.environ["IBEDL_GRPC_PORT"] = "0"
+
 TINY_CORPUS = [
     "Question: What do plants need to make food? A. sunlight B. sand C. salt D. iron Answer: A",
     "Which planet is closest to the sun? Mercury Venus Earth Mars Answer: B",

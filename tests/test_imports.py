@@ -82,6 +82,19 @@ def test_the_engine_imports_neither_the_web_layer_nor_training():
     assert bad == []
 
 
+def test_the_doors_import_only_the_engines_public_surface():
+    """ibedl.serve (HTTP v1, the Open Inference Protocol over REST and gRPC) reaches the engine through
+    ibedl.engine.PUBLIC only, and the core only for its vocabulary (option letters, the conformal levels' keys)."""
+    from ibedl.engine import PUBLIC
+
+    vocabulary = ("ibedl.core.prompt", "ibedl.core.conformal")
+    edges = graph()
+    bad = sorted((m, t) for m, ts in edges.items() if m.startswith("ibedl.serve") for t in ts
+                 if t.startswith("ibedl.") and not t.startswith("ibedl.serve") and t not in PUBLIC + vocabulary)
+    assert bad == []
+    assert "ibedl.engine.engine" in edges["ibedl.serve.state"]  # the reader sees the doors' imports
+
+
 def test_no_import_cycle():
     assert cycles(graph()) == []
 

@@ -1,5 +1,5 @@
 """Build and time the inference backends an artifact carries a calibration for, on this machine, ahead of serving
-(what ``IBEDL_BACKEND=auto`` otherwise does in the service's background, ibedl.serve.backend_switch):
+(what ``IBEDL_BACKEND=auto`` otherwise does in the service's background, ibedl.engine.backend_switch):
 
     python -m ibedl.core.measure_backends --artifact DIR              # build every candidate, time, cache the verdict
     python -m ibedl.core.measure_backends --artifact DIR --build NAME # export backend NAME's IR into the cache only

@@ -2,7 +2,7 @@
 
 Pure and clock-injected: :class:`Admission` reads the time from the clock it was given and changes nothing; the
 middleware asks it before a body is read (:meth:`Admission.busy_for`), the batcher asks it when a request's questions
-would join the queue (:meth:`Admission.decide`, with the queue's :class:`Snapshot`); a refusal is an engine error
+would join the queue (:meth:`Admission.decide`, with the queue's :class:`QueueSnapshot`); a refusal is an engine error
 (``ibedl.engine.errors``) carrying the ``ibedl_rejected_total`` reason it is counted under, raised as it is. The
 batcher keeps the queue, the fair turns and the worker.
 """
@@ -14,9 +14,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ibedl.engine.context import TIMEOUT_HEADER
 from ibedl.engine.errors import EngineError, NeedsTooLong, Overloaded, QueueFull, ShuttingDown
-
-TIMEOUT_HEADER = "X-Request-Timeout"
 
 
 class InvalidTimeout(ValueError):
@@ -24,7 +23,7 @@ class InvalidTimeout(ValueError):
 
 
 @dataclass(frozen=True)
-class Snapshot:
+class QueueSnapshot:
     """What admission needs to know about the queue at one moment (seconds are expected model time).
 
     Attributes:
@@ -51,7 +50,7 @@ class Snapshot:
 
 class Admission:
     """The admission policy: deadlines from the server's timeout and the client's ``X-Request-Timeout``, and the
-    decision to admit a request of ``n`` questions given a :class:`Snapshot` of the queue.
+    decision to admit a request of ``n`` questions given a :class:`QueueSnapshot` of the queue.
 
     Args:
         request_timeout_s: the server's deadline for a request, from its arrival.
@@ -101,11 +100,13 @@ class Admission:
         lower = self.margin * smallest_wait_s
         return lower - left if lower > left else None
 
-    def decide(self, n: int, tokens: int, deadline: float, queue: Snapshot,
+    def decide(self, n: int, tokens: int, deadline: float, queue: QueueSnapshot,
                admitted_before_drain: bool = False) -> EngineError | None:
         """None to admit a request of ``n`` questions and ``tokens`` prompt tokens due by ``deadline``; otherwise
         the refusal (an engine error carrying its ``reason``), in this order: shutting down, the queue's bound,
-        too long even alone, not before the deadline."""
+        too long even alone, not before the deadline. A request with nothing ahead of it (no question waiting, no
+        pass in flight) that fits alone is admitted whatever the overrun says: the overrun is learnt from other
+        requests' waits (a background build taking the CPU), and a lone sequential client must never be refused."""
         now = self.clock()
         if queue.stopping or (queue.draining and not admitted_before_drain):
             return ShuttingDown("the service is shutting down")
@@ -121,6 +122,8 @@ class Admission:
         if alone > left:
             return NeedsTooLong(f"the request needs about {alone:.1f} s of model time ({tokens} prompt tokens) "
                                         f"and its deadline leaves {max(left, 0):.1f} s", retry_after=alone - left)
+        if queue.depth == 0 and queue.expected_wait_s <= queue.alone_s * (1 + 1e-9):
+            return None  # nothing ahead of it: only its own time can refuse it, and it fits; a lone client is served
         expected = self.margin * queue.overrun * queue.expected_wait_s
         if expected > left:
             return Overloaded(f"the service is busy: an answer is expected in {expected:.1f} s and the "

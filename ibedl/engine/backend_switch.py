@@ -1,4 +1,4 @@
-"""``IBEDL_BACKEND=auto`` in the service: ready at once on what needs no build, faster once proven.
+"""``IBEDL_BACKEND=auto`` in a serving engine: ready at once on what needs no build, faster once proven.
 
 The service loads on the cached measurement's winner, else torch (ibedl.core.auto_backend.start_choice). Then a
 :class:`BackendSwitcher` builds each candidate still to measure (its IR exported by a child process at the lowest
@@ -26,7 +26,7 @@ from pathlib import Path
 from ibedl.core import auto_backend, backends
 from ibedl.core.memory_limit import expendable, killed_reason
 
-log = logging.getLogger("ibedl.serve.backend_switch")
+log = logging.getLogger("ibedl.engine.backend_switch")
 
 BUILD_TIMEOUT_S = 3600  # NNCF quantises the int8 trunk in minutes at the lowest priority on a busy machine
 
@@ -61,12 +61,12 @@ class BackendSwitcher:
     :func:`build_in_child` when missing); ``timer(run) -> seconds`` times one call (default
     ibedl.core.auto_backend.time_call), always on the model's thread between passes."""
 
-    def __init__(self, state, adapter: str, names: list[str], build=None, timer=None,
+    def __init__(self, engine, adapter: str, names: list[str], build=None, timer=None,
                  rounds: int = auto_backend.TIMING_ROUNDS) -> None:
         if rounds < 1:
             raise ValueError(f"rounds must be >= 1, got {rounds}")
-        self.state, self.adapter, self.names, self.rounds = state, adapter, list(names), rounds
-        settings, runtime = state.settings, state.runtimes[adapter]
+        self.engine, self.adapter, self.names, self.rounds = engine, adapter, list(names), rounds
+        settings, runtime = engine.settings, engine.runtimes[adapter]
         self.artifact = Path(settings.served_artifacts()[0])
         self.choice = runtime.predictor.backend_choice
         # the model's thread owns the predictor's tokenizer: this thread encodes with its own copy
@@ -91,7 +91,7 @@ class BackendSwitcher:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     def _build_cached_or_in_child(self, name: str):
-        settings = self.state.settings
+        settings = self.engine.settings
         try:
             return backends.build_one(name, self.shadow, self.artifact, self.choice.base_sha256, export=False)
         except FileNotFoundError:
@@ -107,26 +107,26 @@ class BackendSwitcher:
         except auto_backend.BUILD_ERRORS as e:
             self.status["failed"][name] = f"{type(e).__name__}: {e}"
             log.warning("auto: building %s failed (%s: %s); still serving %s", name, type(e).__name__, e,
-                        self.state.runtimes[self.adapter].ref["backend"])
+                        self.engine.runtimes[self.adapter].ref["backend"])
             raise
         self.status["state"] = f"timing {name}"
         return trunk
 
     def _time(self, run) -> float:
-        return self._on_loop(self.state.batcher.between_passes(lambda: self.timer(run)))
+        return self._on_loop(self.engine.batcher.between_passes(lambda: self.timer(run)))
 
     def _switch(self, name: str, trunk) -> None:
-        before = self.state.runtimes[self.adapter].ref["backend"]
-        self._on_loop(self.state.switch_backend(self.adapter, name, trunk, "proven faster in the background",
+        before = self.engine.runtimes[self.adapter].ref["backend"]
+        self._on_loop(self.engine.versions.switch_backend(self.adapter, name, trunk, "proven faster in the background",
                                                 self.choice))
         self.status["switches"].append({"from": before, "to": name})
-        if before == "torch":  # the tournament never returns to a champion it beat: the torch weights can go now
+        if before == backends.REFERENCE:  # never back to a champion it beat: the torch weights can go
             self.shadow.drop_model()  # the shadow only encodes; it keeps the torch calibration key
-            self._on_loop(self.state.batcher.between_passes(self.state.runtimes[self.adapter].predictor.release_model))
+            self._on_loop(self.engine.batcher.between_passes(self.engine.runtimes[self.adapter].predictor.release_model))
 
     def _work(self) -> None:
         try:
-            runtime = self.state.runtimes[self.adapter]
+            runtime = self.engine.runtimes[self.adapter]
             serving = (runtime.ref["backend"], runtime.predictor.trunk)
             batch = self.shadow.encode(auto_backend.timing_questions())
             best, _, seconds, failed = auto_backend.tournament(
@@ -137,14 +137,14 @@ class BackendSwitcher:
                                               {**skipped, **failed}, best)
             self.status.update(state="recording the measurement", seconds=seconds)
             self.shadow.drop_model()  # the torch model is freed once the runtime drops it too
-            self._on_loop(self.state.settle_backend(self.adapter, self.choice))
+            self._on_loop(self.engine.versions.settle_backend(self.adapter, self.choice))
             # "done" only once the card shows the measurement: a client that waits for it reads the timings
             self.status["state"] = "done"
             log.info("auto: measured in the background: serving %s (%s)", best, self.choice.reason)
         except Exception as e:  # the service stays where it was
             self.status.update(state="failed", reason=f"{type(e).__name__}: {e}")
             log.exception("auto: the background measurement failed; the service stays on %s",
-                          self.state.runtimes[self.adapter].ref["backend"])
+                          self.engine.runtimes[self.adapter].ref["backend"])
         finally:
             self.done.set()
 

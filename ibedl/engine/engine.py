@@ -1,42 +1,73 @@
 """The engine: the served adapters, the scheduler that answers them (admission, fair turns, batching, capacity,
-deadlines) and labelled feedback. Every front door calls one :class:`Engine`: the Python API (``ibedl.api``,
-synchronous), the HTTP service (``ibedl.serve``, on its event loop) and the Open Inference Protocol
-(``ibedl.serve.oip``); none repeats the answer, feedback or guarantees logic.
+deadlines), their lifecycle (loading, ready, draining, stopped), the runtimes that change while it runs (reloads,
+backend switches: ``ibedl.engine.versions``) and labelled feedback. Every door calls one :class:`Engine` and only
+translates: the Python API (``ibedl.api``), HTTP v1 and the Open Inference Protocol over REST and gRPC
+(``ibedl.serve``).
 
-    engine = Engine.load(EngineSettings(artifacts=[Path("artifacts/default")]))
-    engine.predict([{"question": "...", "options": ["...", "..."]}])        # from any thread: scheduled
-    await engine.submit(engine.check_request(items), deadline=...)          # on the engine's event loop
+    engine = Engine.load(EngineSettings(artifacts=[Path("artifacts/default")]))      # loaded and ready
+    engine.predict([{"question": "...", "options": ["...", "..."]}])                # from any thread: scheduled
 
-What a front door adds stays with it: the service its metrics, drift monitors and accuracy estimates (it
-registers an ``answer_hook``), HTTP statuses (``ibedl.serve.errors.STATUS``), credentials and label quotas.
-Refusals are the engine's errors (``ibedl.engine.errors``); a scheduler refusal carries the ``reason`` it is
-counted under.
+    engine = Engine(settings); await engine.open()        # a service: ready when open() returns (health() says so)
+    context = engine.arrive(request_id, timeout)          # on arrival: admitted or not, from then
+    await engine.ask(items, context)                      # on the engine's event loop
+
+Observers (``ibedl.engine.observer``) see what happens (the service's metrics and drift monitors); refusals are
+the engine's errors (``ibedl.engine.errors``), each with the ``reason`` it is counted under.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import math
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+
+from pydantic import ValidationError
 
 from ibedl.core.predictor import Prediction
 from ibedl.core.prompt import MCQuestion
-from ibedl.engine.admission import Admission
+from ibedl.engine.admission import Admission, InvalidTimeout
 from ibedl.engine.batcher import MicroBatcher
 from ibedl.engine.capacity import ServiceTime, warm_up
-from ibedl.engine.errors import Cancelled, InvalidRequest, ModelError, NeedsTooLong, Timeout, TooLarge
+from ibedl.engine.context import TIMEOUT_HEADER, RequestContext
+from ibedl.engine.errors import (
+    Cancelled,
+    EngineError,
+    InvalidRequest,
+    LabelConflict,
+    ModelError,
+    NeedsTooLong,
+    NotReady,
+    Overloaded,
+    StoreUnavailable,
+    Timeout,
+    TooLarge,
+)
 from ibedl.engine.feedback import Feedback, LabelQuota, served_versions
+from ibedl.engine.observer import Observer
 from ibedl.engine.requests import to_question
 from ibedl.engine.responses import build_answer, model_card
-from ibedl.engine.runtime import AdapterRuntime, find_adapter, finite_prediction, load_predictors, make_runtimes
+from ibedl.engine.runtime import (
+    AdapterRuntime,
+    UncalibratedBackend,
+    find_adapter,
+    finite_prediction,
+    load_predictors,
+    make_runtimes,
+)
 from ibedl.engine.schemas import FeedbackRequest, FeedbackResponse, GuaranteesResponse, PredictRequest, PredictResponse
 from ibedl.engine.settings import EngineSettings
+from ibedl.engine.store_calls import StoreCalls
+from ibedl.engine.versions import Versions
 
-# Called with every answer the engine gives: (runtime, question, prediction, answer). The service records its
-# metrics, drift window and accuracy estimate in one; the engine keeps none of them.
-AnswerHook = Callable[[AdapterRuntime, MCQuestion, Prediction, PredictResponse], None]
+log = logging.getLogger("ibedl.engine")
+STORE_RETRY_S = 2.0  # while loading, a store that does not answer (yet) is tried again this often
+# A loader gives the predictors of the served adapters (the default first); tests give one that slows or breaks them.
+Loader = Callable[[EngineSettings], list]
 
 
 @dataclass
@@ -50,46 +81,149 @@ class Checked:
 
 
 class Engine:
-    """The served adapters on one base model, their scheduler and their feedback.
+    """The served adapters on one base model, their scheduler, lifecycle and feedback.
 
     Args:
-        runtimes: the adapters by name, the default first (``ibedl.engine.runtime.make_runtimes``).
-        settings: the engine's settings (limits, scheduler, feedback).
-        feedback: receipts out, labels in (default: from ``settings``; bound to ``runtimes`` by the caller, since
-            opening a store may wait).
-        service_time: the first estimate of seconds per prompt token (default: unknown, learnt from the passes).
-        admission: the admission policy (default: from ``settings``, on ``time.monotonic``; tests and the service give
-            their own, with its clock).
-        on_batch, on_depth: the batcher's observers (pass size and seconds; queue depth).
+        settings: the engine's settings (adapters, limits, scheduler, feedback, drain, reload).
+        loader: gives the predictors of ``settings``' adapters (default ``ibedl.engine.runtime.load_predictors``).
+        feedback: receipts out, labels in (default: from ``settings``).
+        admission: the admission policy (default: from ``settings``, on ``time.monotonic``; tests give a clock).
+        observers: what watches the engine (``ibedl.engine.observer.Observer``).
     """
 
-    def __init__(self, runtimes: dict[str, AdapterRuntime], settings: EngineSettings, feedback: Feedback | None = None,
-                 service_time: ServiceTime | None = None, admission: Admission | None = None,
-                 on_batch: Callable[[int, float], None] | None = None,
-                 on_depth: Callable[[int], None] | None = None) -> None:
-        if not runtimes:
-            raise ValueError("an engine needs at least one adapter runtime")
-        self.runtimes = runtimes
+    def __init__(self, settings: EngineSettings, loader: Loader | None = None, feedback: Feedback | None = None,
+                 admission: Admission | None = None, observers: list[Observer] | tuple = ()) -> None:
         self.settings = settings
+        self.loader = loader or load_predictors
         self.feedback = Feedback(settings) if feedback is None else feedback
         self.admission = admission or Admission(settings.request_timeout_s, settings.admission_margin)
-        self.batcher = MicroBatcher(
-            self.default.predict, settings.max_batch_size, settings.max_wait_ms, settings.queue_size,
-            on_batch=on_batch, on_depth=on_depth, max_batch_tokens=settings.max_batch_tokens,
-            service_time=service_time or ServiceTime(), admission=self.admission)
-        self.answer_hooks: list[AnswerHook] = []
+        self.observers = list(observers)
+        self.runtimes: dict[str, AdapterRuntime] = {}
+        self.batcher: MicroBatcher | None = None
+        self.status, self.reason = "loading", "the model is loading"
+        self.versions = Versions(self)
+        self.store = StoreCalls(settings.feedback_timeout_s)
+        self._checker: ThreadPoolExecutor | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
 
+    # -- loading --------------------------------------------------------------------------------
+
+    def _load(self, measure: bool) -> tuple[dict[str, AdapterRuntime], ServiceTime, list[str]]:
+        """The adapters' runtimes, the first estimate of seconds per token (one trunk: one estimate), and the backends
+        ``auto`` still has to measure in the background (``measure``: a service that may)."""
+        loaded = self.loader(self.settings)
+        predictors = loaded if isinstance(loaded, list) else [loaded]
+        to_measure = self.versions.to_measure(predictors) if measure else []
+        runtimes = make_runtimes(predictors, self.settings, bool(to_measure))
+        for runtime in runtimes.values():
+            self.notify("serving", runtime)
+        return runtimes, warm_up([rt.predictor for rt in runtimes.values()]), to_measure
+
+    def _serve(self, runtimes: dict[str, AdapterRuntime], service_time: ServiceTime) -> None:
+        self.runtimes = runtimes
+        self.batcher = MicroBatcher(
+            self.default.predict, self.settings.max_batch_size, self.settings.max_wait_ms, self.settings.queue_size,
+            on_batch=self._on_batch, on_depth=lambda n: self.notify("depth", n),
+            max_batch_tokens=self.settings.max_batch_tokens, service_time=service_time, admission=self.admission)
+
     @classmethod
-    def load(cls, settings: EngineSettings) -> Engine:
-        """The adapters of ``settings`` loaded on one base model, timed once (the scheduler's first estimate), with
-        their feedback store opened: what the Python API serves."""
-        runtimes = make_runtimes(load_predictors(settings), settings)
-        engine = cls(runtimes, settings, service_time=warm_up([rt.predictor for rt in runtimes.values()]))
+    def load(cls, settings: EngineSettings, loader: Loader | None = None) -> Engine:
+        """The adapters of ``settings`` loaded, timed once and with their feedback store opened, ready: what the
+        Python API serves (its scheduler starts on a thread of its own at the first question)."""
+        engine = cls(settings, loader)
+        runtimes, service_time, _ = engine._load(measure=False)
         engine.feedback.bind(runtimes)
+        engine._serve(runtimes, service_time)
+        engine._ready()
         return engine
+
+    async def open(self) -> None:
+        """Load on the running event loop (the model in a thread, so the loop answers health checks meanwhile), wait
+        for the feedback store, start the scheduler and become ready; ``IBEDL_BACKEND=auto`` goes on measuring in the
+        background. A load that fails leaves the engine ``failed`` with the reason (the exception is logged)."""
+        self.versions.remember_manifests()
+        try:
+            runtimes, service_time, to_measure = await asyncio.to_thread(self._load, True)
+            await self._bind_feedback(runtimes)
+        except Exception as e:  # a broken artifact must not kill the process: readiness reports it
+            # The log has the exception's text and traceback (paths, hashes, settings); clients get its type alone.
+            log.exception("loading the adapter failed")
+            self.status, self.reason = "failed", f"the adapter failed to load ({type(e).__name__}); the service " \
+                "log has the reason (the line 'loading the adapter failed')"
+            if isinstance(e, UncalibratedBackend):  # names backends and calibrations only: what the operator must do
+                self.reason = f"the adapter failed to load: {e}"
+            return
+        self._serve(runtimes, service_time)
+        await self.start()
+        for name, rt in runtimes.items():
+            log.info("serving adapter %s (%s) on %s", name, rt.predictor.manifest.method,
+                     rt.predictor.manifest.base_model_ref().name)
+        self._ready()
+        self.versions.start(to_measure)
+
+    async def _bind_feedback(self, runtimes: dict[str, AdapterRuntime]) -> None:
+        """Open the feedback store and catch up with it (its checkpoint, then the labels after it). A store that does
+        not answer (yet: a database still starting) is waited for, the reason on the readiness probe."""
+        while True:
+            try:
+                await self.store.run(self.feedback.bind, runtimes, timeout=float("inf"))
+                return
+            except StoreUnavailable as e:
+                self.reason = f"waiting for the feedback store: {e.message}"
+                log.warning("%s", self.reason)
+                await asyncio.sleep(STORE_RETRY_S)
+
+    def _ready(self) -> None:
+        self.status, self.reason = "ready", None
+        self.notify("readiness", True)
+
+    def notify(self, event: str, *args) -> None:
+        """Tell every observer of ``event`` (an :class:`~ibedl.engine.observer.Observer` method's name)."""
+        for observer in self.observers:
+            getattr(observer, event)(*args)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the scheduler on the running event loop (the service's; the Python API's own thread)."""
+        self._loop = asyncio.get_running_loop()
+        self.batcher.start()
+
+    def health(self) -> tuple[str, str | None]:
+        """(status, reason): ``loading``, ``ready``, ``draining``, ``failed`` or ``stopped``; the reason when not
+        ready. Changes nothing."""
+        return self.status, self.reason
+
+    @property
+    def ready(self) -> bool:
+        return self.status == "ready"
+
+    def drain(self, grace_s: float | None = None) -> None:
+        """Stop admitting (a request that arrives from now on is refused, NotReady); answer what was admitted and
+        can finish within ``grace_s`` seconds (default IBEDL_SHUTDOWN_GRACE_S)."""
+        grace = self.settings.shutdown_grace_s if grace_s is None else grace_s
+        if self.status == "draining":
+            return
+        if self.status == "ready":
+            log.info("shutting down: draining for up to %.0f s", grace)
+        self.status, self.reason = "draining", "the service is shutting down"
+        self.notify("readiness", False)
+        if self.batcher is not None:
+            self.batcher.begin_drain(grace)
+
+    async def stop(self) -> None:
+        """Drain, then stop the scheduler, the watchers and the feedback store's thread (on the engine's loop)."""
+        self.drain()
+        self.versions.stop()
+        if self.batcher is not None:
+            await self.batcher.stop()
+        if self._checker is not None:
+            self._checker.shutdown(wait=False, cancel_futures=True)
+            self._checker = None
+        self.store.close(self.feedback.store)
+        self.status = "stopped"
 
     # -- adapters -------------------------------------------------------------------------------
 
@@ -103,17 +237,61 @@ class Engine:
         return find_adapter(self.runtimes, name, field)
 
     def cards(self) -> list[dict]:
-        """What ``GET /v1/models`` says of each adapter."""
-        return [model_card(rt, self.settings, self.feedback.suspension(rt)) for rt in self.runtimes.values()]
+        """What ``GET /v1/models`` says of each adapter; the default's backend says what the background
+        measurement does (``backend.background``)."""
+        cards = [model_card(rt, self.settings, self.feedback.suspension(rt)) for rt in self.runtimes.values()]
+        if cards:
+            cards[0]["backend"]["background"] = self.versions.background()
+        return cards
+
+    # -- admission ------------------------------------------------------------------------------
+
+    def arrive(self, request_id: str | None = None, timeout: str | float | None = None,
+               gone=None) -> RequestContext:
+        """A request arriving now: admitted when the engine is ready. Deadlines count from here."""
+        extra = {} if request_id is None else {"request_id": request_id}
+        return RequestContext(self.admission.clock(), self.ready, timeout, gone=gone, **extra)
+
+    def deadline(self, context: RequestContext) -> float:
+        """The admission clock's time by which the request must be answered: from its arrival, the request timeout
+        or the caller's shorter one (InvalidRequest when that is not a positive number of seconds); ``math.inf``
+        for a context whose timeout is (the Python API's without one)."""
+        timeout = context.timeout
+        if timeout == math.inf:  # the Python API without a timeout: no deadline
+            return math.inf
+        try:
+            return self.admission.deadline(context.arrived, None if timeout is None else str(timeout))
+        except InvalidTimeout as e:
+            raise InvalidRequest(str(e), TIMEOUT_HEADER) from None
+
+    def require(self, context: RequestContext) -> None:
+        """NotReady (with Retry-After) unless the engine can answer this request: it is ready, or the request was
+        admitted before a drain began and the scheduler still runs."""
+        if self.ready:
+            return
+        if not (context.admitted and self.status == "draining" and self.batcher is not None and self.batcher.running):
+            raise NotReady(f"the service is {self.status}: {self.reason}", retry_after=5)
+
+    def refuse_early(self, context: RequestContext) -> None:
+        """The cheap check before a request's body is read or tokenized: NotReady as :meth:`require`, or Overloaded
+        (with Retry-After) when not even the smallest request could be answered before this one's deadline."""
+        self.require(context)
+        self.deadline(context)  # a timeout that is not one: InvalidRequest before anything else
+        if not self.ready:
+            return
+        timeout = None if context.timeout is None else str(context.timeout)
+        wait = self.admission.busy_for(context.arrived, timeout, self.batcher.expected_wait([0]))
+        if wait is not None:
+            self.notify("refused", Overloaded.reason, 1)
+            raise Overloaded("the service is busy: no request could be answered before its deadline now", wait)
 
     # -- checking -------------------------------------------------------------------------------
 
     def check(self, question: dict | PredictRequest | MCQuestion, prefix: str = "",
               adapter: str | None = None) -> Checked:
-        """A question checked against the engine's limits (``EngineError`` or ``pydantic.ValidationError`` if it
-        breaks one); ``adapter``: the adapter of a question that names none. Counts its prompt's tokens (milliseconds
-        of CPU: the service calls it off its event loop)."""
-        req = as_request(question)
+        """A question checked against the engine's limits (an ``EngineError`` if it breaks one); ``adapter``: the
+        adapter of a question that names none. Counts its prompt's tokens (milliseconds of CPU: off the loop)."""
+        req = as_request(question, prefix)
         runtime = self.runtime(req.adapter or adapter, prefix + "adapter")
         q, tokens = to_question(runtime, self.settings, req, prefix)
         return Checked(runtime, req, q, tokens)
@@ -136,27 +314,38 @@ class Engine:
                            "send them in smaller batches", field)
         return checked
 
+    async def off_loop(self, fn: Callable, *args):
+        """``fn(*args)`` on the request-checking thread (tokenizing takes milliseconds of CPU, too long for the
+        event loop); its exception is raised here."""
+        if self._checker is None:
+            self._checker = ThreadPoolExecutor(1, thread_name_prefix="ibedl-check")
+        return await asyncio.get_running_loop().run_in_executor(self._checker, fn, *args)
+
     # -- answering (on the engine's event loop) -------------------------------------------------
 
-    async def start(self) -> None:
-        """Start the scheduler on the running event loop (the service's; the Python API's own thread)."""
-        self._loop = asyncio.get_running_loop()
-        self.batcher.start()
+    async def ask(self, items: list[PredictRequest], context: RequestContext, field: str = "items",
+                  ids: list[str] | None = None) -> list[PredictResponse]:
+        """The answers to one request's items (one adapter), as every door asks: readiness, the request's checks
+        (off the loop), then :meth:`submit`. ``ids``: of answers whose item carries none (default
+        ``<request id>-<position>``)."""
+        self.require(context)
+        checked = await self.off_loop(self.check_request, items, field)
+        ids = ids or [f"{context.request_id}-{i}" for i in range(len(checked))]
+        return await self.submit(checked, context, ids)
 
-    async def submit(self, checked: list[Checked], deadline: float | None = None, ids: list[str] | None = None,
-                     deadline_name: str | None = None, admitted_before_drain: bool = False,
-                     gone: Callable[[], Awaitable] | None = None) -> list[PredictResponse]:
-        """The answers to one request's questions (one adapter), scheduled with every other caller's.
+    async def ask_one(self, question: PredictRequest, context: RequestContext) -> PredictResponse:
+        """The answer to a request of one question (``POST /predict``): its fields named as they are, its answer's
+        id the request's when the question carries none."""
+        self.require(context)
+        checked = await self.off_loop(self.check, question)
+        (answer,) = await self.submit([checked], context, [context.request_id])
+        return answer
 
-        Args:
-            checked: the request's questions (:meth:`check_request`), answered in this order.
-            deadline: the admission clock's time by which they must be answered (None: none).
-            ids: the ``id`` of an answer whose request carries none (default: its position).
-            deadline_name: set when the deadline is the caller's own, shorter than the engine's (the service: its
-                ``X-Request-Timeout``): a request too long for it is a Timeout saying that ``deadline_name`` cannot
-                be met, rather than an overload.
-            admitted_before_drain: the request arrived before a drain began; it is answered if it can finish.
-            gone: gives an awaitable that completes when the caller goes away (its queued questions are dropped).
+    async def submit(self, checked: list[Checked], context: RequestContext,
+                     ids: list[str] | None = None) -> list[PredictResponse]:
+        """The answers to one request's checked questions (one adapter), scheduled with every other caller's, due
+        by the request's deadline; its queued questions are dropped when the caller goes away. A refusal is told to
+        the observers under its reason and raised as it is.
 
         Raises:
             Overloaded, QueueFull, NeedsTooLong, ShuttingDown: not admitted (each with its ``reason``).
@@ -165,17 +354,34 @@ class Engine:
         """
         if not checked:
             return []
+        try:
+            return await self._submit(checked, context, ids)
+        except ModelError as e:
+            self.notify("model_error", e.nonfinite, context.request_id)
+            log.error("the model gave non-finite numbers for %d of %d questions (request %s); not answered",
+                      e.nonfinite, len(checked), context.request_id)
+            raise
+        except EngineError as e:
+            if e.reason is not None:
+                self.notify("refused", e.reason, len(checked))
+            raise
+
+    async def _submit(self, checked: list[Checked], context: RequestContext,
+                      ids: list[str] | None) -> list[PredictResponse]:
         runtime = checked[0].runtime
         if any(c.runtime is not runtime for c in checked):
             raise ValueError("one request's questions must use one adapter runtime")
+        deadline = self.deadline(context)
+        own = deadline < context.arrived + self.settings.request_timeout_s  # the caller's deadline is shorter
         try:  # the runtime's own predict: passes never mix adapters, nor backends across a switch
             futures = await self.batcher.submit_many([c.question for c in checked], [c.tokens for c in checked],
-                                                     deadline, runtime.predict, admitted_before_drain)
+                                                     None if deadline == math.inf else deadline, runtime.predict,
+                                                     context.admitted)
         except NeedsTooLong as e:
-            if deadline_name:  # the caller's own deadline is what cannot be met, not the request's size
-                raise Timeout(f"{e.cause}; its {deadline_name} cannot be met") from e
+            if own:  # the caller's own deadline is what cannot be met, not the request's size
+                raise Timeout(f"{e.cause}; its {TIMEOUT_HEADER} cannot be met") from e
             raise
-        preds = await self._wait(futures, deadline, gone)
+        preds = await self._wait(futures, deadline, context.gone)
         broken = [i for i, p in enumerate(preds) if not finite_prediction(p)]
         if broken:
             raise ModelError("the model produced non-finite numbers for "
@@ -185,22 +391,24 @@ class Engine:
         answers = []
         for c, pred, answer_id in zip(checked, preds, ids, strict=True):
             answer = build_answer(c.runtime, c.request, c.question, pred, answer_id, self.feedback)
-            for hook in self.answer_hooks:
-                hook(c.runtime, c.question, pred, answer)
+            self.notify("answered", c.runtime, c.question, pred, answer)
             answers.append(answer)
         return answers
 
-    async def _wait(self, futures: list[asyncio.Future], deadline: float | None,
-                    gone: Callable[[], Awaitable] | None) -> list[Prediction]:
+    async def _wait(self, futures: list[asyncio.Future], deadline: float, gone) -> list[Prediction]:
         """The predictions of admitted questions, or why not: Timeout at the deadline, Cancelled when the caller
         went away, the scheduler's refusal after admission; either way the request's other questions are
         dropped so they do not keep the model busy."""
         everything = asyncio.gather(*futures)
         watch = asyncio.ensure_future(gone()) if gone is not None else None
-        left = None if deadline is None else max(0.0, deadline - self.admission.clock())
+        left = None if deadline == math.inf else max(0.0, deadline - self.admission.clock())
         try:
             done, _ = await asyncio.wait({everything} | ({watch} if watch else set()), timeout=left,
                                          return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the caller's task was cancelled (a gRPC call the client cancelled)
+            everything.cancel()
+            _cancel(futures)
+            raise
         finally:
             if watch is not None:
                 watch.cancel()
@@ -218,21 +426,17 @@ class Engine:
             _cancel(futures)
             raise
 
-    def begin_drain(self, grace_s: float) -> None:
-        """Stop admitting; answer what can finish within ``grace_s`` seconds."""
-        self.batcher.begin_drain(grace_s)
-
-    async def stop(self) -> None:
-        await self.batcher.stop()
+    def _on_batch(self, size: int, seconds: float) -> None:
+        self.notify("batch", size, seconds, self.batcher.service_time.per_token_s, self.batcher.overrun)
 
     # -- answering (from any thread) ------------------------------------------------------------
 
     def predict(self, questions: list[dict | PredictRequest | MCQuestion], adapter: str | None = None,
                 batch_size: int | None = None, timeout_s: float | None = None) -> list[PredictResponse]:
         """Answers in input order, scheduled like every other caller's (threads sharing an engine take fair turns
-        with each other and with HTTP clients). Questions are checked first (all or none), then sent per adapter
-        in requests of ``batch_size`` (default ``max_batch_size``), each due ``timeout_s`` seconds after it is sent
-        (default: no deadline). Raises what :meth:`check` and :meth:`submit` raise."""
+        with each other and with the service's clients). Questions are checked first (all or none), then sent per
+        adapter in requests of ``batch_size`` (default ``max_batch_size``), each admitted as a door's request is and
+        due ``timeout_s`` seconds after it is sent (default: no deadline)."""
         return self.answer([self.check(q, f"items.{i}.", adapter) for i, q in enumerate(questions)], batch_size,
                            timeout_s=timeout_s)
 
@@ -251,16 +455,17 @@ class Engine:
                 chunk = mine[start:start + size]
 
                 async def one(chunk=chunk):
-                    deadline = None if timeout_s is None else self.admission.clock() + timeout_s
-                    return await self.submit([checked[i] for i in chunk], deadline, [ids[i] for i in chunk])
+                    context = self.arrive(timeout=math.inf if timeout_s is None else timeout_s)
+                    self.refuse_early(context)
+                    return await self.submit([checked[i] for i in chunk], context, [ids[i] for i in chunk])
 
                 for i, a in zip(chunk, self.call(one), strict=True):
                     answers[i] = a
         return answers  # type: ignore[return-value]
 
-    def call(self, coroutine_fn: Callable[[], Awaitable]):
+    def call(self, coroutine_fn: Callable):
         """``await coroutine_fn()`` on the engine's event loop from a thread that is not on it (started on a thread
-        of its own the first time when no front door started it), and its result."""
+        of its own the first time when no door started it), and its result."""
         loop = self._loop
         if loop is None:
             with self._start_lock:
@@ -269,7 +474,7 @@ class Engine:
                 loop = self._loop
         with contextlib.suppress(RuntimeError):
             if asyncio.get_running_loop() is loop:
-                raise RuntimeError("Engine.predict was called on the engine's own event loop: await submit instead")
+                raise RuntimeError("a blocking Engine call was made on the engine's own event loop: await instead")
         return asyncio.run_coroutine_threadsafe(coroutine_fn(), loop).result()
 
     def _start_thread(self) -> None:
@@ -287,7 +492,7 @@ class Engine:
         started.wait()
 
     def close(self) -> None:
-        """Stop the engine's own thread (a no-op when a front door runs the engine on its loop)."""
+        """Stop the engine's own thread (a no-op when a door runs the engine on its loop)."""
         if self._thread is None or self._loop is None:
             return
         asyncio.run_coroutine_threadsafe(self.stop(), self._loop).result()
@@ -297,36 +502,83 @@ class Engine:
 
     # -- feedback -------------------------------------------------------------------------------
 
-    def record_feedback(self, items: list[dict | FeedbackRequest], prefix: str = "",
-                        quota: LabelQuota | None = None) -> FeedbackResponse:
-        """Record the right options of answered questions (each ``{"receipt", "label"}``): all or none; a receipt
-        keeps its first label; ``quota``: the labelling credential's (the service's; None: no quota). Waits for the
-        store (the service calls it on the store's thread). Raises the feedback errors of ``ibedl.engine.errors``."""
-        given = [x if isinstance(x, FeedbackRequest) else FeedbackRequest.model_validate(x) for x in items]
-        results = self.feedback.record(served_versions(self.runtimes), [(x.receipt, x.label) for x in given], prefix,
-                                       quota)
+    async def record_labels(self, items: list[dict | FeedbackRequest], prefix: str = "",
+                            credential: str | None = None) -> FeedbackResponse:
+        """Record the right options of answered questions (each ``{"receipt", "label"}``), on the store's thread:
+        all or none, at most ``max_batch_items``; a receipt keeps its first label; ``credential``: who sent them,
+        counted against IBEDL_MAX_LABELS per IBEDL_LABEL_WINDOW_S (None: no quota). Raises the feedback errors of
+        ``ibedl.engine.errors``."""
+        limit = self.settings.max_batch_items
+        if len(items) > limit:
+            raise TooLarge(f"{len(items)} items; the limit is {limit}", "items")
+        given = [as_feedback(x, f"{prefix}{i}." if prefix else "") for i, x in enumerate(items)]
+        quota = None if credential is None else LabelQuota(credential, self.settings.max_labels,
+                                                           self.settings.label_window_s)
+        try:
+            results = await self.store.run(self.feedback.record, served_versions(self.runtimes),
+                                           [(x.receipt, x.label) for x in given], prefix, quota)
+        except LabelConflict as e:
+            self.notify("conflicts", e.adapters)
+            log.warning("refused %d label(s) contradicting the first label of their receipt: %s", len(e.adapters),
+                        e.message)
+            raise
         recorded = sum(r["status"] == "recorded" for r in results)
-        return FeedbackResponse(recorded=recorded, duplicates=len(results) - recorded, results=results)
+        response = FeedbackResponse(recorded=recorded, duplicates=len(results) - recorded, results=results)
+        self.notify("labels", response.results)
+        return response
 
-    def guarantees(self, adapter: str | None = None) -> GuaranteesResponse:
-        """The realised guarantees from the recorded labels (``adapter``: of that adapter only); waits for the
-        store."""
+    async def realised(self, adapter: str | None = None, timeout: float | None = None) -> GuaranteesResponse:
+        """The realised guarantees from the recorded labels (``adapter``: of that adapter only), read on the store's
+        thread, waited for at most ``timeout`` seconds (StoreUnavailable; the observers hear of them when the store
+        answers, even after the wait gave up)."""
         if adapter is not None:
             adapter = self.runtime(adapter).name
-        return GuaranteesResponse(alpha=self.feedback.alpha, change_false_alarm=self.feedback.change_false_alarm,
-                                  change_horizon=self.feedback.change_horizon, shared_store=self.feedback.shared,
-                                  conflicts=dict(self.feedback.conflicts),
-                                  guarantees=self.feedback.guarantees(served_versions(self.runtimes), adapter))
+
+        def read() -> GuaranteesResponse:
+            found = GuaranteesResponse(
+                alpha=self.feedback.alpha, change_false_alarm=self.feedback.change_false_alarm,
+                change_horizon=self.feedback.change_horizon, shared_store=self.feedback.shared,
+                conflicts=dict(self.feedback.conflicts),
+                guarantees=self.feedback.guarantees(served_versions(self.runtimes), adapter))
+            self.notify("guarantees", [g.model_dump() for g in found.guarantees])
+            return found
+
+        return await self.store.run(read, timeout=timeout)
+
+    def record_feedback(self, items: list[dict | FeedbackRequest], prefix: str = "",
+                        credential: str | None = None) -> FeedbackResponse:
+        """:meth:`record_labels` from any thread."""
+        return self.call(lambda: self.record_labels(items, prefix, credential))
+
+    def guarantees(self, adapter: str | None = None) -> GuaranteesResponse:
+        """:meth:`realised` from any thread."""
+        return self.call(lambda: self.realised(adapter))
 
 
-def as_request(question: dict | PredictRequest | MCQuestion) -> PredictRequest:
-    """A request body from a dict (validated), a ``PredictRequest`` or an ``MCQuestion``."""
+def as_request(question: dict | PredictRequest | MCQuestion, prefix: str = "") -> PredictRequest:
+    """A request body from a dict (InvalidRequest naming the field when it is not one), a ``PredictRequest`` or an
+    ``MCQuestion``."""
     if isinstance(question, PredictRequest):
         return question
     if isinstance(question, MCQuestion):
         return PredictRequest(question=question.question, options=list(question.options), context=question.context,
                               id=question.id)
-    return PredictRequest.model_validate(question)
+    return _validated(PredictRequest, question, prefix)
+
+
+def as_feedback(item: dict | FeedbackRequest, prefix: str = "") -> FeedbackRequest:
+    return item if isinstance(item, FeedbackRequest) else _validated(FeedbackRequest, item, prefix)
+
+
+def _validated(model, value, prefix: str):
+    """``model.model_validate(value)``; its ValidationError as the engine's InvalidRequest naming the first field."""
+    try:
+        return model.model_validate(value)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
+        raise InvalidRequest(f"{first['msg']}{more}", (prefix + where) or None) from None
 
 
 def _cancel(futures: list[asyncio.Future]) -> None:

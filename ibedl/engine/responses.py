@@ -1,6 +1,6 @@
 """Building answers from predictions, one pure function shared by the service and the Python API (``ibedl``):
 the abstention decision and conformal set of each answer, and the model card. Nothing here records metrics or
-drift (the service does: ``ServiceState.respond``) or imports FastAPI."""
+drift (the service's observer does: ``ibedl.serve.observer``) or imports FastAPI."""
 
 from __future__ import annotations
 

@@ -101,6 +101,24 @@ class EngineSettings(BaseSettings):
                                 "follows the labels (ACI); needs feedback on")
     adaptive_rate: float = Field(0.01, gt=0.0, le=0.5, description="step of the adaptive sets' threshold per label")
 
+    # serving: labels per credential, the background backend measurement, drain and reload
+    max_labels: int = Field(5000, ge=1, description="labels the labelling credential may record per "
+                            "IBEDL_LABEL_WINDOW_S, all replicas together (counted in the feedback store); more: 429 "
+                            "with Retry-After (duplicates do not count)")
+    label_window_s: int = Field(3600, ge=1, description="the window of IBEDL_MAX_LABELS, in seconds")
+    backend_switching: bool = Field(True, description="IBEDL_BACKEND=auto: be ready at once on the cached "
+                                     "measurement's winner (else torch) and build and time the other candidates in the "
+                                     "background, switching to one proven faster; false: serve that start choice only")
+    backend_max_age_s: float = Field(7 * 24 * 3600.0, gt=0, description="IBEDL_BACKEND=auto: a cached measurement "
+                                     "older than this is taken again in the background (the start may have been busy)")
+    shutdown_grace_s: float = Field(30.0, ge=0, description="drain time on SIGTERM: what cannot finish in it gets "
+                                    "503 + Retry-After")
+
+    reload_interval_s: float = Field(10.0, ge=0, description="seconds between looks at each served artifact's "
+                                     "manifest.json: a newer version of the same weights (python -m "
+                                     "ibedl.training.calibrate in place, e.g. --dataset feedback) is served from the "
+                                     "next request on, without a restart (SIGHUP looks at once); 0: only on SIGHUP")
+
     def served_artifacts(self) -> list[Path]:
         """The adapter directories to serve, the default first."""
         return list(self.artifacts) or [self.artifact]

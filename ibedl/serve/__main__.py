@@ -50,16 +50,20 @@ def settings_errors(e: ValidationError) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ibedl.serve", description="Serve IB-EDL adapters over HTTP.",
-                                     epilog=settings_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m ibedl.serve",
+                                     description="Serve IB-EDL adapters over HTTP and gRPC.", epilog=settings_help(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--host", help="bind address (IBEDL_HOST, default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port (IBEDL_PORT, default 8000)")
+    parser.add_argument("--grpc-port", type=int, help="port of the Open Inference Protocol over gRPC (IBEDL_GRPC_PORT, "
+                        "default 8001; 0: a free one)")
     one = parser.add_mutually_exclusive_group()
     one.add_argument("--artifact", help="adapter directory (IBEDL_ARTIFACT, default artifacts/default)")
     one.add_argument("--artifacts", help="adapter directories, comma-separated, on one shared base model; the "
                      "first is the default (IBEDL_ARTIFACTS)")
     args = parser.parse_args(argv)
-    overrides = {k: getattr(args, k) for k in ("host", "port", "artifact", "artifacts") if getattr(args, k) is not None}
+    flags = ("host", "port", "grpc_port", "artifact", "artifacts")
+    overrides = {k: getattr(args, k) for k in flags if getattr(args, k) is not None}
     if args.artifact is not None:
         overrides["artifacts"] = []  # the flag names the one adapter, whatever IBEDL_ARTIFACTS says
     try:

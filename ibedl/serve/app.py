@@ -8,19 +8,18 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from ibedl.engine.runtime import load_predictors
 from ibedl.serve import contract, docs_ui, oip
 from ibedl.serve.errors import error_body, install_handlers
 from ibedl.serve.middleware import RequestGuard
 from ibedl.serve.routes import router
 from ibedl.serve.settings import Settings
-from ibedl.serve.state import Loader, ServiceState, load_predictor
+from ibedl.serve.state import Loader, ServiceState
 
 
 def create_app(settings: Settings | None = None, loader: Loader | None = None) -> FastAPI:
     """Build the app. ``loader`` (default: the artifact of ``settings``) lets tests inject a predictor."""
     settings = settings or Settings()
-    state = ServiceState(settings, loader or load_predictors)
+    state = ServiceState(settings, loader)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -51,4 +50,4 @@ def create_app(settings: Settings | None = None, loader: Loader | None = None) -
     return app
 
 
-__all__ = ["create_app", "load_predictor", "load_predictors", "ServiceState", "error_body"]
+__all__ = ["create_app", "ServiceState", "error_body"]

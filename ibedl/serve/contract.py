@@ -89,10 +89,10 @@ def install(app: FastAPI, state: ServiceState) -> None:
     def openapi() -> dict:
         schema = copy.deepcopy(shapes())
         write_limits(schema["components"]["schemas"], state)
-        if state.runtimes:  # GET /v1/drift?adapter= and /v1/guarantees?adapter= take the served adapters' names
+        if state.engine.runtimes:  # GET /v1/drift?adapter= and /v1/guarantees?adapter= take the served adapters' names
             for path in ("/v1/drift", "/v1/guarantees"):
                 (param,) = [p for p in schema["paths"][path]["get"]["parameters"] if p["name"] == "adapter"]
-                _not_null(param["schema"])["enum"] = list(state.runtimes)
+                _not_null(param["schema"])["enum"] = list(state.engine.runtimes)
         return schema
 
     app.openapi = openapi
@@ -102,7 +102,7 @@ def write_limits(schemas: dict, state: ServiceState) -> None:
     """Write into the request models' JSON schemas (``components.schemas``) what ``requests.to_question``,
     pydantic and the routes enforce beyond the models' shapes."""
     s = state.settings
-    runtimes = list(state.runtimes.values())
+    runtimes = list(state.engine.runtimes.values())
     # several adapters: a limit that differs between them is written as the loosest (the app checks each)
     n = max(max_options(s, rt) for rt in runtimes) if runtimes else max_options(s, None)
 
@@ -126,7 +126,7 @@ def write_limits(schemas: dict, state: ServiceState) -> None:
 
     if not runtimes:
         return  # the adapters are not loaded: their names and stored prediction sets are not known yet
-    _not_null(request["adapter"])["enum"] = list(state.runtimes)
+    _not_null(request["adapter"])["enum"] = list(state.engine.runtimes)
     conformal = schemas["ConformalOptions"]["properties"]
     calibrated = [rt.conformal for rt in runtimes if rt.conformal is not None]
     if not calibrated:  # never calibrated: a request may not ask for a set

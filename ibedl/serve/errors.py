@@ -1,5 +1,6 @@
-"""One error shape for every failure: ``{"error": {"type", "message", "field"}}``, and its handlers. The engine's
-refusals (``ibedl.engine.errors``) carry no HTTP status: :data:`STATUS` is the one place that gives each its
+"""One error shape per protocol, for every status: ``{"error": {"type", "message", "field"}}`` on the v1 routes, the
+Open Inference Protocol's ``{"error": "<type>: <message>"}`` under ``/v2/``; and the handlers that answer them. The
+engine's refusals (``ibedl.engine.errors``) carry no HTTP status: :data:`STATUS` is the one place that gives each its
 status code, and the ``EngineError`` handler the one place that answers them."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ibedl.engine.errors import EngineError, error_body
 
 log = logging.getLogger("ibedl.serve")
+OIP_PREFIX = "/v2/"  # the Open Inference Protocol's routes (ibedl.serve.oip): its own error body
 
 # The status of each engine error type (an EngineError's ``type``; a type not here is a bug: 500).
 STATUS = {
@@ -40,15 +42,22 @@ def status_of(exc: EngineError) -> int:
     return STATUS.get(exc.type, 500)
 
 
-def engine_error_response(exc: EngineError) -> JSONResponse:
+def engine_error_response(exc: EngineError, path: str = "") -> JSONResponse:
     """The answer to an engine error: its status, its body, and ``Retry-After`` when it says when to retry."""
     headers = None if exc.retry_after is None else {"Retry-After": str(exc.retry_after)}
-    return error_response(status_of(exc), exc.type, exc.message, exc.field, headers)
+    return error_response(status_of(exc), exc.type, exc.message, exc.field, headers, path)
 
 
 def error_response(status: int, type_: str, message: str, field: str | None = None,
-                   headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error_body(type_, message, field), status_code=status, headers=headers)
+                   headers: dict | None = None, path: str = "") -> JSONResponse:
+    return JSONResponse(body_for(path, type_, message, field), status_code=status, headers=headers)
+
+
+def body_for(path: str, type_: str, message: str, field: str | None = None) -> dict:
+    """The error body of the protocol ``path`` belongs to (the Open Inference Protocol's under ``/v2/``)."""
+    if path.startswith(OIP_PREFIX):
+        return {"error": f"{type_}: {message}"}
+    return error_body(type_, message, field)
 
 
 def _field(loc) -> str | None:
@@ -59,7 +68,7 @@ def _field(loc) -> str | None:
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineError)
     async def engine_error(request: Request, exc: EngineError):
-        return engine_error_response(exc)
+        return engine_error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
@@ -67,19 +76,20 @@ def install_handlers(app: FastAPI) -> None:
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
         if first.get("type") == "json_invalid":
             return error_response(422, "invalid_json",
-                                  f"request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
+                                  f"request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
+                                  path=request.url.path)
         message = first["msg"]
         if len(errors) > 1:
             message += f" (and {len(errors) - 1} more)"
-        return error_response(422, "invalid_request", message, _field(first.get("loc", ())))
+        return error_response(422, "invalid_request", message, _field(first.get("loc", ())), path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         types = {400: "invalid_body", 404: "not_found", 405: "method_not_allowed"}  # 400: a body that is not UTF-8
         return error_response(exc.status_code, types.get(exc.status_code, "http_error"), str(exc.detail),
-                              headers=getattr(exc, "headers", None))
+                              headers=getattr(exc, "headers", None), path=request.url.path)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(500, "internal_error", "internal error; see the service log")
+        return error_response(500, "internal_error", "internal error; see the service log", path=request.url.path)

@@ -19,9 +19,9 @@ import uuid
 
 from starlette.routing import Match
 
-from ibedl.engine.errors import Overloaded
+from ibedl.engine.errors import EngineError
 from ibedl.serve import logs
-from ibedl.serve.errors import error_body, status_of
+from ibedl.serve.errors import OIP_PREFIX, body_for, status_of
 
 UNMEASURED = ("/health/", "/v2/health/", "/metrics")
 # open whatever the tokens: probes (the Open Inference Protocol's too), and the docs pages' scripts and styles
@@ -30,7 +30,6 @@ METRICS_PATH = "/metrics"
 LABEL_PATHS = ("/v1/feedback", "/v1/feedback/batch")  # labels change what the service reports: their own credential
 LABEL_TOKEN, ANONYMOUS = "label_token", "anonymous"  # who sent a label, as the feedback store counts it
 PREDICT_PATHS = ("/predict", "/predict/batch")  # admission (503 before the body is read) applies to these
-OIP_PREFIX = "/v2/"  # the Open Inference Protocol (ibedl.serve.oip): its bodies are JSON with or without a type
 
 
 def predicts(path: str) -> bool:
@@ -93,9 +92,9 @@ class RequestGuard:
         self.state = state
 
     async def _reply(self, send, status: int, type_: str, message: str, request_id: str, headers=(),
-                     oip: bool = False) -> None:
-        """An error answered here; ``oip``: in the Open Inference Protocol's shape, ``{"error": "type: message"}``."""
-        body = json.dumps({"error": f"{type_}: {message}"} if oip else error_body(type_, message)).encode()
+                     path: str = "", field: str | None = None) -> None:
+        """An error answered here, in the shape of the protocol ``path`` belongs to."""
+        body = json.dumps(body_for(path, type_, message, field)).encode()
         await send({"type": "http.response.start", "status": status, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
             (b"x-request-id", request_id.encode()), *headers]})
@@ -113,12 +112,12 @@ class RequestGuard:
                 return status, type_, message, bearer if status == 401 else []
         elif not token_ok(required_token(self.state.settings, path), authorization):
             return 401, "unauthorized", "a valid 'Authorization: Bearer <token>' header is required", bearer
-        if scope["method"] == "POST" and predicts(path) and scope["state"]["admitted"]:
-            wait = self.state.busy_for(headers.get("x-request-timeout"), scope["state"]["arrived"])
-            if wait is not None:  # no body read, parsed or tokenized: the scheduler's refusal, answered early
-                e = Overloaded("the service is busy: no request could be answered before its deadline now", wait)
-                self.state.metrics.rejected.labels(reason=e.reason).inc()
-                return status_of(e), e.type, e.message, [(b"retry-after", str(e.retry_after).encode())]
+        if scope["method"] == "POST" and predicts(path) and _routed(scope):
+            try:  # no body read, parsed or tokenized: not ready, overloaded or a bad timeout, answered early
+                self.state.engine.refuse_early(scope["state"]["context"])
+            except EngineError as e:
+                retry = [] if e.retry_after is None else [(b"retry-after", str(e.retry_after).encode())]
+                return status_of(e), e.type, e.message, retry, e.field
         return None
 
     async def _buffered(self, headers: dict, receive, oip: bool = False) -> tuple[object, tuple | None]:
@@ -156,10 +155,9 @@ class RequestGuard:
         request_id = choose_request_id(headers.get("x-request-id"))
         scope.setdefault("state", {})["request_id"] = request_id
         id_token = logs.request_id_var.set(request_id)
-        scope["state"]["arrived"] = self.state.admission.clock()  # deadlines count from here
-        # Admission is decided here, once: a request that arrives before a shutdown begins is answered even if
-        # SIGTERM lands before its route runs; one that arrives after it is refused (503) by the route.
-        scope["state"]["admitted"] = self.state.accepting()
+        # Admission is decided here, once, and deadlines count from here: a request that arrives before a shutdown
+        # begins is answered even if SIGTERM lands before its route runs; one that arrives after it is refused (503).
+        scope["state"]["context"] = self.state.engine.arrive(request_id, headers.get("x-request-timeout"))
         path = scope.get("path", "")
         measured = not path.startswith(UNMEASURED)
         metrics = self.state.metrics
@@ -184,19 +182,19 @@ class RequestGuard:
             if refused is None and scope["method"] in BODY_METHODS and _routed(scope):
                 receive, refused = await self._buffered(headers, receive, path.startswith(OIP_PREFIX))
             if refused is not None:  # before the route runs: nothing recorded, nothing counted
-                status, type_, message, extra = refused
+                status, type_, message, extra, *field = refused
                 status_holder["status"] = status
                 if type_ is None:  # the client went away while sending: nobody to answer
                     return None
-                return await self._reply(send, status, type_, message, request_id, extra,
-                                         oip=path.startswith(OIP_PREFIX))
+                return await self._reply(send, status, type_, message, request_id, extra, path, *field)
             try:
                 await self.app(scope, receive, send_wrapper)
             except Exception:  # logged here, while the request id is still on every log line, and answered 500
                 log.exception("unhandled error on %s %s", scope["method"], path)
                 status_holder["status"] = 500
                 if not status_holder.get("started"):
-                    await self._reply(send, 500, "internal_error", "internal error; see the service log", request_id)
+                    await self._reply(send, 500, "internal_error", "internal error; see the service log", request_id,
+                                      path=path)
         finally:
             seconds = time.perf_counter() - start
             template = getattr(scope.get("route"), "path", None) or "unmatched"

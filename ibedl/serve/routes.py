@@ -14,7 +14,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ibedl.engine.errors import StoreUnavailable, TooLarge
+from ibedl.engine.errors import StoreUnavailable
 from ibedl.engine.schemas import (
     ADAPTER_NAME_CHARS,
     BatchRequest,
@@ -51,43 +51,30 @@ async def live() -> Health:
             responses={503: {"model": Health, "description": "`loading`, `failed` or `draining`, with a `reason`"}})
 async def ready(state: State):
     code, health = state.health()
-    return JSONResponse(health.model_dump(), status_code=code)
+    return JSONResponse(health, status_code=code)
 
 
 @router.post("/predict", response_model=PredictResponse, responses=PREDICT_ERRORS,
              tags=["predict"], openapi_extra=PREDICT_EXTRA)
 async def predict(body: PredictRequest, request: Request, state: State) -> PredictResponse:
-    state.require_ready(request)
-    request.state.adapter = state.runtime(body.adapter).name  # for the access log line
-    checked = await state.off_loop(state.engine.check, body)  # counts tokens: off the event loop
-    (answer,) = await state.answer([checked], request, [request.state.request_id])
+    answer = await state.engine.ask_one(body, state.context(request))
+    request.state.adapter = answer.adapter.name  # for the access log line
     return answer
 
 
 @router.post("/predict/batch", response_model=BatchResponse, responses=PREDICT_ERRORS,
              tags=["predict"], openapi_extra=PREDICT_EXTRA)
 async def predict_batch(body: BatchRequest, request: Request, state: State) -> BatchResponse:
-    return BatchResponse(results=await answer_items(state, body.items, request))
-
-
-async def answer_items(state, items: list[PredictRequest], request: Request, field: str = "items") -> list:
-    """The answers (PredictResponse) to ``items`` of one adapter, scheduled as one request: what /predict/batch and
-    the Open Inference Protocol's infer (ibedl.serve.oip) both serve. ``field`` names the items in refusals."""
-    state.require_ready(request)
-    checked = await state.off_loop(state.engine.check_request, items, field)
-    if checked:
-        request.state.adapter = checked[0].runtime.name  # for the access log line
-    rid = request.state.request_id
-    return await state.answer(checked, request, [f"{rid}-{i}" for i in range(len(checked))])
+    answers = await state.engine.ask(body.items, state.context(request))
+    if answers:
+        request.state.adapter = answers[0].adapter.name  # for the access log line
+    return BatchResponse(results=answers)
 
 
 @router.get("/v1/models", response_model=ModelList, responses=API_ERRORS, tags=["metadata"])
 async def models(request: Request, state: State) -> dict:
     state.require_ready(request)
-    cards = state.engine.cards()
-    if cards:
-        cards[0]["backend"]["background"] = state.backend_status()
-    return {"data": cards}
+    return {"data": state.engine.cards()}
 
 
 @router.get("/v1/drift", response_model=DriftStatus, responses=DRIFT_ERRORS, tags=["metadata"])
@@ -95,7 +82,7 @@ async def drift(request: Request, state: State,
                 adapter: str | None = Query(None, max_length=ADAPTER_NAME_CHARS)) -> DriftStatus:
     """The drift status of one adapter (``?adapter=NAME``; default the first)."""
     state.require_ready(request)
-    return state.drift_status(state.runtime(adapter))
+    return state.observer.drift_status(state.engine.runtime(adapter).name)
 
 
 @router.post("/v1/feedback", response_model=FeedbackResponse, responses=FEEDBACK_ERRORS, tags=["feedback"])
@@ -103,33 +90,32 @@ async def feedback(body: FeedbackRequest, request: Request, state: State) -> Fee
     """Record the right option of one answered question, with the receipt its answer carried (the labelling
     credential, IBEDL_LABEL_TOKEN). Any replica may receive it; a receipt keeps its first label."""
     state.require_ready(request)
-    return await state.record_feedback([body], "", request.state.credential)
+    return await state.engine.record_labels([body], "", request.state.credential)
 
 
 @router.post("/v1/feedback/batch", response_model=FeedbackResponse, responses=FEEDBACK_ERRORS, tags=["feedback"])
 async def feedback_batch(body: FeedbackBatchRequest, request: Request, state: State) -> FeedbackResponse:
     """Record several labels at once: all or none (one bad item refuses the request and records nothing)."""
     state.require_ready(request)
-    if len(body.items) > state.settings.max_batch_items:
-        raise TooLarge(f"{len(body.items)} items; the limit is {state.settings.max_batch_items}", "items")
-    return await state.record_feedback(body.items, "items.", request.state.credential)
+    return await state.engine.record_labels(body.items, "items.", request.state.credential)
 
 
 @router.get("/v1/guarantees", response_model=GuaranteesResponse, responses=GUARANTEES_ERRORS, tags=["feedback"])
 async def guarantees(request: Request, state: State, adapter: str | None = None) -> GuaranteesResponse:
     """The realised guarantees of every adapter version with labels (``?adapter=NAME``: of that adapter only)."""
     state.require_ready(request)
-    return await state.guarantees(None if adapter is None else state.runtime(adapter).name)
+    return await state.engine.realised(adapter)
 
 
 @router.get("/metrics", tags=["metadata"], include_in_schema=False)
 async def metrics(state: State) -> Response:
-    for name, monitors in state.monitors.items():
-        state.metrics.set_drift(name, await asyncio.to_thread(monitors.drift.status))
-        state.metrics.set_accuracy(name, monitors.accuracy.status())
-    if state.feedback.enabled and state.runtimes:
+    observer = state.observer
+    for name, monitors in observer.monitors.items():
+        observer.metrics.set_drift(name, await asyncio.to_thread(monitors.drift.status))
+        observer.metrics.set_accuracy(name, monitors.accuracy.status())
+    if state.engine.feedback.enabled and state.engine.runtimes:
         # sets the ibedl_guarantee_* gauges; a store that does not answer at once leaves them as they are (its call
         # sets them when it returns): a scrape never waits on another replica's lock
         with contextlib.suppress(StoreUnavailable):
-            await state.guarantees(timeout=METRICS_STORE_WAIT_S)
-    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+            await state.engine.realised(timeout=METRICS_STORE_WAIT_S)
+    return Response(generate_latest(observer.metrics.registry), media_type=CONTENT_TYPE_LATEST)

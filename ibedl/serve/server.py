@@ -11,6 +11,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from ibedl.engine.feedback_kinds import STORE_SETTINGS, persistent
 from ibedl.serve.settings import Settings
 
 log = logging.getLogger("ibedl.serve")
@@ -41,9 +42,9 @@ def log_exposure(settings: Settings) -> None:
         log.info("serving %s without a token: open to clients on this machine only (loopback)", where)
     if settings.feedback_key is None:
         return
-    if settings.feedback_db is None and settings.feedback_dsn is None and settings.exposed():
-        log.warning("labelled feedback keeps its labels in this process only (no IBEDL_FEEDBACK_DB or "
-                    "IBEDL_FEEDBACK_DSN): with several replicas each counts its own, and a restart forgets them")
+    if not persistent(settings) and settings.exposed():
+        log.warning("labelled feedback keeps its labels in this process only (no %s): with several replicas each "
+                    "counts its own, and a restart forgets them", STORE_SETTINGS)
     if settings.label_token is not None:
         log.info("labels (POST /v1/feedback) require the labelling credential (IBEDL_LABEL_TOKEN), at most %d per "
                  "%d s", settings.max_labels, settings.label_window_s)

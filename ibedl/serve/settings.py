@@ -32,10 +32,6 @@ class Settings(EngineSettings):
                                           "refuse IBEDL_API_TOKEN (403); it opens no other route. Unset: labels are "
                                           "refused (403) unless the service runs without IBEDL_API_TOKEN on a "
                                           "loopback address (local use)")
-    max_labels: int = Field(5000, ge=1, description="labels the labelling credential may record per "
-                            "IBEDL_LABEL_WINDOW_S, all replicas together (counted in the feedback store); more: 429 "
-                            "with Retry-After (duplicates do not count)")
-    label_window_s: int = Field(3600, ge=1, description="the window of IBEDL_MAX_LABELS, in seconds")
     allow_anonymous: bool = Field(False, description="serve a non-loopback IBEDL_HOST without IBEDL_API_TOKEN "
                                   "(anyone who reaches the port may use the API; logged at start)")
     max_connections: int = Field(256, ge=1, description="open connections (and requests in progress) at most; a "
@@ -46,29 +42,16 @@ class Settings(EngineSettings):
     log_format: str = Field("text", description="json: one JSON object per log line (the container images set "
                             "it); text: human-readable lines")
 
-    backend_switching: bool = Field(True, description="IBEDL_BACKEND=auto: be ready at once on the cached "
-                                     "measurement's winner (else torch) and build and time the other candidates in the "
-                                     "background, switching to one proven faster; false: serve that start choice only")
-    backend_max_age_s: float = Field(7 * 24 * 3600.0, gt=0, description="IBEDL_BACKEND=auto: a cached measurement "
-                                     "older than this is taken again in the background (the start may have been busy)")
+    grpc_port: int = Field(8001, ge=0, le=65535, description="port of the Open Inference Protocol over gRPC (KServe v2 "
+                           "GRPCInferenceService), beside the HTTP port and behind the same token; 0: a free port "
+                           "(logged)")
+    grpc: bool = Field(True, description="serve the Open Inference Protocol over gRPC on IBEDL_GRPC_PORT")
     body_timeout_s: float = Field(10.0, gt=0, description="time to receive a request body (else 408)")
-    shutdown_grace_s: float = Field(30.0, ge=0, description="drain time on SIGTERM: what cannot finish in it gets "
-                                    "503 + Retry-After")
-
-    reload_interval_s: float = Field(10.0, ge=0, description="seconds between looks at each served artifact's "
-                                     "manifest.json: a newer version of the same weights (python -m "
-                                     "ibedl.training.calibrate in place, e.g. --dataset feedback) is served from the "
-                                     "next request on, without a restart (SIGHUP looks at once); 0: only on SIGHUP")
-
     max_body_bytes: int = Field(1_000_000, ge=1024)
 
     drift_window: int = Field(500, ge=10, description="served uncertainty masses in the rolling window")
     drift_alarm_rate: float = Field(0.01, gt=0, lt=0.5, description="false-alarm rate the KS threshold is set for")
     drift_bootstrap: int = Field(1000, ge=50, description="bootstrap draws calibrating the KS threshold")
-
-    def engine(self) -> EngineSettings:
-        """The engine's settings among these (the same values; validated when these were)."""
-        return EngineSettings.model_construct(**{name: getattr(self, name) for name in EngineSettings.model_fields})
 
     @field_validator(*TOKENS, mode="before")
     @classmethod

@@ -59,6 +59,7 @@ from ibedl.core.cpu_isa import int8_isa
 from ibedl.core.head import POSTHOC_NEUTRAL
 from ibedl.core.model_card import write_card
 from ibedl.core.prompt import MCQuestion
+from ibedl.engine.feedback_kinds import is_dsn, open_store_at
 from ibedl.training import metrics
 from ibedl.training.data.option_counts import parse_counts, vary_option_counts
 from ibedl.training.head_kinds import Outputs, head_kind, served_kind
@@ -758,7 +759,7 @@ def feedback_outputs(path, manifest: Manifest, minimum: int = 20, from_seq: int 
 
     where = f"the PostgreSQL store at {without_password(str(path))}" if is_dsn(path) else str(path)
     try:
-        store = open_feedback_store(path)
+        store = open_store_at(path, 30.0)
         try:
             if since_change:
                 from_seq = change_seq(store, manifest, where)
@@ -810,38 +811,6 @@ def of_one_calibration(rows: list[dict], backend: str | None, top_level: str) ->
                     "out: a calibration holds for the arithmetic it was made on", len(kept), key, len(rows) - len(kept),
                     ", ".join(f"{k}: {n}" for k, n in named.items() if k != key) or "none")
     return kept, key
-
-
-def is_dsn(path) -> bool:
-    """Whether ``path`` is a PostgreSQL DSN (a postgresql:// URI, or a libpq ``key=value`` string that libpq parses)
-    rather than a file."""
-    text = str(path).strip()
-    if text.startswith(("postgresql://", "postgres://")):
-        return True
-    if "=" not in text:
-        return False
-    try:
-        from psycopg.conninfo import conninfo_to_dict
-    except ImportError:  # no PostgreSQL driver: judge by libpq's keywords
-        return bool(re.match(r"(host|hostaddr|port|dbname|user|password)\s*=", text))
-    try:
-        return bool(conninfo_to_dict(text))
-    except Exception:  # noqa: BLE001 - psycopg's parse error: not a DSN
-        return False
-
-
-def open_feedback_store(path):
-    """The service's feedback store at ``path``: a postgresql:// URI (IBEDL_FEEDBACK_DSN) or a SQLite file
-    (IBEDL_FEEDBACK_DB; FileNotFoundError when there is none)."""
-    if is_dsn(path):  # its password is never shown
-        from ibedl.engine.feedback_postgres import PostgresStore
-
-        return PostgresStore(str(path), 30.0)
-    from ibedl.engine.feedback_sqlite import SqliteStore
-
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"no feedback store at {path} (the service's IBEDL_FEEDBACK_DB)")
-    return SqliteStore(Path(path))
 
 
 def change_seq(store, manifest: Manifest, where: str) -> int:

@@ -53,6 +53,14 @@ def test_api_takes_mcquestions_and_refuses_what_the_service_refuses(model):
     with pytest.raises(TooLarge) as e:
         model.predict([{"question": "q" * 5000, "options": ["a", "b"]}])
     assert (e.value.type, e.value.field) == ("too_large", "items.0.question")
+    # a dict that is not a request body: the engine's InvalidRequest naming the field, never pydantic's error
+    with pytest.raises(InvalidRequest) as e:
+        model.predict([QUESTIONS[0], {"question": "q"}])
+    assert (e.value.type, e.value.field) == ("invalid_request", "items.1.options")
+    assert "Field required" in e.value.message
+    with pytest.raises(InvalidRequest) as e:
+        model.record_feedback([{"receipt": 7}])
+    assert e.value.field is not None and e.value.field.startswith("items.0.")
 
 
 def test_load_takes_engine_settings_only(tiny_artifact):

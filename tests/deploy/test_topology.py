@@ -255,7 +255,8 @@ def topology(tmp_path_factory, default_backends_ready):
     )
     replicas = [
         Proc(f"replica-{i + 1}", [sys.executable, "-m", "ibedl.serve", "--host", "127.0.0.1", "--port", str(port),
-                                  "--artifact", str(artifact)], work / f"replica-{i + 1}.log", env)
+                                  "--grpc-port", "0", "--artifact", str(artifact)], work / f"replica-{i + 1}.log",
+             env)
         for i, port in enumerate(ports[:2])
     ]
     nginx_conf = render_nginx(work / "nginx", ports[2], [u.removeprefix("http://") for u in replica_urls])

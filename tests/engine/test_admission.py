@@ -2,7 +2,7 @@
 
 import pytest
 
-from ibedl.engine.admission import Admission, InvalidTimeout, Snapshot
+from ibedl.engine.admission import Admission, InvalidTimeout, QueueSnapshot
 from ibedl.engine.errors import NeedsTooLong, QueueFull
 
 
@@ -14,9 +14,9 @@ class Clock:
         return self.now
 
 
-def queue(**changes) -> Snapshot:
+def queue(**changes) -> QueueSnapshot:
     base = {"depth": 0, "queue_size": 8, "expected_wait_s": 1.0, "alone_s": 1.0}
-    return Snapshot(**{**base, **changes})
+    return QueueSnapshot(**{**base, **changes})
 
 
 class TestDeadline:
@@ -59,6 +59,16 @@ class TestDecide:
         assert refusal.reason == "capacity" and refusal.wait_s == pytest.approx(1.5 * 2.0 * 1.0 - 1.0)
         assert refusal.retry_after == 2  # whole seconds, rounded up
         assert "expected in 3.0 s and the deadline leaves 1.0 s" in refusal.message
+
+    def test_a_request_with_nothing_ahead_of_it_that_fits_alone_is_admitted_whatever_the_overrun(self):
+        admission = Admission(margin=1.5, clock=Clock(0.0))
+        lone = queue(depth=0, expected_wait_s=0.5, alone_s=0.5, overrun=4.0)  # 1.5 x 4 x 0.5 = 3 s > 2 s left
+        assert admission.decide(1, 50, 2.0, lone) is None  # 1.5 x 0.5 = 0.75 s alone fits
+        behind = queue(depth=1, expected_wait_s=0.6, alone_s=0.5, overrun=4.0)  # a question ahead: the overrun counts
+        assert admission.decide(1, 50, 2.0, behind).reason == "capacity"
+        in_flight = queue(depth=0, expected_wait_s=0.6, alone_s=0.5, overrun=4.0)  # a pass in flight
+        assert admission.decide(1, 50, 2.0, in_flight).reason == "capacity"
+        assert isinstance(admission.decide(1, 50, 0.5, lone), NeedsTooLong)  # alone it does not fit: still refused
 
     def test_too_large_even_alone_comes_before_capacity(self):
         refusal = Admission(clock=Clock(0.0)).decide(1, 500, 2.0, queue(expected_wait_s=9.0, alone_s=5.0))

@@ -98,15 +98,26 @@ def test_one_failing_question_does_not_fail_its_batch_mates():
 
 def test_stop_answers_the_batch_in_flight_and_the_queue():
     async def main():
-        predict = FakePredict(delay=0.2)
-        b = MicroBatcher(predict, max_batch_size=2, max_wait_ms=1)
+        gate = Gate()
+        b = MicroBatcher(gate, max_batch_size=2, max_wait_ms=1)
         b.start()
         futures = await b.submit_many([q(f"q{i}") for i in range(5)])
-        await asyncio.sleep(0.05)  # the first batch is now in the executor
-        await b.stop()
-        return [f.done() and not f.cancelled() and f.result() for f in futures]
+        await gate.wait_entered()  # the first batch is in the executor, held there
+        stopping = asyncio.create_task(b.stop())
+        for _ in range(1000):  # until stop() has begun (it refuses new work at once)
+            if not b.running:
+                break
+            await asyncio.sleep(0.001)
+        assert not b.running and not stopping.done()  # stop() waits for the pass in flight ...
+        assert not any(f.done() for f in futures)
+        for _ in range(3):  # ... and the two passes of the queue after it
+            gate.release.release()
+        await asyncio.wait_for(stopping, 10)
+        return gate.batches, [f.done() and not f.cancelled() and f.result() for f in futures]
 
-    assert run(main()) == [f"q{i}" for i in range(5)]
+    batches, answers = run(main())
+    assert answers == [f"q{i}" for i in range(5)]
+    assert batches == [["q0", "q1"], ["q2", "q3"], ["q4"]]
 
 
 def test_queue_full_is_all_or_nothing():
@@ -333,8 +344,11 @@ def test_a_question_whose_pass_would_end_after_its_deadline_gets_overloaded_not_
 
 
 def test_requests_that_took_longer_than_estimated_make_admission_stricter():
+    """The overrun (how much longer than estimated requests took) multiplies the wait of a request behind others;
+    one with nothing ahead of it that fits alone is admitted whatever it says (a lone client is never refused)."""
     async def main():
-        b = MicroBatcher(FakePredict(), max_batch_size=1, service_time=ServiceTime(0.01),
+        gate = Gate()
+        b = MicroBatcher(gate, max_batch_size=1, max_wait_ms=0, service_time=ServiceTime(0.01),
                          admission=Admission(margin=1.0))
         b.start()
         assert b.overrun == 1.0
@@ -344,15 +358,19 @@ def test_requests_that_took_longer_than_estimated_make_admission_stricter():
             b._observe_wait(1.0)  # then on time again
         recovered = b.overrun
         b._observe_wait(3.0)
-        now = time.monotonic()
-        with pytest.raises(Overloaded):  # 50 tokens = 0.5 s estimated; x overrun 2 > 0.8 s left
-            await b.submit_many([q("a")], [50], now + 0.8)
+        lone = await b.submit_many([q("lone")], [50], time.monotonic() + 0.8)  # 0.5 s alone fits in 0.8 s
+        await gate.wait_entered()  # its pass holds the model: the next request waits behind it
+        with pytest.raises(Overloaded):  # 0.5 s left of the pass + 0.5 s own, x overrun 2 > 0.8 s left
+            await b.submit_many([q("behind")], [50], time.monotonic() + 0.8)
+        gate.release.release()
+        await asyncio.gather(*lone)
         await b.stop()
-        return raised, recovered
+        return raised, recovered, gate.batches
 
-    raised, recovered = run(main())
+    raised, recovered, batches = run(main())
     assert raised == pytest.approx(2.0)  # half way at once
     assert 1.0 < recovered < 1.5  # and back slowly
+    assert batches == [["lone"]]
 
 
 def test_drain_answers_what_fits_in_the_grace_period_and_refuses_the_rest():

@@ -8,13 +8,23 @@ from contextlib import contextmanager
 import pytest
 from fastapi.testclient import TestClient
 
-from ibedl.serve.app import create_app, load_predictor
+from ibedl.engine.runtime import load_predictors
+from ibedl.serve.app import create_app
 from ibedl.serve.settings import Settings
+
+
+def load_predictor(settings):
+    """The predictor of the one adapter of ``settings`` (the loaders below wrap it to slow or break the model)."""
+    predictors = load_predictors(settings)
+    assert len(predictors) == 1, f"load_predictor loads one adapter; the settings name {len(predictors)}"
+    return predictors[0]
 
 
 @contextmanager
 def uvicorn_server(app, host: str = "127.0.0.1"):
-    """``app`` on a real uvicorn in a thread, on a free port of ``host``; yields its URL once ready, stops it after."""
+    """``app`` on a real uvicorn in a thread, on a free port of ``host``; yields its URL once ready, stops it after.
+    The service knows its server, as ``python -m ibedl.serve`` tells it: setting ``should_exit`` (what uvicorn's
+    SIGTERM handler does) drains it."""
     import socket
     import threading
 
@@ -25,6 +35,7 @@ def uvicorn_server(app, host: str = "127.0.0.1"):
         s.bind((host, 0))
         port = s.getsockname()[1]
     srv = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    app.state.service.server = srv
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     url = f"http://{host}:{port}"

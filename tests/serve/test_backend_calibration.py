@@ -12,8 +12,7 @@ import torch
 
 from ibedl.core import cpu_isa
 from ibedl.core.artifact import read_manifest, write_manifest
-from ibedl.serve.app import load_predictor
-from tests.serve.conftest import wait_status
+from tests.serve.conftest import load_predictor, wait_status
 
 Q = {"question": "Which is sun?", "options": ["sun", "moon", "tree", "bird"]}
 
@@ -88,7 +87,7 @@ def test_the_matching_calibration_is_applied_and_reported(make_client, with_cpu_
         assert r.status_code == 200, r.text
         body = r.json()
         card = c.get("/v1/models").json()["data"][0]
-        runtime = c.app.state.service.default
+        runtime = c.app.state.service.engine.default
     assert body["adapter"]["backend"] == "torch" and body["adapter"]["calibration"] == "torch-fp32"
     assert body["confidence"] < 0.999 and body["abstain_reason"] == "min_confidence"  # the CPU one's threshold
     assert card["backend"] == {"name": "torch", "requested": "torch", "reason": "named", "measured": None,
@@ -129,7 +128,7 @@ def test_a_backend_serves_its_own_calibration_and_drops_the_torch_model(make_cli
         r = c.post("/predict", json=Q)
         assert r.status_code == 200, r.text
         card = c.get("/v1/models").json()["data"][0]
-        predictor = c.app.state.service.default.predictor
+        predictor = c.app.state.service.engine.default.predictor
     assert r.json()["adapter"]["backend"] == "openvino-bf16" and r.json()["adapter"]["calibration"] == "openvino-bf16"
     assert card["calibration_in_use"]["key"] == "openvino-bf16" and card["calibration_in_use"]["matches_backend"]
     assert card["abstention"]["min_confidence"] == 0.25 and card["calibration"]["marker"] == "bf16"

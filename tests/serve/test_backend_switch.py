@@ -14,9 +14,9 @@ import pytest
 from ibedl.core import auto_backend
 from ibedl.core.auto_backend import AutoChoice
 from ibedl.core.backends import openvino_ir
-from ibedl.serve import backend_switch
-from ibedl.serve.app import load_predictor
-from ibedl.serve.backend_switch import BackendSwitcher, BuildFailed, build_in_child
+from ibedl.engine import backend_switch
+from ibedl.engine.backend_switch import BackendSwitcher, BuildFailed, build_in_child
+from tests.serve.conftest import load_predictor
 from tests.serve.test_backend_calibration import Q, recalibrated
 
 LAST: list[str] = []  # the backend whose trunk ran last (the injected timer reads it)
@@ -86,8 +86,8 @@ def switching(monkeypatch):
             return seconds[LAST[-1]]
 
         class Injected(BackendSwitcher):
-            def __init__(self, state, adapter, names):
-                super().__init__(state, adapter, names, timer=timer, rounds=3)
+            def __init__(self, engine, adapter, names):
+                super().__init__(engine, adapter, names, timer=timer, rounds=3)
                 self._build = build(self)
 
         monkeypatch.setattr(auto_backend, "torch_hidden", torch_hidden)
@@ -119,7 +119,7 @@ def test_ready_at_once_then_switched_when_proven_faster_without_failing_a_reques
         sender = threading.Thread(target=traffic)
         sender.start()
         gate.set()
-        assert state.switcher.done.wait(30)
+        assert state.engine.versions.switcher.done.wait(30)
         stop.set()
         sender.join(30)
         after = c.post("/predict", json=Q)
@@ -136,7 +136,7 @@ def test_ready_at_once_then_switched_when_proven_faster_without_failing_a_reques
     assert background["seconds"] == {"torch": 1.0, "openvino-bf16": 0.4} and background["failed"] == {}
     assert card["backend"]["measured"]["seconds"] == {"torch": 1.0, "openvino-bf16": 0.4}
     assert 'ibedl_backend_switches_total{adapter="tiny",from="torch",to="openvino-bf16"} 1.0' in metrics
-    assert state.default.predictor.model is None  # the torch model is dropped once the trunk serves alone
+    assert state.engine.default.predictor.model is None  # the torch model is dropped once the trunk serves alone
 
 
 def test_the_card_says_done_only_once_it_shows_the_measurement(make_client, bf16_calibrated, switching, monkeypatch):
@@ -145,23 +145,23 @@ def test_the_card_says_done_only_once_it_shows_the_measurement(make_client, bf16
     the card has been read in between)."""
     import asyncio
 
-    from ibedl.serve.state import ServiceState
+    from ibedl.engine.versions import Versions
 
     recording, release = threading.Event(), threading.Event()
-    settle = ServiceState.settle_backend
+    settle = Versions.settle_backend
 
     async def held(self, adapter, choice):
         recording.set()
         await asyncio.get_running_loop().run_in_executor(None, release.wait, 30)
         await settle(self, adapter, choice)
 
-    monkeypatch.setattr(ServiceState, "settle_backend", held)
+    monkeypatch.setattr(Versions, "settle_backend", held)
     switching({"torch": 1.0, "openvino-bf16": 0.4}).set()
     with make_client(loader=unmeasured_loader, artifact=bf16_calibrated) as c:
         assert recording.wait(30)
         before = c.get("/v1/models").json()["data"][0]["backend"]
         release.set()
-        assert c.app.state.service.switcher.done.wait(30)
+        assert c.app.state.service.engine.versions.switcher.done.wait(30)
         after = c.get("/v1/models").json()["data"][0]["backend"]
     assert before["background"]["state"] != "done" and before["measured"]["seconds"] == {}
     assert after["background"]["state"] == "done"
@@ -172,7 +172,7 @@ def test_a_slower_candidate_is_measured_and_not_switched_to(make_client, bf16_ca
     gate = switching({"torch": 1.0, "openvino-bf16": 1.5})
     gate.set()
     with make_client(loader=unmeasured_loader, artifact=bf16_calibrated) as c:
-        assert c.app.state.service.switcher.done.wait(30)
+        assert c.app.state.service.engine.versions.switcher.done.wait(30)
         r = c.post("/predict", json=Q)
         card = c.get("/v1/models").json()["data"][0]
         metrics = c.get("/metrics").text
@@ -185,9 +185,9 @@ def test_a_build_that_fails_leaves_the_service_where_it_was_with_the_reason(make
     gate = switching({"torch": 1.0, "openvino-bf16": 0.4},
                      fail=BuildFailed("the process exporting openvino-bf16 was killed by SIGKILL"))
     gate.set()
-    with (caplog.at_level("WARNING", logger="ibedl.serve.backend_switch"),
+    with (caplog.at_level("WARNING", logger="ibedl.engine.backend_switch"),
           make_client(loader=unmeasured_loader, artifact=bf16_calibrated) as c):
-        assert c.app.state.service.switcher.done.wait(30)
+        assert c.app.state.service.engine.versions.switcher.done.wait(30)
         r = c.post("/predict", json=Q)
         card = c.get("/v1/models").json()["data"][0]
     assert r.status_code == 200 and served(r) == ("torch", "torch-fp32")
@@ -204,7 +204,7 @@ def test_switching_off_serves_the_start_choice_only(make_client, bf16_calibrated
     with make_client(loader=unmeasured_loader, artifact=bf16_calibrated, backend_switching=False) as c:
         r = c.post("/predict", json=Q)
         card = c.get("/v1/models").json()["data"][0]
-        assert c.app.state.service.switcher is None
+        assert c.app.state.service.engine.versions.switcher is None
     assert served(r) == ("torch", "torch-fp32") and card["backend"]["background"] is None
 
 
@@ -231,10 +231,10 @@ def test_the_torch_weights_go_as_soon_as_torch_is_beaten(make_client, tiny_artif
     model_at_build: dict[str, bool] = {}
     gate = switching({"torch": 1.0, "openvino-bf16": 0.4, "openvino-fp32": 0.6},
                      on_build=lambda switcher, name: model_at_build.setdefault(
-                         name, switcher.state.runtimes[switcher.adapter].predictor.model is not None))
+                         name, switcher.engine.runtimes[switcher.adapter].predictor.model is not None))
     gate.set()
     with make_client(loader=loader, artifact=artifact) as c:
-        assert c.app.state.service.switcher.done.wait(30)
+        assert c.app.state.service.engine.versions.switcher.done.wait(30)
         r = c.post("/predict", json=Q)
         background = c.get("/v1/models").json()["data"][0]["backend"]["background"]
     assert background["state"] == "done" and background["failed"] == {}
@@ -252,14 +252,14 @@ def test_a_beaten_trunk_is_freed_once_a_faster_one_serves(make_client, tiny_arti
     gate.set()
     with make_client(loader=loader, artifact=artifact) as c:
         state = c.app.state.service
-        assert state.switcher.done.wait(30)
+        assert state.engine.versions.switcher.done.wait(30)
         r = c.post("/predict", json=Q)
         background = c.get("/v1/models").json()["data"][0]["backend"]["background"]
         gc.collect()
         assert background["state"] == "done" and served(r) == ("openvino-bf16", "openvino-bf16")
         assert [s["to"] for s in background["switches"]] == ["openvino-fp32", "openvino-bf16"]
         assert gate.built["openvino-fp32"]() is None and gate.built["openvino-bf16"]() is not None
-        assert state.default.predictor.model is None and state.switcher.shadow.model is None
+        assert state.engine.default.predictor.model is None and state.engine.versions.switcher.shadow.model is None
 
 
 def test_a_child_build_killed_for_memory_says_why_and_how_to_avoid_it(monkeypatch, tmp_path):

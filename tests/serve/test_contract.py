@@ -74,7 +74,7 @@ class TestLimits:
 
         def loader(settings):
             gate.wait(10)
-            from ibedl.serve.app import load_predictor
+            from tests.serve.conftest import load_predictor
             return load_predictor(settings)
 
         with make_client(loader=loader, ready=False, max_options=4) as c:

@@ -41,3 +41,41 @@ def test_a_503_is_always_a_refusal_the_model_never_saw():
     # the feedback store did not take in time: sent again it is recorded once (a duplicate if the first got through).
     assert sorted(t for t, code in STATUS.items() if code == 503) == ["not_ready", "overloaded", "shutting_down",
                                                                       "store_unavailable"]
+
+
+@pytest.mark.parametrize("cls", all_errors()[1:], ids=lambda c: c.__name__)
+def test_every_engine_error_type_has_a_grpc_status(cls):
+    from ibedl.serve.grpc_door import CODES
+
+    assert cls.type in CODES or cls.type in ("feedback_disabled", "invalid_receipt", "receipt_expired",
+                                             "adapter_not_served", "label_conflict", "too_many_labels",
+                                             "store_unavailable")  # labels: no gRPC call takes them
+
+
+def oip_error(r, status: int) -> str:
+    """The Open Inference Protocol's error body of ``r``, after checking its status and shape."""
+    assert r.status_code == status, r.text
+    assert set(r.json()) == {"error"} and isinstance(r.json()["error"], str), r.text
+    return r.json()["error"]
+
+
+def test_every_status_under_v2_has_the_protocols_body_and_v1_keeps_its_own(make_client, monkeypatch):
+    from ibedl.serve import oip
+
+    with make_client(max_body_bytes=2048) as c:
+        assert oip_error(c.get("/v2/nothing/here"), 404).startswith("not_found: ")
+        assert oip_error(c.delete("/v2/models/tiny/infer"), 405).startswith("method_not_allowed: ")
+        assert oip_error(c.post("/v2/models/tiny/infer", content=b"x" * 4096,
+                                headers={"content-type": "application/json"}), 413).startswith("too_large: ")
+        assert oip_error(c.post("/v2/models/tiny/infer", content=b"{not json"), 422).startswith("invalid_request: ")
+        assert oip_error(c.get("/v2/models/absent"), 422).startswith("invalid_request: no adapter 'absent'")
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr(oip, "to_items", broken)
+        body = {"inputs": [{"name": "question", "shape": [1], "datatype": "BYTES", "data": ["q"]}]}
+        assert oip_error(c.post("/v2/models/tiny/infer", json=body), 500) == \
+            "internal_error: internal error; see the service log"
+        for r, status in ((c.get("/v1/nothing"), 404), (c.delete("/predict"), 405)):
+            assert r.status_code == status and set(r.json()["error"]) == {"type", "message", "field"}

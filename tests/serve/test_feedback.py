@@ -199,7 +199,7 @@ class TestRefusals:
     def test_expired_receipt(self, make_client, tmp_path):
         clock = {"now": 1_000_000.0}
         with make_client(feedback_key=KEY, feedback_db=tmp_path / "f.sqlite", feedback_ttl_s=60) as client:
-            client.app.state.service.feedback.clock = lambda: clock["now"]
+            client.app.state.service.engine.feedback.clock = lambda: clock["now"]
             token = ask(client)["receipt"]
             clock["now"] += 61
             self.refused(client, {"receipt": token, "label": "A"}, 410, "receipt_expired")
@@ -238,7 +238,7 @@ class TestLabellingCredential:
             assert error["type"] == "forbidden" and "IBEDL_LABEL_TOKEN" in error["message"]
             assert API not in r.text and LABEL not in r.text
         # no label stored, no metric moved
-        assert counts(guarded, AS_CLIENT) == {} and guarded.app.state.service.feedback.store.since(0) == []
+        assert counts(guarded, AS_CLIENT) == {} and guarded.app.state.service.engine.feedback.store.since(0) == []
         metrics = guarded.get("/metrics", headers=AS_CLIENT).text
         assert "ibedl_feedback_labels_total{" not in metrics and "ibedl_guarantee_labels{" not in metrics
         # the labelling credential records it, and opens nothing else
@@ -316,8 +316,8 @@ class TestQuota:
             r = two.post("/v1/feedback", json=labels[0], headers=AS_LABELLER)
             assert r.status_code == 200 and r.json()["duplicates"] == 1
             # the window passes (the clock moves on): the label is recorded
-            later = one.app.state.service.feedback.clock() + 601
-            one.app.state.service.feedback.clock = lambda: later
+            later = one.app.state.service.engine.feedback.clock() + 601
+            one.app.state.service.engine.feedback.clock = lambda: later
             assert one.post("/v1/feedback", json=labels[2], headers=AS_LABELLER).status_code == 200
 
 
@@ -417,7 +417,7 @@ def test_adaptive_sets_follow_the_labels_and_are_reported_apart(make_client, tmp
     with make_client(feedback_key=KEY, feedback_db=tmp_path / "f.sqlite", adaptive_sets=True,
                      adaptive_rate=0.05) as client:
         state = client.app.state.service
-        (tracker,) = state.feedback._trackers.values()
+        (tracker,) = state.engine.feedback._trackers.values()
         start = tracker.quantile
         answers = [ask(client) for _ in range(4)]
         assert all(a["adaptive_prediction_set"] for a in answers)

@@ -39,7 +39,7 @@ def records(out: io.StringIO) -> list[dict]:
 
 def nan_loader(settings):
     """The tiny model, but questions named "break" get NaN probabilities (the service logs an error)."""
-    from ibedl.serve.app import load_predictor
+    from tests.serve.conftest import load_predictor
 
     predictor = load_predictor(settings)
     original = predictor.predict
@@ -76,7 +76,7 @@ def test_access_line_and_request_id_on_every_line(make_client):
 def test_an_unhandled_error_is_a_500_with_its_request_id_in_the_response_and_the_log(make_client):
     with make_client() as c, json_log() as out:
         state = c.app.state.service
-        runtime = next(iter(state.runtimes.values()))
+        runtime = next(iter(state.engine.runtimes.values()))
         original = runtime.calibration
         runtime.calibration = None  # building the answer now fails: a bug, not a client error
         try:

@@ -1,4 +1,4 @@
-"""A recalibrated version of the served weights is served without a restart (ibedl.serve.state.reload_calibrations,
+"""A recalibrated version of the served weights is served without a restart (ibedl.engine.versions,
 ibedl.engine.runtime.recalibrated): the next answers carry its version and thresholds, the drift monitor follows its
 reference, the model info gauge its version; a manifest that changes the weights or names another adapter is left
 for a restart, and the service keeps serving what it loaded."""
@@ -38,9 +38,9 @@ def test_a_recalibrated_version_is_served_from_the_next_request(make_client, ser
     with make_client(artifact=served, reload_interval_s=0) as c:
         state = c.app.state.service
         before = ok_json(c.post("/predict", json=Q))
-        assert c.portal.call(state.reload_calibrations) == []  # nothing new: nothing reloaded
+        assert c.portal.call(state.engine.versions.reload_calibrations) == []  # nothing new: nothing reloaded
         version = recalibrate(served, min_confidence=1.0, ood_threshold=0.0)
-        assert c.portal.call(state.reload_calibrations) == ["tiny"]
+        assert c.portal.call(state.engine.versions.reload_calibrations) == ["tiny"]
         after = ok_json(c.post("/predict", json=Q))
         card = ok_json(c.get("/v1/models"))["data"][0]
         metrics = c.get("/metrics").text
@@ -76,7 +76,7 @@ def test_a_manifest_that_is_not_a_recalibration_is_left_for_a_restart(make_clien
             m.name = "other"
         write_manifest(served, m)
         with caplog.at_level("WARNING", logger="ibedl.serve"):
-            assert c.portal.call(state.reload_calibrations) == []
+            assert c.portal.call(state.engine.versions.reload_calibrations) == []
         if change == "weights":
             assert why in caplog.text
         else:  # another adapter's manifest: no served runtime of that name, nothing to reload
@@ -111,7 +111,7 @@ def test_with_several_adapters_only_the_recalibrated_one_moves(make_client, serv
         state = c.app.state.service
         before = {card["id"]: card["version"] for card in ok_json(c.get("/v1/models"))["data"]}
         version = recalibrate(other, min_confidence=1.0)
-        assert c.portal.call(state.reload_calibrations) == ["tiny-map"]
+        assert c.portal.call(state.engine.versions.reload_calibrations) == ["tiny-map"]
         after = {card["id"]: card["version"] for card in ok_json(c.get("/v1/models"))["data"]}
         answer = ok_json(c.post("/predict", json={**Q, "adapter": "tiny-map"}))
     assert after == {**before, "tiny-map": version} and answer["adapter"]["version"] == version

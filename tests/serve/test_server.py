@@ -47,8 +47,8 @@ def test_main_refuses_to_start_on_all_interfaces_without_a_token(monkeypatch, ca
 
 
 def serve(args: list[str], env: dict, log) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "ibedl.serve", *args], env=env, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+    return subprocess.Popen([sys.executable, "-m", "ibedl.serve", "--grpc-port", "0", *args], env=env, stdout=log,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
 
 def test_a_refused_start_exits_2_before_loading_anything(tiny_artifact, tmp_path):

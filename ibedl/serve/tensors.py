@@ -1,0 +1,109 @@
+"""The Open Inference Protocol's tensors of this model, whatever carries them (REST's JSON in ``ibedl.serve.oip``,
+gRPC's protobuf in ``ibedl.serve.grpc_door``):
+
+- inputs, all ``BYTES``: ``question`` [B], ``options`` [B, C] (one option count per request), ``context`` [B]
+  (optional; an empty string for none);
+- outputs: ``answer`` (BYTES [B], the letter), ``answer_index`` (INT64 [B]), ``probabilities`` and
+  ``belief_masses`` (FP32 [B, C]), ``uncertainty_mass`` and ``confidence`` (FP32 [B]), ``abstained`` (BOOL [B]),
+  ``abstain_reason`` and ``prediction_set`` (BYTES [B]; the set's letters joined, ``""`` for none), ``guarantee_holds``
+  (BOOL [B]) and ``receipt`` (BYTES [B]); a request's ``outputs`` picks some of them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+
+from ibedl.engine.errors import InvalidRequest
+from ibedl.engine.schemas import PredictRequest
+
+INPUTS = {"question": [-1], "options": [-1, -1], "context": [-1]}
+OUTPUTS = {  # name -> (datatype, shape after the batch, value of one answer)
+    "answer": ("BYTES", [], lambda a: a.prediction.letter),
+    "answer_index": ("INT64", [], lambda a: a.prediction.index),
+    "probabilities": ("FP32", [-1], lambda a: list(a.probabilities.values())),
+    "belief_masses": ("FP32", [-1], lambda a: list((a.belief_masses or {}).values()) or [math.nan] * len(
+        a.probabilities)),
+    "uncertainty_mass": ("FP32", [], lambda a: math.nan if a.uncertainty_mass is None else a.uncertainty_mass),
+    "confidence": ("FP32", [], lambda a: a.confidence),
+    "abstained": ("BOOL", [], lambda a: a.abstained),
+    "abstain_reason": ("BYTES", [], lambda a: a.abstain_reason or ""),
+    "prediction_set": ("BYTES", [], lambda a: "".join(a.prediction_set or [])),
+    "guarantee_holds": ("BOOL", [], lambda a: bool(a.guarantees and a.guarantees.holds)),
+    "receipt": ("BYTES", [], lambda a: a.receipt or ""),
+}
+
+
+@dataclass
+class Tensor:
+    """One tensor of a request or an answer: its values flat, row-major."""
+
+    name: str
+    datatype: str
+    shape: list[int]
+    data: list
+
+
+def flat(values: list) -> list:
+    return [x for v in values for x in (flat(v) if isinstance(v, list) else [v])]
+
+
+def strings(t: Tensor, rows: int | None) -> list[list[str]]:
+    """A BYTES tensor's strings as ``rows`` rows (row-major); InvalidRequest naming the input otherwise."""
+    if t.datatype != "BYTES" or any(not isinstance(x, str) for x in t.data):
+        raise InvalidRequest(f"input {t.name!r} must be BYTES given as strings, got {t.datatype}", t.name)
+    if len(t.shape) != len(INPUTS[t.name]) or math.prod(t.shape) != len(t.data) or (rows and t.shape[0] != rows):
+        raise InvalidRequest(f"input {t.name!r} has shape {t.shape} and {len(t.data)} values; it must be "
+                             f"{'[B]' if len(INPUTS[t.name]) == 1 else '[B, C]'} with B = {rows or 'the batch'}",
+                             t.name)
+    width = t.shape[1] if len(t.shape) == 2 else 1
+    return [t.data[i * width:(i + 1) * width] for i in range(t.shape[0])]
+
+
+def to_items(inputs: list[Tensor], model: str) -> list[PredictRequest]:
+    """The questions of a request's input tensors, for adapter ``model``."""
+    tensors = {t.name: t for t in inputs}
+    unknown = sorted(set(tensors) - set(INPUTS))
+    if unknown or "question" not in tensors or "options" not in tensors:
+        raise InvalidRequest(f"inputs are question [B] and options [B, C] (BYTES), context [B] optional; got "
+                             f"{sorted(tensors)}", "inputs")
+    questions = [row[0] for row in strings(tensors["question"], None)]
+    options = strings(tensors["options"], len(questions))
+    contexts = [row[0] or None for row in strings(tensors["context"], len(questions))] if "context" in tensors \
+        else [None] * len(questions)
+    try:
+        return [PredictRequest(question=q, options=o, context=c, adapter=model)
+                for q, o, c in zip(questions, options, contexts, strict=True)]
+    except ValueError as e:  # pydantic's check of one item: the message names the field
+        raise InvalidRequest(f"an item is not a question: {e}", "inputs") from None
+
+
+def to_outputs(answers: list, names: list[str] | None) -> list[Tensor]:
+    """The output tensors ``names`` (default all) of ``answers`` (PredictResponse)."""
+    names = names or list(OUTPUTS)
+    unknown = sorted(set(names) - set(OUTPUTS), key=str)
+    if unknown:
+        raise InvalidRequest(f"unknown outputs {unknown}; this model has {list(OUTPUTS)}", "outputs")
+    out = []
+    for name in names:
+        datatype, tail, value = OUTPUTS[name]
+        rows = [value(a) for a in answers]
+        shape = [len(answers), *([len(rows[0])] if tail and rows else [])]
+        out.append(Tensor(name, datatype, shape, flat(rows)))
+    return out
+
+
+def model_metadata(runtime) -> dict:
+    """What the protocol's model metadata says of an adapter runtime."""
+    return {"name": runtime.name, "versions": [runtime.ref["version"]], "platform": "ibedl",
+            "inputs": [{"name": n, "datatype": "BYTES", "shape": s} for n, s in INPUTS.items()],
+            "outputs": [{"name": n, "datatype": d, "shape": [-1, *([-1] if t else [])]}
+                        for n, (d, t, _) in OUTPUTS.items()]}
+
+
+def package_version() -> str:
+    try:
+        return version("ibedl")
+    except PackageNotFoundError:
+        return "unknown"
