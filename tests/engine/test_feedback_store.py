@@ -172,9 +172,14 @@ class TestReplicas:
             batch.write_text(json.dumps(labels(clock.now, 30, seed=100 + i) + shared))
             settings = {k: str(v) for k, v in where.items()}
             writers.append(subprocess.Popen(
-                [sys.executable, "-c", WRITER, json.dumps(settings), str(batch), str(go), str(clock.now)],
-                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        time.sleep(0.5)
+                [sys.executable, "-c", WRITER, json.dumps(settings), str(batch), str(go), str(clock.now),
+                 str(tmp_path / f"ready{i}")], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"ready{i}").exists() for i in range(3)):  # each on its store, waiting for go
+            for w in writers:
+                assert w.poll() is None, w.communicate()[1]
+            assert time.monotonic() < deadline, "the writers never got ready"
+            time.sleep(0.01)
         go.touch()  # all three start recording together
         statuses = []
         for w in writers:
@@ -188,16 +193,18 @@ class TestReplicas:
         assert reported(engine(where, clock)) == reported(reference)
 
 
-# a replica in a process of its own: records each label of a batch on its own, once the go file exists
+# a replica in a process of its own: once its store is open it creates the ready file, then records each label of a
+# batch on its own once the go file exists
 WRITER = """
 import json, sys, time
 from pathlib import Path
 from ibedl.engine.feedback import Feedback
 from ibedl.engine.settings import EngineSettings
 where, batch = json.loads(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
-go, now = Path(sys.argv[3]), float(sys.argv[4])
+go, now, ready = Path(sys.argv[3]), float(sys.argv[4]), Path(sys.argv[5])
 feedback = Feedback(EngineSettings(feedback_key="k" * 32, **where), clock=lambda: now)
 feedback.bind({})
+ready.touch()
 while not go.exists():
     time.sleep(0.01)
 print(json.dumps([feedback.record({"default": "4"}, [tuple(item)])[0]["status"] for item in batch]))

@@ -106,17 +106,26 @@ def test_a_store_that_waits_is_a_503_and_metrics_still_answer(make_client, tmp_p
         answers = [ok_json(client.post("/predict", json=Q)) for _ in range(2)]
         assert ok_json(label(client, answers[0]["receipt"]))["recorded"] == 1
         assert client.get("/metrics").status_code == 200
+        store = client.app.state.service.engine.feedback.store
+        add, writing = store.add, threading.Event()
+
+        def add_after_telling(*args, **kwargs):  # on the store's thread, as the label's write takes the lock
+            writing.set()
+            return add(*args, **kwargs)
+
+        store.add = add_after_telling
         holder = sqlite3.connect(db, isolation_level=None)
         holder.execute("BEGIN IMMEDIATE")
         try:
             waiting = {}
             writer = threading.Thread(target=lambda: waiting.update(r=label(client, answers[1]["receipt"])))
             writer.start()
-            time.sleep(0.3)  # the label waits for the lock on the store's thread
+            assert writing.wait(30), "the label never reached the store"  # it waits for the lock on that thread
             start = time.monotonic()
             scrape = client.get("/metrics")
             assert scrape.status_code == 200 and time.monotonic() - start < 2.5
             assert "ibedl_guarantee_labels" in scrape.text
+            assert "r" not in waiting  # answered while the label still waited (its wait is 3 s)
             writer.join(timeout=30)
             r = waiting["r"]
             assert r.status_code == 503 and r.json()["error"]["type"] == "store_unavailable"
