@@ -31,6 +31,7 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -171,6 +172,16 @@ class Topology:
     def alerts(self, name: str, state: str | None = None) -> list[dict]:
         return [a for a in self.prom("/api/v1/alerts")["alerts"]
                 if a["labels"].get("alertname") == name and (state is None or a["state"] == state)]
+
+    def evaluated_past_for(self, alert: str, since: float) -> bool:
+        """Whether Prometheus has evaluated ``alert`` for longer than its ``for:`` (and one more interval) after
+        ``since``, in Prometheus' time: an expression true from ``since`` on would have made it pending, then firing."""
+        for group in self.prom("/api/v1/rules")["groups"]:
+            for rule in group["rules"]:
+                if rule["name"] == alert:
+                    last = datetime.fromisoformat(rule["lastEvaluation"]).timestamp()  # year 1 before the first
+                    return last >= since + rule["duration"] + group["interval"]
+        raise AssertionError(f"Prometheus has no rule {alert}")
 
     def wait_for(self, what: str, predicate, timeout: float, interval: float = 0.5):
         deadline = time.monotonic() + timeout
@@ -506,9 +517,14 @@ def test_drift_alert_quiet_in_distribution_and_firing_on_shift(topology, sciq_va
         assert d["window"] == DRIFT_WINDOW and d["statistic"] == "uncertainty_mass", d
         assert not d["alarm"] and d["ks"] <= d["ks_threshold"], f"in-distribution stream raised the drift alarm: {d}"
     # Prometheus has scraped the full windows, evaluated the rule for longer than its `for:`, and never saw it pending.
-    topo.wait_for("full drift windows in Prometheus",
-                  lambda: len(topo.query(f"ibedl_drift_window == {DRIFT_WINDOW}")) == 2, timeout=15)
-    time.sleep(4)
+    def full_windows():
+        found = topo.query(f"ibedl_drift_window == {DRIFT_WINDOW}")
+        return found if len(found) == 2 else None
+
+    full = topo.wait_for("full drift windows in Prometheus", full_windows, timeout=15)
+    seen = max(float(r["value"][0]) for r in full)  # the query's time: both windows were full in Prometheus by then
+    topo.wait_for(f"{DRIFT_ALERT} evaluated past its `for:` on the full windows",
+                  lambda: topo.evaluated_past_for(DRIFT_ALERT, seen), timeout=30)
     assert topo.query("max(ibedl_drift_alarm)")[0]["value"][1] == "0"
     assert topo.alerts(DRIFT_ALERT) == [], topo.alerts(DRIFT_ALERT)
     span = int(time.monotonic() - started) + 5
