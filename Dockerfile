@@ -108,9 +108,11 @@ ENV PATH=/opt/venv/bin:$PATH \
     IBEDL_ARTIFACT=/app/artifacts/default \
     IBEDL_HOST=0.0.0.0 \
     IBEDL_LOG_FORMAT=json \
-    IBEDL_PORT=8000
+    IBEDL_PORT=8000 \
+    IBEDL_GRPC_PORT=8001
 USER 10001:10001
-EXPOSE 8000
+# HTTP (v1 and the Open Inference Protocol over REST) and the Open Inference Protocol over gRPC
+EXPOSE 8000 8001
 # Ready = model loaded and not draining (503 otherwise). The image has python, not curl.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health/ready' % os.environ.get('IBEDL_PORT', '8000'), timeout=4)"]

@@ -392,10 +392,6 @@ class Predictor:
         return out
 
     @torch.no_grad()
-    def predict_outputs(self, questions: list[MCQuestion], truncate_context: bool = True) -> HeadPrediction:
-        return self.forward(self.encode(questions, truncate_context))
-
-    @torch.no_grad()
     def predict(self, questions: list[MCQuestion], truncate_context: bool = True) -> list[Prediction]:
         """Predictions in input order. The questions run in sub-batches of similar prompt length:
         padding is computed like real tokens, and on a CPU a batch padded to its longest prompt can be

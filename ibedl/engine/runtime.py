@@ -1,6 +1,6 @@
 """The served adapters, without the HTTP server: loading one or several artifacts on one shared base model, and
-each adapter's runtime (predictor view, thresholds, prediction sets, answer reference). The service
-(``ibedl.serve.state``) and the Python API (``ibedl``) both build their adapters here; nothing here imports FastAPI."""
+each adapter's runtime (predictor view, thresholds, prediction sets, answer reference). The engine builds its
+adapters here (``Engine.load`` and ``Engine.open``, whatever door serves it); nothing here imports FastAPI."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from tritonclient.grpc import service_pb2_grpc as pb_grpc
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
 from ibedl.engine.errors import EngineError, UnknownAdapter
-from ibedl.serve.middleware import required_token, token_ok
+from ibedl.serve.auth import required_token, token_ok
 from ibedl.serve.tensors import Tensor, model_metadata, package_version, to_items, to_outputs
 
 log = logging.getLogger("ibedl.serve")

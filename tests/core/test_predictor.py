@@ -100,9 +100,9 @@ def test_length_groups_bound_padding():
 
 
 def test_grouped_predict_equals_one_batch(predictor):
-    # QUESTIONS have very different lengths: predict() splits them, predict_outputs() pads them together.
+    # QUESTIONS have very different lengths: predict() splits them, forward(encode()) pads them together.
     grouped = predictor.predict(QUESTIONS)
-    together = predictor.predict_outputs(QUESTIONS)
+    together = predictor.forward(predictor.encode(QUESTIONS))
     for i, p in enumerate(grouped):
         assert p.probs == pytest.approx(together.probs[i, : len(p.probs)].tolist(), abs=1e-5)
 

@@ -46,8 +46,8 @@ def test_reload_gives_identical_predictions(trained):
     first = Predictor.from_artifact(out)
     second = Predictor.from_artifact(out)
     with torch.no_grad():
-        a = first.predict_outputs(questions)
-        b = second.predict_outputs(questions)
+        a = first.forward(first.encode(questions))
+        b = second.forward(second.encode(questions))
     torch.testing.assert_close(a.alpha, b.alpha, rtol=0, atol=0)
     torch.testing.assert_close(a.sigma, b.sigma, rtol=0, atol=0)
     # and equal to what training recorded on its validation split

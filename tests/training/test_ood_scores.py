@@ -63,5 +63,5 @@ def test_features_reuse_the_trunk_passes_of_predict_all(tiny_model_dir, monkeypa
     np.testing.assert_array_equal(again[1], hidden)
     # each question's energy is logsumexp of its own option logits: read back in input order
     for i, q in enumerate(questions):
-        one = predictor.predict_outputs([q])
+        one = predictor.forward(predictor.encode([q]))
         np.testing.assert_allclose(energies[i], torch.logsumexp(one.logits[0, : q.num_options], 0).item(), rtol=1e-4)
