@@ -1,7 +1,8 @@
 """Admission: whether a request may enter the queue, decided in one place from a snapshot of the queue.
 
 Pure and clock-injected: :class:`Admission` reads the time from the clock it was given and changes nothing; the
-middleware asks it before a body is read (:meth:`Admission.busy_for`), the batcher asks it when a request's questions
+engine asks it before a request's body is read or tokenized (:meth:`Admission.busy_until`, from
+``Engine.refuse_early``), the batcher asks it when a request's questions
 would join the queue (:meth:`Admission.decide`, with the queue's :class:`QueueSnapshot`); a refusal is an engine error
 (``ibedl.engine.errors``) carrying the ``ibedl_rejected_total`` reason it is counted under, raised as it is. The
 batcher keeps the queue, the fair turns and the worker.
@@ -94,9 +95,13 @@ class Admission:
         invalid (the route answers that). Needs no body: the middleware refuses with it before parsing and
         tokenizing, so refusals stay cheap under overload."""
         try:
-            left = self.deadline(arrived, header) - self.clock()
+            return self.busy_until(self.deadline(arrived, header), smallest_wait_s)
         except InvalidTimeout:
             return None
+
+    def busy_until(self, deadline: float, smallest_wait_s: float) -> float | None:
+        """:meth:`busy_for` for a request due by ``deadline`` (the admission clock's time)."""
+        left = deadline - self.clock()
         lower = self.margin * smallest_wait_s
         return lower - left if lower > left else None
 

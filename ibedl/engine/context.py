@@ -24,6 +24,7 @@ class RequestContext:
             refused (InvalidRequest) when the deadline is first needed.
         request_id: the id in logs and in answers that carry none (default: a new 32-hex id).
         gone: gives an awaitable that completes when the caller goes away (its queued questions are dropped).
+        adapter: the adapter the engine chose for it, once known (for the door's access log).
     """
 
     arrived: float
@@ -31,3 +32,4 @@ class RequestContext:
     timeout: str | float | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     gone: Callable[[], Awaitable] | None = None
+    adapter: str | None = None

@@ -22,7 +22,7 @@ import contextlib
 import logging
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -66,8 +66,9 @@ from ibedl.engine.versions import Versions
 
 log = logging.getLogger("ibedl.engine")
 STORE_RETRY_S = 2.0  # while loading, a store that does not answer (yet) is tried again this often
-# A loader gives the predictors of the served adapters (the default first); tests give one that slows or breaks them.
-Loader = Callable[[EngineSettings], list]
+# A loader gives the predictors of the served adapters (the default first), or the one predictor of one adapter;
+# tests give one that slows or breaks the model.
+Loader = Callable[[EngineSettings], object]
 
 
 @dataclass
@@ -117,8 +118,6 @@ class Engine:
         predictors = loaded if isinstance(loaded, list) else [loaded]
         to_measure = self.versions.to_measure(predictors) if measure else []
         runtimes = make_runtimes(predictors, self.settings, bool(to_measure))
-        for runtime in runtimes.values():
-            self.notify("serving", runtime)
         return runtimes, warm_up([rt.predictor for rt in runtimes.values()]), to_measure
 
     def _serve(self, runtimes: dict[str, AdapterRuntime], service_time: ServiceTime) -> None:
@@ -134,7 +133,7 @@ class Engine:
         Python API serves (its scheduler starts on a thread of its own at the first question)."""
         engine = cls(settings, loader)
         runtimes, service_time, _ = engine._load(measure=False)
-        engine.feedback.bind(runtimes)
+        engine.feedback.bind(runtimes)  # a Python caller attaches observers after loading: none to tell here
         engine._serve(runtimes, service_time)
         engine._ready()
         return engine
@@ -155,8 +154,14 @@ class Engine:
             if isinstance(e, UncalibratedBackend):  # names backends and calibrations only: what the operator must do
                 self.reason = f"the adapter failed to load: {e}"
             return
+        if self.status != "loading":  # drained (SIGTERM) or stopped while loading: it never becomes ready
+            log.info("loaded after the shutdown began; not serving")
+            return
+        for runtime in runtimes.values():
+            await asyncio.to_thread(self.notify, "serving", runtime)
         self._serve(runtimes, service_time)
         await self.start()
+        self.notify("estimated", service_time.per_token_s)
         for name, rt in runtimes.items():
             log.info("serving adapter %s (%s) on %s", name, rt.predictor.manifest.method,
                      rt.predictor.manifest.base_model_ref().name)
@@ -200,9 +205,13 @@ class Engine:
     def ready(self) -> bool:
         return self.status == "ready"
 
+    def poke(self) -> None:
+        """Look at the served manifests now (a recalibration written in place is served from the next request)."""
+        self.versions.poke()
+
     def drain(self, grace_s: float | None = None) -> None:
         """Stop admitting (a request that arrives from now on is refused, NotReady); answer what was admitted and
-        can finish within ``grace_s`` seconds (default IBEDL_SHUTDOWN_GRACE_S)."""
+        can finish within ``grace_s`` seconds (default IBEDL_SHUTDOWN_GRACE_S). On the engine's event loop."""
         grace = self.settings.shutdown_grace_s if grace_s is None else grace_s
         if self.status == "draining":
             return
@@ -247,22 +256,27 @@ class Engine:
     # -- admission ------------------------------------------------------------------------------
 
     def arrive(self, request_id: str | None = None, timeout: str | float | None = None,
-               gone=None) -> RequestContext:
+               gone: Callable[[], Awaitable] | None = None) -> RequestContext:
         """A request arriving now: admitted when the engine is ready. Deadlines count from here."""
         extra = {} if request_id is None else {"request_id": request_id}
         return RequestContext(self.admission.clock(), self.ready, timeout, gone=gone, **extra)
 
     def deadline(self, context: RequestContext) -> float:
         """The admission clock's time by which the request must be answered: from its arrival, the request timeout
-        or the caller's shorter one (InvalidRequest when that is not a positive number of seconds); ``math.inf``
-        for a context whose timeout is (the Python API's without one)."""
+        or the caller's shorter one: HTTP's header as sent (InvalidRequest when it is not a positive number of
+        seconds) or seconds (gRPC's time remaining: Timeout when none is left); ``math.inf`` for a context whose
+        timeout is (the Python API's without one)."""
         timeout = context.timeout
+        if timeout is None or isinstance(timeout, str):  # none, or HTTP's header as sent
+            try:
+                return self.admission.deadline(context.arrived, timeout)
+            except InvalidTimeout as e:
+                raise InvalidRequest(str(e), TIMEOUT_HEADER) from None
         if timeout == math.inf:  # the Python API without a timeout: no deadline
             return math.inf
-        try:
-            return self.admission.deadline(context.arrived, None if timeout is None else str(timeout))
-        except InvalidTimeout as e:
-            raise InvalidRequest(str(e), TIMEOUT_HEADER) from None
+        if not timeout > 0:  # a gRPC call whose deadline passed before it arrived
+            raise Timeout("the call's deadline had passed when it arrived")
+        return context.arrived + min(self.settings.request_timeout_s, timeout)
 
     def require(self, context: RequestContext) -> None:
         """NotReady (with Retry-After) unless the engine can answer this request: it is ready, or the request was
@@ -276,11 +290,10 @@ class Engine:
         """The cheap check before a request's body is read or tokenized: NotReady as :meth:`require`, or Overloaded
         (with Retry-After) when not even the smallest request could be answered before this one's deadline."""
         self.require(context)
-        self.deadline(context)  # a timeout that is not one: InvalidRequest before anything else
-        if not self.ready:
+        deadline = self.deadline(context)  # a timeout that is not one: refused before anything else
+        if not self.ready or deadline == math.inf:
             return
-        timeout = None if context.timeout is None else str(context.timeout)
-        wait = self.admission.busy_for(context.arrived, timeout, self.batcher.expected_wait([0]))
+        wait = self.admission.busy_until(deadline, self.batcher.expected_wait([0]))
         if wait is not None:
             self.notify("refused", Overloaded.reason, 1)
             raise Overloaded("the service is busy: no request could be answered before its deadline now", wait)
@@ -330,6 +343,8 @@ class Engine:
         ``<request id>-<position>``)."""
         self.require(context)
         checked = await self.off_loop(self.check_request, items, field)
+        if checked:
+            context.adapter = checked[0].runtime.name
         ids = ids or [f"{context.request_id}-{i}" for i in range(len(checked))]
         return await self.submit(checked, context, ids)
 
@@ -337,6 +352,7 @@ class Engine:
         """The answer to a request of one question (``POST /predict``): its fields named as they are, its answer's
         id the request's when the question carries none."""
         self.require(context)
+        context.adapter = self.runtime(question.adapter).name
         checked = await self.off_loop(self.check, question)
         (answer,) = await self.submit([checked], context, [context.request_id])
         return answer
@@ -379,7 +395,8 @@ class Engine:
                                                      context.admitted)
         except NeedsTooLong as e:
             if own:  # the caller's own deadline is what cannot be met, not the request's size
-                raise Timeout(f"{e.cause}; its {TIMEOUT_HEADER} cannot be met") from e
+                raise Timeout(f"{e.cause}; the caller's own deadline ({TIMEOUT_HEADER} over HTTP) cannot be met") \
+                    from e
             raise
         preds = await self._wait(futures, deadline, context.gone)
         broken = [i for i, p in enumerate(preds) if not finite_prediction(p)]
@@ -408,6 +425,7 @@ class Engine:
         except asyncio.CancelledError:  # the caller's task was cancelled (a gRPC call the client cancelled)
             everything.cancel()
             _cancel(futures)
+            self.notify("refused", Cancelled.reason, len(futures))
             raise
         finally:
             if watch is not None:
@@ -466,15 +484,20 @@ class Engine:
     def call(self, coroutine_fn: Callable):
         """``await coroutine_fn()`` on the engine's event loop from a thread that is not on it (started on a thread
         of its own the first time when no door started it), and its result."""
+        if self.status == "stopped":
+            raise NotReady("the engine is stopped (closed); load it again", retry_after=None)
         loop = self._loop
         if loop is None:
             with self._start_lock:
                 if self._loop is None:
                     self._start_thread()
                 loop = self._loop
-        with contextlib.suppress(RuntimeError):
-            if asyncio.get_running_loop() is loop:
-                raise RuntimeError("a blocking Engine call was made on the engine's own event loop: await instead")
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:  # no loop on this thread: the usual case
+            running = None
+        if running is loop:
+            raise RuntimeError("a blocking Engine call was made on the engine's own event loop: await instead")
         return asyncio.run_coroutine_threadsafe(coroutine_fn(), loop).result()
 
     def _start_thread(self) -> None:
@@ -561,8 +584,8 @@ def as_request(question: dict | PredictRequest | MCQuestion, prefix: str = "") -
     if isinstance(question, PredictRequest):
         return question
     if isinstance(question, MCQuestion):
-        return PredictRequest(question=question.question, options=list(question.options), context=question.context,
-                              id=question.id)
+        question = {"question": question.question, "options": list(question.options), "context": question.context,
+                    "id": question.id}
     return _validated(PredictRequest, question, prefix)
 
 

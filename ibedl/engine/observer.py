@@ -9,8 +9,12 @@ class Observer:
     """Every event the engine reports; a subclass overrides those it records (the defaults do nothing)."""
 
     def serving(self, runtime) -> None:
-        """``runtime`` (ibedl.engine.runtime.AdapterRuntime) is served from now on: at load, after a recalibration
-        is reloaded and after a backend switch. Called on a worker thread (it may build monitors)."""
+        """``runtime`` (ibedl.engine.runtime.AdapterRuntime) is served from now on: once loaded, and after a
+        recalibration is reloaded (a backend switch keeps the adapter's monitors: :meth:`switched`). Called on a
+        worker thread (it may build monitors)."""
+
+    def estimated(self, per_token_s: float) -> None:
+        """The first estimate of model seconds per prompt token, timed at load (each pass refines it: :meth:`batch`)."""
 
     def readiness(self, ready: bool) -> None:
         """The engine started (True) or stopped (False) accepting requests."""

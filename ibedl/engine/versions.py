@@ -34,11 +34,12 @@ class Versions:
     def remember_manifests(self) -> None:
         """Note the served manifests as they are before loading: one rewritten while the model loads is seen."""
         self._manifests = {d: _mtime(d) for d in self.engine.settings.served_artifacts()}
+        self._poke = asyncio.Event()  # a SIGHUP while loading is looked at once serving
 
     def start(self, to_measure: list[str]) -> None:
         """On the engine's loop, once serving: watch the manifests, and measure ``to_measure`` in the background."""
         self._swapping = asyncio.Lock()
-        self._poke = asyncio.Event()
+        self._poke = self._poke or asyncio.Event()
         self._watcher = asyncio.get_running_loop().create_task(self._watch_manifests(), name="manifest-watcher")
         if to_measure:
             from ibedl.engine.backend_switch import BackendSwitcher

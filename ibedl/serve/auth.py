@@ -22,13 +22,18 @@ def token_ok(expected: str | None, authorization: str) -> bool:
     return scheme.lower() == "bearer" and secrets.compare_digest(given.strip().encode(), expected.encode())
 
 
+def api_token(settings) -> str | None:
+    """The token every route but the public ones takes (IBEDL_API_TOKEN; None: open); the gRPC door's too."""
+    return settings.api_token.get_secret_value() if settings.api_token else None
+
+
 def required_token(settings, path: str) -> str | None:
     """The bearer token ``path`` requires under ``settings`` (None: open)."""
     if path.startswith(PUBLIC):
         return None
     if path == METRICS_PATH:
         return settings.metrics_secret()
-    return settings.api_token.get_secret_value() if settings.api_token else None
+    return api_token(settings)
 
 
 def label_access(settings, authorization: str) -> tuple[str | None, tuple[int, str, str] | None]:

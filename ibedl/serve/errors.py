@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ibedl.engine.errors import EngineError, error_body
+from ibedl.engine.errors import EngineError, UnknownAdapter, error_body
 
 log = logging.getLogger("ibedl.serve")
 OIP_PREFIX = "/v2/"  # the Open Inference Protocol's routes (ibedl.serve.oip): its own error body
@@ -45,7 +45,10 @@ def status_of(exc: EngineError) -> int:
 def engine_error_response(exc: EngineError, path: str = "") -> JSONResponse:
     """The answer to an engine error: its status, its body, and ``Retry-After`` when it says when to retry."""
     headers = None if exc.retry_after is None else {"Retry-After": str(exc.retry_after)}
-    return error_response(status_of(exc), exc.type, exc.message, exc.field, headers, path)
+    status = status_of(exc)
+    if path.startswith(OIP_PREFIX) and isinstance(exc, UnknownAdapter):
+        status = 404  # the protocol's "no such model" (v1 keeps 422: the adapter is a field of the request)
+    return error_response(status, exc.type, exc.message, exc.field, headers, path)
 
 
 def error_response(status: int, type_: str, message: str, field: str | None = None,

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
+import time
+from typing import NoReturn
 
 import grpc
 import numpy as np
@@ -16,8 +19,10 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
-from ibedl.engine.errors import EngineError, UnknownAdapter
-from ibedl.serve.auth import required_token, token_ok
+from ibedl.engine.errors import EngineError, InvalidRequest, UnknownAdapter
+from ibedl.serve import logs
+from ibedl.serve.auth import api_token, token_ok
+from ibedl.serve.middleware import choose_request_id
 from ibedl.serve.tensors import Tensor, model_metadata, package_version, to_items, to_outputs
 
 log = logging.getLogger("ibedl.serve")
@@ -32,7 +37,7 @@ CODES = {  # an engine error's type -> the gRPC status it is answered with (HTTP
     "client_closed_request": grpc.StatusCode.CANCELLED,
 }
 NUMPY = {"FP32": np.float32, "INT64": np.int64, "BOOL": np.bool_}
-INFER_PATH = "/v2/models/infer"  # the HTTP path whose token rule the infer and metadata calls follow
+INFER_ROUTE = "/inference.GRPCInferenceService/ModelInfer"  # its route label in the request metrics and access log
 
 
 def code_of(e: EngineError) -> grpc.StatusCode:
@@ -43,11 +48,15 @@ def inputs_of(request: pb.ModelInferRequest) -> list[Tensor]:
     """The request's input tensors, from raw contents (4-byte length-prefixed strings) or typed contents."""
     tensors = []
     for i, t in enumerate(request.inputs):
-        if i < len(request.raw_input_contents):
-            data = [x.decode("utf-8") if isinstance(x, bytes) else x
-                    for x in deserialize_bytes_tensor(request.raw_input_contents[i]).tolist()]
-        else:
-            data = [x.decode("utf-8") for x in t.contents.bytes_contents]
+        try:
+            if i < len(request.raw_input_contents):
+                data = [x.decode("utf-8") if isinstance(x, bytes) else x
+                        for x in deserialize_bytes_tensor(request.raw_input_contents[i]).tolist()]
+            else:
+                data = [x.decode("utf-8") for x in t.contents.bytes_contents]
+        except (struct.error, UnicodeDecodeError, ValueError) as e:
+            raise InvalidRequest(f"input {t.name!r} is not BYTES of UTF-8 strings ({type(e).__name__})", t.name) \
+                from None
         tensors.append(Tensor(t.name, t.datatype, list(t.shape), data))
     return tensors
 
@@ -57,25 +66,25 @@ def response_of(runtime, request: pb.ModelInferRequest, answers: list, names: li
     for t in to_outputs(answers, names):
         response.outputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
         values = np.array(t.data, dtype=object if t.datatype == "BYTES" else NUMPY[t.datatype])
-        raw = serialize_byte_tensor(values).item() if t.datatype == "BYTES" else values.tobytes()
-        response.raw_output_contents.append(raw if raw else b"")
+        response.raw_output_contents.append(
+            serialize_byte_tensor(values).item() if t.datatype == "BYTES" else values.tobytes())
     return response
 
 
 class Servicer(pb_grpc.GRPCInferenceServiceServicer):
     """The calls of the protocol this model serves; the others answer UNIMPLEMENTED (the generated default)."""
 
-    def __init__(self, engine, settings) -> None:
-        self.engine, self.settings = engine, settings
+    def __init__(self, engine, settings, metrics) -> None:
+        self.engine, self.settings, self.metrics = engine, settings, metrics
 
-    async def _refuse(self, context, e: EngineError):
+    async def _refuse(self, context, e: EngineError) -> NoReturn:
         if e.retry_after is not None:
             context.set_trailing_metadata((("retry-after", str(e.retry_after)),))
         await context.abort(code_of(e), f"{e.type}: {e.message}")
 
     async def _authorised(self, context) -> None:
         given = dict(context.invocation_metadata()).get("authorization", "")
-        if not token_ok(required_token(self.settings, INFER_PATH), given):
+        if not token_ok(api_token(self.settings), given):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 "unauthorized: a valid 'authorization: Bearer <token>' metadata entry is required")
 
@@ -91,11 +100,13 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelReady(self, request, context):
         await self._authorised(context)
+        if not self.engine.ready:  # loading, draining or failed: no model is ready, whatever its name
+            return pb.ModelReadyResponse(ready=False)
         try:
             self.engine.runtime(request.name)
         except EngineError as e:
             await self._refuse(context, e)
-        return pb.ModelReadyResponse(ready=self.engine.ready)
+        return pb.ModelReadyResponse(ready=True)
 
     async def ModelMetadata(self, request, context):
         await self._authorised(context)
@@ -110,10 +121,13 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
             outputs=[pb.ModelMetadataResponse.TensorMetadata(**t) for t in meta["outputs"]])
 
     async def ModelInfer(self, request, context):
+        """The answers, as /predict/batch's; counted, timed and logged as an HTTP request is (route INFER_ROUTE)."""
         await self._authorised(context)
-        engine = self.engine
-        ids = dict(context.invocation_metadata())
-        arrival = engine.arrive(ids.get("x-request-id") or request.id or None, context.time_remaining())
+        engine, start = self.engine, time.perf_counter()
+        arrival = engine.arrive(choose_request_id(dict(context.invocation_metadata()).get("x-request-id")),
+                                context.time_remaining())
+        token, status = logs.request_id_var.set(arrival.request_id), "OK"
+        self.metrics.inflight.inc()
         try:
             engine.refuse_early(arrival)
             names = [o.name for o in request.outputs] or None
@@ -121,20 +135,36 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
             answers = await engine.ask(to_items(inputs_of(request), request.model_name), arrival, "inputs")
             return response_of(engine.runtime(request.model_name), request, answers, names)
         except EngineError as e:
+            status = code_of(e).name
             await self._refuse(context, e)
+        except asyncio.CancelledError:
+            status = "CANCELLED"
+            raise
+        except Exception:  # a bug: logged with the request id, answered without its text
+            status = "INTERNAL"
+            log.exception("unhandled error on gRPC ModelInfer")
+            await context.abort(grpc.StatusCode.INTERNAL, "internal_error: internal error; see the service log")
+        finally:
+            seconds = time.perf_counter() - start
+            self.metrics.inflight.dec()
+            self.metrics.requests.labels(route=INFER_ROUTE, method="grpc", status=status).inc()
+            self.metrics.latency.labels(route=INFER_ROUTE).observe(seconds)
+            logs.access("grpc", INFER_ROUTE, status, seconds, arrival.adapter, arrival.request_id)
+            logs.request_id_var.reset(token)
 
 
 class GrpcDoor:
     """The gRPC server of one engine, on the engine's event loop."""
 
-    def __init__(self, engine, settings) -> None:
-        self.engine, self.settings = engine, settings
+    def __init__(self, engine, settings, metrics) -> None:
+        self.engine, self.settings, self.metrics = engine, settings, metrics
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None  # the bound port (IBEDL_GRPC_PORT, or the free one 0 picked)
 
     async def start(self) -> None:
         self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", self.settings.max_body_bytes)])
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(Servicer(self.engine, self.settings), self.server)
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(Servicer(self.engine, self.settings, self.metrics),
+                                                            self.server)
         self.port = self.server.add_insecure_port(f"{self.settings.host}:{self.settings.grpc_port}")
         if self.port == 0:
             raise OSError(f"cannot bind the gRPC port {self.settings.host}:{self.settings.grpc_port}")

@@ -57,10 +57,10 @@ def configure(level: str, fmt: str) -> logging.Handler:
     return handler
 
 
-def access(method: str, route: str, status: int, seconds: float, adapter: str | None, request_id: str,
-           probe: bool) -> None:
+def access(method: str, route: str, status: int | str, seconds: float, adapter: str | None, request_id: str,
+           probe: bool = False) -> None:
     """The access line of one request (probes and /metrics at DEBUG: a scrape every few seconds is noise)."""
     latency_ms = round(seconds * 1000, 2)
-    ACCESS.log(logging.DEBUG if probe else logging.INFO, "%s %s %d %.1f ms", method, route, status, latency_ms,
+    ACCESS.log(logging.DEBUG if probe else logging.INFO, "%s %s %s %.1f ms", method, route, status, latency_ms,
                extra={"method": method, "route": route, "status": status, "latency_ms": latency_ms,
                       "adapter": adapter, "request_id": request_id})

@@ -70,7 +70,7 @@ class RequestGuard:
                 return status, type_, message, bearer if status == 401 else []
         elif not token_ok(required_token(self.state.settings, path), authorization):
             return 401, "unauthorized", "a valid 'Authorization: Bearer <token>' header is required", bearer
-        if scope["method"] == "POST" and predicts(path) and _routed(scope):
+        if scope["method"] == "POST" and predicts(path) and scope["state"]["routed"]:
             try:  # no body read, parsed or tokenized: not ready, overloaded or a bad timeout, answered early
                 self.state.engine.refuse_early(scope["state"]["context"])
             except EngineError as e:
@@ -136,8 +136,9 @@ class RequestGuard:
             headers["content-type"] = "application/json"
             scope["headers"] = [*scope.get("headers", []), (b"content-type", b"application/json")]
         try:
+            scope["state"]["routed"] = _routed(scope)
             refused = self._refusal(scope, headers, path)
-            if refused is None and scope["method"] in BODY_METHODS and _routed(scope):
+            if refused is None and scope["method"] in BODY_METHODS and scope["state"]["routed"]:
                 receive, refused = await self._buffered(headers, receive, path.startswith(OIP_PREFIX))
             if refused is not None:  # before the route runs: nothing recorded, nothing counted
                 status, type_, message, extra, *field = refused
@@ -161,8 +162,9 @@ class RequestGuard:
                 metrics.inflight.dec()
                 metrics.requests.labels(route=template, method=method, status=str(status_holder["status"])).inc()
                 metrics.latency.labels(route=template).observe(seconds)
-            logs.access(method, template, status_holder["status"], seconds, scope["state"].get("adapter"),
-                        request_id, probe=not measured)
+            context = scope["state"].get("context")
+            adapter = scope["state"].get("adapter") or (context.adapter if context is not None else None)
+            logs.access(method, template, status_holder["status"], seconds, adapter, request_id, probe=not measured)
             logs.request_id_var.reset(id_token)
 
 

@@ -40,6 +40,9 @@ class ServiceObserver(Observer):
              "base_sha256": base.sha256[:12]})
         self.drift_status(runtime.name)
 
+    def estimated(self, per_token_s: float) -> None:
+        self.metrics.seconds_per_token.set(per_token_s)
+
     def readiness(self, ready: bool) -> None:
         self.metrics.ready.set(1 if ready else 0)
 

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ibedl.engine.errors import EngineError, InvalidRequest
 from ibedl.serve.errors import OIP_PREFIX, engine_error_response
 from ibedl.serve.state import State
-from ibedl.serve.tensors import INPUTS, OUTPUTS, Tensor, flat, model_metadata, package_version, to_items, to_outputs
+from ibedl.serve.tensors import Tensor, flat, model_metadata, package_version, to_items, to_outputs
 
 router = APIRouter(prefix="/v2", include_in_schema=False)  # its own protocol, specified by KServe, not this OpenAPI
 
@@ -95,11 +95,9 @@ async def infer(model: str, request: Request, state: State):
     to_outputs([], names)  # unknown outputs are refused before the model runs
     answers = await state.engine.ask(items, state.context(request), "inputs")
     runtime = state.engine.runtime(model)
-    if answers:
-        request.state.adapter = runtime.name  # for the access log line
     return {"model_name": runtime.name, "model_version": runtime.ref["version"],
             **({"id": body.id} if body.id is not None else {}),
             "outputs": [vars(t) for t in to_outputs(answers, names)]}
 
 
-__all__ = ["router", "INPUTS", "OUTPUTS"]
+__all__ = ["router"]

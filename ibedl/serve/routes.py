@@ -37,7 +37,9 @@ from ibedl.serve.contract import (
     PREDICT_ERRORS,
     PREDICT_EXTRA,
 )
-from ibedl.serve.state import METRICS_STORE_WAIT_S, State
+from ibedl.serve.state import State
+
+METRICS_STORE_WAIT_S = 1.0  # /metrics waits this long for the store's guarantees, then serves the gauges as they are
 
 router = APIRouter()
 
@@ -57,18 +59,13 @@ async def ready(state: State):
 @router.post("/predict", response_model=PredictResponse, responses=PREDICT_ERRORS,
              tags=["predict"], openapi_extra=PREDICT_EXTRA)
 async def predict(body: PredictRequest, request: Request, state: State) -> PredictResponse:
-    answer = await state.engine.ask_one(body, state.context(request))
-    request.state.adapter = answer.adapter.name  # for the access log line
-    return answer
+    return await state.engine.ask_one(body, state.context(request))
 
 
 @router.post("/predict/batch", response_model=BatchResponse, responses=PREDICT_ERRORS,
              tags=["predict"], openapi_extra=PREDICT_EXTRA)
 async def predict_batch(body: BatchRequest, request: Request, state: State) -> BatchResponse:
-    answers = await state.engine.ask(body.items, state.context(request))
-    if answers:
-        request.state.adapter = answers[0].adapter.name  # for the access log line
-    return BatchResponse(results=answers)
+    return BatchResponse(results=await state.engine.ask(body.items, state.context(request)))
 
 
 @router.get("/v1/models", response_model=ModelList, responses=API_ERRORS, tags=["metadata"])
@@ -110,10 +107,10 @@ async def guarantees(request: Request, state: State, adapter: str | None = None)
 @router.get("/metrics", tags=["metadata"], include_in_schema=False)
 async def metrics(state: State) -> Response:
     observer = state.observer
-    for name, monitors in observer.monitors.items():
+    for name, monitors in list(observer.monitors.items()):
         observer.metrics.set_drift(name, await asyncio.to_thread(monitors.drift.status))
         observer.metrics.set_accuracy(name, monitors.accuracy.status())
-    if state.engine.feedback.enabled and state.engine.runtimes:
+    if state.engine.feedback.enabled and state.engine.ready:
         # sets the ibedl_guarantee_* gauges; a store that does not answer at once leaves them as they are (its call
         # sets them when it returns): a scrape never waits on another replica's lock
         with contextlib.suppress(StoreUnavailable):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from pydantic import Field, SecretStr, ValidationInfo, field_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from ibedl.engine.settings import SECRETS, EngineSettings
@@ -82,6 +82,13 @@ class Settings(EngineSettings):
                 raise ValueError(f"the labelling credential must differ from IBEDL_{name.upper()}: it is given only "
                                  "to those whose labels count")  # never the token itself
         return v
+
+    @model_validator(mode="after")
+    def _two_ports(self):
+        if self.grpc and self.grpc_port == self.port:
+            raise ValueError(f"IBEDL_GRPC_PORT and IBEDL_PORT are both {self.port}: the gRPC door needs a port of its "
+                             "own (or IBEDL_GRPC=false)")
+        return self
 
     def exposed(self) -> bool:
         """Whether ``host`` is reachable from other machines (any address but a loopback one)."""

@@ -9,22 +9,17 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Callable
 from typing import Annotated
 
 from fastapi import Depends, Request
 
 from ibedl.engine.context import TIMEOUT_HEADER, RequestContext
-from ibedl.engine.engine import Engine
+from ibedl.engine.engine import Engine, Loader
 from ibedl.serve.observer import ServiceObserver
 from ibedl.serve.settings import Settings
 
 log = logging.getLogger("ibedl.serve")
 
-# A loader gives the predictors of the served adapters (the default first), or one predictor for one adapter
-# (default: those of the settings' artifacts); tests give one that slows or breaks the model.
-Loader = Callable[[Settings], object]
-METRICS_STORE_WAIT_S = 1.0  # /metrics waits this long for the store's guarantees, then serves the gauges as they are
 
 
 class ServiceState:
@@ -46,17 +41,24 @@ class ServiceState:
         hangup = getattr(signal, "SIGHUP", None)
         if hangup is not None:  # its default action would end the process
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # only the main thread's loop
-                asyncio.get_running_loop().add_signal_handler(hangup, self.engine.versions.poke)
+                asyncio.get_running_loop().add_signal_handler(hangup, self.engine.poke)
                 self._hangup = hangup
+        self._watcher = asyncio.get_running_loop().create_task(self._watch_shutdown(), name="shutdown-watcher")
         if self.settings.grpc:
             from ibedl.serve.grpc_door import GrpcDoor
 
-            self.grpc = GrpcDoor(self.engine, self.settings)
-            await self.grpc.start()
-        self._watcher = asyncio.get_running_loop().create_task(self._watch_shutdown(), name="shutdown-watcher")
+            self.grpc = GrpcDoor(self.engine, self.settings, self.metrics)
+            try:
+                await self.grpc.start()
+            except Exception as e:  # a port in use: readiness says so (the model is not loaded for nothing)
+                log.exception("opening the gRPC port failed")
+                self.grpc = None
+                self.engine.status = "failed"
+                self.engine.reason = (f"the gRPC port {self.settings.host}:{self.settings.grpc_port} cannot be "
+                                      f"opened ({type(e).__name__}): set IBEDL_GRPC_PORT to a free port, or "
+                                      "IBEDL_GRPC=false")
+                return
         await self.engine.open()
-        if self.engine.batcher is not None:
-            self.metrics.seconds_per_token.set(self.engine.batcher.service_time.per_token_s)
 
     async def _watch_shutdown(self) -> None:
         """Drain as soon as uvicorn has SIGTERM (``server.should_exit``)."""
@@ -108,4 +110,4 @@ def get_state(request: Request) -> ServiceState:
 
 
 State = Annotated[ServiceState, Depends(get_state)]
-__all__ = ["ServiceState", "State", "Loader", "METRICS_STORE_WAIT_S"]
+__all__ = ["ServiceState", "State", "Loader"]

@@ -10,7 +10,7 @@ Q = {"question": "Which is sun?", "options": ["sun", "moon", "tree"]}
 def test_the_engine_under_the_service_answers_other_threads(make_client):
     with make_client() as c:
         state = c.app.state.service
-        assert isinstance(state.engine, Engine) and state.engine.batcher is state.engine.batcher
+        assert isinstance(state.engine, Engine) and state.engine.ready
         (direct,) = state.engine.predict([{**Q, "id": "x"}])  # this thread is not the service's event loop
         http = ok_json(c.post("/predict", json={**Q, "id": "x"}))
         assert direct.model_dump() == http

@@ -68,7 +68,7 @@ def test_every_status_under_v2_has_the_protocols_body_and_v1_keeps_its_own(make_
         assert oip_error(c.post("/v2/models/tiny/infer", content=b"x" * 4096,
                                 headers={"content-type": "application/json"}), 413).startswith("too_large: ")
         assert oip_error(c.post("/v2/models/tiny/infer", content=b"{not json"), 422).startswith("invalid_request: ")
-        assert oip_error(c.get("/v2/models/absent"), 422).startswith("invalid_request: no adapter 'absent'")
+        assert oip_error(c.get("/v2/models/absent"), 404).startswith("invalid_request: no adapter 'absent'")
 
         def broken(*args, **kwargs):
             raise RuntimeError("a bug")

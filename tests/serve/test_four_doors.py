@@ -107,7 +107,7 @@ def test_the_same_questions_get_the_same_answers_through_every_door(tiny_artifac
                     np.testing.assert_allclose(a[key], first[key], rtol=1e-6, atol=1e-7, err_msg=f"{door} {key}")
 
 
-def grpc_refusal(address: str, q: dict) -> tuple[grpc.StatusCode, str, dict]:
+def grpc_refusal(address: str, q: dict, timeout: float = 60) -> tuple[grpc.StatusCode, str, dict]:
     """A raw ModelInfer call (tritonclient hides the trailing metadata): its status code, details and trailers."""
     request = pb.ModelInferRequest(model_name="tiny")
     for name, value in (("question", [q["question"]]), ("options", [q["options"]])):
@@ -115,7 +115,7 @@ def grpc_refusal(address: str, q: dict) -> tuple[grpc.StatusCode, str, dict]:
         request.inputs.add(name=name, datatype="BYTES", shape=list(data.shape))
         request.raw_input_contents.append(serialize_byte_tensor(data).item())
     with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as refused:
-        pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=60)
+        pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=timeout)
     e = refused.value
     return e.code(), e.details(), dict(e.trailing_metadata() or ())
 
@@ -147,8 +147,48 @@ def test_a_refusal_has_the_same_reason_and_retry_after_through_every_door(tiny_a
     assert 'ibedl_rejected_total{reason="capacity"} 4.0' in metrics  # every door's refusal, counted once
 
 
+def test_behind_a_pass_in_flight_every_door_refuses_at_once_with_the_same_retry_after(tiny_artifact):
+    """The cheap check before a body is read: a pass estimated at a few seconds holds the model (0.05 s per prompt
+    token), and each door asks with a 1 s deadline (X-Request-Timeout, the gRPC deadline, ``timeout_s``). With the
+    admission clock held still while they ask, each is refused at the same instant: overloaded, with one Retry-After
+    (1.5 x the wait minus the 1 s left, rounded up: at least 2), before the model sees it."""
+    armed, gate, held = threading.Event(), threading.Event(), threading.Event()
+    q = QUESTIONS[1]
+    with doors(tiny_artifact, gated_loader(armed, gate, held, per_token_s=0.05), max_batch_size=1,
+               max_wait_ms=0) as (url, address, engine), ThreadPoolExecutor(1) as pool:
+        armed.set()
+        first = pool.submit(through_http, url, q)
+        assert held.wait(60)
+        admission, batcher, now = engine.admission, engine.batcher, engine.admission.clock()
+        clock = admission.clock
+        admission.clock = batcher.clock = lambda: now
+        try:
+            v1 = httpx.post(url + "/predict", json=q, headers={"X-Request-Timeout": "1"}, timeout=60)
+            rest = httpx.post(url + "/v2/models/tiny/infer", headers={"X-Request-Timeout": "1"}, timeout=60, json={
+                "inputs": [{"name": "question", "datatype": "BYTES", "shape": [1], "data": [q["question"]]},
+                           {"name": "options", "datatype": "BYTES", "shape": [1, 4], "data": q["options"]}]})
+            code, details, trailers = grpc_refusal(address, q, timeout=1.0)
+            with pytest.raises(Overloaded) as python:
+                Model(engine).predict([q], timeout_s=1.0)
+        finally:
+            admission.clock = batcher.clock = clock
+        gate.set()
+        assert first.result(timeout=60)["letter"]
+        metrics = httpx.get(url + "/metrics").text
+    assert v1.status_code == rest.status_code == 503 and code == grpc.StatusCode.UNAVAILABLE
+    busy = "overloaded: the service is busy: no request could be answered before its deadline now"
+    assert f'{v1.json()["error"]["type"]}: {v1.json()["error"]["message"]}'.startswith(busy)
+    assert rest.json()["error"].startswith(busy) and details.startswith(busy)
+    assert f"{python.value.type}: {python.value.message}".startswith(busy)
+    retry = {v1.headers["retry-after"], rest.headers["retry-after"], trailers["retry-after"],
+             str(python.value.retry_after)}
+    assert len(retry) == 1 and int(retry.pop()) >= 2  # the pass in flight's wait, not the minimum of 1
+    assert 'ibedl_rejected_total{reason="capacity"} 4.0' in metrics
+    assert 'ibedl_batch_size_count 1.0' in metrics  # one pass (the held one): no refused question reached the model
+
+
 def test_grpc_health_metadata_and_errors(tiny_artifact):
-    with doors(tiny_artifact, api_token="t" * 32) as (_url, address, _engine), \
+    with doors(tiny_artifact, api_token="t" * 32) as (url, address, _engine), \
             triton_grpc.InferenceServerClient(address) as client:
         assert client.is_server_live() and client.is_server_ready()  # the probes are open, as over HTTP
         with pytest.raises(triton_grpc.InferenceServerException, match="UNAUTHENTICATED"):
@@ -168,6 +208,11 @@ def test_grpc_health_metadata_and_errors(tiny_artifact):
         with pytest.raises(triton_grpc.InferenceServerException, match=r"unknown outputs \['logits'\]"):
             client.infer("tiny", tensors(triton_grpc, QUESTIONS[2]), headers=auth,
                          outputs=[triton_grpc.InferRequestedOutput("logits")])
+        assert client.infer("tiny", tensors(triton_grpc, QUESTIONS[2]), headers=auth).as_numpy("answer") is not None
+        metrics = httpx.get(url + "/metrics", headers=auth).text
+    route = 'method="grpc",route="/inference.GRPCInferenceService/ModelInfer"'
+    for status, n in (("OK", 1), ("NOT_FOUND", 1), ("INVALID_ARGUMENT", 2)):  # counted as HTTP requests are
+        assert f'ibedl_requests_total{{{route},status="{status}"}} {n}.0' in metrics
 
 
 class Watch(Observer):
@@ -185,11 +230,12 @@ class Watch(Observer):
             self.draining.set()
 
 
-def gated_loader(armed: threading.Event, gate: threading.Event, held: threading.Event):
-    """A loader whose model, once ``armed``, holds its passes until ``gate`` opens (``held`` says one is held)."""
+def gated_loader(armed: threading.Event, gate: threading.Event, held: threading.Event, per_token_s: float = 0.0):
+    """A loader whose model, once ``armed``, holds its passes until ``gate`` opens (``held`` says one is held); with
+    ``per_token_s`` it also takes that long per prompt token (what the warm-up at load measures)."""
 
     def load(settings):
-        predictor = load_predictor(settings)
+        predictor = per_token_loader(per_token_s)(settings) if per_token_s else load_predictor(settings)
         original = predictor.predict
 
         def predict(questions, truncate_context=True):

@@ -75,7 +75,7 @@ def test_a_manifest_that_is_not_a_recalibration_is_left_for_a_restart(make_clien
         else:
             m.name = "other"
         write_manifest(served, m)
-        with caplog.at_level("WARNING", logger="ibedl.serve"):
+        with caplog.at_level("WARNING", logger="ibedl.engine"):
             assert c.portal.call(state.engine.versions.reload_calibrations) == []
         if change == "weights":
             assert why in caplog.text
