@@ -95,6 +95,30 @@ def test_the_doors_import_only_the_engines_public_surface():
     assert "ibedl.engine.engine" in edges["ibedl.serve.state"]  # the reader sees the doors' imports
 
 
+# What a door may not touch on an engine: its scheduler, runtime replacements, feedback store, admission policy and
+# state, and anything private; it calls the engine's methods (arrive, refuse_early, ask, drain, health, ...).
+ENGINE_INTERNALS = {"batcher", "versions", "feedback", "store", "admission", "status", "reason", "observers"}
+
+
+def engine_reach(path: Path) -> list[str]:
+    """``engine.<name>`` attribute uses in ``path`` that reach into the engine (ENGINE_INTERNALS or private)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, (ast.Name, ast.Attribute)):
+            owner = node.value.id if isinstance(node.value, ast.Name) else node.value.attr
+            if owner == "engine" and (node.attr in ENGINE_INTERNALS or node.attr.startswith("_")):
+                found.append(f"{path.name}:{node.lineno} engine.{node.attr}")
+    return found
+
+
+def test_the_doors_call_the_engine_without_reaching_into_it(tmp_path):
+    serve = sorted((PACKAGE / "serve").glob("*.py"))
+    assert [hit for path in serve for hit in engine_reach(path)] == []
+    probe = tmp_path / "door.py"  # the reader is not blind
+    probe.write_text("def f(state):\n    state.engine.batcher.depth\n    engine._loop\n    state.engine.ask\n")
+    assert sorted(engine_reach(probe)) == ["door.py:2 engine.batcher", "door.py:3 engine._loop"]
+
+
 def test_no_import_cycle():
     assert cycles(graph()) == []
 

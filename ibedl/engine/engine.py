@@ -205,6 +205,15 @@ class Engine:
     def ready(self) -> bool:
         return self.status == "ready"
 
+    def fail(self, reason: str) -> None:
+        """Mark the engine failed (readiness says ``reason``) before it loaded: a door that cannot open."""
+        self.status, self.reason = "failed", reason
+
+    @property
+    def feedback_enabled(self) -> bool:
+        """Whether answers carry receipts and labels are recorded (IBEDL_FEEDBACK_KEY)."""
+        return self.feedback.enabled
+
     def poke(self) -> None:
         """Look at the served manifests now (a recalibration written in place is served from the next request)."""
         self.versions.poke()

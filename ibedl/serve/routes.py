@@ -110,7 +110,7 @@ async def metrics(state: State) -> Response:
     for name, monitors in list(observer.monitors.items()):
         observer.metrics.set_drift(name, await asyncio.to_thread(monitors.drift.status))
         observer.metrics.set_accuracy(name, monitors.accuracy.status())
-    if state.engine.feedback.enabled and state.engine.ready:
+    if state.engine.feedback_enabled and state.engine.ready:
         # sets the ibedl_guarantee_* gauges; a store that does not answer at once leaves them as they are (its call
         # sets them when it returns): a scrape never waits on another replica's lock
         with contextlib.suppress(StoreUnavailable):

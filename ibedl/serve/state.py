@@ -53,10 +53,8 @@ class ServiceState:
             except Exception as e:  # a port in use: readiness says so (the model is not loaded for nothing)
                 log.exception("opening the gRPC port failed")
                 self.grpc = None
-                self.engine.status = "failed"
-                self.engine.reason = (f"the gRPC port {self.settings.host}:{self.settings.grpc_port} cannot be "
-                                      f"opened ({type(e).__name__}): set IBEDL_GRPC_PORT to a free port, or "
-                                      "IBEDL_GRPC=false")
+                self.engine.fail(f"the gRPC port {self.settings.host}:{self.settings.grpc_port} cannot be opened "
+                                 f"({type(e).__name__}): set IBEDL_GRPC_PORT to a free port, or IBEDL_GRPC=false")
                 return
         await self.engine.open()
 
