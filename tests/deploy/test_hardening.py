@@ -135,7 +135,11 @@ def test_network_policy_admits_only_the_gateway_and_prometheus(k8s):
     sources = []
     for rule in policy["ingress"]:
         assert rule["from"], "a rule without `from` admits every source"
-        assert [p["port"] for p in rule["ports"]] == ["http"] and ports == {"http"}
+        assert ports == {"http", "grpc"}
+        # clients (the gateway, an ingress) reach both doors; Prometheus scrapes /metrics over HTTP alone
+        expected = ["http"] if "namespaceSelector" in rule["from"][0] and "podSelector" in rule["from"][0] else [
+            "http", "grpc"]
+        assert [p["port"] for p in rule["ports"]] == expected, rule
         sources += rule["from"]
     assert {"podSelector": {"matchLabels": {"app.kubernetes.io/component": "gateway"}}} in sources
     assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}} in sources

@@ -137,11 +137,12 @@ def test_prometheus_labels_the_replicas_with_the_job_the_rules_select(rendered):
 
 # -- the pod ---------------------------------------------------------------------------------------------
 
-def served_port(rendered) -> int:
-    """The port the container's `python -m ibedl.serve` listens on: IBEDL_PORT of the manifest, else of the image."""
-    if "IBEDL_PORT" in env(rendered):
-        return int(env(rendered)["IBEDL_PORT"]["value"])
-    ports = re.findall(r"\bIBEDL_PORT=(\d+)", DOCKERFILE.read_text())
+def served_port(rendered, variable: str = "IBEDL_PORT") -> int:
+    """The port the container's `python -m ibedl.serve` listens on (``variable``: IBEDL_PORT for HTTP, IBEDL_GRPC_PORT
+    for gRPC): the manifest's, else the image's."""
+    if variable in env(rendered):
+        return int(env(rendered)[variable]["value"])
+    ports = re.findall(rf"\b{variable}=(\d+)", DOCKERFILE.read_text())
     assert len(ports) == 1, ports
     return int(ports[0])
 
@@ -150,7 +151,7 @@ def test_probes_use_the_health_routes_on_the_served_port(rendered):
     c = container(rendered)
     assert "command" not in c and "args" not in c, "the image's entrypoint (python -m ibedl.serve --host 0.0.0.0) runs"
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"http": served_port(rendered)}
+    assert ports == {"http": served_port(rendered), "grpc": served_port(rendered, "IBEDL_GRPC_PORT")}
     routes = {r.path for r in router.routes}
     paths = {}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
