@@ -25,5 +25,5 @@ def test_the_makefile_has_the_target():
     from pathlib import Path
 
     text = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
-    assert "gpu-check:" in text
-    assert "$(PY) -m benchmarks.gpu_check" in text
+    assert "gpu-check: setup-gpu" in text  # the GPU lock's venv (tests/test_lock.py checks the install)
+    assert "$(GPU_VENV)/bin/python -m benchmarks.gpu_check" in text
