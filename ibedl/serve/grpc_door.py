@@ -74,8 +74,9 @@ def response_of(runtime, request: pb.ModelInferRequest, answers: list, names: li
 class Servicer(pb_grpc.GRPCInferenceServiceServicer):
     """The calls of the protocol this model serves; the others answer UNIMPLEMENTED (the generated default)."""
 
-    def __init__(self, engine, settings, metrics) -> None:
+    def __init__(self, engine, settings, metrics, on_arrival=None) -> None:
         self.engine, self.settings, self.metrics = engine, settings, metrics
+        self.on_arrival = on_arrival or (lambda: None)  # the service notices SIGTERM before a call is admitted
 
     async def _refuse(self, context, e: EngineError) -> NoReturn:
         if e.retry_after is not None:
@@ -124,6 +125,7 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
         """The answers, as /predict/batch's; counted, timed and logged as an HTTP request is (route INFER_ROUTE)."""
         await self._authorised(context)
         engine, start = self.engine, time.perf_counter()
+        self.on_arrival()
         arrival = engine.arrive(choose_request_id(dict(context.invocation_metadata()).get("x-request-id")),
                                 context.time_remaining())
         token, status = logs.request_id_var.set(arrival.request_id), "OK"
@@ -156,15 +158,15 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
 class GrpcDoor:
     """The gRPC server of one engine, on the engine's event loop."""
 
-    def __init__(self, engine, settings, metrics) -> None:
-        self.engine, self.settings, self.metrics = engine, settings, metrics
+    def __init__(self, engine, settings, metrics, on_arrival=None) -> None:
+        self.engine, self.settings, self.metrics, self.on_arrival = engine, settings, metrics, on_arrival
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None  # the bound port (IBEDL_GRPC_PORT, or the free one 0 picked)
 
     async def start(self) -> None:
         self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", self.settings.max_body_bytes)])
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(Servicer(self.engine, self.settings, self.metrics),
-                                                            self.server)
+        servicer = Servicer(self.engine, self.settings, self.metrics, self.on_arrival)
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, self.server)
         self.port = self.server.add_insecure_port(f"{self.settings.host}:{self.settings.grpc_port}")
         if self.port == 0:
             raise OSError(f"cannot bind the gRPC port {self.settings.host}:{self.settings.grpc_port}")

@@ -115,7 +115,7 @@ class RequestGuard:
         id_token = logs.request_id_var.set(request_id)
         # Admission is decided here, once, and deadlines count from here: a request that arrives before a shutdown
         # begins is answered even if SIGTERM lands before its route runs; one that arrives after it is refused (503).
-        scope["state"]["context"] = self.state.engine.arrive(request_id, headers.get("x-request-timeout"))
+        scope["state"]["context"] = self.state.arrive(request_id, headers.get("x-request-timeout"))
         path = scope.get("path", "")
         measured = not path.startswith(UNMEASURED)
         metrics = self.state.metrics

@@ -47,7 +47,7 @@ class ServiceState:
         if self.settings.grpc:
             from ibedl.serve.grpc_door import GrpcDoor
 
-            self.grpc = GrpcDoor(self.engine, self.settings, self.metrics)
+            self.grpc = GrpcDoor(self.engine, self.settings, self.metrics, self.notice_shutdown)
             try:
                 await self.grpc.start()
             except Exception as e:  # a port in use: readiness says so (the model is not loaded for nothing)
@@ -58,12 +58,22 @@ class ServiceState:
                 return
         await self.engine.open()
 
+    def notice_shutdown(self) -> None:
+        """Drain once uvicorn has SIGTERM (``server.should_exit``): both doors refuse what arrives from then on and
+        answer what was admitted. Called on every arrival and probe (a request that reaches the process on a kept-alive
+        connection right after SIGTERM is refused, so the gateway retries it elsewhere) and by the watcher."""
+        if self.server is not None and getattr(self.server, "should_exit", False):
+            self.engine.drain()
+
+    def arrive(self, request_id: str | None, timeout: str | float | None) -> RequestContext:
+        """The engine's context of a request arriving now, SIGTERM noticed first."""
+        self.notice_shutdown()
+        return self.engine.arrive(request_id, timeout)
+
     async def _watch_shutdown(self) -> None:
-        """Drain as soon as uvicorn has SIGTERM (``server.should_exit``)."""
-        while True:
-            if self.server is not None and getattr(self.server, "should_exit", False):
-                self.engine.drain()  # both doors: what arrives from now on is refused, what was admitted answered
-                return
+        """Drain as soon as uvicorn has SIGTERM, not at the next arrival."""
+        while self.engine.status not in ("draining", "stopped"):
+            self.notice_shutdown()
             await asyncio.sleep(0.05)
 
     async def shutdown(self) -> None:
@@ -83,7 +93,7 @@ class ServiceState:
         not pass it: unit tests)."""
         scope = request.scope.setdefault("state", {})
         if "context" not in scope:
-            scope["context"] = self.engine.arrive(scope.get("request_id"), request.headers.get(TIMEOUT_HEADER))
+            scope["context"] = self.arrive(scope.get("request_id"), request.headers.get(TIMEOUT_HEADER))
         context = scope["context"]
         context.gone = lambda: _disconnected(request)
         return context
@@ -93,6 +103,7 @@ class ServiceState:
         self.engine.require(self.context(request))
 
     def health(self) -> tuple[int, dict]:
+        self.notice_shutdown()
         status, reason = self.engine.health()
         return (200, {"status": status}) if status == "ready" else (503, {"status": status, "reason": reason})
 

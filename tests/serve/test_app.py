@@ -253,6 +253,10 @@ class TestBatchingAndQueue:
 
 
 
+async def _cancelled(task) -> None:
+    task.cancel()
+
+
 class TestCapacity:
     """Admission by expected completion (ibedl/serve/capacity.py), with a model whose time is per prompt token, the
     estimator's own assumption: 0.01 s per token plus the tiny model's few milliseconds."""
@@ -270,6 +274,20 @@ class TestCapacity:
             text = c.get("/metrics").text
             assert float(_sample(text, 'ibedl_rejected_total{reason="capacity"}')) == codes.count(503)
             assert float(_sample(text, "ibedl_seconds_per_token")) == pytest.approx(0.01, rel=1.0)
+
+    def test_a_request_arriving_right_after_sigterm_is_refused_before_the_watcher_looks(self, make_client):
+        """uvicorn's SIGTERM handler sets ``should_exit``; a request that reaches the process on a kept-alive
+        connection in the next instant is refused (503, so a gateway retries it elsewhere), not admitted."""
+        from types import SimpleNamespace
+
+        with make_client() as c:
+            state = c.app.state.service
+            assert c.post("/predict", json=Q).status_code == 200
+            c.portal.call(_cancelled, state._watcher)  # no watcher: only the arrival itself can notice
+            state.server = SimpleNamespace(should_exit=True)
+            r = c.post("/predict", json=Q)
+            assert r.status_code == 503 and r.json()["error"]["type"] == "not_ready", r.text
+            assert c.get("/health/ready").json()["status"] == "draining"
 
     def test_a_lone_sequential_client_is_never_refused_however_late_others_were(self, make_client):
         """The overrun learnt from other requests' waits (here forced to its cap, as a background build taking the

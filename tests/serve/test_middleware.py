@@ -23,7 +23,7 @@ def guard(expected_wait_s: float = 0.0, **settings):
     observer = ServiceObserver(settings)
     engine = Engine(settings, observers=[observer])
     engine.status, engine.batcher = "ready", SimpleNamespace(expected_wait=lambda tokens: expected_wait_s)
-    state = SimpleNamespace(settings=settings, metrics=observer.metrics, engine=engine)
+    state = SimpleNamespace(settings=settings, metrics=observer.metrics, engine=engine, arrive=engine.arrive)
     return RequestGuard(app, state), reached, state
 
 
