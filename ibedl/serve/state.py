@@ -72,7 +72,7 @@ class ServiceState:
 
     async def _watch_shutdown(self) -> None:
         """Drain as soon as uvicorn has SIGTERM, not at the next arrival."""
-        while self.engine.status not in ("draining", "stopped"):
+        while self.engine.health()[0] not in ("draining", "stopped"):
             self.notice_shutdown()
             await asyncio.sleep(0.05)
 
