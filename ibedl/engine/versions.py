@@ -28,18 +28,16 @@ class Versions:
         self.switcher = None  # ibedl.engine.backend_switch.BackendSwitcher while auto measures in the background
         self._swapping: asyncio.Lock | None = None  # one replacement at a time: a backend switch or a reload
         self._manifests: dict = {}  # served artifact directory -> its manifest.json's mtime when last looked at
-        self._poke: asyncio.Event | None = None
+        self._poke = asyncio.Event()  # set by poke() (SIGHUP), even while loading: looked at once serving
         self._watcher: asyncio.Task | None = None
 
     def remember_manifests(self) -> None:
         """Note the served manifests as they are before loading: one rewritten while the model loads is seen."""
         self._manifests = {d: _mtime(d) for d in self.engine.settings.served_artifacts()}
-        self._poke = asyncio.Event()  # a SIGHUP while loading is looked at once serving
 
     def start(self, to_measure: list[str]) -> None:
         """On the engine's loop, once serving: watch the manifests, and measure ``to_measure`` in the background."""
         self._swapping = asyncio.Lock()
-        self._poke = self._poke or asyncio.Event()
         self._watcher = asyncio.get_running_loop().create_task(self._watch_manifests(), name="manifest-watcher")
         if to_measure:
             from ibedl.engine.backend_switch import BackendSwitcher
@@ -52,8 +50,7 @@ class Versions:
 
     def poke(self) -> None:
         """Look at the manifests now (SIGHUP)."""
-        if self._poke is not None:
-            self._poke.set()
+        self._poke.set()
 
     def stop(self) -> None:
         if self._watcher is not None:

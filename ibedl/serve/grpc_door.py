@@ -148,9 +148,7 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
             await context.abort(grpc.StatusCode.INTERNAL, "internal_error: internal error; see the service log")
         finally:
             seconds = time.perf_counter() - start
-            self.metrics.inflight.dec()
-            self.metrics.requests.labels(route=INFER_ROUTE, method="grpc", status=status).inc()
-            self.metrics.latency.labels(route=INFER_ROUTE).observe(seconds)
+            self.metrics.request_done(INFER_ROUTE, "grpc", status, seconds)
             logs.access("grpc", INFER_ROUTE, status, seconds, arrival.adapter, arrival.request_id)
             logs.request_id_var.reset(token)
 

@@ -105,6 +105,13 @@ class Metrics:
                                         "proven faster in the background (IBEDL_BACKEND=auto)",
                                         ["adapter", "from", "to"], registry=r)
 
+    def request_done(self, route: str, method: str, status: int | str, seconds: float) -> None:
+        """One request answered (HTTP or gRPC): out of the in-flight gauge, counted by route, method and status,
+        its latency observed."""
+        self.inflight.dec()
+        self.requests.labels(route=route, method=method, status=str(status)).inc()
+        self.latency.labels(route=route).observe(seconds)
+
     def set_drift(self, adapter: str, status: dict) -> None:
         nan = float("nan")
         self.drift_ks.labels(adapter=adapter).set(status["ks"] if status["ks"] is not None else nan)

@@ -159,9 +159,7 @@ class RequestGuard:
             template = getattr(scope.get("route"), "path", None) or "unmatched"
             method = scope["method"] if scope["method"] in METHODS else "other"
             if measured:
-                metrics.inflight.dec()
-                metrics.requests.labels(route=template, method=method, status=str(status_holder["status"])).inc()
-                metrics.latency.labels(route=template).observe(seconds)
+                metrics.request_done(template, method, status_holder["status"], seconds)
             context = scope["state"].get("context")
             adapter = scope["state"].get("adapter") or (context.adapter if context is not None else None)
             logs.access(method, template, status_holder["status"], seconds, adapter, request_id, probe=not measured)
