@@ -1,0 +1,232 @@
+"""Paired bootstrap intervals for the paper's claims on a grid's kept per-question predictions
+(benchmarks.grid_predictions), per seed and pooled over the seeds, and how far each claim holds.
+
+    python -m benchmarks.grid_intervals --grid sciq_grid_shared_lr [--resamples 2000] [--seed 0]
+        [--output benchmarks/results/<grid>_intervals.json]
+
+A claim (benchmarks.paper_comparison.CLAIMS) is a difference ``a - b`` of two rows' metric on the same questions
+(``b`` the best of several rows where it names several: chosen on each seed's full set, then held fixed). The test
+questions are resampled with replacement, the same resample for both rows (paired); for an OOD claim the
+in-distribution questions and each shifted stream's are resampled independently and the AUROC difference is averaged
+over the streams. The pooled interval resamples the questions once per draw and averages the seeds' differences on
+them (every seed answers the same test questions: checked), so it carries the test set's sampling error of the mean
+over these seeds, not the spread a new seed would add; the per-seed intervals show that spread.
+
+On a seed a claim ``holds`` when its 95% interval lies wholly on the claimed side of 0 (for an on-par claim: wholly
+within the tolerance), ``direction`` when only the point estimate does, else ``no``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+from scipy.stats import rankdata
+
+from benchmarks.common import write_result
+from benchmarks.grid_predictions import GridPredictions, default_path, load
+from benchmarks.paired_bootstrap import PerQuestion
+from ibedl.training.experiments.benchmark import Run, expand, load_benchmark_config
+from ibedl.training.experiments.report import NO_POSTHOC
+from ibedl.training.methods import get_method
+
+LEVEL = (2.5, 97.5)
+
+
+def train_key(run: Run) -> str:
+    return run.train_key(get_method(run.method).trained_as)
+
+
+def rows_of(preds: GridPredictions, run: Run, method_row: str, dataset: str) -> dict:
+    """The kept predictions of a claim's row (a method, ``<method>:no_posthoc`` for the row without its post-hoc
+    step) in ``run``'s trained run on ``dataset``."""
+    bare = method_row.endswith(NO_POSTHOC)
+    method = method_row.removesuffix(NO_POSTHOC)
+    cell = Run(run.experiment, run.kind, run.dataset, method, run.seed, run.eval_sets, run.label_noise)
+    return preds.get(train_key(cell), method, dataset, bare=bare)
+
+
+def resampled_auroc(pos: np.ndarray, neg: np.ndarray, pos_index: np.ndarray, neg_index: np.ndarray) -> np.ndarray:
+    """AUROC (positives should score higher; ties one half) on each resample: ``pos`` (N1,), ``neg`` (N2,) scores,
+    ``pos_index`` (R, N1) and ``neg_index`` (R, N2) resampled positions -> (R,)."""
+    scores = np.concatenate([pos[pos_index], neg[neg_index]], axis=1)
+    ranks = rankdata(scores, axis=1)
+    n1, n2 = pos_index.shape[1], neg_index.shape[1]
+    return (ranks[:, :n1].sum(1) - n1 * (n1 + 1) / 2) / (n1 * n2)
+
+
+def ood_score(rows: dict, score: str) -> np.ndarray:
+    """Per question, the score whose AUROC a claim compares: ``mp`` max probability, ``um`` 1/u (as -u: same order)."""
+    if score == "mp":
+        return np.array([p.max() for p in rows["probs"]])
+    if score == "um":
+        if rows["uncertainty"] is None:
+            raise ValueError("the 1/u score needs an evidential method's uncertainty")
+        return -rows["uncertainty"]
+    raise ValueError(f"unknown OOD score {score!r}; expected mp or um")
+
+
+def verdict(low: float, high: float, point: float, better: str, tolerance: float) -> str:
+    """``holds`` (the interval on the claimed side), ``direction`` (only the point) or ``no``."""
+    if better == "on_par":
+        return "holds" if -tolerance <= low and high <= tolerance else "direction" if abs(point) <= tolerance else "no"
+    sign = -1 if better == "lower" else 1
+    if sign * low > 0 and sign * high > 0:
+        return "holds"
+    return "direction" if sign * point > 0 else "no"
+
+
+class ClaimDraws:
+    """The resampled differences of one claim on one seed: ``full`` the difference on all questions, ``draws`` (R,)."""
+
+    def __init__(self, full: float, draws: np.ndarray):
+        self.full, self.draws = full, draws
+
+
+def id_draws(claim, preds: GridPredictions, run: Run, index: np.ndarray) -> ClaimDraws:
+    """A calibration claim's difference on ``run``'s seed: ``index`` (R, N) resampled question positions."""
+    dataset = run.eval_sets[0]
+    full = np.arange(index.shape[1])[None, :]
+
+    def per_question(row) -> PerQuestion:
+        got = rows_of(preds, run, row[0], dataset)
+        return PerQuestion.from_probs(got["probs"], got["labels"])
+
+    a, bs = per_question(claim.a), [(row, per_question(row)) for row in claim.b]
+    metric = claim.a[1]
+    b_full = [float(q.metrics(full)[row[1]][0]) for row, q in bs]
+    pick = b_full.index(claim.best(b_full))
+    (b_row, b) = bs[pick]
+    diff = a.metrics(index)[metric] - b.metrics(index)[b_row[1]]
+    return ClaimDraws((float(a.metrics(full)[metric][0]) - b_full[pick]) * claim.scale, diff * claim.scale)
+
+
+def ood_draws(claim, preds: GridPredictions, run: Run, indices: dict[str, np.ndarray]) -> ClaimDraws:
+    """An OOD claim's difference on ``run``'s seed: the AUROC of ``a``'s score minus ``b``'s, averaged over the
+    shifted streams; ``indices``: set -> (R, N_set) resampled positions."""
+    first, streams = run.eval_sets[0], run.eval_sets[1:]
+
+    def aurocs(row) -> tuple[float, np.ndarray]:
+        id_scores = ood_score(rows_of(preds, run, row[0], first), row[1])
+        full, draws = [], []
+        for stream in streams:
+            scores = ood_score(rows_of(preds, run, row[0], stream), row[1])
+            n1, n2 = len(id_scores), len(scores)
+            full.append(resampled_auroc(id_scores, scores, np.arange(n1)[None, :], np.arange(n2)[None, :])[0])
+            draws.append(resampled_auroc(id_scores, scores, indices[first], indices[stream]))
+        return float(np.mean(full)), np.mean(draws, axis=0)
+
+    a_full, a_draws = aurocs(claim.a)
+    bs = [aurocs(row) for row in claim.b]
+    b_full, b_draws = bs[[f for f, _ in bs].index(claim.best([f for f, _ in bs]))]
+    return ClaimDraws((a_full - b_full) * claim.scale, (a_draws - b_draws) * claim.scale)
+
+
+def claim_runs(claim, runs: list[Run], preds: GridPredictions) -> list[Run]:
+    """The grid's runs of the claim's kind on which every row it names has kept predictions, one per seed."""
+    found = {}
+    for run in runs:
+        if run.kind != claim.kind or run.seed in found:
+            continue
+        try:
+            for row in (claim.a, *claim.b):
+                for dataset in run.eval_sets:
+                    rows_of(preds, run, row[0], dataset)
+        except KeyError:
+            continue
+        found[run.seed] = run
+    return [found[s] for s in sorted(found)]
+
+
+def same_questions(preds: GridPredictions, runs: list[Run], row: str) -> dict[str, int]:
+    """Each evaluation set's size, after checking that every seed answered the same questions (equal labels)."""
+    sizes = {}
+    for dataset in runs[0].eval_sets:
+        labels = [rows_of(preds, run, row, dataset)["labels"] for run in runs]
+        if any(len(x) != len(labels[0]) or (x != labels[0]).any() for x in labels):
+            raise ValueError(f"the seeds answered different {dataset} questions: no pooled paired interval")
+        sizes[dataset] = len(labels[0])
+    return sizes
+
+
+def claim_interval(claim, runs: list[Run], preds: GridPredictions, resamples: int = 2000, seed: int = 0) -> dict:
+    """Per seed and pooled: the claim's difference on the full set, its 95% interval over paired resamples and its
+    verdict; ``{"seeds": 0}`` where no seed has every row."""
+    if resamples < 100:
+        raise ValueError(f"resamples must be at least 100, got {resamples}")
+    runs = claim_runs(claim, runs, preds)
+    if not runs:
+        return {"seeds": 0}
+    sizes = same_questions(preds, runs, claim.a[0])
+    rng = np.random.default_rng(seed)
+    indices = {d: rng.integers(0, n, size=(resamples, n)) for d, n in sizes.items()}
+    draws = {run.seed: (ood_draws(claim, preds, run, indices) if claim.kind == "ood"
+                        else id_draws(claim, preds, run, indices[run.eval_sets[0]])) for run in runs}
+
+    def summary(full: float, values: np.ndarray) -> dict:
+        low, high = (float(x) for x in np.percentile(values, LEVEL))
+        return {"difference": full, "ci95": [low, high],
+                "verdict": verdict(low, high, full, claim.better, claim.tolerance)}
+
+    per_seed = {s: summary(d.full, d.draws) for s, d in draws.items()}
+    pooled = summary(float(np.mean([d.full for d in draws.values()])),
+                     np.mean([d.draws for d in draws.values()], axis=0))
+    return {"seeds": len(runs), "per_seed": per_seed, "pooled": pooled,
+            "held_on": sum(v["verdict"] == "holds" for v in per_seed.values()),
+            "direction_on": sum(v["verdict"] in ("holds", "direction") for v in per_seed.values())}
+
+
+def over_confidence(preds: GridPredictions, runs: list[Run], method: str, resamples: int = 2000,
+                    seed: int = 0) -> dict:
+    """Per seed of ``method``'s in-distribution cells: accuracy, mean confidence, their gap (confidence minus
+    accuracy: above 0 is over-confident) and ECE, each with its 95% interval over resampled questions."""
+    out = {}
+    for run in runs:
+        if run.kind != "id" or run.method != method:
+            continue
+        got = rows_of(preds, run, method, run.eval_sets[0])
+        q = PerQuestion.from_probs(got["probs"], got["labels"])
+        n = len(q.hit)
+        index = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+        full, boot = q.metrics(np.arange(n)[None, :]), q.metrics(index)
+        gap, gap_full = q.confidence[index].mean(1) - boot["accuracy"], q.confidence.mean() - full["accuracy"][0]
+        out[run.seed] = {
+            "accuracy": float(full["accuracy"][0]), "mean_confidence": float(q.confidence.mean()),
+            "over_confidence": {"value": float(gap_full), "ci95": [float(x) for x in np.percentile(gap, LEVEL)]},
+            "ece": {"value": float(full["ece"][0]), "ci95": [float(x) for x in np.percentile(boot["ece"], LEVEL)]},
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.paper_comparison import CLAIMS
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.grid_intervals", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--grid", required=True, help="the grid's name: benchmarks/<grid>.yaml")
+    parser.add_argument("--predictions",
+                        help="its kept predictions (default benchmarks/results/<grid>.predictions.npz)")
+    parser.add_argument("--resamples", type=int, default=2000)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the resamples")
+    parser.add_argument("--output", help="default benchmarks/results/<grid>_intervals.json")
+    args = parser.parse_args(argv)
+    if args.resamples < 100:
+        parser.error(f"--resamples must be at least 100, got {args.resamples}")
+    try:
+        runs = expand(load_benchmark_config(Path("benchmarks") / f"{args.grid}.yaml"))
+        preds = load(args.predictions or default_path(args.grid))
+        claims = {c.text: claim_interval(c, runs, preds, args.resamples, args.seed) for c in CLAIMS}
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    write_result(args.output or f"benchmarks/results/{args.grid}_intervals.json", {
+        "grid": args.grid, "resamples": args.resamples, "seed": args.seed, "level": "95% percentile interval",
+        "command": "python -m benchmarks.grid_intervals --grid " + args.grid,
+        "map_over_confidence": over_confidence(preds, runs, "map", args.resamples, args.seed),
+        "claims": claims})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""A grid's per-question predictions, kept compact beside its results so that every claim can be tested by a paired
+bootstrap without the trained runs (benchmarks.grid_intervals).
+
+    python -m benchmarks.grid_predictions --grid sciq_grid_shared_lr [--runs-dir runs/benchmark/<grid>]
+        [--output benchmarks/results/<grid>.predictions.npz]
+
+The benchmark runner caches each (trained run, method, evaluation set)'s predictions as JSON beside the run
+(``runs/benchmark/<grid>/<train key>/predictions-<method>-<set>.json``: tens of MB for a grid, not committed). This
+writes them into one compressed ``.npz``, under keys ``<train key>|<method>|<set>|<field>``:
+
+- ``probs`` (N, C) float32: the served probabilities, NaN-padded where a question has fewer than C options;
+- ``labels`` (N,) int8: the right option;
+- ``uncertainty`` (N,) float32: the Dirichlet's uncertainty mass u (evidential methods only);
+- ``probs0``, ``uncertainty0``: the same without the post-hoc step (IB-EDL at zeta = 0), where the run has one;
+- ``sigma`` (N,) float32: IB-EDL's sigma averaged over each question's options.
+
+float32 keeps every metric the grid reports to 1e-6 of the JSON's (tests/benchmarks/test_grid_predictions.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+SEP = "|"
+FIELDS = ("probs", "labels", "uncertainty", "probs0", "uncertainty0", "sigma")
+
+
+def padded(rows: list) -> np.ndarray:
+    """Rows of varying length as one (N, C_max) float32 array, NaN where a row is shorter."""
+    if not rows:
+        raise ValueError("no predictions to keep (an empty set)")
+    out = np.full((len(rows), max(len(r) for r in rows)), np.nan, dtype=np.float32)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return out
+
+
+def unpadded(probs: np.ndarray) -> list[np.ndarray]:
+    """The (N, C) NaN-padded array back as N rows of their own lengths (float64)."""
+    return [row[~np.isnan(row)].astype(np.float64) for row in probs]
+
+
+def compact(cached: dict) -> dict[str, np.ndarray]:
+    """The fields (``FIELDS``) of one cached predictions file (the runner's JSON)."""
+    for key in ("probs", "labels"):
+        if key not in cached:
+            raise ValueError(f"a predictions file without {key!r}")
+    if len(cached["probs"]) != len(cached["labels"]):
+        raise ValueError(f"{len(cached['probs'])} probability rows for {len(cached['labels'])} labels")
+    out = {"probs": padded(cached["probs"]), "labels": np.asarray(cached["labels"], dtype=np.int8)}
+    if cached.get("uncertainty") is not None:
+        out["uncertainty"] = np.asarray(cached["uncertainty"], dtype=np.float32)
+    if cached.get("sigma") is not None:
+        out["sigma"] = np.asarray(cached["sigma"], dtype=np.float32)
+    bare = cached.get("without_posthoc")
+    if bare is not None:
+        out["probs0"] = padded(bare["probs"])
+        if bare.get("uncertainty") is not None:
+            out["uncertainty0"] = np.asarray(bare["uncertainty"], dtype=np.float32)
+    return out
+
+
+def cached_files(runs_dir: Path) -> list[tuple[str, str, str, Path]]:
+    """(train key, method, set file name, path) of every cached predictions file under ``runs_dir``, sorted. The set's
+    name in a file name has ``:`` written as ``-`` (``sciq-no_context``); :func:`collect` maps it back."""
+    found = []
+    for path in sorted(runs_dir.glob("*/predictions-*.json")):
+        if path.name.endswith(".partial.json"):
+            continue
+        found.append((path.parent.name, path.name.removeprefix("predictions-").removesuffix(".json"), path))
+    return [(train, *_method_and_set(rest), path) for train, rest, path in found]
+
+
+def _method_and_set(rest: str) -> tuple[str, str]:
+    """``<method>-<set>`` split at the method: method names have no ``-`` (``ib_edl``), sets may
+    (``sciq-no_context``)."""
+    method, _, dataset = rest.partition("-")
+    if not dataset:
+        raise ValueError(f"a predictions file name without a set: predictions-{rest}.json")
+    return method, dataset
+
+
+def collect(runs_dir: Path, eval_sets: list[str]) -> dict[str, np.ndarray]:
+    """Every cached predictions file under ``runs_dir`` as the npz's arrays; ``eval_sets``: the grid's set names (with
+    ``:``), to name each file's set as the results do."""
+    names = {s.replace(":", "-"): s for s in eval_sets}
+    arrays = {}
+    for train, method, file_set, path in cached_files(runs_dir):
+        dataset = names.get(file_set)
+        if dataset is None:
+            raise ValueError(f"{path}: set {file_set!r} is none of the grid's ({', '.join(eval_sets)})")
+        for field, values in compact(json.loads(path.read_text())).items():
+            arrays[SEP.join((train, method, dataset, field))] = values
+    if not arrays:
+        raise ValueError(f"no cached predictions under {runs_dir} (run the grid first)")
+    return arrays
+
+
+@dataclass
+class GridPredictions:
+    """A grid's kept predictions (:func:`load`), looked up by (train key, method, set)."""
+
+    arrays: dict[str, np.ndarray]
+
+    def has(self, train_key: str, method: str, dataset: str) -> bool:
+        return SEP.join((train_key, method, dataset, "probs")) in self.arrays
+
+    def get(self, train_key: str, method: str, dataset: str, bare: bool = False) -> dict:
+        """``probs`` (N rows, float64), ``labels`` (N,), ``uncertainty`` (N,) or None; ``bare``: without the post-hoc
+        step (KeyError where the run has no such row)."""
+        prefix = SEP.join((train_key, method, dataset)) + SEP
+        if prefix + "probs" not in self.arrays:
+            raise KeyError(f"no kept predictions for {train_key} {method} on {dataset}")
+        suffix = "0" if bare else ""
+        if bare and prefix + "probs0" not in self.arrays:
+            raise KeyError(f"{train_key} {method} has no predictions without a post-hoc step")
+        u = self.arrays.get(prefix + "uncertainty" + suffix)
+        return {"probs": unpadded(self.arrays[prefix + "probs" + suffix]),
+                "labels": self.arrays[prefix + "labels"].astype(np.int64),
+                "uncertainty": None if u is None else u.astype(np.float64)}
+
+
+def load(path: str | Path) -> GridPredictions:
+    with np.load(path) as data:
+        return GridPredictions({k: data[k] for k in data.files})
+
+
+def default_path(grid: str) -> Path:
+    return Path("benchmarks/results") / f"{grid}.predictions.npz"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ibedl.training.experiments.benchmark import expand, load_benchmark_config
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.grid_predictions", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--grid", required=True, help="the grid's name: benchmarks/<grid>.yaml")
+    parser.add_argument("--runs-dir", help="its trained runs (default runs/benchmark/<grid>)")
+    parser.add_argument("--output", help="default benchmarks/results/<grid>.predictions.npz")
+    args = parser.parse_args(argv)
+    try:
+        config = load_benchmark_config(Path("benchmarks") / f"{args.grid}.yaml")
+        sets = sorted({s for run in expand(config) for s in run.eval_sets})
+        arrays = collect(Path(args.runs_dir or f"runs/benchmark/{args.grid}"), sets)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    output = Path(args.output) if args.output else default_path(args.grid)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(output, **arrays)
+    runs = sorted({k.split(SEP)[0] + " " + k.split(SEP)[1] for k in arrays})
+    print(f"wrote {output} ({output.stat().st_size / 1e6:.2f} MB): {len(runs)} (run, method) pairs")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

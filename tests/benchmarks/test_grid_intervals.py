@@ -1,0 +1,145 @@
+import numpy as np
+import pytest
+from sklearn.metrics import roc_auc_score
+
+from benchmarks.grid_intervals import claim_interval, over_confidence, resampled_auroc, verdict
+from benchmarks.grid_predictions import SEP, GridPredictions, padded
+from benchmarks.paper_comparison import Claim
+from ibedl.training import metrics
+from ibedl.training.experiments.benchmark import Run
+
+IB0 = "ib_edl:no_posthoc"
+
+
+def calibrated(n: int, rng, options: int = 4) -> tuple[np.ndarray, np.ndarray]:
+    probs = rng.dirichlet(np.full(options, 0.4), size=n)
+    labels = np.array([rng.choice(options, p=p) for p in probs])
+    return probs, labels
+
+
+def sharpen(probs: np.ndarray, temperature: float) -> np.ndarray:
+    z = np.log(probs) / temperature
+    z = np.exp(z - z.max(1, keepdims=True))
+    return z / z.sum(1, keepdims=True)
+
+
+def put(arrays: dict, train: str, method: str, dataset: str, probs, labels, u=None, probs0=None) -> None:
+    key = SEP.join((train, method, dataset)) + SEP
+    arrays[key + "probs"] = padded(list(probs))
+    arrays[key + "labels"] = np.asarray(labels, dtype=np.int8)
+    if u is not None:
+        arrays[key + "uncertainty"] = np.asarray(u, dtype=np.float32)
+    if probs0 is not None:
+        arrays[key + "probs0"] = padded(list(probs0))
+        arrays[key + "uncertainty0"] = np.asarray(u, dtype=np.float32)
+
+
+def test_resampled_auroc_on_the_identity_is_sklearns():
+    rng = np.random.default_rng(0)
+    pos, neg = rng.normal(1, 1, 300), np.round(rng.normal(0, 1, 200), 1)  # ties across the classes
+    got = resampled_auroc(pos, neg, np.arange(300)[None, :], np.arange(200)[None, :])[0]
+    want = roc_auc_score(np.r_[np.ones(300), np.zeros(200)], np.r_[pos, neg])
+    assert got == pytest.approx(want, abs=1e-12)
+    assert got == pytest.approx(metrics.auroc(pos, neg), abs=1e-12)
+
+
+@pytest.mark.parametrize(("low", "high", "point", "better", "want"), [
+    (-0.05, -0.01, -0.03, "lower", "holds"), (-0.05, 0.01, -0.02, "lower", "direction"), (0.01, 0.05, 0.03, "lower",
+    "no"), (0.01, 0.05, 0.03, "higher", "holds"), (-0.4, 0.6, 0.1, "on_par", "holds"),
+    (-1.4, 0.6, -0.4, "on_par", "direction"), (-3.0, -1.5, -2.0, "on_par", "no")])
+def test_verdicts(low, high, point, better, want):
+    assert verdict(low, high, point, better, tolerance=1.0) == want
+
+
+def grid(seeds=(0, 1, 2), n: int = 600, shift: bool = False):
+    """IB-EDL calibrated (at zeta 0), MAP over-confident (sharpened), on the same questions on every seed."""
+    rng = np.random.default_rng(42)
+    probs, labels = calibrated(n, rng)
+    arrays, runs = {}, []
+    for seed in seeds:
+        noise = np.random.default_rng(seed)
+        jitter = np.clip(probs + noise.normal(0, 0.01, probs.shape), 1e-4, None)
+        jitter /= jitter.sum(1, keepdims=True)
+        u = 1 - jitter.max(1)
+        put(arrays, f"sciq-ib_edl-s{seed}", "ib_edl", "sciq", sharpen(jitter, 0.7), labels, u, probs0=jitter)
+        put(arrays, f"sciq-map-s{seed}", "map", "sciq", sharpen(jitter, 0.5), labels)
+        runs.append(Run("id", "id", "sciq", "map", seed, ("sciq",)))
+        if shift:  # the shifted stream: IB-EDL's u high, MAP's confidence as in distribution
+            odd, odd_labels = calibrated(400, np.random.default_rng(100))  # the same questions each seed
+            put(arrays, f"sciq-ib_edl-s{seed}", "ib_edl", "obqa", odd, odd_labels, 0.9 + 0.1 * noise.random(400),
+                probs0=odd)
+            put(arrays, f"sciq-map-s{seed}", "map", "obqa", sharpen(jitter[:400], 0.5), labels[:400])
+            runs.append(Run("ood", "ood", "sciq", "map", seed, ("sciq", "obqa")))
+    return GridPredictions(arrays), runs
+
+
+def test_a_clear_calibration_gap_holds_on_every_seed_and_pooled():
+    preds, runs = grid()
+    claim = Claim("ECE", "id", (IB0, "ece"), (("map", "ece"),), 100, "lower")
+    got = claim_interval(claim, runs, preds, resamples=400)
+    assert got["seeds"] == 3 and got["held_on"] == 3
+    low, high = got["pooled"]["ci95"]
+    assert low < got["pooled"]["difference"] < high < 0
+    truth = [100 * (metrics.ece(preds.get(f"sciq-ib_edl-s{s}", "ib_edl", "sciq", bare=True)["probs"],
+                                preds.get(f"sciq-map-s{s}", "map", "sciq")["labels"])
+                    - metrics.ece(preds.get(f"sciq-map-s{s}", "map", "sciq")["probs"],
+                                  preds.get(f"sciq-map-s{s}", "map", "sciq")["labels"])) for s in range(3)]
+    assert got["pooled"]["difference"] == pytest.approx(np.mean(truth), abs=1e-4)
+
+
+def test_identical_rows_do_not_hold_and_an_on_par_claim_does():
+    preds, runs = grid(seeds=(0,))
+    same = Claim("self", "id", ("map", "accuracy"), (("map", "accuracy"),), 100, "higher")
+    assert claim_interval(same, runs, preds, resamples=200)["per_seed"][0]["verdict"] == "no"
+    par = Claim("par", "id", (IB0, "accuracy"), (("map", "accuracy"),), 100, "on_par", 1.0)
+    assert claim_interval(par, runs, preds, resamples=200)["pooled"]["verdict"] == "holds"  # same argmax
+
+
+def test_an_ood_claim_resamples_both_sides():
+    preds, runs = grid(shift=True)
+    claim = Claim("ood", "ood", (IB0, "um"), (("map", "mp"),), 100, "higher")
+    got = claim_interval(claim, runs, preds, resamples=300)
+    assert got["seeds"] == 3 and got["held_on"] == 3 and got["pooled"]["ci95"][0] > 0
+
+
+def test_seeds_that_answered_other_questions_cannot_be_pooled():
+    preds, runs = grid(seeds=(0, 1))
+    key = SEP.join(("sciq-ib_edl-s1", "ib_edl", "sciq", "labels"))
+    preds.arrays[key] = (preds.arrays[key] + 1) % 4
+    claim = Claim("ECE", "id", (IB0, "ece"), (("map", "ece"),), 100, "lower")
+    with pytest.raises(ValueError, match="different sciq questions"):
+        claim_interval(claim, runs, preds, resamples=200)
+
+
+def test_a_claim_whose_rows_were_not_run_has_no_seeds():
+    preds, runs = grid(seeds=(0,))
+    claim = Claim("EDL", "id", (IB0, "ece"), (("edl", "ece"),), 100, "lower")
+    assert claim_interval(claim, runs, preds, resamples=200) == {"seeds": 0}
+
+
+def test_the_interval_covers_a_known_difference_about_95_percent_of_the_time():
+    """Coverage, as the interval is stated: a known accuracy gap of 5 points, 200 test sets of 300 questions each."""
+    claim = Claim("acc", "id", (IB0, "accuracy"), (("map", "accuracy"),), 100, "higher")
+    covered = 0
+    for rep in range(200):
+        rng = np.random.default_rng(rep)
+        labels = np.zeros(300, dtype=int)
+        hit_a, hit_b = rng.random(300) < 0.80, rng.random(300) < 0.75
+        probs_a = np.where(hit_a[:, None], [0.7, 0.3], [0.3, 0.7])
+        probs_b = np.where(hit_b[:, None], [0.6, 0.4], [0.4, 0.6])
+        arrays = {}
+        put(arrays, "sciq-ib_edl-s0", "ib_edl", "sciq", probs_a, labels, np.full(300, 0.1), probs0=probs_a)
+        put(arrays, "sciq-map-s0", "map", "sciq", probs_b, labels)
+        got = claim_interval(claim, [Run("id", "id", "sciq", "map", 0, ("sciq",))], GridPredictions(arrays),
+                             resamples=300, seed=rep)
+        low, high = got["pooled"]["ci95"]
+        covered += low <= 5.0 <= high
+    assert 181 <= covered <= 197  # Binomial(200, 0.95): 99.9% of coverage counts fall here
+
+
+def test_over_confidence_is_confidence_minus_accuracy_with_its_interval():
+    preds, runs = grid(seeds=(0,))
+    got = over_confidence(preds, runs, "map", resamples=300)[0]
+    assert got["over_confidence"]["value"] == pytest.approx(got["mean_confidence"] - got["accuracy"])
+    low, high = got["over_confidence"]["ci95"]
+    assert 0 < low < got["over_confidence"]["value"] < high  # sharpened: over-confident
