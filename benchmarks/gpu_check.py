@@ -1,28 +1,33 @@
 """The GPU path end to end on a lent CUDA machine, in one command that fits its time (``make gpu-check``):
 
-    python -m benchmarks.gpu_check [--steps 300] [--requests 256] [--only train,calibrate,serve,paper]
-        [--output benchmarks/results/gpu_check.json]
+    python -m benchmarks.gpu_check [--steps 60] [--batch-size 64] [--requests 256] [--clients 64]
+        [--only train,calibrate,serve,paper] [--budget train=200,...] [--output benchmarks/results/gpu_check.json]
 
-1. ``train``: a few hundred IB-EDL steps in fp32, bf16 and bf16 on a 4-bit NF4 base (benchmarks.gpu_path: training
-   samples/s and peak GPU memory of each, and test accuracy).
+1. ``train``: IB-EDL steps in fp32, bf16 and bf16 on a 4-bit NF4 base, in micro-batches of 64 (benchmarks.gpu_path:
+   training samples/s and peak GPU memory of each, and test accuracy).
 2. ``calibrate``: the committed default adapter calibrated on the arithmetic it will be served with (CUDA, bf16 on
    a 4-bit base: ``torch-cuda-nf4-bf16``), into a copy under ``runs/gpu_check``.
 3. ``serve``: that copy served on CUDA (``IBEDL_DEVICE=cuda``, ``IBEDL_LOAD_IN_4BIT=true``): readiness, the
-   calibration the service reports it uses, answers/s from 32 concurrent clients, and the GPU memory of the service
-   process (nvidia-smi).
+   calibration the service reports it uses, answers/s from 64 concurrent clients (micro-batches of up to 64), and the
+   GPU memory of the service process (nvidia-smi).
 4. ``paper``: the 8B-shaped throughput run (benchmarks.paper_scale_gpu, random bf16 Llama3-8B shape) beside the
    paper's H100 figures: 68.08 test and 26.41 train samples/s, 21.88 GB peak.
 
 Needs CUDA and bitsandbytes (``pip install -e '.[gpu]'`` with a CUDA build of torch); without them it exits 2 at
-once, saying what is missing. CI never runs it. Each step's result is written as soon as it is known, so a run cut
-short by the machine's time keeps what it measured.
+once, saying what is missing. CI never runs it. Each step runs in a child process under a time budget of its own
+(:data:`BUDGETS`, 440 s in all, so the check fits in 8 minutes with its start-up); a step still running when its
+budget ends is killed (its process group: the service it started too) and recorded with what it had written so far
+(``stopped_by_budget``). Each step's result is written as soon as it is known, so a run cut short by the machine's
+time keeps what it measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -32,6 +37,11 @@ from pathlib import Path
 from benchmarks.common import write_result
 
 STEPS = ("train", "calibrate", "serve", "paper")
+# Seconds each step may run (its child process included start-up, model loading and CUDA initialisation). The
+# issue's bound is 8 minutes for the whole check; these sum to 440 s, leaving 40 s for the parent and slack. Train
+# gets the most: three precisions, each loading the model, training, calibrating and evaluating 500 questions.
+BUDGETS = {"train": 200, "calibrate": 70, "serve": 80, "paper": 90}
+WHOLE_CHECK_S = 480
 RUNS = Path("runs/gpu_check")
 PAPER_H100 = {"test_samples_per_s": 68.08, "train_samples_per_s": 26.41, "peak_memory_gb": 21.88}
 
@@ -55,8 +65,9 @@ def missing_gpu() -> str | None:
 def step_train(args, out: Path) -> dict:
     from benchmarks import gpu_path
 
-    path = out.with_name(out.stem + "_train.json")
-    code = gpu_path.main(["--steps", str(args.steps), "--output", str(path), "--runs-dir", str(RUNS / "train")])
+    path = partial_path(out, "train")
+    code = gpu_path.main(["--steps", str(args.steps), "--batch-size", str(args.batch_size), "--output", str(path),
+                          "--runs-dir", str(RUNS / "train")])
     return {"exit": code, **(json.loads(path.read_text()) if path.is_file() else {})}
 
 
@@ -105,23 +116,24 @@ def step_serve(args, out: Path) -> dict:
     log = RUNS / "serve.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     proc = ServiceProcess(artifact, {"IBEDL_DEVICE": "cuda", "IBEDL_LOAD_IN_4BIT": "true", "IBEDL_BACKEND": "auto",
-                                     "IBEDL_MAX_BATCH_SIZE": "32"}, log)
+                                     "IBEDL_MAX_BATCH_SIZE": str(args.clients)}, log)
     try:
-        proc.wait_ready(timeout=300)
+        proc.wait_ready(timeout=parse_budgets(args.budget)["serve"])
         card = httpx.get(proc.url + "/v1/models", timeout=30).json()["data"][0]
         questions = load_dataset("sciq", "test", limit=args.requests, seed=0)
         bodies = [{"question": q.question, "options": list(q.options), "context": q.context} for q in questions]
         with httpx.Client(timeout=120) as client:
             client.post(proc.url + "/predict", json=bodies[0])  # warm-up
             start = time.perf_counter()
-            with ThreadPoolExecutor(32) as pool:
+            with ThreadPoolExecutor(args.clients) as pool:
                 codes = list(pool.map(lambda b: client.post(proc.url + "/predict", json=b).status_code, bodies))
             seconds = time.perf_counter() - start
         memory = gpu_memory_mib(proc.proc.pid)
     finally:
         stopped = proc.stop()
     return {"backend": card["backend"], "calibration_in_use": card["calibration_in_use"],
-            "requests": len(bodies), "ok": sum(c == 200 for c in codes), "questions_per_s": len(bodies) / seconds,
+            "requests": len(bodies), "clients": args.clients, "ok": sum(c == 200 for c in codes),
+            "questions_per_s": len(bodies) / seconds,
             "gpu_memory_mib": memory, "exit_on_sigterm": stopped, "log": str(log)}
 
 
@@ -134,7 +146,7 @@ def step_paper(args, out: Path) -> dict:
     questions.parent.mkdir(parents=True, exist_ok=True)
     questions.write_text(json.dumps([{"question": q.question, "options": list(q.options), "context": q.context,
                                       "answer": q.answer} for q in load_dataset("sciq", "train", limit=256, seed=0)]))
-    path = out.with_name(out.stem + "_paper_scale.json")
+    path = partial_path(out, "paper")
     code = paper_scale_gpu.main(["--questions", str(questions), "--tokenizer", str(resolve_model(
         "smollm2-135m-instruct").path), "--output", str(path)])
     result = json.loads(path.read_text()) if path.is_file() else {}
@@ -143,36 +155,107 @@ def step_paper(args, out: Path) -> dict:
             "vs_paper": result.get("rows_vs_paper"), "device": result.get("device")}
 
 
+def partial_path(out: Path, step: str) -> Path:
+    """Where step ``step`` writes what it has measured so far (the train and paper steps, as they go), beside
+    ``out``: what is kept of a step its budget stopped."""
+    return out.with_name(f"{out.stem}_{step}.json")
+
+
+def parse_budgets(text: str | None) -> dict[str, float]:
+    """:data:`BUDGETS` with ``name=seconds,...`` from ``text`` replacing some; ValueError naming a bad step or value."""
+    budgets = dict(BUDGETS)
+    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+        name, _, value = item.partition("=")
+        if name not in BUDGETS:
+            raise ValueError(f"--budget: unknown step {name!r}; choose among {', '.join(STEPS)}")
+        try:
+            seconds = float(value)
+        except ValueError:
+            raise ValueError(f"--budget: {name} must be a number of seconds, got {value!r}") from None
+        if not seconds > 0:
+            raise ValueError(f"--budget: {name} must be > 0 seconds, got {value!r}")
+        budgets[name] = seconds
+    return budgets
+
+
+def run_budgeted(command: list[str], budget_s: float, partial: Path) -> dict:
+    """Run ``command`` (a step's child process) for at most ``budget_s`` seconds: its result is the JSON it wrote to
+    ``partial``; past its budget its process group is killed (a service it started with it) and the result is what
+    ``partial`` held then, marked ``stopped_by_budget``. A child that wrote nothing gives an ``error``."""
+    if budget_s <= 0:
+        raise ValueError(f"budget_s must be > 0, got {budget_s}")
+    partial.unlink(missing_ok=True)
+    proc = subprocess.Popen(command, start_new_session=True)  # its own group: killed whole at the budget
+    stopped = False
+    try:
+        proc.wait(timeout=budget_s)
+    except subprocess.TimeoutExpired:
+        stopped = True
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    try:
+        result = json.loads(partial.read_text())
+    except (OSError, ValueError):
+        result = {}
+    if stopped:
+        return {**result, "stopped_by_budget": budget_s}
+    if not result:
+        return {"error": f"the step's process exited {proc.returncode} without writing {partial}"}
+    return result
+
+
+def run_step(name: str, args, out: Path) -> int:
+    """The child's side: run step ``name`` in this process and write its result to its partial path."""
+    run = {"train": step_train, "calibrate": step_calibrate, "serve": step_serve, "paper": step_paper}
+    try:
+        result = run[name](args, out)
+    except Exception as e:  # noqa: BLE001  (one step's failure is recorded; the next steps still run)
+        result = {"error": f"{type(e).__name__}: {e}"}
+    write_result(partial_path(out, name), result, echo=False)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--artifact", default="artifacts/default")
-    parser.add_argument("--steps", type=int, default=300, help="training steps per variant (default 300)")
+    parser.add_argument("--steps", type=int, default=60, help="training steps per precision (default 60)")
+    parser.add_argument("--batch-size", type=int, default=64,
+                        help="training micro-batch on the GPU (default 64; the recipe's 8 leaves an H100 idle)")
     parser.add_argument("--requests", type=int, default=256, help="SciQ test questions sent to the CUDA service")
+    parser.add_argument("--clients", type=int, default=64, help="concurrent clients of the serve step (default 64)")
     parser.add_argument("--only", default=",".join(STEPS), help=f"comma-separated steps among {', '.join(STEPS)}")
+    parser.add_argument("--budget", help="seconds per step, e.g. train=300,paper=60 (default "
+                        + ",".join(f"{k}={v}" for k, v in BUDGETS.items()) + ")")
     parser.add_argument("--output", default="benchmarks/results/gpu_check.json")
+    parser.add_argument("--run-step", choices=STEPS, help=argparse.SUPPRESS)  # the child process of one step
     args = parser.parse_args(argv)
     steps = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = sorted(set(steps) - set(STEPS))
     if unknown:
         parser.error(f"unknown steps {unknown}; choose among {', '.join(STEPS)}")
-    if args.steps < 1 or args.requests < 1:
-        parser.error(f"--steps and --requests must be >= 1, got {args.steps} and {args.requests}")
+    for flag in ("steps", "batch_size", "requests", "clients"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    try:
+        budgets = parse_budgets(args.budget)
+    except ValueError as e:
+        parser.error(str(e))
+    out = Path(args.output)
+    if args.run_step:
+        return run_step(args.run_step, args, out)
     why = missing_gpu()
     if why is not None:
         print(f"error: make gpu-check needs a GPU: {why}", file=sys.stderr)
         return 2
     import torch
 
-    out = Path(args.output)
-    result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "steps": {}}
-    run = {"train": step_train, "calibrate": step_calibrate, "serve": step_serve, "paper": step_paper}
+    result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+              "budgets_s": {name: budgets[name] for name in steps}, "steps": {}}
+    child = [sys.executable, "-m", "benchmarks.gpu_check", *(argv if argv is not None else sys.argv[1:])]
     failed = False
     for name in steps:
         start = time.perf_counter()
-        try:
-            result["steps"][name] = run[name](args, out)
-        except Exception as e:  # one step's failure is recorded; the next steps still run
-            result["steps"][name] = {"error": f"{type(e).__name__}: {e}"}
+        result["steps"][name] = run_budgeted([*child, "--run-step", name], budgets[name], partial_path(out, name))
         result["steps"][name]["seconds"] = round(time.perf_counter() - start, 1)
         failed |= "error" in result["steps"][name] or result["steps"][name].get("exit", 0) != 0
         write_result(out, result, echo=False)

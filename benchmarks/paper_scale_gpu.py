@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import write_result
 from ibedl.core.head import HeadConfig, build_head
 from ibedl.core.predictor import Predictor, lm_head_rows
 from ibedl.core.prompt import MCQuestion, option_token_ids
@@ -131,6 +132,7 @@ def main(argv=None) -> int:
             entry[f"{phase}_samples_per_s"] = args.batch_size * len(times) / sum(times)
             entry[f"{phase}_peak_memory_gb"] = peak_gb()
             print(phase, path, json.dumps(entry), flush=True)
+            write_result(args.output, result, echo=False)  # kept if the run is stopped before the next path
     rows, full = result["paths"]["rows"], result["paths"]["full"]
     result["rows_vs_full"] = {k: rows[k] / full[k] if full[k] else None for k in rows}
     result["rows_vs_paper"] = {

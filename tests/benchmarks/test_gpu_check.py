@@ -1,5 +1,10 @@
-"""make gpu-check (benchmarks/gpu_check.py) refuses a machine without CUDA at once, saying why; its steps are checked
-before anything runs. The check itself needs a lent GPU machine and never runs in CI."""
+"""make gpu-check (benchmarks/gpu_check.py) refuses a machine without CUDA at once, saying why; its steps, counts and
+budgets are checked before anything runs, and a step past its budget is stopped with what it wrote kept. The check
+itself needs a lent GPU machine and never runs in CI."""
+
+import json
+import sys
+import time
 
 import pytest
 import torch
@@ -27,3 +32,65 @@ def test_the_makefile_has_the_target():
     text = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
     assert "gpu-check: setup-gpu" in text  # the GPU lock's venv (tests/test_lock.py checks the install)
     assert "$(GPU_VENV)/bin/python -m benchmarks.gpu_check" in text
+
+
+def test_the_budgets_fit_the_whole_check_in_8_minutes():
+    assert set(gpu_check.BUDGETS) == set(gpu_check.STEPS)
+    assert sum(gpu_check.BUDGETS.values()) + 30 <= gpu_check.WHOLE_CHECK_S == 8 * 60  # 30 s for the parent
+
+
+def test_budgets_given_on_the_command_line_replace_the_defaults_and_bad_ones_are_refused_by_name(capsys):
+    assert gpu_check.parse_budgets("train=300, paper=45.5") == {**gpu_check.BUDGETS, "train": 300.0, "paper": 45.5}
+    assert gpu_check.parse_budgets(None) == gpu_check.BUDGETS
+    for text, message in (("warp=3", "unknown step 'warp'"), ("serve=soon", "serve must be a number of seconds, "
+                          "got 'soon'"), ("train=0", "train must be > 0 seconds, got '0'")):
+        with pytest.raises(ValueError, match=message):
+            gpu_check.parse_budgets(text)
+    with pytest.raises(SystemExit) as exit_:
+        gpu_check.main(["--budget", "calibrate=-1"])
+    assert exit_.value.code == 2 and "calibrate must be > 0 seconds, got '-1'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--steps", "--batch-size", "--requests", "--clients"])
+def test_counts_below_one_are_refused_by_name(flag, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        gpu_check.main([flag, "0"])
+    assert exit_.value.code == 2 and f"{flag} must be >= 1, got 0" in capsys.readouterr().err
+
+
+def child(code: str) -> list[str]:
+    """A step's child process that runs ``code``."""
+    return [sys.executable, "-c", code]
+
+
+def test_a_step_past_its_budget_is_killed_and_keeps_what_it_wrote(tmp_path):
+    partial = tmp_path / "check_train.json"
+    started = time.perf_counter()
+    result = gpu_check.run_budgeted(child(
+        f"import json, pathlib, time; pathlib.Path({str(partial)!r}).write_text(json.dumps({{'runs': {{'fp32': 1}}}}));"
+        " time.sleep(60)"), 3, partial)
+    assert time.perf_counter() - started < 30
+    assert result == {"runs": {"fp32": 1}, "stopped_by_budget": 3}
+
+
+def test_a_step_within_its_budget_gives_its_result_and_one_that_wrote_nothing_an_error(tmp_path):
+    partial = tmp_path / "check_serve.json"
+    partial.write_text('{"stale": true}')  # an earlier run's: removed before the step starts
+    code = f"import json, pathlib; pathlib.Path({str(partial)!r}).write_text(json.dumps({{'ok': 256}}))"
+    assert gpu_check.run_budgeted(child(code), 30, partial) == {"ok": 256}
+    assert gpu_check.run_budgeted(child("raise SystemExit(3)"), 30, partial) == {
+        "error": f"the step's process exited 3 without writing {partial}"}
+    with pytest.raises(ValueError, match="budget_s must be > 0, got 0"):
+        gpu_check.run_budgeted(child("pass"), 0, partial)
+
+
+def test_a_child_runs_its_one_step_and_records_its_failure(tmp_path, monkeypatch):
+    def broken(args, out):
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(gpu_check, "step_calibrate", broken)
+    out = tmp_path / "check.json"
+    assert gpu_check.main(["--run-step", "calibrate", "--output", str(out)]) == 0
+    assert json.loads((tmp_path / "check_calibrate.json").read_text()) == {
+        "error": "RuntimeError: CUDA error: out of memory"}
+    assert not out.exists()
