@@ -378,3 +378,27 @@ def test_training_resolves_the_base_model_and_loads_its_tokenizer_once(tmp_path,
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", counting_tokenizer)
     train(config(tmp_path, tiny_model_dir, jsonl_data, "map", **{"optim.max_steps": 1}), command="pytest")
     assert calls == {"hash": 1, "tokenizer": 1}
+
+
+def test_the_default_batches_of_a_seed_are_those_drawn_before_the_gpu_work():
+    # Recorded before issue 58's throughput work (2fa4d48): committed grids depend on which questions each step sees,
+    # so the default draw (length_grouped_batches, then micro_batches) must not move. A GPU setting that changes it
+    # has to be opt-in.
+    import hashlib
+
+    from ibedl.core.prompt import MCQuestion
+    from ibedl.training.finetune import length_grouped_batches, micro_batches
+
+    rng = random.Random(7)
+    questions = [MCQuestion(f"q{i} " + "word " * rng.randint(1, 40),
+                            tuple(f"opt{j}" * rng.randint(1, 5) for j in range(rng.choice([3, 4, 5]))),
+                            context=("ctx " * rng.randint(0, 60)) or None) for i in range(300)]
+    draw = random.Random(1)
+    epochs = [length_grouped_batches(questions, 8, draw) for _ in range(2)]
+    assert epochs[0][:3] == [[166, 34, 21, 2, 139, 218, 251, 263], [0, 172, 24, 156, 84, 180, 278, 62],
+                             [66, 264, 9, 260, 279, 121, 225, 202]]
+    assert hashlib.sha256(json.dumps(epochs).encode()).hexdigest() == (
+        "253cb66fff8b41b6db8d77c0011c6e32715a44c9ca26043c4a213082d6a10f7c")
+    assert micro_batches(list(range(10)), 4) == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    assert micro_batches([1, 2], 3) == [[1], [2], [2]]
+
