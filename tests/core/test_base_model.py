@@ -116,3 +116,10 @@ def test_a_hub_repo_id_resolves_from_the_hub_cache(tiny_model_dir, tmp_path, mon
 def test_the_loaded_model_carries_the_portable_name(tiny_model_dir):
     model, _ = base_model.load_base_model(resolve_model(tiny_model_dir), device="cpu")
     assert model.name_or_path == model.config._name_or_path == str(tiny_model_dir.resolve())
+
+
+def test_the_base_loads_with_scaled_dot_product_attention(tiny_model_dir):
+    # SDPA picks the fused attention kernels the device has (flash or memory-efficient on a GPU); the GPU speed
+    # figures (benchmarks/gpu_path.py) assume it, so a transformers update that changed the default would show here.
+    model, _ = base_model.load_base_model(resolve_model(tiny_model_dir), device="cpu")
+    assert model.config._attn_implementation == "sdpa"

@@ -107,6 +107,22 @@ def test_grouped_predict_equals_one_batch(predictor):
         assert p.probs == pytest.approx(together.probs[i, : len(p.probs)].tolist(), abs=1e-5)
 
 
+def test_length_grouped_batches_pad_less_and_answer_in_the_callers_order(predictor):
+    # Long and short prompts interleaved: predict() runs them in groups of similar length, out of order, and must
+    # give each question its own answer, where the caller put it (to float tolerance of one padded batch).
+    questions = [QUESTIONS[i % 3] if i % 2 else QUESTIONS[2 - i % 3] for i in range(9)]
+    grouped = predictor.predict(questions)
+    alone = [predictor.predict([q])[0] for q in questions]
+    for g, a in zip(grouped, alone, strict=True):
+        assert g.probs == pytest.approx(a.probs, abs=1e-5) and g.uncertainty == pytest.approx(a.uncertainty, abs=1e-5)
+    batches = list(predictor.batches(questions))
+    assert sorted(i for group, _ in batches for i in group) == list(range(len(questions)))
+    assert len(batches) > 1
+    padded = sum(int((1 - batch.attention_mask).sum()) for _, batch in batches)
+    one_batch = predictor.encode(questions)
+    assert padded < int((1 - one_batch.attention_mask).sum())
+
+
 def counting(predictor, monkeypatch) -> list:
     """Records every trunk pass (Predictor._hidden) of ``predictor``."""
     calls, real = [], predictor._hidden
