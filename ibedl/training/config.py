@@ -186,6 +186,11 @@ class TrainConfig(_Model):
     # bf16 | fp16: autocast on CUDA (ibedl.training.distributed); head and losses stay float32
     mixed_precision: Literal[PRECISIONS] = "no"
     fsdp: bool = False  # under accelerate launch: FSDP2 shards the base model instead of replicating it (DDP)
+    # torch.compile the trunk for training (dynamic shapes: prompts vary in length). Off: nobody has yet measured that
+    # it pays on a GPU (compilation costs a minute or more; at batch 8 the step is bound by dispatching kernels, which
+    # fusion would cut), and on the CPU inductor needs a C++ compiler. Changes float summation order only, so it is
+    # not part of a member's fingerprint (ibedl.training.member_resume.NOT_TRAINING).
+    torch_compile: bool = False
     load_in_4bit: bool = False
     threads: StrictInt | None = Field(None, ge=1)
     progress: bool = True

@@ -216,6 +216,8 @@ def build(cfg: TrainConfig, method: Method, device: str | None = None, resolved:
         frozen = prefix_cache.freeze_below(model, prefix_cache.check_train_layers(model, cfg.train_layers))
         prefix_cache.attach(predictor, cfg.train_layers, resolved.sha256)
         log.info("train_layers %d: %d LoRA tensors below frozen", cfg.train_layers, frozen)
+    if cfg.torch_compile:  # opt-in (TrainConfig.torch_compile); the adapter saved is the uncompiled module's
+        predictor.decoder = torch.compile(predictor.decoder, dynamic=True)
     return predictor, resolved, ids, params, warm
 
 

@@ -25,8 +25,9 @@ from pathlib import Path
 from ibedl.core.artifact import ADAPTER_FILES, HEAD_FILE, atomic_write_text, files_sha256
 
 RECORD = "member.json"
-# config keys that do not change what a member learns
-NOT_TRAINING = ("output", "name", "progress", "track", "track_dir", "threads", "members_from")
+# Config keys that change where a run writes, what it shows, or only the float summation order (threads, torch_compile),
+# not what it learns from: a member trained under other values is the same member.
+NOT_TRAINING = ("output", "name", "progress", "track", "track_dir", "threads", "members_from", "torch_compile")
 
 
 def fingerprint(config: dict, seed: int, base_sha256: str) -> str:

@@ -402,3 +402,21 @@ def test_the_default_batches_of_a_seed_are_those_drawn_before_the_gpu_work():
     assert micro_batches(list(range(10)), 4) == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
     assert micro_batches([1, 2], 3) == [[1], [2], [2]]
 
+
+def test_torch_compile_is_opt_in_and_compiles_the_trunk_that_trains(tmp_path, tiny_model_dir, jsonl_data,
+                                                                    monkeypatch):
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda module, **options: compiled.append((module, options)) or module)
+    train(config(tmp_path / "off", tiny_model_dir, jsonl_data, "map", **{"optim.max_steps": 1}))
+    assert compiled == []
+    train(config(tmp_path / "on", tiny_model_dir, jsonl_data, "map", **{"optim.max_steps": 1, "torch_compile": True}))
+    ((module, options),) = compiled
+    assert type(module).__name__ == "LlamaModel" and options == {"dynamic": True}
+
+
+def test_torch_compile_leaves_a_members_fingerprint_as_before():
+    from ibedl.training import member_resume
+
+    before = {"method": "map", "seed": 0, "threads": None}  # a config written before the key existed
+    assert member_resume.fingerprint({**before, "torch_compile": True}, 0, "sha") == member_resume.fingerprint(
+        before, 0, "sha")
