@@ -7,7 +7,10 @@ runs and the artifact carries a calibration for, each against the fastest so far
 :data:`TIMING_QUESTIONS` prompts of a served length, the two alternated over :data:`TIMING_ROUNDS` rounds (median: a
 burst of other work slows both of a round alike), and keeps the faster (:func:`tournament`). The measurement is
 cached under ``IBEDL_CACHE_DIR/backends/auto-<key>.json``, keyed by the CPU, thread count, library versions, adapter
-and candidates.
+and candidates (and on CUDA the GPU).
+
+On CUDA the candidates are torch's arithmetics there (ibedl.core.backends.torch_cuda: fp32, bf16, NF4 weights with
+bf16 compute) against torch as loaded; one in the arithmetic torch was loaded in is not timed twice.
 
 Loading never builds: :func:`start_choice` serves the cached measurement's winner when its IR is cached, else torch,
 and says which candidates are still to build and time. The service does that in the background
@@ -98,14 +101,17 @@ def build_order(names: list[str]) -> list[str]:
 def candidates(predictor, artifact: Path, unavailable) -> tuple[list[str], dict[str, str]]:
     """(candidates to time, candidate -> why not) for ``predictor`` (on torch) loaded from ``artifact``: those whose
     calibration the manifest carries (for a static int8 backend: one made on the artifact's quantisation sample and
-    this CPU's int8 class) and this machine runs: ``unavailable(name, predictor, artifact)`` says why it cannot, or
-    None (ibedl.core.backends.unavailable)."""
+    this CPU's int8 class), that compute in other arithmetic than torch as loaded, and that this machine runs:
+    ``unavailable(name, predictor, artifact)`` says why it cannot, or None (ibedl.core.backends.unavailable)."""
     carried = predictor.manifest.calibration_keys() if predictor.manifest is not None else []
+    loaded = predictor.calibration_key_on(REFERENCE)
     chosen, skipped = [], {}
     for name in candidate_names():
         key = predictor.calibration_key_on(name)
         if key not in carried:
             skipped[name] = f"the artifact carries no calibration made on it ({key})"
+        elif name != REFERENCE and key == loaded:  # e.g. torch-cuda-bf16 beside a model loaded in bf16 on CUDA
+            skipped[name] = f"{REFERENCE} as loaded computes in its arithmetic ({key})"
         elif why := (registry.get(name).static_int8 and quantization_sample.mismatch(
                 predictor.manifest.calibration_for(key).record, quantization_sample.sha256(artifact))) \
                 or unavailable(name, predictor, artifact):
@@ -178,16 +184,29 @@ def tournament(names: list[str], build, run_of, champion: tuple[str, object], ti
 
 
 def choice_path(predictor, artifact: Path, base_sha256: str, names: list[str]) -> Path:
-    """The cache file of a measurement of ``names`` for this adapter on this machine."""
-    import openvino
+    """The cache file of a measurement of ``names`` for this adapter on this machine (on CUDA: and its GPU)."""
+    try:
+        import openvino
+    except ImportError:  # a GPU machine may go without: its candidates are torch's
+        openvino = None
 
     digest = hashlib.sha256()
     member = predictor.manifest.members[0] if predictor.manifest else "."
     for part in (str(CHOICE_FORMAT), cpu_signature(), str(torch.get_num_threads()), torch.__version__,
-                 openvino.__version__, base_sha256, sha256_file(Path(artifact) / member / "adapter_model.safetensors"),
-                 quantization_sample.sha256(artifact) or "", ",".join(names)):
+                 openvino.__version__ if openvino else "", base_sha256,
+                 sha256_file(Path(artifact) / member / "adapter_model.safetensors"),
+                 quantization_sample.sha256(artifact) or "", ",".join(names), *gpu_signature(predictor.device)):
         digest.update(part.encode() + b"\0")
     return cache_dir() / "backends" / f"auto-{digest.hexdigest()[:16]}.json"
+
+
+def gpu_signature(device) -> tuple[str, ...]:
+    """What a measurement on ``device`` depends on besides the CPU: the GPU's name and the CUDA torch was built with
+    (nothing on the CPU, so a CPU's cached measurements keep their key)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return ()
+    return torch.cuda.get_device_name(device), str(torch.version.cuda)
 
 
 def start_choice(predictor, artifact: Path, base_sha256: str, build_cached, unavailable) -> tuple[AutoChoice, object]:
@@ -258,16 +277,28 @@ def runner(predictor, batch):
     """``run_of(trunk)`` for :func:`tournament`: a call answering ``batch`` on ``trunk`` (None: the predictor's
     torch model, without touching what the predictor serves with)."""
     def run_of(trunk):
-        return (lambda: trunk(batch)) if trunk is not None else (lambda: torch_hidden(predictor, batch))
+        if trunk is None:
+            return lambda: finished(torch_hidden(predictor, batch))
+        return lambda: finished(trunk(batch))
     return run_of
 
 
+def finished(hidden):
+    """``hidden`` once it is computed: a CUDA call returns when its kernels are queued, so a timer would otherwise
+    time the queueing (CPU results are returned computed)."""
+    if isinstance(hidden, torch.Tensor) and hidden.is_cuda:
+        torch.cuda.synchronize(hidden.device)
+    return hidden
+
+
 def torch_hidden(predictor, batch) -> torch.Tensor:
-    """The (B, d) last-token hidden states of ``batch`` on the predictor's torch model, whatever its trunk."""
+    """The (B, d) last-token hidden states of ``batch`` on the predictor's torch model, whatever its trunk, on the
+    model's device."""
+    batch = batch.to(predictor.device)
     with torch.no_grad():
         out = predictor.decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
     states = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-    return states[torch.arange(states.shape[0]), batch.last_index]
+    return states[torch.arange(states.shape[0], device=states.device), batch.last_index]
 
 
 def age_s(choice: AutoChoice, now: datetime | None = None) -> float | None:

@@ -90,6 +90,7 @@ def load(artifact) -> Predictor:
 
 
 ALL = ["openvino-int8", "openvino-bf16", "openvino-fp32"]
+CUDA = ["torch-cuda-fp32", "torch-cuda-bf16", "torch-cuda-nf4-bf16"]  # candidates on CUDA (test_backends_torch_cuda)
 
 
 def test_the_fastest_calibrated_backend_is_chosen_and_a_slower_one_is_not(tiny_artifact, tmp_path, timed):
@@ -147,7 +148,9 @@ def test_candidates_are_the_calibrated_backends_this_machine_runs(tiny_artifact,
     timed({})
     artifact = carrying(tiny_artifact, tmp_path / "a", ["openvino-fp32", "openvino-bf16", "openvino-int8"])
     predictor = load(artifact)
-    assert auto_backend.candidates(predictor, artifact, backends.unavailable) == (ALL + ["torch"], {})
+    names, skipped = auto_backend.candidates(predictor, artifact, backends.unavailable)
+    assert names == ALL + ["torch"]
+    assert skipped == {n: f"the artifact carries no calibration made on it ({n})" for n in CUDA}
     monkeypatch.setattr(openvino_ir, "native_bf16", lambda: False)
     names, skipped = auto_backend.candidates(predictor, artifact, backends.unavailable)
     assert "openvino-bf16" not in names and skipped["openvino-bf16"] == "this CPU has no native bfloat16"
@@ -164,12 +167,12 @@ def test_candidates_are_the_calibrated_backends_this_machine_runs(tiny_artifact,
 def test_candidates_are_the_registered_backends_that_declare_auto(tiny_artifact, tmp_path, timed, monkeypatch):
     """auto's candidates come from the registry: a backend registered with ``auto`` is timed and can win, one
     without is never timed; the costliest build is listed first and built last. Its name decides nothing."""
-    assert auto_backend.candidate_names() == ALL + ["torch"]
-    assert auto_backend.build_order(auto_backend.candidate_names()) == ["openvino-fp32", "openvino-bf16",
+    assert auto_backend.candidate_names() == ALL + CUDA + ["torch"]
+    assert auto_backend.build_order(auto_backend.candidate_names()) == ["openvino-fp32", *CUDA, "openvino-bf16",
                                                                          "openvino-int8"]  # cheapest first
     monkeypatch.setitem(backends.REGISTRY, "npu-int4", EagerTrunk("npu-int4", auto=True, build_cost=4, calls=[]))
     monkeypatch.setitem(backends.REGISTRY, "npu-fp32", EagerTrunk("npu-fp32", auto=False, calls=[]))
-    assert auto_backend.candidate_names() == ["npu-int4", *ALL, "torch"]
+    assert auto_backend.candidate_names() == ["npu-int4", *ALL, *CUDA, "torch"]
     assert auto_backend.build_order(auto_backend.candidate_names())[-1] == "npu-int4"
     artifact = carrying(tiny_artifact, tmp_path / "a", ["openvino-fp32", "npu-int4", "npu-fp32"])
     predictor = load(artifact)

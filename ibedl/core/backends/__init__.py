@@ -6,12 +6,13 @@ One module per backend declares it (``BACKEND``: a :class:`~ibedl.core.backends.
 precision, what it needs, how it builds, its calibration key, whether ``auto`` may choose it and whether it is
 quantised on a sample), and one line of ``REGISTRY`` (ibedl.core.backends.registry) lists it:
 ``torch`` (torch_eager: the PEFT model as loaded, on the CPU or CUDA), ``openvino`` (openvino_int8_weights),
-``openvino-fp32``, ``openvino-bf16`` and ``openvino-int8`` (static int8); the OpenVINO ones share
-ibedl.core.backends.openvino_ir (export, IR cache, compile). ``auto`` (the default) is not a backend but a choice
-among them: the one this machine runs the artifact fastest on, measured among those the artifact carries a
-calibration for (ibedl.core.auto_backend; loading builds nothing: the cached measurement's winner, else torch,
-until the others are built and timed); ``torch`` when no other can run (CUDA, MC-Dropout, ensembles, no openvino, no
-calibration made on OpenVINO).
+``openvino-fp32``, ``openvino-bf16`` and ``openvino-int8`` (static int8), and on CUDA ``torch-cuda-fp32``,
+``torch-cuda-bf16`` and ``torch-cuda-nf4-bf16`` (the base and adapter loaded once more in that arithmetic); the
+OpenVINO ones share ibedl.core.backends.openvino_ir (export, IR cache, compile), the CUDA ones
+ibedl.core.backends.torch_cuda. ``auto`` (the default) is not a backend but a choice among them: the one this machine
+runs the artifact fastest on, measured among those the artifact carries a calibration for (ibedl.core.auto_backend;
+loading builds nothing: the cached measurement's winner, else torch, until the others are built and timed); ``torch``
+when no other can run (MC-Dropout, ensembles, no openvino on the CPU, no calibration made on another arithmetic).
 
 A guarantee is a property of the weights and of the arithmetic that runs them: thresholds and conformal quantiles
 are calibrated per backend and precision (:func:`calibration_key`), and the service serves the calibration that

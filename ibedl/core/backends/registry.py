@@ -10,6 +10,9 @@ from ibedl.core.backends.openvino_bf16 import BACKEND as OPENVINO_BF16
 from ibedl.core.backends.openvino_fp32 import BACKEND as OPENVINO_FP32
 from ibedl.core.backends.openvino_int8 import BACKEND as OPENVINO_INT8
 from ibedl.core.backends.openvino_int8_weights import BACKEND as OPENVINO_INT8_WEIGHTS
+from ibedl.core.backends.torch_cuda_bf16 import BACKEND as TORCH_CUDA_BF16
+from ibedl.core.backends.torch_cuda_fp32 import BACKEND as TORCH_CUDA_FP32
+from ibedl.core.backends.torch_cuda_nf4 import BACKEND as TORCH_CUDA_NF4
 from ibedl.core.backends.torch_eager import BACKEND as TORCH
 
 # Every backend, one line each (the order the choices are listed in).
@@ -19,6 +22,9 @@ REGISTRY: dict[str, Backend] = {b.name: b for b in (
     OPENVINO_FP32,
     OPENVINO_BF16,
     OPENVINO_INT8,
+    TORCH_CUDA_FP32,
+    TORCH_CUDA_BF16,
+    TORCH_CUDA_NF4,
 )}
 BACKENDS = (*REGISTRY, "auto")  # what IBEDL_BACKEND accepts
 # Which backend is fastest depends on the CPU, not only on its flags (benchmarks/results/cpu_backends.json): ``auto``
