@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from ibedl.core.memory_limit import container_limit_bytes, expendable, killed_reason
+from ibedl.core.memory_limit import container_limit_bytes, expendable, killed_reason, return_freed_memory
 
 
 def write(path, text):
@@ -73,3 +73,16 @@ def test_under_a_replicas_limit_the_killer_takes_the_expendable_child_not_its_bi
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["-9", str(160 * 2**20)]  # the child was killed; the parent kept its memory
     assert stats["oom_kills"] >= 1 and stats["limit_mib"] == 256
+
+
+def test_freed_cuda_blocks_go_back_to_the_driver_only_where_cuda_is_in_use(monkeypatch):
+    import torch
+
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    return_freed_memory()
+    assert emptied == []  # a CPU process never touches CUDA
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    return_freed_memory()
+    assert emptied == [True]
