@@ -22,6 +22,11 @@ serves the one matching its backend. Replacing a calibration the artifact carrie
 answers served on that backend change, and their labels are counted apart); adding one for a backend it never carried
 leaves the version and every other calibration as they were.
 
+On a GPU, each arithmetic ``auto`` may serve there is calibrated on its own outputs: ``--device cuda`` (bfloat16:
+``torch-cuda-bf16``), ``--device cuda --dtype float32`` (``torch-cuda-fp32``), ``--device cuda --load-in-4bit`` (NF4
+weights, bitsandbytes: ``torch-cuda-nf4-bf16``); ``--backend torch-cuda-nf4-bf16`` (and the others) computes the same
+arithmetic whatever ``--dtype`` loads.
+
 ``--dataset feedback --path FEEDBACK_DB`` calibrates on production traffic: the labels sent back to the service
 (``POST /v1/feedback``) for this adapter version, with the outputs its receipts carried, so the model does not run
 again. Those outputs are what the service answered, after the served post-hoc parameter, so that parameter is kept
@@ -453,10 +458,12 @@ def main(argv: list[str] | None = None) -> int:
                         "calibrate on the prompts the service will read")
     parser.add_argument("--base-model", help="override the manifest's base model reference")
     parser.add_argument("--backend", choices=[b for b in BACKENDS if b != "auto"],
-                        help="inference backend to calibrate on (default torch); the calibration is recorded for that "
-                        "backend and precision, beside the others the artifact carries. With --outputs: the backend "
-                        "that file's outputs were computed on (checked); with --dataset feedback: the labelled "
-                        "answers of the backend that served them are taken (default: the one most of them name)")
+                        help="inference backend to calibrate on (default torch, in --device's --dtype); the "
+                        "calibration is recorded for that backend and precision, beside the others the artifact "
+                        "carries (on CUDA: torch-cuda-fp32, torch-cuda-bf16, torch-cuda-nf4-bf16, what auto serves "
+                        "there). With --outputs: the backend that file's outputs were computed on (checked); with "
+                        "--dataset feedback: the labelled answers of the backend that served them are taken (default: "
+                        "the one most of them name)")
     parser.add_argument("--device", help="cpu or cuda (default: CUDA when present)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                         help="model dtype (default: float32 on CPU, bfloat16 on CUDA)")

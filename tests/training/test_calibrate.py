@@ -383,6 +383,31 @@ class TestCli:
                      "--backend", "openvino-bf16", *common]) == 2
         assert "holds outputs computed on torch-fp32, not on backend openvino-bf16" in capsys.readouterr().err
 
+    def test_a_gpu_arithmetic_is_calibrated_beside_the_others(self, tiny_artifact, tiny_jsonl, tmp_path, capsys):
+        """Outputs computed on a GPU in NF4 (``--device cuda --load-in-4bit`` or ``--backend torch-cuda-nf4-bf16``
+        with ``--save-outputs``; here the CPU's, keyed as such a file is) add ``torch-cuda-nf4-bf16`` beside the
+        artifact's calibrations, the one ``auto`` serves that arithmetic with; a CPU cannot compute them."""
+        common = ["--dataset", "jsonl", "--path", str(tiny_jsonl), "--target-accuracy", "0.5", "--no-progress",
+                  "--min-per-count", "10"]
+        saved = tmp_path / "outputs.json"
+        assert main(["--artifact", str(tiny_artifact), "--output", str(tmp_path / "a"), "--save-outputs", str(saved),
+                     "--max-tokens", "96", *common]) == 0
+        saved.write_text(json.dumps({**json.loads(saved.read_text()), "calibration_key": "torch-cuda-nf4-bf16"}))
+        out = tmp_path / "nf4"
+        assert main(["--artifact", str(tiny_artifact), "--output", str(out), "--outputs", str(saved),
+                     "--backend", "torch-cuda-nf4-bf16", *common]) == 0
+        before, after = read_manifest(tiny_artifact), read_manifest(out)
+        assert after.calibration_keys() == ["torch-fp32", "torch-cuda-nf4-bf16"] and after.version == before.version
+        assert after.calibration_for("torch-cuda-nf4-bf16").record["backend"] == "torch-cuda-nf4-bf16"
+        capsys.readouterr()
+        assert main(["--artifact", str(tiny_artifact), "--output", str(tmp_path / "b"), "--outputs", str(saved),
+                     "--backend", "torch-cuda-bf16", *common]) == 2
+        assert "computed on torch-cuda-nf4-bf16, not on backend torch-cuda-bf16" in capsys.readouterr().err
+        assert main(["--artifact", str(tiny_artifact), "--output", str(tmp_path / "c"), "--backend", "torch-cuda-bf16",
+                     "--max-tokens", "96", *common]) == 2
+        assert "backend 'torch-cuda-bf16' cannot run here: it runs on CUDA; this predictor is on cpu" in \
+            capsys.readouterr().err
+
     def test_a_backend_calibration_is_added_beside_the_others(self, tiny_artifact, tiny_jsonl, tmp_path):
         pytest.importorskip("openvino")
         from ibedl.core.predictor import Predictor
