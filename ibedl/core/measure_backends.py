@@ -39,7 +39,10 @@ def main(argv: list[str] | None = None) -> None:
     predictor = Predictor.from_artifact(args.artifact, base_model=args.base_model, backend=backends.REFERENCE)
     sha = resolve_model(args.base_model or predictor.manifest.base_model_ref().ref).sha256
     if args.build is not None:
-        print(backends.export_ir(args.build, predictor, Path(args.artifact), sha, copy_model=False))
+        try:
+            print(backends.export_ir(args.build, predictor, Path(args.artifact), sha, copy_model=False))
+        except ValueError as e:  # a backend with nothing to export (torch-cuda-*: the model as loaded)
+            parser.error(f"--build {args.build}: {e}")
         return
     choice, _ = auto_backend.choose(predictor, Path(args.artifact), sha,
                        lambda name: backends.build_one(name, predictor, Path(args.artifact), sha),

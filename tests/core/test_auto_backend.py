@@ -341,3 +341,12 @@ def test_a_cached_choice_that_cannot_be_built_any_more_starts_on_torch(tiny_arti
     gone = failing_for(build, "openvino-fp32", FileNotFoundError("its IR was deleted"))
     choice, trunk = auto_backend.start_choice(predictor, artifact, "base", gone, backends.unavailable)
     assert choice.backend == "torch" and trunk is None and not choice.cached and choice.pending == ["openvino-fp32"]
+
+
+def test_measure_backends_build_of_a_backend_with_nothing_to_export_is_a_usage_error(tiny_artifact, capsys):
+    from ibedl.core import measure_backends
+
+    with pytest.raises(SystemExit) as stop:
+        measure_backends.main(["--artifact", str(tiny_artifact), "--build", "torch-cuda-bf16"])
+    assert stop.value.code == 2
+    assert "--build torch-cuda-bf16: backend 'torch-cuda-bf16' loads the base model" in capsys.readouterr().err
