@@ -1,7 +1,8 @@
 """The nine-method grid's tables beside the paper's own numbers, generated into docs/results.md.
 
-    python -m benchmarks.paper_comparison [--grid sciq_grid|sciq_grid_paper] [--results PATH.json]
-        [--first-results PATH.json] [--efficiency benchmarks/results/method_efficiency.json] [--paper PATH.tex]
+    python -m benchmarks.paper_comparison [--grid sciq_grid|sciq_grid_paper|sciq_grid_shared_lr] [--results PATH.json]
+        [--first-results PATH.json] [--intervals PATH.json] [--efficiency benchmarks/results/method_efficiency.json]
+        [--paper PATH.tex]
         [--sigma-heads TRAINED.json FROZEN.json] [--docs docs/results.md] [--check]
 
 Our numbers come from the grid's results file (mean ± std over the seeds it holds) and the per-method cost
@@ -13,10 +14,13 @@ the markers ``<!-- begin generated: paper-comparison NAME -->`` and ``<!-- end g
 in the docs page, so the prose around them stays hand-written and the numbers cannot drift from the committed
 results; ``--check`` exits 1 when the page is not what the results and the paper give (tests/benchmarks runs it).
 
-Two grids (``--grid``, see ``GRIDS``): ``sciq_grid`` (our protocol, benchmarks/sciq_grid.yaml; blocks named ``NAME``,
-with the cost table and the sigma ablation) and ``sciq_grid_paper`` (the paper's protocol,
-benchmarks/sciq_grid_paper.yaml; blocks named ``sciq_grid_paper/NAME``: training, id, ood, noise, and claims: the
-paper's claims about IB-EDL as paired differences per seed under both protocols, ``--first-results``). A grid with no
+Three grids (``--grid``, see ``GRIDS``): ``sciq_grid`` (early stopping, benchmarks/sciq_grid.yaml; blocks named
+``NAME``, with the cost table and the sigma ablation), ``sciq_grid_paper`` (a fixed budget with per-family learning
+rates, benchmarks/sciq_grid_paper.yaml) and ``sciq_grid_shared_lr`` (the same budget, one learning rate for every
+method); the last two fill blocks named ``<grid>/NAME``: training, id, ood, noise, and claims: the paper's claims about
+IB-EDL under each grid up to this one (the first from ``--first-results``), by paired interval where the grid's
+intervals exist (``--intervals``: python -m benchmarks.grid_intervals, on its kept predictions), with a ``regime``
+block then (is MAP over-confident under the budget?). A grid with no
 results file, or an empty one, fills its blocks with a line that says so, and ``--check`` says so too.
 """
 
@@ -60,8 +64,12 @@ COST_ROW = re.compile(r"^\s*(" + "|".join(re.escape(label) for label in LABELS) 
 COST_COLUMNS = ("test_samples_per_s", "train_samples_per_s", "train_memory_gb")  # the paper's column order
 BLOCK = re.compile(r"\\multirow\{\d+\}\{\*\}\{([A-Za-z0-9-]+)")
 # grid -> the prefix of its blocks' marker names; the first grid's blocks keep their bare names
-GRIDS = {"sciq_grid": "", "sciq_grid_paper": "sciq_grid_paper/"}
+GRIDS = {"sciq_grid": "", "sciq_grid_paper": "sciq_grid_paper/", "sciq_grid_shared_lr": "sciq_grid_shared_lr/"}
 GRID_BLOCKS = ("training", "id", "ood", "noise")  # the blocks a grid other than the first has
+# the regime each grid measures, as its claims column is headed (what differs between them: benchmarks/<grid>.yaml)
+GRID_COLUMNS = {"sciq_grid": "early stopping, per-family rates",
+                "sciq_grid_paper": "fixed budget, per-family rates",
+                "sciq_grid_shared_lr": "fixed budget, one rate for all"}
 
 
 def default_paper() -> Path:
@@ -411,6 +419,13 @@ CLAIMS = (
     Claim("Under 30% label noise IB-EDL is better calibrated than the other EDL methods (ECE, points, against the "
           "best of EDL, VID, I-EDL and R-EDL)", "noise", (IB0, "ece"), EDL_FAMILY, 100, "lower"),
 )
+INTERVALS_NOTE = ("Each cell of the last column: the difference IB-EDL minus the other row (the best of them on each "
+                  "seed where a claim names several) on the same questions, its mean over the seeds and the 95% "
+                  "interval of that mean over paired resamples of the test questions (benchmarks/grid_intervals.py; "
+                  "it carries the test set's sampling error, not a new seed's spread); then on how many seeds the "
+                  "seed's own interval lies on the claimed side (for the on-par claim: within ±1 point) and on how "
+                  "many the point does. The other columns: mean ± std over seeds, and on how many the point goes "
+                  "the claimed way (their predictions were not kept).")
 CLAIMS_NOTE = ("Each cell: the difference IB-EDL minus the other row (the best of them where a claim names several), "
                "mean ± std over the seeds that have them all, and on how many of those seeds it goes the claimed "
                "way; the paper's column is the same difference in its own numbers. IB-EDL with its post-hoc ζ and "
@@ -486,16 +501,78 @@ def paper_claim_cell(claim: Claim, paper: dict) -> str:
     return ", ".join(cells)
 
 
-def claims_table(first: list[dict], second: list[dict], paper: dict) -> list[str]:
-    """The paper's claims about IB-EDL as paired differences per seed under both protocols (``first``: ours, early
-    stopping; ``second``: the paper's, fixed budget), beside the same difference in the paper's numbers."""
+def interval_cell(claim: Claim, entry: dict | None) -> str:
+    """A claim's paired interval on a grid's kept predictions (benchmarks.grid_intervals): the difference pooled over
+    the seeds, its 95% interval, and on how many seeds the per-seed interval holds it and the point goes its way."""
+    if not entry or not entry.get("seeds"):
+        return "–"
+    pooled, n = entry["pooled"], entry["seeds"]
+    low, high = pooled["ci95"]
+    d = claim.digits
+    return (f"{pooled['difference']:+.{d}f} [{low:+.{d}f}, {high:+.{d}f}]; interval holds on {entry['held_on']} of "
+            f"{n}, direction on {entry['direction_on']} of {n} seed{'s' if n > 1 else ''}")
+
+
+def claims_table(columns: list[tuple[str, list[dict], dict | None]], paper: dict) -> list[str]:
+    """The paper's claims about IB-EDL, one column per grid (header, results, and its intervals by claim text or
+    None): a paired interval where the grid's predictions were kept, else the difference per seed (mean ± std),
+    beside the same difference in the paper's numbers."""
     head = ["Claim (IB-EDL at ζ = 0, as the paper runs it)", "in the paper (SciQ; OOD: its Table 3)",
-            "our protocol (early stopping)", "the paper's protocol (fixed budget)"]
+            *(header for header, _, _ in columns)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for claim in CLAIMS:
-        lines.append(f"| {claim.text} | {paper_claim_cell(claim, paper)} | {claim_cell(claim, first)} | "
-                     f"{claim_cell(claim, second)} |")
+        cells = [interval_cell(claim, intervals.get(claim.text)) if intervals is not None
+                 else claim_cell(claim, results) for _, results, intervals in columns]
+        lines.append(f"| {claim.text} | {paper_claim_cell(claim, paper)} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _trajectory_line(record: dict) -> str:
+    """MAP's validation NLL over a run: start, the lowest pass (its step), the end."""
+    training = record.get("training") or {}
+    start, end = (training.get("validation_start") or {}), (training.get("validation_end") or {})
+    passes = training.get("trajectory") or []
+    if not passes or "nll" not in start:
+        return "–"
+    low = min(passes, key=lambda p: p["nll"])
+    return f"{start['nll']:.3f} → {low['nll']:.3f} (step {low['step']}) → {end['nll']:.3f}"
+
+
+def regime_table(results: list[dict], intervals: dict | None, earlier: dict[str, list[dict]]) -> list[str]:
+    """Is MAP over-confident under this grid's budget? Per seed: its validation NLL over training, and on the test
+    questions its accuracy, mean confidence, their gap and ECE with 95% intervals (``intervals``'
+    ``map_over_confidence``), then MAP's test ECE in the other grids."""
+    over = (intervals or {}).get("map_over_confidence") or {}
+    head = ["seed", "validation NLL: start → lowest (step) → end", "test accuracy", "mean confidence",
+            "confidence − accuracy (points) [95%]", "ECE % [95%]"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, r, m in method_metrics(results, "id"):
+        if name != "map":
+            continue
+        seed = over.get(str(r["seed"]))
+        if seed:
+            gap, ece = seed["over_confidence"], seed["ece"]
+            cells = [f"{100 * gap['value']:+.1f} [{100 * gap['ci95'][0]:+.1f}, {100 * gap['ci95'][1]:+.1f}]",
+                     f"{100 * ece['value']:.1f} [{100 * ece['ci95'][0]:.1f}, {100 * ece['ci95'][1]:.1f}]"]
+        else:
+            cells = ["–", f"{100 * m['ece']:.1f}"]
+        confidence = seed["mean_confidence"] if seed else m.get("mean_confidence")
+        lines.append(f"| {r['seed']} | {_trajectory_line(r)} | {100 * m['accuracy']:.1f}% | "
+                     + ("–" if confidence is None else f"{confidence:.3f}") + " | " + " | ".join(cells) + " |")
+    others = []
+    for grid, runs in earlier.items():
+        seeds, values = _values(runs, "id", "map", "ece")
+        if values:
+            size = _test_size(runs)
+            others.append(f"{GRID_COLUMNS[grid]} {_ours(values, 100, 1)}% ({len(values)} seeds"
+                          + (f", {size} test questions)" if size else ")"))
+    if others:
+        lines += ["", "MAP's test ECE in the other grids (mean ± std over seeds): " + "; ".join(others) + "."]
+    return lines
+
+
+def _test_size(results: list[dict]) -> int:
+    return next((int(m["n"]) for name, _, m in method_metrics(results, "id") if name == "map" and "n" in m), 0)
 
 
 def sections(results: list[dict], paper: dict, efficiency: dict | None = None,
@@ -541,20 +618,30 @@ def start_overlap_line(results: list[dict]) -> str:
             f"that recorded it (training.start_overlap).")
 
 
-def grid_sections(results: list[dict] | None, paper: dict, grid: str, first: list[dict]) -> dict[str, str]:
+def grid_sections(results: list[dict] | None, paper: dict, grid: str, earlier: dict[str, list[dict]],
+                  intervals: dict | None = None) -> dict[str, str]:
     """The blocks of a grid other than the first (``GRID_BLOCKS``, named with its ``GRIDS`` prefix): the first
     grid's training, calibration and OOD tables on its results, the training block with the start's overlap, and
-    ``claims``: the paper's claims under the first grid's protocol (``first``, its results) and this one's. With no
-    results (None or an empty list) each block but ``claims`` says so."""
+    ``claims``: the paper's claims under each earlier grid (``earlier``: grid -> results) and this one, by paired
+    interval where ``intervals`` (benchmarks.grid_intervals' output) is given; with intervals also ``regime``
+    (:func:`regime_table`). With no results (None or an empty list) each block but ``claims`` says so."""
     prefix = GRIDS[grid]
-    claims = "\n".join(claims_table(first, results or [], paper) + ["", CLAIMS_NOTE])
+    by_claim = None if intervals is None else intervals.get("claims", {})
+    columns = [(GRID_COLUMNS[g], runs, None) for g, runs in earlier.items()]
+    columns.append((GRID_COLUMNS[grid] + (" (pooled 95% interval)" if by_claim is not None else ""), results or [],
+                    by_claim))
+    note = INTERVALS_NOTE if by_claim is not None else CLAIMS_NOTE
+    claims = "\n".join(claims_table(columns, paper) + ["", note])
+    extra = {prefix + "claims": claims}
+    if intervals is not None:
+        extra[prefix + "regime"] = "\n".join(regime_table(results or [], intervals, earlier))
     if not results:
         empty = (f"No results yet: the grid (benchmarks/{grid}.yaml) has no finished cell. Run it, then "
                  f"python -m benchmarks.paper_comparison --grid {grid}.")
-        return {**{prefix + name: empty for name in GRID_BLOCKS}, prefix + "claims": claims}
+        return {**{prefix + name: empty for name in GRID_BLOCKS}, **extra}
     blocks = sections(results, paper)
     blocks["training"] = blocks["training"] + "\n\n" + start_overlap_line(results)
-    return {**{prefix + name: blocks[name] for name in GRID_BLOCKS}, prefix + "claims": claims}
+    return {**{prefix + name: blocks[name] for name in GRID_BLOCKS}, **extra}
 
 
 def fill(page: str, blocks: dict[str, str]) -> str:
@@ -577,11 +664,15 @@ def fill(page: str, blocks: dict[str, str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.paper_comparison", description=__doc__.split("\n\n")[0])
     parser.add_argument("--grid", choices=list(GRIDS), default="sciq_grid",
-                        help="which grid's blocks to fill: sciq_grid (our protocol, with the cost table and the sigma "
-                             "ablation) or sciq_grid_paper (the paper's protocol) (default sciq_grid)")
+                        help="which grid's blocks to fill: sciq_grid (early stopping, with the cost table and the "
+                             "sigma ablation), sciq_grid_paper (a fixed budget, per-family learning rates) or "
+                             "sciq_grid_shared_lr (a fixed budget, one learning rate) (default sciq_grid)")
     parser.add_argument("--results", help="the grid's results file (default benchmarks/results/<grid>.json)")
     parser.add_argument("--first-results", default="benchmarks/results/sciq_grid.json",
                         help="the first grid's results, beside a second grid's in its claims block")
+    parser.add_argument("--intervals",
+                        help="a grid's paired intervals (python -m benchmarks.grid_intervals; default "
+                             "benchmarks/results/<grid>_intervals.json, used where it exists)")
     parser.add_argument("--efficiency", default="benchmarks/results/method_efficiency.json",
                         help="python -m benchmarks.method_efficiency's results (the cost table)")
     parser.add_argument("--ablation", default="benchmarks/results/sciq_sigma_ablation.json",
@@ -610,7 +701,12 @@ def main(argv: list[str] | None = None) -> int:
                      for arm, path in zip(SIGMA_HEAD_ARMS, args.sigma_heads, strict=True)]
             blocks = sections(results, paper, efficiency, ablation, heads)
         else:
-            blocks = grid_sections(results, paper, args.grid, json.loads(Path(args.first_results).read_text()))
+            names = list(GRIDS)
+            earlier = {g: json.loads(Path(args.first_results if g == names[0] else f"benchmarks/results/{g}.json")
+                                     .read_text()) for g in names[: names.index(args.grid)]}
+            intervals_path = Path(args.intervals or f"benchmarks/results/{args.grid}_intervals.json")
+            intervals = json.loads(intervals_path.read_text()) if intervals_path.is_file() else None
+            blocks = grid_sections(results, paper, args.grid, earlier, intervals)
         updated = fill(page, blocks)
     except (OSError, ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)

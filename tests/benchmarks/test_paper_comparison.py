@@ -10,6 +10,7 @@ import pytest
 from benchmarks.paper_comparison import (
     CLAIMS,
     EDL_FAMILY,
+    GRID_COLUMNS,
     Claim,
     claim_cell,
     claim_diffs,
@@ -241,7 +242,7 @@ def test_the_paper_protocol_grid_fills_its_own_blocks_and_states_the_starts_over
     for r in results:
         r["training"] = {"start_overlap": {"start": "artifacts/map", "questions": 1000, "seen_by_start": 0,
                                            "disjoint_from": "artifacts/map"}}
-    blocks = grid_sections(results, parse_paper(TEX), "sciq_grid_paper", RESULTS)
+    blocks = grid_sections(results, parse_paper(TEX), "sciq_grid_paper", {"sciq_grid": RESULTS})
     assert set(blocks) == {"sciq_grid_paper/training", "sciq_grid_paper/id", "sciq_grid_paper/ood",
                            "sciq_grid_paper/noise", "sciq_grid_paper/claims"}
     claims = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in
@@ -251,7 +252,8 @@ def test_the_paper_protocol_grid_fills_its_own_blocks_and_states_the_starts_over
     assert ece[2] == "+7.00 (0 of 1 seed)" and ece[3] == "+7.00 (0 of 1 seed) |"  # ζ-free 12% against MAP's 5%
     better = [*results[:2], record("id", "ib_edl", 0, accuracy=0.85, ece=0.10, nll=0.5,
                                    without={"accuracy": 0.8, "ece": 0.03}), *results[3:]]
-    changed = grid_sections(better, parse_paper(TEX), "sciq_grid_paper", RESULTS)["sciq_grid_paper/claims"]
+    changed = grid_sections(better, parse_paper(TEX), "sciq_grid_paper",
+                            {"sciq_grid": RESULTS})["sciq_grid_paper/claims"]
     assert "| +7.00 (0 of 1 seed) | -2.00 (1 of 1 seed) |" in changed
     assert blocks["sciq_grid_paper/id"] == sections(results, parse_paper(TEX))["id"]  # the first grid's tables
     assert blocks["sciq_grid_paper/training"].endswith(
@@ -260,11 +262,12 @@ def test_the_paper_protocol_grid_fills_its_own_blocks_and_states_the_starts_over
 
 
 def test_a_grid_without_results_says_so_and_its_check_passes_on_a_page_that_says_so(tmp_path, capsys):
-    empty = grid_sections([], parse_paper(TEX), "sciq_grid_paper", RESULTS)
+    empty = grid_sections([], parse_paper(TEX), "sciq_grid_paper", {"sciq_grid": RESULTS})
     claims = empty.pop("sciq_grid_paper/claims")  # the first protocol's column still reads the first grid
     assert all(body.startswith("No results yet: the grid (benchmarks/sciq_grid_paper.yaml) has no finished cell")
                for body in empty.values()) and len(empty) == 4
-    assert claims.startswith("\n".join(claims_table(RESULTS, [], parse_paper(TEX))))
+    columns = [(GRID_COLUMNS["sciq_grid"], RESULTS, None), (GRID_COLUMNS["sciq_grid_paper"], [], None)]
+    assert claims.startswith("\n".join(claims_table(columns, parse_paper(TEX))))
     assert "| +7.00 (0 of 1 seed) | – |" in claims  # no second-protocol runs yet
     empty["sciq_grid_paper/claims"] = claims
     (tmp_path / "p.tex").write_text(TEX)
@@ -304,7 +307,7 @@ def test_each_claim_is_a_paired_difference_per_seed_beside_the_papers_own():
                without={"ood/obqa/auroc_um": 0.90, "ood/arc_easy/auroc_um": 0.86}),
     ]
     rows = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in
-            claims_table(first, [], parse_paper(TEX))[2:]}
+            claims_table([("first", first, None), ("second", [], None)], parse_paper(TEX))[2:]}
     assert len(rows) == len(CLAIMS)
     # ECE differences at zeta 0: -1, +2, -1 points -> mean 0, population std sqrt(2); the claimed way on seeds 0, 2
     ece = rows["IB-EDL is better calibrated than MAP (ECE, points)"]
@@ -352,3 +355,45 @@ def test_ood_claims_average_the_streams_both_rows_have():
     runs = [record("ood", "map", 0, **{"ood/obqa/auroc_mp": 0.80, "ood/race/auroc_mp": 0.50}),
             record("ood", "ib_edl", 0, without={"ood/obqa/auroc_um": 0.90, "ood/arc_easy/auroc_um": 0.10})]
     assert claim_diffs(ood, runs) == pytest.approx([10.0])  # OBQA alone: 90 against 80
+
+
+def intervals_for(claim_text: str, entry: dict, over: dict | None = None) -> dict:
+    return {"claims": {claim_text: entry}, "map_over_confidence": over or {}}
+
+
+def test_the_shared_rate_grid_gives_each_claim_its_paired_interval_and_shows_the_regime():
+    ece_claim = "IB-EDL is better calibrated than MAP (ECE, points)"
+    entry = {"seeds": 2, "pooled": {"difference": -1.234, "ci95": [-2.0, -0.5], "verdict": "holds"},
+             "per_seed": {"0": {}, "1": {}}, "held_on": 1, "direction_on": 2}
+    over = {"0": {"accuracy": 0.85, "mean_confidence": 0.93, "over_confidence": {"value": 0.08, "ci95": [0.06, 0.1]},
+                  "ece": {"value": 0.081, "ci95": [0.065, 0.1]}}}
+    results = [dict(r) for r in RESULTS]
+    from ibedl.training.experiments.benchmark import training_summary
+
+    start = {"accuracy": 0.87, "mean_confidence": 0.894, "ece": 0.074, "brier": 0.18}
+    run = {"validation_start": {**start, "nll": 0.353}, "validation_end": {**start, "nll": 0.408}, "steps": 375,
+           "budget_steps": 375}
+    trajectory = [{"member": 0, "step": 75, "nll": 0.352}, {"member": 0, "step": 150, "nll": 0.414}]
+    results[0] = {**results[0], "training": training_summary({"training": {"run": run}}, trajectory)}
+    earlier = {"sciq_grid": RESULTS, "sciq_grid_paper": RESULTS}
+    blocks = grid_sections(results, parse_paper(TEX), "sciq_grid_shared_lr", earlier, intervals_for(ece_claim, entry,
+                                                                                                     over))
+    assert set(blocks) == {f"sciq_grid_shared_lr/{b}" for b in ("training", "id", "ood", "noise", "claims", "regime")}
+    claims = blocks["sciq_grid_shared_lr/claims"]
+    header = claims.splitlines()[0]
+    assert header.endswith("| early stopping, per-family rates | fixed budget, per-family rates | fixed budget, one "
+                           "rate for all (pooled 95% interval) |")
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in claims.splitlines()[2:2 + len(CLAIMS)]}
+    assert rows[ece_claim][-1] == "-1.23 [-2.00, -0.50]; interval holds on 1 of 2, direction on 2 of 2 seeds |"
+    assert rows["IB-EDL has a lower NLL than MAP"][-1] == "– |"  # no interval computed for it
+    regime = blocks["sciq_grid_shared_lr/regime"].splitlines()
+    assert regime[2] == ("| 0 | 0.353 → 0.352 (step 75) → 0.408 | 80.0% | 0.930 | +8.0 [+6.0, +10.0] | "
+                         "8.1 [6.5, 10.0] |")
+    assert regime[-1].endswith("early stopping, per-family rates 6.0 ± 1.0% (2 seeds); fixed budget, per-family "
+                               "rates 6.0 ± 1.0% (2 seeds).")
+
+
+def test_without_intervals_the_grid_keeps_the_per_seed_cells_and_has_no_regime_block():
+    blocks = grid_sections(RESULTS, parse_paper(TEX), "sciq_grid_shared_lr", {"sciq_grid": RESULTS})
+    assert "sciq_grid_shared_lr/regime" not in blocks
+    assert "| +7.00 (0 of 1 seed) | +7.00 (0 of 1 seed) |" in blocks["sciq_grid_shared_lr/claims"]

@@ -301,16 +301,32 @@ class Runner:
         }
         if fits := predictive_fits(preds["sets"], run.eval_sets):
             record["posthoc"] = fits
-        record["training"] = training_summary(json.loads((artifact / "manifest.json").read_text()))
+        record["training"] = training_summary(json.loads((artifact / "manifest.json").read_text()),
+                                              validation_trajectory(artifact / "history.jsonl"))
         self.add(record)
         return record
 
 
-def training_summary(manifest: dict) -> dict:
+def validation_trajectory(history: Path) -> list[dict]:
+    """The validation passes a run made while it trained (``eval_every``), from its ``history.jsonl``: per pass the
+    member, the step and the validation metrics; [] for a run without any (or without a history)."""
+    if not history.is_file():
+        return []
+    passes = []
+    for line in history.read_text().splitlines():
+        record = json.loads(line) if line.strip() else {}
+        if record.get("validation"):
+            passes.append({"member": record.get("member", 0), "step": record["step"], **record["validation"]})
+    return passes
+
+
+def training_summary(manifest: dict, trajectory: list[dict] | None = None) -> dict:
     """What training did to a cell's run, from its manifest: validation metrics at the start and the end (before
     calibration or a predictive fit; an ensemble's members' means), the steps run of the budget and what stopped them,
-    and the calibration's post-hoc fit (IB-EDL's zeta) with the validation metrics after it, and how many of its
-    training questions its start had drawn (``start_overlap``; None for a run from before it was recorded)."""
+    and the calibration's post-hoc fit (IB-EDL's zeta) with the validation metrics after it, how many of its
+    training questions its start had drawn (``start_overlap``; None for a run from before it was recorded), and
+    the validation passes made while it trained (``trajectory``: :func:`validation_trajectory`; kept only when
+    there are any)."""
     training = manifest.get("training") or {}
     run = training.get("run") or {}
     members = run.get("members") or [run]
@@ -326,6 +342,7 @@ def training_summary(manifest: dict) -> dict:
         "stopped_by": [m.get("stopped_by") for m in members],
         "zeta": training.get("zeta"), "validation_after_posthoc": (manifest.get("metrics") or {}).get("validation"),
         "start_overlap": training.get("start_overlap"),
+        **({"trajectory": trajectory} if trajectory else {}),
     }
 
 

@@ -315,3 +315,19 @@ def test_an_ensemble_is_offered_maps_run_of_its_seed_once_it_has_trained(bench_c
     (donor / "member.json").write_text("{}")
     assert members_from() == [str(donor)]
     assert not any(o.startswith("members_from=") for o in train_overrides(config, run, "map", tmp_path / "m"))
+
+
+def test_the_validation_passes_made_while_training_are_kept_in_the_summary(tmp_path):
+    from ibedl.training.experiments.benchmark import training_summary, validation_trajectory
+
+    history = tmp_path / "history.jsonl"
+    assert validation_trajectory(history) == []  # no history: nothing, not an error
+    rows = [{"member": 0, "step": s, "loss": 0.5} for s in range(1, 151)]
+    for row, nll in ((rows[74], 0.35), (rows[149], 0.41)):
+        row["validation"] = {"accuracy": 0.86, "nll": nll, "ece": 0.05}
+    history.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    got = validation_trajectory(history)
+    assert [(p["step"], p["nll"]) for p in got] == [(75, 0.35), (150, 0.41)] and got[0]["member"] == 0
+    manifest = {"training": {"run": {"steps": 150}}}
+    assert training_summary(manifest, got)["trajectory"] == got
+    assert "trajectory" not in training_summary(manifest, [])  # records without passes keep their old shape
