@@ -12,8 +12,8 @@ over the streams. The pooled interval resamples the questions once per draw and 
 them (every seed answers the same test questions: checked), so it carries the test set's sampling error of the mean
 over these seeds, not the spread a new seed would add; the per-seed intervals show that spread.
 
-On a seed a claim ``holds`` when its 95% interval lies wholly on the claimed side of 0 (for an on-par claim: wholly
-within the tolerance), ``direction`` when only the point estimate does, else ``no``.
+On a seed a claim ``holds`` when its 95% interval lies wholly on the claimed side of 0 (for a no-worse claim: wholly
+above minus the tolerance), ``direction`` when only the point estimate does, else ``no``.
 """
 
 from __future__ import annotations
@@ -69,9 +69,10 @@ def ood_score(rows: dict, score: str) -> np.ndarray:
 
 
 def verdict(low: float, high: float, point: float, better: str, tolerance: float) -> str:
-    """``holds`` (the interval on the claimed side), ``direction`` (only the point) or ``no``."""
-    if better == "on_par":
-        return "holds" if -tolerance <= low and high <= tolerance else "direction" if abs(point) <= tolerance else "no"
+    """``holds`` (the interval on the claimed side; ``no_worse``: above ``-tolerance``), ``direction`` (only the
+    point) or ``no``."""
+    if better == "no_worse":
+        return "holds" if low >= -tolerance else "direction" if point >= -tolerance else "no"
     sign = -1 if better == "lower" else 1
     if sign * low > 0 and sign * high > 0:
         return "holds"

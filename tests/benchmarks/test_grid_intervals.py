@@ -45,8 +45,9 @@ def test_resampled_auroc_on_the_identity_is_sklearns():
 
 @pytest.mark.parametrize(("low", "high", "point", "better", "want"), [
     (-0.05, -0.01, -0.03, "lower", "holds"), (-0.05, 0.01, -0.02, "lower", "direction"), (0.01, 0.05, 0.03, "lower",
-    "no"), (0.01, 0.05, 0.03, "higher", "holds"), (-0.4, 0.6, 0.1, "on_par", "holds"),
-    (-1.4, 0.6, -0.4, "on_par", "direction"), (-3.0, -1.5, -2.0, "on_par", "no")])
+    "no"), (0.01, 0.05, 0.03, "higher", "holds"), (-0.4, 0.6, 0.1, "no_worse", "holds"),
+    (0.5, 2.5, 1.4, "no_worse", "holds"), (-1.4, 0.6, -0.4, "no_worse", "direction"),
+    (-3.0, -1.5, -2.0, "no_worse", "no")])
 def test_verdicts(low, high, point, better, want):
     assert verdict(low, high, point, better, tolerance=1.0) == want
 
@@ -87,11 +88,11 @@ def test_a_clear_calibration_gap_holds_on_every_seed_and_pooled():
     assert got["pooled"]["difference"] == pytest.approx(np.mean(truth), abs=1e-4)
 
 
-def test_identical_rows_do_not_hold_and_an_on_par_claim_does():
+def test_identical_rows_do_not_hold_and_a_no_worse_claim_does():
     preds, runs = grid(seeds=(0,))
     same = Claim("self", "id", ("map", "accuracy"), (("map", "accuracy"),), 100, "higher")
     assert claim_interval(same, runs, preds, resamples=200)["per_seed"][0]["verdict"] == "no"
-    par = Claim("par", "id", (IB0, "accuracy"), (("map", "accuracy"),), 100, "on_par", 1.0)
+    par = Claim("par", "id", (IB0, "accuracy"), (("map", "accuracy"),), 100, "no_worse", 1.0)
     assert claim_interval(par, runs, preds, resamples=200)["pooled"]["verdict"] == "holds"  # same argmax
 
 
