@@ -163,6 +163,8 @@ CLIS = [
     ("benchmarks.method_efficiency", []),
     ("benchmarks.laplace_prior", []),
     ("benchmarks.paper_comparison", []),
+    ("benchmarks.grid_predictions", []),
+    ("benchmarks.grid_intervals", []),
 ]
 
 

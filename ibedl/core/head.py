@@ -26,6 +26,8 @@ from torch import nn
 from ibedl.core.dirichlet import alpha_from_logits, dirichlet_outputs, masked_softmax
 
 SIGMA_FLOOR = 1e-4  # keeps log(sigma) finite in the information term
+INFERENCE = ("mean", "quadrature", "sampled")  # IB-EDL's pre-evidence estimates (HeadConfig.inference)
+SAMPLING_SEED = 0  # the seed of ``sampled`` inference's one table of draws
 HeadKind = Literal["softmax", "evidential", "ib_edl"]
 HEAD_KINDS = get_args(HeadKind)
 
@@ -60,9 +62,12 @@ class HeadConfig:
         num_rows: option letters the head scores (A.. up to 26).
         hidden_size: d.
         offset: alpha = evidence + offset (1 for EDL; eta for R-EDL).
-        inference: IB-EDL pre-evidence estimate: ``mean`` (E[e~] = mu) or ``quadrature``
-            (Gauss-Hermite E[softplus(mu + sigma eps)]).
+        inference: IB-EDL pre-evidence estimate: ``mean`` (E[e~] = mu), ``quadrature`` (Gauss-Hermite
+            E[softplus(mu + sigma eps)]) or ``sampled`` (the paper's Algorithm 1 at inference: the mean of
+            softplus(mu + sigma eps) over ``inference_samples`` draws of eps; the draws are one fixed table
+            (:func:`sampling_noise`), so an answer does not change between calls nor with its batch).
         quadrature_points: nodes for ``quadrature``.
+        inference_samples: K, the draws of ``sampled``.
         zeta: post-hoc IB-EDL calibration, alpha <- max(alpha - zeta * sigma, offset).
         temperature: post-hoc calibration of methods without a Dirichlet: the predictive probabilities
             (after averaging MC-Dropout passes or ensemble members) become softmax(log p / T). 1 is none.
@@ -91,8 +96,9 @@ class HeadConfig:
     num_rows: int
     hidden_size: int
     offset: float = 1.0
-    inference: Literal["mean", "quadrature"] = "mean"
+    inference: Literal["mean", "quadrature", "sampled"] = "mean"
     quadrature_points: int = 16
+    inference_samples: int = 20
     zeta: float = 0.0
     temperature: float = 1.0
     sigma_init_scale: float = 1.0
@@ -110,8 +116,11 @@ class HeadConfig:
             raise ValueError(f"hidden_size must be > 0, got {self.hidden_size}")
         if self.offset <= 0:
             raise ValueError(f"offset must be > 0, got {self.offset}")
-        if self.inference not in ("mean", "quadrature"):
-            raise ValueError(f"inference must be 'mean' or 'quadrature', got {self.inference!r}")
+        if self.inference not in INFERENCE:
+            raise ValueError(f"inference must be one of {', '.join(INFERENCE)}, got {self.inference!r}")
+        if isinstance(self.inference_samples, bool) or not isinstance(self.inference_samples, int) \
+                or self.inference_samples < 1:
+            raise ValueError(f"inference_samples must be an integer >= 1, got {self.inference_samples!r}")
         check_evidence_scale(self.evidence_scale)
         if isinstance(self.temperature, bool) or not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
@@ -313,6 +322,14 @@ class EvidentialHead(CentredEvidence, OptionHead):
 
 
 
+def sampling_noise(samples: int, options: int, device=None) -> torch.Tensor:
+    """(K, C) standard normal draws of ``sampled`` inference: the first C columns of one table drawn with
+    ``SAMPLING_SEED`` (26 columns, the most options a head scores), so every question, alone or in any batch, is
+    answered with the same draws: a K-sample Monte Carlo estimate per question, reproducible on every call."""
+    table = torch.randn((samples, 26), generator=torch.Generator().manual_seed(SAMPLING_SEED))
+    return table[:, :options].to(device)
+
+
 def gauss_hermite(num_points: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Nodes x and weights w with E_{eps~N(0,1)}[f(eps)] ~ sum_i w_i f(x_i) (probabilists' form)."""
     # Golub-Welsch: eigenvalues of the Jacobi matrix of the probabilists' Hermite polynomials.
@@ -327,9 +344,9 @@ class IBEDLHead(CentredEvidence, OptionHead):
     """IB-EDL: a Gaussian over pre-evidence, e~ ~ N(mu, diag(sigma^2)), mu and sigma from h.
 
     Training samples e~ (see ``ibedl.training.losses``); inference is deterministic: alpha =
-    softplus(E[e~]) + 1 = softplus(mu) + 1 (``mean``, the K -> infinity limit of Algorithm 1) or
-    E[softplus(e~)] + 1 by Gauss-Hermite quadrature (``quadrature``). Post-hoc zeta then gives
-    alpha <- max(alpha - zeta * sigma, 1).
+    softplus(E[e~]) + 1 = softplus(mu) + 1 (``mean``, this project's default), E[softplus(e~)] + 1 by
+    Gauss-Hermite quadrature (``quadrature``), or the mean of K sampled softplus(e~) + 1 (``sampled``: the paper's
+    Algorithm 1, on one fixed table of draws). Post-hoc zeta then gives alpha <- max(alpha - zeta * sigma, 1).
     """
 
     weight_name = "mu_weight"
@@ -375,6 +392,9 @@ class IBEDLHead(CentredEvidence, OptionHead):
         """Deterministic evidence estimate, (B, C)."""
         if self.config.inference == "mean":
             return F.softplus(mu)
+        if self.config.inference == "sampled":  # (K, 1, C) draws shared by every question of the batch
+            eps = sampling_noise(self.config.inference_samples, mu.shape[-1], mu.device).unsqueeze(1)
+            return F.softplus(mu.float() + sigma.float() * eps).mean(0)
         nodes, weights = gauss_hermite(self.config.quadrature_points, mu.device)
         samples = mu.unsqueeze(-1) + sigma.unsqueeze(-1) * nodes  # (B, C, Q)
         return (F.softplus(samples) * weights).sum(-1)

@@ -3,6 +3,7 @@ import torch
 from torch.nn import functional as F
 
 from ibedl.core.head import (
+    SAMPLING_SEED,
     SIGMA_FLOOR,
     EvidentialHead,
     HeadConfig,
@@ -107,6 +108,30 @@ class TestIBEDLHead:
         mc = F.softplus(mu + sigma * eps).mean(0)
         torch.testing.assert_close(head.expected_evidence(mu, sigma), mc, rtol=5e-3, atol=5e-3)
 
+    def test_sampled_inference_is_the_papers_k_sample_mean_on_one_fixed_table(self, hidden, rows):
+        head = IBEDLHead(HeadConfig("ib_edl", 4, 8, inference="sampled", inference_samples=20), rows)
+        mu = torch.tensor([[-1.0, 0.0, 2.0], [0.5, 0.5, 0.5]])
+        sigma = torch.tensor([[0.5, 1.0, 2.0], [1.0, 1.0, 1.0]])
+        eps = torch.randn((20, 26), generator=torch.Generator().manual_seed(SAMPLING_SEED))[:, :3]
+        want = F.softplus(mu.unsqueeze(0) + sigma.unsqueeze(0) * eps.unsqueeze(1)).mean(0)  # (K, B, C) -> (B, C)
+        torch.testing.assert_close(head.expected_evidence(mu, sigma), want)
+        # the same answer alone as in its batch, and on every call
+        torch.testing.assert_close(head.expected_evidence(mu[1:], sigma[1:]), want[1:])
+        torch.testing.assert_close(head.expected_evidence(mu, sigma), head.expected_evidence(mu, sigma))
+        # a K-sample estimate of what quadrature integrates: close at large K, not equal at K = 20
+        many = IBEDLHead(HeadConfig("ib_edl", 4, 8, inference="sampled", inference_samples=200_000), rows)
+        exact = IBEDLHead(HeadConfig("ib_edl", 4, 8, inference="quadrature", quadrature_points=20), rows)
+        torch.testing.assert_close(many.expected_evidence(mu, sigma), exact.expected_evidence(mu, sigma),
+                                   rtol=1e-2, atol=1e-2)
+        assert not torch.allclose(want, exact.expected_evidence(mu, sigma), rtol=1e-4, atol=1e-4)
+
+    @pytest.mark.parametrize("bad", [0, -3, 2.5, True])
+    def test_sampled_inference_needs_a_positive_count(self, bad):
+        with pytest.raises(ValueError, match=f"inference_samples must be an integer >= 1, got {bad!r}"):
+            HeadConfig("ib_edl", 4, 8, inference="sampled", inference_samples=bad)
+        with pytest.raises(ValueError, match="inference must be one of mean, quadrature, sampled, got 'median'"):
+            HeadConfig("ib_edl", 4, 8, inference="median")
+
     def test_zeta_lowers_alpha_with_floor(self, hidden, rows):
         mask = torch.ones(5, 4, dtype=torch.bool)
         plain = IBEDLHead(HeadConfig("ib_edl", 4, 8), rows)
@@ -130,7 +155,7 @@ class TestConfigChecks:
             HeadConfig("nope", 4, 8)
         with pytest.raises(ValueError, match="num_rows must be in 2..26, got 27"):
             HeadConfig("softmax", 27, 8)
-        with pytest.raises(ValueError, match="inference must be 'mean' or 'quadrature', got 'mode'"):
+        with pytest.raises(ValueError, match="inference must be one of mean, quadrature, sampled, got 'mode'"):
             HeadConfig("ib_edl", 4, 8, inference="mode")
 
     def test_rows_shape_checked(self):

@@ -192,3 +192,13 @@ def test_ib_edl_sigma_init_scale_zero_starts_sigma_equal_for_every_question():
         _, sigma = head.gaussian(hidden, mask)
         expected = torch.nn.functional.softplus(torch.zeros(())) + SIGMA_FLOOR
         assert torch.allclose(sigma, expected.expand_as(sigma)) == constant
+
+
+def test_ib_edl_inference_reaches_the_head_it_trains():
+    method = get_method("ib_edl")
+    assert method.head_options(method.params({}))["inference"] == "mean"  # the default answers as before
+    options = method.head_options(method.params({"inference": "sampled", "inference_samples": 7}))
+    config = HeadConfig("ib_edl", 4, 16, **options)
+    assert (config.inference, config.inference_samples) == ("sampled", 7)
+    with pytest.raises(ValueError, match="inference_samples"):
+        method.params({"inference_samples": 0})

@@ -8,6 +8,10 @@ constant c for every option and question (the sigma head gets no gradient and st
 ``sigma_frozen`` (off by default) is the other ablation: the sigma head keeps its initialisation (a copy of the option
 rows, its bias centred on the first batch) and gets no gradient, but the loss samples with the sigma it computes, so
 sigma still varies with the question as the untrained head makes it vary.
+``inference`` (``mean`` by default: softplus(mu), one pass) sets how the trained head answers: ``sampled`` is the
+paper's Algorithm 1 at inference (the mean of K = ``inference_samples`` sampled evidences, on one fixed table of draws,
+ibedl.core.head.sampling_noise), ``quadrature`` its K -> infinity limit by Gauss-Hermite.
+
 ``sigma_init_scale`` and ``sigma_lr_scale`` (1 by default: the paper's initialisation, the head's learning rate) set
 the sigma rows' start (scale x the option rows; 0: sigma starts the same for every question and differs between
 questions only as training makes it) and its learning rate (factor x ``optim.head_lr``): the search for a setting
@@ -30,6 +34,7 @@ from typing import Literal
 import torch
 from pydantic import StrictBool, model_validator
 
+from ibedl.core.head import INFERENCE
 from ibedl.training.confidence_ceiling import confidence_ceiling
 from ibedl.training.losses import RISKS, gaussian_information, ib_edl_risk
 from ibedl.training.methods.base import Hyper, Method, Number, StrictInt, count, number
@@ -45,6 +50,8 @@ class IBEDLParams(Hyper):
     sigma_frozen: StrictBool = False  # ablation: the sigma head stays at its initialisation (no gradient)
     sigma_init_scale: Number = number(1.0, ge=0)  # sigma rows start as this x the option rows
     sigma_lr_scale: Number = number(1.0, gt=0)  # the sigma head trains at this x optim.head_lr
+    inference: Literal[INFERENCE] = "mean"  # the head's pre-evidence estimate when it answers (HeadConfig.inference)
+    inference_samples: StrictInt = count(20)  # K draws of ``sampled`` inference
 
     @model_validator(mode="after")
     def _anneal(self):
@@ -86,7 +93,8 @@ METHOD = Method(
     loss=ib_edl_loss,
     hyper=IBEDLParams,
     frozen=lambda params: ("sigma_weight", "sigma_bias") if params["sigma_frozen"] else (),
-    head_options=lambda params: {"sigma_init_scale": float(params["sigma_init_scale"])},
+    head_options=lambda params: {"sigma_init_scale": float(params["sigma_init_scale"]),
+                                 "inference": params["inference"], "inference_samples": params["inference_samples"]},
     lr_scales=lambda params: {"sigma_weight": params["sigma_lr_scale"], "sigma_bias": params["sigma_lr_scale"]},
     clip_grad_norm=20.0,
     confidence_ceiling=ceiling,
