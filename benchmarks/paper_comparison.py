@@ -69,6 +69,11 @@ GRID_BLOCKS = ("training", "id", "ood", "noise")  # the blocks a grid other than
 # grids whose per-question predictions are kept (benchmarks.grid_predictions): their claims carry paired intervals
 # (benchmarks.grid_intervals) and a regime block says whether MAP is over-confident under their budget
 KEPT_PREDICTIONS = ("sciq_grid_shared_lr",)
+# how the regime block names a grid's MAP runs, and the regime checks beside it: MAP alone under another rate or
+# budget (benchmarks/<check>.yaml; results, and intervals where kept, under benchmarks/results/)
+REGIME_LABELS = {"sciq_grid_shared_lr": "1e-3, 3 epochs"}
+REGIME_CHECKS = {"sciq_grid_shared_lr": {"sciq_regime_check": "3e-3, 3 epochs",
+                                         "sciq_regime_check_10ep": "1e-3, 10 epochs"}}
 # the regime each grid measures, as its claims column is headed (what differs between them: benchmarks/<grid>.yaml)
 GRID_COLUMNS = {"sciq_grid": "early stopping, per-family rates",
                 "sciq_grid_paper": "fixed budget, per-family rates",
@@ -541,27 +546,29 @@ def _trajectory_line(record: dict) -> str:
     return f"{start['nll']:.3f} → {low['nll']:.3f} (step {low['step']}) → {end['nll']:.3f}"
 
 
-def regime_table(results: list[dict], intervals: dict | None, earlier: dict[str, list[dict]]) -> list[str]:
-    """Is MAP over-confident under this grid's budget? Per seed: its validation NLL over training, and on the test
-    questions its accuracy, mean confidence, their gap and ECE with 95% intervals (``intervals``'
-    ``map_over_confidence``), then MAP's test ECE in the other grids."""
-    over = (intervals or {}).get("map_over_confidence") or {}
-    head = ["seed", "validation NLL: start → lowest (step) → end", "test accuracy", "mean confidence",
+def regime_table(runs: list[tuple[str, list[dict], dict | None]], earlier: dict[str, list[dict]]) -> list[str]:
+    """Is MAP over-confident under a fixed budget? One row per MAP cell of each of ``runs`` (label, results, intervals
+    or None: the grid's own and its regime checks'): its validation NLL over training, and on the test questions its
+    accuracy, mean confidence, their gap and ECE with 95% intervals (the intervals' ``map_over_confidence``), then
+    MAP's test ECE in the ``earlier`` grids."""
+    head = ["run", "seed", "validation NLL: start → lowest (step) → end", "test accuracy", "mean confidence",
             "confidence − accuracy (points) [95%]", "ECE % [95%]"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name, r, m in method_metrics(results, "id"):
-        if name != "map":
-            continue
-        seed = over.get(str(r["seed"]))
-        if seed:
-            gap, ece = seed["over_confidence"], seed["ece"]
-            cells = [f"{100 * gap['value']:+.1f} [{100 * gap['ci95'][0]:+.1f}, {100 * gap['ci95'][1]:+.1f}]",
-                     f"{100 * ece['value']:.1f} [{100 * ece['ci95'][0]:.1f}, {100 * ece['ci95'][1]:.1f}]"]
-        else:
-            cells = ["–", f"{100 * m['ece']:.1f}"]
-        confidence = seed["mean_confidence"] if seed else m.get("mean_confidence")
-        lines.append(f"| {r['seed']} | {_trajectory_line(r)} | {100 * m['accuracy']:.1f}% | "
-                     + ("–" if confidence is None else f"{confidence:.3f}") + " | " + " | ".join(cells) + " |")
+    for label, results, intervals in runs:
+        over = (intervals or {}).get("map_over_confidence") or {}
+        for name, r, m in method_metrics(results, "id"):
+            if name != "map":
+                continue
+            seed = over.get(str(r["seed"]))
+            if seed:
+                gap, ece = seed["over_confidence"], seed["ece"]
+                cells = [f"{100 * gap['value']:+.1f} [{100 * gap['ci95'][0]:+.1f}, {100 * gap['ci95'][1]:+.1f}]",
+                         f"{100 * ece['value']:.1f} [{100 * ece['ci95'][0]:.1f}, {100 * ece['ci95'][1]:.1f}]"]
+            else:
+                cells = ["–", f"{100 * m['ece']:.1f}"]
+            confidence = seed["mean_confidence"] if seed else m.get("mean_confidence")
+            lines.append(f"| {label} | {r['seed']} | {_trajectory_line(r)} | {100 * m['accuracy']:.1f}% | "
+                         + ("–" if confidence is None else f"{confidence:.3f}") + " | " + " | ".join(cells) + " |")
     others = []
     for grid, runs in earlier.items():
         seeds, values = _values(runs, "id", "map", "ece")
@@ -622,13 +629,14 @@ def start_overlap_line(results: list[dict]) -> str:
 
 
 def grid_sections(results: list[dict] | None, paper: dict, grid: str, earlier: dict[str, list[dict]],
-                  intervals: dict | None = None) -> dict[str, str]:
+                  intervals: dict | None = None,
+                  checks: dict[str, tuple[list[dict], dict | None]] | None = None) -> dict[str, str]:
     """The blocks of a grid other than the first (``GRID_BLOCKS``, named with its ``GRIDS`` prefix): the first
     grid's training, calibration and OOD tables on its results, the training block with the start's overlap, and
     ``claims``: the paper's claims under each earlier grid (``earlier``: grid -> results) and this one, by paired
     interval where ``intervals`` (benchmarks.grid_intervals' output) is given; a grid in ``KEPT_PREDICTIONS`` also
-    has ``regime`` (:func:`regime_table`). With no results (None or an empty list) each block but ``claims`` and
-    ``regime`` says so."""
+    has ``regime`` (:func:`regime_table`: its MAP cells and its regime ``checks``', label -> (results, intervals)).
+    With no results (None or an empty list) each block but ``claims`` and ``regime`` says so."""
     prefix = GRIDS[grid]
     by_claim = None if intervals is None else intervals.get("claims", {})
     columns = [(GRID_COLUMNS[g], runs, None) for g, runs in earlier.items()]
@@ -638,7 +646,9 @@ def grid_sections(results: list[dict] | None, paper: dict, grid: str, earlier: d
     claims = "\n".join(claims_table(columns, paper) + ["", note])
     extra = {prefix + "claims": claims}
     if grid in KEPT_PREDICTIONS:
-        extra[prefix + "regime"] = "\n".join(regime_table(results or [], intervals, earlier) + (
+        checks = [(label, found[0], found[1]) for label, found in (checks or {}).items()]
+        extra[prefix + "regime"] = "\n".join(regime_table([(REGIME_LABELS[grid], results or [], intervals), *checks],
+                                                          earlier) + (
             [] if intervals is not None else
             ["", f"No intervals yet: python -m benchmarks.grid_predictions --grid {grid}, then python -m "
                  f"benchmarks.grid_intervals --grid {grid}."]))
@@ -666,6 +676,10 @@ def fill(page: str, blocks: dict[str, str]) -> str:
         replacement = f"{begin}\n{body}\n{end}"
         page = pattern.sub(lambda _, text=replacement: text, page)
     return page
+
+
+def _read_if_there(path: Path):
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -712,8 +726,12 @@ def main(argv: list[str] | None = None) -> int:
             earlier = {g: json.loads(Path(args.first_results if g == names[0] else f"benchmarks/results/{g}.json")
                                      .read_text()) for g in names[: names.index(args.grid)]}
             intervals_path = Path(args.intervals or f"benchmarks/results/{args.grid}_intervals.json")
-            intervals = json.loads(intervals_path.read_text()) if intervals_path.is_file() else None
-            blocks = grid_sections(results, paper, args.grid, earlier, intervals)
+            intervals = _read_if_there(intervals_path)
+            checks = {label: (json.loads(Path(f"benchmarks/results/{name}.json").read_text()),
+                              _read_if_there(Path(f"benchmarks/results/{name}_intervals.json")))
+                      for name, label in REGIME_CHECKS.get(args.grid, {}).items()
+                      if Path(f"benchmarks/results/{name}.json").is_file()}
+            blocks = grid_sections(results, paper, args.grid, earlier, intervals, checks)
         updated = fill(page, blocks)
     except (OSError, ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)

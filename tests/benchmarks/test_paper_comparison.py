@@ -379,8 +379,9 @@ def test_the_shared_rate_grid_gives_each_claim_its_paired_interval_and_shows_the
     trajectory = [{"member": 0, "step": 75, "nll": 0.352}, {"member": 0, "step": 150, "nll": 0.414}]
     results[0] = {**results[0], "training": training_summary({"training": {"run": run}}, trajectory)}
     earlier = {"sciq_grid": RESULTS, "sciq_grid_paper": RESULTS}
-    blocks = grid_sections(results, parse_paper(TEX), "sciq_grid_shared_lr", earlier, intervals_for(ece_claim, entry,
-                                                                                                     over))
+    check = [record("id", "map", 0, accuracy=0.84, ece=0.09, mean_confidence=0.95)]
+    blocks = grid_sections(results, parse_paper(TEX), "sciq_grid_shared_lr", earlier,
+                           intervals_for(ece_claim, entry, over), {"3e-3, 3 epochs": (check, None)})
     assert set(blocks) == {f"sciq_grid_shared_lr/{b}" for b in ("training", "id", "ood", "noise", "claims", "regime")}
     claims = blocks["sciq_grid_shared_lr/claims"]
     header = claims.splitlines()[0]
@@ -390,8 +391,9 @@ def test_the_shared_rate_grid_gives_each_claim_its_paired_interval_and_shows_the
     assert rows[ece_claim][-1] == "-1.23 [-2.00, -0.50]; interval holds on 1 of 2, direction on 2 of 2 seeds |"
     assert rows["IB-EDL has a lower NLL than MAP"][-1] == "– |"  # no interval computed for it
     regime = blocks["sciq_grid_shared_lr/regime"].splitlines()
-    assert regime[2] == ("| 0 | 0.353 → 0.352 (step 75) → 0.408 | 80.0% | 0.930 | +8.0 [+6.0, +10.0] | "
-                         "8.1 [6.5, 10.0] |")
+    assert regime[2] == ("| 1e-3, 3 epochs | 0 | 0.353 → 0.352 (step 75) → 0.408 | 80.0% | 0.930 | "
+                         "+8.0 [+6.0, +10.0] | 8.1 [6.5, 10.0] |")
+    assert regime[4] == "| 3e-3, 3 epochs | 0 | – | 84.0% | 0.950 | – | 9.0 |"  # a check without kept predictions
     assert regime[-1].endswith("early stopping, per-family rates 6.0 ± 1.0% (2 seeds); fixed budget, per-family "
                                "rates 6.0 ± 1.0% (2 seeds).")
 
@@ -401,7 +403,7 @@ def test_without_intervals_the_grid_keeps_the_per_seed_cells_and_its_regime_bloc
     assert blocks["sciq_grid_shared_lr/regime"].endswith(
         "No intervals yet: python -m benchmarks.grid_predictions --grid sciq_grid_shared_lr, then python -m "
         "benchmarks.grid_intervals --grid sciq_grid_shared_lr.")
-    assert "| 0 | – | 80.0% | – | – | 5.0 |" in blocks["sciq_grid_shared_lr/regime"]
+    assert "| 1e-3, 3 epochs | 0 | – | 80.0% | – | – | 5.0 |" in blocks["sciq_grid_shared_lr/regime"]
     assert "| +7.00 (0 of 1 seed) | +7.00 (0 of 1 seed) |" in blocks["sciq_grid_shared_lr/claims"]
     assert "sciq_grid_paper/regime" not in grid_sections(RESULTS, parse_paper(TEX), "sciq_grid_paper",
                                                          {"sciq_grid": RESULTS})
