@@ -391,7 +391,7 @@ def test_the_shared_rate_grid_gives_each_claim_its_paired_interval_and_shows_the
     assert rows[ece_claim][-1] == "-1.23 [-2.00, -0.50]; interval holds on 1 of 2, direction on 2 of 2 seeds |"
     assert rows["IB-EDL has a lower NLL than MAP"][-1] == "– |"  # no interval computed for it
     regime = blocks["sciq_grid_shared_lr/regime"].splitlines()
-    assert regime[2] == ("| 1e-3, 3 epochs | 0 | 0.353 → 0.352 (step 75) → 0.408 | 80.0% | 0.930 | "
+    assert regime[2] == ("| 1e-3, 10 epochs | 0 | 0.353 → 0.352 (step 75) → 0.408 | 80.0% | 0.930 | "
                          "+8.0 [+6.0, +10.0] | 8.1 [6.5, 10.0] |")
     assert regime[4] == "| 3e-3, 3 epochs | 0 | – | 84.0% | 0.950 | – | 9.0 |"  # a check without kept predictions
     assert regime[-1].endswith("early stopping, per-family rates 6.0 ± 1.0% (2 seeds); fixed budget, per-family "
@@ -403,7 +403,7 @@ def test_without_intervals_the_grid_keeps_the_per_seed_cells_and_its_regime_bloc
     assert blocks["sciq_grid_shared_lr/regime"].endswith(
         "No intervals yet: python -m benchmarks.grid_predictions --grid sciq_grid_shared_lr, then python -m "
         "benchmarks.grid_intervals --grid sciq_grid_shared_lr.")
-    assert "| 1e-3, 3 epochs | 0 | – | 80.0% | – | – | 5.0 |" in blocks["sciq_grid_shared_lr/regime"]
+    assert "| 1e-3, 10 epochs | 0 | – | 80.0% | – | – | 5.0 |" in blocks["sciq_grid_shared_lr/regime"]
     assert "| +7.00 (0 of 1 seed) | +7.00 (0 of 1 seed) |" in blocks["sciq_grid_shared_lr/claims"]
     assert "sciq_grid_paper/regime" not in grid_sections(RESULTS, parse_paper(TEX), "sciq_grid_paper",
                                                          {"sciq_grid": RESULTS})
