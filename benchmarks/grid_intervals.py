@@ -181,13 +181,16 @@ def claim_interval(claim, runs: list[Run], preds: GridPredictions, resamples: in
 
 def over_confidence(preds: GridPredictions, runs: list[Run], method: str, resamples: int = 2000,
                     seed: int = 0) -> dict:
-    """Per seed of ``method``'s in-distribution cells: accuracy, mean confidence, their gap (confidence minus
+    """Per seed of ``method``'s in-distribution cells that have kept predictions: accuracy, mean confidence, their gap (confidence minus
     accuracy: above 0 is over-confident) and ECE, each with its 95% interval over resampled questions."""
     out = {}
     for run in runs:
         if run.kind != "id" or run.method != method:
             continue
-        got = rows_of(preds, run, method, run.eval_sets[0])
+        try:
+            got = rows_of(preds, run, method, run.eval_sets[0])
+        except KeyError:  # a cell not run (yet): the grid's other seeds
+            continue
         q = PerQuestion.from_probs(got["probs"], got["labels"])
         n = len(q.hit)
         index = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
