@@ -181,8 +181,9 @@ def claim_interval(claim, runs: list[Run], preds: GridPredictions, resamples: in
 
 def over_confidence(preds: GridPredictions, runs: list[Run], method: str, resamples: int = 2000,
                     seed: int = 0) -> dict:
-    """Per seed of ``method``'s in-distribution cells that have kept predictions: accuracy, mean confidence, their gap (confidence minus
-    accuracy: above 0 is over-confident) and ECE, each with its 95% interval over resampled questions."""
+    """Per seed of ``method``'s in-distribution cells that have kept predictions: accuracy, mean confidence, their
+    gap (confidence minus accuracy: above 0 is over-confident) and ECE, each with its 95% interval over resampled
+    questions."""
     out = {}
     for run in runs:
         if run.kind != "id" or run.method != method:

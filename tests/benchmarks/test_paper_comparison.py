@@ -407,3 +407,9 @@ def test_without_intervals_the_grid_keeps_the_per_seed_cells_and_its_regime_bloc
     assert "| +7.00 (0 of 1 seed) | +7.00 (0 of 1 seed) |" in blocks["sciq_grid_shared_lr/claims"]
     assert "sciq_grid_paper/regime" not in grid_sections(RESULTS, parse_paper(TEX), "sciq_grid_paper",
                                                          {"sciq_grid": RESULTS})
+
+
+@pytest.mark.skipif(not default_paper().is_file(), reason=f"the paper's source {default_paper()} is not here")
+def test_the_docs_page_matches_the_one_rate_grids_committed_results_and_intervals(monkeypatch):
+    monkeypatch.chdir(REPO)  # the earlier grids, the intervals and the regime checks are read from benchmarks/results
+    assert main(["--grid", "sciq_grid_shared_lr", "--check"]) == 0
