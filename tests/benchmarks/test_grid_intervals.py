@@ -7,6 +7,7 @@ from benchmarks.grid_predictions import SEP, GridPredictions, padded
 from benchmarks.paper_comparison import Claim
 from ibedl.training import metrics
 from ibedl.training.experiments.benchmark import Run
+from tests.benchmarks.test_paired_bootstrap import sharpen
 
 IB0 = "ib_edl:no_posthoc"
 
@@ -15,12 +16,6 @@ def calibrated(n: int, rng, options: int = 4) -> tuple[np.ndarray, np.ndarray]:
     probs = rng.dirichlet(np.full(options, 0.4), size=n)
     labels = np.array([rng.choice(options, p=p) for p in probs])
     return probs, labels
-
-
-def sharpen(probs: np.ndarray, temperature: float) -> np.ndarray:
-    z = np.log(probs) / temperature
-    z = np.exp(z - z.max(1, keepdims=True))
-    return z / z.sum(1, keepdims=True)
 
 
 def put(arrays: dict, train: str, method: str, dataset: str, probs, labels, u=None, probs0=None) -> None:
