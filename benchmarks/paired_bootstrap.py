@@ -1,19 +1,26 @@
 """Are two adapters' calibration numbers on a test set different beyond resampling noise?
 
     python -m benchmarks.paired_bootstrap --reference runs/map-warm-1000x3 --artifacts artifacts/default \
-        [--dataset sciq] [--split test] [--limit N] [--resamples 2000] [--seed 0] \
-        [--output benchmarks/results/paired_bootstrap.json]
+        [--dataset sciq] [--split test] [--limit N] [--sample-seed 0] [--unseen-by DIR ...] [--resamples 2000] \
+        [--seed 0] [--output benchmarks/results/paired_bootstrap.json]
 
 Each adapter answers the same questions once. Then the questions are resampled with replacement, the same
 resample for every adapter, and each metric's difference (adapter minus reference) is recomputed on every
 resample. The result gives, per metric, the difference on the full set, its 2.5% and 97.5% percentiles, and
 the share of resamples in which the adapter is better (lower ECE, NLL and Brier; higher accuracy). A 95%
 interval that excludes 0 is a difference the test set supports; one that straddles 0 is noise at this size.
+
+``--unseen-by`` judges adapters on questions no recipe drew: the split's questions that none of the listed artifacts
+(nor the starts they were trained from, followed through ``init_from``) drew for training, e.g. fresh SciQ training
+questions (``--split train``) as a second test set beside the test split. ``--sample-seed`` draws another ``--limit``
+of them. Each adapter answers as its manifest says (its post-hoc zeta or temperature applied) on the torch backend.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +98,24 @@ def paired_bootstrap(reference: PerQuestion, other: PerQuestion, resamples: int 
     return out
 
 
+def drawn_by(artifacts: list[str | Path]) -> frozenset[str]:
+    """The ids of every training question the artifacts drew, and the starts they were trained from (their training
+    config's ``init_from``, followed to the first run without one)."""
+    from ibedl.training.finetune import start_training_ids
+
+    ids, seen, todo = set(), set(), [Path(a) for a in artifacts]
+    while todo:
+        path = todo.pop()
+        if path.resolve() in seen:
+            continue
+        seen.add(path.resolve())
+        ids |= start_training_ids(path)
+        start = json.loads((path / "manifest.json").read_text())["training"]["config"].get("init_from")
+        if start:
+            todo.append(Path(start))
+    return frozenset(ids)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reference", required=True, help="adapter directory the others are compared with")
@@ -98,6 +123,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dataset", default="sciq")
     parser.add_argument("--split", default="test")
     parser.add_argument("--limit", type=int, help="a seeded random subset of this size (default: the whole split)")
+    parser.add_argument("--sample-seed", type=int, default=0, help="seed of that subset (default 0)")
+    parser.add_argument("--unseen-by", nargs="+", default=[], metavar="DIR",
+                        help="only questions none of these artifacts (nor their starts) drew for training")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--resamples", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0, help="seed of the resamples")
@@ -105,7 +133,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.resamples < 100:
         parser.error(f"--resamples must be at least 100, got {args.resamples}")
-    for path in [args.reference, *args.artifacts]:
+    for path in [args.reference, *args.artifacts, *args.unseen_by]:
         if not (Path(path) / "manifest.json").is_file():
             parser.error(f"{path} is not an adapter directory (no manifest.json)")
 
@@ -113,7 +141,11 @@ def main(argv=None) -> int:
     from ibedl.training.data import load_dataset
     from ibedl.training.evaluate import predict_all
 
-    questions = load_dataset(args.dataset, args.split, limit=args.limit, seed=0)
+    try:
+        excluded = drawn_by(args.unseen_by)
+    except (KeyError, ValueError) as e:
+        parser.error(f"--unseen-by: {e}")
+    questions = load_dataset(args.dataset, args.split, limit=args.limit, seed=args.sample_seed, exclude=excluded)
     labels = [q.answer for q in questions]
 
     def answer(path: str) -> PerQuestion:
@@ -125,6 +157,8 @@ def main(argv=None) -> int:
                    for path in args.artifacts}
     write_result(args.output, {
         "reference": args.reference, "dataset": args.dataset, "split": args.split, "n": len(questions),
+        "sample_seed": args.sample_seed, "unseen_by": args.unseen_by, "excluded_drawn": len(excluded),
+        "questions_sha256": hashlib.sha256("\n".join(sorted(q.id for q in questions)).encode()).hexdigest(),
         "resamples": args.resamples, "seed": args.seed, "ece_bins": 15,
         "differences": "other minus reference; ci95 is the 2.5-97.5 percentile range over paired resamples",
         "comparisons": comparisons,

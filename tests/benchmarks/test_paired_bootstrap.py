@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -86,3 +88,28 @@ def test_bad_inputs_name_the_problem():
         paired_bootstrap(a, b)
     with pytest.raises(ValueError, match="at least 100, got 10"):
         paired_bootstrap(a, a, resamples=10)
+
+
+def test_unseen_by_leaves_out_what_every_artifact_and_its_starts_drew(tmp_path, monkeypatch):
+    """drawn_by follows each artifact's init_from to the first run without one, once per artifact."""
+    import json
+
+    from benchmarks import paired_bootstrap
+    from ibedl.training import finetune
+
+    drew = {"stage1": {"a", "b"}, "stage2": {"b", "c"}, "twin": {"d"}}
+    starts = {"stage1": None, "stage2": "stage1", "twin": "stage1"}
+    for name, start in starts.items():
+        (tmp_path / name).mkdir()
+        config = {"init_from": str(tmp_path / start)} if start else {}
+        (tmp_path / name / "manifest.json").write_text(json.dumps({"training": {"config": config}}))
+    calls = []
+
+    def fake(path):
+        calls.append(Path(path).name)
+        return frozenset(drew[Path(path).name])
+
+    monkeypatch.setattr(finetune, "start_training_ids", fake)
+    assert paired_bootstrap.drawn_by([tmp_path / "stage2", tmp_path / "twin"]) == {"a", "b", "c", "d"}
+    assert sorted(calls) == ["stage1", "stage2", "twin"]  # the shared start read once
+    assert paired_bootstrap.drawn_by([]) == frozenset()
