@@ -12,6 +12,10 @@ over the streams. The pooled interval resamples the questions once per draw and 
 them (every seed answers the same test questions: checked), so it carries the test set's sampling error of the mean
 over these seeds, not the spread a new seed would add; the per-seed intervals show that spread.
 
+``--against GRID`` takes ``--grid`` as an arm run beside ``GRID`` (``benchmarks/<arm>.yaml`` training only some
+methods on GRID's questions, e.g. IB-EDL as the paper specifies it): its rows replace GRID's for its methods and the
+claims are tested on GRID's runs with them (benchmarks.grid_predictions.beside; the questions are checked equal).
+
 On a seed a claim ``holds`` when its 95% interval lies wholly on the claimed side of 0 (for a no-worse claim: wholly
 above minus the tolerance), ``direction`` when only the point estimate does, else ``no``.
 """
@@ -26,7 +30,7 @@ import numpy as np
 from scipy.stats import rankdata
 
 from benchmarks.common import write_result
-from benchmarks.grid_predictions import GridPredictions, default_path, load
+from benchmarks.grid_predictions import GridPredictions, beside, default_path, load
 from benchmarks.paired_bootstrap import PerQuestion
 from ibedl.training.experiments.benchmark import Run, expand, load_benchmark_config
 from ibedl.training.experiments.report import NO_POSTHOC
@@ -212,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grid", required=True, help="the grid's name: benchmarks/<grid>.yaml")
     parser.add_argument("--predictions",
                         help="its kept predictions (default benchmarks/results/<grid>.predictions.npz)")
+    parser.add_argument("--against", metavar="GRID",
+                        help="--grid is an arm beside this grid: its rows replace GRID's for its methods, tested on "
+                             "GRID's runs (both grids' kept predictions at their default paths)")
     parser.add_argument("--resamples", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0, help="seed of the resamples")
     parser.add_argument("--output", help="default benchmarks/results/<grid>_intervals.json")
@@ -219,15 +226,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.resamples < 100:
         parser.error(f"--resamples must be at least 100, got {args.resamples}")
     try:
-        runs = expand(load_benchmark_config(Path("benchmarks") / f"{args.grid}.yaml"))
+        runs = expand(load_benchmark_config(Path("benchmarks") / f"{args.against or args.grid}.yaml"))
         preds = load(args.predictions or default_path(args.grid))
+        if args.against:
+            preds = beside(load(default_path(args.against)), preds)
         claims = {c.text: claim_interval(c, runs, preds, args.resamples, args.seed) for c in CLAIMS}
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     write_result(args.output or f"benchmarks/results/{args.grid}_intervals.json", {
-        "grid": args.grid, "resamples": args.resamples, "seed": args.seed, "level": "95% percentile interval",
-        "command": "python -m benchmarks.grid_intervals --grid " + args.grid,
+        "grid": args.grid, **({"against": args.against} if args.against else {}),
+        "resamples": args.resamples, "seed": args.seed, "level": "95% percentile interval",
+        "command": "python -m benchmarks.grid_intervals --grid " + args.grid
+                   + (f" --against {args.against}" if args.against else ""),
         "map_over_confidence": over_confidence(preds, runs, "map", args.resamples, args.seed),
         "claims": claims})
     return 0

@@ -131,6 +131,31 @@ def load(path: str | Path) -> GridPredictions:
         return GridPredictions({k: data[k] for k in data.files})
 
 
+def beside(grid: GridPredictions, arm: GridPredictions) -> GridPredictions:
+    """``grid``'s predictions with the rows of every method ``arm`` has replaced by ``arm``'s: an arm run on its own
+    config beside a grid (e.g. IB-EDL as the paper specifies it beside the one-rate grid's other methods), so that
+    its claims pair with the grid's rows question by question.
+
+    Raises:
+        ValueError: an arm set has no counterpart in the grid (the same kind of run, seed and set under another
+            method), or its questions differ from the grid's there (other labels): no paired difference exists.
+    """
+    methods = {key.split(SEP)[1] for key in arm.arrays}
+    others = {key.split(SEP)[1] for key in grid.arrays} - methods
+    for key, labels in arm.arrays.items():
+        train, method, dataset, field = key.split(SEP)
+        if field != "labels":
+            continue
+        twins = [grid.arrays[k] for m in sorted(others)
+                 if (k := SEP.join((train.replace(f"-{method}-", f"-{m}-"), m, dataset, "labels"))) in grid.arrays]
+        if not twins:
+            raise ValueError(f"the arm's {train} {method} on {dataset} has no counterpart in the grid")
+        if any(len(t) != len(labels) or (t != labels).any() for t in twins):
+            raise ValueError(f"the arm's {train} {method} answered other {dataset} questions than the grid's runs")
+    kept = {k: v for k, v in grid.arrays.items() if k.split(SEP)[1] not in methods}
+    return GridPredictions({**kept, **arm.arrays})
+
+
 def default_path(grid: str) -> Path:
     return Path("benchmarks/results") / f"{grid}.predictions.npz"
 

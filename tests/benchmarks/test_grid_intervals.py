@@ -3,7 +3,7 @@ import pytest
 from sklearn.metrics import roc_auc_score
 
 from benchmarks.grid_intervals import claim_interval, over_confidence, resampled_auroc, verdict
-from benchmarks.grid_predictions import SEP, GridPredictions, padded
+from benchmarks.grid_predictions import SEP, GridPredictions, beside, padded
 from benchmarks.paper_comparison import Claim
 from ibedl.training import metrics
 from ibedl.training.experiments.benchmark import Run
@@ -142,3 +142,31 @@ def test_over_confidence_is_confidence_minus_accuracy_with_its_interval():
     assert got["over_confidence"]["value"] == pytest.approx(got["mean_confidence"] - got["accuracy"])
     low, high = got["over_confidence"]["ci95"]
     assert 0 < low < got["over_confidence"]["value"] < high  # sharpened: over-confident
+
+
+def test_an_arm_beside_a_grid_replaces_its_method_and_pairs_with_the_rest():
+    preds, runs = grid(seeds=(0, 1))
+    arm, _ = grid(seeds=(0, 1))
+    arm = GridPredictions({k: v for k, v in arm.arrays.items() if k.split(SEP)[1] == "ib_edl"})
+    # the arm's IB-EDL is MAP itself: the claim it makes against MAP is exactly 0 on every resample
+    for seed in (0, 1):
+        ours = SEP.join((f"sciq-ib_edl-s{seed}", "ib_edl", "sciq", "probs0"))
+        arm.arrays[ours] = preds.arrays[SEP.join((f"sciq-map-s{seed}", "map", "sciq", "probs"))]
+    merged = beside(preds, arm)
+    assert set(merged.arrays) == set(preds.arrays)
+    claim = Claim("ECE", "id", (IB0, "ece"), (("map", "ece"),), 100, "lower")
+    got = claim_interval(claim, runs, merged, resamples=200)
+    assert got["pooled"]["difference"] == 0 and got["pooled"]["ci95"] == [0, 0]
+    assert claim_interval(claim, runs, preds, resamples=200)["pooled"]["ci95"][1] < 0  # the grid's own still holds
+
+
+def test_an_arm_on_other_questions_or_without_a_counterpart_is_refused():
+    preds, _ = grid(seeds=(0,))
+    arm = GridPredictions({k: v.copy() for k, v in preds.arrays.items() if k.split(SEP)[1] == "ib_edl"})
+    key = SEP.join(("sciq-ib_edl-s0", "ib_edl", "sciq", "labels"))
+    arm.arrays[key] = (arm.arrays[key] + 1) % 4
+    with pytest.raises(ValueError, match="other sciq questions"):
+        beside(preds, arm)
+    lone = GridPredictions({k.replace("-s0", "-s7"): v for k, v in preds.arrays.items() if "ib_edl" in k})
+    with pytest.raises(ValueError, match="sciq-ib_edl-s7 ib_edl on sciq has no counterpart"):
+        beside(preds, lone)
