@@ -74,6 +74,11 @@ KEPT_PREDICTIONS = ("sciq_grid_shared_lr",)
 REGIME_LABELS = {"sciq_grid_shared_lr": "1e-3, 10 epochs"}
 REGIME_CHECKS = {"sciq_grid_shared_lr": {"sciq_regime_check_3ep": "1e-3, 3 epochs",
                                          "sciq_regime_check": "3e-3, 3 epochs"}}
+# arms run on their own config beside a grid (benchmarks/<arm>.yaml, some methods on the grid's questions): each is a
+# claims column of its own from its intervals against the grid (python -m benchmarks.grid_intervals --grid ARM
+# --against GRID: its rows in place of the grid's)
+ARMS = {"sciq_grid_shared_lr": {"sciq_grid_shared_lr_paper_ibedl": "one rate for all, IB-EDL as the paper specifies "
+                                                                   "it"}}
 # the regime each grid measures, as its claims column is headed (what differs between them: benchmarks/<grid>.yaml)
 GRID_COLUMNS = {"sciq_grid": "early stopping, per-family rates",
                 "sciq_grid_paper": "fixed budget, per-family rates",
@@ -630,20 +635,27 @@ def start_overlap_line(results: list[dict]) -> str:
 
 def grid_sections(results: list[dict] | None, paper: dict, grid: str, earlier: dict[str, list[dict]],
                   intervals: dict | None = None,
-                  checks: dict[str, tuple[list[dict], dict | None]] | None = None) -> dict[str, str]:
+                  checks: dict[str, tuple[list[dict], dict | None]] | None = None,
+                  arms: dict[str, dict | None] | None = None) -> dict[str, str]:
     """The blocks of a grid other than the first (``GRID_BLOCKS``, named with its ``GRIDS`` prefix): the first
     grid's training, calibration and OOD tables on its results, the training block with the start's overlap, and
     ``claims``: the paper's claims under each earlier grid (``earlier``: grid -> results) and this one, by paired
     interval where ``intervals`` (benchmarks.grid_intervals' output) is given; a grid in ``KEPT_PREDICTIONS`` also
     has ``regime`` (:func:`regime_table`: its MAP cells and its regime ``checks``', label -> (results, intervals)).
+    ``arms``: label -> intervals (None: not run yet) of the arms beside the grid (``ARMS``), a claims column each.
     With no results (None or an empty list) each block but ``claims`` and ``regime`` says so."""
     prefix = GRIDS[grid]
     by_claim = None if intervals is None else intervals.get("claims", {})
     columns = [(GRID_COLUMNS[g], runs, None) for g, runs in earlier.items()]
     columns.append((GRID_COLUMNS[grid] + (" (pooled 95% interval)" if by_claim is not None else ""), results or [],
                     by_claim))
+    columns += [(label + " (pooled 95% interval)", [], found.get("claims", {}))
+                for label, found in (arms or {}).items() if found is not None]
     note = INTERVALS_NOTE if by_claim is not None else CLAIMS_NOTE
-    claims = "\n".join(claims_table(columns, paper) + ["", note])
+    waiting = [f"No intervals yet for the arm \"{label}\" (benchmarks/{name}.yaml): run it, then python -m "
+               f"benchmarks.grid_intervals --grid {name} --against {grid}."
+               for name, label in ARMS.get(grid, {}).items() if (arms or {}).get(label, "absent") is None]
+    claims = "\n".join(claims_table(columns, paper) + ["", note] + (["", *waiting] if waiting else []))
     extra = {prefix + "claims": claims}
     if grid in KEPT_PREDICTIONS:
         checks = [(label, found[0], found[1]) for label, found in (checks or {}).items()]
@@ -731,7 +743,9 @@ def main(argv: list[str] | None = None) -> int:
                               _read_if_there(Path(f"benchmarks/results/{name}_intervals.json")))
                       for name, label in REGIME_CHECKS.get(args.grid, {}).items()
                       if Path(f"benchmarks/results/{name}.json").is_file()}
-            blocks = grid_sections(results, paper, args.grid, earlier, intervals, checks)
+            arms = {label: _read_if_there(Path(f"benchmarks/results/{name}_intervals.json"))
+                    for name, label in ARMS.get(args.grid, {}).items()}
+            blocks = grid_sections(results, paper, args.grid, earlier, intervals, checks, arms)
         updated = fill(page, blocks)
     except (OSError, ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)

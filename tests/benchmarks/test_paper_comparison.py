@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.paper_comparison import (
+    ARMS,
     CLAIMS,
     EDL_FAMILY,
     GRID_COLUMNS,
@@ -407,6 +408,26 @@ def test_without_intervals_the_grid_keeps_the_per_seed_cells_and_its_regime_bloc
     assert "| +7.00 (0 of 1 seed) | +7.00 (0 of 1 seed) |" in blocks["sciq_grid_shared_lr/claims"]
     assert "sciq_grid_paper/regime" not in grid_sections(RESULTS, parse_paper(TEX), "sciq_grid_paper",
                                                          {"sciq_grid": RESULTS})
+
+
+def test_an_arm_beside_the_grid_is_a_claims_column_of_its_own_or_says_it_has_not_run():
+    ece_claim = "IB-EDL is better calibrated than MAP (ECE, points)"
+    entry = {"seeds": 1, "pooled": {"difference": -2.5, "ci95": [-3.0, -2.0], "verdict": "holds"},
+             "per_seed": {"0": {}}, "held_on": 1, "direction_on": 1}
+    (label,) = ARMS["sciq_grid_shared_lr"].values()
+    (name,) = ARMS["sciq_grid_shared_lr"]
+    ran = grid_sections(RESULTS, parse_paper(TEX), "sciq_grid_shared_lr", {"sciq_grid": RESULTS},
+                        intervals_for(ece_claim, entry), arms={label: intervals_for(ece_claim, entry)})
+    claims = ran["sciq_grid_shared_lr/claims"].splitlines()
+    assert claims[0].endswith(f"| fixed budget, one rate for all (pooled 95% interval) | {label} "
+                              "(pooled 95% interval) |")
+    row = next(line for line in claims if line.startswith(f"| {ece_claim} |"))
+    assert row.endswith("| -2.50 [-3.00, -2.00]; interval holds on 1 of 1, direction on 1 of 1 seed | "
+                        "-2.50 [-3.00, -2.00]; interval holds on 1 of 1, direction on 1 of 1 seed |")
+    waiting = grid_sections(RESULTS, parse_paper(TEX), "sciq_grid_shared_lr", {"sciq_grid": RESULTS},
+                            intervals_for(ece_claim, entry), arms={label: None})["sciq_grid_shared_lr/claims"]
+    assert f"{label} (pooled" not in waiting.splitlines()[0]
+    assert waiting.endswith(f"python -m benchmarks.grid_intervals --grid {name} --against sciq_grid_shared_lr.")
 
 
 @pytest.mark.skipif(not default_paper().is_file(), reason=f"the paper's source {default_paper()} is not here")
