@@ -8,8 +8,10 @@ grid's runs do (same data sizes, warm start, early stopping) into ``runs/search/
 validation NLL of the state early stopping kept (before calibration or a predictive fit), read from the run's manifest.
 The test split is never read. Results (every candidate's start and end validation metrics, the choice per method) go to
 ``benchmarks/results/<name>_search.json``; the grid's ``method_params`` and ``method_train`` sections are then set from
-the choices by hand, with this file as the evidence. Candidates already in that file with the same overrides are not
-trained again: the command resumes, also on a fresh machine.
+the choices by hand, with this file as the evidence; the grid's cells of the search seed then adopt the chosen
+candidate's run rather than train it again (ibedl.training.experiments.benchmark.search_twin: same training config).
+Candidates already in that file with the same overrides are not trained again: the command resumes, also on a fresh
+machine.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import threading
 from pathlib import Path
 
 from ibedl.core.artifact import atomic_write_text
-from ibedl.training.experiments.benchmark import Run, load_benchmark_config, run_child, train_overrides
+from ibedl.training.experiments.benchmark import SEARCH_ROOT, Run, load_benchmark_config, run_child, train_overrides
 from ibedl.training.methods import get_method
 
 log = logging.getLogger("benchmarks.hparam_search")
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --jobs must be >= 1, got {args.jobs}", file=sys.stderr)
         return 2
     name = config.get("name", Path(args.config).stem)
-    root = Path("runs/search") / name
+    root = SEARCH_ROOT / name
     output = Path(args.output or f"benchmarks/results/{name}_search.json")
     if args.table:
         if not output.is_file():

@@ -158,6 +158,31 @@ def train_overrides(config: dict, run: Run, method: str, out: Path) -> list[str]
     return [f"{k}={json.dumps(v)}" for k, v in pairs.items()] + [f"{k}={json.dumps(v)}" for k, v in own.items()]
 
 
+SEARCH_ROOT = Path("runs/search")  # benchmarks.hparam_search trains a config's candidates under SEARCH_ROOT/<name>/
+UNCOMPARED = ("output", "name")  # what a search candidate and a grid cell may differ in and still be the same run
+
+
+def search_twin(config: dict, run: Run, method: str, out: Path) -> Path | None:
+    """The trained search candidate (``SEARCH_ROOT/<name>/<method>-<i>``, benchmarks.hparam_search) whose training
+    config equals the cell's but for its output and name, or None: the grid adopts it rather than training the same
+    run again (the chosen candidate is the search seed's cell once the config names its choice)."""
+    from ibedl.training.config import TrainConfig, load_config
+
+    search = config.get("search") or {}
+    if not search.get("candidates") or run.seed != int(search.get("seed", 0)):
+        return None
+    want = load_config(None, train_overrides(config, run, method, out)).to_dict()
+    for candidate in sorted((SEARCH_ROOT / config.get("name", "")).glob(f"{method}-*")):
+        try:
+            stored = json.loads((candidate / "manifest.json").read_text())["training"]["config"]
+            got = TrainConfig(**stored).to_dict()
+        except (OSError, KeyError, ValueError):  # not finished, or trained with keys the config no longer has
+            continue
+        if all(got.get(k) == v for k, v in want.items() if k not in UNCOMPARED) and set(got) == set(want):
+            return candidate
+    return None
+
+
 def run_child(cmd: list[str], log_path: Path, threads: int | None = None) -> dict:
     """Run a command (with ``threads`` intra-op threads when given), returning its exit code, seconds and peak RSS
     (MiB) from wait4."""
@@ -222,6 +247,14 @@ class Runner:
                     shutil.rmtree(child)
                 else:
                     child.unlink()
+        if (twin := search_twin(self.config, run, method, out)) is not None:
+            log.info("adopting %s: the search trained this run (%s)", out.name, twin)
+            if out.exists():
+                shutil.rmtree(out)
+            shutil.copytree(twin, out)
+            info = {"returncode": 0, "adopted_from": str(twin), "peak_rss_mib": None}
+            atomic_write_text(info_path, json.dumps(info))
+            return out, info
         out.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "ibedl.training.finetune", *train_overrides(self.config, run, method, out)]
         log.info("training %s", out.name)

@@ -331,3 +331,35 @@ def test_the_validation_passes_made_while_training_are_kept_in_the_summary(tmp_p
     manifest = {"training": {"run": {"steps": 150}}}
     assert training_summary(manifest, got)["trajectory"] == got
     assert "trajectory" not in training_summary(manifest, [])  # records without passes keep their old shape
+
+
+def test_a_grid_adopts_the_search_candidate_that_trained_its_cell(bench_config, tmp_path, monkeypatch):
+    """The search seed's cell whose training config equals a trained candidate's (but for output and name) is copied
+    from it, not trained again; a candidate with another beta, or a cell of another seed, is not adopted."""
+    from ibedl.training.config import load_config
+    from ibedl.training.experiments import benchmark
+
+    _, config = bench_config
+    config = {**config, "search": {"seed": 0, "candidates": {"ib_edl": [{"method_params.beta": 1e-6},
+                                                                          {"method_params.beta": 5e-6}]}},
+              "method_params": {**config["method_params"], "ib_edl": {"num_samples": 2, "beta": 5e-6}}}
+    monkeypatch.setattr(benchmark, "SEARCH_ROOT", tmp_path / "search")
+    run = Run("id", "id", "sciq", "ib_edl", 0, ("sciq",))
+    for index, beta in enumerate((1e-6, 5e-6)):
+        candidate = tmp_path / "search" / "tiny" / f"ib_edl-{index}"
+        candidate.mkdir(parents=True)
+        overrides = benchmark.train_overrides(config, run, "ib_edl", candidate)
+        trained = load_config(None, [*overrides, f"method_params.beta={beta}", f"name=ib_edl-{index}"]).to_dict()
+        (candidate / "manifest.json").write_text(json.dumps({"training": {"config": trained}}))
+        (candidate / "weights.safetensors").write_bytes(b"w%d" % index)
+    root = tmp_path / "runs"
+    assert benchmark.search_twin(config, run, "ib_edl", root / "x") == tmp_path / "search" / "tiny" / "ib_edl-1"
+    assert benchmark.search_twin(config, Run("id", "id", "sciq", "ib_edl", 1, ("sciq",)), "ib_edl", root) is None
+    elsewhere = {**config, "method_params": {**config["method_params"], "ib_edl": {"num_samples": 2, "beta": 1e-5}}}
+    assert benchmark.search_twin(elsewhere, run, "ib_edl", root) is None
+
+    runner = benchmark.Runner(config, root, tmp_path / "results.json")
+    out, info = runner.ensure_trained(run, "ib_edl")
+    assert (out / "weights.safetensors").read_bytes() == b"w1"
+    assert info["adopted_from"].endswith("ib_edl-1")
+    assert json.loads((out / "benchmark-train.json").read_text()) == info
