@@ -130,6 +130,8 @@ def main(argv=None) -> int:
     parser.add_argument("--resamples", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0, help="seed of the resamples")
     parser.add_argument("--output", default="benchmarks/results/paired_bootstrap.json")
+    parser.add_argument("--save-answers", metavar="FILE",
+                        help="also write each adapter's answers (ids, labels, probabilities, alpha, sigma, u) as JSON")
     args = parser.parse_args(argv)
     if args.resamples < 100:
         parser.error(f"--resamples must be at least 100, got {args.resamples}")
@@ -148,8 +150,12 @@ def main(argv=None) -> int:
     questions = load_dataset(args.dataset, args.split, limit=args.limit, seed=args.sample_seed, exclude=excluded)
     labels = [q.answer for q in questions]
 
+    answers = {}
+
     def answer(path: str) -> PerQuestion:
         predictions, _ = predict_all(Predictor.from_artifact(path), questions, args.batch_size, desc=Path(path).name)
+        answers[path] = {field: [getattr(p, field) for p in predictions]
+                         for field in ("probs", "alpha", "sigma", "uncertainty")}
         return PerQuestion.from_probs([p.probs for p in predictions], labels)
 
     reference = answer(args.reference)
@@ -163,6 +169,9 @@ def main(argv=None) -> int:
         "differences": "other minus reference; ci95 is the 2.5-97.5 percentile range over paired resamples",
         "comparisons": comparisons,
     })
+    if args.save_answers:
+        write_result(args.save_answers, {"ids": [q.id for q in questions], "labels": labels, "answers": answers},
+                     echo=False)
     return 0
 
 
