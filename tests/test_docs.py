@@ -165,6 +165,7 @@ CLIS = [
     ("benchmarks.paper_comparison", []),
     ("benchmarks.grid_predictions", []),
     ("benchmarks.grid_intervals", []),
+    ("benchmarks.posthoc_repair", []),
 ]
 
 

@@ -1,0 +1,34 @@
+import numpy as np
+import pytest
+import torch
+
+from benchmarks.posthoc_repair import TAU_GRID, fit, outputs, repaired
+from ibedl.core.head import adjust_alpha
+
+
+def test_the_step_is_zetas_map_then_evidence_divided_by_tau():
+    rng = np.random.default_rng(0)
+    alpha, sigma = 1 + rng.gamma(2, 3, (50, 4)), rng.gamma(1, 1, (50, 4))
+    shifted = adjust_alpha(torch.as_tensor(alpha), torch.as_tensor(sigma), -2.0, 1.0).numpy()
+    assert np.allclose(repaired(alpha, sigma, -2.0, 1.0), shifted)
+    assert np.allclose(repaired(alpha, sigma, 0.0, 2.0) - 1, (alpha - 1) / 2)
+    with pytest.raises(ValueError, match="tau must be > 0, got 0"):
+        repaired(alpha, sigma, 0.0, 0)
+
+
+def test_tau_keeps_the_order_of_u_among_questions_with_the_same_options():
+    rng = np.random.default_rng(1)
+    alpha, sigma = 1 + rng.gamma(2, 3, (200, 4)), np.zeros((200, 4))
+    _, u = outputs(repaired(alpha, sigma, 0.0, 1.0))
+    _, u_tau = outputs(repaired(alpha, sigma, 0.0, 2.5))
+    assert (np.argsort(u) == np.argsort(u_tau)).all() and (u_tau > u).all()
+
+
+def test_the_fit_recovers_a_known_evidence_temperature():
+    """Labels drawn from Dirichlet means whose evidence was then doubled: tau near 2 undoes it."""
+    rng = np.random.default_rng(2)
+    evidence = rng.gamma(0.6, 4, (4000, 4))
+    true = (1 + evidence) / (1 + evidence).sum(1, keepdims=True)
+    labels = np.array([rng.choice(4, p=p) for p in true])
+    zeta, tau, _ = fit(1 + 2 * evidence, np.zeros((4000, 4)), labels, (0.0,), TAU_GRID)
+    assert zeta == 0.0 and tau == pytest.approx(2.0, rel=0.15)
