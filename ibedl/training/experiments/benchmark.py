@@ -236,8 +236,9 @@ class Runner:
         info_path = out / "benchmark-train.json"
         if (out / "manifest.json").is_file() and info_path.is_file():
             return out, json.loads(info_path.read_text())
+        twin = search_twin(self.config, run, method, out)
         if self.dry_run:
-            print("train", out)
+            print(*(("train", out) if twin is None else ("adopt", out, "from", twin)))
             return out, {}
         if out.exists():  # an interrupted run: trained again, but for the ensemble members it had saved
             for child in out.iterdir():  # (finetune keeps those whose member.json matches: member_resume)
@@ -247,7 +248,7 @@ class Runner:
                     shutil.rmtree(child)
                 else:
                     child.unlink()
-        if (twin := search_twin(self.config, run, method, out)) is not None:
+        if twin is not None:
             log.info("adopting %s: the search trained this run (%s)", out.name, twin)
             if out.exists():
                 shutil.rmtree(out)

@@ -333,7 +333,7 @@ def test_the_validation_passes_made_while_training_are_kept_in_the_summary(tmp_p
     assert "trajectory" not in training_summary(manifest, [])  # records without passes keep their old shape
 
 
-def test_a_grid_adopts_the_search_candidate_that_trained_its_cell(bench_config, tmp_path, monkeypatch):
+def test_a_grid_adopts_the_search_candidate_that_trained_its_cell(bench_config, tmp_path, monkeypatch, capsys):
     """The search seed's cell whose training config equals a trained candidate's (but for output and name) is copied
     from it, not trained again; a candidate with another beta, or a cell of another seed, is not adopted."""
     from ibedl.training.config import load_config
@@ -358,6 +358,8 @@ def test_a_grid_adopts_the_search_candidate_that_trained_its_cell(bench_config, 
     elsewhere = {**config, "method_params": {**config["method_params"], "ib_edl": {"num_samples": 2, "beta": 1e-5}}}
     assert benchmark.search_twin(elsewhere, run, "ib_edl", root) is None
 
+    benchmark.Runner(config, root, tmp_path / "results.json", dry_run=True).ensure_trained(run, "ib_edl")
+    assert capsys.readouterr().out.startswith(f"adopt {root / 'sciq-ib_edl-s0'} from ")
     runner = benchmark.Runner(config, root, tmp_path / "results.json")
     out, info = runner.ensure_trained(run, "ib_edl")
     assert (out / "weights.safetensors").read_bytes() == b"w1"
