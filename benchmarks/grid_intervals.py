@@ -14,7 +14,7 @@ over these seeds, not the spread a new seed would add; the per-seed intervals sh
 
 ``--against GRID`` takes ``--grid`` as an arm run beside ``GRID`` (``benchmarks/<arm>.yaml`` training only some
 methods on GRID's questions, e.g. IB-EDL as the paper specifies it): its rows replace GRID's for its methods and the
-claims are tested on GRID's runs with them (benchmarks.grid_predictions.beside; the questions are checked equal).
+claims are tested on GRID's runs with them (benchmarks.grid_predictions.beside; the labels are checked equal).
 
 On a seed a claim ``holds`` when its 95% interval lies wholly on the claimed side of 0 (for a no-worse claim: wholly
 above minus the tolerance), ``direction`` when only the point estimate does, else ``no``.

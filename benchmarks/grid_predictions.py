@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+log = logging.getLogger("benchmarks.grid_predictions")
 
 SEP = "|"
 FIELDS = ("probs", "labels", "uncertainty", "probs0", "uncertainty0", "sigma")
@@ -136,9 +139,12 @@ def beside(grid: GridPredictions, arm: GridPredictions) -> GridPredictions:
     config beside a grid (e.g. IB-EDL as the paper specifies it beside the one-rate grid's other methods), so that
     its claims pair with the grid's rows question by question.
 
+    The grid's rows of those methods that the arm lacks (a seed or set it has not run) are left out, not kept beside
+    the arm's, and named in a warning: a claim then pools fewer seeds (grid_intervals records how many).
+
     Raises:
         ValueError: an arm set has no counterpart in the grid (the same kind of run, seed and set under another
-            method), or its questions differ from the grid's there (other labels): no paired difference exists.
+            method), or its labels differ from the grid's there (other questions): no paired difference exists.
     """
     methods = {key.split(SEP)[1] for key in arm.arrays}
     others = {key.split(SEP)[1] for key in grid.arrays} - methods
@@ -153,6 +159,10 @@ def beside(grid: GridPredictions, arm: GridPredictions) -> GridPredictions:
         if any(len(t) != len(labels) or (t != labels).any() for t in twins):
             raise ValueError(f"the arm's {train} {method} answered other {dataset} questions than the grid's runs")
     kept = {k: v for k, v in grid.arrays.items() if k.split(SEP)[1] not in methods}
+    dropped = sorted({" ".join(k.split(SEP)[:3]) for k in grid.arrays.keys() - kept.keys() - arm.arrays.keys()})
+    if dropped:
+        log.warning("the arm has no rows for %d of the grid's (run, method, set): %s", len(dropped),
+                    ", ".join(dropped))
     return GridPredictions({**kept, **arm.arrays})
 
 

@@ -8,7 +8,7 @@ grid's runs do (same data sizes, warm start, early stopping) into ``runs/search/
 validation NLL of the state early stopping kept (before calibration or a predictive fit), read from the run's manifest.
 The test split is never read. Results (every candidate's start and end validation metrics, the choice per method) go to
 ``benchmarks/results/<name>_search.json``; the grid's ``method_params`` and ``method_train`` sections are then set from
-the choices by hand, with this file as the evidence; the grid's cells of the search seed then adopt the chosen
+the choices by hand, with this file as the evidence; once they are, the grid's cells of the search seed adopt the chosen
 candidate's run rather than train it again (ibedl.training.experiments.benchmark.search_twin: same training config).
 Candidates already in that file with the same overrides are not trained again: the command resumes, also on a fresh
 machine.
@@ -26,7 +26,14 @@ import threading
 from pathlib import Path
 
 from ibedl.core.artifact import atomic_write_text
-from ibedl.training.experiments.benchmark import SEARCH_ROOT, Run, load_benchmark_config, run_child, train_overrides
+from ibedl.training.experiments.benchmark import (
+    SEARCH_ROOT,
+    Run,
+    load_benchmark_config,
+    run_child,
+    search_results,
+    train_overrides,
+)
 from ibedl.training.methods import get_method
 
 log = logging.getLogger("benchmarks.hparam_search")
@@ -124,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = config.get("name", Path(args.config).stem)
     root = SEARCH_ROOT / name
-    output = Path(args.output or f"benchmarks/results/{name}_search.json")
+    output = Path(args.output) if args.output else search_results(name)
     if args.table:
         if not output.is_file():
             print(f"error: no search results at {output}", file=sys.stderr)

@@ -109,8 +109,11 @@ def drawn_by(artifacts: list[str | Path]) -> frozenset[str]:
         if path.resolve() in seen:
             continue
         seen.add(path.resolve())
-        ids |= start_training_ids(path)
-        start = json.loads((path / "manifest.json").read_text())["training"]["config"].get("init_from")
+        try:
+            ids |= start_training_ids(path)
+            start = json.loads((path / "manifest.json").read_text())["training"]["config"].get("init_from")
+        except (OSError, KeyError, ValueError) as e:
+            raise ValueError(f"{path}: its training questions are unknown ({e})") from e
         if start:
             todo.append(Path(start))
     return frozenset(ids)
@@ -145,7 +148,7 @@ def main(argv=None) -> int:
 
     try:
         excluded = drawn_by(args.unseen_by)
-    except (KeyError, ValueError) as e:
+    except ValueError as e:
         parser.error(f"--unseen-by: {e}")
     questions = load_dataset(args.dataset, args.split, limit=args.limit, seed=args.sample_seed, exclude=excluded)
     labels = [q.answer for q in questions]

@@ -9,14 +9,18 @@ validation, judged on fresh questions no recipe drew (issue 57 item 5).
         [--fresh benchmarks/results/decision_scores/fresh_sciq_answers.json] [--output ...posthoc_repair.json]
 
 The step: an *evidence temperature* tau after zeta, alpha <- offset + (max(alpha - zeta * sigma, offset) - offset) /
-tau. It keeps a Dirichlet (belief masses and u stay what the probabilities imply), and u's order among questions
-with the same number of options, so the OOD gate ranks them as before; tau > 1 flattens, tau < 1 sharpens (up to
-the belief masses' proportions). Candidates, each fitted by NLL on SciQ validation (the raw outputs of
-``benchmarks.decisions score``, post-hoc step neutral; the served zeta was fitted there too):
+tau. It keeps a Dirichlet (belief masses and u stay what the probabilities imply), and tau keeps u's order among
+questions with the same number of options, so at a given zeta the OOD gate ranks them as before (a new zeta may
+not); tau > 1 flattens, tau < 1 sharpens (up to the belief masses' proportions). Candidates, each fitted by NLL on
+SciQ validation (the raw outputs of ``benchmarks.decisions score``, post-hoc step neutral; the served zeta was fitted
+on the calibration's fit part of the same questions):
 
 - ``served``: the manifest's zeta, tau 1 (what the service answers);
 - ``zeta``: zeta refitted on the grid (ibedl.training.head_kinds.ZETA_GRID), tau 1;
 - ``zeta+tau``: zeta and tau fitted together (ZETA_GRID x TAU_GRID).
+
+The candidates are nested (TAU_GRID holds 1), so ``zeta+tau`` never has the higher validation NLL: the choice is
+whether what it gains on the fresh sample is worth a second parameter.
 
 Per candidate, on validation: NLL, ECE and the gate's mean AUROC of 1/u against the five shifted ``_dev`` streams
 (validation splits). The candidate with the lowest validation NLL is chosen. Then, read once on the fresh sample
@@ -62,12 +66,13 @@ def nll(probs: np.ndarray, labels: np.ndarray) -> float:
     return float(-np.log(np.maximum(probs[np.arange(len(labels)), labels], 1e-12)).mean())
 
 
-def fit(alpha: np.ndarray, sigma: np.ndarray, labels: np.ndarray, zetas, taus) -> tuple[float, float, float]:
+def fit(alpha: np.ndarray, sigma: np.ndarray, labels: np.ndarray, zetas, taus,
+        offset: float = 1.0) -> tuple[float, float, float]:
     """(zeta, tau, NLL) with the lowest NLL over the grid (ties: the smallest |zeta|, then tau nearest 1)."""
     best = None
     for zeta in zetas:
         for tau in taus:
-            value = round(nll(outputs(repaired(alpha, sigma, zeta, tau))[0], labels), 12)
+            value = round(nll(outputs(repaired(alpha, sigma, zeta, tau, offset), offset)[0], labels), 12)
             key = (value, abs(zeta), abs(np.log(tau)))
             if best is None or key < best[0]:
                 best = (key, float(zeta), float(tau), value)
@@ -83,14 +88,14 @@ def stream(scores: dict, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]
             np.asarray([s["labels"][i] for i in keep]))
 
 
-def gate_auroc(scores: dict, zeta: float, tau: float) -> float:
+def gate_auroc(scores: dict, zeta: float, tau: float, offset: float = 1.0) -> float:
     """Mean AUROC of 1/u, SciQ validation (positive) against each shifted validation stream, 4-option questions."""
     alpha, sigma, _ = stream(scores, "sciq_validation")
-    inside = 1 / outputs(repaired(alpha, sigma, zeta, tau))[1]
+    inside = 1 / outputs(repaired(alpha, sigma, zeta, tau, offset), offset)[1]
     values = []
     for name in SHIFTED_DEV:
         a, s, _ = stream(scores, name)
-        values.append(metrics.auroc(inside, 1 / outputs(repaired(a, s, zeta, tau))[1]))
+        values.append(metrics.auroc(inside, 1 / outputs(repaired(a, s, zeta, tau, offset), offset)[1]))
     return float(np.mean(values))
 
 
@@ -122,25 +127,26 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     val_alpha, val_sigma, val_labels = stream(scores, "sciq_validation")
-    refit, _, _ = fit(val_alpha, val_sigma, val_labels, ZETA_GRID, (1.0,))
-    z, t, _ = fit(val_alpha, val_sigma, val_labels, ZETA_GRID, TAU_GRID)
+    refit, _, _ = fit(val_alpha, val_sigma, val_labels, ZETA_GRID, (1.0,), offset)
+    z, t, _ = fit(val_alpha, val_sigma, val_labels, ZETA_GRID, TAU_GRID, offset)
     candidates = {"served": served, "zeta": {"zeta": refit, "tau": 1.0}, "zeta+tau": {"zeta": z, "tau": t}}
     validation = {}
     for name, c in candidates.items():
         probs, _ = outputs(repaired(val_alpha, val_sigma, c["zeta"], c["tau"], offset), offset)
         validation[name] = {**c, "nll": nll(probs, val_labels), "ece": metrics.ece(list(probs), val_labels, 15),
                             "accuracy": metrics.accuracy(list(probs), val_labels),
-                            "gate_auroc_dev": gate_auroc(scores, c["zeta"], c["tau"])}
+                            "gate_auroc_dev": gate_auroc(scores, c["zeta"], c["tau"], offset)}
     chosen = min(validation, key=lambda n: validation[n]["nll"])
 
-    # the fresh sample: the default's served alpha back to the raw (zeta undone; it never reached the floor here)
+    # the fresh sample: the default's served alpha back to the raw, zeta undone (alpha + zeta * sigma). A negative zeta
+    # only raises alpha, so nothing reached the floor; with a positive one an entry at the floor cannot be undone.
     labels = np.asarray(fresh["labels"])
     alpha = [np.asarray(a) for a in default["alpha"]]
     sigma = [np.asarray(s) for s in default["sigma"]]
-    raw = [a + served["zeta"] * s for a, s in zip(alpha, sigma, strict=True)]
-    if min(float(r.min()) for r in raw) < offset - 1e-4:
+    if served["zeta"] > 0 and any(((a <= offset + 1e-6) & (s > 0)).any() for a, s in zip(alpha, sigma, strict=True)):
         print("error: the served alpha was clipped at the floor: zeta cannot be undone", file=sys.stderr)
         return 2
+    raw = [a + served["zeta"] * s for a, s in zip(alpha, sigma, strict=True)]
     gap = max(float(np.abs(np.asarray(p) - a / a.sum()).max()) for p, a in zip(default["probs"], alpha, strict=True))
 
     def answered(c: dict) -> PerQuestion:

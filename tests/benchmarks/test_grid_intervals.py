@@ -170,3 +170,13 @@ def test_an_arm_on_other_questions_or_without_a_counterpart_is_refused():
     lone = GridPredictions({k.replace("-s0", "-s7"): v for k, v in preds.arrays.items() if "ib_edl" in k})
     with pytest.raises(ValueError, match="sciq-ib_edl-s7 ib_edl on sciq has no counterpart"):
         beside(preds, lone)
+
+
+def test_grid_rows_an_arm_has_not_run_are_left_out_and_named(caplog):
+    preds, runs = grid(seeds=(0, 1))
+    arm = GridPredictions({k: v for k, v in preds.arrays.items() if k.startswith("sciq-ib_edl-s0" + SEP)})
+    merged = beside(preds, arm)
+    assert not merged.has("sciq-ib_edl-s1", "ib_edl", "sciq") and merged.has("sciq-map-s1", "map", "sciq")
+    assert "sciq-ib_edl-s1 ib_edl sciq" in caplog.text
+    claim = Claim("ECE", "id", (IB0, "ece"), (("map", "ece"),), 100, "lower")
+    assert claim_interval(claim, runs, merged, resamples=200)["seeds"] == 1

@@ -1,3 +1,4 @@
+import json
 from pathlib import Path
 
 import numpy as np
@@ -92,8 +93,6 @@ def test_bad_inputs_name_the_problem():
 
 def test_unseen_by_leaves_out_what_every_artifact_and_its_starts_drew(tmp_path, monkeypatch):
     """drawn_by follows each artifact's init_from to the first run without one, once per artifact."""
-    import json
-
     from benchmarks import paired_bootstrap
     from ibedl.training import finetune
 
@@ -113,3 +112,9 @@ def test_unseen_by_leaves_out_what_every_artifact_and_its_starts_drew(tmp_path, 
     assert paired_bootstrap.drawn_by([tmp_path / "stage2", tmp_path / "twin"]) == {"a", "b", "c", "d"}
     assert sorted(calls) == ["stage1", "stage2", "twin"]  # the shared start read once
     assert paired_bootstrap.drawn_by([]) == frozenset()
+    (tmp_path / "orphan").mkdir()
+    (tmp_path / "orphan" / "manifest.json").write_text(json.dumps({"training": {"config": {
+        "init_from": str(tmp_path / "gone")}}}))
+    drew["orphan"] = set()
+    with pytest.raises(ValueError, match="gone: its training questions are unknown"):
+        paired_bootstrap.drawn_by([tmp_path / "orphan"])

@@ -9,8 +9,10 @@ from ibedl.core.head import adjust_alpha
 def test_the_step_is_zetas_map_then_evidence_divided_by_tau():
     rng = np.random.default_rng(0)
     alpha, sigma = 1 + rng.gamma(2, 3, (50, 4)), rng.gamma(1, 1, (50, 4))
-    shifted = adjust_alpha(torch.as_tensor(alpha), torch.as_tensor(sigma), -2.0, 1.0).numpy()
-    assert np.allclose(repaired(alpha, sigma, -2.0, 1.0), shifted)
+    for zeta in (-2.0, 3.0):  # 3: some entries clipped at the floor
+        shifted = adjust_alpha(torch.as_tensor(alpha), torch.as_tensor(sigma), zeta, 1.0).numpy()
+        assert np.allclose(repaired(alpha, sigma, zeta, 1.0), shifted)
+    assert (repaired(alpha, sigma, 3.0, 1.0) == 1.0).any()
     assert np.allclose(repaired(alpha, sigma, 0.0, 2.0) - 1, (alpha - 1) / 2)
     with pytest.raises(ValueError, match="tau must be > 0, got 0"):
         repaired(alpha, sigma, 0.0, 0)

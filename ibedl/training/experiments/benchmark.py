@@ -121,6 +121,8 @@ def expand(config: dict) -> list[Run]:
 RUN_DATA = ("train", "validation", "test", "label_noise", "noise_seed")  # the data keys each cell sets itself
 # what an interrupted run keeps for its next start: the saved ensemble members, their steps and the log
 KEPT_ON_RESTART = ("members", "history.jsonl", "train.log")
+SEARCH_ROOT = Path("runs/search")  # benchmarks.hparam_search trains a config's candidates under SEARCH_ROOT/<name>/
+UNCOMPARED = ("output", "name")  # what a search candidate and a grid cell may differ in and still be the same run
 
 
 def train_overrides(config: dict, run: Run, method: str, out: Path) -> list[str]:
@@ -158,29 +160,29 @@ def train_overrides(config: dict, run: Run, method: str, out: Path) -> list[str]
     return [f"{k}={json.dumps(v)}" for k, v in pairs.items()] + [f"{k}={json.dumps(v)}" for k, v in own.items()]
 
 
-SEARCH_ROOT = Path("runs/search")  # benchmarks.hparam_search trains a config's candidates under SEARCH_ROOT/<name>/
-UNCOMPARED = ("output", "name")  # what a search candidate and a grid cell may differ in and still be the same run
+def search_results(name: str) -> Path:
+    """Where benchmarks.hparam_search writes a config's search: every candidate and the choice per method."""
+    return Path("benchmarks/results") / f"{name}_search.json"
 
 
 def search_twin(config: dict, run: Run, method: str, out: Path) -> Path | None:
-    """The trained search candidate (``SEARCH_ROOT/<name>/<method>-<i>``, benchmarks.hparam_search) whose training
-    config equals the cell's but for its output and name, or None: the grid adopts it rather than training the same
-    run again (the chosen candidate is the search seed's cell once the config names its choice)."""
+    """The search's chosen candidate for ``method`` (``SEARCH_ROOT/<name>/<method>-<i>``, benchmarks.hparam_search,
+    the choice read from :func:`search_results`) when its training config equals the cell's but for its output and
+    name, or None: the grid adopts it rather than training the same run again. A config that does not (yet) name
+    the choice trains its own runs."""
     from ibedl.training.config import TrainConfig, load_config
 
-    search = config.get("search") or {}
-    if not search.get("candidates") or run.seed != int(search.get("seed", 0)):
+    search, name = config.get("search") or {}, config.get("name")
+    if not search.get("candidates") or not name or run.seed != int(search.get("seed", 0)):
+        return None
+    try:
+        chosen = json.loads(search_results(name).read_text())["chosen"][method]["index"]
+        candidate = SEARCH_ROOT / name / f"{method}-{chosen}"
+        got = TrainConfig(**json.loads((candidate / "manifest.json").read_text())["training"]["config"]).to_dict()
+    except (OSError, KeyError, ValueError):  # no search yet, none chosen for the method, or its run is not here
         return None
     want = load_config(None, train_overrides(config, run, method, out)).to_dict()
-    for candidate in sorted((SEARCH_ROOT / config.get("name", "")).glob(f"{method}-*")):
-        try:
-            stored = json.loads((candidate / "manifest.json").read_text())["training"]["config"]
-            got = TrainConfig(**stored).to_dict()
-        except (OSError, KeyError, ValueError):  # not finished, or trained with keys the config no longer has
-            continue
-        if all(got.get(k) == v for k, v in want.items() if k not in UNCOMPARED) and set(got) == set(want):
-            return candidate
-    return None
+    return candidate if all(got[k] == v for k, v in want.items() if k not in UNCOMPARED) else None
 
 
 def run_child(cmd: list[str], log_path: Path, threads: int | None = None) -> dict:
@@ -468,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    name = config.get("name", Path(args.config).stem)
+    name = config.setdefault("name", Path(args.config).stem)  # also what search_twin looks under
     results = Path(args.results or f"benchmarks/results/{name}.json")
     threads = max(1, (os.cpu_count() or 1) // args.jobs) if args.jobs > 1 else None
     runner = Runner(config, Path(args.runs_dir or f"runs/benchmark/{name}"), results, args.dry_run, threads)

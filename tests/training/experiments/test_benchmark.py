@@ -334,8 +334,9 @@ def test_the_validation_passes_made_while_training_are_kept_in_the_summary(tmp_p
 
 
 def test_a_grid_adopts_the_search_candidate_that_trained_its_cell(bench_config, tmp_path, monkeypatch, capsys):
-    """The search seed's cell whose training config equals a trained candidate's (but for output and name) is copied
-    from it, not trained again; a candidate with another beta, or a cell of another seed, is not adopted."""
+    """The search seed's cell whose training config equals the chosen candidate's (but for output and name) is copied
+    from it, not trained again; a cell of another seed, a config that names another beta, or a search that chose
+    another candidate, is trained."""
     from ibedl.training.config import load_config
     from ibedl.training.experiments import benchmark
 
@@ -344,6 +345,9 @@ def test_a_grid_adopts_the_search_candidate_that_trained_its_cell(bench_config, 
                                                                           {"method_params.beta": 5e-6}]}},
               "method_params": {**config["method_params"], "ib_edl": {"num_samples": 2, "beta": 5e-6}}}
     monkeypatch.setattr(benchmark, "SEARCH_ROOT", tmp_path / "search")
+    monkeypatch.setattr(benchmark, "search_results", lambda name: tmp_path / f"{name}_search.json")
+    choose = lambda index: (tmp_path / "tiny_search.json").write_text(  # noqa: E731
+        json.dumps({"chosen": {"ib_edl": {"index": index}}}))
     run = Run("id", "id", "sciq", "ib_edl", 0, ("sciq",))
     for index, beta in enumerate((1e-6, 5e-6)):
         candidate = tmp_path / "search" / "tiny" / f"ib_edl-{index}"
@@ -353,6 +357,10 @@ def test_a_grid_adopts_the_search_candidate_that_trained_its_cell(bench_config, 
         (candidate / "manifest.json").write_text(json.dumps({"training": {"config": trained}}))
         (candidate / "weights.safetensors").write_bytes(b"w%d" % index)
     root = tmp_path / "runs"
+    assert benchmark.search_twin(config, run, "ib_edl", root) is None  # no search results yet
+    choose(0)
+    assert benchmark.search_twin(config, run, "ib_edl", root) is None  # the config names 5e-6, the search chose 1e-6
+    choose(1)
     assert benchmark.search_twin(config, run, "ib_edl", root / "x") == tmp_path / "search" / "tiny" / "ib_edl-1"
     assert benchmark.search_twin(config, Run("id", "id", "sciq", "ib_edl", 1, ("sciq",)), "ib_edl", root) is None
     elsewhere = {**config, "method_params": {**config["method_params"], "ib_edl": {"num_samples": 2, "beta": 1e-5}}}
@@ -365,3 +373,24 @@ def test_a_grid_adopts_the_search_candidate_that_trained_its_cell(bench_config, 
     assert (out / "weights.safetensors").read_bytes() == b"w1"
     assert info["adopted_from"].endswith("ib_edl-1")
     assert json.loads((out / "benchmark-train.json").read_text()) == info
+
+
+def test_the_paper_ib_edl_arm_trains_as_the_one_rate_grid_but_for_what_its_header_names(monkeypatch):
+    """benchmarks/sciq_grid_shared_lr_paper_ibedl.yaml copies the one-rate grid's train block: a later change to the
+    grid must reach the arm, or its predictions no longer pair with the grid's as the same regime."""
+    from pathlib import Path
+
+    from ibedl.training.experiments.benchmark import load_benchmark_config
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[3])
+    grid = load_benchmark_config("benchmarks/sciq_grid_shared_lr.yaml")
+    arm = load_benchmark_config("benchmarks/sciq_grid_shared_lr_paper_ibedl.yaml")
+    assert arm["train"]["lora"] == {**grid["train"]["lora"], "dropout": 0.1}
+    assert {**arm["train"], "lora": None} == {**grid["train"], "lora": None}
+    for key in ("sizes", "experiments", "method_train"):
+        assert arm[key] == grid[key]
+    assert arm["methods"] == ["ib_edl"] and set(arm["seeds"]) >= set(grid["seeds"])
+    params = arm["method_params"]["ib_edl"]
+    assert (params["risk"], params["inference"], params["inference_samples"], params["num_samples"]) == (
+        "mse", "sampled", 20, 20)
+    assert sorted(c["method_params.beta"] for c in arm["search"]["candidates"]["ib_edl"]) == [1e-6, 5e-6, 1e-5]
