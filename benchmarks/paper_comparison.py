@@ -432,8 +432,9 @@ CLAIMS = (
     Claim("Under 30% label noise IB-EDL is better calibrated than the other EDL methods (ECE, points, against the "
           "best of EDL, VID, I-EDL and R-EDL)", "noise", (IB0, "ece"), EDL_FAMILY, 100, "lower"),
 )
-INTERVALS_NOTE = ("Each cell of the last column: the difference IB-EDL minus the other row (the best of them on each "
-                  "seed where a claim names several) on the same questions, its mean over the seeds and the 95% "
+INTERVALS_NOTE = ("Each cell of a column headed (pooled 95% interval): the difference IB-EDL minus the other row "
+                  "(the best of them on each seed where a claim names several) on the same questions, its mean over "
+                  "the seeds and the 95% "
                   "interval of that mean over paired resamples of the test questions (benchmarks/grid_intervals.py; "
                   "it carries the test set's sampling error, not a new seed's spread); then on how many seeds the "
                   "seed's own interval lies on the claimed side (for the accuracy claim: above -1 point) and on how "
