@@ -36,10 +36,12 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from benchmarks.common import write_result
 from benchmarks.paired_bootstrap import PerQuestion, paired_bootstrap
 from ibedl.core.artifact import read_manifest
+from ibedl.core.head import adjust_alpha
 from ibedl.training import metrics
 from ibedl.training.calibrate import weights_sha256
 from ibedl.training.head_kinds import ZETA_GRID
@@ -52,7 +54,7 @@ def repaired(alpha: np.ndarray, sigma: np.ndarray, zeta: float, tau: float, offs
     """alpha (N, C) with the post-hoc step neutral -> offset + (max(alpha - zeta * sigma, offset) - offset) / tau."""
     if not tau > 0:
         raise ValueError(f"tau must be > 0, got {tau!r}")
-    shifted = np.maximum(alpha - zeta * sigma, offset)
+    shifted = adjust_alpha(torch.as_tensor(alpha), torch.as_tensor(sigma), zeta, offset).numpy()  # the head's map
     return offset + (shifted - offset) / tau
 
 
@@ -63,6 +65,7 @@ def outputs(alpha: np.ndarray, offset: float = 1.0) -> tuple[np.ndarray, np.ndar
 
 
 def nll(probs: np.ndarray, labels: np.ndarray) -> float:
+    """metrics.nll on (N, C) arrays at once (the same floor): it runs per row, too slow for the fit's 4,000 points."""
     return float(-np.log(np.maximum(probs[np.arange(len(labels)), labels], 1e-12)).mean())
 
 
@@ -155,11 +158,10 @@ def main(argv: list[str] | None = None) -> int:
         return PerQuestion.from_probs(probs, labels)
 
     twin_q = PerQuestion.from_probs([np.asarray(p) for p in twin["probs"]], labels)
-    served_q = answered(served)
-    comparisons = {f"{name} minus the twin": paired_bootstrap(twin_q, answered(c), args.resamples)
-                   for name, c in candidates.items()}
-    comparisons |= {f"{name} minus served": paired_bootstrap(served_q, answered(c), args.resamples)
-                    for name, c in candidates.items() if name != "served"}
+    answers = {name: answered(c) for name, c in candidates.items()}
+    comparisons = {f"{name} minus the twin": paired_bootstrap(twin_q, q, args.resamples) for name, q in answers.items()}
+    comparisons |= {f"{name} minus served": paired_bootstrap(answers["served"], q, args.resamples)
+                    for name, q in answers.items() if name != "served"}
     write_result(args.output, {
         "command": "python -m benchmarks.posthoc_repair " + " ".join(argv if argv is not None else sys.argv[1:]),
         "fresh_sample": {"n": len(labels), "answers": args.fresh,
