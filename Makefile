@@ -119,21 +119,28 @@ $(GPU_VENV)/.installed: pyproject.toml $(GPU_LOCK)
 
 setup-gpu: $(GPU_VENV)/.installed
 
-# A CUDA machine with its own torch and no package index: on a machine with an index, `make gpu-wheels` downloads
-# every wheel of the GPU lock but torch and its CUDA runtime (requirements/gpu-offline.txt) into wheels/gpu; carry
-# that folder over, then `make setup-gpu-offline` makes .venv-gpu on the machine's python and torch
-# (--system-site-packages) from those wheels alone (--no-index, hashes checked), and `make gpu-check-offline` runs.
+# A CUDA machine with its own torch and no package index (requirements/offline.py): where there is an index,
+# `make gpu-wheels GPU_HAVE=have.txt GPU_PYTHON_VERSION=3.12` downloads, hash-checked, the wheels of the GPU lock
+# (without torch and its CUDA runtime) that the project needs at run time (GPU_EXTRAS) and the machine lacks (have.txt:
+# its `python3 -m pip list --format=freeze`; GPU_WITHOUT leaves packages out on purpose) into wheels/gpu, with their
+# requirements.txt; carry that folder over, then `make setup-gpu-offline` makes .venv-gpu over the machine's python and
+# torch from those wheels alone (--no-index, hashes checked) and checks pyproject.toml's ranges; `make
+# gpu-check-offline` runs the check.
+GPU_PYTHON_VERSION ?= 3.11
+GPU_EXTRAS ?= train,serve,gpu
+GPU_HAVE ?=
+GPU_WITHOUT ?=
 gpu-wheels:
-	$(PIP) download -q --no-deps --require-hashes --only-binary :all: --python-version 3.11 \
-	  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any \
-	  -r requirements/gpu-offline.txt -d $(GPU_WHEELS)
+	mkdir -p $(GPU_WHEELS)
+	$(PYTHON) requirements/offline.py wheels --extras $(GPU_EXTRAS) $(if $(GPU_HAVE),--have $(GPU_HAVE)) \
+	  --without $(GPU_WITHOUT) > $(GPU_WHEELS)/requirements.txt
+	$(PIP) download -q --no-deps --require-hashes --only-binary :all: --python-version $(GPU_PYTHON_VERSION) \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux2014_x86_64 \
+	  --platform any -r $(GPU_WHEELS)/requirements.txt -d $(GPU_WHEELS)
 
 setup-gpu-offline:
-	$(PYTHON) -c 'import torch; assert torch.cuda.is_available(), "this python has no CUDA torch"'
-	$(PYTHON) -m venv --system-site-packages $(GPU_VENV)
-	$(GPU_VENV)/bin/python -m pip install -q --no-index --find-links $(GPU_WHEELS) --require-hashes --no-deps \
-	  -r requirements/gpu-offline.txt
-	$(GPU_VENV)/bin/python -m pip install -q --no-index --no-deps --no-build-isolation -e .
+	$(PYTHON) requirements/offline.py install --venv $(GPU_VENV) --wheels $(GPU_WHEELS) --extras $(GPU_EXTRAS) \
+	  --without $(GPU_WITHOUT)
 
 gpu-check-offline: setup-gpu-offline
 	$(GPU_VENV)/bin/python -m benchmarks.gpu_check $(GPU_CHECK_ARGS)

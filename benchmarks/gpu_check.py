@@ -62,6 +62,23 @@ def missing_gpu() -> str | None:
     return None
 
 
+RECORDED_PACKAGES = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "numpy", "safetensors", "fastapi",
+                     "uvicorn", "pydantic")
+
+
+def package_versions() -> dict[str, str | None]:
+    """The versions the check ran with (an offline install keeps the machine's own where it has them)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in RECORDED_PACKAGES:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
+
+
 def step_train(args, out: Path) -> dict:
     from benchmarks import gpu_path
 
@@ -249,7 +266,8 @@ def main(argv=None) -> int:
         return 2
     import torch
 
-    result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+    result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "packages": package_versions(),
+              "command": "python -m benchmarks.gpu_check " + " ".join(argv if argv is not None else sys.argv[1:]),
               "budgets_s": {name: budgets[name] for name in steps}, "steps": {}}
     child = [sys.executable, "-m", "benchmarks.gpu_check", *(argv if argv is not None else sys.argv[1:])]
     failed = False

@@ -210,11 +210,12 @@ def test_make_gpu_check_installs_the_gpu_lock_not_the_cpu_one():
     assert makefile_rule("gpu-check-offline").splitlines()[0].split(":")[1].split() == ["setup-gpu-offline"]
     install = makefile_rule("$(GPU_VENV)/.installed")
     assert "$(GPU_LOCK)" in install.splitlines()[0] and "--require-hashes --no-deps -r $(GPU_LOCK)" in install
-    offline = makefile_rule("setup-gpu-offline")
-    assert "--system-site-packages" in offline and "torch.cuda.is_available()" in offline
-    assert "--no-index --find-links $(GPU_WHEELS) --require-hashes --no-deps" in offline
-    assert "-r requirements/gpu-offline.txt" in offline and "-r requirements/gpu-offline.txt" in makefile_rule(
-        "gpu-wheels")
+    offline = makefile_rule("setup-gpu-offline")  # requirements/offline.py: tests/test_offline_install.py
+    assert "requirements/offline.py install --venv $(GPU_VENV) --wheels $(GPU_WHEELS)" in offline
+    wheels = makefile_rule("gpu-wheels")
+    assert "requirements/offline.py wheels" in wheels and "> $(GPU_WHEELS)/requirements.txt" in wheels
+    assert "--require-hashes" in wheels and "-r $(GPU_WHEELS)/requirements.txt" in wheels
+    assert "--python-version $(GPU_PYTHON_VERSION)" in wheels
     lock = makefile_rule("lock")
     assert "-o $(GPU_LOCK)" in lock
     assert "requirements/without_cuda.py $(GPU_LOCK) > requirements/gpu-offline.txt" in lock
