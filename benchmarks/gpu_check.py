@@ -6,19 +6,20 @@
 1. ``train``: IB-EDL steps in fp32, bf16 and bf16 on a 4-bit NF4 base, in micro-batches of 64 (benchmarks.gpu_path:
    training samples/s and peak GPU memory of each, and test accuracy).
 2. ``calibrate``: the committed default adapter calibrated on the arithmetic it will be served with (CUDA, bf16 on
-   a 4-bit base: ``torch-cuda-nf4-bf16``), into a copy under ``runs/gpu_check``.
-3. ``serve``: that copy served on CUDA (``IBEDL_DEVICE=cuda``, ``IBEDL_LOAD_IN_4BIT=true``): readiness, the
+   a 4-bit base: ``torch-cuda-nf4-bf16``; bf16, ``torch-cuda-bf16``, without bitsandbytes), into a copy under
+   ``runs/gpu_check``.
+3. ``serve``: that copy served on CUDA (``IBEDL_DEVICE=cuda``, ``IBEDL_LOAD_IN_4BIT=true`` where NF4 is): readiness, the
    calibration the service reports it uses, answers/s from 64 concurrent clients (micro-batches of up to 64), and the
    GPU memory of the service process (nvidia-smi).
 4. ``paper``: the 8B-shaped throughput run (benchmarks.paper_scale_gpu, random bf16 Llama3-8B shape) beside the
    paper's H100 figures: 68.08 test and 26.41 train samples/s, 21.88 GB peak.
 
-Needs CUDA and bitsandbytes (``pip install -e '.[gpu]'`` with a CUDA build of torch); without them it exits 2 at
-once, saying what is missing. CI never runs it. Each step runs in a child process under a time budget of its own
-(:data:`BUDGETS`, 440 s in all, so the check fits in 8 minutes with its start-up); a step still running when its
-budget ends is killed (its process group: the service it started too) and recorded with what it had written so far
-(``stopped_by_budget``). Each step's result is written as soon as it is known, so a run cut short by the machine's
-time keeps what it measured.
+Needs CUDA (a CUDA build of torch); without it, it exits 2 at once, saying why. Without bitsandbytes (the ``gpu``
+extra) it still runs, in bf16 alone (``torch-cuda-bf16``), and its result says NF4 was not measured. CI never runs
+it. Each step runs in a child process under a time budget of its own (:data:`BUDGETS`, 440 s in all, so the check
+fits in 8 minutes with its start-up); a step still running when its budget ends is killed (its process group: the
+service it started too) and recorded with what it had written so far (``stopped_by_budget``). Each step's result is
+written as soon as it is known, so a run cut short by the machine's time keeps what it measured.
 """
 
 from __future__ import annotations
@@ -55,11 +56,23 @@ def missing_gpu() -> str | None:
     if not torch.cuda.is_available():
         return (f"no CUDA device (torch {torch.__version__}, built for CUDA {torch.version.cuda}): run this on a lent "
                 "GPU machine with a CUDA build of torch; CI never runs it")
-    try:
-        import bitsandbytes  # noqa: F401
-    except ImportError:
-        return "bitsandbytes is not installed (the 4-bit base): pip install -e '.[gpu]'"
     return None
+
+
+def arithmetic(has_nf4: bool) -> dict:
+    """What the calibrate and serve steps use: bf16 on a 4-bit NF4 base where bitsandbytes is installed (the
+    smallest footprint), else bf16 (the check still runs, and says that NF4 was not measured)."""
+    if has_nf4:
+        return {"key": "torch-cuda-nf4-bf16", "calibrate_flags": ["--dtype", "bfloat16", "--load-in-4bit"],
+                "serve_env": {"IBEDL_LOAD_IN_4BIT": "true"}}
+    return {"key": "torch-cuda-bf16", "calibrate_flags": ["--dtype", "bfloat16"], "serve_env": {},
+            "nf4": "not measured: bitsandbytes is not installed (pip install -e '.[gpu]')"}
+
+
+def nf4_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("bitsandbytes") is not None
 
 
 RECORDED_PACKAGES = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "numpy", "safetensors", "fastapi",
@@ -84,7 +97,7 @@ def step_train(args, out: Path) -> dict:
 
     path = partial_path(out, "train")
     code = gpu_path.main(["--steps", str(args.steps), "--batch-size", str(args.batch_size), "--output", str(path),
-                          "--runs-dir", str(RUNS / "train")])
+                          "--runs-dir", str(RUNS / "train"), *([] if nf4_available() else ["--without-4bit"])])
     return {"exit": code, **(json.loads(path.read_text()) if path.is_file() else {})}
 
 
@@ -95,15 +108,16 @@ def step_calibrate(args, out: Path) -> dict:
     target = RUNS / "default-cuda"
     if target.exists():
         shutil.rmtree(target)
+    use = arithmetic(nf4_available())
     code = calibrate.main(["--artifact", args.artifact, "--output", str(target), "--dataset", "sciq", "--split",
-                           "validation", "--ood-rejection-rate", "0.15", "--device", "cuda", "--dtype", "bfloat16",
-                           "--load-in-4bit", "--no-progress"])
+                           "validation", "--ood-rejection-rate", "0.15", "--device", "cuda", *use["calibrate_flags"],
+                           "--no-progress"])
     if code != 0:
         return {"exit": code}
     manifest = read_manifest(target)
-    key = "torch-cuda-nf4-bf16"
-    served = manifest.calibration_for(key)
-    return {"exit": code, "artifact": str(target), "calibrations": manifest.calibration_keys(),
+    served = manifest.calibration_for(use["key"])
+    return {"exit": code, "artifact": str(target), "arithmetic": use["key"],
+            "calibrations": manifest.calibration_keys(),
             "calibration": None if served is None else {
                 "min_confidence": served.thresholds.min_confidence, "ood_threshold": served.thresholds.ood_threshold,
                 "answered_on_calibration_part": served.thresholds.how.get("coverage"), "head": served.head}}
@@ -132,8 +146,8 @@ def step_serve(args, out: Path) -> dict:
         return {"skipped": "no CUDA-calibrated copy: run the calibrate step first"}
     log = RUNS / "serve.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    proc = ServiceProcess(artifact, {"IBEDL_DEVICE": "cuda", "IBEDL_LOAD_IN_4BIT": "true", "IBEDL_BACKEND": "auto",
-                                     "IBEDL_MAX_BATCH_SIZE": str(args.clients)}, log)
+    proc = ServiceProcess(artifact, {"IBEDL_DEVICE": "cuda", **arithmetic(nf4_available())["serve_env"],
+                                     "IBEDL_BACKEND": "auto", "IBEDL_MAX_BATCH_SIZE": str(args.clients)}, log)
     try:
         proc.wait_ready(timeout=parse_budgets(args.budget)["serve"])
         card = httpx.get(proc.url + "/v1/models", timeout=30).json()["data"][0]
@@ -267,6 +281,7 @@ def main(argv=None) -> int:
     import torch
 
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "packages": package_versions(),
+              "arithmetic": arithmetic(nf4_available()),
               "command": "python -m benchmarks.gpu_check " + " ".join(argv if argv is not None else sys.argv[1:]),
               "budgets_s": {name: budgets[name] for name in steps}, "steps": {}}
     child = [sys.executable, "-m", "benchmarks.gpu_check", *(argv if argv is not None else sys.argv[1:])]

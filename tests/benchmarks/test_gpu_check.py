@@ -94,3 +94,16 @@ def test_a_child_runs_its_one_step_and_records_its_failure(tmp_path, monkeypatch
     assert json.loads((tmp_path / "check_calibrate.json").read_text()) == {
         "error": "RuntimeError: CUDA error: out of memory"}
     assert not out.exists()
+
+
+def test_without_bitsandbytes_the_check_calibrates_and_serves_bf16_and_says_nf4_was_not_measured():
+    with_nf4, without = gpu_check.arithmetic(True), gpu_check.arithmetic(False)
+    assert with_nf4["key"] == "torch-cuda-nf4-bf16" and "--load-in-4bit" in with_nf4["calibrate_flags"]
+    assert with_nf4["serve_env"] == {"IBEDL_LOAD_IN_4BIT": "true"} and "nf4" not in with_nf4
+    assert without["key"] == "torch-cuda-bf16" and "--load-in-4bit" not in without["calibrate_flags"]
+    assert without["serve_env"] == {} and "bitsandbytes is not installed" in without["nf4"]
+    from ibedl.core.backends.registry import REFERENCE, REGISTRY  # the key a CUDA service looks its calibration up by
+
+    torch_backend = REGISTRY[REFERENCE]
+    assert with_nf4["key"] == torch_backend.calibration_key("cuda", "bfloat16", load_in_4bit=True)
+    assert without["key"] == torch_backend.calibration_key("cuda", "bfloat16", load_in_4bit=False)
