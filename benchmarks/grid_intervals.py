@@ -14,10 +14,13 @@ over these seeds, not the spread a new seed would add; the per-seed intervals sh
 
 ``--against GRID`` takes ``--grid`` as an arm run beside ``GRID`` (``benchmarks/<arm>.yaml`` training only some
 methods on GRID's questions, e.g. IB-EDL as the paper specifies it): its rows replace GRID's for its methods and the
-claims are tested on GRID's runs with them (benchmarks.grid_predictions.beside; the labels are checked equal).
+claims are tested on GRID's runs with them (benchmarks.grid_predictions.beside; the labels are checked equal). It
+also tests the arm against GRID's own rows of the same methods (``head_to_head``: the arm minus GRID on accuracy,
+ECE and NLL at zeta 0 and on 1/u's mean AUROC; on a seed "holds" where the interval says the arm is better).
 
 On a seed a claim ``holds`` when its 95% interval lies wholly on the claimed side of 0 (for a no-worse claim: wholly
-above minus the tolerance), ``direction`` when only the point estimate does, else ``no``.
+above minus the tolerance), ``direction`` when only the point estimate does, else ``no``; ``against`` marks an
+interval wholly on the other side (the data speak against the claim, not merely cannot tell).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import numpy as np
 from scipy.stats import rankdata
 
 from benchmarks.common import write_result
-from benchmarks.grid_predictions import GridPredictions, beside, default_path, load
+from benchmarks.grid_predictions import GridPredictions, beside, default_path, load, tagged
 from benchmarks.paired_bootstrap import PerQuestion
 from ibedl.training.experiments.benchmark import Run, expand, load_benchmark_config
 from ibedl.training.experiments.report import NO_POSTHOC
@@ -47,8 +50,9 @@ def rows_of(preds: GridPredictions, run: Run, method_row: str, dataset: str) -> 
     """The kept predictions of a claim's row (a method, ``<method>:no_posthoc`` for the row without its post-hoc
     step) in ``run``'s trained run on ``dataset``."""
     bare = method_row.endswith(NO_POSTHOC)
-    method = method_row.removesuffix(NO_POSTHOC)
-    cell = Run(run.experiment, run.kind, run.dataset, method, run.seed, run.eval_sets, run.label_noise)
+    method = method_row.removesuffix(NO_POSTHOC)  # <method>@<tag>: an arm's rows kept beside the grid's (tagged)
+    cell = Run(run.experiment, run.kind, run.dataset, method.partition("@")[0], run.seed, run.eval_sets,
+               run.label_noise)
     return preds.get(train_key(cell), method, dataset, bare=bare)
 
 
@@ -81,6 +85,14 @@ def verdict(low: float, high: float, point: float, better: str, tolerance: float
     if sign * low > 0 and sign * high > 0:
         return "holds"
     return "direction" if sign * point > 0 else "no"
+
+
+def against(low: float, high: float, better: str, tolerance: float) -> bool:
+    """Whether the 95% interval lies wholly on the other side of the claim (``no_worse``: wholly below
+    ``-tolerance``): the data speak against it, beyond "cannot tell"."""
+    if better == "no_worse":
+        return high < -tolerance
+    return low > 0 if better == "lower" else high < 0
 
 
 class ClaimDraws:
@@ -173,14 +185,16 @@ def claim_interval(claim, runs: list[Run], preds: GridPredictions, resamples: in
     def summary(full: float, values: np.ndarray) -> dict:
         low, high = (float(x) for x in np.percentile(values, LEVEL))
         return {"difference": full, "ci95": [low, high],
-                "verdict": verdict(low, high, full, claim.better, claim.tolerance)}
+                "verdict": verdict(low, high, full, claim.better, claim.tolerance),
+                "against": against(low, high, claim.better, claim.tolerance)}
 
     per_seed = {s: summary(d.full, d.draws) for s, d in draws.items()}
     pooled = summary(float(np.mean([d.full for d in draws.values()])),
                      np.mean([d.draws for d in draws.values()], axis=0))
     return {"seeds": len(runs), "per_seed": per_seed, "pooled": pooled,
             "held_on": sum(v["verdict"] == "holds" for v in per_seed.values()),
-            "direction_on": sum(v["verdict"] in ("holds", "direction") for v in per_seed.values())}
+            "direction_on": sum(v["verdict"] in ("holds", "direction") for v in per_seed.values()),
+            "against_on": sum(v["against"] for v in per_seed.values())}
 
 
 def over_confidence(preds: GridPredictions, runs: list[Run], method: str, resamples: int = 2000,
@@ -209,8 +223,11 @@ def over_confidence(preds: GridPredictions, runs: list[Run], method: str, resamp
     return out
 
 
+ARM_TAG = "arm"  # the arm's rows beside the grid's in a head-to-head
+
+
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.paper_comparison import CLAIMS
+    from benchmarks.paper_comparison import CLAIMS, head_to_head
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.grid_intervals", description=__doc__.split("\n\n")[0])
     parser.add_argument("--grid", required=True, help="the grid's name: benchmarks/<grid>.yaml")
@@ -227,10 +244,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--resamples must be at least 100, got {args.resamples}")
     try:
         runs = expand(load_benchmark_config(Path("benchmarks") / f"{args.against or args.grid}.yaml"))
-        preds = load(args.predictions or default_path(args.grid))
+        preds = arm = load(args.predictions or default_path(args.grid))
         if args.against:
-            preds = beside(load(default_path(args.against)), preds)
+            preds = beside(load(default_path(args.against)), arm)
         claims = {c.text: claim_interval(c, runs, preds, args.resamples, args.seed) for c in CLAIMS}
+        if args.against:
+            both = GridPredictions({**load(default_path(args.against)).arrays, **tagged(arm, ARM_TAG).arrays})
+            head = {c.text: claim_interval(c, runs, both, args.resamples, args.seed) for c in head_to_head(ARM_TAG)}
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -240,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m benchmarks.grid_intervals --grid " + args.grid
                    + (f" --against {args.against}" if args.against else ""),
         "map_over_confidence": over_confidence(preds, runs, "map", args.resamples, args.seed),
-        "claims": claims})
+        "claims": claims, **({"head_to_head": head} if args.against else {})})
     return 0
 
 

@@ -166,6 +166,18 @@ def beside(grid: GridPredictions, arm: GridPredictions) -> GridPredictions:
     return GridPredictions({**kept, **arm.arrays})
 
 
+def tagged(arm: GridPredictions, tag: str) -> GridPredictions:
+    """``arm``'s rows under the method name ``<method>@<tag>``: kept beside a grid's rows of the same method, so that
+    the two can be compared question by question (grid_intervals' head-to-head of an arm against the grid)."""
+    if not tag or SEP in tag or "@" in tag:
+        raise ValueError(f"a tag must be non-empty without {SEP!r} or '@', got {tag!r}")
+    out = {}
+    for key, value in arm.arrays.items():
+        train, method, dataset, field = key.split(SEP)
+        out[SEP.join((train, f"{method}@{tag}", dataset, field))] = value
+    return GridPredictions(out)
+
+
 def default_path(grid: str) -> Path:
     return Path("benchmarks/results") / f"{grid}.predictions.npz"
 

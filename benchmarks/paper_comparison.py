@@ -432,6 +432,22 @@ CLAIMS = (
     Claim("Under 30% label noise IB-EDL is better calibrated than the other EDL methods (ECE, points, against the "
           "best of EDL, VID, I-EDL and R-EDL)", "noise", (IB0, "ece"), EDL_FAMILY, 100, "lower"),
 )
+
+
+def head_to_head(tag: str) -> tuple[Claim, ...]:
+    """An arm's IB-EDL (its rows tagged ``ib_edl@<tag>``) against the grid's own, at zeta 0: "holds" where the arm
+    is better (grid_intervals --against)."""
+    arm = f"ib_edl@{tag}" + NO_POSTHOC
+    return (
+        Claim("accuracy, the arm minus the grid's IB-EDL (points)", "id", (arm, "accuracy"), ((IB0, "accuracy"),), 100,
+              "higher"),
+        Claim("ECE, the arm minus the grid's IB-EDL (points)", "id", (arm, "ece"), ((IB0, "ece"),), 100, "lower"),
+        Claim("NLL, the arm minus the grid's IB-EDL", "id", (arm, "nll"), ((IB0, "nll"),), 1, "lower"),
+        Claim("1/u's mean AUROC over the streams, the arm minus the grid's IB-EDL (points)", "ood", (arm, "um"),
+              ((IB0, "um"),), 100, "higher"),
+    )
+
+
 INTERVALS_NOTE = ("Each cell of a column headed (pooled 95% interval): the difference IB-EDL minus the other row "
                   "(the best of them on each seed where a claim names several) on the same questions, its mean over "
                   "the seeds and the 95% "

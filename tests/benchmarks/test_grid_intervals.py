@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 from sklearn.metrics import roc_auc_score
 
-from benchmarks.grid_intervals import claim_interval, over_confidence, resampled_auroc, verdict
-from benchmarks.grid_predictions import SEP, GridPredictions, beside, padded
-from benchmarks.paper_comparison import Claim
+from benchmarks.grid_intervals import against, claim_interval, over_confidence, resampled_auroc, verdict
+from benchmarks.grid_predictions import SEP, GridPredictions, beside, padded, tagged
+from benchmarks.paper_comparison import Claim, head_to_head
 from ibedl.training import metrics
 from ibedl.training.experiments.benchmark import Run
 from tests.benchmarks.test_paired_bootstrap import sharpen
@@ -45,6 +45,13 @@ def test_resampled_auroc_on_the_identity_is_sklearns():
     (-3.0, -1.5, -2.0, "no_worse", "no")])
 def test_verdicts(low, high, point, better, want):
     assert verdict(low, high, point, better, tolerance=1.0) == want
+
+
+@pytest.mark.parametrize(("low", "high", "better", "want"), [
+    (0.01, 0.05, "lower", True), (-0.01, 0.05, "lower", False), (-0.05, -0.01, "higher", True),
+    (-0.05, 0.01, "higher", False), (-3.0, -1.5, "no_worse", True), (-3.0, -0.5, "no_worse", False)])
+def test_an_interval_wholly_on_the_other_side_speaks_against_the_claim(low, high, better, want):
+    assert against(low, high, better, tolerance=1.0) is want
 
 
 def grid(seeds=(0, 1, 2), n: int = 600, shift: bool = False):
@@ -180,3 +187,21 @@ def test_grid_rows_an_arm_has_not_run_are_left_out_and_named(caplog):
     assert "sciq-ib_edl-s1 ib_edl sciq" in caplog.text
     claim = Claim("ECE", "id", (IB0, "ece"), (("map", "ece"),), 100, "lower")
     assert claim_interval(claim, runs, merged, resamples=200)["seeds"] == 1
+
+
+def test_a_head_to_head_pairs_an_arms_ib_edl_with_the_grids_own_and_says_which_is_better():
+    preds, runs = grid(seeds=(0, 1), shift=True)
+    arm, _ = grid(seeds=(0, 1), shift=True)
+    arm = GridPredictions({k: v for k, v in arm.arrays.items() if k.split(SEP)[1] == "ib_edl"})
+    for key in [k for k in arm.arrays if k.endswith(SEP + "probs0") and SEP + "sciq" + SEP in k]:
+        arm.arrays[key] = padded(list(sharpen(preds.get(key.split(SEP)[0], "ib_edl", "sciq", bare=True)["probs"],
+                                              0.5)))  # the arm over-confident where the grid's is calibrated
+    both = GridPredictions({**preds.arrays, **tagged(arm, "arm").arrays})
+    assert both.has("sciq-ib_edl-s0", "ib_edl@arm", "sciq") and both.has("sciq-ib_edl-s0", "ib_edl", "sciq")
+    claims = {c.text.split(",")[0]: c for c in head_to_head("arm")}
+    ece = claim_interval(claims["ECE"], runs, both, resamples=300)
+    assert ece["seeds"] == 2 and ece["against_on"] == 2 and ece["pooled"]["against"]  # the arm worse, clearly
+    auroc = claim_interval(claims["1/u's mean AUROC over the streams"], runs, both, resamples=300)
+    assert auroc["pooled"]["difference"] == 0  # the same u on both sides
+    with pytest.raises(ValueError, match="tag"):
+        tagged(arm, "a@b")
