@@ -45,8 +45,14 @@ class ServiceState:
                 self._hangup = hangup
         self._watcher = asyncio.get_running_loop().create_task(self._watch_shutdown(), name="shutdown-watcher")
         if self.settings.grpc:
-            from ibedl.serve.grpc_door import GrpcDoor
-
+            try:
+                from ibedl.serve.grpc_door import GrpcDoor
+            except Exception as e:  # noqa: BLE001  (tritonclient raises RuntimeError, not ImportError, without grpc)
+                log.exception("the gRPC door cannot be imported")
+                self.engine.fail(f"the gRPC door cannot be imported ({type(e).__name__}; the log has the message): "
+                                 "install the serve extra (grpcio, tritonclient[grpc]), or set IBEDL_GRPC=false to "
+                                 "serve HTTP alone")
+                return
             self.grpc = GrpcDoor(self.engine, self.settings, self.metrics, self.notice_shutdown)
             try:
                 await self.grpc.start()

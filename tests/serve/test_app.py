@@ -446,3 +446,14 @@ def _sample(text: str, name: str) -> str:
         if line.startswith(name + " "):
             return line.split()[-1]
     raise AssertionError(f"{name} not in metrics")
+
+
+def test_a_grpc_door_that_cannot_be_imported_fails_readiness_with_the_remedy_not_loading_forever(make_client,
+                                                                                                    monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ibedl.serve.grpc_door", None)  # as without tritonclient[grpc]: import fails
+    with make_client(ready=False, grpc=True, grpc_port=0) as c:
+        body = wait_status(c, "failed")
+        assert "gRPC door cannot be imported" in body["reason"] and "IBEDL_GRPC=false" in body["reason"]
+        assert c.post("/predict", json={"question": "q?", "options": ["a", "b"]}).status_code == 503
