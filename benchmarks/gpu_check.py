@@ -9,8 +9,9 @@
    a 4-bit base: ``torch-cuda-nf4-bf16``; bf16, ``torch-cuda-bf16``, without bitsandbytes), into a copy under
    ``runs/gpu_check``.
 3. ``serve``: that copy served on CUDA (``IBEDL_DEVICE=cuda``, ``IBEDL_LOAD_IN_4BIT=true`` where NF4 is): readiness, the
-   calibration the service reports it uses, answers/s from 64 concurrent clients (micro-batches of up to 64), and the
-   GPU memory of the service process (nvidia-smi).
+   calibration the service reports it uses, answers/s and p50/p99 latency from 64 concurrent clients sending 2,048
+   distinct SciQ questions (micro-batches of up to 64), refusals by reason, and the GPU memory of the service
+   process (nvidia-smi).
 4. ``paper``: the 8B-shaped throughput run (benchmarks.paper_scale_gpu, random bf16 Llama3-8B shape) beside the
    paper's H100 figures: 68.08 test and 26.41 train samples/s, 21.88 GB peak.
 
@@ -34,6 +35,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import numpy as np
 
 from benchmarks.common import write_result
 
@@ -151,21 +154,51 @@ def step_serve(args, out: Path) -> dict:
     try:
         proc.wait_ready(timeout=parse_budgets(args.budget)["serve"])
         card = httpx.get(proc.url + "/v1/models", timeout=30).json()["data"][0]
-        questions = load_dataset("sciq", "test", limit=args.requests, seed=0)
+        # distinct questions (SciQ training, with their passages): a repeated question would measure a cache
+        questions = load_dataset("sciq", "train", limit=args.requests, seed=0)
         bodies = [{"question": q.question, "options": list(q.options), "context": q.context} for q in questions]
-        with httpx.Client(timeout=120) as client:
+        with httpx.Client(timeout=120, limits=httpx.Limits(max_connections=args.clients)) as client:
             client.post(proc.url + "/predict", json=bodies[0])  # warm-up
+
+            def ask(body: dict) -> tuple[int, float, str | None]:
+                start = time.perf_counter()
+                r = client.post(proc.url + "/predict", json=body)
+                return r.status_code, time.perf_counter() - start, None if r.status_code == 200 else error_type(r)
+
             start = time.perf_counter()
             with ThreadPoolExecutor(args.clients) as pool:
-                codes = list(pool.map(lambda b: client.post(proc.url + "/predict", json=b).status_code, bodies))
+                answers = list(pool.map(ask, bodies))
             seconds = time.perf_counter() - start
         memory = gpu_memory_mib(proc.proc.pid)
     finally:
         stopped = proc.stop()
     return {"backend": card["backend"], "calibration_in_use": card["calibration_in_use"],
-            "requests": len(bodies), "clients": args.clients, "ok": sum(c == 200 for c in codes),
-            "questions_per_s": len(bodies) / seconds,
+            **serve_summary(answers, seconds), "clients": args.clients,
             "gpu_memory_mib": memory, "exit_on_sigterm": stopped, "log": str(log)}
+
+
+def error_type(response) -> str:
+    """The error type a refusal's body names (``overloaded``, ``not_ready``...), else its status code."""
+    try:
+        return str(response.json()["error"]["type"])
+    except (ValueError, KeyError, TypeError):
+        return str(response.status_code)
+
+
+def serve_summary(answers: list[tuple[int, float, str | None]], seconds: float) -> dict:
+    """What the clients got: answers/s (answered questions over the wall time of all requests), the latency
+    percentiles of the answered ones, and the refusals by reason (an admission refusal is not an answer)."""
+    if seconds <= 0:
+        raise ValueError(f"seconds must be > 0, got {seconds}")
+    latencies = np.array([t for code, t, _ in answers if code == 200])
+    refused: dict[str, int] = {}
+    for code, _, reason in answers:
+        if code != 200:
+            refused[reason or str(code)] = refused.get(reason or str(code), 0) + 1
+    return {"requests": len(answers), "answered": len(latencies), "refused": refused,
+            "answers_per_s": len(latencies) / seconds, "seconds": seconds,
+            "latency_ms": None if not len(latencies) else {
+                "p50": float(np.percentile(latencies, 50) * 1000), "p99": float(np.percentile(latencies, 99) * 1000)}}
 
 
 def step_paper(args, out: Path) -> dict:
@@ -252,7 +285,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=60, help="training steps per precision (default 60)")
     parser.add_argument("--batch-size", type=int, default=64,
                         help="training micro-batch on the GPU (default 64; the recipe's 8 leaves an H100 idle)")
-    parser.add_argument("--requests", type=int, default=256, help="SciQ test questions sent to the CUDA service")
+    parser.add_argument("--requests", type=int, default=2048,
+                        help="distinct SciQ training questions sent to the CUDA service (default 2048)")
     parser.add_argument("--clients", type=int, default=64, help="concurrent clients of the serve step (default 64)")
     parser.add_argument("--only", default=",".join(STEPS), help=f"comma-separated steps among {', '.join(STEPS)}")
     parser.add_argument("--budget", help="seconds per step, e.g. train=300,paper=60 (default "

@@ -107,3 +107,25 @@ def test_without_bitsandbytes_the_check_calibrates_and_serves_bf16_and_says_nf4_
     torch_backend = REGISTRY[REFERENCE]
     assert with_nf4["key"] == torch_backend.calibration_key("cuda", "bfloat16", load_in_4bit=True)
     assert without["key"] == torch_backend.calibration_key("cuda", "bfloat16", load_in_4bit=False)
+
+
+def test_the_serve_summary_counts_answers_not_refusals_and_gives_their_latency_percentiles():
+    import numpy as np
+
+    answers = [(200, t / 1000, None) for t in range(1, 101)] + [(503, 0.001, "overloaded")] * 3 + [(500, 0.2, "500")]
+    got = gpu_check.serve_summary(answers, seconds=2.0)
+    assert got["requests"] == 104 and got["answered"] == 100 and got["answers_per_s"] == 50.0
+    assert got["refused"] == {"overloaded": 3, "500": 1}
+    assert got["latency_ms"]["p50"] == pytest.approx(np.percentile(np.arange(1, 101), 50))
+    assert got["latency_ms"]["p99"] == pytest.approx(np.percentile(np.arange(1, 101), 99))
+    assert gpu_check.serve_summary([(503, 0.1, "not_ready")], 1.0)["latency_ms"] is None
+    with pytest.raises(ValueError, match="seconds"):
+        gpu_check.serve_summary(answers, 0)
+
+
+def test_a_refusals_type_is_read_from_its_body_or_its_status():
+    import httpx
+
+    assert gpu_check.error_type(httpx.Response(503, json={"error": {"type": "overloaded", "message": "x"}})) == \
+        "overloaded"
+    assert gpu_check.error_type(httpx.Response(502, text="<html>bad gateway</html>")) == "502"
