@@ -57,7 +57,9 @@ lock:
 	grep -E '^[A-Za-z0-9]' $(LOCK) | sed 's/ \\$$//' | grep -v '^torch==' > $(LOCK_VENV)/cpu-pins.txt
 	$(UV_COMPILE_INDEX) pyproject.toml --extra train --extra serve --extra dev --extra track --extra gpu \
 	  requirements/gpu.in -c $(LOCK_VENV)/cpu-pins.txt -o $(GPU_LOCK)
-	$(PYTHON) requirements/without_cuda.py $(GPU_LOCK) > requirements/gpu-offline.txt
+	$(UV_COMPILE_INDEX) pyproject.toml --extra train --extra serve --extra gpu requirements/gpu.in -c $(GPU_LOCK) \
+	  -o $(LOCK_VENV)/gpu-runtime.txt
+	$(PYTHON) requirements/without_cuda.py $(LOCK_VENV)/gpu-runtime.txt > requirements/gpu-offline.txt
 
 serve: setup
 	$(PY) -m ibedl.serve --host $(HOST) --port $(PORT) --artifact $(ARTIFACT)
@@ -120,27 +122,26 @@ $(GPU_VENV)/.installed: pyproject.toml $(GPU_LOCK)
 setup-gpu: $(GPU_VENV)/.installed
 
 # A CUDA machine with its own torch and no package index (requirements/offline.py): where there is an index,
-# `make gpu-wheels GPU_HAVE=have.txt GPU_PYTHON_VERSION=3.12` downloads, hash-checked, the wheels of the GPU lock
-# (without torch and its CUDA runtime) that the project needs at run time (GPU_EXTRAS) and the machine lacks (have.txt:
-# its `python3 -m pip list --format=freeze`; GPU_WITHOUT leaves packages out on purpose) into wheels/gpu, with their
-# requirements.txt; carry that folder over, then `make setup-gpu-offline` makes .venv-gpu over the machine's python and
-# torch from those wheels alone (--no-index, hashes checked) and checks pyproject.toml's ranges; `make
-# gpu-check-offline` runs the check.
+# `make gpu-wheels GPU_HAVE=have.txt GPU_PYTHON_VERSION=3.12` downloads, hash-checked, the wheels of
+# requirements/gpu-offline.txt (what the project needs at run time on CUDA, without torch and its CUDA runtime) that
+# the machine lacks (have.txt: its `python3 -m pip list --format=freeze`; GPU_WITHOUT leaves packages out on purpose)
+# into wheels/gpu, with their requirements.txt; carry that folder over, then `make setup-gpu-offline` makes .venv-gpu
+# over the machine's python and torch from those wheels alone (--no-index, hashes checked) and checks pyproject.toml's
+# ranges; `make gpu-check-offline` runs the check.
 GPU_PYTHON_VERSION ?= 3.11
-GPU_EXTRAS ?= train,serve,gpu
 GPU_HAVE ?=
 GPU_WITHOUT ?=
 gpu-wheels:
 	mkdir -p $(GPU_WHEELS)
-	$(PYTHON) requirements/offline.py wheels --extras $(GPU_EXTRAS) $(if $(GPU_HAVE),--have $(GPU_HAVE)) \
-	  --without $(GPU_WITHOUT) > $(GPU_WHEELS)/requirements.txt
+	$(PYTHON) requirements/offline.py wheels $(if $(GPU_HAVE),--have $(GPU_HAVE)) --without $(GPU_WITHOUT) \
+	  > $(GPU_WHEELS)/requirements.txt.tmp
+	mv $(GPU_WHEELS)/requirements.txt.tmp $(GPU_WHEELS)/requirements.txt
 	$(PIP) download -q --no-deps --require-hashes --only-binary :all: --python-version $(GPU_PYTHON_VERSION) \
 	  --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux2014_x86_64 \
 	  --platform any -r $(GPU_WHEELS)/requirements.txt -d $(GPU_WHEELS)
 
 setup-gpu-offline:
-	$(PYTHON) requirements/offline.py install --venv $(GPU_VENV) --wheels $(GPU_WHEELS) --extras $(GPU_EXTRAS) \
-	  --without $(GPU_WITHOUT)
+	$(PYTHON) requirements/offline.py install --venv $(GPU_VENV) --wheels $(GPU_WHEELS) --without $(GPU_WITHOUT)
 
 gpu-check-offline: setup-gpu-offline
 	$(GPU_VENV)/bin/python -m benchmarks.gpu_check $(GPU_CHECK_ARGS)

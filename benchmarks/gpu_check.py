@@ -16,11 +16,12 @@
    paper's H100 figures: 68.08 test and 26.41 train samples/s, 21.88 GB peak.
 
 Needs CUDA (a CUDA build of torch); without it, it exits 2 at once, saying why. Without bitsandbytes (the ``gpu``
-extra) it still runs, in bf16 alone (``torch-cuda-bf16``), and its result says NF4 was not measured. CI never runs
-it. Each step runs in a child process under a time budget of its own (:data:`BUDGETS`, 440 s in all, so the check
-fits in 8 minutes with its start-up); a step still running when its budget ends is killed (its process group: the
-service it started too) and recorded with what it had written so far (``stopped_by_budget``). Each step's result is
-written as soon as it is known, so a run cut short by the machine's time keeps what it measured.
+extra) it still runs, calibrating and serving in bf16 (``torch-cuda-bf16``) with no NF4 training row, and its result
+says NF4 was not measured. CI never runs it. Each step runs in a child process under a time budget of its own
+(:data:`BUDGETS`, 440 s in all, so the check fits in 8 minutes with its start-up); a step still running when its
+budget ends is killed (its process group: the service it started too) and recorded with what it had written so far
+(``stopped_by_budget``). Each step's result is written as soon as it is known, so a run cut short by the machine's
+time keeps what it measured.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -73,9 +75,12 @@ def arithmetic(has_nf4: bool) -> dict:
 
 
 def nf4_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("bitsandbytes") is not None
+    """Whether bitsandbytes imports (installed but broken counts as absent)."""
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception:  # noqa: BLE001  (a broken install raises more than ImportError)
+        return False
+    return True
 
 
 RECORDED_PACKAGES = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "numpy", "safetensors", "fastapi",
@@ -162,7 +167,10 @@ def step_serve(args, out: Path) -> dict:
 
             def ask(body: dict) -> tuple[int, float, str | None]:
                 start = time.perf_counter()
-                r = client.post(proc.url + "/predict", json=body)
+                try:
+                    r = client.post(proc.url + "/predict", json=body)
+                except httpx.HTTPError as e:  # one lost connection is one failed question, not a lost step
+                    return 0, time.perf_counter() - start, type(e).__name__
                 return r.status_code, time.perf_counter() - start, None if r.status_code == 200 else error_type(r)
 
             start = time.perf_counter()
@@ -187,15 +195,18 @@ def error_type(response) -> str:
 
 def serve_summary(answers: list[tuple[int, float, str | None]], seconds: float) -> dict:
     """What the clients got: answers/s (answered questions over the wall time of all requests), the latency
-    percentiles of the answered ones, and the refusals by reason (an admission refusal is not an answer)."""
+    percentiles of the answered ones, refusals (429 and 503: the model never saw the question; by error type) apart
+    from failures (any other status, or no response: by type)."""
     if seconds <= 0:
         raise ValueError(f"seconds must be > 0, got {seconds}")
     latencies = np.array([t for code, t, _ in answers if code == 200])
     refused: dict[str, int] = {}
-    for code, _, reason in answers:
+    failed: dict[str, int] = {}
+    for code, _, why in answers:
         if code != 200:
-            refused[reason or str(code)] = refused.get(reason or str(code), 0) + 1
-    return {"requests": len(answers), "answered": len(latencies), "refused": refused,
+            tally = refused if code in (429, 503) else failed
+            tally[why or str(code)] = tally.get(why or str(code), 0) + 1
+    return {"requests": len(answers), "answered": len(latencies), "refused": refused, "failed": failed,
             "answers_per_s": len(latencies) / seconds, "seconds": seconds,
             "latency_ms": None if not len(latencies) else {
                 "p50": float(np.percentile(latencies, 50) * 1000), "p99": float(np.percentile(latencies, 99) * 1000)}}
@@ -316,7 +327,8 @@ def main(argv=None) -> int:
 
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "packages": package_versions(),
               "arithmetic": arithmetic(nf4_available()),
-              "command": "python -m benchmarks.gpu_check " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "command": shlex.join(["python", "-m", "benchmarks.gpu_check",
+                                     *(argv if argv is not None else sys.argv[1:])]),
               "budgets_s": {name: budgets[name] for name in steps}, "steps": {}}
     child = [sys.executable, "-m", "benchmarks.gpu_check", *(argv if argv is not None else sys.argv[1:])]
     failed = False

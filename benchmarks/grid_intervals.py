@@ -246,10 +246,11 @@ def main(argv: list[str] | None = None) -> int:
         runs = expand(load_benchmark_config(Path("benchmarks") / f"{args.against or args.grid}.yaml"))
         preds = arm = load(args.predictions or default_path(args.grid))
         if args.against:
-            preds = beside(load(default_path(args.against)), arm)
+            grid = load(default_path(args.against))
+            preds = beside(grid, arm)
         claims = {c.text: claim_interval(c, runs, preds, args.resamples, args.seed) for c in CLAIMS}
         if args.against:
-            both = GridPredictions({**load(default_path(args.against)).arrays, **tagged(arm, ARM_TAG).arrays})
+            both = GridPredictions({**grid.arrays, **tagged(arm, ARM_TAG).arrays})
             head = {c.text: claim_interval(c, runs, both, args.resamples, args.seed) for c in head_to_head(ARM_TAG)}
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

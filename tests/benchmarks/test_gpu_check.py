@@ -110,14 +110,12 @@ def test_without_bitsandbytes_the_check_calibrates_and_serves_bf16_and_says_nf4_
 
 
 def test_the_serve_summary_counts_answers_not_refusals_and_gives_their_latency_percentiles():
-    import numpy as np
-
-    answers = [(200, t / 1000, None) for t in range(1, 101)] + [(503, 0.001, "overloaded")] * 3 + [(500, 0.2, "500")]
+    answers = ([(200, t / 1000, None) for t in range(1, 101)] + [(503, 0.001, "overloaded")] * 3
+               + [(500, 0.2, "model_error"), (0, 30.0, "ReadTimeout")])
     got = gpu_check.serve_summary(answers, seconds=2.0)
-    assert got["requests"] == 104 and got["answered"] == 100 and got["answers_per_s"] == 50.0
-    assert got["refused"] == {"overloaded": 3, "500": 1}
-    assert got["latency_ms"]["p50"] == pytest.approx(np.percentile(np.arange(1, 101), 50))
-    assert got["latency_ms"]["p99"] == pytest.approx(np.percentile(np.arange(1, 101), 99))
+    assert got["requests"] == 105 and got["answered"] == 100 and got["answers_per_s"] == 50.0
+    assert got["refused"] == {"overloaded": 3} and got["failed"] == {"model_error": 1, "ReadTimeout": 1}
+    assert got["latency_ms"]["p50"] == pytest.approx(50.5) and got["latency_ms"]["p99"] == pytest.approx(99.01)
     assert gpu_check.serve_summary([(503, 0.1, "not_ready")], 1.0)["latency_ms"] is None
     with pytest.raises(ValueError, match="seconds"):
         gpu_check.serve_summary(answers, 0)

@@ -448,12 +448,22 @@ def _sample(text: str, name: str) -> str:
     raise AssertionError(f"{name} not in metrics")
 
 
+@pytest.mark.parametrize("broken", ["missing", "raising"])
 def test_a_grpc_door_that_cannot_be_imported_fails_readiness_with_the_remedy_not_loading_forever(make_client,
-                                                                                                    monkeypatch):
+                                                                                                    monkeypatch,
+                                                                                                    broken):
     import sys
+    import types
 
-    monkeypatch.setitem(sys.modules, "ibedl.serve.grpc_door", None)  # as without tritonclient[grpc]: import fails
+    if broken == "missing":  # as without tritonclient: ImportError
+        monkeypatch.setitem(sys.modules, "ibedl.serve.grpc_door", None)
+    else:  # as tritonclient without its grpc part: a RuntimeError at import
+        module = types.ModuleType("ibedl.serve.grpc_door")
+        monkeypatch.setitem(sys.modules, "ibedl.serve.grpc_door", module)
+        monkeypatch.setattr(module, "__getattr__", lambda name: (_ for _ in ()).throw(
+            RuntimeError("The installation does not include grpc support")), raising=False)
     with make_client(ready=False, grpc=True, grpc_port=0) as c:
         body = wait_status(c, "failed")
         assert "gRPC door cannot be imported" in body["reason"] and "IBEDL_GRPC=false" in body["reason"]
+        assert ("ModuleNotFoundError" if broken == "missing" else "RuntimeError") in body["reason"]
         assert c.post("/predict", json={"question": "q?", "options": ["a", "b"]}).status_code == 503
