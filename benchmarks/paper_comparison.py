@@ -454,8 +454,9 @@ INTERVALS_NOTE = ("Each cell of a column headed (pooled 95% interval): the diffe
                   "interval of that mean over paired resamples of the test questions (benchmarks/grid_intervals.py; "
                   "it carries the test set's sampling error, not a new seed's spread); then on how many seeds the "
                   "seed's own interval lies on the claimed side (for the accuracy claim: above -1 point) and on how "
-                  "many the point does. The other columns: mean ± std over seeds, and on how many the point goes "
-                  "the claimed way (their predictions were not kept).")
+                  "many the point does, and, where any, on how many it lies wholly on the other side. The other "
+                  "columns: mean ± std over seeds, and on how many the point goes the claimed way (their predictions "
+                  "were not kept).")
 CLAIMS_NOTE = ("Each cell: the difference IB-EDL minus the other row (the best of them where a claim names several), "
                "mean ± std over the seeds that have them all, and on how many of those seeds it goes the claimed "
                "way; the paper's column is the same difference in its own numbers. IB-EDL with its post-hoc ζ and "
@@ -533,14 +534,16 @@ def paper_claim_cell(claim: Claim, paper: dict) -> str:
 
 def interval_cell(claim: Claim, entry: dict | None) -> str:
     """A claim's paired interval on a grid's kept predictions (benchmarks.grid_intervals): the difference pooled over
-    the seeds, its 95% interval, and on how many seeds the per-seed interval holds it and the point goes its way."""
+    the seeds, its 95% interval, on how many seeds the per-seed interval holds it and the point goes its way, and
+    (where any) on how many the interval lies wholly against it."""
     if not entry or not entry.get("seeds"):
         return "–"
     pooled, n = entry["pooled"], entry["seeds"]
     low, high = pooled["ci95"]
     d = claim.digits
+    against = f", against it on {entry['against_on']} of {n}" if entry.get("against_on") else ""
     return (f"{pooled['difference']:+.{d}f} [{low:+.{d}f}, {high:+.{d}f}]; interval holds on {entry['held_on']} of "
-            f"{n}, direction on {entry['direction_on']} of {n} seed{'s' if n > 1 else ''}")
+            f"{n}, direction on {entry['direction_on']} of {n}{against} seed{'s' if n > 1 else ''}")
 
 
 def claims_table(columns: list[tuple[str, list[dict], dict | None]], paper: dict) -> list[str]:

@@ -434,3 +434,15 @@ def test_an_arm_beside_the_grid_is_a_claims_column_of_its_own_or_says_it_has_not
 def test_the_docs_page_matches_the_one_rate_grids_committed_results_and_intervals(monkeypatch):
     monkeypatch.chdir(REPO)  # the earlier grids, the intervals and the regime checks are read from benchmarks/results
     assert main(["--grid", "sciq_grid_shared_lr", "--check"]) == 0
+
+
+def test_an_interval_cell_says_on_how_many_seeds_the_data_speak_against_the_claim():
+    from benchmarks.paper_comparison import CLAIMS, interval_cell
+
+    ts = next(c for c in CLAIMS if "temperature" in c.text)
+    entry = {"seeds": 3, "pooled": {"difference": 2.234, "ci95": [0.519, 2.978]}, "held_on": 0, "direction_on": 0,
+             "against_on": 2}
+    assert interval_cell(ts, entry) == ("+2.23 [+0.52, +2.98]; interval holds on 0 of 3, direction on 0 of 3, "
+                                        "against it on 2 of 3 seeds")
+    assert "against" not in interval_cell(ts, {**entry, "against_on": 0})
+    assert interval_cell(ts, {"seeds": 0}) == "–"
