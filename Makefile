@@ -59,7 +59,8 @@ lock:
 	  requirements/gpu.in -c $(LOCK_VENV)/cpu-pins.txt -o $(GPU_LOCK)
 	$(UV_COMPILE_INDEX) pyproject.toml --extra train --extra serve --extra gpu requirements/gpu.in -c $(GPU_LOCK) \
 	  -o $(LOCK_VENV)/gpu-runtime.txt
-	$(PYTHON) requirements/without_cuda.py $(LOCK_VENV)/gpu-runtime.txt > requirements/gpu-offline.txt
+	$(PYTHON) requirements/without_cuda.py $(LOCK_VENV)/gpu-runtime.txt > requirements/gpu-offline.txt.tmp
+	mv requirements/gpu-offline.txt.tmp requirements/gpu-offline.txt
 
 serve: setup
 	$(PY) -m ibedl.serve --host $(HOST) --port $(PORT) --artifact $(ARTIFACT)

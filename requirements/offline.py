@@ -20,8 +20,10 @@ python is itself a venv, as on a machine whose torch lives in one, ``--system-si
 ``site.addsitedir`` also runs the ``.pth`` files there), installs the carried wheels with ``--no-index
 --require-hashes --no-deps`` through this python's pip, then the project itself, editable, and ends by checking each
 of pyproject.toml's requirements (the dependencies and the extras, less ``--without``) against what the venv then
-imports, failing with the ones missing or outside their range. Standard library only, but for the ranges:
-``packaging`` where the python has it, pip's vendored copy otherwise.
+imports, and ``pip check``'s complaints about the pool's packages (a machine package older than a carried one needs;
+a need the pool lacks on another Python than the lock's 3.11), failing with the ones missing or outside their
+range. Standard library only, but for the ranges: ``packaging`` where the python has it, pip's vendored copy
+otherwise.
 """
 
 from __future__ import annotations
@@ -113,10 +115,12 @@ def via(text: str) -> dict[str, set[str]]:
     return parents
 
 
-def needed(parents: dict[str, set[str]], without: set[str]) -> set[str]:
-    """The entries still needed once ``without`` is left out: those the roots (:data:`ROOTS`) ask for, and those
-    asked for by one needed (an entry there only for a left-out one goes with it)."""
-    keep = {name for name, there_for in parents.items() if there_for & set(ROOTS)} - without
+def needed(parents: dict[str, set[str]], without: set[str], also: set[str] = frozenset()) -> set[str]:
+    """The entries still needed once ``without`` is left out: those the roots (:data:`ROOTS`) ask for, those named
+    in ``also`` (the build system's, for the editable install), and those asked for by one needed (an entry there
+    only for a left-out one goes with it)."""
+    keep = ({name for name, there_for in parents.items() if there_for & set(ROOTS)} | (set(also) & set(parents))
+            ) - without
     changed = True
     while changed:
         changed = False
@@ -162,8 +166,14 @@ def acceptable(have: dict[str, str | None], pyproject: dict) -> set[str]:
         ranges.setdefault(canonical(requirement.name), []).append(requirement.specifier)
     ok = set()
     for name, version in have.items():
-        if version is None or all(spec.contains(Version(version), prereleases=True)
-                                  for spec in ranges.get(name, [])):
+        if version is None or name not in ranges:
+            ok.add(name)
+            continue
+        try:
+            parsed = Version(version)
+        except ValueError:  # InvalidVersion: not a version pyproject's ranges can admit
+            continue
+        if all(spec.contains(parsed, prereleases=True) for spec in ranges[name]):
             ok.add(name)
     return ok
 
@@ -175,7 +185,9 @@ def wheels_to_carry(pool: str, pyproject: dict, have: dict[str, str | None], wit
     unknown = sorted(without - set(locked))
     if unknown:
         raise ValueError(f"--without: {unknown} are not in {OFFLINE.name}")
-    keep = sorted(needed(parents, without) - acceptable(have, pyproject))
+    Requirement, _ = _packaging()
+    build = {canonical(Requirement(t).name) for t in pyproject["build-system"]["requires"]}
+    keep = sorted(needed(parents, without, build) - acceptable(have, pyproject))
     header = ("# requirements/gpu-offline.txt's entries the machine lacks"
               f"{' (without ' + ' '.join(sorted(without)) + ')' if without else ''}: written by make gpu-wheels\n")
     return header + "".join(locked[name] for name in keep)
@@ -206,7 +218,8 @@ def unmet(pyproject: dict, extras, without: set[str]) -> list[str]:
 def site_lines(directories) -> str:
     """A ``.pth`` adding ``directories`` as site directories: on the path, their own ``.pth`` files run (a plain
     path line would add the directory alone)."""
-    return "".join(f"import site; site.addsitedir({str(d)!r})\n" for d in directories)
+    return "".join(f"import site, sys; {str(d)!r} in sys.path or site.addsitedir({str(d)!r})\n"
+                   for d in directories)
 
 
 def pip_version() -> tuple[int, ...]:
@@ -246,7 +259,41 @@ def install(venv: Path, wheels: Path, without: set[str], cpu_ok: bool = False) -
     if entries(listed.read_text()):
         subprocess.run([*pip, "--find-links", str(wheels), "--require-hashes", "-r", str(listed)], check=True)
     subprocess.run([*pip, "--no-build-isolation", "-e", str(ROOT)], check=True)
-    return subprocess.run([python, __file__, "check", "--without", *sorted(without)]).returncode
+    broken = pip_check_problems(python, set(entries(OFFLINE.read_text())) | {"ibedl"})
+    for line in broken:
+        print(f"pip check: {line}", file=sys.stderr)
+    ranges = subprocess.run([python, __file__, "check", "--without", *sorted(without)]).returncode
+    return ranges or (1 if broken else 0)
+
+
+def dropped_on_purpose() -> set[str]:
+    """Declared dependencies the lock drops (requirements/overrides.txt: llm, llama-cpp-python, torchvision)."""
+    text = (ROOT / "requirements/overrides.txt").read_text()
+    return {canonical(m.group(1)) for line in text.splitlines() if (m := _NAME.match(line)) and
+            not line.lstrip().startswith("#")}
+
+
+def pip_check_problems(python: str, ours: set[str]) -> list[str]:
+    """``pip check``'s lines in ``python``'s environment about the packages in ``ours`` (the pool's and the
+    project): a machine package at a version the carried ones do not accept (a tokenizers older than the carried
+    transformers needs), or a need the pool lacks on this Python (it is resolved for the lock's 3.11). Lines about
+    the machine's other packages, and the dependencies dropped on purpose, are not ours to judge."""
+    out = subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "--python", python, "check"],
+                         capture_output=True, text=True).stdout
+    return ours_of(out, ours, dropped_on_purpose())
+
+
+def ours_of(pip_check: str, ours: set[str], dropped: set[str]) -> list[str]:
+    """The lines of ``pip check`` output whose package is in ``ours``, less those requiring a ``dropped`` one."""
+    problems = []
+    for line in pip_check.splitlines():
+        words = line.split()
+        if not words or canonical(words[0]) not in ours:
+            continue
+        if " requires " in line and canonical(line.split(" requires ")[1].split(",")[0].split()[0]) in dropped:
+            continue
+        problems.append(line)
+    return problems
 
 
 def main(argv=None) -> int:

