@@ -74,7 +74,8 @@ def _entry_name(line: str, number: int) -> str:
 def entries(text: str) -> dict[str, str]:
     """A hashed requirements file -> {canonical name: its entry with its continuation lines}; comments dropped.
     ValueError naming a line that is neither an entry, a continuation nor a comment (an option such as
-    ``--index-url``)."""
+    ``--index-url``), or a name listed twice. The one parser of such files (tests/test_lock.py reads the locks
+    with it)."""
     out: dict[str, list[str]] = {}
     current = None
     for number, line in enumerate(text.splitlines(), 1):
@@ -87,6 +88,8 @@ def entries(text: str) -> dict[str, str]:
             out[current].append(line)
             continue
         current = _entry_name(line, number)
+        if current in out:
+            raise ValueError(f"line {number}: {current} is listed twice")
         out[current] = [line]
     return {name: "\n".join(lines) + "\n" for name, lines in out.items()}
 
@@ -240,8 +243,9 @@ def install(venv: Path, wheels: Path, without: set[str], cpu_ok: bool = False) -
     if not torch.cuda.is_available() and not cpu_ok:
         print(f"error: {sys.executable}'s torch {torch.__version__} sees no CUDA device", file=sys.stderr)
         return 2
-    if pip_version() < PIP_WITH_PYTHON:
-        print(f"error: {sys.executable}'s pip is {'.'.join(map(str, pip_version()))}; the offline install needs "
+    pip_now = pip_version()
+    if pip_now < PIP_WITH_PYTHON:
+        print(f"error: {sys.executable}'s pip is {'.'.join(map(str, pip_now))}; the offline install needs "
               f"pip >= {'.'.join(map(str, PIP_WITH_PYTHON))} (pip --python): carry a newer pip wheel and install it "
               "with --no-index first", file=sys.stderr)
         return 2

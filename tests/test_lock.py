@@ -9,6 +9,7 @@ its specifier and the locked version, and the fix (``make lock``).
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -30,29 +31,27 @@ LOCKED_EXTRAS = {"train", "serve", "dev", "track"}
 UNLOCKED_EXTRAS = {"gpu", "bench"}
 # The image installs torch in a step of its own (the build of its variant): the serve lock leaves it out.
 NOT_IN_SERVE_LOCK = {"torch"}
+spec = importlib.util.spec_from_file_location("offline", ROOT / "requirements/offline.py")
+offline_tool = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(offline_tool)
 _ENTRY = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)")
 _HASH = re.compile(r"--hash=sha256:([0-9a-f]{64})\b")
 
 
 def parse_lock(text: str) -> dict[str, tuple[Version, set[str]]]:
     """A pip requirements file of ``name==version`` entries with ``--hash`` continuation lines (as uv and pip-tools
-    write them) -> {canonical name: (version, sha256 hashes)}. Options, comments and other forms are refused."""
-    entries: dict[str, tuple[Version, set[str]]] = {}
-    current = None
-    for number, line in enumerate(text.splitlines(), 1):
-        stripped = line.strip()
-        if not stripped or stripped.startswith("#"):
-            continue
-        if line[0].isspace():
-            assert current is not None, f"line {number}: a continuation line before any entry: {line!r}"
-            entries[current][1].update(_HASH.findall(stripped))
-            continue
-        match = _ENTRY.match(stripped)
-        assert match, f"line {number}: not a name==version entry: {line!r}"
-        current = canonicalize_name(match.group(1))
-        assert current not in entries, f"line {number}: {current} is locked twice"
-        entries[current] = (Version(match.group(2)), set(_HASH.findall(stripped)))
-    return entries
+    write them) -> {canonical name: (version, sha256 hashes)}. Options, other forms and names listed twice are
+    refused (requirements/offline.py's ``entries``, the one parser of these files)."""
+    try:
+        listed = offline_tool.entries(text)
+    except ValueError as e:
+        raise AssertionError(str(e)) from None
+    locked = {}
+    for name, entry in listed.items():
+        match = _ENTRY.match(entry)
+        assert match, f"not a name==version entry: {entry.splitlines()[0]!r}"
+        locked[name] = (Version(match.group(2)), set(_HASH.findall(entry)))
+    return locked
 
 
 def pyproject_requirements(pyproject: dict, extras: set[str]) -> list[Requirement]:

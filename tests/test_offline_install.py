@@ -70,6 +70,8 @@ def test_a_freeze_gives_the_versions_installed_in_normal_form():
 def test_an_option_line_in_a_requirements_file_is_refused_naming_it():
     with pytest.raises(ValueError, match="line 2: not a name==version entry: '--index-url https://x'"):
         offline.entries("a==1\n--index-url https://x\n")
+    with pytest.raises(ValueError, match="line 2: a-b is listed twice"):
+        offline.entries("a_b==1\nA.B==2\n")
 
 
 def test_the_via_graph_follows_chains_and_what_is_left_out_takes_what_only_it_needed():
