@@ -125,8 +125,8 @@ def score_candidate(feats: dict, hits: np.ndarray) -> dict:
 
 
 def run_features(run: str, questions: dict, batch_size: int) -> dict:
-    """A trained run's per-question 1/u and mean sigma on each stream at zeta 0, and its right answers on SciQ
-    validation: {"streams": {name: {"inv_u": [...], "sigma": [...]}}, "hits": [...]}."""
+    """A trained run's per-question 1/u, mean sigma and right answers (1 or 0) on each stream at zeta 0:
+    {"streams": {name: {"inv_u": [...], "sigma": [...], "right": [...]}}, "hits": SciQ validation's right answers}."""
     from ibedl.training.calibrate import raw_outputs
     from ibedl.training.experiments.evaluate_run import load_run
 
@@ -137,9 +137,10 @@ def run_features(run: str, questions: dict, batch_size: int) -> dict:
         if raw.get("sigma") is None:
             raise SystemExit(f"{run} has no sigma: the search's candidates must be IB-EDL runs")
         f = features(raw, kind, raw["offset"], {})  # {}: the post-hoc parameter neutral (zeta 0)
-        out["streams"][name] = {k: [float(f"{x:.6g}") for x in f[k]] for k in ("inv_u", "sigma")}
+        right = [int(np.argmax(p) == q.answer) for p, q in zip(raw["probs"], qs, strict=True)]
+        out["streams"][name] = {**{k: [float(f"{x:.6g}") for x in f[k]] for k in ("inv_u", "sigma")}, "right": right}
         if name == "sciq_validation":
-            out["hits"] = [int(np.argmax(p) == q.answer) for p, q in zip(raw["probs"], qs, strict=True)]
+            out["hits"] = right
     return out
 
 

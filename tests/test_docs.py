@@ -166,6 +166,7 @@ CLIS = [
     ("benchmarks.grid_predictions", []),
     ("benchmarks.grid_intervals", []),
     ("benchmarks.posthoc_repair", []),
+    ("benchmarks.sigma_replication", []),
 ]
 
 
