@@ -119,6 +119,17 @@ def drawn_by(artifacts: list[str | Path]) -> frozenset[str]:
     return frozenset(ids)
 
 
+def adapter_identity(path: str | Path) -> dict:
+    """What an adapter's saved answers depend on besides the base model: its weights' sha256
+    (``calibrate.weights_sha256``), manifest version and served post-hoc parameters (zeta, temperature)."""
+    from ibedl.core.artifact import read_manifest
+    from ibedl.training.calibrate import weights_sha256
+
+    manifest = read_manifest(path)
+    return {"weights_sha256": weights_sha256(Path(path), manifest), "version": manifest.version,
+            "zeta": float(manifest.head.get("zeta", 0.0)), "temperature": float(manifest.head.get("temperature", 1.0))}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reference", required=True, help="adapter directory the others are compared with")
@@ -173,8 +184,9 @@ def main(argv=None) -> int:
         "comparisons": comparisons,
     })
     if args.save_answers:
-        write_result(args.save_answers, {"ids": [q.id for q in questions], "labels": labels, "answers": answers},
-                     echo=False)
+        write_result(args.save_answers, {"ids": [q.id for q in questions], "labels": labels,
+                                         "adapters": {path: adapter_identity(path) for path in answers},
+                                         "answers": answers}, echo=False)
     return 0
 
 

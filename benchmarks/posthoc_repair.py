@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import write_result
-from benchmarks.paired_bootstrap import PerQuestion, paired_bootstrap
+from benchmarks.paired_bootstrap import PerQuestion, adapter_identity, paired_bootstrap
 from ibedl.core.artifact import read_manifest
 from ibedl.core.head import adjust_alpha
 from ibedl.training import metrics
@@ -128,6 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     if scores.get("weights_sha256") != weights_sha256(Path(args.artifact), read_manifest(args.artifact)):
         print(f"error: {args.scores} was scored on other weights than {args.artifact}'s", file=sys.stderr)
         return 2
+    for path in (args.artifact, args.twin):  # the answers are the adapters' as they are now, or they are stale
+        recorded, now = fresh.get("adapters", {}).get(path), adapter_identity(path)
+        if recorded != now:
+            print(f"error: {args.fresh} records {path} as {recorded}, but it is now {now}: answer the fresh sample "
+                  "again (python -m benchmarks.paired_bootstrap ... --save-answers)", file=sys.stderr)
+            return 2
 
     val_alpha, val_sigma, val_labels = stream(scores, "sciq_validation")
     refit, _, _ = fit(val_alpha, val_sigma, val_labels, ZETA_GRID, (1.0,), offset)

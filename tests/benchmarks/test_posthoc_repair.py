@@ -34,3 +34,41 @@ def test_the_fit_recovers_a_known_evidence_temperature():
     labels = np.array([rng.choice(4, p=p) for p in true])
     zeta, tau, _ = fit(1 + 2 * evidence, np.zeros((4000, 4)), labels, (0.0,), TAU_GRID)
     assert zeta == 0.0 and tau == pytest.approx(2.0, rel=0.15)
+
+
+def test_answers_made_on_other_weights_or_another_zeta_are_refused(tiny_artifact, tiny_map_artifact, tmp_path,
+                                                                    capsys):
+    """The fresh sample's answers record each adapter's weights and served post-hoc parameters
+    (paired_bootstrap --save-answers); answers that no longer match the adapters are stale, and refused."""
+    import json
+    import shutil
+
+    from benchmarks.paired_bootstrap import adapter_identity
+    from benchmarks.posthoc_repair import main
+    from ibedl.core.artifact import read_manifest
+    from ibedl.training.calibrate import weights_sha256
+
+    default, twin = tmp_path / "default", tmp_path / "twin"
+    shutil.copytree(tiny_artifact, default)
+    shutil.copytree(tiny_map_artifact, twin)
+    scores = tmp_path / "scores.json"
+    scores.write_text(json.dumps({"weights_sha256": weights_sha256(default, read_manifest(default))}))
+    identity = {str(default): adapter_identity(default), str(twin): adapter_identity(twin)}
+    fresh = tmp_path / "fresh.json"
+    argv = ["--scores", str(scores), "--fresh", str(fresh), "--artifact", str(default), "--twin", str(twin),
+            "--output", str(tmp_path / "out.json")]
+
+    def refused(adapters: dict | None) -> str:
+        fresh.write_text(json.dumps({"labels": [], "answers": {str(default): {}, str(twin): {}},
+                                     **({"adapters": adapters} if adapters is not None else {})}))
+        assert main(argv) == 2 and not (tmp_path / "out.json").exists()
+        return capsys.readouterr().err
+
+    assert "answer the fresh sample again" in refused(None)  # made before answers recorded their adapters
+    other_zeta = {**identity, str(twin): {**identity[str(twin)], "temperature": 9.0}}
+    assert f"{twin} as" in refused(other_zeta)
+    head = default / "head.safetensors"
+    head.write_bytes(head.read_bytes() + b" ")  # other weights: the default's sha256 moves
+    assert adapter_identity(default)["weights_sha256"] != identity[str(default)]["weights_sha256"]
+    scores.write_text(json.dumps({"weights_sha256": weights_sha256(default, read_manifest(default))}))
+    assert f"{default} as" in refused(identity)
