@@ -94,3 +94,28 @@ def test_too_few_resamples_are_refused(capsys):
     with pytest.raises(SystemExit):
         main(["--resamples", "5"])
     assert "--resamples must be at least 100, got 5" in capsys.readouterr().err
+
+
+def test_the_replication_trains_the_search_s_candidate_unchanged_on_new_seeds(tmp_path):
+    """benchmarks/sciq_sigma_replication.yaml's runs are sciq_sigma_search.yaml's candidate 2 (sigma rows started at
+    zero, 20x rate) on seeds other than the search's: the same training config but for seed, output and name."""
+    import json as json_
+
+    from benchmarks.hparam_search import candidates
+    from ibedl.training.config import load_config
+    from ibedl.training.experiments.benchmark import Run, expand, load_benchmark_config, train_overrides
+
+    replication = load_benchmark_config("benchmarks/sciq_sigma_replication.yaml")
+    search = load_benchmark_config("benchmarks/sciq_sigma_search.yaml")
+    runs = expand(replication)
+    assert [(r.method, r.kind, r.seed) for r in runs] == [("ib_edl", "id", s) for s in (1, 2, 3)]
+    assert search["search"]["seed"] not in {r.seed for r in runs}  # the hint's seed is not reused
+    method, _, chosen = candidates(search)[2]
+    for run in runs:
+        ours = load_config(None, train_overrides(replication, run, "ib_edl", tmp_path / "r")).to_dict()
+        cell = Run("search", "id", "sciq", method, run.seed, ("sciq",))
+        theirs = load_config(None, [*train_overrides(search, cell, method, tmp_path / "s"),
+                                    *(f"{k}={json_.dumps(v)}" for k, v in chosen.items())]).to_dict()
+        assert {k: v for k, v in ours.items() if k not in ("output", "name")} == \
+            {k: v for k, v in theirs.items() if k not in ("output", "name")}
+        assert ours["method_params"]["sigma_init_scale"] == 0 and ours["method_params"]["sigma_lr_scale"] == 20
