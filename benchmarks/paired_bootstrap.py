@@ -119,14 +119,20 @@ def drawn_by(artifacts: list[str | Path]) -> frozenset[str]:
     return frozenset(ids)
 
 
+SERVED_SECTIONS = ("head", "prompt", "base_model", "option_token_ids", "method_config", "mc_samples")
+
+
 def adapter_identity(path: str | Path) -> dict:
-    """What an adapter's saved answers depend on besides the base model: its weights' sha256
-    (``calibrate.weights_sha256``), manifest version and served post-hoc parameters (zeta, temperature)."""
+    """What an adapter's saved answers depend on: its weights' sha256 (``calibrate.weights_sha256``), the sha256 of
+    the manifest sections that shape an answer (``SERVED_SECTIONS``: head, prompt, base model, ...), its version
+    and served post-hoc parameters (zeta, temperature: also in the head, named for a reader)."""
     from ibedl.core.artifact import read_manifest
     from ibedl.training.calibrate import weights_sha256
 
     manifest = read_manifest(path)
-    return {"weights_sha256": weights_sha256(Path(path), manifest), "version": manifest.version,
+    sections = json.dumps({k: getattr(manifest, k) for k in SERVED_SECTIONS}, sort_keys=True, default=str)
+    return {"weights_sha256": weights_sha256(Path(path), manifest),
+            "served_sha256": hashlib.sha256(sections.encode()).hexdigest(), "version": manifest.version,
             "zeta": float(manifest.head.get("zeta", 0.0)), "temperature": float(manifest.head.get("temperature", 1.0))}
 
 

@@ -67,6 +67,12 @@ def test_answers_made_on_other_weights_or_another_zeta_are_refused(tiny_artifact
     assert "answer the fresh sample again" in refused(None)  # made before answers recorded their adapters
     other_zeta = {**identity, str(twin): {**identity[str(twin)], "temperature": 9.0}}
     assert f"{twin} as" in refused(other_zeta)
+    manifest = json.loads((twin / "manifest.json").read_text())
+    manifest["head"]["quadrature_points"] = 8  # another served setting, the weights and zeta unchanged
+    (twin / "manifest.json").write_text(json.dumps(manifest))
+    assert adapter_identity(twin)["served_sha256"] != identity[str(twin)]["served_sha256"]
+    assert f"{twin} as" in refused(identity)
+    identity[str(twin)] = adapter_identity(twin)
     head = default / "head.safetensors"
     head.write_bytes(head.read_bytes() + b" ")  # other weights: the default's sha256 moves
     assert adapter_identity(default)["weights_sha256"] != identity[str(default)]["weights_sha256"]
