@@ -223,6 +223,12 @@ def over_confidence(preds: GridPredictions, runs: list[Run], method: str, resamp
     return out
 
 
+def kept_seeds(config: dict, preds: GridPredictions) -> dict:
+    """``config`` with its seeds widened to every seed whose predictions are kept: a seed run beyond the config's
+    (``'seeds=[3]'`` on the runner's command, for some methods) enters the claims whose rows it has."""
+    return {**config, "seeds": sorted(set(config["seeds"]) | preds.seeds())}
+
+
 ARM_TAG = "arm"  # the arm's rows beside the grid's in a head-to-head
 
 
@@ -243,11 +249,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.resamples < 100:
         parser.error(f"--resamples must be at least 100, got {args.resamples}")
     try:
-        runs = expand(load_benchmark_config(Path("benchmarks") / f"{args.against or args.grid}.yaml"))
+        config = load_benchmark_config(Path("benchmarks") / f"{args.against or args.grid}.yaml")
         preds = arm = load(args.predictions or default_path(args.grid))
         if args.against:
             grid = load(default_path(args.against))
             preds = beside(grid, arm)
+        runs = expand(kept_seeds(config, preds))
         claims = {c.text: claim_interval(c, runs, preds, args.resamples, args.seed) for c in CLAIMS}
         if args.against:
             both = GridPredictions({**grid.arrays, **tagged(arm, ARM_TAG).arrays})

@@ -111,6 +111,10 @@ class GridPredictions:
 
     arrays: dict[str, np.ndarray]
 
+    def seeds(self) -> set[int]:
+        """The seeds of the trained runs whose predictions are kept (train keys end in ``-s<seed>``)."""
+        return {int(key.split(SEP)[0].rpartition("-s")[2]) for key in self.arrays}
+
     def has(self, train_key: str, method: str, dataset: str) -> bool:
         return SEP.join((train_key, method, dataset, "probs")) in self.arrays
 

@@ -205,3 +205,19 @@ def test_a_head_to_head_pairs_an_arms_ib_edl_with_the_grids_own_and_says_which_i
     assert auroc["pooled"]["difference"] == 0  # the same u on both sides
     with pytest.raises(ValueError, match="tag"):
         tagged(arm, "a@b")
+
+
+def test_a_seed_run_beyond_the_config_s_enters_the_claims_it_has_rows_for():
+    """The runner's 'seeds=[3]' override runs a seed the config does not list: its kept predictions widen the
+    config's seeds, and a claim pools it."""
+    from benchmarks.grid_intervals import kept_seeds
+    from ibedl.training.experiments.benchmark import expand
+
+    preds, _ = grid(seeds=(0, 1, 2, 3))
+    assert preds.seeds() == {0, 1, 2, 3}
+    config = {"methods": ["map", "ib_edl"], "seeds": [0, 1, 2], "experiments": [{"kind": "id", "datasets": ["sciq"]}]}
+    widened = kept_seeds(config, preds)
+    assert widened["seeds"] == [0, 1, 2, 3] and config["seeds"] == [0, 1, 2]
+    claim = Claim("ECE", "id", (IB0, "ece"), (("map", "ece"),), 100, "lower")
+    assert claim_interval(claim, expand(widened), preds, resamples=200)["seeds"] == 4
+    assert claim_interval(claim, expand(config), preds, resamples=200)["seeds"] == 3
