@@ -112,7 +112,8 @@ def comparison(test: dict, weights: dict, name: str) -> Comparison:
     if name == "right_vs_wrong":
         x, y = pair(ind), np.asarray(ind["right"], float)
         return Comparison([single], auroc_gain(y, x @ weights["right"], x[:, 0]),
-                          {"positives": int(y.sum()), "negatives": int(n - y.sum())})
+                          {"positives": int(y.sum()), "negatives": int(n - y.sum()),
+                           "auroc_inv_u": fast_auroc(y, x[:, 0])})
     shifted = test[name]
     x = np.concatenate([pair(ind), pair(shifted)])
     y = np.r_[np.ones(n), np.zeros(len(shifted["inv_u"]))]
@@ -123,7 +124,7 @@ def comparison(test: dict, weights: dict, name: str) -> Comparison:
     else:
         blocks = [single, n + np.arange(len(shifted["inv_u"]))[:, None]]
     return Comparison(blocks, auroc_gain(y, x @ weights["shift"], x[:, 0]),
-                      {"positives": n, "negatives": int(len(y) - n)})
+                      {"positives": n, "negatives": int(len(y) - n), "auroc_inv_u": fast_auroc(y, x[:, 0])})
 
 
 def resample(blocks: list[np.ndarray], rng: np.random.Generator) -> np.ndarray:

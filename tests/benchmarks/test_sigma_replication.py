@@ -205,3 +205,25 @@ def test_the_replication_trains_the_search_s_candidate_unchanged_on_new_seeds(tm
         assert {k: v for k, v in ours.items() if k not in ("output", "name")} == \
             {k: v for k, v in theirs.items() if k not in ("output", "name")}
         assert ours["method_params"]["sigma_init_scale"] == 0 and ours["method_params"]["sigma_lr_scale"] == 20
+
+
+def test_the_committed_report_is_what_the_committed_scores_give(tmp_path):
+    """benchmarks.sigma_replication recomputed from the committed per-question scores (no model run) gives the
+    committed report: every decision and count equal, every number within float64 reordering error (the tolerance
+    of tests/benchmarks/test_sigma_search.py, for the same arithmetic: ranks, least squares, logistic fits)."""
+    from pathlib import Path
+
+    from tests.benchmarks.test_sigma_search import REPRODUCED_ABS, REPRODUCED_REL
+    from tests.reproduced import assert_reproduced
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "report.json"
+    assert main(["--runs", str(tmp_path / "no-runs"), "--scores", str(root / "benchmarks/results/sigma_search_scores"),
+                 "--grid-results", str(root / "benchmarks/results/sciq_sigma_replication.json"),
+                 "--output", str(out)]) == 0
+    ours = json.loads(out.read_text())
+    committed = json.loads((root / "benchmarks/results/sigma_replication.json").read_text())
+    for record in (ours, committed):
+        record.pop("command")
+    assert_reproduced(ours, committed, REPRODUCED_REL, REPRODUCED_ABS)
+    assert committed["seeds"] == list(SEEDS) and committed["anchor"]["same_best_step"]
