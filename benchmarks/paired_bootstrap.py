@@ -119,21 +119,30 @@ def drawn_by(artifacts: list[str | Path]) -> frozenset[str]:
     return frozenset(ids)
 
 
-SERVED_SECTIONS = ("head", "prompt", "base_model", "option_token_ids", "method_config", "mc_samples")
+SERVED_SECTIONS = ("head", "prompt", "base_model", "option_token_ids", "method_config", "mc_samples", "calibrated_on",
+                   "backend_calibrations")  # the manifest sections that shape an answer
 
 
-def adapter_identity(path: str | Path) -> dict:
-    """What an adapter's saved answers depend on: its weights' sha256 (``calibrate.weights_sha256``), the sha256 of
-    the manifest sections that shape an answer (``SERVED_SECTIONS``: head, prompt, base model, ...), its version
-    and served post-hoc parameters (zeta, temperature: also in the head, named for a reader)."""
+def adapter_identity(path: str | Path, calibration_key: str) -> dict:
+    """What an adapter's answers, computed on backend and precision ``calibration_key`` (``Predictor.calibration_key``:
+    ``torch-fp32``, ...), depend on: its weights' sha256 (``calibrate.weights_sha256``), the sha256 of the manifest
+    sections that shape an answer (``SERVED_SECTIONS``), its version, and the post-hoc parameter the calibration
+    made on that key sets (``posthoc``: zeta or temperature; a reader's copy, also in the hashed sections).
+
+    Raises:
+        ValueError: the manifest carries no calibration made on ``calibration_key``.
+    """
     from ibedl.core.artifact import read_manifest
     from ibedl.training.calibrate import weights_sha256
 
     manifest = read_manifest(path)
+    calibration = manifest.calibration_for(calibration_key)
+    if calibration is None:
+        raise ValueError(f"{path} carries no calibration made on {calibration_key!r}")
     sections = json.dumps({k: getattr(manifest, k) for k in SERVED_SECTIONS}, sort_keys=True, default=str)
     return {"weights_sha256": weights_sha256(Path(path), manifest),
             "served_sha256": hashlib.sha256(sections.encode()).hexdigest(), "version": manifest.version,
-            "zeta": float(manifest.head.get("zeta", 0.0)), "temperature": float(manifest.head.get("temperature", 1.0))}
+            "calibration_key": calibration_key, "posthoc": dict(calibration.head)}
 
 
 def main(argv=None) -> int:
@@ -151,7 +160,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the resamples")
     parser.add_argument("--output", default="benchmarks/results/paired_bootstrap.json")
     parser.add_argument("--save-answers", metavar="FILE",
-                        help="also write each adapter's answers (ids, labels, probabilities, alpha, sigma, u) as JSON")
+                        help="also write each adapter's answers (ids, labels, probabilities, alpha, sigma, u) as JSON, "
+                             "with what they were made on (adapters: weights, served sections, calibration)")
     args = parser.parse_args(argv)
     if args.resamples < 100:
         parser.error(f"--resamples must be at least 100, got {args.resamples}")
@@ -170,12 +180,14 @@ def main(argv=None) -> int:
     questions = load_dataset(args.dataset, args.split, limit=args.limit, seed=args.sample_seed, exclude=excluded)
     labels = [q.answer for q in questions]
 
-    answers = {}
+    answers, identities = {}, {}
 
     def answer(path: str) -> PerQuestion:
-        predictions, _ = predict_all(Predictor.from_artifact(path), questions, args.batch_size, desc=Path(path).name)
+        predictor = Predictor.from_artifact(path)
+        predictions, _ = predict_all(predictor, questions, args.batch_size, desc=Path(path).name)
         answers[path] = {field: [getattr(p, field) for p in predictions]
                          for field in ("probs", "alpha", "sigma", "uncertainty")}
+        identities[path] = adapter_identity(path, predictor.calibration_key)  # the calibration it answered under
         return PerQuestion.from_probs([p.probs for p in predictions], labels)
 
     reference = answer(args.reference)
@@ -191,7 +203,7 @@ def main(argv=None) -> int:
     })
     if args.save_answers:
         write_result(args.save_answers, {"ids": [q.id for q in questions], "labels": labels,
-                                         "adapters": {path: adapter_identity(path) for path in answers},
+                                         "adapters": identities,
                                          "answers": answers}, echo=False)
     return 0
 

@@ -102,6 +102,19 @@ def gate_auroc(scores: dict, zeta: float, tau: float, offset: float = 1.0) -> fl
     return float(np.mean(values))
 
 
+def stale(recorded: dict | None, path: str) -> str | None:
+    """Why answers recorded as made by ``recorded`` (paired_bootstrap's ``adapters`` entry) are not the adapter at
+    ``path`` as it is now (its weights, served sections or the calibration they were made under), or None."""
+    if recorded is None:
+        return f"no record of what {path} answered with (answers saved before they recorded it)"
+    try:
+        now = adapter_identity(path, recorded.get("calibration_key", ""))
+    except (OSError, ValueError) as e:
+        return f"{path} cannot be checked ({e})"
+    differ = sorted(k for k in now if recorded.get(k) != now[k])
+    return f"{path} has changed since its answers ({', '.join(differ)})" if differ else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.posthoc_repair", description=__doc__.split("\n\n")[0])
     parser.add_argument("--scores", default="benchmarks/results/decision_scores/default.json",
@@ -118,22 +131,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         scores = json.loads(Path(args.scores).read_text())
         fresh = json.loads(Path(args.fresh).read_text())
-        manifest = json.loads((Path(args.artifact) / "manifest.json").read_text())
-        served = {"zeta": float(manifest["head"]["zeta"]), "tau": 1.0}
         default, twin = fresh["answers"][args.artifact], fresh["answers"][args.twin]
+        ours = weights_sha256(Path(args.artifact), read_manifest(args.artifact))
+        scored_on_ours = scores.get("weights_sha256") == ours
     except (OSError, KeyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     offset = float(scores.get("offset", 1.0))
-    if scores.get("weights_sha256") != weights_sha256(Path(args.artifact), read_manifest(args.artifact)):
+    if not scored_on_ours:
         print(f"error: {args.scores} was scored on other weights than {args.artifact}'s", file=sys.stderr)
         return 2
     for path in (args.artifact, args.twin):  # the answers are the adapters' as they are now, or they are stale
-        recorded, now = fresh.get("adapters", {}).get(path), adapter_identity(path)
-        if recorded != now:
-            print(f"error: {args.fresh} records {path} as {recorded}, but it is now {now}: answer the fresh sample "
-                  "again (python -m benchmarks.paired_bootstrap ... --save-answers)", file=sys.stderr)
+        problem = stale(fresh.get("adapters", {}).get(path), path)
+        if problem:
+            print(f"error: {args.fresh}: {problem}: answer the fresh sample again (python -m "
+                  "benchmarks.paired_bootstrap ... --save-answers)", file=sys.stderr)
             return 2
+    served = {"zeta": float(fresh["adapters"][args.artifact]["posthoc"].get("zeta", 0.0)), "tau": 1.0}
 
     val_alpha, val_sigma, val_labels = stream(scores, "sciq_validation")
     refit, _, _ = fit(val_alpha, val_sigma, val_labels, ZETA_GRID, (1.0,), offset)

@@ -36,10 +36,10 @@ def test_the_fit_recovers_a_known_evidence_temperature():
     assert zeta == 0.0 and tau == pytest.approx(2.0, rel=0.15)
 
 
-def test_answers_made_on_other_weights_or_another_zeta_are_refused(tiny_artifact, tiny_map_artifact, tmp_path,
-                                                                    capsys):
-    """The fresh sample's answers record each adapter's weights and served post-hoc parameters
-    (paired_bootstrap --save-answers); answers that no longer match the adapters are stale, and refused."""
+def test_answers_made_on_other_weights_or_another_calibration_are_refused(tiny_artifact, tiny_map_artifact, tmp_path,
+                                                                         capsys):
+    """The fresh sample's answers record what each adapter answered with (paired_bootstrap --save-answers: weights,
+    served sections, the calibration of the backend it ran on); answers that no longer match are stale, refused."""
     import json
     import shutil
 
@@ -53,7 +53,11 @@ def test_answers_made_on_other_weights_or_another_zeta_are_refused(tiny_artifact
     shutil.copytree(tiny_map_artifact, twin)
     scores = tmp_path / "scores.json"
     scores.write_text(json.dumps({"weights_sha256": weights_sha256(default, read_manifest(default))}))
-    identity = {str(default): adapter_identity(default), str(twin): adapter_identity(twin)}
+    key = read_manifest(twin).calibrated_on
+    identity = {str(default): adapter_identity(default, key), str(twin): adapter_identity(twin, key)}
+    assert identity[str(twin)]["posthoc"] == read_manifest(twin).calibration_for(key).head
+    with pytest.raises(ValueError, match="no calibration made on 'openvino-int8'"):
+        adapter_identity(twin, "openvino-int8")
     fresh = tmp_path / "fresh.json"
     argv = ["--scores", str(scores), "--fresh", str(fresh), "--artifact", str(default), "--twin", str(twin),
             "--output", str(tmp_path / "out.json")]
@@ -64,17 +68,17 @@ def test_answers_made_on_other_weights_or_another_zeta_are_refused(tiny_artifact
         assert main(argv) == 2 and not (tmp_path / "out.json").exists()
         return capsys.readouterr().err
 
-    assert "answer the fresh sample again" in refused(None)  # made before answers recorded their adapters
-    other_zeta = {**identity, str(twin): {**identity[str(twin)], "temperature": 9.0}}
-    assert f"{twin} as" in refused(other_zeta)
+    assert "no record of what" in refused(None)  # answers saved before they recorded their adapters
+    other_key = {**identity, str(twin): {**identity[str(twin)], "calibration_key": "openvino-int8"}}
+    assert "cannot be checked" in refused(other_key)  # made under a calibration the twin does not carry
+    other_t = {**identity, str(twin): {**identity[str(twin)], "posthoc": {"temperature": 9.0}}}
+    assert f"{twin} has changed since its answers (posthoc)" in refused(other_t)
     manifest = json.loads((twin / "manifest.json").read_text())
-    manifest["head"]["quadrature_points"] = 8  # another served setting, the weights and zeta unchanged
+    manifest["head"]["quadrature_points"] = 8  # another served setting, the weights and calibration unchanged
     (twin / "manifest.json").write_text(json.dumps(manifest))
-    assert adapter_identity(twin)["served_sha256"] != identity[str(twin)]["served_sha256"]
-    assert f"{twin} as" in refused(identity)
-    identity[str(twin)] = adapter_identity(twin)
+    assert "(served_sha256)" in refused(identity)
+    identity[str(twin)] = adapter_identity(twin, key)
     head = default / "head.safetensors"
     head.write_bytes(head.read_bytes() + b" ")  # other weights: the default's sha256 moves
-    assert adapter_identity(default)["weights_sha256"] != identity[str(default)]["weights_sha256"]
     scores.write_text(json.dumps({"weights_sha256": weights_sha256(default, read_manifest(default))}))
-    assert f"{default} as" in refused(identity)
+    assert f"{default} has changed since its answers (weights_sha256)" in refused(identity)
