@@ -224,8 +224,9 @@ def over_confidence(preds: GridPredictions, runs: list[Run], method: str, resamp
 
 
 def kept_seeds(config: dict, preds: GridPredictions) -> dict:
-    """``config`` with its seeds widened to every seed whose predictions are kept: a seed run beyond the config's
-    (``'seeds=[3]'`` on the runner's command, for some methods) enters the claims whose rows it has."""
+    """``config`` with its top-level seeds widened to every seed whose predictions are kept: a seed run beyond the
+    config's (``'seeds=[3]'`` on the runner's command, for some methods) enters the claims whose rows it has. An
+    experiment with its own ``seeds`` list (the noise cells) keeps it."""
     return {**config, "seeds": sorted(set(config["seeds"]) | preds.seeds())}
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,8 +113,18 @@ class GridPredictions:
     arrays: dict[str, np.ndarray]
 
     def seeds(self) -> set[int]:
-        """The seeds of the trained runs whose predictions are kept (train keys end in ``-s<seed>``)."""
-        return {int(key.split(SEP)[0].rpartition("-s")[2]) for key in self.arrays}
+        """The seeds of the trained runs whose predictions are kept (train keys end in ``-s<seed>``).
+
+        Raises:
+            ValueError: a key whose train key does not end in ``-s<seed>``.
+        """
+        out = set()
+        for key in self.arrays:
+            found = re.search(r"-s(\d+)$", key.split(SEP)[0])
+            if found is None:
+                raise ValueError(f"kept predictions under {key!r}: its train key does not end in -s<seed>")
+            out.add(int(found.group(1)))
+        return out
 
     def has(self, train_key: str, method: str, dataset: str) -> bool:
         return SEP.join((train_key, method, dataset, "probs")) in self.arrays

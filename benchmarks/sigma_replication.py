@@ -220,7 +220,13 @@ def run_scores(run: Path, seed: int, scores: Path, questions, batch_size: int) -
 
 
 def same_questions(stored: dict) -> None:
-    """Refuse scores files whose streams hold different questions (ids, in order) from seed to seed."""
+    """Refuse scores files that lack a stream the test reads, or whose streams hold different questions (ids, in
+    order) from seed to seed."""
+    wanted = {"sciq_validation", "sciq_test", *SHIFTED, *(f"{s}_dev" for s in SHIFTED)}
+    for seed, s in stored.items():
+        missing = sorted(wanted - set(s.get("streams", {})))
+        if missing:
+            raise ValueError(f"seed {seed}'s scores lack the streams {missing}: delete its file to score it again")
     first = next(iter(stored.values()))["streams"]
     for seed, s in stored.items():
         for name, f in s["streams"].items():
@@ -282,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="per-seed 1/u, sigma and right answers (read, or written)")
     parser.add_argument("--grid-results", default=str(GRID_RESULTS),
                         help="the runner's results for the runs (the anchor's training record)")
+    parser.add_argument("--search", default=str(SEARCH), help="the sigma search's results (the hint's run)")
     parser.add_argument("--resamples", type=int, default=RESAMPLES)
     parser.add_argument("--batch-size", type=int, default=16)
     args = parser.parse_args(argv)
@@ -303,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         result = {"command": "python -m benchmarks.sigma_replication " + " ".join(argv if argv is not None
                                                                                     else sys.argv[1:]),
                   "config": "benchmarks/sciq_sigma_replication.yaml", **report(stored, args.resamples),
-                  "anchor": anchor(Path(args.grid_results), SEARCH)}
+                  "anchor": anchor(Path(args.grid_results), Path(args.search))}
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,3 +1,5 @@
+import re
+
 import numpy as np
 import pytest
 from sklearn.metrics import roc_auc_score
@@ -215,6 +217,11 @@ def test_a_seed_run_beyond_the_config_s_enters_the_claims_it_has_rows_for():
 
     preds, _ = grid(seeds=(0, 1, 2, 3))
     assert preds.seeds() == {0, 1, 2, 3}
+    noisy = {**preds.arrays, SEP.join(("sciq-noise0.3-map-s7", "map", "sciq", "probs")): np.zeros((1, 4))}
+    assert GridPredictions(noisy).seeds() == {0, 1, 2, 3, 7}  # a noise cell's train key
+    assert tagged(preds, "arm").seeds() == {0, 1, 2, 3}  # an arm's rows: the tag is in the method, not the key
+    with pytest.raises(ValueError, match=re.escape("'sciq-map|map|sciq|probs'")):
+        GridPredictions({"sciq-map|map|sciq|probs": np.zeros((1, 4))}).seeds()
     config = {"methods": ["map", "ib_edl"], "seeds": [0, 1, 2], "experiments": [{"kind": "id", "datasets": ["sciq"]}]}
     widened = kept_seeds(config, preds)
     assert widened["seeds"] == [0, 1, 2, 3] and config["seeds"] == [0, 1, 2]

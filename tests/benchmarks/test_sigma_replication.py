@@ -116,8 +116,11 @@ def test_the_corrected_interval_is_wider_than_the_uncorrected_one():
         assert low <= low95 <= high95 <= high and high - low > high95 - low95
 
 
-def test_runs_on_other_questions_are_refused():
+def test_runs_on_other_questions_or_without_a_stream_are_refused():
     a, b = stored(1, own=1.0), stored(2, own=1.0)
+    short = {**b, "streams": {n: f for n, f in b["streams"].items() if n != "obqa_dev"}}
+    with pytest.raises(ValueError, match=r"seed 2's scores lack the streams \['obqa_dev'\]"):
+        report({1: a, 2: short}, resamples=200)
     b["streams"]["obqa"]["questions_sha256"] = "other"
     with pytest.raises(ValueError, match="seed 2's obqa holds other questions"):
         report({1: a, 2: b}, resamples=200)
@@ -220,6 +223,7 @@ def test_the_committed_report_is_what_the_committed_scores_give(tmp_path):
     out = tmp_path / "report.json"
     assert main(["--runs", str(tmp_path / "no-runs"), "--scores", str(root / "benchmarks/results/sigma_search_scores"),
                  "--grid-results", str(root / "benchmarks/results/sciq_sigma_replication.json"),
+                 "--search", str(root / "benchmarks/results/sciq_sigma_search.json"),
                  "--output", str(out)]) == 0
     ours = json.loads(out.read_text())
     committed = json.loads((root / "benchmarks/results/sigma_replication.json").read_text())
