@@ -40,10 +40,8 @@ import torch
 
 from benchmarks.common import write_result
 from benchmarks.paired_bootstrap import PerQuestion, adapter_identity, paired_bootstrap
-from ibedl.core.artifact import read_manifest
 from ibedl.core.head import adjust_alpha
 from ibedl.training import metrics
-from ibedl.training.calibrate import weights_sha256
 from ibedl.training.head_kinds import ZETA_GRID
 
 TAU_GRID = tuple(float(t) for t in np.round(np.exp(np.linspace(np.log(0.25), np.log(4.0), 49)), 6))
@@ -132,14 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         scores = json.loads(Path(args.scores).read_text())
         fresh = json.loads(Path(args.fresh).read_text())
         default, twin = fresh["answers"][args.artifact], fresh["answers"][args.twin]
-        ours = weights_sha256(Path(args.artifact), read_manifest(args.artifact))
-        scored_on_ours = scores.get("weights_sha256") == ours
     except (OSError, KeyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    offset = float(scores.get("offset", 1.0))
-    if not scored_on_ours:
-        print(f"error: {args.scores} was scored on other weights than {args.artifact}'s", file=sys.stderr)
         return 2
     for path in (args.artifact, args.twin):  # the answers are the adapters' as they are now, or they are stale
         problem = stale(fresh.get("adapters", {}).get(path), path)
@@ -147,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {args.fresh}: {problem}: answer the fresh sample again (python -m "
                   "benchmarks.paired_bootstrap ... --save-answers)", file=sys.stderr)
             return 2
+    # not stale: the recorded weights are the default's now (hashed once, in stale)
+    if scores.get("weights_sha256") != fresh["adapters"][args.artifact]["weights_sha256"]:
+        print(f"error: {args.scores} was scored on other weights than {args.artifact}'s", file=sys.stderr)
+        return 2
+    offset = float(scores.get("offset", 1.0))
     served = {"zeta": float(fresh["adapters"][args.artifact]["posthoc"].get("zeta", 0.0)), "tau": 1.0}
 
     val_alpha, val_sigma, val_labels = stream(scores, "sciq_validation")

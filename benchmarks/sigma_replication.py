@@ -211,7 +211,6 @@ def run_scores(run: Path, seed: int, scores: Path, questions, batch_size: int) -
     qs = questions()
     stored = {"run": str(run), "seed": seed, "zeta": 0, "weights_sha256": weights,
               **run_features(str(run), qs, batch_size)}
-    stored.pop("hits", None)  # each stream carries its own right answers
     for name, f in stored["streams"].items():
         f["questions_sha256"] = questions_sha256(qs[name])
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -126,7 +126,7 @@ def score_candidate(feats: dict, hits: np.ndarray) -> dict:
 
 def run_features(run: str, questions: dict, batch_size: int) -> dict:
     """A trained run's per-question 1/u, mean sigma and right answers (1 or 0) on each stream at zeta 0:
-    {"streams": {name: {"inv_u": [...], "sigma": [...], "right": [...]}}, "hits": SciQ validation's right answers}."""
+    {"streams": {name: {"inv_u": [...], "sigma": [...], "right": [...]}}}."""
     from ibedl.training.calibrate import raw_outputs
     from ibedl.training.experiments.evaluate_run import load_run
 
@@ -139,8 +139,6 @@ def run_features(run: str, questions: dict, batch_size: int) -> dict:
         f = features(raw, kind, raw["offset"], {})  # {}: the post-hoc parameter neutral (zeta 0)
         right = [int(np.argmax(p) == q.answer) for p, q in zip(raw["probs"], qs, strict=True)]
         out["streams"][name] = {**{k: [float(f"{x:.6g}") for x in f[k]] for k in ("inv_u", "sigma")}, "right": right}
-        if name == "sciq_validation":
-            out["hits"] = right
     return out
 
 
@@ -157,7 +155,9 @@ def candidate_features(c: dict, questions, batch_size: int, scores: Path) -> tup
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(stored) + "\n")
     feats = {name: {k: np.asarray(v) for k, v in f.items()} for name, f in stored["streams"].items()}
-    return feats, np.asarray(stored["hits"], dtype=float)
+    # SciQ validation's right answers: its stream's own; files scored before streams kept them hold "hits"
+    hits = stored["hits"] if "hits" in stored else stored["streams"]["sciq_validation"]["right"]
+    return feats, np.asarray(hits, dtype=float)
 
 
 def main(argv: list[str] | None = None) -> int:

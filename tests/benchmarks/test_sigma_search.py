@@ -100,3 +100,17 @@ def test_a_reproduction_differs_where_a_conclusion_or_a_number_beyond_the_tolera
         "/questions: 299 != 300"]
     assert mismatches({**committed, "ci95": [-0.0008]}, committed, REPRODUCED_REL, REPRODUCED_ABS) == [
         "/ci95: 1 items against 2"]
+
+
+def test_a_scores_file_s_right_answers_are_its_sciq_validation_stream_s(tmp_path):
+    """Files scored now keep each stream's right answers (no separate "hits"); older files' "hits" still read."""
+    import json
+
+    from benchmarks.sigma_search import candidate_features
+
+    c = {"run": "runs/x/ib_edl-0", "overrides": {"a": 1}}
+    streams = {"sciq_validation": {"inv_u": [1.0, 2.0], "sigma": [0.5, 0.6], "right": [1, 0]}}
+    (tmp_path / "ib_edl-0.json").write_text(json.dumps({**c, "streams": streams}))
+    assert candidate_features(c, None, 8, tmp_path)[1].tolist() == [1.0, 0.0]
+    (tmp_path / "ib_edl-0.json").write_text(json.dumps({**c, "streams": streams, "hits": [0, 1]}))
+    assert candidate_features(c, None, 8, tmp_path)[1].tolist() == [0.0, 1.0]
