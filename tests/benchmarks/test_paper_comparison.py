@@ -9,6 +9,7 @@ import pytest
 
 from benchmarks.paper_comparison import (
     ARMS,
+    BAYESIAN,
     CLAIMS,
     EDL_FAMILY,
     GRID_COLUMNS,
@@ -338,6 +339,16 @@ def test_a_claim_against_several_rows_takes_the_best_on_seeds_that_have_them_all
     noise += [record("noise", m, 1, ece=0.3) for m in ("edl", "vid", "i_edl")]  # seed 1 has no R-EDL: left out
     assert claim_diffs(edl, noise) == pytest.approx([2.0])  # 10% against VID's 8%, the best of the four
     assert claim_cell(edl, noise) == "+2.00 (0 of 1 seed)"
+
+
+def test_the_bayesian_claim_takes_the_better_of_mc_dropout_and_laplace_on_each_seed():
+    bayes = next(c for c in CLAIMS if c.b == BAYESIAN)
+    runs = [record("id", "ib_edl", seed, ece=0.0, without={"ece": 0.05}) for seed in (0, 1, 2)]
+    runs += [record("id", "mc_dropout", 0, ece=0.09), record("id", "laplace", 0, ece=0.07),  # Laplace the better
+             record("id", "mc_dropout", 1, ece=0.03), record("id", "laplace", 1, ece=0.06),  # MC-Dropout the better
+             record("id", "mc_dropout", 2, ece=0.01)]  # seed 2 has no Laplace: left out
+    assert claim_diffs(bayes, runs) == pytest.approx([-2.0, 2.0])
+    assert claim_cell(bayes, runs) == "+0.00 ± 2.00 (1 of 2 seeds)"
 
 
 def test_claims_are_checked_and_no_worse_survives_float_error():
