@@ -378,6 +378,7 @@ def sigma_head_table(arms: list[tuple[str, list[dict]]]) -> list[str]:
 
 
 BETTER = ("lower", "higher", "no_worse")
+REPRODUCED, DIRECTION, NOT_REPRODUCED = "reproduced", "direction only", "not reproduced"  # a claim's word
 
 
 @dataclass(frozen=True)
@@ -459,11 +460,14 @@ INTERVALS_NOTE = ("Each cell of a column headed (pooled 95% interval): the diffe
                   "seed's own interval lies on the claimed side (for the accuracy claim: above -1 point) and on how "
                   "many the point does, and, where any, on how many it lies wholly on the other side. The other "
                   "columns: mean ± std over seeds, and on how many the point goes the claimed way (their predictions "
-                  "were not kept).")
+                  "were not kept). The word before each cell: reproduced where the pooled interval lies on "
+                  "the claimed side and no seed's interval lies against it; direction only where the pooled point "
+                  "does (and, without kept predictions, at most that); else not reproduced.")
 CLAIMS_NOTE = ("Each cell: the difference IB-EDL minus the other row (the best of them where a claim names several), "
                "mean ± std over the seeds that have them all, and on how many of those seeds it goes the claimed "
-               "way; the paper's column is the same difference in its own numbers. IB-EDL with its post-hoc ζ and "
-               "every other method are in the tables of each protocol.")
+               "way, after a word: direction only where the mean goes the claimed way (without kept predictions no "
+               "interval can say more), else not reproduced; the paper's column is the same difference in its own "
+               "numbers. IB-EDL with its post-hoc ζ and every other method are in the tables of each protocol.")
 
 
 def _per_seed(results: list[dict], kind: str, row: tuple[str, str]) -> dict[int, float | dict[str, float]]:
@@ -508,7 +512,8 @@ def claim_cell(claim: Claim, results: list[dict]) -> str:
     held = sum(_holds(claim, d) for d in diffs)
     spread = f" ± {np.std(diffs):.{claim.digits}f}" if len(diffs) > 1 else ""
     mean = round(float(np.mean(diffs)), claim.digits) or 0.0  # no "-0.00"
-    return f"{mean:+.{claim.digits}f}{spread} ({held} of {len(diffs)} seed{'s' if len(diffs) > 1 else ''})"
+    word = DIRECTION if _holds(claim, mean) else NOT_REPRODUCED  # no interval: at most the direction
+    return f"{word}: {mean:+.{claim.digits}f}{spread} ({held} of {len(diffs)} seed{'s' if len(diffs) > 1 else ''})"
 
 
 def _paper_value(paper: dict, claim: Claim, row: tuple[str, str], model: str) -> float | None:
@@ -535,6 +540,16 @@ def paper_claim_cell(claim: Claim, paper: dict) -> str:
     return ", ".join(cells)
 
 
+def interval_verdict(entry: dict) -> str:
+    """A claim's word in one regime from its intervals (benchmarks.grid_intervals): ``reproduced`` where the pooled
+    interval lies on the claimed side and no seed's interval lies against it, ``direction only`` where the pooled
+    point does (or the interval, with some seed against), else ``not reproduced``."""
+    verdict = entry["pooled"]["verdict"]
+    if verdict == "holds" and not entry.get("against_on"):
+        return REPRODUCED
+    return DIRECTION if verdict in ("holds", "direction") else NOT_REPRODUCED
+
+
 def interval_cell(claim: Claim, entry: dict | None) -> str:
     """A claim's paired interval on a grid's kept predictions (benchmarks.grid_intervals): the difference pooled over
     the seeds, its 95% interval, on how many seeds the per-seed interval holds it and the point goes its way, and
@@ -545,7 +560,8 @@ def interval_cell(claim: Claim, entry: dict | None) -> str:
     low, high = pooled["ci95"]
     d = claim.digits
     against = f", against it on {entry['against_on']} of {n}" if entry.get("against_on") else ""
-    return (f"{pooled['difference']:+.{d}f} [{low:+.{d}f}, {high:+.{d}f}]; interval holds on {entry['held_on']} of "
+    return (f"{interval_verdict(entry)}: {pooled['difference']:+.{d}f} [{low:+.{d}f}, {high:+.{d}f}]; interval "
+            f"holds on {entry['held_on']} of "
             f"{n}, direction on {entry['direction_on']} of {n}{against} seed{'s' if n > 1 else ''}")
 
 

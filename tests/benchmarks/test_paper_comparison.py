@@ -251,12 +251,13 @@ def test_the_paper_protocol_grid_fills_its_own_blocks_and_states_the_starts_over
               blocks["sciq_grid_paper/claims"].splitlines()[2:2 + len(CLAIMS)]}
     # the first protocol's column reads the first grid (RESULTS), the second this grid's runs (seed 1 changed here)
     ece = claims["IB-EDL is better calibrated than MAP (ECE, points)"]
-    assert ece[2] == "+7.00 (0 of 1 seed)" and ece[3] == "+7.00 (0 of 1 seed) |"  # ζ-free 12% against MAP's 5%
+    # ζ-free 12% against MAP's 5%
+    assert ece[2] == "not reproduced: +7.00 (0 of 1 seed)" and ece[3] == "not reproduced: +7.00 (0 of 1 seed) |"
     better = [*results[:2], record("id", "ib_edl", 0, accuracy=0.85, ece=0.10, nll=0.5,
                                    without={"accuracy": 0.8, "ece": 0.03}), *results[3:]]
     changed = grid_sections(better, parse_paper(TEX), "sciq_grid_paper",
                             {"sciq_grid": RESULTS})["sciq_grid_paper/claims"]
-    assert "| +7.00 (0 of 1 seed) | -2.00 (1 of 1 seed) |" in changed
+    assert "| not reproduced: +7.00 (0 of 1 seed) | direction only: -2.00 (1 of 1 seed) |" in changed
     assert blocks["sciq_grid_paper/id"] == sections(results, parse_paper(TEX))["id"]  # the first grid's tables
     assert blocks["sciq_grid_paper/training"].endswith(
         "Training questions the start (artifacts/map) had drawn for its own training: 0 of 1000 in each of the "
@@ -270,7 +271,7 @@ def test_a_grid_without_results_says_so_and_its_check_passes_on_a_page_that_says
                for body in empty.values()) and len(empty) == 4
     columns = [(GRID_COLUMNS["sciq_grid"], RESULTS, None), (GRID_COLUMNS["sciq_grid_paper"], [], None)]
     assert claims.startswith("\n".join(claims_table(columns, parse_paper(TEX))))
-    assert "| +7.00 (0 of 1 seed) | – |" in claims  # no second-protocol runs yet
+    assert "| not reproduced: +7.00 (0 of 1 seed) | – |" in claims  # no second-protocol runs yet
     empty["sciq_grid_paper/claims"] = claims
     (tmp_path / "p.tex").write_text(TEX)
     (tmp_path / "first.json").write_text(json.dumps(RESULTS))
@@ -313,16 +314,17 @@ def test_each_claim_is_a_paired_difference_per_seed_beside_the_papers_own():
     assert len(rows) == len(CLAIMS)
     # ECE differences at zeta 0: -1, +2, -1 points -> mean 0, population std sqrt(2); the claimed way on seeds 0, 2
     ece = rows["IB-EDL is better calibrated than MAP (ECE, points)"]
-    assert ece == ["Llama2-7B -1.84", "+0.00 ± 1.41 (2 of 3 seeds)", "– |"]  # Llama3's IB-EDL is not in this TEX
+    # Llama3's IB-EDL is not in this TEX; a mean of 0 is not the claimed side
+    assert ece == ["Llama2-7B -1.84", "not reproduced: +0.00 ± 1.41 (2 of 3 seeds)", "– |"]
     # accuracy: +0.5, -2, 0 points; no more than 1 point below on two seeds
     assert rows["IB-EDL is as accurate as MAP (Acc, points; holds when at most 1 point below)"][1] == (
-        "-0.50 ± 1.08 (2 of 3 seeds)")
-    assert rows["IB-EDL has a lower NLL than MAP"][1] == "+0.050 ± 0.000 (0 of 3 seeds)"
+        "direction only: -0.50 ± 1.08 (2 of 3 seeds)")  # the mean within the 1-point tolerance
+    assert rows["IB-EDL has a lower NLL than MAP"][1] == "not reproduced: +0.050 ± 0.000 (0 of 3 seeds)"
     # OOD: IB-EDL's 1/u at zeta 0 averaged over the streams ((90 + 86) / 2) against MAP's max probability (82);
     # the paper's Table 3 the same way (TEX: IB-EDL's UM over its two targets against MAP's MP)
     ood = rows["IB-EDL's 1/u flags shifted questions better than MAP's max probability (mean AUROC over the "
                "streams, points)"]
-    assert ood[1:] == ["+6.00 (1 of 1 seed)", "– |"]
+    assert ood[1:] == ["direction only: +6.00 (1 of 1 seed)", "– |"]
     assert ood[0] == f"Llama2-7B {(88.34 + 79.79) / 2 - (76.07 + 72.45) / 2:+.2f}"
     # no pair in the paper's noise tables of this TEX, no MAP+TS anywhere in the paper, no noise runs here
     noise = rows["Under 30% label noise IB-EDL is more accurate than MAP (Acc, points)"]
@@ -338,7 +340,7 @@ def test_a_claim_against_several_rows_takes_the_best_on_seeds_that_have_them_all
                                                             ("r_edl", 0.4))]
     noise += [record("noise", m, 1, ece=0.3) for m in ("edl", "vid", "i_edl")]  # seed 1 has no R-EDL: left out
     assert claim_diffs(edl, noise) == pytest.approx([2.0])  # 10% against VID's 8%, the best of the four
-    assert claim_cell(edl, noise) == "+2.00 (0 of 1 seed)"
+    assert claim_cell(edl, noise) == "not reproduced: +2.00 (0 of 1 seed)"
 
 
 def test_the_bayesian_claim_takes_the_better_of_mc_dropout_and_laplace_on_each_seed():
@@ -348,7 +350,7 @@ def test_the_bayesian_claim_takes_the_better_of_mc_dropout_and_laplace_on_each_s
              record("id", "mc_dropout", 1, ece=0.03), record("id", "laplace", 1, ece=0.06),  # MC-Dropout the better
              record("id", "mc_dropout", 2, ece=0.01)]  # seed 2 has no Laplace: left out
     assert claim_diffs(bayes, runs) == pytest.approx([-2.0, 2.0])
-    assert claim_cell(bayes, runs) == "+0.00 ± 2.00 (1 of 2 seeds)"
+    assert claim_cell(bayes, runs) == "not reproduced: +0.00 ± 2.00 (1 of 2 seeds)"
 
 
 def test_claims_are_checked_and_no_worse_survives_float_error():
@@ -360,9 +362,10 @@ def test_claims_are_checked_and_no_worse_survives_float_error():
         Claim("x", "id", ("map", "ece"), (("map", "ece"),), 100, "no_worse")
     par = Claim("x", "id", ("ib_edl", "accuracy"), (("map", "accuracy"),), 100, "no_worse", 1.0)
     runs = [record("id", "ib_edl", 0, accuracy=0.86), record("id", "map", 0, accuracy=0.87)]
-    assert claim_cell(par, runs) == "-1.00 (1 of 1 seed)"  # (0.86 - 0.87) x 100 is -1.0000000000000009
+    # (0.86 - 0.87) x 100 is -1.0000000000000009
+    assert claim_cell(par, runs) == "direction only: -1.00 (1 of 1 seed)"
     more = [record("id", "ib_edl", 0, accuracy=0.884), record("id", "map", 0, accuracy=0.87)]
-    assert claim_cell(par, more) == "+1.40 (1 of 1 seed)"  # more accurate is no failure of "as accurate"
+    assert claim_cell(par, more) == "direction only: +1.40 (1 of 1 seed)"  # more accurate: no failure of it
 
 
 def test_ood_claims_average_the_streams_both_rows_have():
@@ -400,7 +403,8 @@ def test_the_shared_rate_grid_gives_each_claim_its_paired_interval_and_shows_the
     assert header.endswith("| early stopping, per-family rates | fixed budget, per-family rates | fixed budget, one "
                            "rate for all (pooled 95% interval) |")
     rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in claims.splitlines()[2:2 + len(CLAIMS)]}
-    assert rows[ece_claim][-1] == "-1.23 [-2.00, -0.50]; interval holds on 1 of 2, direction on 2 of 2 seeds |"
+    assert rows[ece_claim][-1] == ("reproduced: -1.23 [-2.00, -0.50]; interval holds on 1 of 2, direction on 2 of 2 "
+                                   "seeds |")
     assert rows["IB-EDL has a lower NLL than MAP"][-1] == "– |"  # no interval computed for it
     regime = blocks["sciq_grid_shared_lr/regime"].splitlines()
     assert regime[2] == ("| 1e-3, 10 epochs | 0 | 0.353 → 0.352 (step 75) → 0.408 | 80.0% | 0.930 | "
@@ -416,7 +420,8 @@ def test_without_intervals_the_grid_keeps_the_per_seed_cells_and_its_regime_bloc
         "No intervals yet: python -m benchmarks.grid_predictions --grid sciq_grid_shared_lr, then python -m "
         "benchmarks.grid_intervals --grid sciq_grid_shared_lr.")
     assert "| 1e-3, 10 epochs | 0 | – | 80.0% | – | – | 5.0 |" in blocks["sciq_grid_shared_lr/regime"]
-    assert "| +7.00 (0 of 1 seed) | +7.00 (0 of 1 seed) |" in blocks["sciq_grid_shared_lr/claims"]
+    assert ("| not reproduced: +7.00 (0 of 1 seed) | not reproduced: +7.00 (0 of 1 seed) |"
+            in blocks["sciq_grid_shared_lr/claims"])
     assert "sciq_grid_paper/regime" not in grid_sections(RESULTS, parse_paper(TEX), "sciq_grid_paper",
                                                          {"sciq_grid": RESULTS})
 
@@ -433,8 +438,8 @@ def test_an_arm_beside_the_grid_is_a_claims_column_of_its_own_or_says_it_has_not
     assert claims[0].endswith(f"| fixed budget, one rate for all (pooled 95% interval) | {label} "
                               "(pooled 95% interval) |")
     row = next(line for line in claims if line.startswith(f"| {ece_claim} |"))
-    assert row.endswith("| -2.50 [-3.00, -2.00]; interval holds on 1 of 1, direction on 1 of 1 seed | "
-                        "-2.50 [-3.00, -2.00]; interval holds on 1 of 1, direction on 1 of 1 seed |")
+    assert row.endswith("| reproduced: -2.50 [-3.00, -2.00]; interval holds on 1 of 1, direction on 1 of 1 seed | "
+                        "reproduced: -2.50 [-3.00, -2.00]; interval holds on 1 of 1, direction on 1 of 1 seed |")
     waiting = grid_sections(RESULTS, parse_paper(TEX), "sciq_grid_shared_lr", {"sciq_grid": RESULTS},
                             intervals_for(ece_claim, entry), arms={label: None})["sciq_grid_shared_lr/claims"]
     assert f"{label} (pooled" not in waiting.splitlines()[0]
@@ -451,9 +456,22 @@ def test_an_interval_cell_says_on_how_many_seeds_the_data_speak_against_the_clai
     from benchmarks.paper_comparison import CLAIMS, interval_cell
 
     ts = next(c for c in CLAIMS if "temperature" in c.text)
-    entry = {"seeds": 3, "pooled": {"difference": 2.234, "ci95": [0.519, 2.978]}, "held_on": 0, "direction_on": 0,
-             "against_on": 2}
-    assert interval_cell(ts, entry) == ("+2.23 [+0.52, +2.98]; interval holds on 0 of 3, direction on 0 of 3, "
-                                        "against it on 2 of 3 seeds")
+    entry = {"seeds": 3, "pooled": {"difference": 2.234, "ci95": [0.519, 2.978], "verdict": "no"}, "held_on": 0,
+             "direction_on": 0, "against_on": 2}
+    assert interval_cell(ts, entry) == ("not reproduced: +2.23 [+0.52, +2.98]; interval holds on 0 of 3, direction "
+                                        "on 0 of 3, against it on 2 of 3 seeds")
     assert "against" not in interval_cell(ts, {**entry, "against_on": 0})
     assert interval_cell(ts, {"seeds": 0}) == "–"
+
+
+def test_a_claims_word_follows_its_pooled_interval_and_no_seed_against_it():
+    from benchmarks.paper_comparison import interval_verdict
+
+    def entry(verdict, against_on=0):
+        return {"seeds": 3, "pooled": {"difference": -1.0, "ci95": [-2.0, -0.5], "verdict": verdict},
+                "held_on": 2, "direction_on": 3, "against_on": against_on}
+
+    assert interval_verdict(entry("holds")) == "reproduced"
+    assert interval_verdict(entry("holds", against_on=1)) == "direction only"  # one seed's interval against it
+    assert interval_verdict(entry("direction")) == "direction only"
+    assert interval_verdict(entry("no")) == "not reproduced"
