@@ -378,7 +378,6 @@ def sigma_head_table(arms: list[tuple[str, list[dict]]]) -> list[str]:
 
 
 BETTER = ("lower", "higher", "no_worse")
-REPRODUCED, DIRECTION, NOT_REPRODUCED = "reproduced", "direction only", "not reproduced"  # a claim's word
 
 
 @dataclass(frozen=True)
@@ -387,7 +386,9 @@ class Claim:
     ``ood`` metric is a score's AUROC averaged over the shifted streams both rows have; ``b`` may name several rows,
     then the best of them on that seed, and a seed counts only where all have it), x ``scale``. It holds on a seed
     where the difference has the sign ``better`` names, or for a ``no_worse`` claim (the paper's "comparable
-    accuracy": not worse, more is no failure) where it is above ``-tolerance``."""
+    accuracy": not worse, more is no failure) where it is above ``-tolerance``. ``paper``: the paper makes the
+    claim (its words: reproduced, direction only, not reproduced); else one we add (holds, direction only, does
+    not hold)."""
 
     text: str
     kind: str
@@ -396,6 +397,7 @@ class Claim:
     scale: float
     better: str
     tolerance: float = 0.0
+    paper: bool = True
 
     def __post_init__(self):
         if self.better not in BETTER:
@@ -411,6 +413,13 @@ class Claim:
         return min if self.better == "lower" else max
 
     @property
+    def words(self) -> tuple[str, str, str]:
+        """The words for "the interval holds it", "only the point does", "neither"."""
+        if self.paper:
+            return "reproduced", "direction only", "not reproduced"
+        return "holds", "direction only", "does not hold"
+
+    @property
     def digits(self) -> int:
         """Decimals of its differences: 3 for an unscaled metric (NLL), 2 for points."""
         return 3 if self.scale == 1 else 2
@@ -424,7 +433,7 @@ CLAIMS = (
     Claim("IB-EDL is better calibrated than MAP (ECE, points)", "id", (IB0, "ece"), (("map", "ece"),), 100, "lower"),
     Claim("IB-EDL has a lower NLL than MAP", "id", (IB0, "nll"), (("map", "nll"),), 1, "lower"),
     Claim("IB-EDL is better calibrated than MAP with temperature scaling (ECE, points; not the paper's comparison)",
-          "id", (IB0, "ece"), (("map_ts", "ece"),), 100, "lower"),
+          "id", (IB0, "ece"), (("map_ts", "ece"),), 100, "lower", paper=False),
     Claim("IB-EDL is better calibrated than the other EDL methods (ECE, points, against the best of EDL, VID, I-EDL "
           "and R-EDL)", "id", (IB0, "ece"), EDL_FAMILY, 100, "lower"),
     Claim("IB-EDL is better calibrated than MAP's run with a Bayesian predictive (ECE, points, against the better of "
@@ -461,12 +470,15 @@ INTERVALS_NOTE = ("Each cell of a column headed (pooled 95% interval): the diffe
                   "many the point does, and, where any, on how many it lies wholly on the other side. The other "
                   "columns: mean ± std over seeds, and on how many the point goes the claimed way (their predictions "
                   "were not kept). The word before each cell: reproduced where the pooled interval lies on "
-                  "the claimed side and no seed's interval lies against it; direction only where the pooled point "
-                  "does (and, without kept predictions, at most that); else not reproduced.")
+                  "the claimed side, each seed's own interval does on more than half of the seeds and on none lies "
+                  "against it; direction only where the pooled point does (and, without kept predictions, at most "
+                  "that); else not reproduced, (against) where the pooled interval lies wholly on the other side. "
+                  "For a comparison the paper does not make: holds, direction only, does not hold.")
 CLAIMS_NOTE = ("Each cell: the difference IB-EDL minus the other row (the best of them where a claim names several), "
                "mean ± std over the seeds that have them all, and on how many of those seeds it goes the claimed "
                "way, after a word: direction only where the mean goes the claimed way (without kept predictions no "
-               "interval can say more), else not reproduced; the paper's column is the same difference in its own "
+               "interval can say more), else not reproduced (does not hold, for a comparison the paper does not make); "
+               "the paper's column is the same difference in its own "
                "numbers. IB-EDL with its post-hoc ζ and every other method are in the tables of each protocol.")
 
 
@@ -512,7 +524,7 @@ def claim_cell(claim: Claim, results: list[dict]) -> str:
     held = sum(_holds(claim, d) for d in diffs)
     spread = f" ± {np.std(diffs):.{claim.digits}f}" if len(diffs) > 1 else ""
     mean = round(float(np.mean(diffs)), claim.digits) or 0.0  # no "-0.00"
-    word = DIRECTION if _holds(claim, mean) else NOT_REPRODUCED  # no interval: at most the direction
+    word = claim.words[1 if _holds(claim, float(np.mean(diffs))) else 2]  # no interval: at most the direction
     return f"{word}: {mean:+.{claim.digits}f}{spread} ({held} of {len(diffs)} seed{'s' if len(diffs) > 1 else ''})"
 
 
@@ -540,14 +552,21 @@ def paper_claim_cell(claim: Claim, paper: dict) -> str:
     return ", ".join(cells)
 
 
-def interval_verdict(entry: dict) -> str:
+def interval_verdict(claim: Claim, entry: dict) -> str:
     """A claim's word in one regime from its intervals (benchmarks.grid_intervals): ``reproduced`` where the pooled
-    interval lies on the claimed side and no seed's interval lies against it, ``direction only`` where the pooled
-    point does (or the interval, with some seed against), else ``not reproduced``."""
-    verdict = entry["pooled"]["verdict"]
-    if verdict == "holds" and not entry.get("against_on"):
-        return REPRODUCED
-    return DIRECTION if verdict in ("holds", "direction") else NOT_REPRODUCED
+    interval lies on the claimed side, each seed's own interval does on more than half of the seeds and on none lies
+    against it; ``direction only`` where the pooled point is on the claimed side; else ``not reproduced``, with
+    ``(against)`` where the pooled interval lies wholly on the other side (:attr:`Claim.words` for a claim the
+    paper does not make)."""
+    pooled, n = entry["pooled"], entry["seeds"]
+    if "verdict" not in pooled:
+        raise ValueError(f"the intervals of {claim.text!r} lack a pooled verdict: run benchmarks.grid_intervals again")
+    holds, direction, neither = claim.words
+    if pooled["verdict"] == "holds" and 2 * entry["held_on"] > n and not entry.get("against_on"):
+        return holds
+    if pooled["verdict"] in ("holds", "direction"):
+        return direction
+    return f"{neither} (against)" if pooled.get("against") else neither
 
 
 def interval_cell(claim: Claim, entry: dict | None) -> str:
@@ -560,7 +579,7 @@ def interval_cell(claim: Claim, entry: dict | None) -> str:
     low, high = pooled["ci95"]
     d = claim.digits
     against = f", against it on {entry['against_on']} of {n}" if entry.get("against_on") else ""
-    return (f"{interval_verdict(entry)}: {pooled['difference']:+.{d}f} [{low:+.{d}f}, {high:+.{d}f}]; interval "
+    return (f"{interval_verdict(claim, entry)}: {pooled['difference']:+.{d}f} [{low:+.{d}f}, {high:+.{d}f}]; interval "
             f"holds on {entry['held_on']} of "
             f"{n}, direction on {entry['direction_on']} of {n}{against} seed{'s' if n > 1 else ''}")
 

@@ -382,7 +382,7 @@ def intervals_for(claim_text: str, entry: dict, over: dict | None = None) -> dic
 def test_the_shared_rate_grid_gives_each_claim_its_paired_interval_and_shows_the_regime():
     ece_claim = "IB-EDL is better calibrated than MAP (ECE, points)"
     entry = {"seeds": 2, "pooled": {"difference": -1.234, "ci95": [-2.0, -0.5], "verdict": "holds"},
-             "per_seed": {"0": {}, "1": {}}, "held_on": 1, "direction_on": 2}
+             "per_seed": {"0": {}, "1": {}}, "held_on": 2, "direction_on": 2}
     over = {"0": {"accuracy": 0.85, "mean_confidence": 0.93, "over_confidence": {"value": 0.08, "ci95": [0.06, 0.1]},
                   "ece": {"value": 0.081, "ci95": [0.065, 0.1]}}}
     results = [dict(r) for r in RESULTS]
@@ -403,7 +403,7 @@ def test_the_shared_rate_grid_gives_each_claim_its_paired_interval_and_shows_the
     assert header.endswith("| early stopping, per-family rates | fixed budget, per-family rates | fixed budget, one "
                            "rate for all (pooled 95% interval) |")
     rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in claims.splitlines()[2:2 + len(CLAIMS)]}
-    assert rows[ece_claim][-1] == ("reproduced: -1.23 [-2.00, -0.50]; interval holds on 1 of 2, direction on 2 of 2 "
+    assert rows[ece_claim][-1] == ("reproduced: -1.23 [-2.00, -0.50]; interval holds on 2 of 2, direction on 2 of 2 "
                                    "seeds |")
     assert rows["IB-EDL has a lower NLL than MAP"][-1] == "– |"  # no interval computed for it
     regime = blocks["sciq_grid_shared_lr/regime"].splitlines()
@@ -456,22 +456,38 @@ def test_an_interval_cell_says_on_how_many_seeds_the_data_speak_against_the_clai
     from benchmarks.paper_comparison import CLAIMS, interval_cell
 
     ts = next(c for c in CLAIMS if "temperature" in c.text)
-    entry = {"seeds": 3, "pooled": {"difference": 2.234, "ci95": [0.519, 2.978], "verdict": "no"}, "held_on": 0,
-             "direction_on": 0, "against_on": 2}
-    assert interval_cell(ts, entry) == ("not reproduced: +2.23 [+0.52, +2.98]; interval holds on 0 of 3, direction "
-                                        "on 0 of 3, against it on 2 of 3 seeds")
-    assert "against" not in interval_cell(ts, {**entry, "against_on": 0})
+    entry = {"seeds": 3, "pooled": {"difference": 2.234, "ci95": [0.519, 2.978], "verdict": "no", "against": True},
+             "held_on": 0, "direction_on": 0, "against_on": 2}
+    # not a comparison the paper makes: "does not hold", not "not reproduced"; the pooled interval lies against it
+    assert interval_cell(ts, entry) == ("does not hold (against): +2.23 [+0.52, +2.98]; interval holds on 0 of 3, "
+                                        "direction on 0 of 3, against it on 2 of 3 seeds")
+    assert "against" not in interval_cell(ts, {**entry, "against_on": 0, "pooled": {**entry["pooled"],
+                                                                                      "against": False}})
     assert interval_cell(ts, {"seeds": 0}) == "–"
 
 
-def test_a_claims_word_follows_its_pooled_interval_and_no_seed_against_it():
+def test_a_claims_word_follows_its_pooled_interval_and_its_seeds():
     from benchmarks.paper_comparison import interval_verdict
 
-    def entry(verdict, against_on=0):
-        return {"seeds": 3, "pooled": {"difference": -1.0, "ci95": [-2.0, -0.5], "verdict": verdict},
-                "held_on": 2, "direction_on": 3, "against_on": against_on}
+    ece = next(c for c in CLAIMS if c.text == "IB-EDL is better calibrated than MAP (ECE, points)")
 
-    assert interval_verdict(entry("holds")) == "reproduced"
-    assert interval_verdict(entry("holds", against_on=1)) == "direction only"  # one seed's interval against it
-    assert interval_verdict(entry("direction")) == "direction only"
-    assert interval_verdict(entry("no")) == "not reproduced"
+    def entry(verdict, held_on=2, against_on=0, against=False):
+        return {"seeds": 3, "pooled": {"difference": -1.0, "ci95": [-2.0, -0.5], "verdict": verdict,
+                                       "against": against}, "held_on": held_on, "direction_on": 3,
+                "against_on": against_on}
+
+    assert interval_verdict(ece, entry("holds")) == "reproduced"
+    assert interval_verdict(ece, entry("holds", held_on=1)) == "direction only"  # pooled, but 1 seed of 3 alone
+    assert interval_verdict(ece, entry("holds", against_on=1)) == "direction only"  # one seed's interval against it
+    assert interval_verdict(ece, entry("direction", against_on=1)) == "direction only"
+    assert interval_verdict(ece, entry("no")) == "not reproduced"
+    assert interval_verdict(ece, entry("no", against=True)) == "not reproduced (against)"
+    with pytest.raises(ValueError, match="lack a pooled verdict: run benchmarks.grid_intervals again"):
+        interval_verdict(ece, {"seeds": 1, "pooled": {"difference": 0.0, "ci95": [0, 0]}, "held_on": 0})
+
+
+def test_a_no_worse_claim_below_its_tolerance_is_not_reproduced():
+    par = next(c for c in CLAIMS if c.better == "no_worse")
+    runs = [record("id", "ib_edl", 0, accuracy=0.9, without={"accuracy": 0.855}),
+            record("id", "map", 0, accuracy=0.87)]
+    assert claim_cell(par, runs) == "not reproduced: -1.50 (0 of 1 seed)"
