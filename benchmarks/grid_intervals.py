@@ -76,23 +76,18 @@ def ood_score(rows: dict, score: str) -> np.ndarray:
     raise ValueError(f"unknown OOD score {score!r}; expected mp or um")
 
 
-def verdict(low: float, high: float, point: float, better: str, tolerance: float) -> str:
-    """``holds`` (the interval on the claimed side; ``no_worse``: above ``-tolerance``), ``direction`` (only the
-    point) or ``no``."""
-    if better == "no_worse":
-        return "holds" if low >= -tolerance else "direction" if point >= -tolerance else "no"
-    sign = -1 if better == "lower" else 1
-    if sign * low > 0 and sign * high > 0:
+def verdict(claim, low: float, high: float, point: float) -> str:
+    """``holds`` (the interval on the claimed side, :meth:`Claim.on_side`; ``no_worse``: above ``-tolerance``),
+    ``direction`` (only the point) or ``no``."""
+    if claim.on_side(low) and claim.on_side(high):
         return "holds"
-    return "direction" if sign * point > 0 else "no"
+    return "direction" if claim.on_side(point) else "no"
 
 
-def against(low: float, high: float, better: str, tolerance: float) -> bool:
+def against(claim, low: float, high: float) -> bool:
     """Whether the 95% interval lies wholly on the other side of the claim (``no_worse``: wholly below
     ``-tolerance``): the data speak against it, beyond "cannot tell"."""
-    if better == "no_worse":
-        return high < -tolerance
-    return low > 0 if better == "lower" else high < 0
+    return claim.beyond(low) and claim.beyond(high)
 
 
 class ClaimDraws:
@@ -185,8 +180,7 @@ def claim_interval(claim, runs: list[Run], preds: GridPredictions, resamples: in
     def summary(full: float, values: np.ndarray) -> dict:
         low, high = (float(x) for x in np.percentile(values, LEVEL))
         return {"difference": full, "ci95": [low, high],
-                "verdict": verdict(low, high, full, claim.better, claim.tolerance),
-                "against": against(low, high, claim.better, claim.tolerance)}
+                "verdict": verdict(claim, low, high, full), "against": against(claim, low, high)}
 
     per_seed = {s: summary(d.full, d.draws) for s, d in draws.items()}
     pooled = summary(float(np.mean([d.full for d in draws.values()])),

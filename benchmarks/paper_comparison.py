@@ -419,6 +419,22 @@ class Claim:
             return "reproduced", "direction only", "not reproduced"
         return "holds", "direction only", "does not hold"
 
+    def on_side(self, x: float) -> bool:
+        """Whether a difference (or an interval's end) lies on the claimed side: below 0 (``lower``), above 0
+        (``higher``), at or above ``-tolerance`` (``no_worse``). Rounded to 9 digits first: (0.87 - 0.86) x 100 is
+        1.0000000000000009."""
+        x = round(x, 9)
+        if self.better == "no_worse":
+            return x >= -self.tolerance
+        return x < 0 if self.better == "lower" else x > 0
+
+    def beyond(self, x: float) -> bool:
+        """Whether it lies strictly on the other side (``no_worse``: below ``-tolerance``)."""
+        x = round(x, 9)
+        if self.better == "no_worse":
+            return x < -self.tolerance
+        return x > 0 if self.better == "lower" else x < 0
+
     @property
     def digits(self) -> int:
         """Decimals of its differences: 3 for an unscaled metric (NLL), 2 for points."""
@@ -491,13 +507,6 @@ def _per_seed(results: list[dict], kind: str, row: tuple[str, str]) -> dict[int,
     return dict(zip(seeds, values, strict=True))
 
 
-def _holds(claim: Claim, diff: float) -> bool:
-    diff = round(diff, 9)  # (0.87 - 0.86) x 100 is 1.0000000000000009
-    if claim.better == "no_worse":
-        return diff >= -claim.tolerance
-    return diff < 0 if claim.better == "lower" else diff > 0
-
-
 def claim_diffs(claim: Claim, results: list[dict]) -> list[float]:
     """The claim's difference (x scale) on each seed that has ``a`` and every ``b`` row, in seed order."""
     a = _per_seed(results, claim.kind, claim.a)
@@ -521,10 +530,10 @@ def claim_cell(claim: Claim, results: list[dict]) -> str:
     diffs = claim_diffs(claim, results)
     if not diffs:
         return "–"
-    held = sum(_holds(claim, d) for d in diffs)
+    held = sum(claim.on_side(d) for d in diffs)
     spread = f" ± {np.std(diffs):.{claim.digits}f}" if len(diffs) > 1 else ""
     mean = round(float(np.mean(diffs)), claim.digits) or 0.0  # no "-0.00"
-    word = claim.words[1 if _holds(claim, float(np.mean(diffs))) else 2]  # no interval: at most the direction
+    word = claim.words[1 if claim.on_side(float(np.mean(diffs))) else 2]  # no interval: at most the direction
     return f"{word}: {mean:+.{claim.digits}f}{spread} ({held} of {len(diffs)} seed{'s' if len(diffs) > 1 else ''})"
 
 

@@ -46,14 +46,16 @@ def test_resampled_auroc_on_the_identity_is_sklearns():
     (0.5, 2.5, 1.4, "no_worse", "holds"), (-1.4, 0.6, -0.4, "no_worse", "direction"),
     (-3.0, -1.5, -2.0, "no_worse", "no")])
 def test_verdicts(low, high, point, better, want):
-    assert verdict(low, high, point, better, tolerance=1.0) == want
+    claim = Claim("x", "id", ("ib_edl", "ece"), (("map", "ece"),), 1, better, 1.0 if better == "no_worse" else 0.0)
+    assert verdict(claim, low, high, point) == want
 
 
 @pytest.mark.parametrize(("low", "high", "better", "want"), [
     (0.01, 0.05, "lower", True), (-0.01, 0.05, "lower", False), (-0.05, -0.01, "higher", True),
     (-0.05, 0.01, "higher", False), (-3.0, -1.5, "no_worse", True), (-3.0, -0.5, "no_worse", False)])
 def test_an_interval_wholly_on_the_other_side_speaks_against_the_claim(low, high, better, want):
-    assert against(low, high, better, tolerance=1.0) is want
+    claim = Claim("x", "id", ("ib_edl", "ece"), (("map", "ece"),), 1, better, 1.0 if better == "no_worse" else 0.0)
+    assert against(claim, low, high) is want
 
 
 def grid(seeds=(0, 1, 2), n: int = 600, shift: bool = False):
