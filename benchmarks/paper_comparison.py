@@ -429,11 +429,9 @@ class Claim:
         return x < 0 if self.better == "lower" else x > 0
 
     def beyond(self, x: float) -> bool:
-        """Whether it lies strictly on the other side (``no_worse``: below ``-tolerance``)."""
-        x = round(x, 9)
-        if self.better == "no_worse":
-            return x < -self.tolerance
-        return x > 0 if self.better == "lower" else x < 0
+        """Whether it lies strictly on the other side (``no_worse``: below ``-tolerance``; else off the side and
+        not 0)."""
+        return not self.on_side(x) and (self.better == "no_worse" or round(x, 9) != 0)
 
     @property
     def digits(self) -> int:
@@ -532,9 +530,10 @@ def claim_cell(claim: Claim, results: list[dict]) -> str:
         return "–"
     held = sum(claim.on_side(d) for d in diffs)
     spread = f" ± {np.std(diffs):.{claim.digits}f}" if len(diffs) > 1 else ""
-    mean = round(float(np.mean(diffs)), claim.digits) or 0.0  # no "-0.00"
-    word = claim.words[1 if claim.on_side(float(np.mean(diffs))) else 2]  # no interval: at most the direction
-    return f"{word}: {mean:+.{claim.digits}f}{spread} ({held} of {len(diffs)} seed{'s' if len(diffs) > 1 else ''})"
+    mean = float(np.mean(diffs))
+    word = claim.words[1 if claim.on_side(mean) else 2]  # no interval: at most the direction
+    shown = round(mean, claim.digits) or 0.0  # no "-0.00"
+    return f"{word}: {shown:+.{claim.digits}f}{spread} ({held} of {len(diffs)} seed{'s' if len(diffs) > 1 else ''})"
 
 
 def _paper_value(paper: dict, claim: Claim, row: tuple[str, str], model: str) -> float | None:
