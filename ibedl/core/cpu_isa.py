@@ -108,8 +108,20 @@ def describe() -> str:
             f"oneDNN cap {cap or 'none'}")
 
 
+def describe_device(device: str) -> str:
+    """The machine a run's arithmetic (so its speed) is measured on: a CUDA device's name and torch's CUDA version
+    for ``cuda``/``cuda:<i>``, else this CPU's :func:`describe` line. Recorded beside every speed figure."""
+    if not isinstance(device, str) or not device:
+        raise ValueError(f"device must be a non-empty string such as 'cpu' or 'cuda:0', got {device!r}")
+    if device.startswith("cuda"):
+        import torch  # only here: the rest of this module runs before the venv exists
+
+        return f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda}); host {describe()}"
+    return describe()
+
+
 __all__ = ["INT8_ISAS", "cpu_flags", "onednn_cap", "int8_isa", "capped_without_bf16", "bf16_flags", "model_name",
-           "cpu_signature", "describe"]
+           "cpu_signature", "describe", "describe_device"]
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from tqdm import tqdm
 from ibedl.core import prefix_cache
 from ibedl.core.artifact import PEFT_TASK_TYPE, Manifest, files_sha256, save_head, write_manifest
 from ibedl.core.base_model import ResolvedModel, load_base_model, resolve_model
+from ibedl.core.cpu_isa import describe_device
 from ibedl.core.head import HEADS, CentredEvidence, HeadConfig, build_head
 from ibedl.core.model_card import write_card
 from ibedl.core.predictor import Predictor, fits, lm_head_rows
@@ -405,7 +406,8 @@ def fit_member(cfg: TrainConfig, method: Method, params: dict, train_q, val_q, m
     return {"seconds": seconds, "samples": seen, "steps": last, "samples_per_s": seen / seconds, **stopping,
             "trainable_parameters": trainable, "seed": seed, "processes": accelerator.num_processes,
             "global_batch_size": global_batch, "resolved": resolved, "ids": ids,
-            "head": head.config.to_dict(), "device": str(predictor.device), "init_from": warm}
+            "head": head.config.to_dict(), "device": str(predictor.device),
+            "machine": describe_device(str(predictor.device)), "init_from": warm}
 
 
 VALIDATION_KEYS = ("accuracy", "mean_confidence", "ece", "nll", "brier")

@@ -55,3 +55,9 @@ def test_the_cpu_kind_is_described_in_one_line(monkeypatch):
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # this CPU as an AVX2-only one
     assert cpu_isa.describe() == ("AMD EPYC, 2 cores: int8 class avx2, native bf16 no, avx512f yes, "
                                   "oneDNN cap avx2")
+
+
+def test_a_cpu_run_is_described_by_this_cpu_s_line_and_a_bad_device_is_refused():
+    assert cpu_isa.describe_device("cpu") == cpu_isa.describe()
+    with pytest.raises(ValueError, match="got ''"):
+        cpu_isa.describe_device("")

@@ -322,17 +322,20 @@ class Runner:
         preds = self.evaluate(run, artifact)
         if self.dry_run:
             return None
+        train_run = json.loads((artifact / "manifest.json").read_text())["training"]["run"]
         record = {
             "key": run.key, "experiment": run.experiment, "kind": run.kind, "method": run.method,
             "dataset": run.dataset, "seed": run.seed, "label_noise": run.label_noise,
             "metrics": summarise_run(preds, run.eval_sets),
             "metrics_without_posthoc": summarise_run(bare, run.eval_sets) if (bare := without_posthoc(preds)) else None,
             "efficiency": {
-                "train_samples_per_s":
-                    json.loads((artifact / "manifest.json").read_text())["training"]["run"].get("samples_per_s"),
+                "train_samples_per_s": train_run.get("samples_per_s"),
                 "train_peak_rss_mib": train_info.get("peak_rss_mib"),
                 "test_samples_per_s": preds["sets"][run.eval_sets[0]]["samples_per_s"],
                 "eval_peak_rss_mib": preds.get("eval_peak_rss_mib"),
+                # where each speed was measured (None: a run or cached prediction from before this was recorded)
+                "train_machine": run_machine(train_run),
+                "test_machine": preds["sets"][run.eval_sets[0]].get("machine"),
             },
         }
         if fits := predictive_fits(preds["sets"], run.eval_sets):
@@ -341,6 +344,15 @@ class Runner:
                                               validation_trajectory(artifact / "history.jsonl"))
         self.add(record)
         return record
+
+
+def run_machine(train_run: dict) -> str | None:
+    """The machine a run trained on, from its manifest's ``training.run`` (an ensemble's members' machines joined
+    with " + " when they differ); None for a run trained before the machine was recorded."""
+    machines = [m.get("machine") for m in train_run.get("members", [train_run])]
+    if None in machines:
+        return None
+    return " + ".join(dict.fromkeys(machines))
 
 
 def validation_trajectory(history: Path) -> list[dict]:

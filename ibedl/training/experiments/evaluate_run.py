@@ -22,6 +22,7 @@ import numpy as np
 from scipy.stats import spearmanr
 
 from ibedl.core.artifact import atomic_write_text, read_manifest
+from ibedl.core.cpu_isa import describe_device
 from ibedl.training import metrics
 
 
@@ -201,7 +202,8 @@ def predict_sets(predictor, args, limits: dict, val_q: list, fit: dict | None) -
         preds, seconds = predict_all(predictor, questions, args.batch_size, progress=False)
         served = outputs(preds)
         out["sets"][dataset] = {**served, "labels": [q.answer for q in questions],
-                                "samples_per_s": len(questions) / seconds}
+                                "samples_per_s": len(questions) / seconds,
+                                "machine": describe_device(str(predictor.device))}
         energies, hidden = features(predictor, questions, args.batch_size)
         out["sets"][dataset]["energy"] = [round(float(e), 6) for e in energies]
         out["sets"][dataset]["mahalanobis"] = None if maha is None else [round(float(m), 4) for m in maha.score(hidden)]

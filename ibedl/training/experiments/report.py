@@ -298,7 +298,21 @@ def efficiency_table(results: list[dict]) -> list[str]:
             "training run (their train columns repeat MAP's); Ens trains its members one after another; Laplace's test "
             "column leaves out its post-hoc fit (below). Runs side by side (`--jobs`) share the cores, and with "
             "`train_layers` the first run on a seed's questions (MAP's) also fills the prefix cache the others read: "
-            "`python -m benchmarks.method_efficiency` measures one run at a time.", ""] + lines + [""]
+            "`python -m benchmarks.method_efficiency` measures one run at a time.", ""] + lines + [""] \
+        + machines_lines(results)
+
+
+def machines_lines(results: list[dict]) -> list[str]:
+    """Which machines the speeds above were measured on, with each one's count of training and test measurements
+    (cells from before the machine was recorded counted as not recorded): means over several machines mix them."""
+    counts: dict = defaultdict(lambda: [0, 0])
+    for r in results:
+        eff = r.get("efficiency", {})
+        for i, key in enumerate(("train_machine", "test_machine")):
+            counts[eff.get(key) or "not recorded"][i] += 1
+    listed = sorted(counts.items(), key=lambda kv: (kv[0] == "not recorded", kv[0]))
+    return ["Measured on (cells' training, test speeds): "
+            + "; ".join(f"{machine} ({train}, {test})" for machine, (train, test) in listed) + ".", ""]
 
 
 def predictive_fit_table(results: list[dict]) -> list[str]:

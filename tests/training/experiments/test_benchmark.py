@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from ibedl.training.experiments.benchmark import Run, expand, main
+from ibedl.core.cpu_isa import describe
+from ibedl.training.experiments.benchmark import Run, expand, main, run_machine
 
 
 @pytest.fixture
@@ -58,9 +59,13 @@ def test_runner_end_to_end_and_resume(bench_config, tmp_path):
     assert (runs_dir / "sciq-map-s0" / "predictions-mc_dropout-sciq.json").is_file()
     manifest = json.loads((runs_dir / "arc_easy-noise0.5-map-s0" / "manifest.json").read_text())
     assert manifest["training"]["label_noise"] == 0.5
+    # every speed names the machine it was measured on (this CPU here), and the report says so
+    assert manifest["training"]["run"]["machine"] == describe()
+    assert all(r["efficiency"]["train_machine"] == r["efficiency"]["test_machine"] == describe() for r in data)
     report = results.with_suffix(".md").read_text()
     assert "## Label noise (50% of training labels moved; clean test data)" in report
     assert (tmp_path / "tiny-results-plots" / "risk-coverage-sciq.png").is_file()
+    assert f"Measured on (cells' training, test speeds): {describe()} (12, 12)." in report
 
     # every IB-EDL cell has its zeta-free row (the fitted zeta itself, or the predictions again where it is 0)
     assert all(r["metrics_without_posthoc"] for r in data if r["method"] == "ib_edl")
@@ -394,3 +399,14 @@ def test_the_paper_ib_edl_arm_trains_as_the_one_rate_grid_but_for_what_its_heade
     assert (params["risk"], params["inference"], params["inference_samples"], params["num_samples"]) == (
         "mse", "sampled", 20, 20)
     assert sorted(c["method_params.beta"] for c in arm["search"]["candidates"]["ib_edl"]) == [1e-6, 5e-6, 1e-5]
+
+
+@pytest.mark.parametrize(("run", "machine"), [
+    ({"machine": "cpu A"}, "cpu A"),
+    ({"members": [{"machine": "cpu A"}, {"machine": "cpu A"}]}, "cpu A"),
+    ({"members": [{"machine": "cpu A"}, {"machine": "gpu B"}]}, "cpu A + gpu B"),  # a member resumed elsewhere
+    ({"members": [{"machine": "cpu A"}, {}]}, None),  # a member trained before machines were recorded
+    ({"samples_per_s": 3.0}, None),
+])
+def test_the_machine_a_run_trained_on(run, machine):
+    assert run_machine(run) == machine

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ibedl.training.experiments.report import write_report
+from ibedl.training.experiments.report import efficiency_table, write_report
 
 
 def synthetic_results():
@@ -227,3 +227,12 @@ def test_report_draws_each_methods_ood_scores_per_stream(tmp_path):
     (runs / "sciq-map-s0" / "predictions-map-obqa.json").unlink()
     (tmp_path / "bench-plots" / "ood-scores-sciq-map.png").unlink()
     assert "ood-scores-sciq-map.png" not in {p.name for p in write_report(results, {"name": "bench"}, path, runs)}
+
+
+def test_the_efficiency_table_names_the_machines_its_speeds_were_measured_on():
+    results = [{"method": "map", "efficiency": {"train_samples_per_s": 2.0, "train_machine": "cpu A",
+                                                 "test_machine": "cpu B"}},
+               {"method": "ib_edl", "efficiency": {"train_samples_per_s": 1.0, "train_machine": "cpu A"}},
+               {"method": "edl", "efficiency": {}}]
+    lines = efficiency_table(results)
+    assert "Measured on (cells' training, test speeds): cpu A (2, 0); cpu B (0, 1); not recorded (1, 2)." in lines
