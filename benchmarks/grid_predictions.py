@@ -2,11 +2,13 @@
 bootstrap without the trained runs (benchmarks.grid_intervals).
 
     python -m benchmarks.grid_predictions --grid sciq_grid_shared_lr [--runs-dir runs/benchmark/<grid>]
-        [--output benchmarks/results/<grid>.predictions.npz]
+        [--output benchmarks/results/<grid>.predictions.npz] [--replace]
 
 The benchmark runner caches each (trained run, method, evaluation set)'s predictions as JSON beside the run
 (``runs/benchmark/<grid>/<train key>/predictions-<method>-<set>.json``: tens of MB for a grid, not committed). This
-writes them into one compressed ``.npz``, under keys ``<train key>|<method>|<set>|<field>``:
+writes them into one compressed ``.npz``, under keys ``<train key>|<method>|<set>|<field>``; rows already in the file
+for runs that are not under the runs directory (trained in another checkout, on another machine) are kept, unless
+``--replace``:
 
 - ``probs`` (N, C) float32: the served probabilities, NaN-padded where a question has fewer than C options;
 - ``labels`` (N,) int8: the right option;
@@ -193,6 +195,19 @@ def tagged(arm: GridPredictions, tag: str) -> GridPredictions:
     return GridPredictions(out)
 
 
+def merged(kept: GridPredictions, fresh: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[str]]:
+    """``fresh`` arrays (:func:`collect`, this machine's runs) over the ``kept`` file's: a (run, method, set) that
+    ``fresh`` has takes all its fields from ``fresh``; the others stay as kept (runs trained in another checkout or
+    on another machine, whose cached JSON is not here). Returns the arrays and the kept (run, method, set)s left as
+    they were, as ``"<run> <method> <set>"``."""
+    def triple(key: str) -> str:
+        return " ".join(key.split(SEP)[:3])
+
+    renewed = {triple(k) for k in fresh}
+    left = {k: v for k, v in kept.arrays.items() if triple(k) not in renewed}
+    return {**left, **fresh}, sorted({triple(k) for k in left})
+
+
 def default_path(grid: str) -> Path:
     return Path("benchmarks/results") / f"{grid}.predictions.npz"
 
@@ -203,7 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.grid_predictions", description=__doc__.split("\n\n")[0])
     parser.add_argument("--grid", required=True, help="the grid's name: benchmarks/<grid>.yaml")
     parser.add_argument("--runs-dir", help="its trained runs (default runs/benchmark/<grid>)")
-    parser.add_argument("--output", help="default benchmarks/results/<grid>.predictions.npz")
+    parser.add_argument("--output", help="default benchmarks/results/<grid>.predictions.npz; where it exists, its "
+                        "rows for runs not under --runs-dir are kept (runs trained in another checkout)")
+    parser.add_argument("--replace", action="store_true",
+                        help="write only the runs under --runs-dir, dropping the output's other rows")
     args = parser.parse_args(argv)
     try:
         config = load_benchmark_config(Path("benchmarks") / f"{args.grid}.yaml")
@@ -213,10 +231,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     output = Path(args.output) if args.output else default_path(args.grid)
+    fresh = {" ".join(k.split(SEP)[:2]) for k in arrays}
+    left: list[str] = []
+    if output.is_file() and not args.replace:
+        arrays, left = merged(load(output), arrays)
     output.parent.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(output, **arrays)
     runs = sorted({k.split(SEP)[0] + " " + k.split(SEP)[1] for k in arrays})
-    print(f"wrote {output} ({output.stat().st_size / 1e6:.2f} MB): {len(runs)} (run, method) pairs")
+    print(f"wrote {output} ({output.stat().st_size / 1e6:.2f} MB): {len(runs)} (run, method) pairs, {len(fresh)} "
+          f"from {args.runs_dir or f'runs/benchmark/{args.grid}'}"
+          + (f", {len(left)} (run, method, set)s kept from the file (not in the runs here)" if left else ""))
     return 0
 
 

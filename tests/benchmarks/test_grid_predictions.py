@@ -1,10 +1,13 @@
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from benchmarks.grid_predictions import collect, compact, load, main, padded, unpadded
 from ibedl.training import metrics
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def cached(seed: int, n: int = 50, zeta: bool = True) -> dict:
@@ -84,3 +87,27 @@ def test_main_says_what_is_missing_without_a_trace(tmp_path, capsys, monkeypatch
     monkeypatch.chdir(tmp_path)
     assert main(["--grid", "no_such_grid"]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_runs_trained_elsewhere_stay_in_the_kept_file_and_runs_here_replace_theirs(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)  # the grid's config: benchmarks/sciq_grid_shared_lr.yaml
+    out = tmp_path / "grid.predictions.npz"
+    here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
+    for runs, train, seed in ((elsewhere, "sciq-map-s0", 1), (elsewhere, "sciq-edl-s1", 2), (here, "sciq-edl-s1", 3),
+                              (here, "sciq-map-s4", 4)):
+        (runs / train).mkdir(parents=True, exist_ok=True)
+        (runs / train / f"predictions-{train.split('-')[1]}-sciq.json").write_text(json.dumps(cached(seed)))
+    args = ["--grid", "sciq_grid_shared_lr", "--output", str(out)]
+    assert main([*args, "--runs-dir", str(elsewhere)]) == 0
+    assert main([*args, "--runs-dir", str(here)]) == 0  # another checkout: seed 0's runs are not here
+    assert "1 (run, method, set)s kept from the file" in capsys.readouterr().out
+    kept = load(out)
+    assert kept.seeds() == {0, 1, 4}
+    for train, method, seed in (("sciq-map-s0", "map", 1), ("sciq-edl-s1", "edl", 3), ("sciq-map-s4", "map", 4)):
+        body = cached(seed)
+        assert kept.get(train, method, "sciq")["labels"].tolist() == body["labels"]
+        np.testing.assert_allclose(kept.get(train, method, "sciq")["uncertainty"], body["uncertainty"], rtol=1e-6)
+        np.testing.assert_allclose(kept.get(train, method, "sciq", bare=True)["uncertainty"],
+                                   body["without_posthoc"]["uncertainty"], rtol=1e-6)
+    assert main([*args, "--runs-dir", str(here), "--replace"]) == 0
+    assert load(out).seeds() == {1, 4}
