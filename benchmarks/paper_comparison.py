@@ -721,7 +721,13 @@ def grid_sections(results: list[dict] | None, paper: dict, grid: str, earlier: d
     waiting = [f"No intervals yet for the arm \"{label}\" (benchmarks/{name}.yaml): run it, then python -m "
                f"benchmarks.grid_intervals --grid {name} --against {grid}."
                for name, label in ARMS.get(grid, {}).items() if (arms or {}).get(label, "absent") is None]
-    claims = "\n".join(claims_table(columns, paper) + ["", note] + (["", *waiting] if waiting else []))
+    sources = [f"{GRID_COLUMNS[g]}: `benchmarks/results/{g}.json`" for g in earlier]
+    sources.append(f"{GRID_COLUMNS[grid]}: `benchmarks/results/{grid}.json`"
+                   + (f", intervals `benchmarks/results/{grid}_intervals.json`" if by_claim is not None else ""))
+    sources += [f"{label}: `benchmarks/results/{name}.json`, intervals `benchmarks/results/{name}_intervals.json`"
+                for name, label in ARMS.get(grid, {}).items() if (arms or {}).get(label) is not None]
+    claims = "\n".join(claims_table(columns, paper) + ["", note, "", "Sources: " + "; ".join(sources) + "."]
+                       + (["", *waiting] if waiting else []))
     extra = {prefix + "claims": claims}
     if grid in KEPT_PREDICTIONS:
         checks = [(label, found[0], found[1]) for label, found in (checks or {}).items()]

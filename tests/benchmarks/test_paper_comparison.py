@@ -440,9 +440,16 @@ def test_an_arm_beside_the_grid_is_a_claims_column_of_its_own_or_says_it_has_not
     row = next(line for line in claims if line.startswith(f"| {ece_claim} |"))
     assert row.endswith("| reproduced: -2.50 [-3.00, -2.00]; interval holds on 1 of 1, direction on 1 of 1 seed | "
                         "reproduced: -2.50 [-3.00, -2.00]; interval holds on 1 of 1, direction on 1 of 1 seed |")
+    # every column names the JSONs its cells come from
+    assert claims[claims.index("") + 3] == (
+        "Sources: early stopping, per-family rates: `benchmarks/results/sciq_grid.json`; fixed budget, one rate for "
+        "all: `benchmarks/results/sciq_grid_shared_lr.json`, intervals "
+        f"`benchmarks/results/sciq_grid_shared_lr_intervals.json`; {label}: `benchmarks/results/{name}.json`, "
+        f"intervals `benchmarks/results/{name}_intervals.json`.")
     waiting = grid_sections(RESULTS, parse_paper(TEX), "sciq_grid_shared_lr", {"sciq_grid": RESULTS},
                             intervals_for(ece_claim, entry), arms={label: None})["sciq_grid_shared_lr/claims"]
     assert f"{label} (pooled" not in waiting.splitlines()[0]
+    assert f"{name}_intervals.json" not in waiting.split("Sources: ")[1].split("\n")[0]
     assert waiting.endswith(f"python -m benchmarks.grid_intervals --grid {name} --against sciq_grid_shared_lr.")
 
 
