@@ -410,6 +410,7 @@ class MicroBatcher:
                 await self._answer(batch)
             finally:
                 self._busy = False
+                batch = None  # the pass's items (their runtime's predict) go now, not at the next pass
 
     async def _answer(self, batch: list[_Item]) -> None:
         loop = asyncio.get_running_loop()

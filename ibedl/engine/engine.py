@@ -122,8 +122,11 @@ class Engine:
 
     def _serve(self, runtimes: dict[str, AdapterRuntime], service_time: ServiceTime) -> None:
         self.runtimes = runtimes
+        # the default runtime as it is at each pass, not its predict at start: a bound method would pin the start's
+        # runtime, and with it the torch model, after a backend switch (requests pass their runtime's own predict)
         self.batcher = MicroBatcher(
-            self.default.predict, self.settings.max_batch_size, self.settings.max_wait_ms, self.settings.queue_size,
+            lambda questions: self.default.predict(questions), self.settings.max_batch_size,
+            self.settings.max_wait_ms, self.settings.queue_size,
             on_batch=self._on_batch, on_depth=lambda n: self.notify("depth", n),
             max_batch_tokens=self.settings.max_batch_tokens, service_time=service_time, admission=self.admission)
 

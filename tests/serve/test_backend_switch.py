@@ -278,3 +278,18 @@ def test_a_child_build_killed_for_memory_says_why_and_how_to_avoid_it(monkeypatc
 def test_a_child_build_that_fails_says_how(tmp_path):
     with pytest.raises(BuildFailed, match="the process exporting openvino-fp32 exited with 1: .*no-artifact"):
         build_in_child("openvino-fp32", tmp_path / "no-artifact", None, None)
+
+
+def test_the_torch_model_itself_is_freed_once_a_trunk_serves(make_client, bf16_calibrated, switching):
+    """Not only the serving predictor's attribute: no runtime, shadow or switcher keeps the torch model alive (a
+    switch keeps the old runtime whole for the passes queued on it; once it is beaten nothing may hold it), so its
+    weights' memory (the safetensors mapping) goes back."""
+    gate = switching({"torch": 1.0, "openvino-bf16": 0.4})
+    with make_client(loader=unmeasured_loader, artifact=bf16_calibrated) as c:
+        state = c.app.state.service
+        model = weakref.ref(state.engine.default.predictor.model)
+        gate.set()
+        assert state.engine.versions.switcher.done.wait(30)
+        assert served(c.post("/predict", json=Q)) == ("openvino-bf16", "openvino-bf16")
+        gc.collect()
+        assert model() is None
