@@ -6,9 +6,9 @@ bootstrap without the trained runs (benchmarks.grid_intervals).
 
 The benchmark runner caches each (trained run, method, evaluation set)'s predictions as JSON beside the run
 (``runs/benchmark/<grid>/<train key>/predictions-<method>-<set>.json``: tens of MB for a grid, not committed). This
-writes them into one compressed ``.npz``, under keys ``<train key>|<method>|<set>|<field>``; rows already in the file
-for runs that are not under the runs directory (trained in another checkout, on another machine) are kept, unless
-``--replace``:
+writes them into one compressed ``.npz``, under keys ``<train key>|<method>|<set>|<field>``; the rows already in the
+file of each (run, method, set) not collected here (trained in another checkout, on another machine) are kept,
+unless ``--replace``:
 
 - ``probs`` (N, C) float32: the served probabilities, NaN-padded where a question has fewer than C options;
 - ``labels`` (N,) int8: the right option;
@@ -176,7 +176,7 @@ def beside(grid: GridPredictions, arm: GridPredictions) -> GridPredictions:
         if any(len(t) != len(labels) or (t != labels).any() for t in twins):
             raise ValueError(f"the arm's {train} {method} answered other {dataset} questions than the grid's runs")
     kept = {k: v for k, v in grid.arrays.items() if k.split(SEP)[1] not in methods}
-    dropped = sorted({" ".join(k.split(SEP)[:3]) for k in grid.arrays.keys() - kept.keys() - arm.arrays.keys()})
+    dropped = sorted({cell(k) for k in grid.arrays.keys() - kept.keys() - arm.arrays.keys()})
     if dropped:
         log.warning("the arm has no rows for %d of the grid's (run, method, set): %s", len(dropped),
                     ", ".join(dropped))
@@ -195,17 +195,33 @@ def tagged(arm: GridPredictions, tag: str) -> GridPredictions:
     return GridPredictions(out)
 
 
-def merged(kept: GridPredictions, fresh: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[str]]:
-    """``fresh`` arrays (:func:`collect`, this machine's runs) over the ``kept`` file's: a (run, method, set) that
-    ``fresh`` has takes all its fields from ``fresh``; the others stay as kept (runs trained in another checkout or
-    on another machine, whose cached JSON is not here). Returns the arrays and the kept (run, method, set)s left as
-    they were, as ``"<run> <method> <set>"``."""
-    def triple(key: str) -> str:
-        return " ".join(key.split(SEP)[:3])
+def cell(key: str, parts: int = 3) -> str:
+    """The first ``parts`` fields of an array's key (run, method, set) joined by spaces: ``"<run> <method> <set>"``."""
+    return " ".join(key.split(SEP)[:parts])
 
-    renewed = {triple(k) for k in fresh}
-    left = {k: v for k, v in kept.arrays.items() if triple(k) not in renewed}
-    return {**left, **fresh}, sorted({triple(k) for k in left})
+
+def merged(kept: GridPredictions, fresh: dict[str, np.ndarray],
+           eval_sets: list[str]) -> tuple[dict[str, np.ndarray], list[str]]:
+    """``fresh`` arrays (:func:`collect`, this checkout's runs) over the ``kept`` file's: a (run, method, set) that
+    ``fresh`` has takes all its fields from ``fresh``; the other (run, method, set)s stay as kept (runs trained in
+    another checkout or on another machine, whose cached JSON is not here). Returns the arrays and the kept
+    (run, method, set)s left as they were (:func:`cell`). A kept row of a run that also has fresh rows (another of its
+    methods or sets) is named in a warning: the run's rows may come from two trainings of it.
+
+    Raises:
+        ValueError: a kept row's set is none of ``eval_sets`` (the grid's config changed): ``--replace`` drops them.
+    """
+    stray = sorted({cell(k) for k in kept.arrays if k.split(SEP)[2] not in eval_sets})
+    if stray:
+        raise ValueError(f"the kept file has rows for sets the grid no longer evaluates ({', '.join(stray)}); "
+                         "--replace writes only this checkout's runs")
+    renewed = {cell(k) for k in fresh}
+    left = {k: v for k, v in kept.arrays.items() if cell(k) not in renewed}
+    mixed = sorted({cell(k, 1) for k in left} & {cell(k, 1) for k in fresh})
+    if mixed:
+        log.warning("runs with rows both kept and collected here (two trainings of a run, if it was retrained): %s",
+                    ", ".join(mixed))
+    return {**left, **fresh}, sorted({cell(k) for k in left})
 
 
 def default_path(grid: str) -> Path:
@@ -219,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grid", required=True, help="the grid's name: benchmarks/<grid>.yaml")
     parser.add_argument("--runs-dir", help="its trained runs (default runs/benchmark/<grid>)")
     parser.add_argument("--output", help="default benchmarks/results/<grid>.predictions.npz; where it exists, its "
-                        "rows for runs not under --runs-dir are kept (runs trained in another checkout)")
+                        "rows of each (run, method, set) not collected from --runs-dir are kept (runs trained in "
+                        "another checkout)")
     parser.add_argument("--replace", action="store_true",
                         help="write only the runs under --runs-dir, dropping the output's other rows")
     args = parser.parse_args(argv)
@@ -227,20 +244,20 @@ def main(argv: list[str] | None = None) -> int:
         config = load_benchmark_config(Path("benchmarks") / f"{args.grid}.yaml")
         sets = sorted({s for run in expand(config) for s in run.eval_sets})
         arrays = collect(Path(args.runs_dir or f"runs/benchmark/{args.grid}"), sets)
+        output = Path(args.output) if args.output else default_path(args.grid)
+        fresh = {cell(k, 2) for k in arrays}
+        left: list[str] = []
+        if output.is_file() and not args.replace:
+            arrays, left = merged(load(output), arrays, sets)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    output = Path(args.output) if args.output else default_path(args.grid)
-    fresh = {" ".join(k.split(SEP)[:2]) for k in arrays}
-    left: list[str] = []
-    if output.is_file() and not args.replace:
-        arrays, left = merged(load(output), arrays)
     output.parent.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(output, **arrays)
-    runs = sorted({k.split(SEP)[0] + " " + k.split(SEP)[1] for k in arrays})
+    runs = {cell(k, 2) for k in arrays}
     print(f"wrote {output} ({output.stat().st_size / 1e6:.2f} MB): {len(runs)} (run, method) pairs, {len(fresh)} "
           f"from {args.runs_dir or f'runs/benchmark/{args.grid}'}"
-          + (f", {len(left)} (run, method, set)s kept from the file (not in the runs here)" if left else ""))
+          + (f", {len(left)} (run, method, set)s kept from the file (not collected here)" if left else ""))
     return 0
 
 

@@ -699,17 +699,25 @@ def start_overlap_line(results: list[dict]) -> str:
             f"that recorded it (training.start_overlap).")
 
 
+def result_files(name: str) -> tuple[str, str]:
+    """Where a grid's (or an arm's) results and its paired intervals are committed."""
+    return f"benchmarks/results/{name}.json", f"benchmarks/results/{name}_intervals.json"
+
+
 def grid_sections(results: list[dict] | None, paper: dict, grid: str, earlier: dict[str, list[dict]],
                   intervals: dict | None = None,
                   checks: dict[str, tuple[list[dict], dict | None]] | None = None,
-                  arms: dict[str, dict | None] | None = None) -> dict[str, str]:
+                  arms: dict[str, dict | None] | None = None,
+                  read: dict[str, tuple[str, str | None]] | None = None) -> dict[str, str]:
     """The blocks of a grid other than the first (``GRID_BLOCKS``, named with its ``GRIDS`` prefix): the first
     grid's training, calibration and OOD tables on its results, the training block with the start's overlap, and
     ``claims``: the paper's claims under each earlier grid (``earlier``: grid -> results) and this one, by paired
     interval where ``intervals`` (benchmarks.grid_intervals' output) is given; a grid in ``KEPT_PREDICTIONS`` also
     has ``regime`` (:func:`regime_table`: its MAP cells and its regime ``checks``', label -> (results, intervals)).
     ``arms``: label -> intervals (None: not run yet) of the arms beside the grid (``ARMS``), a claims column each.
-    With no results (None or an empty list) each block but ``claims`` and ``regime`` says so."""
+    ``claims`` ends with its columns' sources: ``read`` (grid or arm name -> the results and intervals files the
+    caller read; default :func:`result_files`'). With no results (None or an empty list) each block but ``claims``
+    and ``regime`` says so."""
     prefix = GRIDS[grid]
     by_claim = None if intervals is None else intervals.get("claims", {})
     columns = [(GRID_COLUMNS[g], runs, None) for g, runs in earlier.items()]
@@ -721,11 +729,21 @@ def grid_sections(results: list[dict] | None, paper: dict, grid: str, earlier: d
     waiting = [f"No intervals yet for the arm \"{label}\" (benchmarks/{name}.yaml): run it, then python -m "
                f"benchmarks.grid_intervals --grid {name} --against {grid}."
                for name, label in ARMS.get(grid, {}).items() if (arms or {}).get(label, "absent") is None]
-    sources = [f"{GRID_COLUMNS[g]}: `benchmarks/results/{g}.json`" for g in earlier]
-    sources.append(f"{GRID_COLUMNS[grid]}: `benchmarks/results/{grid}.json`"
-                   + (f", intervals `benchmarks/results/{grid}_intervals.json`" if by_claim is not None else ""))
-    sources += [f"{label}: `benchmarks/results/{name}.json`, intervals `benchmarks/results/{name}_intervals.json`"
-                for name, label in ARMS.get(grid, {}).items() if (arms or {}).get(label) is not None]
+    read = read or {}
+
+    def shown(path: str) -> str:  # relative to the repository (the working directory) where it lies inside it
+        resolved, here = Path(path).resolve(), Path.cwd().resolve()
+        return str(resolved.relative_to(here)) if resolved.is_relative_to(here) else str(path)
+
+    def source(name: str, label: str, with_intervals: bool) -> str:
+        files = read.get(name, result_files(name))
+        return (f"{label}: `{shown(files[0])}`"
+                + (f", intervals `{shown(files[1])}`" if with_intervals and files[1] else ""))
+
+    sources = [source(g, GRID_COLUMNS[g], False) for g in earlier]
+    sources.append(source(grid, GRID_COLUMNS[grid], by_claim is not None))
+    sources += [source(name, label, True) for name, label in ARMS.get(grid, {}).items()
+                if (arms or {}).get(label) is not None]
     claims = "\n".join(claims_table(columns, paper) + ["", note, "", "Sources: " + "; ".join(sources) + "."]
                        + (["", *waiting] if waiting else []))
     extra = {prefix + "claims": claims}
@@ -791,7 +809,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if the page is out of date")
     args = parser.parse_args(argv)
     paper_path = Path(args.paper) if args.paper else default_paper()
-    results_path = args.results or f"benchmarks/results/{args.grid}.json"
+    results_path = args.results or result_files(args.grid)[0]
     first = args.grid == next(iter(GRIDS))
     try:
         # the first grid's results must exist; a grid still running may have no results file yet
@@ -807,17 +825,19 @@ def main(argv: list[str] | None = None) -> int:
             blocks = sections(results, paper, efficiency, ablation, heads)
         else:
             names = list(GRIDS)
-            earlier = {g: json.loads(Path(args.first_results if g == names[0] else f"benchmarks/results/{g}.json")
-                                     .read_text()) for g in names[: names.index(args.grid)]}
-            intervals_path = Path(args.intervals or f"benchmarks/results/{args.grid}_intervals.json")
-            intervals = _read_if_there(intervals_path)
-            checks = {label: (json.loads(Path(f"benchmarks/results/{name}.json").read_text()),
-                              _read_if_there(Path(f"benchmarks/results/{name}_intervals.json")))
+            read = {g: (args.first_results if g == names[0] else result_files(g)[0], None)
+                    for g in names[: names.index(args.grid)]}
+            earlier = {g: json.loads(Path(files[0]).read_text()) for g, files in read.items()}
+            intervals_path = args.intervals or result_files(args.grid)[1]
+            intervals = _read_if_there(Path(intervals_path))
+            read[args.grid] = (results_path, intervals_path)
+            checks = {label: (json.loads(Path(result_files(name)[0]).read_text()),
+                              _read_if_there(Path(result_files(name)[1])))
                       for name, label in REGIME_CHECKS.get(args.grid, {}).items()
-                      if Path(f"benchmarks/results/{name}.json").is_file()}
-            arms = {label: _read_if_there(Path(f"benchmarks/results/{name}_intervals.json"))
+                      if Path(result_files(name)[0]).is_file()}
+            arms = {label: _read_if_there(Path(result_files(name)[1]))
                     for name, label in ARMS.get(args.grid, {}).items()}
-            blocks = grid_sections(results, paper, args.grid, earlier, intervals, checks, arms)
+            blocks = grid_sections(results, paper, args.grid, earlier, intervals, checks, arms, read)
         updated = fill(page, blocks)
     except (OSError, ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)

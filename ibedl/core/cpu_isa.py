@@ -108,16 +108,20 @@ def describe() -> str:
             f"oneDNN cap {cap or 'none'}")
 
 
-def describe_device(device: str) -> str:
-    """The machine a run's arithmetic (so its speed) is measured on: a CUDA device's name and torch's CUDA version
-    for ``cuda``/``cuda:<i>``, else this CPU's :func:`describe` line. Recorded beside every speed figure."""
-    if not isinstance(device, str) or not device:
-        raise ValueError(f"device must be a non-empty string such as 'cpu' or 'cuda:0', got {device!r}")
-    if device.startswith("cuda"):
+def describe_device(device) -> str:
+    """The machine a run's arithmetic (so its speed) is measured on: for ``cpu`` this CPU's :func:`describe` line; for
+    ``cuda``/``cuda:<i>`` the device's name and torch's CUDA version on this host; for another accelerator (``mps``,
+    ``xpu``) its name on this host. ``device``: a string or a ``torch.device``. Recorded beside every speed figure."""
+    name = str(device) if device is not None else ""
+    if not name or name != name.strip():
+        raise ValueError(f"device must be such as 'cpu' or 'cuda:0', got {device!r}")
+    if name == "cpu":
+        return describe()
+    if name.startswith("cuda"):
         import torch  # only here: the rest of this module runs before the venv exists
 
-        return f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda}); host {describe()}"
-    return describe()
+        return f"{torch.cuda.get_device_name(name)} (CUDA {torch.version.cuda}) on host {describe()}"
+    return f"{name} on host {describe()}"
 
 
 __all__ = ["INT8_ISAS", "cpu_flags", "onednn_cap", "int8_isa", "capped_without_bf16", "bf16_flags", "model_name",

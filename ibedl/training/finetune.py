@@ -407,7 +407,7 @@ def fit_member(cfg: TrainConfig, method: Method, params: dict, train_q, val_q, m
             "trainable_parameters": trainable, "seed": seed, "processes": accelerator.num_processes,
             "global_batch_size": global_batch, "resolved": resolved, "ids": ids,
             "head": head.config.to_dict(), "device": str(predictor.device),
-            "machine": describe_device(str(predictor.device)), "init_from": warm}
+            "machine": describe_device(predictor.device), "init_from": warm}
 
 
 VALIDATION_KEYS = ("accuracy", "mean_confidence", "ece", "nll", "brier")

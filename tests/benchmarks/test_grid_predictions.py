@@ -4,7 +4,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.grid_predictions import collect, compact, load, main, padded, unpadded
+from benchmarks.grid_predictions import GridPredictions, collect, compact, load, main, merged, padded, unpadded
 from ibedl.training import metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -111,3 +111,14 @@ def test_runs_trained_elsewhere_stay_in_the_kept_file_and_runs_here_replace_thei
                                    body["without_posthoc"]["uncertainty"], rtol=1e-6)
     assert main([*args, "--runs-dir", str(here), "--replace"]) == 0
     assert load(out).seeds() == {1, 4}
+
+
+def test_merging_warns_of_a_run_from_two_collections_and_refuses_sets_the_grid_dropped(caplog):
+    kept = GridPredictions({**{f"sciq-edl-s1|edl|sciq|{k}": v for k, v in compact(cached(1)).items()},
+                            **{f"sciq-edl-s1|edl|obqa|{k}": v for k, v in compact(cached(2)).items()}})
+    fresh = {f"sciq-edl-s1|edl|sciq|{k}": v for k, v in compact(cached(3)).items()}
+    arrays, left = merged(kept, fresh, ["sciq", "obqa"])
+    assert left == ["sciq-edl-s1 edl obqa"] and "runs with rows both kept and collected here" in caplog.text
+    np.testing.assert_array_equal(arrays["sciq-edl-s1|edl|sciq|labels"], fresh["sciq-edl-s1|edl|sciq|labels"])
+    with pytest.raises(ValueError, match=r"sets the grid no longer evaluates \(sciq-edl-s1 edl obqa\)"):
+        merged(kept, fresh, ["sciq"])

@@ -446,6 +446,10 @@ def test_an_arm_beside_the_grid_is_a_claims_column_of_its_own_or_says_it_has_not
         "all: `benchmarks/results/sciq_grid_shared_lr.json`, intervals "
         f"`benchmarks/results/sciq_grid_shared_lr_intervals.json`; {label}: `benchmarks/results/{name}.json`, "
         f"intervals `benchmarks/results/{name}_intervals.json`.")
+    elsewhere = grid_sections(RESULTS, parse_paper(TEX), "sciq_grid_shared_lr", {"sciq_grid": RESULTS},
+                              intervals_for(ece_claim, entry), read={"sciq_grid_shared_lr": ("/x/r.json", "/x/i.json")})
+    assert ("fixed budget, one rate for all: `/x/r.json`, intervals `/x/i.json`."
+            in elsewhere["sciq_grid_shared_lr/claims"])  # the files the caller read (--results, --intervals)
     waiting = grid_sections(RESULTS, parse_paper(TEX), "sciq_grid_shared_lr", {"sciq_grid": RESULTS},
                             intervals_for(ece_claim, entry), arms={label: None})["sciq_grid_shared_lr/claims"]
     assert f"{label} (pooled" not in waiting.splitlines()[0]

@@ -57,7 +57,15 @@ def test_the_cpu_kind_is_described_in_one_line(monkeypatch):
                                   "oneDNN cap avx2")
 
 
-def test_a_cpu_run_is_described_by_this_cpu_s_line_and_a_bad_device_is_refused():
-    assert cpu_isa.describe_device("cpu") == cpu_isa.describe()
-    with pytest.raises(ValueError, match="got ''"):
-        cpu_isa.describe_device("")
+def test_a_run_s_machine_names_its_device_on_this_host_and_a_bad_device_is_refused(monkeypatch):
+    import torch
+
+    assert cpu_isa.describe_device("cpu") == cpu_isa.describe_device(torch.device("cpu")) == cpu_isa.describe()
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: f"NVIDIA H200 ({device})")
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    assert cpu_isa.describe_device(torch.device("cuda", 0)) == (
+        f"NVIDIA H200 (cuda:0) (CUDA 12.4) on host {cpu_isa.describe()}")
+    assert cpu_isa.describe_device("mps") == f"mps on host {cpu_isa.describe()}"
+    for bad in ("", None, " cpu"):
+        with pytest.raises(ValueError, match=f"got {bad!r}"):
+            cpu_isa.describe_device(bad)

@@ -349,7 +349,7 @@ class Runner:
 def run_machine(train_run: dict) -> str | None:
     """The machine a run trained on, from its manifest's ``training.run`` (an ensemble's members' machines joined
     with " + " when they differ); None for a run trained before the machine was recorded."""
-    machines = [m.get("machine") for m in train_run.get("members", [train_run])]
+    machines = [m.get("machine") for m in train_run.get("members") or [train_run]]
     if None in machines:
         return None
     return " + ".join(dict.fromkeys(machines))

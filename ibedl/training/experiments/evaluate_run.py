@@ -203,7 +203,7 @@ def predict_sets(predictor, args, limits: dict, val_q: list, fit: dict | None) -
         served = outputs(preds)
         out["sets"][dataset] = {**served, "labels": [q.answer for q in questions],
                                 "samples_per_s": len(questions) / seconds,
-                                "machine": describe_device(str(predictor.device))}
+                                "machine": describe_device(predictor.device)}
         energies, hidden = features(predictor, questions, args.batch_size)
         out["sets"][dataset]["energy"] = [round(float(e), 6) for e in energies]
         out["sets"][dataset]["mahalanobis"] = None if maha is None else [round(float(m), 4) for m in maha.score(hidden)]

@@ -407,6 +407,7 @@ def test_the_paper_ib_edl_arm_trains_as_the_one_rate_grid_but_for_what_its_heade
     ({"members": [{"machine": "cpu A"}, {"machine": "gpu B"}]}, "cpu A + gpu B"),  # a member resumed elsewhere
     ({"members": [{"machine": "cpu A"}, {}]}, None),  # a member trained before machines were recorded
     ({"samples_per_s": 3.0}, None),
+    ({"members": [], "machine": "cpu A"}, "cpu A"),
 ])
 def test_the_machine_a_run_trained_on(run, machine):
     assert run_machine(run) == machine
