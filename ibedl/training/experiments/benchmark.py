@@ -322,7 +322,8 @@ class Runner:
         preds = self.evaluate(run, artifact)
         if self.dry_run:
             return None
-        train_run = json.loads((artifact / "manifest.json").read_text())["training"]["run"]
+        manifest = json.loads((artifact / "manifest.json").read_text())
+        train_run = manifest["training"]["run"]
         record = {
             "key": run.key, "experiment": run.experiment, "kind": run.kind, "method": run.method,
             "dataset": run.dataset, "seed": run.seed, "label_noise": run.label_noise,
@@ -340,7 +341,7 @@ class Runner:
         }
         if fits := predictive_fits(preds["sets"], run.eval_sets):
             record["posthoc"] = fits
-        record["training"] = training_summary(json.loads((artifact / "manifest.json").read_text()),
+        record["training"] = training_summary(manifest,
                                               validation_trajectory(artifact / "history.jsonl"))
         self.add(record)
         return record

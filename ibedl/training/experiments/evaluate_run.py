@@ -195,6 +195,7 @@ def predict_sets(predictor, args, limits: dict, val_q: list, fit: dict | None) -
 
     # Feature-space OOD score: class-conditional Gaussians on the run's validation (calibration) questions.
     maha = Mahalanobis.fit(features(predictor, val_q, args.batch_size)[1], [q.answer for q in val_q]) if val_q else None
+    machine = describe_device(predictor.device)  # where each set's samples_per_s is measured
     out = {"artifact": str(args.artifact), "method": args.method, "sets": {},
            "mahalanobis": None if maha is None else {"n": len(val_q), "shrinkage": maha.shrinkage}}
     for dataset in args.dataset:
@@ -203,7 +204,7 @@ def predict_sets(predictor, args, limits: dict, val_q: list, fit: dict | None) -
         served = outputs(preds)
         out["sets"][dataset] = {**served, "labels": [q.answer for q in questions],
                                 "samples_per_s": len(questions) / seconds,
-                                "machine": describe_device(predictor.device)}
+                                "machine": machine}
         energies, hidden = features(predictor, questions, args.batch_size)
         out["sets"][dataset]["energy"] = [round(float(e), 6) for e in energies]
         out["sets"][dataset]["mahalanobis"] = None if maha is None else [round(float(m), 4) for m in maha.score(hidden)]
