@@ -10,7 +10,9 @@ questions are resampled with replacement, the same resample for both rows (paire
 in-distribution questions and each shifted stream's are resampled independently and the AUROC difference is averaged
 over the streams. The pooled interval resamples the questions once per draw and averages the seeds' differences on
 them (every seed answers the same test questions: checked), so it carries the test set's sampling error of the mean
-over these seeds, not the spread a new seed would add; the per-seed intervals show that spread.
+over these seeds, not the spread a new seed would add; the per-seed intervals show that spread, and the interval
+over seeds (Student's t on the seeds' full-set differences, n - 1 degrees of freedom) carries it: where the mean
+over other seeds would fall on these test questions.
 
 ``--against GRID`` takes ``--grid`` as an arm run beside ``GRID`` (``benchmarks/<arm>.yaml`` training only some
 methods on GRID's questions, e.g. IB-EDL as the paper specifies it): its rows replace GRID's for its methods and the
@@ -31,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 from scipy.stats import rankdata
+from scipy.stats import t as student_t
 
 from benchmarks.common import write_result
 from benchmarks.grid_predictions import GridPredictions, beside, default_path, load, tagged
@@ -88,6 +91,21 @@ def against(claim, low: float, high: float) -> bool:
     """Whether the 95% interval lies wholly on the other side of the claim (``no_worse``: wholly below
     ``-tolerance``): the data speak against it, beyond "cannot tell"."""
     return claim.beyond(low) and claim.beyond(high)
+
+
+def over_seeds(claim, differences: list[float]) -> dict | None:
+    """Student's t 95% interval (n - 1 degrees of freedom) of the mean of the seeds' full-set ``differences`` (n,):
+    the spread a new draw of seeds adds, on these test questions (not their sampling error: the pooled interval
+    carries that); its verdict as :func:`verdict`'s. None under 2 seeds."""
+    n = len(differences)
+    if n < 2:
+        return None
+    mean = float(np.mean(differences))
+    spread = float(np.std(differences, ddof=1)) / np.sqrt(n)
+    low, high = ((mean, mean) if spread == 0 else
+                 (float(x) for x in student_t.interval(0.95, n - 1, loc=mean, scale=spread)))
+    return {"difference": mean, "ci95": [low, high], "verdict": verdict(claim, low, high, mean),
+            "against": against(claim, low, high)}
 
 
 class ClaimDraws:
@@ -185,7 +203,8 @@ def claim_interval(claim, runs: list[Run], preds: GridPredictions, resamples: in
     per_seed = {s: summary(d.full, d.draws) for s, d in draws.items()}
     pooled = summary(float(np.mean([d.full for d in draws.values()])),
                      np.mean([d.draws for d in draws.values()], axis=0))
-    return {"seeds": len(runs), "per_seed": per_seed, "pooled": pooled,
+    seeds = over_seeds(claim, [d.full for d in draws.values()])
+    return {"seeds": len(runs), "per_seed": per_seed, "pooled": pooled, **({"over_seeds": seeds} if seeds else {}),
             "held_on": sum(v["verdict"] == "holds" for v in per_seed.values()),
             "direction_on": sum(v["verdict"] in ("holds", "direction") for v in per_seed.values()),
             "against_on": sum(v["against"] for v in per_seed.values())}

@@ -475,19 +475,21 @@ def head_to_head(tag: str) -> tuple[Claim, ...]:
     )
 
 
-INTERVALS_NOTE = ("Each cell of a column headed (pooled 95% interval): the difference IB-EDL minus the other row "
-                  "(the best of them on each seed where a claim names several) on the same questions, its mean over "
-                  "the seeds and the 95% "
-                  "interval of that mean over paired resamples of the test questions (benchmarks/grid_intervals.py; "
-                  "it carries the test set's sampling error, not a new seed's spread); then on how many seeds the "
-                  "seed's own interval lies on the claimed side (for the accuracy claim: above -1 point) and on how "
-                  "many the point does, and, where any, on how many it lies wholly on the other side. The other "
-                  "columns: mean ± std over seeds, and on how many the point goes the claimed way (their predictions "
-                  "were not kept). The word before each cell: reproduced where the pooled interval lies on "
-                  "the claimed side, each seed's own interval does on more than half of the seeds and on none lies "
-                  "against it; direction only where the pooled point does (and, without kept predictions, at most "
-                  "that); else not reproduced, (against) where the pooled interval lies wholly on the other side. "
-                  "For a comparison the paper does not make: holds, direction only, does not hold.")
+INTERVALS_NOTE = ("Each cell of a column headed (pooled 95% interval): the difference IB-EDL minus the other row (the "
+                  "best of them on each seed where a claim names several) on the same questions, its mean over the "
+                  "seeds and the 95% interval of that mean over paired resamples of the test questions "
+                  "(benchmarks/grid_intervals.py; it carries the test set's sampling error, not a new seed's spread); "
+                  "where two or more seeds have it, the 95% interval over seeds (Student's t on the seeds' "
+                  "differences, n - 1 degrees of freedom: the spread another draw of seeds would add, on these "
+                  "questions); then on how many seeds the seed's own interval lies on the claimed side (for the "
+                  "accuracy claim: above -1 point) and on how many the point does, and, where any, on how many it lies"
+                  " wholly on the other side. The other columns: mean ± std over seeds, and on how many the point goes"
+                  " the claimed way (their predictions were not kept). The word before each cell: reproduced where the"
+                  " pooled interval and the one over seeds lie on the claimed side, each seed's own interval does on "
+                  "more than half of the seeds and on none lies against it; direction only where the pooled point does"
+                  " (and, without kept predictions, at most that); else not reproduced, (against) where the pooled "
+                  "interval lies wholly on the other side. For a comparison the paper does not make: holds, direction "
+                  "only, does not hold.")
 CLAIMS_NOTE = ("Each cell: the difference IB-EDL minus the other row (the best of them where a claim names several), "
                "mean ± std over the seeds that have them all, and on how many of those seeds it goes the claimed "
                "way, after a word: direction only where the mean goes the claimed way (without kept predictions no "
@@ -562,15 +564,17 @@ def paper_claim_cell(claim: Claim, paper: dict) -> str:
 
 def interval_verdict(claim: Claim, entry: dict) -> str:
     """A claim's word in one regime from its intervals (benchmarks.grid_intervals): ``reproduced`` where the pooled
-    interval lies on the claimed side, each seed's own interval does on more than half of the seeds and on none lies
-    against it; ``direction only`` where the pooled point is on the claimed side; else ``not reproduced``, with
+    interval and the interval over seeds (so two seeds at least) lie on the claimed side, each seed's own interval
+    does on more than half of the seeds and on none lies against it; ``direction only`` where the pooled point is on
+    the claimed side; else ``not reproduced``, with
     ``(against)`` where the pooled interval lies wholly on the other side (:attr:`Claim.words` for a claim the
     paper does not make)."""
     pooled, n = entry["pooled"], entry["seeds"]
     if "verdict" not in pooled:
         raise ValueError(f"the intervals of {claim.text!r} lack a pooled verdict: run benchmarks.grid_intervals again")
     holds, direction, neither = claim.words
-    if pooled["verdict"] == "holds" and 2 * entry["held_on"] > n and not entry.get("against_on"):
+    over_seeds = entry.get("over_seeds", {}).get("verdict")
+    if pooled["verdict"] == over_seeds == "holds" and 2 * entry["held_on"] > n and not entry.get("against_on"):
         return holds
     if pooled["verdict"] in ("holds", "direction"):
         return direction
@@ -579,16 +583,18 @@ def interval_verdict(claim: Claim, entry: dict) -> str:
 
 def interval_cell(claim: Claim, entry: dict | None) -> str:
     """A claim's paired interval on a grid's kept predictions (benchmarks.grid_intervals): the difference pooled over
-    the seeds, its 95% interval, on how many seeds the per-seed interval holds it and the point goes its way, and
-    (where any) on how many the interval lies wholly against it."""
+    the seeds, its 95% interval, its interval over seeds (where two or more), on how many seeds the per-seed interval
+    holds it and the point goes its way, and (where any) on how many the interval lies wholly against it."""
     if not entry or not entry.get("seeds"):
         return "–"
     pooled, n = entry["pooled"], entry["seeds"]
     low, high = pooled["ci95"]
     d = claim.digits
     against = f", against it on {entry['against_on']} of {n}" if entry.get("against_on") else ""
-    return (f"{interval_verdict(claim, entry)}: {pooled['difference']:+.{d}f} [{low:+.{d}f}, {high:+.{d}f}]; interval "
-            f"holds on {entry['held_on']} of "
+    seeds = entry.get("over_seeds")
+    spread = f"; over seeds [{seeds['ci95'][0]:+.{d}f}, {seeds['ci95'][1]:+.{d}f}]" if seeds else ""
+    return (f"{interval_verdict(claim, entry)}: {pooled['difference']:+.{d}f} [{low:+.{d}f}, {high:+.{d}f}]{spread}; "
+            f"interval holds on {entry['held_on']} of "
             f"{n}, direction on {entry['direction_on']} of {n}{against} seed{'s' if n > 1 else ''}")
 
 

@@ -382,7 +382,8 @@ def intervals_for(claim_text: str, entry: dict, over: dict | None = None) -> dic
 def test_the_shared_rate_grid_gives_each_claim_its_paired_interval_and_shows_the_regime():
     ece_claim = "IB-EDL is better calibrated than MAP (ECE, points)"
     entry = {"seeds": 2, "pooled": {"difference": -1.234, "ci95": [-2.0, -0.5], "verdict": "holds"},
-             "per_seed": {"0": {}, "1": {}}, "held_on": 2, "direction_on": 2}
+             "per_seed": {"0": {}, "1": {}}, "held_on": 2, "direction_on": 2,
+             "over_seeds": {"difference": -1.234, "ci95": [-1.9, -0.6], "verdict": "holds", "against": False}}
     over = {"0": {"accuracy": 0.85, "mean_confidence": 0.93, "over_confidence": {"value": 0.08, "ci95": [0.06, 0.1]},
                   "ece": {"value": 0.081, "ci95": [0.065, 0.1]}}}
     results = [dict(r) for r in RESULTS]
@@ -403,8 +404,8 @@ def test_the_shared_rate_grid_gives_each_claim_its_paired_interval_and_shows_the
     assert header.endswith("| early stopping, per-family rates | fixed budget, per-family rates | fixed budget, one "
                            "rate for all (pooled 95% interval) |")
     rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in claims.splitlines()[2:2 + len(CLAIMS)]}
-    assert rows[ece_claim][-1] == ("reproduced: -1.23 [-2.00, -0.50]; interval holds on 2 of 2, direction on 2 of 2 "
-                                   "seeds |")
+    assert rows[ece_claim][-1] == ("reproduced: -1.23 [-2.00, -0.50]; over seeds [-1.90, -0.60]; interval holds on 2 "
+                                   "of 2, direction on 2 of 2 seeds |")
     assert rows["IB-EDL has a lower NLL than MAP"][-1] == "– |"  # no interval computed for it
     regime = blocks["sciq_grid_shared_lr/regime"].splitlines()
     assert regime[2] == ("| 1e-3, 10 epochs | 0 | 0.353 → 0.352 (step 75) → 0.408 | 80.0% | 0.930 | "
@@ -438,8 +439,9 @@ def test_an_arm_beside_the_grid_is_a_claims_column_of_its_own_or_says_it_has_not
     assert claims[0].endswith(f"| fixed budget, one rate for all (pooled 95% interval) | {label} "
                               "(pooled 95% interval) |")
     row = next(line for line in claims if line.startswith(f"| {ece_claim} |"))
-    assert row.endswith("| reproduced: -2.50 [-3.00, -2.00]; interval holds on 1 of 1, direction on 1 of 1 seed | "
-                        "reproduced: -2.50 [-3.00, -2.00]; interval holds on 1 of 1, direction on 1 of 1 seed |")
+    # one seed shows no seed spread: at most the direction, however narrow its interval
+    assert row.endswith("| direction only: -2.50 [-3.00, -2.00]; interval holds on 1 of 1, direction on 1 of 1 seed "
+                        "| direction only: -2.50 [-3.00, -2.00]; interval holds on 1 of 1, direction on 1 of 1 seed |")
     # every column names the JSONs its cells come from
     assert claims[claims.index("") + 3] == (
         "Sources: early stopping, per-family rates: `benchmarks/results/sciq_grid.json`; fixed budget, one rate for "
@@ -475,6 +477,14 @@ def test_an_interval_cell_says_on_how_many_seeds_the_data_speak_against_the_clai
     assert "against" not in interval_cell(ts, {**entry, "against_on": 0, "pooled": {**entry["pooled"],
                                                                                       "against": False}})
     assert interval_cell(ts, {"seeds": 0}) == "–"
+    over = {**entry, "over_seeds": {"difference": 2.234, "ci95": [-0.61, 5.08], "verdict": "direction",
+                                    "against": False}}
+    assert interval_cell(ts, over).startswith("does not hold (against): +2.23 [+0.52, +2.98]; over seeds "
+                                              "[-0.61, +5.08]; interval holds on 0 of 3")
+    over = {**entry, "over_seeds": {"difference": 2.234, "ci95": [-0.61, 5.08], "verdict": "direction",
+                                    "against": False}}
+    assert interval_cell(ts, over).startswith("does not hold (against): +2.23 [+0.52, +2.98]; over seeds "
+                                              "[-0.61, +5.08]; interval holds on 0 of 3")
 
 
 def test_a_claims_word_follows_its_pooled_interval_and_its_seeds():
@@ -482,12 +492,16 @@ def test_a_claims_word_follows_its_pooled_interval_and_its_seeds():
 
     ece = next(c for c in CLAIMS if c.text == "IB-EDL is better calibrated than MAP (ECE, points)")
 
-    def entry(verdict, held_on=2, against_on=0, against=False):
+    def entry(verdict, held_on=2, against_on=0, against=False, over_seeds="holds"):
         return {"seeds": 3, "pooled": {"difference": -1.0, "ci95": [-2.0, -0.5], "verdict": verdict,
                                        "against": against}, "held_on": held_on, "direction_on": 3,
-                "against_on": against_on}
+                "against_on": against_on, "over_seeds": {"difference": -1.0, "ci95": [-3.0, 0.5],
+                                                         "verdict": over_seeds, "against": False}}
 
     assert interval_verdict(ece, entry("holds")) == "reproduced"
+    assert interval_verdict(ece, entry("holds", over_seeds="direction")) == "direction only"  # a new seed may not
+    one_seed = {k: v for k, v in entry("holds").items() if k != "over_seeds"} | {"seeds": 1, "held_on": 1}
+    assert interval_verdict(ece, one_seed) == "direction only"  # one seed shows no seed spread
     assert interval_verdict(ece, entry("holds", held_on=1)) == "direction only"  # pooled, but 1 seed of 3 alone
     assert interval_verdict(ece, entry("holds", against_on=1)) == "direction only"  # one seed's interval against it
     assert interval_verdict(ece, entry("direction", against_on=1)) == "direction only"
