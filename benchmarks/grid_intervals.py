@@ -10,19 +10,11 @@ questions are resampled with replacement, the same resample for both rows (paire
 in-distribution questions and each shifted stream's are resampled independently and the AUROC difference is averaged
 over the streams. The pooled interval resamples the questions once per draw and averages the seeds' differences on
 them (every seed answers the same test questions: checked), so it carries the test set's sampling error of the mean
-over these seeds, not the spread a new seed would add; the per-seed intervals show that spread, and the interval
-over seeds (Student's t on the seeds' full-set differences, n - 1 degrees of freedom) carries it: where the mean
-over other seeds would fall on these test questions.
-
-``--against GRID`` takes ``--grid`` as an arm run beside ``GRID`` (``benchmarks/<arm>.yaml`` training only some
-methods on GRID's questions, e.g. IB-EDL as the paper specifies it): its rows replace GRID's for its methods and the
-claims are tested on GRID's runs with them (benchmarks.grid_predictions.beside; the labels are checked equal). It
-also tests the arm against GRID's own rows of the same methods (``head_to_head``: the arm minus GRID on accuracy,
-ECE and NLL at zeta 0 and on 1/u's mean AUROC; on a seed "holds" where the interval says the arm is better).
-
-On a seed a claim ``holds`` when its 95% interval lies wholly on the claimed side of 0 (for a no-worse claim: wholly
-above minus the tolerance), ``direction`` when only the point estimate does, else ``no``; ``against`` marks an
-interval wholly on the other side (the data speak against the claim, not merely cannot tell).
+over these seeds, not the spread a new seed would add; the per-seed intervals show that spread. The interval over
+seeds and questions carries both: a 95% interval for the expected difference of a seed drawn at random, its
+half-width sqrt((t s / sqrt(n))^2 + (z sqrt(v))^2), s the seeds' standard deviation of their full-set differences,
+t Student's 97.5% quantile at n - 1 degrees of freedom, v the variance of the pooled resamples and z the normal
+quantile: exact where either error is absent, wide (never narrow) where both are, as simulated in its tests.
 """
 
 from __future__ import annotations
@@ -32,6 +24,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from scipy.stats import norm as normal
 from scipy.stats import rankdata
 from scipy.stats import t as student_t
 
@@ -93,17 +86,24 @@ def against(claim, low: float, high: float) -> bool:
     return claim.beyond(low) and claim.beyond(high)
 
 
-def over_seeds(claim, differences: list[float]) -> dict | None:
-    """Student's t 95% interval (n - 1 degrees of freedom) of the mean of the seeds' full-set ``differences`` (n,):
-    the spread a new draw of seeds adds, on these test questions (not their sampling error: the pooled interval
-    carries that); its verdict as :func:`verdict`'s. None under 2 seeds."""
-    n = len(differences)
+def over_seeds(claim, differences: list[float], question_variance: float) -> dict | None:
+    """A 95% interval for the expected difference of a seed drawn at random around the mean of the seeds' full-set
+    ``differences`` (n,): half-width sqrt((t s / sqrt(n))^2 + (z sqrt(v))^2), s their standard deviation, t
+    Student's 97.5% quantile at n - 1 degrees of freedom, v = ``question_variance`` (the pooled mean's variance over
+    resampled test questions, taken as known) and z the normal 97.5% quantile. It carries both the seeds' spread
+    and the test set's sampling error: exact where either is absent, wide where both are (the seed-by-question part
+    enters both terms). Its verdict as :func:`verdict`'s. None under 2 seeds."""
+    values = np.asarray(differences, dtype=np.float64)
+    if not np.isfinite(values).all() or not np.isfinite(question_variance) or question_variance < 0:
+        raise ValueError(f"differences and the question variance must be finite (variance >= 0), got {differences} "
+                         f"and {question_variance}")
+    n = len(values)
     if n < 2:
         return None
-    mean = float(np.mean(differences))
-    spread = float(np.std(differences, ddof=1)) / np.sqrt(n)
-    low, high = ((mean, mean) if spread == 0 else
-                 (float(x) for x in student_t.interval(0.95, n - 1, loc=mean, scale=spread)))
+    mean = float(values.mean())
+    half = float(np.hypot(student_t.ppf(0.975, n - 1) * values.std(ddof=1) / np.sqrt(n),
+                          normal.ppf(0.975) * np.sqrt(question_variance)))
+    low, high = mean - half, mean + half
     return {"difference": mean, "ci95": [low, high], "verdict": verdict(claim, low, high, mean),
             "against": against(claim, low, high)}
 
@@ -183,7 +183,8 @@ def same_questions(preds: GridPredictions, runs: list[Run], row: str) -> dict[st
 
 def claim_interval(claim, runs: list[Run], preds: GridPredictions, resamples: int = 2000, seed: int = 0) -> dict:
     """Per seed and pooled: the claim's difference on the full set, its 95% interval over paired resamples and its
-    verdict; ``{"seeds": 0}`` where no seed has every row."""
+    verdict; with two seeds or more, ``over_seeds`` (:func:`over_seeds`); ``{"seeds": 0}`` where no seed has every
+    row."""
     if resamples < 100:
         raise ValueError(f"resamples must be at least 100, got {resamples}")
     runs = claim_runs(claim, runs, preds)
@@ -201,9 +202,9 @@ def claim_interval(claim, runs: list[Run], preds: GridPredictions, resamples: in
                 "verdict": verdict(claim, low, high, full), "against": against(claim, low, high)}
 
     per_seed = {s: summary(d.full, d.draws) for s, d in draws.items()}
-    pooled = summary(float(np.mean([d.full for d in draws.values()])),
-                     np.mean([d.draws for d in draws.values()], axis=0))
-    seeds = over_seeds(claim, [d.full for d in draws.values()])
+    pooled_draws = np.mean([d.draws for d in draws.values()], axis=0)
+    pooled = summary(float(np.mean([d.full for d in draws.values()])), pooled_draws)
+    seeds = over_seeds(claim, [d.full for d in draws.values()], float(np.var(pooled_draws, ddof=1)))
     return {"seeds": len(runs), "per_seed": per_seed, "pooled": pooled, **({"over_seeds": seeds} if seeds else {}),
             "held_on": sum(v["verdict"] == "holds" for v in per_seed.values()),
             "direction_on": sum(v["verdict"] in ("holds", "direction") for v in per_seed.values()),

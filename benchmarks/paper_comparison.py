@@ -479,17 +479,18 @@ INTERVALS_NOTE = ("Each cell of a column headed (pooled 95% interval): the diffe
                   "best of them on each seed where a claim names several) on the same questions, its mean over the "
                   "seeds and the 95% interval of that mean over paired resamples of the test questions "
                   "(benchmarks/grid_intervals.py; it carries the test set's sampling error, not a new seed's spread); "
-                  "where two or more seeds have it, the 95% interval over seeds (Student's t on the seeds' "
-                  "differences, n - 1 degrees of freedom: the spread another draw of seeds would add, on these "
-                  "questions); then on how many seeds the seed's own interval lies on the claimed side (for the "
-                  "accuracy claim: above -1 point) and on how many the point does, and, where any, on how many it lies"
-                  " wholly on the other side. The other columns: mean ± std over seeds, and on how many the point goes"
-                  " the claimed way (their predictions were not kept). The word before each cell: reproduced where the"
-                  " pooled interval and the one over seeds lie on the claimed side, each seed's own interval does on "
-                  "more than half of the seeds and on none lies against it; direction only where the pooled point does"
-                  " (and, without kept predictions, at most that); else not reproduced, (against) where the pooled "
-                  "interval lies wholly on the other side. For a comparison the paper does not make: holds, direction "
-                  "only, does not hold.")
+                  "where two or more seeds have it, the 95% interval over seeds: for the expected difference of a seed"
+                  " drawn at random, carrying both the seeds' spread (Student's t, n - 1 degrees of freedom) and the "
+                  "test questions' sampling error (the pooled resamples' variance), combined in quadrature, so wide "
+                  "rather than narrow; then on how many seeds the seed's own interval lies on the claimed side (for "
+                  "the accuracy claim: above -1 point) and on how many the point does, and, where any, on how many it "
+                  "lies wholly on the other side. The other columns: mean ± std over seeds, and on how many the point "
+                  "goes the claimed way (their predictions were not kept). The word before each cell: reproduced where"
+                  " the pooled interval and the one over seeds lie on the claimed side, each seed's own interval does "
+                  "on more than half of the seeds and on none lies against it; direction only where the pooled point "
+                  "does (and, without kept predictions, at most that); else not reproduced, (against) where the pooled"
+                  " interval lies wholly on the other side. For a comparison the paper does not make: holds, direction"
+                  " only, does not hold.")
 CLAIMS_NOTE = ("Each cell: the difference IB-EDL minus the other row (the best of them where a claim names several), "
                "mean ± std over the seeds that have them all, and on how many of those seeds it goes the claimed "
                "way, after a word: direction only where the mean goes the claimed way (without kept predictions no "
@@ -583,8 +584,9 @@ def interval_verdict(claim: Claim, entry: dict) -> str:
 
 def interval_cell(claim: Claim, entry: dict | None) -> str:
     """A claim's paired interval on a grid's kept predictions (benchmarks.grid_intervals): the difference pooled over
-    the seeds, its 95% interval, its interval over seeds (where two or more), on how many seeds the per-seed interval
-    holds it and the point goes its way, and (where any) on how many the interval lies wholly against it."""
+    the seeds, its 95% interval, its interval over seeds and questions (where two or more seeds; ``over_seeds``), on
+    how many seeds the per-seed interval holds it and the point goes its way, and (where any) on how many the
+    interval lies wholly against it."""
     if not entry or not entry.get("seeds"):
         return "–"
     pooled, n = entry["pooled"], entry["seeds"]
