@@ -1,5 +1,6 @@
 """Paired bootstrap intervals for the paper's claims on a grid's kept per-question predictions
-(benchmarks.grid_predictions), per seed and pooled over the seeds, and how far each claim holds.
+(benchmarks.grid_predictions), per seed, pooled over the seeds and for a seed drawn at random, and how far each
+claim holds.
 
     python -m benchmarks.grid_intervals --grid sciq_grid_shared_lr [--resamples 2000] [--seed 0]
         [--output benchmarks/results/<grid>_intervals.json]
@@ -15,6 +16,17 @@ seeds and questions carries both: a 95% interval for the expected difference of 
 half-width sqrt((t s / sqrt(n))^2 + (z sqrt(v))^2), s the seeds' standard deviation of their full-set differences,
 t Student's 97.5% quantile at n - 1 degrees of freedom, v the variance of the pooled resamples and z the normal
 quantile: exact where either error is absent, wide (never narrow) where both are, as simulated in its tests.
+
+``--against GRID`` takes ``--grid`` as an arm run beside ``GRID`` (``benchmarks/<arm>.yaml`` training only some
+methods on GRID's questions, e.g. IB-EDL as the paper specifies it): its rows replace GRID's for its methods and the
+claims are tested on GRID's runs with them (benchmarks.grid_predictions.beside; the labels are checked equal). It
+also tests the arm against GRID's own rows of the same methods (``head_to_head``: the arm minus GRID on accuracy,
+ECE and NLL at zeta 0 and on 1/u's mean AUROC; on a seed "holds" where the interval says the arm is better).
+
+On a seed a claim ``holds`` when its 95% interval lies wholly on the claimed side of 0 (for a no-worse claim: wholly
+above minus the tolerance), ``direction`` when only the point estimate does, else ``no``; ``against`` marks an
+interval wholly on the other side (the data speak against the claim, not merely cannot tell). The pooled interval
+and the one over seeds get the same words.
 """
 
 from __future__ import annotations

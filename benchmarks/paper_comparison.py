@@ -567,9 +567,8 @@ def interval_verdict(claim: Claim, entry: dict) -> str:
     """A claim's word in one regime from its intervals (benchmarks.grid_intervals): ``reproduced`` where the pooled
     interval and the interval over seeds (so two seeds at least) lie on the claimed side, each seed's own interval
     does on more than half of the seeds and on none lies against it; ``direction only`` where the pooled point is on
-    the claimed side; else ``not reproduced``, with
-    ``(against)`` where the pooled interval lies wholly on the other side (:attr:`Claim.words` for a claim the
-    paper does not make)."""
+    the claimed side; else ``not reproduced``, with ``(against)`` where the pooled interval lies wholly on the other
+    side (:attr:`Claim.words` for a claim the paper does not make)."""
     pooled, n = entry["pooled"], entry["seeds"]
     if "verdict" not in pooled:
         raise ValueError(f"the intervals of {claim.text!r} lack a pooled verdict: run benchmarks.grid_intervals again")
