@@ -475,9 +475,10 @@ def head_to_head(tag: str) -> tuple[Claim, ...]:
     )
 
 
-INTERVALS_NOTE = ("Each cell of a column headed (pooled 95% interval): the difference IB-EDL minus the other row (the "
-                  "best of them on each seed where a claim names several) on the same questions, its mean over the "
-                  "seeds and the 95% interval of that mean over paired resamples of the test questions "
+INTERVALS_HEADER = " (pooled 95% interval; over seeds)"  # a column whose cells carry kept predictions' intervals
+INTERVALS_NOTE = ("Each cell of a column headed (pooled 95% interval; over seeds): the difference IB-EDL minus the "
+                  "other row (the best of them on each seed where a claim names several) on the same questions, its "
+                  "mean over the seeds and the 95% interval of that mean over paired resamples of the test questions "
                   "(benchmarks/grid_intervals.py; it carries the test set's sampling error, not a new seed's spread); "
                   "where two or more seeds have it, the 95% interval over seeds: for the expected difference of a seed"
                   " drawn at random, carrying both the seeds' spread (Student's t, n - 1 degrees of freedom) and the "
@@ -573,6 +574,9 @@ def interval_verdict(claim: Claim, entry: dict) -> str:
     if "verdict" not in pooled:
         raise ValueError(f"the intervals of {claim.text!r} lack a pooled verdict: run benchmarks.grid_intervals again")
     holds, direction, neither = claim.words
+    if n >= 2 and "over_seeds" not in entry:
+        raise ValueError(f"the intervals of {claim.text!r} lack the interval over seeds: run benchmarks.grid_intervals "
+                         "again")
     over_seeds = entry.get("over_seeds", {}).get("verdict")
     if pooled["verdict"] == over_seeds == "holds" and 2 * entry["held_on"] > n and not entry.get("against_on"):
         return holds
@@ -728,9 +732,9 @@ def grid_sections(results: list[dict] | None, paper: dict, grid: str, earlier: d
     prefix = GRIDS[grid]
     by_claim = None if intervals is None else intervals.get("claims", {})
     columns = [(GRID_COLUMNS[g], runs, None) for g, runs in earlier.items()]
-    columns.append((GRID_COLUMNS[grid] + (" (pooled 95% interval)" if by_claim is not None else ""), results or [],
+    columns.append((GRID_COLUMNS[grid] + (INTERVALS_HEADER if by_claim is not None else ""), results or [],
                     by_claim))
-    columns += [(label + " (pooled 95% interval)", [], found.get("claims", {}))
+    columns += [(label + INTERVALS_HEADER, [], found.get("claims", {}))
                 for label, found in (arms or {}).items() if found is not None]
     note = INTERVALS_NOTE if by_claim is not None else CLAIMS_NOTE
     waiting = [f"No intervals yet for the arm \"{label}\" (benchmarks/{name}.yaml): run it, then python -m "

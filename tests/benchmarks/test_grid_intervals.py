@@ -95,7 +95,7 @@ def test_a_clear_calibration_gap_holds_on_every_seed_and_pooled():
     assert got["pooled"]["difference"] == pytest.approx(np.mean(truth), abs=1e-4)
 
 
-def test_the_interval_over_seeds_is_students_t_on_both_errors():
+def test_the_interval_over_seeds_combines_students_t_on_the_seeds_and_the_normal_on_the_questions():
     preds, runs = grid()
     claim = Claim("ECE", "id", (IB0, "ece"), (("map", "ece"),), 100, "lower")
     got = claim_interval(claim, runs, preds, resamples=200)
@@ -136,8 +136,10 @@ def test_equal_differences_on_the_seeds_keep_the_questions_error_and_bad_input_i
     assert tied["verdict"] == "holds"
     with pytest.raises(ValueError, match="must be finite"):
         over_seeds(claim, [1.0, float("nan")], 0.1)
-    with pytest.raises(ValueError, match="must be finite"):
-        over_seeds(claim, [1.0, 2.0], -0.1)
+    for variance in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="must be finite"):
+            over_seeds(claim, [1.0, 2.0], variance)
+    assert over_seeds(claim, [1.0], 0.1) is None  # one seed: no spread to show
 
 
 def test_a_no_worse_claim_over_seeds_holds_within_its_tolerance():
