@@ -98,6 +98,12 @@ def against(claim, low: float, high: float) -> bool:
     return claim.beyond(low) and claim.beyond(high)
 
 
+def judged(claim, point: float, low: float, high: float) -> dict:
+    """An interval's entry: the point, the 95% interval, its :func:`verdict` and whether it lies :func:`against`."""
+    return {"difference": point, "ci95": [low, high], "verdict": verdict(claim, low, high, point),
+            "against": against(claim, low, high)}
+
+
 def over_seeds(claim, differences: list[float], question_variance: float) -> dict | None:
     """A 95% interval for the expected difference of a seed drawn at random around the mean of the seeds' full-set
     ``differences`` (n,): half-width sqrt((t s / sqrt(n))^2 + (z sqrt(v))^2), s their standard deviation, t
@@ -115,9 +121,7 @@ def over_seeds(claim, differences: list[float], question_variance: float) -> dic
     mean = float(values.mean())
     half = float(np.hypot(student_t.ppf(0.975, n - 1) * values.std(ddof=1) / np.sqrt(n),
                           normal.ppf(0.975) * np.sqrt(question_variance)))
-    low, high = mean - half, mean + half
-    return {"difference": mean, "ci95": [low, high], "verdict": verdict(claim, low, high, mean),
-            "against": against(claim, low, high)}
+    return judged(claim, mean, mean - half, mean + half)
 
 
 class ClaimDraws:
@@ -209,9 +213,7 @@ def claim_interval(claim, runs: list[Run], preds: GridPredictions, resamples: in
                         else id_draws(claim, preds, run, indices[run.eval_sets[0]])) for run in runs}
 
     def summary(full: float, values: np.ndarray) -> dict:
-        low, high = (float(x) for x in np.percentile(values, LEVEL))
-        return {"difference": full, "ci95": [low, high],
-                "verdict": verdict(claim, low, high, full), "against": against(claim, low, high)}
+        return judged(claim, full, *(float(x) for x in np.percentile(values, LEVEL)))
 
     per_seed = {s: summary(d.full, d.draws) for s, d in draws.items()}
     pooled_draws = np.mean([d.draws for d in draws.values()], axis=0)
