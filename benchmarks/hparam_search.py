@@ -29,6 +29,7 @@ from ibedl.core.artifact import atomic_write_text
 from ibedl.training.experiments.benchmark import (
     SEARCH_ROOT,
     Run,
+    check_selection,
     load_benchmark_config,
     run_child,
     search_results,
@@ -122,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         config = load_benchmark_config(args.config)
-        todo = [c for c in candidates(config) if not args.only_methods or c[0] in args.only_methods]
+        every = candidates(config)
+        check_selection("--only-methods", args.only_methods, {c[0] for c in every})
+        todo = [c for c in every if not args.only_methods or c[0] in args.only_methods]
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

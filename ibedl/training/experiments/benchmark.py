@@ -118,6 +118,23 @@ def expand(config: dict) -> list[Run]:
     return runs
 
 
+def check_selection(flag: str, wanted: list[str] | None, have: set[str]) -> None:
+    """Refuse a ``--only-*`` value the config does not have, rather than select nothing for it: a ``key=value``
+    override written after ``--only-kinds`` is otherwise read as a kind (argparse gives the option every word up to
+    the next flag) and the run silently ignores it."""
+    unknown = sorted(set(wanted or ()) - have)
+    if unknown:
+        hint = "; key=value overrides go before the --only-* options" if any("=" in u for u in unknown) else ""
+        raise ValueError(f"{flag}: {unknown} not in this config (it has {sorted(have)}){hint}")
+
+
+def restrict(runs: list[Run], methods: list[str] | None, kinds: list[str] | None) -> list[Run]:
+    """The runs of ``methods`` and ``kinds`` (None or empty: all of them), each name checked against the runs."""
+    check_selection("--only-methods", methods, {r.method for r in runs})
+    check_selection("--only-kinds", kinds, {r.kind for r in runs})
+    return [r for r in runs if (not methods or r.method in methods) and (not kinds or r.kind in kinds)]
+
+
 RUN_DATA = ("train", "validation", "test", "label_noise", "noise_seed")  # the data keys each cell sets itself
 # what an interrupted run keeps for its next start: the saved ensemble members, their steps and the log
 KEPT_ON_RESTART = ("members", "history.jsonl", "train.log")
@@ -480,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_benchmark_config(args.config, args.overrides)
         runs = expand(config)
+        todo = restrict(runs, args.only_methods, args.only_kinds)
     except (OSError, ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -488,8 +506,6 @@ def main(argv: list[str] | None = None) -> int:
     threads = max(1, (os.cpu_count() or 1) // args.jobs) if args.jobs > 1 else None
     runner = Runner(config, Path(args.runs_dir or f"runs/benchmark/{name}"), results, args.dry_run, threads)
     if not args.report_only:
-        todo = [r for r in runs if (not args.only_methods or r.method in args.only_methods)
-                and (not args.only_kinds or r.kind in args.only_kinds)]
         run_grid(runner, todo, args.jobs)
     if not args.dry_run and runner.results:
         paths = write_report(runner.results, config, results.with_suffix(".md"), runner.root)

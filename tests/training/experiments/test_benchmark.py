@@ -120,6 +120,29 @@ def test_bad_config(tmp_path, capsys):
     assert "experiment kind must be id, ood or noise" in capsys.readouterr().err
 
 
+def test_an_only_value_the_config_lacks_is_refused_with_the_choices(bench_config, tmp_path, capsys):
+    path, _ = bench_config
+    results, runs = tmp_path / "none.json", str(tmp_path / "runs")
+    # the override written after --only-kinds: argparse reads it as a kind; it must not run the config's seeds
+    assert main(["--config", str(path), "--results", str(results), "--runs-dir", runs, "--only-kinds", "id",
+                 "seeds=[4]"]) == 2
+    err = capsys.readouterr().err
+    assert "--only-kinds: ['seeds=[4]'] not in this config (it has ['id', 'noise', 'ood'])" in err
+    assert "key=value overrides go before the --only-* options" in err
+    assert main(["--config", str(path), "--results", str(results), "--runs-dir", runs, "--only-methods", "map",
+                 "vid"]) == 2
+    err = capsys.readouterr().err
+    assert "--only-methods: ['vid'] not in this config (it has ['ib_edl', 'map', 'mc_dropout'])" in err
+    assert "overrides go before" not in err
+    assert not results.exists()
+    # written before the options, the override applies and the selection stands
+    assert main(["--config", str(path), "--results", str(results), "--runs-dir", runs, "--dry-run",
+                 "seeds=[4]", "--only-methods", "map", "--only-kinds", "id"]) == 0
+    planned = [line for line in capsys.readouterr().out.splitlines() if line.startswith("evaluate ")]
+    assert [line.split()[1] for line in planned] == ["id-sciq-map-s4", "id-obqa-map-s4"]
+    assert not results.exists()
+
+
 def test_jobs_run_chains_side_by_side_with_the_same_results(bench_config, tmp_path):
     path, config = bench_config
     small = {**config, "methods": ["map", "ib_edl"], "experiments": [{"kind": "id", "datasets": ["sciq"]}]}
