@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_benchmark_config(args.config)
         every = candidates(config)
-        check_selection("--only-methods", args.only_methods, {c[0] for c in every})
+        check_selection("--only-methods", args.only_methods, {c[0] for c in every}, "its search candidates")
         todo = [c for c in every if not args.only_methods or c[0] in args.only_methods]
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -42,8 +42,9 @@ def test_table_marks_the_choice_and_the_cli_prints_it(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == table
     assert main(["--config", str(tmp_path / "grid.yaml"), "--output", str(tmp_path / "none.json"), "--table"]) == 2
     capsys.readouterr()
-    assert main(["--config", str(tmp_path / "grid.yaml"), "--only-methods", "vid", "--table"]) == 2
-    assert "--only-methods: ['vid'] not in this config (it has ['map'])" in capsys.readouterr().err
+    assert main(["--config", str(tmp_path / "grid.yaml"), "--only-methods", "vid", "a=b", "--table"]) == 2
+    err = capsys.readouterr().err  # this CLI takes no overrides: no hint to put them first
+    assert "--only-methods: ['a=b', 'vid'] not among its search candidates (['map'])" in err and "overrides" not in err
 
 
 def test_a_search_resumes_from_its_results_file_without_training(tmp_path, monkeypatch):

@@ -1,7 +1,7 @@
 """Run methods x datasets x seeds on one evaluation contract and write results, a report and plots.
 
     python -m ibedl.training.experiments.benchmark --config benchmarks/sciq_grid.yaml [--jobs N]
-        [--only-methods map ib_edl] [--dry-run]
+        ['seeds=[3]'] [--only-methods map ib_edl] [--only-kinds id ood] [--dry-run]
 
 Experiments (each a list entry under ``experiments`` in the config):
     id     train on a dataset, evaluate on its test split (accuracy, ECE 10/15/25/35, NLL, Brier,
@@ -118,20 +118,23 @@ def expand(config: dict) -> list[Run]:
     return runs
 
 
-def check_selection(flag: str, wanted: list[str] | None, have: set[str]) -> None:
-    """Refuse a ``--only-*`` value the config does not have, rather than select nothing for it: a ``key=value``
-    override written after ``--only-kinds`` is otherwise read as a kind (argparse gives the option every word up to
-    the next flag) and the run silently ignores it."""
+OVERRIDES_FIRST = "key=value overrides go before the --only-* options"
+
+
+def check_selection(flag: str, wanted: list[str] | None, have: set[str], among: str, hint: str = "") -> None:
+    """Refuse a ``--only-*`` value not in ``have`` (described as ``among``), rather than select nothing for it: a
+    ``key=value`` override written after ``--only-kinds`` is otherwise read as a kind (argparse gives the option
+    every word up to the next flag) and the run silently ignores it. ``hint``: added where a value has a ``=``."""
     unknown = sorted(set(wanted or ()) - have)
     if unknown:
-        hint = "; key=value overrides go before the --only-* options" if any("=" in u for u in unknown) else ""
-        raise ValueError(f"{flag}: {unknown} not in this config (it has {sorted(have)}){hint}")
+        tail = f"; {hint}" if hint and any("=" in u for u in unknown) else ""
+        raise ValueError(f"{flag}: {unknown} not among {among} ({sorted(have)}){tail}")
 
 
 def restrict(runs: list[Run], methods: list[str] | None, kinds: list[str] | None) -> list[Run]:
     """The runs of ``methods`` and ``kinds`` (None or empty: all of them), each name checked against the runs."""
-    check_selection("--only-methods", methods, {r.method for r in runs})
-    check_selection("--only-kinds", kinds, {r.kind for r in runs})
+    check_selection("--only-methods", methods, {r.method for r in runs}, "this config's runs", OVERRIDES_FIRST)
+    check_selection("--only-kinds", kinds, {r.kind for r in runs}, "this config's runs", OVERRIDES_FIRST)
     return [r for r in runs if (not methods or r.method in methods) and (not kinds or r.kind in kinds)]
 
 
@@ -483,15 +486,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ibedl.training.experiments.benchmark",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True)
-    parser.add_argument("--only-methods", nargs="*", help="restrict to these methods")
-    parser.add_argument("--only-kinds", nargs="*", help="restrict to these experiment kinds (id, ood, noise)")
+    parser.add_argument("--only-methods", nargs="*", help=f"run only these methods' cells ({OVERRIDES_FIRST})")
+    parser.add_argument("--only-kinds", nargs="*", help="run only these experiment kinds (id, ood, noise)")
     parser.add_argument("--runs-dir", help="where trained runs go (default runs/benchmark/<name>)")
     parser.add_argument("--results", help="results JSON (default benchmarks/results/<name>.json)")
     parser.add_argument("--report-only", action="store_true", help="only (re)write the report from the results")
     parser.add_argument("--dry-run", action="store_true", help="list what would be trained and evaluated")
     parser.add_argument("--jobs", type=positive_int, default=1,
                         help="runs side by side, each in its own process with cores/jobs threads (default 1)")
-    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides of the benchmark config")
+    parser.add_argument("overrides", nargs="*",
+                        help="key.sub=value overrides of the benchmark config, before any --only-* option")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:

@@ -127,12 +127,12 @@ def test_an_only_value_the_config_lacks_is_refused_with_the_choices(bench_config
     assert main(["--config", str(path), "--results", str(results), "--runs-dir", runs, "--only-kinds", "id",
                  "seeds=[4]"]) == 2
     err = capsys.readouterr().err
-    assert "--only-kinds: ['seeds=[4]'] not in this config (it has ['id', 'noise', 'ood'])" in err
+    assert "--only-kinds: ['seeds=[4]'] not among this config's runs (['id', 'noise', 'ood'])" in err
     assert "key=value overrides go before the --only-* options" in err
     assert main(["--config", str(path), "--results", str(results), "--runs-dir", runs, "--only-methods", "map",
                  "vid"]) == 2
     err = capsys.readouterr().err
-    assert "--only-methods: ['vid'] not in this config (it has ['ib_edl', 'map', 'mc_dropout'])" in err
+    assert "--only-methods: ['vid'] not among this config's runs (['ib_edl', 'map', 'mc_dropout'])" in err
     assert "overrides go before" not in err
     assert not results.exists()
     # written before the options, the override applies and the selection stands
