@@ -166,6 +166,7 @@ CLIS = [
     ("benchmarks.grid_predictions", []),
     ("benchmarks.grid_intervals", []),
     ("benchmarks.posthoc_repair", []),
+    ("benchmarks.device_floor", []),
     ("benchmarks.sigma_replication", []),
 ]
 
