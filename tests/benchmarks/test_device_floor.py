@@ -5,9 +5,9 @@ import pytest
 from benchmarks.device_floor import compare, main
 
 
-def record(key, kind, method, steps, accuracy, ece, nll, n=300):
+def record(key, kind, method, steps, accuracy, ece, nll, n=300, budget=760):
     return {"key": key, "kind": kind, "method": method, "seed": 0, "metrics": {"n": n, "accuracy": accuracy,
-            "ece": ece, "nll": nll}, "training": {"best_steps": steps}}
+            "ece": ece, "nll": nll}, "training": {"best_steps": steps, "budget_steps": budget}}
 
 
 def grids():
@@ -29,7 +29,8 @@ def grids():
 def test_pairs_cells_that_kept_the_same_step_and_splits_evaluation_from_training():
     result = compare(*grids())
     assert result["only_in_a"] == ["id-r_edl-s0"] and result["only_in_b"] == ["id-i_edl-s0"]
-    assert result["other_steps"] == [{"key": "id-vid-s0", "steps_a": [76], "steps_b": [342]}]
+    assert result["other_steps"] == [{"key": "id-vid-s0", "steps_a": [76], "steps_b": [342], "budget_a": 760,
+                                      "budget_b": 760}]
     assert [p["key"] for p in result["pairs"]] == ["id-ib_edl-s0", "id-map-s0", "id-vid-s0", "noise-edl-s0"]
     start = result["evaluation_only"]
     assert start["pairs"] == 1 and start["ece"]["max_abs"] == pytest.approx(1e-4)  # points
@@ -41,6 +42,16 @@ def test_pairs_cells_that_kept_the_same_step_and_splits_evaluation_from_training
     ib = next(p for p in result["pairs"] if p["key"] == "id-ib_edl-s0")
     assert ib["accuracy"] == pytest.approx(1.0) and ib["ece"] == pytest.approx(-1.8)  # b minus a
     assert result["by_method"]["map"]["pairs"] == 1 and set(result["by_method"]) == {"ib_edl", "map"}
+    assert start["accuracy"] == {"max_abs": 0.0, "mean_abs": 0.0, "max_at": None}  # no cell to name
+
+
+def test_another_budget_or_unrecorded_steps_are_not_comparable():
+    a, b = grids()
+    b[0]["training"]["budget_steps"] = 1250  # another schedule: the same kept step is another state
+    a[2]["training"]["best_steps"] = b[2]["training"]["best_steps"] = [None]  # a run that recorded no kept step
+    result = compare(a, b)
+    assert {o["key"] for o in result["other_steps"]} == {"id-map-s0", "id-ib_edl-s0", "id-vid-s0"}
+    assert result["training_and_evaluation"] == {"pairs": 0}
 
 
 def test_refuses_cells_with_other_test_sets():
@@ -72,3 +83,11 @@ def test_cli_writes_the_result_and_refuses_files_that_are_not_the_same_grid(tmp_
     assert main(["--a", str(tmp_path / "missing.json"), "--a-device", "cpu", "--b", str(tmp_path / "b.json"),
                  "--b-device", "h100", "--output", str(out)]) == 2
     assert "missing.json" in capsys.readouterr().err
+    (tmp_path / "numbers.json").write_text("[1, 2]")
+    assert main(["--a", str(tmp_path / "a.json"), "--a-device", "cpu", "--b", str(tmp_path / "numbers.json"),
+                 "--b-device", "h100", "--output", str(out)]) == 2
+    assert f"{tmp_path / 'numbers.json'}: record 0 is not a grid cell" in capsys.readouterr().err
+    (tmp_path / "blocked").write_text("a file where a folder should be")
+    assert main(["--a", str(tmp_path / "a.json"), "--a-device", "cpu", "--b", str(tmp_path / "b.json"),
+                 "--b-device", "h100", "--output", str(tmp_path / "blocked" / "floor.json")]) == 2
+    assert "cannot write" in capsys.readouterr().err
