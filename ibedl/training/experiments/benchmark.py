@@ -74,7 +74,8 @@ class Run:
 def load_benchmark_config(path: str | Path, overrides: list[str] = ()) -> dict:
     """A benchmark config, read from YAML. ``base: OTHER.yaml`` starts from another config (read the same way) and
     replaces its top-level keys, except ``method_params`` and ``method_train``, merged per method and key; ``search``
-    is not inherited. Then ``key.sub=value`` overrides."""
+    is not inherited. Then ``key.sub=value`` overrides; a top-level ``seeds=[...]`` override is every experiment's
+    seeds (an experiment's own ``seeds`` is the file's default for it, e.g. fewer seeds under noise)."""
     path = Path(path)
     try:
         config = yaml_load(path.read_text())
@@ -91,7 +92,11 @@ def load_benchmark_config(path: str | Path, overrides: list[str] = ()) -> dict:
                 merged[key] = {m: {**base.get(key, {}).get(m, {}), **config[key].get(m, {})}
                                for m in {**base.get(key, {}), **config[key]}}
         config = merged
-    return apply_overrides(config, list(overrides))
+    config = apply_overrides(config, list(overrides))
+    if any(item.split("=", 1)[0].strip() == "seeds" for item in overrides):
+        for exp in config.get("experiments", []):
+            exp.pop("seeds", None)
+    return config
 
 
 def expand(config: dict) -> list[Run]:
@@ -495,7 +500,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=positive_int, default=1,
                         help="runs side by side, each in its own process with cores/jobs threads (default 1)")
     parser.add_argument("overrides", nargs="*",
-                        help="key.sub=value overrides of the benchmark config, before any --only-* option")
+                        help="key.sub=value overrides of the benchmark config, before any --only-* option "
+                             "('seeds=[3]': every experiment's seeds)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:

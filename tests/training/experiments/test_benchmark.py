@@ -143,6 +143,22 @@ def test_an_only_value_the_config_lacks_is_refused_with_the_choices(bench_config
     assert not results.exists()
 
 
+def test_a_seeds_override_is_every_experiments_seeds(bench_config, tmp_path, capsys):
+    """An experiment's own seeds are the file's default for it; the command line's 'seeds=[...]' wins over them
+    (it used to run the experiment's own seeds, whatever seed the command named)."""
+    path, config = bench_config
+    config["experiments"][2]["seeds"] = [0, 1]
+    path.write_text(json.dumps(config))
+    argv = ["--config", str(path), "--results", str(tmp_path / "r.json"), "--runs-dir", str(tmp_path / "runs"),
+            "--dry-run"]
+    assert main([*argv, "--only-methods", "map", "--only-kinds", "noise"]) == 0
+    planned = [line.split()[1] for line in capsys.readouterr().out.splitlines() if line.startswith("evaluate ")]
+    assert planned == ["noise-arc_easy-noise0.5-map-s0", "noise-arc_easy-noise0.5-map-s1"]
+    assert main([*argv, "seeds=[4]", "--only-methods", "map", "--only-kinds", "noise"]) == 0
+    planned = [line.split()[1] for line in capsys.readouterr().out.splitlines() if line.startswith("evaluate ")]
+    assert planned == ["noise-arc_easy-noise0.5-map-s4"]
+
+
 def test_jobs_run_chains_side_by_side_with_the_same_results(bench_config, tmp_path):
     path, config = bench_config
     small = {**config, "methods": ["map", "ib_edl"], "experiments": [{"kind": "id", "datasets": ["sciq"]}]}
