@@ -61,33 +61,31 @@ def test_refuses_cells_with_other_test_sets():
         compare(a, b)
 
 
+def floor(a, b, out) -> int:
+    return main(["--a", str(a), "--a-device", "cpu", "--b", str(b), "--b-device", "h100", "--output", str(out)])
+
+
 def test_cli_writes_the_result_and_refuses_files_that_are_not_the_same_grid(tmp_path, capsys):
     a, b = grids()
     (tmp_path / "a.json").write_text(json.dumps(a))
     (tmp_path / "b.json").write_text(json.dumps(b))
     out = tmp_path / "floor.json"
-    assert main(["--a", str(tmp_path / "a.json"), "--a-device", "cpu", "--b", str(tmp_path / "b.json"),
-                 "--b-device", "h100", "--output", str(out)]) == 0
+    assert floor(tmp_path / "a.json", tmp_path / "b.json", out) == 0
     written = json.loads(out.read_text())
     assert written["a"]["device"] == "cpu" and written["training_and_evaluation"]["pairs"] == 2
     assert "training_and_evaluation: 2 pairs" in capsys.readouterr().out
 
     (tmp_path / "other.json").write_text(json.dumps([record("id-x-s9", "id", "x", [1], 0.5, 0.1, 1.0)]))
-    assert main(["--a", str(tmp_path / "a.json"), "--a-device", "cpu", "--b", str(tmp_path / "other.json"),
-                 "--b-device", "h100", "--output", str(out)]) == 2
+    assert floor(tmp_path / "a.json", tmp_path / "other.json", out) == 2
     assert "share no trained cell" in capsys.readouterr().err
     (tmp_path / "dict.json").write_text("{}")
-    assert main(["--a", str(tmp_path / "dict.json"), "--a-device", "cpu", "--b", str(tmp_path / "b.json"),
-                 "--b-device", "h100", "--output", str(out)]) == 2
+    assert floor(tmp_path / "dict.json", tmp_path / "b.json", out) == 2
     assert "holds a list of records, got dict" in capsys.readouterr().err
-    assert main(["--a", str(tmp_path / "missing.json"), "--a-device", "cpu", "--b", str(tmp_path / "b.json"),
-                 "--b-device", "h100", "--output", str(out)]) == 2
+    assert floor(tmp_path / "missing.json", tmp_path / "b.json", out) == 2
     assert "missing.json" in capsys.readouterr().err
     (tmp_path / "numbers.json").write_text("[1, 2]")
-    assert main(["--a", str(tmp_path / "a.json"), "--a-device", "cpu", "--b", str(tmp_path / "numbers.json"),
-                 "--b-device", "h100", "--output", str(out)]) == 2
+    assert floor(tmp_path / "a.json", tmp_path / "numbers.json", out) == 2
     assert f"{tmp_path / 'numbers.json'}: record 0 is not a grid cell" in capsys.readouterr().err
     (tmp_path / "blocked").write_text("a file where a folder should be")
-    assert main(["--a", str(tmp_path / "a.json"), "--a-device", "cpu", "--b", str(tmp_path / "b.json"),
-                 "--b-device", "h100", "--output", str(tmp_path / "blocked" / "floor.json")]) == 2
+    assert floor(tmp_path / "a.json", tmp_path / "b.json", tmp_path / "blocked" / "floor.json") == 2
     assert "cannot write" in capsys.readouterr().err
