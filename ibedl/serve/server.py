@@ -54,48 +54,79 @@ def log_exposure(settings: Settings) -> None:
         log.warning("labels (POST /v1/feedback) are refused: set IBEDL_LABEL_TOKEN to accept them")
 
 
-def header_timeout_protocol(seconds: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol that closes a connection whose request headers are not complete ``seconds`` after it
-    opened or after its previous response (uvicorn itself waits forever for the first request's headers, so a
-    client that opens connections and sends nothing would hold them up to IBEDL_MAX_CONNECTIONS)."""
+CLOSE = (b"connection", b"close")
 
-    class HeaderTimeoutH11(H11Protocol):
-        _header_timer: asyncio.TimerHandle | None = None
 
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self._arm_header_timer()
+class ServiceH11(H11Protocol):
+    """uvicorn's h11 protocol with two changes:
 
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            if self.conn.their_state is not h11.IDLE:  # the headers are in: the body has its own timeout
-                self._cancel_header_timer()
+    - a connection whose request headers are not complete ``header_timeout_s`` after it opened or after its previous
+      response is closed (uvicorn itself waits forever for the first request's headers, so a client that opens
+      connections and sends nothing would hold them up to IBEDL_MAX_CONNECTIONS);
+    - at shutdown an idle kept-alive connection is not closed at once: a request the peer has just sent on it would
+      be reset unread, and the gateway cannot retry a POST it already sent (it answers 502). The next request on it
+      is answered (the draining service refuses it with 503, which the gateway retries on another replica) with
+      ``Connection: close``; otherwise the peer closes it first (the gateway's pool after 4 s) or the keep-alive
+      timer does (KEEP_ALIVE_S). A response still to start at shutdown says ``Connection: close`` too."""
 
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
-                self._arm_header_timer()  # the next request's headers get the same time
+    header_timeout_s: float = 10.0
+    _header_timer: asyncio.TimerHandle | None = None
+    _closing = False
 
-        def connection_lost(self, exc) -> None:
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._closing and self.cycle is not None and not self.cycle.response_complete:
+            self._close_after(self.cycle)
+        if self.conn.their_state is not h11.IDLE:  # the headers are in: the body has its own timeout
             self._cancel_header_timer()
-            super().connection_lost(exc)
 
-        def _arm_header_timer(self) -> None:
-            self._cancel_header_timer()
-            self._header_timer = self.loop.call_later(seconds, self._header_timeout)
+    def shutdown(self) -> None:
+        self._closing = True
+        if self.cycle is None or self.cycle.response_complete:
+            return  # idle: see above
+        self._close_after(self.cycle)
 
-        def _cancel_header_timer(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
+    @staticmethod
+    def _close_after(cycle) -> None:
+        """The response of ``cycle`` is its connection's last, and says so when it has not started."""
+        cycle.keep_alive = False
+        if not cycle.response_started and CLOSE not in cycle.default_headers:
+            cycle.default_headers = [*cycle.default_headers, CLOSE]
 
-        def _header_timeout(self) -> None:
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+            self._arm_header_timer()  # the next request's headers get the same time
+
+    def connection_lost(self, exc) -> None:
+        self._cancel_header_timer()
+        super().connection_lost(exc)
+
+    def _arm_header_timer(self) -> None:
+        self._cancel_header_timer()
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_timeout)
+
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
             self._header_timer = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                log.debug("closing a connection that sent no complete request headers in %g s", seconds)
-                self.transport.close()
 
-    return HeaderTimeoutH11
+    def _header_timeout(self) -> None:
+        self._header_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            log.debug("closing a connection that sent no complete request headers in %g s", self.header_timeout_s)
+            self.transport.close()
+
+
+def service_protocol(header_timeout_s: float) -> type[ServiceH11]:
+    """The service's h11 protocol (ServiceH11) with ``header_timeout_s`` (IBEDL_HEADER_TIMEOUT_S)."""
+    if not header_timeout_s > 0:
+        raise ValueError(f"header_timeout_s must be > 0, got {header_timeout_s}")
+    return type("ServiceH11", (ServiceH11,), {"header_timeout_s": float(header_timeout_s)})
 
 
 def uvicorn_config(app, settings: Settings) -> uvicorn.Config:
@@ -103,5 +134,5 @@ def uvicorn_config(app, settings: Settings) -> uvicorn.Config:
     return uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                           timeout_graceful_shutdown=settings.shutdown_grace_s, access_log=False,
                           log_config=None,  # uvicorn's lines go through the service's handlers (JSON or text)
-                          http=header_timeout_protocol(settings.header_timeout_s),
+                          http=service_protocol(settings.header_timeout_s),
                           limit_concurrency=settings.max_connections, timeout_keep_alive=KEEP_ALIVE_S)

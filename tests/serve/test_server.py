@@ -163,6 +163,40 @@ def test_a_connection_that_never_finishes_its_headers_is_closed():
             s.close()
 
 
+def read_response(s: socket.socket) -> bytes:
+    """Everything the server sends on ``s`` until it closes it."""
+    data = b""
+    while chunk := s.recv(4096):
+        data += chunk
+    return data
+
+
+def test_a_request_sent_on_an_idle_connection_as_shutdown_begins_is_answered_not_reset():
+    """uvicorn closed idle kept-alive connections at shutdown, resetting a request the peer had just sent on one (the
+    gateway answered that POST with 502: it cannot retry a request it already sent). The request is answered, with
+    Connection: close, and the connection then closed."""
+    srv = Running(header_timeout_s=30)
+    with srv:
+        kept = srv.connect()
+        kept.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert kept.recv(1024).startswith(b"HTTP/1.1 200")  # kept alive: HTTP/1.1 without Connection: close
+        srv.server.should_exit = True
+        deadline = time.monotonic() + 10
+        while True:  # the listener closes first; the connections' shutdown follows in the same step
+            try:
+                socket.create_connection(("127.0.0.1", srv.port), timeout=1).close()
+            except ConnectionRefusedError:
+                break
+            assert time.monotonic() < deadline, "the server did not begin its shutdown"
+            time.sleep(0.02)
+        kept.sendall(b"POST /b HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+        answer = read_response(kept)
+        assert answer.startswith(b"HTTP/1.1 200"), answer
+        assert b"connection: close" in answer.lower()
+        kept.close()
+    assert not srv.thread.is_alive(), "the server did not exit once its connections closed"
+
+
 def test_a_request_over_the_connection_cap_gets_503():
     with Running(max_connections=2, header_timeout_s=30) as srv:
         held = [srv.connect(), srv.connect()]
