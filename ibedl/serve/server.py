@@ -66,8 +66,9 @@ class ServiceH11(H11Protocol):
     - at shutdown an idle kept-alive connection is not closed at once: a request the peer has just sent on it would
       be reset unread, and the gateway cannot retry a POST it already sent (it answers 502). The next request on it
       is answered (the draining service refuses it with 503, which the gateway retries on another replica) with
-      ``Connection: close``; otherwise the peer closes it first (the gateway's pool after 4 s) or the keep-alive
-      timer does (KEEP_ALIVE_S). A response still to start at shutdown says ``Connection: close`` too."""
+      ``Connection: close``; otherwise the peer closes it first (the gateway's pool after 4 s) or a timer does: the
+      keep-alive timer (KEEP_ALIVE_S) after a response, the header timer on a connection that never sent a request.
+      A response still to start at shutdown says ``Connection: close`` too."""
 
     header_timeout_s: float = 10.0
     _header_timer: asyncio.TimerHandle | None = None
@@ -83,6 +84,8 @@ class ServiceH11(H11Protocol):
             self._close_after(self.cycle)
         if self.conn.their_state is not h11.IDLE:  # the headers are in: the body has its own timeout
             self._cancel_header_timer()
+        elif self._header_timer is None and not self.transport.is_closing():
+            self._arm_header_timer()  # idle again after a body that ended past its early response: no timer was left
 
     def shutdown(self) -> None:
         self._closing = True

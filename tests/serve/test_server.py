@@ -14,7 +14,7 @@ import pytest
 import uvicorn
 
 from ibedl.serve.__main__ import main
-from ibedl.serve.server import log_exposure, refusal, uvicorn_config
+from ibedl.serve.server import CLOSE, log_exposure, refusal, uvicorn_config
 from ibedl.serve.settings import Settings
 
 
@@ -163,10 +163,13 @@ def test_a_connection_that_never_finishes_its_headers_is_closed():
             s.close()
 
 
-def read_response(s: socket.socket) -> bytes:
-    """Everything the server sends on ``s`` until it closes it."""
+def read_response(s: socket.socket, until: bytes | None = None) -> bytes:
+    """What the server sends on ``s``: up to and including ``until``, or everything until it closes ``s``."""
     data = b""
-    while chunk := s.recv(4096):
+    while until is None or not data.endswith(until):
+        chunk = s.recv(4096)
+        if not chunk:
+            break
         data += chunk
     return data
 
@@ -175,11 +178,13 @@ def test_a_request_sent_on_an_idle_connection_as_shutdown_begins_is_answered_not
     """uvicorn closed idle kept-alive connections at shutdown, resetting a request the peer had just sent on one (the
     gateway answered that POST with 502: it cannot retry a request it already sent). The request is answered, with
     Connection: close, and the connection then closed."""
-    srv = Running(header_timeout_s=30)
+    srv = Running(header_timeout_s=30, shutdown_grace_s=120)
     with srv:
-        kept = srv.connect()
-        kept.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert kept.recv(1024).startswith(b"HTTP/1.1 200")  # kept alive: HTTP/1.1 without Connection: close
+        kept, idle = srv.connect(), srv.connect()
+        for s in (kept, idle):
+            s.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n")
+            first = read_response(s, until=b"\r\n\r\nok")  # head and body come in separate writes
+            assert first.startswith(b"HTTP/1.1 200") and b"connection: close" not in first.lower()  # kept alive
         srv.server.should_exit = True
         deadline = time.monotonic() + 10
         while True:  # the listener closes first; the connections' shutdown follows in the same step
@@ -190,11 +195,28 @@ def test_a_request_sent_on_an_idle_connection_as_shutdown_begins_is_answered_not
             assert time.monotonic() < deadline, "the server did not begin its shutdown"
             time.sleep(0.02)
         kept.sendall(b"POST /b HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
-        answer = read_response(kept)
-        assert answer.startswith(b"HTTP/1.1 200"), answer
+        answer = read_response(kept)  # to the end: the server closes the connection after it
+        assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"\r\n\r\nok"), answer
         assert b"connection: close" in answer.lower()
+        assert CLOSE not in srv.server.server_state.default_headers  # that response's own, not every one's
+        # the idle one is closed by its keep-alive timer (5 s), not at the end of the 120 s grace
+        assert read_response(idle) == b""
+        srv.thread.join(60)
+        assert not srv.thread.is_alive(), "the server did not exit once its connections closed"
         kept.close()
-    assert not srv.thread.is_alive(), "the server did not exit once its connections closed"
+        idle.close()
+
+
+def test_a_connection_idle_after_a_body_that_ended_past_its_early_response_is_closed():
+    """The service may answer before reading the body (a refusal); when the body's end arrives later the connection
+    is idle with neither timer armed (the keep-alive one is cancelled by that data): the header timer covers it."""
+    with Running(header_timeout_s=0.3) as srv:
+        s = srv.connect()
+        s.sendall(b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\n{}")
+        assert read_response(s, until=b"\r\n\r\nok").startswith(b"HTTP/1.1 200")  # answered before the body ended
+        s.sendall(b"{}")
+        assert s.recv(1024) == b"", "an idle connection was kept with no timer to close it"
+        s.close()
 
 
 def test_a_request_over_the_connection_cap_gets_503():
