@@ -91,7 +91,7 @@ def compare(a_records: list[dict], b_records: list[dict], names: tuple[str, str]
             "by_method": {m: summary([p for p in trained if p["method"] == m])
                           for m in sorted({p["method"] for p in trained})},
             "other_steps": [{k: p[k] for k in ("key", "steps_a", "steps_b", "budget_a", "budget_b")}
-                            for p in pairs if p not in same],
+                            for p in pairs if not comparable(p)],
             "only_in_a": sorted(a.keys() - b.keys()), "only_in_b": sorted(b.keys() - a.keys()), "pairs": pairs}
 
 
