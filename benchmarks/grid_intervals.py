@@ -252,10 +252,13 @@ def over_confidence(preds: GridPredictions, runs: list[Run], method: str, resamp
 
 
 def kept_seeds(config: dict, preds: GridPredictions) -> dict:
-    """``config`` with its top-level seeds widened to every seed whose predictions are kept: a seed run beyond the
-    config's (``'seeds=[3]'`` on the runner's command, for some methods) enters the claims whose rows it has. An
-    experiment with its own ``seeds`` list (the noise cells) keeps it."""
-    return {**config, "seeds": sorted(set(config["seeds"]) | preds.seeds())}
+    """``config`` with its seed lists widened to every seed whose predictions are kept: a seed run beyond the
+    config's (``'seeds=[3]'`` on the runner's command, which is every experiment's seeds, the noise experiment's own
+    list included) enters the claims whose rows it has; a claim skips a seed whose rows are not all kept."""
+    kept = preds.seeds()
+    return {**config, "seeds": sorted(set(config["seeds"]) | kept),
+            "experiments": [{**exp, "seeds": sorted(set(exp["seeds"]) | kept)} if "seeds" in exp else exp
+                            for exp in config["experiments"]]}
 
 
 ARM_TAG = "arm"  # the arm's rows beside the grid's in a head-to-head

@@ -285,3 +285,28 @@ def test_a_seed_run_beyond_the_config_s_enters_the_claims_it_has_rows_for():
     claim = Claim("ECE", "id", (IB0, "ece"), (("map", "ece"),), 100, "lower")
     assert claim_interval(claim, expand(widened), preds, resamples=200)["seeds"] == 4
     assert claim_interval(claim, expand(config), preds, resamples=200)["seeds"] == 3
+
+
+def test_a_noise_seed_run_beyond_the_experiment_s_own_list_enters_the_noise_claims():
+    """The noise experiment lists its own seeds ([0, 1]); the runner's 'seeds=[2]' runs seed 2 under noise too, so
+    its kept predictions enter the noise claims, and a seed with no noise rows (3) is skipped, not an error."""
+    from benchmarks.grid_intervals import kept_seeds
+    from ibedl.training.experiments.benchmark import expand
+
+    rng = np.random.default_rng(1)
+    arrays = dict(grid(seeds=(0, 1, 2, 3))[0].arrays)
+    _, labels = calibrated(200, rng)  # the same test questions on every seed
+    for seed in (0, 1, 2):
+        for method in ("map", "ib_edl"):
+            put(arrays, f"sciq-noise0.3-{method}-s{seed}", method, "sciq", rng.dirichlet(np.ones(4), 200), labels)
+    preds = GridPredictions(arrays)
+    config = {"methods": ["map", "ib_edl"], "seeds": [0, 1, 2],
+              "experiments": [{"kind": "id", "datasets": ["sciq"]},
+                              {"kind": "noise", "name": "noise", "datasets": ["sciq"], "seeds": [0, 1]}]}
+    widened = kept_seeds(config, preds)
+    assert widened["experiments"][1]["seeds"] == [0, 1, 2, 3] and config["experiments"][1]["seeds"] == [0, 1]
+    assert "seeds" not in widened["experiments"][0]
+    claim = Claim("noise accuracy", "noise", ("ib_edl", "accuracy"), (("map", "accuracy"),), 100, "higher")
+    got = claim_interval(claim, expand(widened), preds, resamples=200)
+    assert got["seeds"] == 3 and set(got["per_seed"]) == {0, 1, 2}
+    assert claim_interval(claim, expand(config), preds, resamples=200)["seeds"] == 2
