@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 from pathlib import Path
 
 
@@ -18,11 +19,14 @@ def write_result(path: str | Path, result, echo: bool = True) -> Path:
     return path
 
 
-def cpu_features() -> dict:
-    """The CPU's model name and the instruction sets the backends' speed depends on (Linux /proc/cpuinfo), and the
-    cores this process may use: recorded with every speed figure."""
-    info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
+def cpu_features(cpuinfo: str | Path = "/proc/cpuinfo") -> dict:
+    """The CPU's model name and the instruction sets the backends' speed depends on (Linux ``cpuinfo``; without a
+    model name there, the platform's processor or machine), and the cores this process may use: recorded with every
+    speed figure."""
+    cpuinfo = Path(cpuinfo)
+    info = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
     flags = next((line.split(":")[1].split() for line in info if line.startswith("flags")), [])
     model = next((line.split(":")[1].strip() for line in info if line.startswith("model name")), "")
-    return {"model": model, **{f: f in flags for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16",
-                                                         "amx_int8")}, "cores": len(os.sched_getaffinity(0))}
+    isa = {f: f in flags for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")}
+    return {"model": model or platform.processor() or platform.machine(), **isa,
+            "cores": len(os.sched_getaffinity(0))}

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import write_result
+from benchmarks.common import cpu_features, write_result
 from ibedl.engine.feedback import Feedback, open_store
 from ibedl.engine.feedback_store import COLUMNS
 from ibedl.engine.settings import EngineSettings
@@ -142,14 +142,6 @@ def run_store(settings: EngineSettings, labels: int, tail: int, repeats: int) ->
     }
 
 
-def cpu() -> dict:
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
-    return {"model": model or platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            "flags": " ".join(flags)}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.feedback_store", description=__doc__.split("\n\n")[0])
     parser.add_argument("--labels", type=int, default=1_000_000, help="labels in the store (default 1,000,000)")
@@ -165,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
 
     given = argv if argv is not None else sys.argv[1:]
     result = {"command": " ".join(["python -m benchmarks.feedback_store", *given]),
-              "started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpu": cpu(),
+              "started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpu": cpu_features(),
               "python": platform.python_version(), "numpy": np.__version__, "sqlite": sqlite3.sqlite_version,
               "psycopg": psycopg.__version__, "target_ready_s": TARGET_S, "stores": {}}
     with tempfile.TemporaryDirectory(prefix="ibedl-bench-") as tmp:

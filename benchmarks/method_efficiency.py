@@ -17,13 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import platform
 import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import write_result
+from benchmarks.common import cpu_features, write_result
 from ibedl.training.config import yaml_load
 from ibedl.training.experiments.benchmark import Run, Runner
 from ibedl.training.experiments.report import EFFICIENCY_KEYS
@@ -110,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     write_result(args.output, {
         "command": "python -m benchmarks.method_efficiency " + " ".join(argv if argv is not None else sys.argv[1:]),
         "config": args.config, "sizes": config["sizes"]["default"], "base_model": config["train"]["base_model"],
-        "cpu_count": os.cpu_count(), "machine": platform.processor() or platform.machine(),
+        "cpu": cpu_features(),
         "note": "one run at a time; MC-Dropout and Laplace reuse MAP's training; Laplace's test samples/s exclude its "
                 "post-hoc fit (posthoc fit_seconds), its test peak memory includes it (the fit and the test pass are "
                 "one child process)",

@@ -27,7 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import write_result
+from benchmarks.common import cpu_features, write_result
 from ibedl.core.base_model import load_base_model, resolve_model
 from ibedl.core.head import HeadConfig, build_head
 from ibedl.core.predictor import Predictor, lm_head_rows
@@ -207,6 +207,7 @@ def main(argv=None) -> int:
     result = {
         "model": args.base_model,
         "device": str(device),
+        "cpu": cpu_features(),
         "threads": torch.get_num_threads(),
         "batch_size": args.batch_size,
         "rounds": len(batches),

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 
-from benchmarks.common import write_result
+from benchmarks.common import cpu_features, write_result
 from benchmarks.service_process import ServiceProcess  # the same harness the end-to-end tests use
 from ibedl.core.predictor import Predictor
 from ibedl.training.data import load_dataset
@@ -84,6 +84,7 @@ def main(argv=None) -> int:
     sequential = 1.0 / float(np.mean(bare))
     result = {
         "artifact": args.artifact,
+        "cpu": cpu_features(),
         "requests": args.requests,
         "latency_s": {
             "bare_predictor": {"p50": pct(bare, 50), "p99": pct(bare, 99)},

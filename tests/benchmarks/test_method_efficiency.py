@@ -1,6 +1,7 @@
 """The per-method efficiency benchmark on the tiny model: one run at a time, ratios to MAP, reused training."""
 
 import json
+import os
 
 import pytest
 
@@ -28,6 +29,7 @@ def test_ratios_to_map_and_reused_training(tiny_grid, tmp_path, capsys):
     result = json.loads(out.read_text())
     methods = result["methods"]
     assert list(methods) == ["map", "mc_dropout", "edl"] and result["sizes"] == {"train": 8, "validation": 8, "test": 8}
+    assert result["cpu"]["model"] and result["cpu"]["cores"] == len(os.sched_getaffinity(0))  # each speed's CPU
     assert set(methods["map"]["ratio_to_map"]) >= {"train_samples_per_s", "test_samples_per_s", "train_seconds"}
     edl, mcd, ref = methods["edl"], methods["mc_dropout"], methods["map"]
     for key in ("train_samples_per_s", "test_samples_per_s", "train_peak_rss_mib", "eval_peak_rss_mib"):
