@@ -84,6 +84,7 @@ def main(argv=None) -> int:
     sequential = 1.0 / float(np.mean(bare))
     result = {
         "artifact": args.artifact,
+        "artifact_version": predictor.manifest.version if predictor.manifest else None,
         "cpu": cpu_features(),
         "requests": args.requests,
         "latency_s": {
