@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,8 @@ from ibedl.core.predictor import Predictor, lm_head_rows
 from ibedl.core.prompt import option_token_ids
 from ibedl.training.data import load_dataset
 from ibedl.training.losses import cross_entropy, ib_edl_risk, sample_pre_evidence
+
+REPO = Path(__file__).resolve().parents[1]
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -136,9 +139,13 @@ def time_training(args, predictor, heads, ids, batches) -> tuple[dict, dict]:
                 memory[path] = max(memory.get(path, 0.0), torch.cuda.max_memory_allocated() / 2**20)
     if device.type != "cuda":
         for path in ("rows", "full"):
-            out = subprocess.run([sys.executable, __file__, "--memory-child", path, "--base-model", args.base_model,
-                                  "--batch-size", str(args.batch_size), "--rounds", "3", "--template", args.template],
-                                 capture_output=True, text=True, check=True, env={**os.environ, "TQDM_DISABLE": "1"})
+            # as a module from the repository's root, like every benchmark: run as a file, it cannot import
+            # benchmarks.common
+            out = subprocess.run([sys.executable, "-m", "benchmarks.option_rows", "--memory-child", path,
+                                  "--base-model", args.base_model, "--batch-size", str(args.batch_size), "--rounds",
+                                  "3", "--template", args.template],
+                                 capture_output=True, text=True, check=True, cwd=REPO,
+                                 env={**os.environ, "TQDM_DISABLE": "1"})
             memory[path] = json.loads(out.stdout.strip().splitlines()[-1])["growth_mib"]
     return {p: args.batch_size / statistics.median(t) for p, t in times.items()}, memory
 
