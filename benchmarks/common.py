@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 from pathlib import Path
+
+from ibedl.core.cpu_isa import cpu_flags, model_name, onednn_cap
 
 
 def write_result(path: str | Path, result, echo: bool = True) -> Path:
@@ -19,14 +20,11 @@ def write_result(path: str | Path, result, echo: bool = True) -> Path:
     return path
 
 
-def cpu_features(cpuinfo: str | Path = "/proc/cpuinfo") -> dict:
-    """The CPU's model name and the instruction sets the backends' speed depends on (Linux ``cpuinfo``; without a
-    model name there, the platform's processor or machine), and the cores this process may use: recorded with every
-    speed figure."""
-    cpuinfo = Path(cpuinfo)
-    info = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
-    flags = next((line.split(":")[1].split() for line in info if line.startswith("flags")), [])
-    model = next((line.split(":")[1].strip() for line in info if line.startswith("model name")), "")
+def cpu_features() -> dict:
+    """The CPU's model name, the instruction sets the backends' speed depends on, oneDNN's instruction cap when one is
+    set (the kernels then run an older CPU's code) and the cores this process may use: recorded with every speed
+    figure. Read through :mod:`ibedl.core.cpu_isa`, the one place that parses the CPU."""
+    flags = cpu_flags()
     isa = {f: f in flags for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")}
-    return {"model": model or platform.processor() or platform.machine(), **isa,
-            "cores": len(os.sched_getaffinity(0))}
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"model": model_name(), **isa, "onednn_cap": onednn_cap() or None, "cores": cores}

@@ -7,13 +7,12 @@ Each configuration is a fresh ``python -m ibedl.serve`` process (benchmarks.serv
 from __future__ import annotations
 
 import argparse
-import platform
 import tempfile
 from pathlib import Path
 
 import httpx
 
-from benchmarks.common import write_result
+from benchmarks.common import cpu_features, write_result
 from benchmarks.service_process import REPO, ServiceProcess
 
 ADAPTERS = ["default", "map", "map-twin"]
@@ -49,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     one, three = runs
     write_result(args.output, {
         "command": "python -m benchmarks.multi_adapter_memory",
-        "machine": f"{platform.machine()} CPU, torch float32 trunk, IBEDL_THREADS=2",
+        "machine": "torch float32 trunk, IBEDL_THREADS=2", "cpu": cpu_features(),
         "runs": runs,
         "extra_mib_for_two_more_adapters": round(three["rss_after_requests_mib"] - one["rss_after_requests_mib"], 1),
         "note": "one base model in the process whatever the number of adapters: each more adapter adds only its "

@@ -139,13 +139,14 @@ def time_training(args, predictor, heads, ids, batches) -> tuple[dict, dict]:
                 memory[path] = max(memory.get(path, 0.0), torch.cuda.max_memory_allocated() / 2**20)
     if device.type != "cuda":
         for path in ("rows", "full"):
-            # as a module from the repository's root, like every benchmark: run as a file, it cannot import
-            # benchmarks.common
+            # as a module with the repository on its path, like every benchmark (run as a file, it cannot import
+            # benchmarks.common), in the caller's directory (relative paths keep their meaning)
+            path_env = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
             out = subprocess.run([sys.executable, "-m", "benchmarks.option_rows", "--memory-child", path,
                                   "--base-model", args.base_model, "--batch-size", str(args.batch_size), "--rounds",
                                   "3", "--template", args.template],
-                                 capture_output=True, text=True, check=True, cwd=REPO,
-                                 env={**os.environ, "TQDM_DISABLE": "1"})
+                                 capture_output=True, text=True, check=True,
+                                 env={**os.environ, "TQDM_DISABLE": "1", "PYTHONPATH": path_env})
             memory[path] = json.loads(out.stdout.strip().splitlines()[-1])["growth_mib"]
     return {p: args.batch_size / statistics.median(t) for p, t in times.items()}, memory
 

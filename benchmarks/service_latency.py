@@ -5,8 +5,10 @@
 
 1. Latency: the bare predictor answering one question at a time in this process, against POST /predict
    to a real uvicorn process on loopback (one client), on the same questions: p50/p99 and their ratios.
+   Beside them the mean request time and the service's own model time per request (``ibedl_forward_seconds``),
+   which tell HTTP's share from the model call's.
 2. Throughput with 8 and 32 concurrent clients against the service (micro-batched), against the bare
-   predictor on batches of the same sizes: questions/s and ratios.
+   predictor on batches of the same sizes: answered questions/s, ratios, and the statuses of the refused.
 Latencies are paired (each question through the bare predictor, then through HTTP); the idle side
 uses no CPU while the other runs.
 """
@@ -84,7 +86,8 @@ def main(argv=None) -> int:
                 codes = list(pool.map(call, payloads[:64]))
             # answered questions only: a request the service refuses (503, admission) is not throughput
             served[clients] = {"questions_per_s": codes.count(200) / (time.perf_counter() - start),
-                               "non_200": sum(c != 200 for c in codes)}
+                               "non_200": sum(c != 200 for c in codes),
+                               "statuses": {str(c): codes.count(c) for c in sorted(set(codes))}}
         metrics = httpx.get(server.url + "/metrics").text
         batches = [line for line in metrics.splitlines()
                    if line.startswith(("ibedl_batch_size_sum", "ibedl_batch_size_count"))]
@@ -101,12 +104,14 @@ def main(argv=None) -> int:
             "service": {"p50": pct(http, 50), "p99": pct(http, 99)},
             "service_over_bare": {"p50": pct(http, 50) / pct(bare, 50), "p99": pct(http, 99) / pct(bare, 99)},
             # the service's own model time per request (ibedl_forward_seconds): tells HTTP from the model call
+            "service_mean": float(np.mean(http)),
             "service_model_mean": forward / len(http),
             "bare_predictor_mean": float(np.mean(bare)),
         },
         "throughput_questions_per_s": {
             str(c): {"service": served[c]["questions_per_s"], "bare_batched": bare_batch[c],
-                     "service_over_bare": served[c]["questions_per_s"] / bare_batch[c], "non_200": served[c]["non_200"]}
+                     "service_over_bare": served[c]["questions_per_s"] / bare_batch[c], "non_200": served[c]["non_200"],
+                 "statuses": served[c]["statuses"]}
             for c in (8, 32)
         },
         "bare_sequential_questions_per_s": sequential,
