@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     one, three = runs
     write_result(args.output, {
         "command": "python -m benchmarks.multi_adapter_memory",
-        "machine": "torch float32 trunk, IBEDL_THREADS=2", "cpu": cpu_features(),
+        "setup": "torch float32 trunk, IBEDL_THREADS=2", "cpu": cpu_features(),
         "runs": runs,
         "extra_mib_for_two_more_adapters": round(three["rss_after_requests_mib"] - one["rss_after_requests_mib"], 1),
         "note": "one base model in the process whatever the number of adapters: each more adapter adds only its "

@@ -49,7 +49,8 @@ def main(argv=None) -> int:
     payloads = [{"question": q.question, "options": list(q.options), "context": q.context} for q in questions]
 
     predictor = Predictor.from_artifact(args.artifact)
-    # the bare predictor above is torch: the service runs torch too, so the ratios are HTTP and batching alone
+    # the bare predictor above is torch: the service runs torch too, so the same arithmetic on both sides (the
+    # service's own model time, recorded below, tells HTTP and batching from the model call)
     server = ServiceProcess(args.artifact, {"IBEDL_MAX_BATCH_SIZE": "32", "IBEDL_MAX_WAIT_MS": "10",
                                             "IBEDL_BACKEND": "torch"})
     try:
@@ -111,7 +112,7 @@ def main(argv=None) -> int:
         "throughput_questions_per_s": {
             str(c): {"service": served[c]["questions_per_s"], "bare_batched": bare_batch[c],
                      "service_over_bare": served[c]["questions_per_s"] / bare_batch[c], "non_200": served[c]["non_200"],
-                 "statuses": served[c]["statuses"]}
+                     "statuses": served[c]["statuses"]}
             for c in (8, 32)
         },
         "bare_sequential_questions_per_s": sequential,

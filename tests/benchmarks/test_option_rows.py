@@ -1,5 +1,6 @@
 """The option-rows benchmark end to end on the tiny model: both training paths timed, each path's memory measured in
-its own child process (run as a module from the repository's root), the CPU recorded."""
+its own child process (run as a module, the repository on its PYTHONPATH, in the caller's directory), the CPU
+recorded."""
 
 import json
 
