@@ -8,6 +8,8 @@ from pathlib import Path
 
 from ibedl.core.cpu_isa import cpu_flags, model_name, onednn_cap
 
+REPO = Path(__file__).resolve().parents[1]  # the repository's root, where the benchmarks run as modules
+
 
 def write_result(path: str | Path, result, echo: bool = True) -> Path:
     """Write ``result`` as indented JSON to ``path`` (parents created) and print it unless ``echo`` is false."""

@@ -23,20 +23,17 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import cpu_features, write_result
+from benchmarks.common import REPO, cpu_features, write_result
 from ibedl.core.base_model import load_base_model, resolve_model
 from ibedl.core.head import HeadConfig, build_head
 from ibedl.core.predictor import Predictor, lm_head_rows
 from ibedl.core.prompt import option_token_ids
 from ibedl.training.data import load_dataset
 from ibedl.training.losses import cross_entropy, ib_edl_risk, sample_pre_evidence
-
-REPO = Path(__file__).resolve().parents[1]
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.common import REPO
 from ibedl.training.experiments.report import (
     NO_POSTHOC,
     dataset_name,
@@ -48,7 +49,6 @@ from ibedl.training.experiments.report import (
 )
 from ibedl.training.methods import METHODS
 
-REPO = Path(__file__).resolve().parent.parent
 PAPER_ENV = "IBEDL_PAPER"
 MODELS = ("Llama2-7B", "Llama3-8B")
 # the paper's tables this page reads, by LaTeX label: (experiment, model)

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.common import cpu_features, write_result
 from benchmarks.service_process import ServiceProcess  # the same harness the end-to-end tests use
@@ -35,8 +36,8 @@ def pct(values, q):
 
 def forward_seconds(metrics: str) -> float:
     """The service's total model time so far: ``ibedl_forward_seconds_sum`` of its Prometheus text."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-               if line.startswith("ibedl_forward_seconds_sum"))
+    return sum(sample.value for family in text_string_to_metric_families(metrics) for sample in family.samples
+               if sample.name == "ibedl_forward_seconds_sum")
 
 
 def main(argv=None) -> int:
