@@ -94,6 +94,9 @@ class MicroBatcher:
             until the first pass is measured.
         admission: the admission policy (its ``margin``: admission requires that many times the expected completion
             to fit before the deadline) and the clock the batcher reads; default: no server timeout, margin 1.
+        executor: the model's thread, on which every pass and :meth:`between_passes` run (one worker; default: one
+            of the batcher's own). The engine hands over the thread it loaded the model on (see
+            :class:`ibedl.engine.engine.Engine`); the batcher shuts it down when it stops.
         on_batch: called with (questions, seconds) after every pass.
         on_depth: called with the number of waiting questions when it changes.
     """
@@ -101,7 +104,8 @@ class MicroBatcher:
     def __init__(self, predict: Predict, max_batch_size: int = 16,
                  max_wait_ms: float = 5.0, queue_size: int = 256, on_batch: Callable[[int, float], None] | None = None,
                  on_depth: Callable[[int], None] | None = None, max_batch_tokens: int = 1 << 30,
-                 service_time: ServiceTime | None = None, admission: Admission | None = None) -> None:
+                 service_time: ServiceTime | None = None, admission: Admission | None = None,
+                 executor: ThreadPoolExecutor | None = None) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_batch_tokens < 1:
@@ -132,7 +136,7 @@ class MicroBatcher:
         self._draining = False
         self._drain_timer: asyncio.TimerHandle | None = None
         self._drain_end: float | None = None  # monotonic time queued work is refused from
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="predict")
+        self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="predict")
 
     # -- state ------------------------------------------------------------------------------------
 

@@ -105,6 +105,12 @@ class Engine:
         self.versions = Versions(self)
         self.store = StoreCalls(settings.feedback_timeout_s)
         self._checker: ThreadPoolExecutor | None = None
+        # Every torch call of the engine (loading, warm-up, passes, background timing) runs on this one thread: torch's
+        # OpenMP (libgomp) keeps a team of workers per thread that has run a parallel region, and once the teams
+        # hold more threads than the machine has cores it stops spinning between regions, so each of a forward's
+        # hundreds of regions sleeps and wakes its workers. Loaded on one thread and served on another, the model
+        # took 1.4-1.9x as long per question on a 2-core CPU (4,400 context switches a question against 1-4).
+        self._model = ThreadPoolExecutor(1, thread_name_prefix="ibedl-model")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
@@ -128,14 +134,15 @@ class Engine:
             lambda questions: self.default.predict(questions), self.settings.max_batch_size,
             self.settings.max_wait_ms, self.settings.queue_size,
             on_batch=self._on_batch, on_depth=lambda n: self.notify("depth", n),
-            max_batch_tokens=self.settings.max_batch_tokens, service_time=service_time, admission=self.admission)
+            max_batch_tokens=self.settings.max_batch_tokens, service_time=service_time, admission=self.admission,
+            executor=self._model)
 
     @classmethod
     def load(cls, settings: EngineSettings, loader: Loader | None = None) -> Engine:
         """The adapters of ``settings`` loaded, timed once and with their feedback store opened, ready: what the
         Python API serves (its scheduler starts on a thread of its own at the first question)."""
         engine = cls(settings, loader)
-        runtimes, service_time, _ = engine._load(measure=False)
+        runtimes, service_time, _ = engine._model.submit(engine._load, False).result()
         engine.feedback.bind(runtimes)  # a Python caller attaches observers after loading: none to tell here
         engine._serve(runtimes, service_time)
         engine._ready()
@@ -147,7 +154,8 @@ class Engine:
         background. A load that fails leaves the engine ``failed`` with the reason (the exception is logged)."""
         self.versions.remember_manifests()
         try:
-            runtimes, service_time, to_measure = await asyncio.to_thread(self._load, True)
+            runtimes, service_time, to_measure = await asyncio.get_running_loop().run_in_executor(
+                self._model, self._load, True)
             await self._bind_feedback(runtimes)
         except Exception as e:  # a broken artifact must not kill the process: readiness reports it
             # The log has the exception's text and traceback (paths, hashes, settings); clients get its type alone.
@@ -239,7 +247,9 @@ class Engine:
         self.drain()
         self.versions.stop()
         if self.batcher is not None:
-            await self.batcher.stop()
+            await self.batcher.stop()  # and the model's thread with it
+        else:  # the load failed or never ran
+            self._model.shutdown(wait=False, cancel_futures=True)
         if self._checker is not None:
             self._checker.shutdown(wait=False, cancel_futures=True)
             self._checker = None

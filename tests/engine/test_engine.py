@@ -6,8 +6,10 @@ import time
 
 import pytest
 
+from ibedl.engine.engine import Engine
 from ibedl.engine.errors import Overloaded, QueueFull, Timeout
-from tests.engine.conftest import engine_with
+from ibedl.engine.settings import EngineSettings
+from tests.engine.conftest import engine_with, thread_recording_loader
 
 Q = {"question": "Which is sun?", "options": ["sun", "moon", "tree"]}
 
@@ -91,3 +93,21 @@ def test_answers_from_the_engine_equal_the_python_api(tiny_artifact):
             assert model.engine.cards() == engine.cards()
         finally:
             engine.close()
+
+
+def test_the_model_loads_warms_and_answers_on_one_thread(tiny_artifact):
+    """torch's OpenMP keeps a team of workers per thread that ran it; two teams on the cores make every parallel
+    region sleep and wake its workers (1.4-1.9x the time a question took). So the Python door loads, warms and
+    answers on the engine's one model thread, neither the caller's nor the scheduler's."""
+    threads: list[tuple[str, int]] = []
+    engine = Engine.load(EngineSettings(artifact=tiny_artifact, max_tokens=96), loader=thread_recording_loader(threads))
+    try:
+        engine.predict([Q])
+        engine.predict([Q, {**Q, "question": "Which is moon?"}], batch_size=2)
+        scheduler = engine._thread.ident
+    finally:
+        engine.close()
+    kinds = [k for k, _ in threads]
+    assert kinds[0] == "load" and kinds.count("predict") >= 4, kinds  # warm-up twice, then the passes
+    assert len({t for _, t in threads}) == 1, threads
+    assert threads[0][1] not in (threading.get_ident(), scheduler)

@@ -221,6 +221,19 @@ class TestLifecycle:
             from tests.serve.conftest import wait_ready
             wait_ready(c)
 
+    def test_the_model_loads_warms_and_answers_on_one_thread(self, make_client):
+        """The service loads, warms and answers on one thread (not asyncio's default executor for the load and
+        another for the passes): one OpenMP team, see ibedl.engine.engine.Engine."""
+        from tests.engine.conftest import thread_recording_loader
+
+        threads: list[tuple[str, int]] = []
+        with make_client(loader=thread_recording_loader(threads)) as c:
+            for question in ("Which is sun?", "Which is moon?"):
+                assert c.post("/predict", json={**Q, "question": question}).status_code == 200
+        kinds = [k for k, _ in threads]
+        assert kinds[0] == "load" and kinds.count("predict") >= 4, kinds
+        assert len({t for _, t in threads}) == 1, threads
+
     def test_broken_artifact_is_logged_and_named_by_type_alone(self, make_client, tmp_path, caplog):
         (tmp_path / "manifest.json").write_text("{}")
         with make_client(artifact=tmp_path, ready=False) as c:
