@@ -30,3 +30,19 @@ def cpu_features() -> dict:
     isa = {f: f in flags for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")}
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {"model": model_name(), **isa, "onednn_cap": onednn_cap() or None, "cores": cores}
+
+
+def voluntary_context_switches(pid: int | str = "self") -> int:
+    """How often the threads of process ``pid`` have given up the CPU to wait: ``voluntary_ctxt_switches`` summed over
+    ``/proc/<pid>/task/*/status`` (Linux; threads that have exited are not counted). A torch forward whose OpenMP
+    workers sleep between parallel regions makes thousands a question, one whose workers spin a handful
+    (ibedl.engine.engine.Engine keeps every torch call on one thread for that)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            status = (task / "status").read_text()
+        except FileNotFoundError:  # the thread ended between the listing and the read
+            continue
+        total += next(int(line.split()[1]) for line in status.splitlines()
+                      if line.startswith("voluntary_ctxt_switches:"))
+    return total

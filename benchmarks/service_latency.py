@@ -6,7 +6,8 @@
 1. Latency: the bare predictor answering one question at a time in this process, against POST /predict
    to a real uvicorn process on loopback (one client), on the same questions: p50/p99 and their ratios.
    Beside them the mean request time and the service's own model time per request (``ibedl_forward_seconds``),
-   which tell HTTP's share from the model call's.
+   which tell HTTP's share from the model call's, and both processes' voluntary context switches per question
+   (thousands where torch's OpenMP workers sleep between parallel regions, see ibedl.engine.engine.Engine).
 2. Throughput with 8 and 32 concurrent clients against the service (micro-batched), against the bare
    predictor on batches of the same sizes: answered questions/s, ratios, and the statuses of the refused.
 Latencies are paired (each question through the bare predictor, then through HTTP); the idle side
@@ -24,7 +25,7 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.common import cpu_features, write_result
+from benchmarks.common import cpu_features, voluntary_context_switches, write_result
 from benchmarks.service_process import ServiceProcess  # the same harness the end-to-end tests use
 from ibedl.core.predictor import Predictor
 from ibedl.training.data import load_dataset
@@ -32,6 +33,19 @@ from ibedl.training.data import load_dataset
 
 def pct(values, q):
     return float(np.percentile(values, q))
+
+
+def paired_ratio(numerator, denominator, seed: int = 0) -> dict:
+    """mean(numerator) / mean(denominator) of paired times, with a 95% paired bootstrap interval (scipy's BCa, 2,000
+    resamples of the pairs)."""
+    from scipy.stats import bootstrap
+
+    numerator, denominator = np.asarray(numerator, float), np.asarray(denominator, float)
+    if numerator.shape != denominator.shape or numerator.size < 2:
+        raise ValueError(f"paired times of one length >= 2 needed, got {numerator.shape} and {denominator.shape}")
+    ci = bootstrap((numerator, denominator), lambda n, d, axis: n.mean(axis) / d.mean(axis), paired=True,
+                   vectorized=True, n_resamples=2000, rng=np.random.default_rng(seed)).confidence_interval
+    return {"ratio": float(numerator.mean() / denominator.mean()), "low": float(ci.low), "high": float(ci.high)}
 
 
 def forward_seconds(metrics: str) -> float:
@@ -60,16 +74,21 @@ def main(argv=None) -> int:
             predictor.predict(questions[:2])  # warm-up both
             client.post(server.url + "/predict", json=payloads[0])
             bare, http = [], []
+            switches = {"bare": 0, "service": 0}
             forward_before = forward_seconds(client.get(server.url + "/metrics").text)
             # Paired: the same question through the bare predictor, then through HTTP. The idle server
             # uses no CPU while the predictor runs, and the other way round.
             for q, p in zip(questions[: args.requests], payloads[: args.requests], strict=True):
+                before = voluntary_context_switches()
                 start = time.perf_counter()
                 predictor.predict([q], truncate_context=False)
                 bare.append(time.perf_counter() - start)
+                switches["bare"] += voluntary_context_switches() - before
+                before = voluntary_context_switches(server.proc.pid)
                 start = time.perf_counter()
                 client.post(server.url + "/predict", json=p).raise_for_status()
                 http.append(time.perf_counter() - start)
+                switches["service"] += voluntary_context_switches(server.proc.pid) - before
             forward = forward_seconds(client.get(server.url + "/metrics").text) - forward_before
         bare_batch = {}
         for size in (8, 32):
@@ -109,7 +128,12 @@ def main(argv=None) -> int:
             "service_mean": float(np.mean(http)),
             "service_model_mean": forward / len(http),
             "bare_predictor_mean": float(np.mean(bare)),
+            # request time over the bare predictor's, question by question: the ratio of means, paired interval
+            "service_over_bare_mean": paired_ratio(http, bare),
+            "per_question": {"bare_predictor": bare, "service": http},
         },
+        # each process's threads waiting, per question of the paired phase (benchmarks.common)
+        "voluntary_context_switches_per_question": {k: v / len(http) for k, v in switches.items()},
         "throughput_questions_per_s": {
             str(c): {"service": served[c]["questions_per_s"], "bare_batched": bare_batch[c],
                      "service_over_bare": served[c]["questions_per_s"] / bare_batch[c], "non_200": served[c]["non_200"],

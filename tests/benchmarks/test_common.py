@@ -1,7 +1,10 @@
 """The CPU every speed figure records: its model, instruction sets and oneDNN cap as ibedl.core.cpu_isa reads them,
-and the cores this process may use."""
+and the cores this process may use; the context switches service_latency counts."""
 
 import os
+from pathlib import Path
+
+import pytest
 
 import benchmarks.common as common
 
@@ -23,3 +26,16 @@ def test_no_cap_is_recorded_as_none_and_cores_fall_back_off_linux(monkeypatch):
     monkeypatch.delattr(os, "sched_getaffinity")
     cpu = common.cpu_features()
     assert cpu["onednn_cap"] is None and cpu["cores"] == os.cpu_count() and cpu["model"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux's /proc to count context switches")
+def test_a_thread_that_waits_counts_a_voluntary_context_switch():
+    import threading
+
+    from benchmarks.common import voluntary_context_switches
+
+    before = voluntary_context_switches()
+    for _ in range(5):
+        threading.Event().wait(0.01)  # a futex wait with a timeout: the thread gives up the CPU each time
+    assert voluntary_context_switches() - before >= 5
+    assert voluntary_context_switches(os.getpid()) >= before + 5  # the same process read by its pid
