@@ -95,8 +95,8 @@ class MicroBatcher:
         admission: the admission policy (its ``margin``: admission requires that many times the expected completion
             to fit before the deadline) and the clock the batcher reads; default: no server timeout, margin 1.
         executor: the model's thread, on which every pass and :meth:`between_passes` run (one worker; default: one
-            of the batcher's own). The engine hands over the thread it loaded the model on (see
-            :class:`ibedl.engine.engine.Engine`); the batcher shuts it down when it stops.
+            of the batcher's own, shut down when it stops). The engine gives the thread it loaded the model on (see
+            :class:`ibedl.engine.engine.Engine`) and shuts it down itself.
         on_batch: called with (questions, seconds) after every pass.
         on_depth: called with the number of waiting questions when it changes.
     """
@@ -136,7 +136,9 @@ class MicroBatcher:
         self._draining = False
         self._drain_timer: asyncio.TimerHandle | None = None
         self._drain_end: float | None = None  # monotonic time queued work is refused from
-        self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="predict")
+        self._own_executor = executor is None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="predict") if executor is None \
+            else executor
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -207,7 +209,8 @@ class MicroBatcher:
             self._shedder.cancel()
         if self._drain_timer is not None:
             self._drain_timer.cancel()
-        await asyncio.to_thread(self._executor.shutdown, wait=True)
+        if self._own_executor:
+            await asyncio.to_thread(self._executor.shutdown, wait=True)
 
     # -- submitting -------------------------------------------------------------------------------
 

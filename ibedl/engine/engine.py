@@ -105,11 +105,12 @@ class Engine:
         self.versions = Versions(self)
         self.store = StoreCalls(settings.feedback_timeout_s)
         self._checker: ThreadPoolExecutor | None = None
-        # Every torch call of the engine (loading, warm-up, passes, background timing) runs on this one thread: torch's
-        # OpenMP (libgomp) keeps a team of workers per thread that has run a parallel region, and once the teams
-        # hold more threads than the machine has cores it stops spinning between regions, so each of a forward's
-        # hundreds of regions sleeps and wakes its workers. Loaded on one thread and served on another, the model
-        # took 1.4-1.9x as long per question on a 2-core CPU (4,400 context switches a question against 1-4).
+        # Every torch call of the engine (loading, warm-up, passes, background timings, the runtimes of a reload or a
+        # backend switch) runs on this one thread: torch's OpenMP (libgomp) keeps a team of workers per thread that
+        # has run a parallel region, and once the teams hold more threads than the machine has cores its workers spin
+        # only briefly between regions, so each of a forward's many regions puts them to sleep and wakes them.
+        # Loaded on one thread and served on another, the service's model call took 1.55x the bare predictor's on 2
+        # AVX2 cores, 4,394 voluntary context switches a question against 32 (benchmarks/results/service_latency*).
         self._model = ThreadPoolExecutor(1, thread_name_prefix="ibedl-model")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -142,8 +143,12 @@ class Engine:
         """The adapters of ``settings`` loaded, timed once and with their feedback store opened, ready: what the
         Python API serves (its scheduler starts on a thread of its own at the first question)."""
         engine = cls(settings, loader)
-        runtimes, service_time, _ = engine._model.submit(engine._load, False).result()
-        engine.feedback.bind(runtimes)  # a Python caller attaches observers after loading: none to tell here
+        try:
+            runtimes, service_time, _ = engine._model.submit(engine._load, False).result()
+            engine.feedback.bind(runtimes)  # a Python caller attaches observers after loading: none to tell here
+        except BaseException:
+            engine._model.shutdown(wait=False)
+            raise
         engine._serve(runtimes, service_time)
         engine._ready()
         return engine
@@ -165,11 +170,11 @@ class Engine:
             if isinstance(e, UncalibratedBackend):  # names backends and calibrations only: what the operator must do
                 self.reason = f"the adapter failed to load: {e}"
             return
+        for runtime in runtimes.values():
+            await asyncio.to_thread(self.notify, "serving", runtime)
         if self.status != "loading":  # drained (SIGTERM) or stopped while loading: it never becomes ready
             log.info("loaded after the shutdown began; not serving")
             return
-        for runtime in runtimes.values():
-            await asyncio.to_thread(self.notify, "serving", runtime)
         self._serve(runtimes, service_time)
         await self.start()
         self.notify("estimated", service_time.per_token_s)
@@ -247,9 +252,9 @@ class Engine:
         self.drain()
         self.versions.stop()
         if self.batcher is not None:
-            await self.batcher.stop()  # and the model's thread with it
-        else:  # the load failed or never ran
-            self._model.shutdown(wait=False, cancel_futures=True)
+            await self.batcher.stop()
+        # after the pass in flight; a load still running (stopped while loading) is not waited for
+        await asyncio.to_thread(self._model.shutdown, wait=self.batcher is not None, cancel_futures=True)
         if self._checker is not None:
             self._checker.shutdown(wait=False, cancel_futures=True)
             self._checker = None

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import copy
 import logging
+from functools import partial
 from pathlib import Path
 
 from ibedl.core.artifact import ArtifactError, read_manifest
@@ -84,7 +85,8 @@ class Versions:
                 if rt is None or str(manifest.version) == rt.ref["version"]:
                     continue
                 try:
-                    new = recalibrated(rt, manifest, engine.settings)
+                    # on the model's thread: copying the heads is torch work (ibedl.engine.engine.Engine)
+                    new = await engine.batcher.between_passes(partial(recalibrated, rt, manifest, engine.settings))
                     await asyncio.to_thread(engine.notify, "serving", new)
                 except (ValueError, UncalibratedBackend) as e:
                     log.warning("reload: adapter %s version %s is not served: %s", manifest.name, manifest.version, e)
@@ -144,7 +146,8 @@ class Versions:
         engine = self.engine
         async with self._swapping:
             old = engine.runtimes[adapter]
-            new = switched(old, backend, trunk, reason, choice, engine.settings.served_artifacts()[0], engine.settings)
+            new = await engine.batcher.between_passes(partial(
+                switched, old, backend, trunk, reason, choice, engine.settings.served_artifacts()[0], engine.settings))
             engine.runtimes[adapter] = new
         engine.notify("switched", adapter, old.ref["backend"], backend)
         log.info("auto: adapter %s switched from %s (calibration %s) to %s (calibration %s): %s", adapter,

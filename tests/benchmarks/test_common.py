@@ -28,14 +28,26 @@ def test_no_cap_is_recorded_as_none_and_cores_fall_back_off_linux(monkeypatch):
     assert cpu["onednn_cap"] is None and cpu["cores"] == os.cpu_count() and cpu["model"]
 
 
+
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux's /proc to count context switches")
-def test_a_thread_that_waits_counts_a_voluntary_context_switch():
-    import threading
+def test_a_process_that_waits_counts_its_voluntary_context_switches():
+    """A child that blocks on its stdin between 20 lines read one by one gives up the CPU at least 20 times."""
+    import subprocess
+    import sys
 
-    from benchmarks.common import voluntary_context_switches
-
-    before = voluntary_context_switches()
-    for _ in range(5):
-        threading.Event().wait(0.01)  # a futex wait with a timeout: the thread gives up the CPU each time
-    assert voluntary_context_switches() - before >= 5
-    assert voluntary_context_switches(os.getpid()) >= before + 5  # the same process read by its pid
+    echo = "import sys\nfor line in sys.stdin:\n    print(line, end='', flush=True)\n"
+    child = subprocess.Popen([sys.executable, "-c", echo], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        child.stdin.write("ready\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "ready\n"
+        before = common.voluntary_context_switches(child.pid)
+        for i in range(20):  # each line waits for the echo: the child is blocked reading before the next arrives
+            child.stdin.write(f"{i}\n")
+            child.stdin.flush()
+            assert child.stdout.readline() == f"{i}\n"
+        assert common.voluntary_context_switches(child.pid) - before >= 20
+    finally:
+        child.stdin.close()
+        child.wait(10)

@@ -27,23 +27,3 @@ def engine_with(artifact: Path, delay: float = 0.0, gate: threading.Event | None
     predictor.predict = predict
     return engine, passes
 
-
-def thread_recording_loader(threads: list[tuple[str, int]]):
-    """The default loader, recording ``("load", thread id)`` when it loads and ``("predict", thread id)`` at every
-    call of the model (the warm-up's and the passes')."""
-    from ibedl.engine.runtime import load_predictors
-
-    def load(settings):
-        threads.append(("load", threading.get_ident()))
-        predictors = load_predictors(settings)
-        for predictor in predictors:
-            original = predictor.predict
-
-            def predict(questions, truncate_context=True, original=original):
-                threads.append(("predict", threading.get_ident()))
-                return original(questions, truncate_context)
-
-            predictor.predict = predict
-        return predictors
-
-    return load

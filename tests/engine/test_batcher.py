@@ -427,3 +427,33 @@ def test_grace_period_end_refuses_whatever_is_still_queued():
 def test_bad_settings_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
         MicroBatcher(FakePredict(), **kwargs)
+
+
+def test_a_given_executor_runs_every_pass_and_between_passes_and_outlives_the_batcher():
+    """The engine gives the thread it loaded the model on (one OpenMP team, ibedl.engine.engine.Engine): passes and
+    background work run there, and the engine, not the batcher, shuts it down."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = ThreadPoolExecutor(1, thread_name_prefix="model")
+    model_thread = model.submit(threading.get_ident).result()
+    seen: list[int] = []
+
+    def predict(questions):
+        seen.append(threading.get_ident())
+        return [x.question for x in questions]
+
+    async def main():
+        b = MicroBatcher(predict, max_batch_size=2, max_wait_ms=1, executor=model)
+        b.start()
+        answers = await asyncio.gather(*await b.submit_many([q(f"q{i}") for i in range(3)]))
+        background = await b.between_passes(threading.get_ident)
+        await b.stop()
+        return answers, background
+
+    try:
+        answers, background = run(main())
+        assert answers == ["q0", "q1", "q2"]
+        assert len(seen) == 2 and set(seen) == {model_thread} and background == model_thread
+        assert model.submit(lambda: "still open").result() == "still open"  # the batcher left it to its owner
+    finally:
+        model.shutdown()

@@ -9,7 +9,8 @@ import pytest
 from ibedl.engine.engine import Engine
 from ibedl.engine.errors import Overloaded, QueueFull, Timeout
 from ibedl.engine.settings import EngineSettings
-from tests.engine.conftest import engine_with, thread_recording_loader
+from tests.conftest import thread_recording_loader
+from tests.engine.conftest import engine_with
 
 Q = {"question": "Which is sun?", "options": ["sun", "moon", "tree"]}
 

@@ -224,7 +224,7 @@ class TestLifecycle:
     def test_the_model_loads_warms_and_answers_on_one_thread(self, make_client):
         """The service loads, warms and answers on one thread (not asyncio's default executor for the load and
         another for the passes): one OpenMP team, see ibedl.engine.engine.Engine."""
-        from tests.engine.conftest import thread_recording_loader
+        from tests.conftest import thread_recording_loader
 
         threads: list[tuple[str, int]] = []
         with make_client(loader=thread_recording_loader(threads)) as c:

@@ -139,6 +139,26 @@ def test_ready_at_once_then_switched_when_proven_faster_without_failing_a_reques
     assert state.engine.default.predictor.model is None  # the torch model is dropped once the trunk serves alone
 
 
+def test_the_switched_runtime_is_built_on_the_model_thread(make_client, bf16_calibrated, switching, monkeypatch):
+    """The new runtime's heads are copied (torch work) on the engine's model thread, not on the event loop's: one
+    OpenMP team (ibedl.engine.engine.Engine)."""
+    import ibedl.engine.versions as versions
+
+    real, built_on = versions.switched, []
+
+    def recording(*args):
+        built_on.append(threading.current_thread().name)
+        return real(*args)
+
+    monkeypatch.setattr(versions, "switched", recording)
+    gate = switching({"torch": 1.0, "openvino-bf16": 0.4})
+    with make_client(loader=unmeasured_loader, artifact=bf16_calibrated) as c:
+        gate.set()
+        assert c.app.state.service.engine.versions.switcher.done.wait(30)
+        assert served(c.post("/predict", json=Q)) == ("openvino-bf16", "openvino-bf16")
+    assert len(built_on) == 1 and built_on[0].startswith("ibedl-model"), built_on
+
+
 def test_the_card_says_done_only_once_it_shows_the_measurement(make_client, bf16_calibrated, switching, monkeypatch):
     """A client that waits for ``background.state == "done"`` reads the timings in ``backend.measured``: the switcher
     announces it only after the measurement is recorded on the serving predictor (the recording is held here until

@@ -115,3 +115,24 @@ def test_with_several_adapters_only_the_recalibrated_one_moves(make_client, serv
         after = {card["id"]: card["version"] for card in ok_json(c.get("/v1/models"))["data"]}
         answer = ok_json(c.post("/predict", json={**Q, "adapter": "tiny-map"}))
     assert after == {**before, "tiny-map": version} and answer["adapter"]["version"] == version
+
+
+def test_the_new_version_is_built_on_the_model_thread(make_client, served, monkeypatch):
+    """Building the new runtime copies the heads (torch work): on the engine's model thread, never the event loop's
+    (one OpenMP team, ibedl.engine.engine.Engine)."""
+    import threading
+
+    import ibedl.engine.versions as versions
+
+    built_on: list[str] = []
+
+    def recording(*args):
+        built_on.append(threading.current_thread().name)
+        return versions_recalibrated(*args)
+
+    versions_recalibrated = versions.recalibrated
+    monkeypatch.setattr(versions, "recalibrated", recording)
+    with make_client(artifact=served, reload_interval_s=0) as c:
+        recalibrate(served, min_confidence=1.0, ood_threshold=0.0)
+        assert c.portal.call(c.app.state.service.engine.versions.reload_calibrations) == ["tiny"]
+    assert len(built_on) == 1 and built_on[0].startswith("ibedl-model"), built_on
