@@ -41,8 +41,9 @@ def paired_ratio(numerator, denominator, seed: int = 0) -> dict:
     from scipy.stats import bootstrap
 
     numerator, denominator = np.asarray(numerator, float), np.asarray(denominator, float)
-    if numerator.shape != denominator.shape or numerator.size < 2:
-        raise ValueError(f"paired times of one length >= 2 needed, got {numerator.shape} and {denominator.shape}")
+    if numerator.ndim != 1 or numerator.shape != denominator.shape or numerator.size < 2:
+        raise ValueError(f"two 1-D arrays of paired times of one length >= 2 needed, got shapes {numerator.shape} "
+                         f"and {denominator.shape}")
     ci = bootstrap((numerator, denominator), lambda n, d, axis: n.mean(axis) / d.mean(axis), paired=True,
                    vectorized=True, n_resamples=2000, rng=np.random.default_rng(seed)).confidence_interval
     return {"ratio": float(numerator.mean() / denominator.mean()), "low": float(ci.low), "high": float(ci.high)}

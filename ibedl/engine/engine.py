@@ -542,8 +542,13 @@ class Engine:
         started.wait()
 
     def close(self) -> None:
-        """Stop the engine's own thread (a no-op when a door runs the engine on its loop)."""
+        """Stop the engine's own thread; an engine ``load`` made that never answered releases its model thread and
+        feedback store here. A no-op when a door runs the engine on its loop (the door stops it)."""
         if self._thread is None or self._loop is None:
+            if self._loop is None and self.batcher is not None and self.status != "stopped":  # loaded, never started
+                self._model.shutdown(wait=True)
+                self.store.close(self.feedback.store)
+                self.status = "stopped"
             return
         asyncio.run_coroutine_threadsafe(self.stop(), self._loop).result()
         self._loop.call_soon_threadsafe(self._loop.stop)

@@ -43,8 +43,10 @@ class StoreCalls:
                                    retry_after=max(1, math.ceil(self.timeout_s))) from None
 
     def close(self, store=None) -> None:
-        """Close ``store`` after the calls already queued, and let the thread end."""
-        if self._thread is None:
+        """Close ``store`` after the calls already queued (at once when none was made), and let the thread end."""
+        if self._thread is None:  # no call went through here (a Python caller that never recorded a label)
+            if store is not None:
+                store.close()
             return
         if store is not None:
             self._thread.submit(store.close)

@@ -40,3 +40,5 @@ def test_the_paired_ratio_is_the_ratio_of_means_inside_its_interval():
     assert level["low"] < 1.0 < level["high"]
     with pytest.raises(ValueError, match="paired times"):
         paired_ratio([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match=r"1-D .* shapes \(2, 2\)"):  # a table of times is not a pairing
+        paired_ratio([[1.0, 2.0], [3.0, 4.0]], [[1.0, 2.0], [3.0, 4.0]])

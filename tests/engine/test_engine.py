@@ -1,13 +1,14 @@
 """The engine object: its scheduler serves callers on any thread (the Python API's door) with fair turns and the
 same admission as HTTP clients; answers, feedback and guarantees come from it alone."""
 
+import sqlite3
 import threading
 import time
 
 import pytest
 
 from ibedl.engine.engine import Engine
-from ibedl.engine.errors import Overloaded, QueueFull, Timeout
+from ibedl.engine.errors import NotReady, Overloaded, QueueFull, Timeout
 from ibedl.engine.settings import EngineSettings
 from tests.conftest import thread_recording_loader
 from tests.engine.conftest import engine_with
@@ -81,6 +82,26 @@ def test_close_stops_the_engines_own_thread(tiny_artifact):
     assert thread is not None and thread.is_alive()
     engine.close()
     assert not thread.is_alive() and engine._thread is None
+    engine.close()  # twice: a no-op
+
+
+@pytest.mark.parametrize("answered", [False, True], ids=["never-answered", "answered"])
+def test_close_releases_the_model_thread_and_the_feedback_store(tiny_artifact, tmp_path, answered):
+    """Closed before its first question, or after answering without ever recording a label, an engine leaves no
+    model thread running and no feedback store open (both were left before: close() returned early, and the store
+    was closed only through a thread a label had started)."""
+    engine = Engine.load(EngineSettings(artifact=tiny_artifact, max_tokens=96, feedback_key="k" * 16,
+                                        feedback_db=tmp_path / "feedback.db"))
+    if answered:
+        assert len(engine.predict([Q])) == 1
+    threads, db = set(engine._model._threads), engine.feedback.store._db
+    assert threads and all(t.is_alive() for t in threads) and db.execute("SELECT 1").fetchone() == (1,)
+    engine.close()
+    assert not any(t.is_alive() for t in threads)
+    with pytest.raises(sqlite3.ProgrammingError, match="closed"):
+        db.execute("SELECT 1")
+    with pytest.raises(NotReady, match="stopped"):
+        engine.predict([Q])
     engine.close()  # twice: a no-op
 
 
