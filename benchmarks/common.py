@@ -1,10 +1,13 @@
-"""What the benchmark scripts share: writing their results file, and the CPU each speed figure was measured on."""
+"""What the benchmark scripts share: writing their results file, the CPU each speed figure was measured on, a
+process's context switches and the paired ratio of two sets of times."""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
+
+import numpy as np
 
 from ibedl.core.cpu_isa import cpu_flags, model_name, onednn_cap
 
@@ -46,3 +49,23 @@ def voluntary_context_switches(pid: int | str = "self") -> int:
         total += next(int(line.split()[1]) for line in status.splitlines()
                       if line.startswith("voluntary_ctxt_switches:"))
     return total
+
+
+def paired_ratio(numerator, denominator, seed: int = 0) -> dict:
+    """mean(numerator) / mean(denominator) of paired times, with a 95% paired bootstrap interval (scipy's BCa, 2,000
+    resamples of the pairs; None for both ends where the pairs leave nothing to resample, e.g. every pair in one
+    ratio)."""
+    import warnings
+
+    from scipy.stats import bootstrap
+
+    numerator, denominator = np.asarray(numerator, float), np.asarray(denominator, float)
+    if numerator.ndim != 1 or numerator.shape != denominator.shape or numerator.size < 2:
+        raise ValueError(f"two 1-D arrays of paired times of one length >= 2 needed, got shapes {numerator.shape} "
+                         f"and {denominator.shape}")
+    with warnings.catch_warnings():  # a degenerate sample warns and gives NaN ends: reported as None below
+        warnings.simplefilter("ignore")
+        ci = bootstrap((numerator, denominator), lambda n, d, axis: n.mean(axis) / d.mean(axis), paired=True,
+                       vectorized=True, n_resamples=2000, rng=np.random.default_rng(seed)).confidence_interval
+    ends = [None if np.isnan(x) else float(x) for x in (ci.low, ci.high)]
+    return {"ratio": float(numerator.mean() / denominator.mean()), "low": ends[0], "high": ends[1]}

@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import cpu_features, write_result
+from benchmarks.common import cpu_features, paired_ratio, voluntary_context_switches, write_result
 from benchmarks.decisions import repeated_splits, served, stream_row
 from ibedl.core import auto_backend
 from ibedl.core.backends import Built, build_trunk, calibration_key, get, unavailable
@@ -285,8 +285,9 @@ SERVICE_BATCH = 8  # a client-sized POST /predict/batch
 def service_summary(measured: dict, peak: dict, gflop_per_question: float) -> dict:
     """Per backend, from the seconds of its single requests (``single_s``) and of its batches of
     ``SERVICE_BATCH`` (``batch_s``, each with its question count in ``batch_sizes``): p50/p99, questions/s, the
-    ratios to torch's (when torch was measured) and the GFLOP/s at the single-request p50 as a fraction of the
-    peak of the precision the backend computes in (``peak``: :func:`peaks`)."""
+    ratios to torch's (when torch was measured; the mean times' also paired question by question and batch by batch,
+    with a 95% bootstrap interval), the GFLOP/s at the single-request p50 as a fraction of the peak of the precision
+    the backend computes in (``peak``: :func:`peaks`), and the seconds themselves (``seconds``)."""
     rows = {}
     for name, m in measured.items():
         if "skipped" in m:
@@ -303,6 +304,7 @@ def service_summary(measured: dict, peak: dict, gflop_per_question: float) -> di
             "precision": precision, "gflops_at_single_p50": gflop_per_question / p50,
             "fraction_of_own_peak_at_single_p50": None if not top else gflop_per_question / p50 / top,
             **{k: v for k, v in m.items() if k not in ("single_s", "batch_s", "batch_sizes")},
+            "seconds": {"single": list(single), "batch": list(batch), "batch_sizes": list(m["batch_sizes"])},
         }
     base = rows.get("torch")
     if base is not None and "skipped" not in base:
@@ -313,12 +315,17 @@ def service_summary(measured: dict, peak: dict, gflop_per_question: float) -> di
             r["single_p99_speedup_vs_torch"] = base["single_p99_s"] / r["single_p99_s"]
             r["batch_throughput_vs_torch"] = r["batch_questions_per_s"] / base["batch_questions_per_s"]
             r["batch_p99_speedup_vs_torch"] = base["batch_p99_s"] / r["batch_p99_s"]
+            if r is not base:  # torch's mean time over this backend's, on the same questions and batches
+                r["single_mean_speedup_vs_torch"] = paired_ratio(base["seconds"]["single"], r["seconds"]["single"])
+                if len(r["seconds"]["batch"]) >= 2:
+                    r["batch_mean_speedup_vs_torch"] = paired_ratio(base["seconds"]["batch"], r["seconds"]["batch"])
     return rows
 
 
 def through_service(names: list[str], artifact: str, n: int) -> dict:
     """Every backend in ``names`` through its own service process (started together, asked in turn): the raw
-    seconds of single requests and of batches of ``SERVICE_BATCH``, and the mean prompt tokens."""
+    seconds of single requests and of batches of ``SERVICE_BATCH``, and each service's voluntary context switches per
+    question while it answered (read outside the timed requests)."""
     import httpx
 
     from benchmarks.service_process import ServiceProcess
@@ -345,24 +352,31 @@ def through_service(names: list[str], artifact: str, n: int) -> dict:
                             break
                         time.sleep(1)
                 measured[name] = {"single_s": [], "batch_s": [], "batch_sizes": [], "non_200": 0,
-                                  "answered_by": None}
+                                  "answered_by": None, "voluntary_context_switches": 0}
             for p in payloads:
                 for name, server in live.items():
+                    before = voluntary_context_switches(server.proc.pid)
                     start = time.perf_counter()
                     r = client.post(server.url + "/predict", json=p)
                     measured[name]["single_s"].append(time.perf_counter() - start)
+                    measured[name]["voluntary_context_switches"] += voluntary_context_switches(server.proc.pid) - before
                     measured[name]["non_200"] += r.status_code != 200
                     if r.status_code == 200:
                         measured[name]["answered_by"] = {k: r.json()["adapter"][k] for k in ("backend", "calibration")}
             for i in range(0, len(payloads), SERVICE_BATCH):
                 items = payloads[i: i + SERVICE_BATCH]
                 for name, server in live.items():
+                    before = voluntary_context_switches(server.proc.pid)
                     start = time.perf_counter()
                     r = client.post(server.url + "/predict/batch", json={"items": items})
                     measured[name]["batch_s"].append(time.perf_counter() - start)
+                    measured[name]["voluntary_context_switches"] += voluntary_context_switches(server.proc.pid) - before
                     measured[name]["batch_sizes"].append(len(items))
                     measured[name]["non_200"] += r.status_code != 200
         for name, server in live.items():
+            answered = len(measured[name]["single_s"]) + sum(measured[name]["batch_sizes"])
+            measured[name]["voluntary_context_switches_per_question"] = (
+                measured[name].pop("voluntary_context_switches") / answered)
             measured[name]["service_rss_mib"] = server.rss_mib()
             measured[name]["service_peak_rss_mib"] = int(next(
                 line.split()[1] for line in Path(f"/proc/{server.proc.pid}/status").read_text().splitlines()

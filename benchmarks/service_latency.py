@@ -25,7 +25,7 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.common import cpu_features, voluntary_context_switches, write_result
+from benchmarks.common import cpu_features, paired_ratio, voluntary_context_switches, write_result
 from benchmarks.service_process import ServiceProcess  # the same harness the end-to-end tests use
 from ibedl.core.predictor import Predictor
 from ibedl.training.data import load_dataset
@@ -33,20 +33,6 @@ from ibedl.training.data import load_dataset
 
 def pct(values, q):
     return float(np.percentile(values, q))
-
-
-def paired_ratio(numerator, denominator, seed: int = 0) -> dict:
-    """mean(numerator) / mean(denominator) of paired times, with a 95% paired bootstrap interval (scipy's BCa, 2,000
-    resamples of the pairs)."""
-    from scipy.stats import bootstrap
-
-    numerator, denominator = np.asarray(numerator, float), np.asarray(denominator, float)
-    if numerator.ndim != 1 or numerator.shape != denominator.shape or numerator.size < 2:
-        raise ValueError(f"two 1-D arrays of paired times of one length >= 2 needed, got shapes {numerator.shape} "
-                         f"and {denominator.shape}")
-    ci = bootstrap((numerator, denominator), lambda n, d, axis: n.mean(axis) / d.mean(axis), paired=True,
-                   vectorized=True, n_resamples=2000, rng=np.random.default_rng(seed)).confidence_interval
-    return {"ratio": float(numerator.mean() / denominator.mean()), "low": float(ci.low), "high": float(ci.high)}
 
 
 def forward_seconds(metrics: str) -> float:

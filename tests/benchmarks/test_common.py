@@ -30,10 +30,19 @@ def test_no_cap_is_recorded_as_none_and_cores_fall_back_off_linux(monkeypatch):
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux's /proc to count context switches")
+def asleep(pid: int) -> bool:
+    """Whether process ``pid`` sleeps (state S in /proc/<pid>/stat): it has given up the CPU to wait."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2] == "S"
+
+
 def test_a_process_that_waits_counts_its_voluntary_context_switches():
-    """A child that blocks on its stdin between 20 lines read one by one gives up the CPU at least 20 times."""
+    """A child that blocks on its stdin between 20 lines read one by one gives up the CPU 20 times. Each line is sent
+    only once the child is seen asleep on the empty pipe: sent earlier, on a loaded machine, the child may find it
+    before it sleeps, or be preempted on its way to sleep (counted as involuntary), and give up nothing."""
     import subprocess
     import sys
+    import time
 
     echo = "import sys\nfor line in sys.stdin:\n    print(line, end='', flush=True)\n"
     child = subprocess.Popen([sys.executable, "-c", echo], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -43,7 +52,10 @@ def test_a_process_that_waits_counts_its_voluntary_context_switches():
         child.stdin.flush()
         assert child.stdout.readline() == "ready\n"
         before = common.voluntary_context_switches(child.pid)
-        for i in range(20):  # each line waits for the echo: the child is blocked reading before the next arrives
+        for i in range(20):  # each line waits for the echo and for the child to sleep reading the next
+            end = time.monotonic() + 30
+            while not asleep(child.pid):
+                assert time.monotonic() < end, "the child never blocked on its stdin"
             child.stdin.write(f"{i}\n")
             child.stdin.flush()
             assert child.stdout.readline() == f"{i}\n"
@@ -51,3 +63,22 @@ def test_a_process_that_waits_counts_its_voluntary_context_switches():
     finally:
         child.stdin.close()
         child.wait(10)
+
+
+def test_the_paired_ratio_is_the_ratio_of_means_inside_its_interval():
+    import numpy as np
+
+    from benchmarks.common import paired_ratio
+
+    rng = np.random.default_rng(1)
+    bare = rng.uniform(0.4, 0.6, 40)
+    slower = paired_ratio(1.6 * bare + rng.normal(0, 0.01, 40), bare)
+    assert slower["ratio"] == pytest.approx(1.6, abs=0.01) and slower["low"] < slower["ratio"] < slower["high"]
+    assert slower["high"] - slower["low"] < 0.03  # pairs cancel the questions' own spread (unpaired: about 0.15)
+    level = paired_ratio(bare + rng.normal(0, 0.05, 40), bare)
+    assert level["low"] < 1.0 < level["high"]
+    assert paired_ratio([1.6, 1.6, 1.6], [0.4, 0.4, 0.4]) == {"ratio": pytest.approx(4.0), "low": None, "high": None}
+    with pytest.raises(ValueError, match="paired times"):
+        paired_ratio([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match=r"1-D .* shapes \(2, 2\)"):  # a table of times is not a pairing
+        paired_ratio([[1.0, 2.0], [3.0, 4.0]], [[1.0, 2.0], [3.0, 4.0]])

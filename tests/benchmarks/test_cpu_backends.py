@@ -62,7 +62,7 @@ def test_through_the_service_each_backend_is_a_ratio_to_torch_and_a_fraction_of_
     from benchmarks.cpu_backends import service_summary
 
     measured = {"torch": {"single_s": [0.2] * 9 + [1.0], "batch_s": [1.6, 1.6], "batch_sizes": [8, 8]},
-                "openvino-int8": {"single_s": [0.1] * 9 + [0.5], "batch_s": [0.4, 0.4], "batch_sizes": [8, 8],
+                "openvino-int8": {"single_s": [0.1] * 8 + [0.12, 0.5], "batch_s": [0.4, 0.4], "batch_sizes": [8, 8],
                                   "non_200": 0},
                 "openvino": {"skipped": "no calibration"}}
     rows = service_summary(measured, {"fp32": 100.0, "int8": 400.0}, gflop_per_question=10.0)
@@ -74,3 +74,9 @@ def test_through_the_service_each_backend_is_a_ratio_to_torch_and_a_fraction_of_
     assert rows["openvino-int8"]["precision"] == "int8"
     assert rows["openvino-int8"]["fraction_of_own_peak_at_single_p50"] == 10.0 / 0.1 / 400.0
     assert rows["openvino-int8"]["non_200"] == 0 and "single_s" not in rows["openvino-int8"]
+    assert rows["openvino-int8"]["seconds"]["single"] == measured["openvino-int8"]["single_s"]
+    # torch's mean time over int8's, paired question by question: 0.28 / 0.142, inside its interval
+    single = rows["openvino-int8"]["single_mean_speedup_vs_torch"]
+    assert single["ratio"] == pytest.approx(0.28 / 0.142) and single["low"] <= single["ratio"] <= single["high"]
+    assert rows["openvino-int8"]["batch_mean_speedup_vs_torch"]["ratio"] == pytest.approx(4.0)
+    assert "single_mean_speedup_vs_torch" not in rows["torch"]
