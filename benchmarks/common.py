@@ -57,14 +57,14 @@ def paired_ratio(numerator, denominator, seed: int = 0) -> dict:
     ratio)."""
     import warnings
 
-    from scipy.stats import bootstrap
+    from scipy.stats import DegenerateDataWarning, bootstrap
 
     numerator, denominator = np.asarray(numerator, float), np.asarray(denominator, float)
     if numerator.ndim != 1 or numerator.shape != denominator.shape or numerator.size < 2:
         raise ValueError(f"two 1-D arrays of paired times of one length >= 2 needed, got shapes {numerator.shape} "
                          f"and {denominator.shape}")
-    with warnings.catch_warnings():  # a degenerate sample warns and gives NaN ends: reported as None below
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(), np.errstate(invalid="ignore", divide="ignore"):  # a degenerate sample: NaN ends
+        warnings.simplefilter("ignore", DegenerateDataWarning)  # (reported as None below)
         ci = bootstrap((numerator, denominator), lambda n, d, axis: n.mean(axis) / d.mean(axis), paired=True,
                        vectorized=True, n_resamples=2000, rng=np.random.default_rng(seed)).confidence_interval
     ends = [None if np.isnan(x) else float(x) for x in (ci.low, ci.high)]

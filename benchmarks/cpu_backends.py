@@ -11,7 +11,9 @@ named, IBEDL_BACKEND_SWITCHING=false), all started at once and asked in turn, qu
 computes at a time and every ratio to torch is of the same minutes: the first ``--questions`` of SciQ test (with
 passages, varied lengths) as single POST /predict requests (p50/p99 latency) and as POST /predict/batch batches of 8
 (p50/p99 per batch, questions/s), each GFLOP/s at the single-request p50 as a fraction of its precision's measured
-peak. Merged into the result file under ``service`` (the in-process figures stay where they are).
+peak; each backend's mean-time speed-up over torch paired question by question and batch by batch with its 95%
+bootstrap interval, the raw seconds, and each service's voluntary context switches per question. Merged into the
+result file under ``service`` (the in-process figures stay where they are).
 
 Speed: on the first ``--questions`` of a seed-0 draw of SciQ test (with passages) the backends run interleaved
 question by question in one process: p50/p99 latency at batch 1, throughput at batch 8, both as ratios to torch
@@ -286,8 +288,10 @@ def service_summary(measured: dict, peak: dict, gflop_per_question: float) -> di
     """Per backend, from the seconds of its single requests (``single_s``) and of its batches of
     ``SERVICE_BATCH`` (``batch_s``, each with its question count in ``batch_sizes``): p50/p99, questions/s, the
     ratios to torch's (when torch was measured; the mean times' also paired question by question and batch by batch,
-    with a 95% bootstrap interval), the GFLOP/s at the single-request p50 as a fraction of the peak of the precision
-    the backend computes in (``peak``: :func:`peaks`), and the seconds themselves (``seconds``)."""
+    with a 95% bootstrap interval: the batch one's ratio is ``batch_throughput_vs_torch``, the interval is what it
+    adds; None where either service refused a request, as a refusal's time is not an answer's), the GFLOP/s at the
+    single-request p50 as a fraction of the peak of the precision the backend computes in (``peak``: :func:`peaks`),
+    and the seconds themselves (``seconds``)."""
     rows = {}
     for name, m in measured.items():
         if "skipped" in m:
@@ -316,16 +320,28 @@ def service_summary(measured: dict, peak: dict, gflop_per_question: float) -> di
             r["batch_throughput_vs_torch"] = r["batch_questions_per_s"] / base["batch_questions_per_s"]
             r["batch_p99_speedup_vs_torch"] = base["batch_p99_s"] / r["batch_p99_s"]
             if r is not base:  # torch's mean time over this backend's, on the same questions and batches
-                r["single_mean_speedup_vs_torch"] = paired_ratio(base["seconds"]["single"], r["seconds"]["single"])
-                if len(r["seconds"]["batch"]) >= 2:
-                    r["batch_mean_speedup_vs_torch"] = paired_ratio(base["seconds"]["batch"], r["seconds"]["batch"])
+                refused = base.get("non_200", 0) + r.get("non_200", 0)
+                for kind in ("single", "batch"):
+                    pairs = base["seconds"][kind], r["seconds"][kind]
+                    r[f"{kind}_mean_speedup_vs_torch"] = None if refused or len(pairs[0]) < 2 else paired_ratio(*pairs)
     return rows
+
+
+def asked(client, server, path: str, body: dict):
+    """(seconds, response, voluntary context switches of the service meanwhile) of one POST to ``server``; the
+    switches are read outside the timed window and include the service's idle wake-ups (its shutdown watch wakes
+    every 50 ms: about 20 a second, against thousands a question where torch's OpenMP workers sleep)."""
+    before = voluntary_context_switches(server.proc.pid)
+    start = time.perf_counter()
+    response = client.post(server.url + path, json=body)
+    seconds = time.perf_counter() - start
+    return seconds, response, voluntary_context_switches(server.proc.pid) - before
 
 
 def through_service(names: list[str], artifact: str, n: int) -> dict:
     """Every backend in ``names`` through its own service process (started together, asked in turn): the raw
     seconds of single requests and of batches of ``SERVICE_BATCH``, and each service's voluntary context switches per
-    question while it answered (read outside the timed requests)."""
+    question of each kind (:func:`asked`)."""
     import httpx
 
     from benchmarks.service_process import ServiceProcess
@@ -352,31 +368,27 @@ def through_service(names: list[str], artifact: str, n: int) -> dict:
                             break
                         time.sleep(1)
                 measured[name] = {"single_s": [], "batch_s": [], "batch_sizes": [], "non_200": 0,
-                                  "answered_by": None, "voluntary_context_switches": 0}
+                                  "answered_by": None, "switches": {"single": 0, "batch": 0}}
             for p in payloads:
                 for name, server in live.items():
-                    before = voluntary_context_switches(server.proc.pid)
-                    start = time.perf_counter()
-                    r = client.post(server.url + "/predict", json=p)
-                    measured[name]["single_s"].append(time.perf_counter() - start)
-                    measured[name]["voluntary_context_switches"] += voluntary_context_switches(server.proc.pid) - before
+                    seconds, r, switches = asked(client, server, "/predict", p)
+                    measured[name]["single_s"].append(seconds)
+                    measured[name]["switches"]["single"] += switches
                     measured[name]["non_200"] += r.status_code != 200
                     if r.status_code == 200:
                         measured[name]["answered_by"] = {k: r.json()["adapter"][k] for k in ("backend", "calibration")}
             for i in range(0, len(payloads), SERVICE_BATCH):
                 items = payloads[i: i + SERVICE_BATCH]
                 for name, server in live.items():
-                    before = voluntary_context_switches(server.proc.pid)
-                    start = time.perf_counter()
-                    r = client.post(server.url + "/predict/batch", json={"items": items})
-                    measured[name]["batch_s"].append(time.perf_counter() - start)
-                    measured[name]["voluntary_context_switches"] += voluntary_context_switches(server.proc.pid) - before
+                    seconds, r, switches = asked(client, server, "/predict/batch", {"items": items})
+                    measured[name]["batch_s"].append(seconds)
+                    measured[name]["switches"]["batch"] += switches
                     measured[name]["batch_sizes"].append(len(items))
                     measured[name]["non_200"] += r.status_code != 200
         for name, server in live.items():
-            answered = len(measured[name]["single_s"]) + sum(measured[name]["batch_sizes"])
-            measured[name]["voluntary_context_switches_per_question"] = (
-                measured[name].pop("voluntary_context_switches") / answered)
+            switches = measured[name].pop("switches")
+            measured[name]["voluntary_context_switches_per_question"] = {
+                "single": switches["single"] / len(payloads), "batch": switches["batch"] / len(payloads)}
             measured[name]["service_rss_mib"] = server.rss_mib()
             measured[name]["service_peak_rss_mib"] = int(next(
                 line.split()[1] for line in Path(f"/proc/{server.proc.pid}/status").read_text().splitlines()

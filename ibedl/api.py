@@ -41,7 +41,8 @@ class Model:
         self.close()
 
     def close(self) -> None:
-        """Stop the scheduler's thread (started by the first answer); the model answers no more after it."""
+        """Stop the scheduler's thread (started by the first answer) and release the model's thread and the feedback
+        store; the model answers no more after it."""
         self.engine.close()
 
     @property

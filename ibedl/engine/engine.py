@@ -115,6 +115,7 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
+        self._loaded = False  # made by load() for a Python caller: close() releases it; a door stops its own
 
     # -- loading --------------------------------------------------------------------------------
 
@@ -148,8 +149,10 @@ class Engine:
             engine.feedback.bind(runtimes)  # a Python caller attaches observers after loading: none to tell here
         except BaseException:
             engine._model.shutdown(wait=False)
+            engine.store.close(engine.feedback.store)  # opened by bind before a later step failed
             raise
         engine._serve(runtimes, service_time)
+        engine._loaded = True
         engine._ready()
         return engine
 
@@ -516,6 +519,8 @@ class Engine:
         loop = self._loop
         if loop is None:
             with self._start_lock:
+                if self.status == "stopped":  # closed while this call waited for the lock
+                    raise NotReady("the engine is stopped (closed); load it again", retry_after=None)
                 if self._loop is None:
                     self._start_thread()
                 loop = self._loop
@@ -544,16 +549,20 @@ class Engine:
     def close(self) -> None:
         """Stop the engine's own thread; an engine ``load`` made that never answered releases its model thread and
         feedback store here. A no-op when a door runs the engine on its loop (the door stops it)."""
-        if self._thread is None or self._loop is None:
-            if self._loop is None and self.batcher is not None and self.status != "stopped":  # loaded, never started
+        with self._start_lock:  # not while a first question starts the thread
+            if self._loaded and self._loop is None and self.status != "stopped":  # never started: nothing to stop
                 self._model.shutdown(wait=True)
                 self.store.close(self.feedback.store)
-                self.status = "stopped"
+                self.status, self.reason = "stopped", "the engine is closed"
+                self.notify("readiness", False)
+                return
+        if self._thread is None or self._loop is None:
             return
         asyncio.run_coroutine_threadsafe(self.stop(), self._loop).result()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._thread = self._loop = None
+        self.reason = "the engine is closed"
 
     # -- feedback -------------------------------------------------------------------------------
 

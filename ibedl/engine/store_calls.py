@@ -24,6 +24,7 @@ class StoreCalls:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.timeout_s = timeout_s
         self._thread: ThreadPoolExecutor | None = None
+        self._closed = False
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._thread is None:
@@ -43,7 +44,11 @@ class StoreCalls:
                                    retry_after=max(1, math.ceil(self.timeout_s))) from None
 
     def close(self, store=None) -> None:
-        """Close ``store`` after the calls already queued (at once when none was made), and let the thread end."""
+        """Close ``store`` after the calls already queued (at once when none was made), and let the thread end; a
+        second close does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         if self._thread is None:  # no call went through here (a Python caller that never recorded a label)
             if store is not None:
                 store.close()

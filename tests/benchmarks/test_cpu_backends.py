@@ -64,7 +64,8 @@ def test_through_the_service_each_backend_is_a_ratio_to_torch_and_a_fraction_of_
     measured = {"torch": {"single_s": [0.2] * 9 + [1.0], "batch_s": [1.6, 1.6], "batch_sizes": [8, 8]},
                 "openvino-int8": {"single_s": [0.1] * 8 + [0.12, 0.5], "batch_s": [0.4, 0.4], "batch_sizes": [8, 8],
                                   "non_200": 0},
-                "openvino": {"skipped": "no calibration"}}
+                "openvino": {"skipped": "no calibration"},
+                "openvino-bf16": {"single_s": [0.1] * 10, "batch_s": [0.8, 0.8], "batch_sizes": [8, 8], "non_200": 1}}
     rows = service_summary(measured, {"fp32": 100.0, "int8": 400.0}, gflop_per_question=10.0)
     assert rows["openvino"] == {"skipped": "no calibration"}
     assert rows["torch"]["batch_questions_per_s"] == 16 / 3.2
@@ -80,3 +81,6 @@ def test_through_the_service_each_backend_is_a_ratio_to_torch_and_a_fraction_of_
     assert single["ratio"] == pytest.approx(0.28 / 0.142) and single["low"] <= single["ratio"] <= single["high"]
     assert rows["openvino-int8"]["batch_mean_speedup_vs_torch"]["ratio"] == pytest.approx(4.0)
     assert "single_mean_speedup_vs_torch" not in rows["torch"]
+    # a refused request's time is not an answer's: no paired speed-up where either side refused one
+    assert rows["openvino-bf16"]["single_mean_speedup_vs_torch"] is None
+    assert rows["openvino-bf16"]["batch_mean_speedup_vs_torch"] is None

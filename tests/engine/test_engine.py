@@ -1,6 +1,7 @@
 """The engine object: its scheduler serves callers on any thread (the Python API's door) with fair turns and the
 same admission as HTTP clients; answers, feedback and guarantees come from it alone."""
 
+import asyncio
 import sqlite3
 import threading
 import time
@@ -100,9 +101,26 @@ def test_close_releases_the_model_thread_and_the_feedback_store(tiny_artifact, t
     assert not any(t.is_alive() for t in threads)
     with pytest.raises(sqlite3.ProgrammingError, match="closed"):
         db.execute("SELECT 1")
+    assert engine.health() == ("stopped", "the engine is closed")
     with pytest.raises(NotReady, match="stopped"):
         engine.predict([Q])
     engine.close()  # twice: a no-op
+
+
+def test_close_leaves_an_engine_a_door_runs_to_the_door(tiny_artifact):
+    """The HTTP door opens the engine on its own loop and stops it itself: close() from another thread changes
+    nothing, the model thread and the scheduler go on answering."""
+    engine = Engine(EngineSettings(artifact=tiny_artifact, max_tokens=96))
+
+    async def door():
+        await engine.open()
+        await asyncio.to_thread(engine.close)
+        assert engine.status == "ready" and all(t.is_alive() for t in engine._model._threads)
+        assert len(await asyncio.to_thread(engine.predict, [Q])) == 1
+        await engine.stop()
+
+    asyncio.run(door())
+    assert engine.status == "stopped"
 
 
 def test_answers_from_the_engine_equal_the_python_api(tiny_artifact):
