@@ -514,12 +514,10 @@ class Engine:
     def call(self, coroutine_fn: Callable):
         """``await coroutine_fn()`` on the engine's event loop from a thread that is not on it (started on a thread
         of its own the first time when no door started it), and its result."""
-        if self.status == "stopped":
-            raise NotReady("the engine is stopped (closed); load it again", retry_after=None)
         loop = self._loop
-        if loop is None:
-            with self._start_lock:
-                if self.status == "stopped":  # closed while this call waited for the lock
+        if loop is None or self.status == "stopped":
+            with self._start_lock:  # stopped, or closed while this call waited for the lock
+                if self.status == "stopped":
                     raise NotReady("the engine is stopped (closed); load it again", retry_after=None)
                 if self._loop is None:
                     self._start_thread()
