@@ -24,6 +24,10 @@ sequences need more evidence the more history they hold.
 At an alarm, the change point estimate is where the CUSUM of the best alternative last restarted (the start of the
 run of outcomes that most favours a change), kept beside the statistic: C_j(n) = max(C_j(n - 1), 1) e_j(x_n).
 
+Once a stream has alarmed its statistics stop moving (its outcomes are still counted): the alarm and the change
+point are decided, and a statistic that kept multiplying e-values of up to 1 / (1 - t) per miss would overflow to
+infinity within a few hundred misses.
+
 Everything is vectorised over a leading batch shape, like ibedl.engine.confidence_sequence.BettingCS.
 """
 
@@ -80,7 +84,8 @@ class ChangeDetector:
         if np.any((x < 0.0) | (x > 1.0)) or not np.all(np.isfinite(x)):
             raise ValueError(f"outcomes must lie in [0, 1], got {x[(x < 0) | (x > 1) | ~np.isfinite(x)][:3]}")
         on = np.ones(self.n.shape, dtype=bool) if active is None else np.broadcast_to(active, self.n.shape)
-        keep = on[..., None]
+        moving = on & (self.alarm_at == 0)  # an alarmed stream counts its outcomes, its statistics stay as alarmed
+        keep = moving[..., None]
         n = self.n + on
         mark = n if mark is None else np.broadcast_to(np.asarray(mark, dtype=np.float64), self.n.shape)
         e = self._a + self._b * x[..., None]  # (..., J)
@@ -89,7 +94,7 @@ class ChangeDetector:
         self.cusum = np.where(keep, np.maximum(self.cusum, 1.0) * e, self.cusum)
         self.start = np.where(keep & restart, np.asarray(mark, dtype=np.float64)[..., None], self.start)
         self.n = n
-        fired = on & (self.alarm_at == 0) & (self.statistic() >= self.threshold)
+        fired = moving & (self.statistic() >= self.threshold)
         best = np.take_along_axis(self.start, np.argmax(self.cusum, axis=-1)[..., None], axis=-1)[..., 0]
         self.change_at = np.where(fired, best.astype(np.int64), self.change_at)
         self.alarm_at = np.where(fired, self.n, self.alarm_at)

@@ -61,6 +61,21 @@ def test_marks_report_the_change_point_in_the_caller_s_numbering():
     assert d.alarmed() and 1150 <= int(d.change_at) <= 1153 and int(d.alarm_at) <= 170
 
 
+def test_an_alarmed_stream_keeps_counting_and_its_statistic_stays_finite():
+    """After the alarm every outcome is still counted, but the statistic stops where it alarmed: 5,000 misses at
+    target 0.9 would multiply it by up to 10 each (past float64's range after about 310)."""
+    d = ChangeDetector(0.9, 2e7, (2,))
+    for _ in range(100):
+        d.update(np.array([0.0, 1.0]))
+    assert d.alarmed().tolist() == [True, False]
+    at, frozen = int(d.alarm_at[0]), d.statistic()[0]
+    with np.errstate(over="raise"):
+        for _ in range(5000):
+            d.update(np.array([0.0, 1.0]))
+    assert d.n.tolist() == [5100, 5100] and int(d.alarm_at[0]) == at
+    assert np.isfinite(d.statistic()).all() and d.statistic()[0] == frozen and frozen >= 2e7
+
+
 def test_inactive_streams_are_left_as_they_are_and_the_state_continues_bit_for_bit():
     rng = np.random.default_rng(2)
     d = ChangeDetector(0.85, 1e5, (3,))
