@@ -138,10 +138,12 @@ class Feedback:
         if self._key is None:
             return None
         now = int(self.clock())
-        # an option count the calibration never covered carries no stated level: its labels test no guarantee
+        # an option count the calibration never covered carries no stated level, nor a target the calibration could
+        # not certify (the answer states none: ibedl.engine.responses.stated_guarantees): their labels test nothing
         counts = runtime.option_counts
         claimed = counts is None or len(pred.probs) in counts
-        target = runtime.thresholds.for_options(len(pred.probs)).how.get("target_accuracy") if claimed else None
+        how = runtime.thresholds.for_options(len(pred.probs)).how
+        target = how.get("target_accuracy") if claimed and how.get("certified") else None
         coverage = coverage if claimed else None
         tracker = self._tracker(runtime)
         return sign(Receipt(

@@ -67,8 +67,8 @@ def with_version(artifact, tmp_path, name: str):
 
 @pytest.fixture
 def answering_artifact(tiny_artifact, tmp_path):
-    """A copy of the tiny artifact that never abstains (gate and confidence threshold off), stating a target
-    accuracy of 0.9: every answer feeds the answered accuracy."""
+    """A copy of the tiny artifact that never abstains (gate and confidence threshold off), stating a certified
+    target accuracy of 0.9: every answer feeds the answered accuracy."""
     import shutil
 
     from ibedl.core.artifact import read_manifest, write_manifest
@@ -77,7 +77,8 @@ def answering_artifact(tiny_artifact, tmp_path):
     shutil.copytree(tiny_artifact, art)
     manifest = read_manifest(art)
     manifest.abstention = {**manifest.abstention, "max_uncertainty": 1.0, "min_confidence": 0.0, "ood_threshold": 0.0,
-                           "how": {**manifest.abstention.get("how", {}), "target_accuracy": 0.9}, "by_options": {}}
+                           "how": {**manifest.abstention.get("how", {}), "target_accuracy": 0.9, "certified": True,
+                                   "delta": 0.01}, "by_options": {}}
     write_manifest(art, manifest)
     return art
 
@@ -166,6 +167,27 @@ class TestRecording:
             metrics = client.get("/metrics").text
         assert acc["hits"] == 0 and acc["upper"] < 0.9 and acc["violated"]
         assert 'ibedl_guarantee_stated{adapter="tiny",guarantee="answered_accuracy",stated="0.9"' in metrics
+
+    def test_a_target_the_calibration_did_not_certify_is_not_tested(self, make_client, answering_artifact,
+                                                                     tmp_path):
+        """The answer states no accuracy when its calibration could not certify the target, so wrong labels test
+        no accuracy promise and suspend nothing."""
+        from ibedl.core.artifact import read_manifest, write_manifest
+
+        manifest = read_manifest(answering_artifact)
+        manifest.abstention["how"]["certified"] = False
+        write_manifest(answering_artifact, manifest)
+        with make_client(artifact=answering_artifact, feedback_key=KEY, feedback_db=tmp_path / "f.sqlite") as client:
+            answers = client.post("/predict/batch", json={"items": [Q] * 30}).json()["results"]
+            assert all(a["guarantees"]["answered_accuracy"] is None for a in answers)
+            r = client.post("/v1/feedback/batch", json={"items": [
+                {"receipt": a["receipt"], "label": wrong_letter(a)} for a in answers]})
+            assert r.status_code == 200 and r.json()["recorded"] == 30
+            tested = {g["guarantee"] for g in client.get("/v1/guarantees").json()["guarantees"]}
+            after = ask(client)
+        payload = json.loads(base64.urlsafe_b64decode(answers[0]["receipt"].split(".")[1] + "=="))
+        assert payload["target"] is None and "answered_accuracy" not in tested
+        assert after["guarantees"]["holds"] is not False
 
 
 class TestRefusals:
