@@ -114,18 +114,22 @@ def replay_seed(rng, before: dict, after: dict | None, n_before: int, n_after: i
     arrival = np.arange(n) + rng.integers(0, delay + 1, n)
     order = np.argsort(arrival, kind="stable")  # labels in the order they arrive
 
-    # adaptive sets: question t is answered with the threshold of the labels arrived before it
+    # adaptive sets: question t is answered with the threshold of the labels arrived before it; the threshold counts
+    # the rule's set (a miss when it is empty), the answer shows the top option alone then (ibedl.engine.adaptive)
     tracker = QuantileTracker(quantile, 1.0 - target_cov, rate)
-    adaptive_cov = np.zeros(n, dtype=bool)
+    adaptive_cov = np.zeros(n, dtype=bool)  # the shown set held the label
+    counted = np.zeros(n, dtype=bool)  # the rule's set held it
     adaptive_size = np.zeros(n, dtype=np.int64)
     pointer = 0
     for t in range(n):
         while pointer < n and arrival[order[pointer]] < t:
-            tracker.update(bool(adaptive_cov[order[pointer]]))
+            tracker.update(bool(counted[order[pointer]]))
             pointer += 1
         q = tracker.quantile
-        adaptive_cov[t] = seq["label_score"][t] <= q + 1e-9 or seq["label_is_top"][t]
-        adaptive_size[t] = max(1, int(np.sum(seq["scores"][t] <= q + 1e-9)))
+        inside = int(np.sum(seq["scores"][t] <= q + 1e-9))
+        counted[t] = seq["label_score"][t] <= q + 1e-9
+        adaptive_cov[t] = counted[t] or (inside == 0 and seq["label_is_top"][t])
+        adaptive_size[t] = max(1, inside)
     return {"answered": seq["answered"][order], "correct": seq["correct"][order], "covered": seq["covered"][order],
             "shifted": shifted[order], "adaptive_covered": adaptive_cov, "adaptive_size": adaptive_size,
             "covered_static": seq["covered"], "size_static": seq["size"], "shifted_by_question": shifted}

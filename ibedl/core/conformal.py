@@ -124,13 +124,15 @@ def conformal_quantile(scores: Sequence[float], alpha: float, delta: float | Non
     return math.inf if rank > len(s) else float(s[rank - 1])
 
 
-def prediction_set(probs: Sequence[float], quantile: float, score: str) -> list[int]:
-    """Indices of the options whose score is at most ``quantile``, most probable first; never empty."""
+def prediction_set(probs: Sequence[float], quantile: float, score: str, never_empty: bool = True) -> list[int]:
+    """Indices of the options whose score is at most ``quantile``, most probable first; when none is, the most
+    probable option alone (``never_empty``, what an answer shows) or nothing (what an adaptive threshold counts:
+    ibedl.engine.adaptive)."""
     p = np.asarray(probs, dtype=np.float64)
     s = option_scores(p, score)
     # A small tolerance: a score equal to the quantile must not drop out through float rounding.
     keep = [int(i) for i in np.argsort(-p, kind="stable") if s[i] <= quantile + 1e-9]
-    return keep or [int(np.argmax(p))]
+    return keep or ([int(np.argmax(p))] if never_empty else [])
 
 
 def calibrate_quantiles(probs, labels, alphas: Sequence[float], scores: Sequence[str] = SCORES,

@@ -122,14 +122,15 @@ class Feedback:
     # -- answers ----------------------------------------------------------------------------------
 
     def adaptive_set(self, runtime: AdapterRuntime, probs) -> list[int] | None:
-        """The adaptive set of a question (option indices, most probable first), or None when adaptive sets are
-        off or the adapter has no conformal calibration to start from. Answering never reads the store (it must
-        not wait on another replica's write): the threshold moves when labels are read, on every label this
-        replica records and every ``guarantees`` call (each Prometheus scrape)."""
+        """The adaptive rule's set of a question (option indices, most probable first; empty when the threshold
+        is below every option's score, which its receipt counts as a miss: ibedl.engine.adaptive), or None when
+        adaptive sets are off or the adapter has no conformal calibration to start from. Answering never reads the
+        store (it must not wait on another replica's write): the threshold moves when labels are read, on every
+        label this replica records and every ``guarantees`` call (each Prometheus scrape)."""
         tracker = self._tracker(runtime)
         if tracker is None:
             return None
-        return prediction_set(probs, tracker.quantile, runtime.conformal.score)
+        return prediction_set(probs, tracker.quantile, runtime.conformal.score, never_empty=False)
 
     def receipt(self, runtime: AdapterRuntime, question: str, pred, answered: bool, pset: list[int] | None,
                 coverage: float | None, adaptive_set: list[int] | None) -> str | None:

@@ -35,7 +35,9 @@ class Receipt:
         predicted: index of the predicted option.
         answered: False when the service abstained.
         set: indices of the conformal prediction set, None without one; ``coverage`` its nominal 1 - alpha.
-        adaptive_set, adaptive_coverage: the adaptive (ACI) set and its target coverage, None when off.
+        adaptive_set, adaptive_coverage: the adaptive (ACI) rule's set and its target coverage, None when off; the
+            set is empty when the rule's threshold was below every option's score (the answer then showed the most
+            probable option alone; the label counts as a miss for the threshold: ibedl.engine.adaptive).
         target: the answered accuracy the adapter's abstention states, None when it states none.
         probs: the answer's probabilities (6 decimals); ``alpha`` its Dirichlet concentration, None without: what
             a recalibration on the labelled traffic needs (``python -m ibedl.training.calibrate --dataset feedback``).

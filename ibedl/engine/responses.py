@@ -61,7 +61,7 @@ def build_answer(runtime: AdapterRuntime, req: PredictRequest, q: MCQuestion, pr
         abstained=reason is not None,
         abstain_reason=reason,
         adapter=runtime.ref,
-        adaptive_prediction_set=None if adaptive is None else [letters[i] for i in adaptive],
+        adaptive_prediction_set=None if adaptive is None else [letters[i] for i in adaptive or [pred.index]],
         receipt=receipt,
         guarantees=guarantees,
     )

@@ -154,7 +154,9 @@ class PredictResponse(BaseModel):
     adaptive_prediction_set: list[str] | None = Field(
         None, description="the adaptive conformal set (letters, most probable first) whose threshold follows the "
         "labels sent back (IBEDL_ADAPTIVE_SETS); its long-run coverage on the labelled stream is reported apart "
-        "from prediction_set's guarantee (GET /v1/guarantees, adaptive_set_coverage); null when off")
+        "from prediction_set's guarantee (GET /v1/guarantees, adaptive_set_coverage); the most probable option "
+        "alone when the threshold is below every option's score (counted as a miss, so it covers at least as "
+        "often as reported); null when off")
     receipt: str | None = Field(None, description="signed receipt of this answer: send it back with the right "
                                 "option to POST /v1/feedback; null when feedback is off (no IBEDL_FEEDBACK_KEY)")
     guarantees: StatedGuarantees | None = Field(None, description="what the calibration promises for this "

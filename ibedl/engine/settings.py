@@ -92,7 +92,8 @@ class EngineSettings(BaseSettings):
                                       "one adapter version (every stated guarantee and option count together) raise "
                                       "a false alarm within IBEDL_CHANGE_HORIZON labels of healthy traffic; it "
                                       "grows linearly beyond. A healthy version's promises are suspended by "
-                                      "mistake with probability <= 2 x delta per labelled option count + alpha/2 per "
+                                      "mistake with probability <= delta per labelled option count (its threshold) + "
+                                      "delta per set level and score clients use at that count + alpha/2 per "
                                       "stated level + this: with the defaults and one option count at one set level, "
                                       "2 x 0.01 + 0.02 + 0.01 = 5% over 100,000 labels")
     change_horizon: int = Field(100_000, ge=100, description="labels of one adapter version over which "
@@ -118,7 +119,9 @@ class EngineSettings(BaseSettings):
     reload_interval_s: float = Field(10.0, ge=0, description="seconds between looks at each served artifact's "
                                      "manifest.json: a newer version of the same weights (python -m "
                                      "ibedl.training.calibrate in place, e.g. --dataset feedback) is served from the "
-                                     "next request on, without a restart (SIGHUP looks at once); 0: only on SIGHUP")
+                                     "next request on, without a restart (SIGHUP looks at once); and at the "
+                                     "feedback store's new labels, so that a suspension another replica's labels "
+                                     "made reaches this replica's answers; 0: only on SIGHUP")
 
     def served_artifacts(self) -> list[Path]:
         """The adapter directories to serve, the default first."""

@@ -102,8 +102,10 @@ class Versions:
 
     async def _watch_manifests(self) -> None:
         """Look at the served manifests every IBEDL_RELOAD_INTERVAL_S (and at once when poked): a changed one is
-        reloaded (:meth:`reload_calibrations`)."""
-        poke, settings = self._poke, self.engine.settings
+        reloaded (:meth:`reload_calibrations`); then read the feedback store's new labels, so that a suspension
+        another replica's labels made reaches this replica's answers though it records and is scraped nothing."""
+        engine = self.engine
+        poke, settings = self._poke, engine.settings
         interval = settings.reload_interval_s or None
         while True:
             with contextlib.suppress(asyncio.TimeoutError):
@@ -117,6 +119,14 @@ class Versions:
                     await self.reload_calibrations()
                 except Exception:  # a reload must never stop the watcher
                     log.exception("reload: failed; still serving what was loaded")
+            if engine.feedback.enabled:
+                try:
+                    await engine.store.run(engine.feedback.refresh)
+                except StoreUnavailable as e:  # the next look reads it
+                    log.warning("feedback: the store did not answer (%s); reading it again in %s", e.message,
+                                f"{interval:g} s" if interval else "the next look")
+                except Exception:  # nor must a store's failure
+                    log.exception("feedback: reading the store's labels failed")
 
     # -- backends (IBEDL_BACKEND=auto) --------------------------------------------------------------
 

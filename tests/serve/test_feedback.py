@@ -422,6 +422,27 @@ def test_two_replicas_sharing_a_store_count_a_label_once(make_client, tmp_path):
         assert 'ibedl_feedback_labels_total{adapter="tiny",status="duplicate"} 1.0' in metrics
 
 
+def test_a_suspension_reaches_a_replica_that_records_and_is_scraped_nothing(make_client, answering_artifact,
+                                                                            tmp_path):
+    """Replica one records 30 wrong labels and suspends the version's promises; replica two, which receives no
+    label and no scrape, says so in its own answers after its next look at the store (IBEDL_RELOAD_INTERVAL_S)."""
+    import time
+
+    db = tmp_path / "shared.sqlite"
+    with make_client(artifact=answering_artifact, feedback_key=KEY, feedback_db=db) as one, \
+            make_client(artifact=answering_artifact, feedback_key=KEY, feedback_db=db, reload_interval_s=0.05) as two:
+        assert ask(two)["guarantees"]["holds"] is not False
+        answers = one.post("/predict/batch", json={"items": [Q] * 30}).json()["results"]
+        r = one.post("/v1/feedback/batch", json={"items": [
+            {"receipt": a["receipt"], "label": wrong_letter(a)} for a in answers]})
+        assert r.status_code == 200 and ask(one)["guarantees"]["holds"] is False
+        deadline = time.monotonic() + 30
+        while (answer := ask(two))["guarantees"]["holds"] is not False:
+            assert time.monotonic() < deadline, "replica two never read the suspension"
+    stated = answer["guarantees"]
+    assert stated["reason"] == "violated_by_feedback" and stated["answered_accuracy"] is None
+
+
 def test_a_replica_started_later_reads_the_labels_already_recorded(make_client, tmp_path):
     db = tmp_path / "shared.sqlite"
     with make_client(feedback_key=KEY, feedback_db=db) as first:
@@ -453,3 +474,24 @@ def test_adaptive_sets_follow_the_labels_and_are_reported_apart(make_client, tmp
     assert found["adaptive_set_coverage"]["labels"] == 4 and found["adaptive_set_coverage"]["hits"] == held
     assert found["adaptive_set_coverage"]["stated"] == pytest.approx(0.9)
     assert found["set_coverage"]["labels"] == 4  # the calibrated sets' guarantee, measured apart
+
+
+def test_an_adaptive_threshold_below_every_score_shows_the_top_option_and_counts_a_miss(make_client, tmp_path):
+    """Right labels lower the threshold by rate * alpha each: 30 of them at rate 0.5 take it below 0, where the
+    rule's set is empty. The answer then shows the most probable option alone, its receipt keeps the empty set, and
+    a label on that option counts as a miss (what keeps the threshold from falling without limit)."""
+    with make_client(feedback_key=KEY, feedback_db=tmp_path / "f.sqlite", adaptive_sets=True,
+                     adaptive_rate=0.5) as client:
+        (tracker,) = client.app.state.service.engine.feedback._trackers.values()
+        answers = client.post("/predict/batch", json={"items": [Q] * 30}).json()["results"]
+        assert all(a["prediction"]["letter"] in a["adaptive_prediction_set"] for a in answers)
+        r = client.post("/v1/feedback/batch", json={"items": [
+            {"receipt": a["receipt"], "label": a["prediction"]["letter"]} for a in answers]})
+        assert r.status_code == 200 and tracker.misses == 0 and tracker.quantile < 0
+        answer = ask(client)
+        payload = json.loads(base64.urlsafe_b64decode(answer["receipt"].split(".")[1] + "=="))
+        assert answer["adaptive_prediction_set"] == [answer["prediction"]["letter"]] and payload["adaptive_set"] == []
+        r = client.post("/v1/feedback", json={"receipt": answer["receipt"], "label": answer["prediction"]["letter"]})
+        assert r.status_code == 200 and tracker.misses == 1 and tracker.labels == 31
+        found = {g["guarantee"]: g for g in client.get("/v1/guarantees").json()["guarantees"]}
+    assert found["adaptive_set_coverage"]["labels"] == 31 and found["adaptive_set_coverage"]["hits"] == 30
