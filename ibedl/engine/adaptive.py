@@ -11,7 +11,9 @@ so misses widen the sets and hits narrow them. For scores in [0, B] and any sequ
 needs the rule's own set, which is empty once q falls below every option's score: that empty set is a miss, and the
 misses are what stop q from falling further (q stays within [-alpha * rate, B + (1 - alpha) * rate]). An answer
 shows the most probable option alone in its place, which covers at least as often, so the shown sets' long-run
-miscoverage is at most alpha + (B + rate) / (rate * T). Counting the shown set instead let q fall without limit
+miscoverage is at most alpha + (B + rate) / (rate * T). All this when each label is folded before the next question
+is answered; labels folded D at a time (late, in batches, from several replicas) widen the range by rate * D each
+way and the bound to (B + rate * (D + 1)) / (rate * T). Counting the shown set instead let q fall without limit
 while top-1 accuracy exceeded 1 - alpha (to -8 after 20,000 such labels at rate 0.01), and after a shift the sets
 stayed too small for thousands of labels while q climbed back. It is a
 long-run frequency on the labelled stream, not the exchangeable guarantee of the calibrated sets (which holds

@@ -38,6 +38,7 @@ import zlib
 import numpy as np
 
 DROPS = (0.05, 0.1, 0.2, 0.3, 0.45)  # alternatives rho_j = t - drop (those above 0)
+FROZEN_CAP = 1e300  # a restored statistic that overflowed (an earlier release's alarmed stream): finite, its mean too
 
 
 class ChangeDetector:
@@ -126,8 +127,9 @@ class ChangeDetector:
         self.n = n.astype(np.int64).reshape(shape)[()]
         self.alarm_at = alarm.astype(np.int64).reshape(shape)[()]
         self.change_at = change.astype(np.int64).reshape(shape)[()]
-        self.sr = sr.reshape(self.sr.shape).copy()
-        self.cusum = cusum.reshape(self.cusum.shape).copy()
+        # an earlier release let an alarmed stream's statistics overflow to inf; they stay frozen from here on
+        self.sr = np.nan_to_num(sr.reshape(self.sr.shape), posinf=FROZEN_CAP)
+        self.cusum = np.nan_to_num(cusum.reshape(self.cusum.shape), posinf=FROZEN_CAP)
         self.start = start.reshape(self.start.shape).copy()
 
 

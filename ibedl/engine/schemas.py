@@ -207,7 +207,8 @@ class ChangeStatus(BaseModel):
 
     options: int
     labels: int = Field(..., description="labels it has read")
-    statistic: float = Field(..., description="its mixture Shiryaev-Roberts statistic; an alarm at threshold")
+    statistic: float = Field(..., description="its mixture Shiryaev-Roberts statistic; an alarm at threshold, "
+                             "after which it stays at its alarm value while labels go on counting")
     threshold: float
     alarm: bool
     change_seq: int | None = Field(..., description="at an alarm: the store sequence number of the first label of "

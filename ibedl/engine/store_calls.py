@@ -34,7 +34,9 @@ class StoreCalls:
     async def run(self, fn: Callable, *args, timeout: float | None = None):
         """``fn(*args)`` on the store's thread, waited for at most ``timeout`` seconds (default STORE_WAITS x the
         store's timeout), then StoreUnavailable; the call itself goes on to its end on its thread (a label it
-        records counts: sent again, it is a duplicate)."""
+        records counts: sent again, it is a duplicate). StoreUnavailable at once after :meth:`close`."""
+        if self._closed:
+            raise StoreUnavailable("the feedback store is closed: the engine has stopped")
         call = asyncio.get_running_loop().run_in_executor(self._pool(), fn, *args)
         wait = STORE_WAITS * self.timeout_s if timeout is None else timeout
         try:

@@ -27,6 +27,8 @@ class Versions:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.switcher = None  # ibedl.engine.backend_switch.BackendSwitcher while auto measures in the background
+        self._stopped = False  # the watcher ends at its next step (a cancel can be lost in a store call's wait)
+        self._store_down = False  # the watcher's last read of the feedback store failed (said once, not per look)
         self._swapping: asyncio.Lock | None = None  # one replacement at a time: a backend switch or a reload
         self._manifests: dict = {}  # served artifact directory -> its manifest.json's mtime when last looked at
         self._poke = asyncio.Event()  # set by poke() (SIGHUP), even while loading: looked at once serving
@@ -54,6 +56,7 @@ class Versions:
         self._poke.set()
 
     def stop(self) -> None:
+        self._stopped = True
         if self._watcher is not None:
             self._watcher.cancel()
             self._watcher = None
@@ -107,9 +110,11 @@ class Versions:
         engine = self.engine
         poke, settings = self._poke, engine.settings
         interval = settings.reload_interval_s or None
-        while True:
+        while not self._stopped:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(poke.wait(), interval)
+            if self._stopped:
+                return
             forced = poke.is_set()
             poke.clear()
             seen = {d: _mtime(d) for d in settings.served_artifacts()}
@@ -119,14 +124,23 @@ class Versions:
                     await self.reload_calibrations()
                 except Exception:  # a reload must never stop the watcher
                     log.exception("reload: failed; still serving what was loaded")
-            if engine.feedback.enabled:
-                try:
-                    await engine.store.run(engine.feedback.refresh)
-                except StoreUnavailable as e:  # the next look reads it
-                    log.warning("feedback: the store did not answer (%s); reading it again in %s", e.message,
-                                f"{interval:g} s" if interval else "the next look")
-                except Exception:  # nor must a store's failure
-                    log.exception("feedback: reading the store's labels failed")
+            if engine.feedback.enabled and engine.feedback.shared and not self._stopped:
+                await self._read_feedback()
+
+    async def _read_feedback(self) -> None:
+        """Fold the labels other replicas recorded since the last read; a store that fails is said once (and again
+        once it answers), then read at the next look."""
+        try:
+            await self.engine.store.run(self.engine.feedback.refresh)
+        except Exception as e:  # neither a store that does not answer nor one that fails may stop the watcher
+            if not self._store_down:
+                log.warning("feedback: reading the store's new labels failed (%s); tried again at each look, said "
+                            "again when it answers", getattr(e, "message", None) or repr(e))
+            self._store_down = True
+            return
+        if self._store_down:
+            log.info("feedback: the store answers again")
+        self._store_down = False
 
     # -- backends (IBEDL_BACKEND=auto) --------------------------------------------------------------
 

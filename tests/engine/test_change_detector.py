@@ -76,6 +76,20 @@ def test_an_alarmed_stream_keeps_counting_and_its_statistic_stays_finite():
     assert np.isfinite(d.statistic()).all() and d.statistic()[0] == frozen and frozen >= 2e7
 
 
+def test_a_state_an_earlier_release_let_overflow_restores_finite_and_alarmed():
+    """An earlier release went on multiplying an alarmed stream's statistics until they were inf, and checkpointed
+    them so: restored, the statistic is finite (a number GET /v1/guarantees and the gauge can show) and stays."""
+    old = ChangeDetector(0.9, 2e7)
+    for _ in range(100):
+        old.update(0.0)
+    old.sr[...], old.cusum[...] = np.inf, np.inf
+    new = ChangeDetector(0.9, 2e7)
+    new.restore(old.state())
+    for _ in range(10):
+        new.update(0.0)
+    assert new.alarmed() and int(new.n) == 110 and np.isfinite(new.statistic()) and new.statistic() >= 2e7
+
+
 def test_inactive_streams_are_left_as_they_are_and_the_state_continues_bit_for_bit():
     rng = np.random.default_rng(2)
     d = ChangeDetector(0.85, 1e5, (3,))
