@@ -12,11 +12,11 @@ needs the rule's own set, which is empty once q falls below every option's score
 misses are what stop q from falling further (q stays within [-alpha * rate, B + (1 - alpha) * rate]). An answer
 shows the most probable option alone in its place, which covers at least as often, so the shown sets' long-run
 miscoverage is at most alpha + (B + rate) / (rate * T). All this when each label is folded before the next question
-is answered; labels folded D at a time (late, in batches, from several replicas) widen the range by rate * D each
-way and the bound to (B + rate * (D + 1)) / (rate * T). Counting the shown set instead let q fall without limit
-while top-1 accuracy exceeded 1 - alpha (to -8 after 20,000 such labels at rate 0.01), and after a shift the sets
-stayed too small for thousands of labels while q climbed back. It is a
-long-run frequency on the labelled stream, not the exchangeable guarantee of the calibrated sets (which holds
+is answered; when up to D labels are folded between an answer and its own label (late, batched, from several
+replicas), the range widens by rate * D each way and the bound becomes (B + rate * (D + 1)) / (rate * T).
+Counting the shown set instead let q fall without limit while top-1 accuracy exceeded 1 - alpha (to -8 after 20,000
+such labels at rate 0.01), and after a shift the sets stayed too small for thousands of labels while q climbed back.
+It is a long-run frequency on the labelled stream, not the exchangeable guarantee of the calibrated sets (which holds
 for every question, on traffic like the calibration sample): the service reports the two apart.
 
 References:
@@ -45,17 +45,33 @@ class QuantileTracker:
             raise ValueError(f"rate must be > 0, got {rate}")
         self.alpha, self.rate = float(alpha), float(rate)
         self.start = min(max(float(start), 0.0), SCORE_BOUND)
-        self.labels = 0
-        self.misses = 0
+        # (labels, misses), replaced as one: answering reads the threshold on the event loop, without the lock the
+        # store's thread folds labels under, and must never see the labels of one fold with the misses of another
+        self._counts = (0, 0)
+
+    @property
+    def labels(self) -> int:
+        return self._counts[0]
+
+    @property
+    def misses(self) -> int:
+        return self._counts[1]
 
     @property
     def quantile(self) -> float:
         """The threshold now: the rule's steps summed, start + rate * (misses - alpha * labels), so the threshold
         of a tracker restored from its counts (a replica that starts from the feedback store's states) is the one
         of a tracker that saw every label, bit for bit."""
-        return self.start + self.rate * (self.misses - self.alpha * self.labels)
+        labels, misses = self._counts
+        return self.start + self.rate * (misses - self.alpha * labels)
 
     def update(self, covered: bool) -> None:
         """One labelled question: whether its adaptive set held the right option."""
-        self.labels += 1
-        self.misses += int(not covered)
+        labels, misses = self._counts
+        self._counts = (labels + 1, misses + int(not covered))
+
+    def restore(self, labels: int, misses: int) -> None:
+        """Take the counts a checkpoint holds (0 <= misses <= labels)."""
+        if not 0 <= misses <= labels:
+            raise ValueError(f"need 0 <= misses <= labels, got misses {misses}, labels {labels}")
+        self._counts = (int(labels), int(misses))

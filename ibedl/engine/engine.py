@@ -195,6 +195,8 @@ class Engine:
                 await self.store.run(self.feedback.bind, runtimes, timeout=float("inf"))
                 return
             except StoreUnavailable as e:
+                if self.status != "loading":  # drained or stopped meanwhile (its store closed): nothing to wait for
+                    return
                 self.reason = f"waiting for the feedback store: {e.message}"
                 log.warning("%s", self.reason)
                 await asyncio.sleep(STORE_RETRY_S)

@@ -273,8 +273,8 @@ class Feedback:
         for (adapter, version), tracker in self._trackers.items():
             seen = [t.cs for t in self._tracked.values()
                     if (t.adapter, t.version, t.guarantee) == (adapter, version, "adaptive_set_coverage")]
-            tracker.labels = sum(int(cs.n) for cs in seen)
-            tracker.misses = tracker.labels - sum(int(round(float(cs.total))) for cs in seen)
+            labels = sum(int(cs.n) for cs in seen)
+            tracker.restore(labels, labels - sum(int(round(float(cs.total))) for cs in seen))
         self._seq = checkpoint.seq
         self._saved = self._counts()
 

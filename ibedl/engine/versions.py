@@ -134,8 +134,9 @@ class Versions:
             await self.engine.store.run(self.engine.feedback.refresh)
         except Exception as e:  # neither a store that does not answer nor one that fails may stop the watcher
             if not self._store_down:
-                log.warning("feedback: reading the store's new labels failed (%s); tried again at each look, said "
-                            "again when it answers", getattr(e, "message", None) or repr(e))
+                said = log.warning if isinstance(e, StoreUnavailable) else log.exception  # a failure: its traceback
+                said("feedback: reading the store's new labels failed (%s); tried again at each look, said again "
+                     "when it answers", getattr(e, "message", None) or repr(e))
             self._store_down = True
             return
         if self._store_down:

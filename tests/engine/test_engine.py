@@ -107,6 +107,24 @@ def test_close_releases_the_model_thread_and_the_feedback_store(tiny_artifact, t
     engine.close()  # twice: a no-op
 
 
+def test_a_load_waiting_for_the_store_gives_up_once_the_engine_stopped():
+    """stop() while open() waits for the feedback store closes the store: the wait ends at its next try instead of
+    retrying a closed store for ever, and the stopped engine's reason is left alone."""
+    import types
+
+    bound = []
+    feedback = types.SimpleNamespace(enabled=True, shared=True, store=None, bind=bound.append)
+    engine = Engine(EngineSettings(), loader=lambda s: None, feedback=feedback)
+
+    async def main():
+        await engine.stop()
+        reason = engine.reason
+        await asyncio.wait_for(engine._bind_feedback({}), 5.0)
+        assert engine.status == "stopped" and engine.reason == reason and not bound
+
+    asyncio.run(main())
+
+
 def test_close_leaves_an_engine_a_door_runs_to_the_door(tiny_artifact):
     """The HTTP door opens the engine on its own loop and stops it itself: close() from another thread changes
     nothing, the model thread and the scheduler go on answering."""

@@ -204,8 +204,10 @@ class TestQuantileTracker:
         for covered in rng.random(5000) < 0.85:
             seen.update(bool(covered))
         restored = QuantileTracker(0.37, 0.1, 0.013)
-        restored.labels, restored.misses = seen.labels, seen.misses
+        restored.restore(seen.labels, seen.misses)
         assert restored.quantile == seen.quantile
+        with pytest.raises(ValueError, match="need 0 <= misses <= labels, got misses 3, labels 2"):
+            restored.restore(2, 3)
 
     def test_arguments_are_checked(self):
         with pytest.raises(ValueError, match="rate must be > 0, got 0"):
