@@ -8,7 +8,7 @@ import pytest
 from ibedl.training.data import load_dataset
 from tests.conftest import ServiceProcess
 from tests.http_json import ok_json
-from tests.integration.conftest import REPO
+from tests.integration.conftest import REPO, SLACK
 
 ADAPTERS = ["default", "map", "map-twin"]
 
@@ -17,8 +17,7 @@ ADAPTERS = ["default", "map", "map-twin"]
 def server(real_model_ref, tmp_path_factory):
     log = tmp_path_factory.mktemp("e2e-multi") / "service.log"
     proc = ServiceProcess([REPO / "artifacts" / name for name in ADAPTERS],
-                          {"IBEDL_DRIFT_BOOTSTRAP": "200", "IBEDL_LOG_FORMAT": "json",
-                           "IBEDL_REQUEST_TIMEOUT_S": "600"},  # answers, not admission, on any machine
+                          {"IBEDL_DRIFT_BOOTSTRAP": "200", "IBEDL_LOG_FORMAT": "json", **SLACK},
                           log)
     try:
         proc.wait_ready()

@@ -10,12 +10,7 @@ import pytest
 from ibedl.training.data import load_dataset
 from tests.conftest import ServiceProcess
 from tests.http_json import ok_json
-from tests.integration.conftest import DEFAULT_ARTIFACT
-
-# A deadline far beyond any pass for the tests that check answers, not admission: on a slow or busy machine the
-# default 30 s would turn their requests into 503 overloaded (admission is checked by tests/serve and the sigterm
-# tests below).
-SLACK = {"IBEDL_REQUEST_TIMEOUT_S": "600"}
+from tests.integration.conftest import DEFAULT_ARTIFACT, SLACK
 
 
 @pytest.fixture(scope="module")
