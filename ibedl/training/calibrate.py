@@ -22,6 +22,13 @@ serves the one matching its backend. Replacing a calibration the artifact carrie
 answers served on that backend change, and their labels are counted apart); adding one for a backend it never carried
 leaves the version and every other calibration as they were.
 
+The calibrations an artifact carries describe one labelled sample: a calibration made on another sample (your own
+traffic, the feedback store's labels) drops those of the other backends made on the old one, since they would go on
+promising what held for other questions (``auto`` serves only a backend it carries a calibration for, so it serves the
+recalibrated backend until the others are calibrated on the new sample with ``--backend NAME``: the command says
+which). The top-level calibration cannot be dropped; when it is stale the command says so and how to recalibrate it.
+A drop, like a replacement, writes a new ``version``.
+
 On a GPU, each arithmetic ``auto`` may serve there is calibrated on its own outputs: ``--device cuda`` (bfloat16:
 ``torch-cuda-bf16``), ``--device cuda --dtype float32`` (``torch-cuda-fp32``), ``--device cuda --load-in-4bit`` (NF4
 weights, bitsandbytes: ``torch-cuda-nf4-bf16``); ``--backend torch-cuda-nf4-bf16`` (and the others) computes the same
@@ -545,7 +552,8 @@ def main(argv: list[str] | None = None) -> int:
     # answer that was served (that backend could not serve it): the version stays.
     replaced = key in manifest.calibration_keys()
     record(manifest, key, head_update, sections, {args.evaluate_split: evaluated} if evaluated is not None else {})
-    if replaced:
+    dropped, stale = drop_other_samples(manifest, key)
+    if replaced or dropped:
         manifest.version = next_version(str(manifest.version))
     target = Path(args.output) if args.output else source
     if target.resolve() != source.resolve():
@@ -557,8 +565,27 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"artifact": str(target), "version": manifest.version, "calibration": key,
                       "posthoc": cal["posthoc"],
                       "gate": cal["gate"], "risk_control": cal["risk_control"],
-                      "conformal_in_sample": cal["conformal_in_sample"]}, indent=2))
+                      "conformal_in_sample": cal["conformal_in_sample"],
+                      "dropped": dropped, "stale": stale}, indent=2))
+    say_other_samples(args, target, dropped, stale)
     return 0
+
+
+def say_other_samples(args, target: Path, dropped: list[str], stale: list[str]) -> None:
+    """Say on stderr which calibrations made on another sample were ``dropped`` and which top-level one is
+    ``stale``, each with the command that calibrates it on this run's sample (``args``) in ``target``."""
+    again = f"python -m ibedl.training.calibrate --artifact {shlex.quote(str(target))}" + "".join(
+        f" {flag} {shlex.quote(str(value))}" for flag, value in (("--dataset", args.dataset), ("--split", args.split),
+                                                                  ("--path", without_password(args.path)),
+                                                                  ("--limit", args.limit))
+        if value is not None and not (flag == "--split" and args.dataset == "feedback"))
+    for k in dropped:
+        print(f"dropped the {k} calibration: it was made on another sample, so its promises held for other "
+              f"questions; {backend_of(k)} is served again once calibrated on this one: "
+              f"{again} --backend {backend_of(k)}", file=sys.stderr)
+    for k in stale:
+        print(f"warning: the top-level {k} calibration was made on another sample and is still served on "
+              f"{backend_of(k)}: recalibrate it on this one ({again} --backend {backend_of(k)})", file=sys.stderr)
 
 
 def labelled_outputs(args, source: Path, manifest: Manifest, config: CalibrationConfig,
@@ -584,6 +611,38 @@ def labelled_outputs(args, source: Path, manifest: Manifest, config: Calibration
     kind, raw, labels, key = run_model(args, source, load_dataset)
     config.main_options = args.main_options
     return kind, raw, labels, key
+
+
+def backend_of(key: str) -> str:
+    """The ``--backend`` that computes calibration key ``key``'s arithmetic: the key where a backend has its name
+    (``openvino-int8``, ``torch-cuda-nf4-bf16``), else the backend owning it (``torch-fp32``: torch), else the key."""
+    backend = None if key in BACKENDS else of_key(key)
+    return key if backend is None else backend.name
+
+
+def calibration_sample(record: dict) -> tuple | None:
+    """The labelled sample a calibration ``record`` (its ``calibration`` section) was made on: (dataset, split,
+    path, limit and the seed drawing a limited subset); None for none (an artifact never calibrated). Each
+    calibration on the feedback store's labels is its own sample: the labels of one backend's answers calibrate no
+    other, and each recalibration takes other labels."""
+    if not record:
+        return None
+    if record.get("dataset") == "feedback":
+        return ("feedback", record.get("created"))
+    limit = record.get("limit")
+    return record.get("dataset"), record.get("split"), record.get("path"), limit, limit and record.get("seed")
+
+
+def drop_other_samples(manifest: Manifest, key: str) -> tuple[list[str], list[str]]:
+    """Drop from ``manifest`` the backend calibrations made on another sample than ``key``'s (just recorded).
+    Returns (the keys dropped, the top-level key when it is such a one: it cannot be dropped)."""
+    sample = calibration_sample(manifest.calibration_for(key).record)
+    other = [k for k in manifest.calibration_keys() if k != key
+             and calibration_sample(manifest.calibration_for(k).record) not in (None, sample)]
+    dropped = [k for k in other if k != manifest.calibrated_on]
+    for k in dropped:
+        del manifest.backend_calibrations[k]
+    return dropped, [k for k in other if k == manifest.calibrated_on]
 
 
 def record(manifest: Manifest, key: str, head_update: dict, sections: dict, evaluated: dict) -> None:

@@ -408,6 +408,49 @@ class TestCli:
         assert "backend 'torch-cuda-bf16' cannot run here: it runs on CUDA; this predictor is on cpu" in \
             capsys.readouterr().err
 
+    def test_another_sample_drops_the_other_backends_calibrations(self, tiny_artifact, tiny_jsonl, tmp_path, capsys):
+        """An artifact's calibrations describe one sample: calibrating on another drops the backends' made on the old
+        one (they would promise what held for other questions), with the command that calibrates each again; the same
+        sample keeps them; a stale top-level one (it cannot be dropped) is named."""
+        common = ["--dataset", "jsonl", "--target-accuracy", "0.5", "--no-progress", "--min-per-count", "10"]
+        art, saved = tmp_path / "art", tmp_path / "outputs.json"
+        assert main(["--artifact", str(tiny_artifact), "--output", str(art), "--path", str(tiny_jsonl),
+                     "--save-outputs", str(saved), "--max-tokens", "96", *common]) == 0
+        saved.write_text(json.dumps({**json.loads(saved.read_text()), "calibration_key": "torch-cuda-bf16"}))
+        assert main(["--artifact", str(art), "--path", str(tiny_jsonl), "--outputs", str(saved),
+                     "--backend", "torch-cuda-bf16", *common]) == 0
+        assert read_manifest(art).calibration_keys() == ["torch-fp32", "torch-cuda-bf16"]
+        # the same sample, other targets: both kept
+        same = tmp_path / "same"
+        capsys.readouterr()
+        assert main(["--artifact", str(art), "--output", str(same), "--path", str(tiny_jsonl), "--max-tokens", "96",
+                     *common[:2], "--target-accuracy", "0.6", *common[4:]]) == 0
+        assert read_manifest(same).calibration_keys() == ["torch-fp32", "torch-cuda-bf16"]
+        assert json.loads(capsys.readouterr().out)["dropped"] == []
+        # another sample (a seeded subset): the GPU calibration is dropped, a new version, and the way back is said
+        mine = tmp_path / "mine"
+        assert main(["--artifact", str(art), "--output", str(mine), "--path", str(tiny_jsonl), "--limit", "50",
+                     "--max-tokens", "96", *common]) == 0
+        out, err = capsys.readouterr()
+        after = read_manifest(mine)
+        assert after.calibration_keys() == ["torch-fp32"] and after.calibration["limit"] == 50
+        assert after.version == next_version(read_manifest(art).version)
+        assert json.loads(out)["dropped"] == ["torch-cuda-bf16"] and json.loads(out)["stale"] == []
+        assert ("dropped the torch-cuda-bf16 calibration: it was made on another sample" in err
+                and f"--artifact {mine} --dataset jsonl --split validation --path {tiny_jsonl} --limit 50 "
+                    "--backend torch-cuda-bf16" in err)
+        assert read_manifest(art).calibration_keys() == ["torch-fp32", "torch-cuda-bf16"]  # the source untouched
+        # a backend calibrated on another sample than the top level's: the top level stays, named as stale
+        other = tmp_path / "other.jsonl"
+        shutil.copy(tiny_jsonl, other)
+        assert main(["--artifact", str(art), "--output", str(tmp_path / "gpu"), "--path", str(other), "--outputs",
+                     str(saved), "--backend", "torch-cuda-bf16", *common]) == 0
+        out, err = capsys.readouterr()
+        assert json.loads(out)["stale"] == ["torch-fp32"]
+        assert read_manifest(tmp_path / "gpu").calibration_keys() == ["torch-fp32", "torch-cuda-bf16"]
+        assert "warning: the top-level torch-fp32 calibration was made on another sample" in err
+        assert f"--path {other} --backend torch)" in err
+
     def test_a_backend_calibration_is_added_beside_the_others(self, tiny_artifact, tiny_jsonl, tmp_path):
         pytest.importorskip("openvino")
         from ibedl.core.predictor import Predictor
