@@ -149,8 +149,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reference", required=True, help="adapter directory the others are compared with")
     parser.add_argument("--artifacts", nargs="+", required=True, help="adapter directories to compare")
-    parser.add_argument("--dataset", default="sciq")
-    parser.add_argument("--split", default="test")
+    parser.add_argument("--dataset", default="sciq", help="the questions: a built-in dataset, or jsonl with --path "
+                        "(default sciq)")
+    parser.add_argument("--split", default="test", help="its split (default test)")
+    parser.add_argument("--path", help="the JSONL file for --dataset jsonl (your own test questions)")
     parser.add_argument("--limit", type=int, help="a seeded random subset of this size (default: the whole split)")
     parser.add_argument("--sample-seed", type=int, default=0, help="seed of that subset (default 0)")
     parser.add_argument("--unseen-by", nargs="+", default=[], metavar="DIR",
@@ -171,13 +173,18 @@ def main(argv=None) -> int:
 
     from ibedl.core.predictor import Predictor
     from ibedl.training.data import load_dataset
+    from ibedl.training.data.errors import DatasetError
     from ibedl.training.evaluate import predict_all
 
     try:
         excluded = drawn_by(args.unseen_by)
     except ValueError as e:
         parser.error(f"--unseen-by: {e}")
-    questions = load_dataset(args.dataset, args.split, limit=args.limit, seed=args.sample_seed, exclude=excluded)
+    try:
+        questions = load_dataset(args.dataset, args.split, path=args.path, limit=args.limit, seed=args.sample_seed,
+                                 exclude=excluded)
+    except (DatasetError, ValueError) as e:
+        parser.error(str(e))
     labels = [q.answer for q in questions]
 
     answers, identities = {}, {}
@@ -194,7 +201,8 @@ def main(argv=None) -> int:
     comparisons = {path: paired_bootstrap(reference, answer(path), args.resamples, args.seed)
                    for path in args.artifacts}
     write_result(args.output, {
-        "reference": args.reference, "dataset": args.dataset, "split": args.split, "n": len(questions),
+        "reference": args.reference, "dataset": args.dataset, "split": args.split,
+        **({"path": args.path} if args.path else {}), "n": len(questions),
         "sample_seed": args.sample_seed, "unseen_by": args.unseen_by, "excluded_drawn": len(excluded),
         "questions_sha256": hashlib.sha256("\n".join(sorted(q.id for q in questions)).encode()).hexdigest(),
         "resamples": args.resamples, "seed": args.seed, "ece_bins": 15,

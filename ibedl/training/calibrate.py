@@ -19,15 +19,18 @@ targets, rates or seeds) without running the model again.
 made on it: a guarantee holds for the weights and the arithmetic that ran them. The manifest keeps one calibration
 per backend and precision (``calibrated_on`` at the top level, the others in ``backend_calibrations``); the service
 serves the one matching its backend. Replacing a calibration the artifact carries writes a new ``version`` (the
-answers served on that backend change, and their labels are counted apart); adding one for a backend it never carried
-leaves the version and every other calibration as they were.
+answers served on that backend change, and their labels are counted apart); adding one for a backend it never carried,
+on questions from the same source, leaves the version and every other calibration as they were.
 
-The calibrations an artifact carries describe one labelled sample: a calibration made on another sample (your own
-traffic, the feedback store's labels) drops those of the other backends made on the old one, since they would go on
-promising what held for other questions (``auto`` serves only a backend it carries a calibration for, so it serves the
-recalibrated backend until the others are calibrated on the new sample with ``--backend NAME``: the command says
-which). The top-level calibration cannot be dropped; when it is stale the command says so and how to recalibrate it.
-A drop, like a replacement, writes a new ``version``.
+The calibrations an artifact carries describe one source of questions: a calibration on questions from another one
+(your own JSONL file after SciQ's) drops the other backends' calibrations made on the old source, since they would
+go on promising what held for other questions (``auto`` serves only backends it carries a calibration for, so it
+serves the recalibrated one until the others are calibrated on the new source: the command prints each one's line,
+this run's with its ``--backend``). A source is a built-in dataset's split (whatever subset ``--limit`` draws) or a
+JSONL file's content; one unknown (a record written by training, stored outputs without their file) drops nothing.
+The top-level calibration cannot be dropped; when it is stale the command says so, with its line. A drop, like a
+replacement, writes a new ``version``. ``--dataset feedback`` drops nothing: its labels are the answering backend's
+alone.
 
 On a GPU, each arithmetic ``auto`` may serve there is calibrated on its own outputs: ``--device cuda`` (bfloat16:
 ``torch-cuda-bf16``), ``--device cuda --dtype float32`` (``torch-cuda-fp32``), ``--device cuda --load-in-4bit`` (NF4
@@ -66,6 +69,7 @@ import torch
 from ibedl.core import quantization_sample
 from ibedl.core.artifact import Abstention, Conformal, Manifest, check_artifact, write_manifest
 from ibedl.core.backends import BACKENDS, calibration_key, get, of_key
+from ibedl.core.base_model import sha256_file
 from ibedl.core.conformal import SCORES, alpha_key, calibrate_quantiles, conformal_rank, prediction_set
 from ibedl.core.cpu_isa import int8_isa
 from ibedl.core.head import POSTHOC_NEUTRAL
@@ -539,6 +543,8 @@ def main(argv: list[str] | None = None) -> int:
         evaluated = metrics.summarise(out.probs, elabels, out.uncertainty)
     sections["calibration"].update({
         "backend": key, "dataset": args.dataset, "split": args.split, "path": without_password(args.path),
+        **({"path_sha256": sha256_file(Path(args.path))} if args.dataset == "jsonl" and args.path
+           and Path(args.path).is_file() else {}),
         "limit": args.limit, "outputs": args.outputs, "max_tokens": args.max_tokens,
         "evaluated_split": args.evaluate_split,
         "command": "python -m ibedl.training.calibrate " + " ".join(
@@ -552,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     # answer that was served (that backend could not serve it): the version stays.
     replaced = key in manifest.calibration_keys()
     record(manifest, key, head_update, sections, {args.evaluate_split: evaluated} if evaluated is not None else {})
-    dropped, stale = drop_other_samples(manifest, key)
+    dropped, stale = drop_other_sources(manifest, key)
     if replaced or dropped:
         manifest.version = next_version(str(manifest.version))
     target = Path(args.output) if args.output else source
@@ -567,25 +573,19 @@ def main(argv: list[str] | None = None) -> int:
                       "gate": cal["gate"], "risk_control": cal["risk_control"],
                       "conformal_in_sample": cal["conformal_in_sample"],
                       "dropped": dropped, "stale": stale}, indent=2))
-    say_other_samples(args, target, dropped, stale)
+    say_other_sources(argv if argv is not None else sys.argv[1:], target, dropped, stale)
     return 0
 
 
-def say_other_samples(args, target: Path, dropped: list[str], stale: list[str]) -> None:
-    """Say on stderr which calibrations made on another sample were ``dropped`` and which top-level one is
-    ``stale``, each with the command that calibrates it on this run's sample (``args``) in ``target``."""
-    again = f"python -m ibedl.training.calibrate --artifact {shlex.quote(str(target))}" + "".join(
-        f" {flag} {shlex.quote(str(value))}" for flag, value in (("--dataset", args.dataset), ("--split", args.split),
-                                                                  ("--path", without_password(args.path)),
-                                                                  ("--limit", args.limit))
-        if value is not None and not (flag == "--split" and args.dataset == "feedback"))
+def say_other_sources(argv: list[str], target: Path, dropped: list[str], stale: list[str]) -> None:
+    """Say on stderr which calibrations made on other questions were ``dropped`` and which top-level one is
+    ``stale``, each with the command (this run's, ``argv``) that calibrates it on this run's in ``target``."""
     for k in dropped:
-        print(f"dropped the {k} calibration: it was made on another sample, so its promises held for other "
-              f"questions; {backend_of(k)} is served again once calibrated on this one: "
-              f"{again} --backend {backend_of(k)}", file=sys.stderr)
+        print(f"dropped the {k} calibration: it was made on other questions, so its promises held for those; its "
+              f"backend is served again once calibrated on these: {command_on(argv, target, k)}", file=sys.stderr)
     for k in stale:
-        print(f"warning: the top-level {k} calibration was made on another sample and is still served on "
-              f"{backend_of(k)}: recalibrate it on this one ({again} --backend {backend_of(k)})", file=sys.stderr)
+        print(f"warning: the top-level {k} calibration was made on other questions and is still served on its "
+              f"backend: recalibrate it on these ({command_on(argv, target, k)})", file=sys.stderr)
 
 
 def labelled_outputs(args, source: Path, manifest: Manifest, config: CalibrationConfig,
@@ -613,36 +613,67 @@ def labelled_outputs(args, source: Path, manifest: Manifest, config: Calibration
     return kind, raw, labels, key
 
 
-def backend_of(key: str) -> str:
-    """The ``--backend`` that computes calibration key ``key``'s arithmetic: the key where a backend has its name
-    (``openvino-int8``, ``torch-cuda-nf4-bf16``), else the backend owning it (``torch-fp32``: torch), else the key."""
-    backend = None if key in BACKENDS else of_key(key)
-    return key if backend is None else backend.name
+def backend_arguments(key: str) -> list[str]:
+    """The arguments that compute calibration key ``key``'s arithmetic: ``--backend`` the key where a backend has its
+    name (``openvino-int8``, ``torch-cuda-nf4-bf16``), else the backend owning it with the key's device
+    (``torch-fp32``: ``--backend torch --device cpu``)."""
+    if key in BACKENDS:
+        return ["--backend", key]
+    backend = of_key(key)
+    return ["--backend", key if backend is None else backend.name,
+            *(["--device", "cpu", "--dtype", "float32"] if key == "torch-fp32" else [])]
 
 
-def calibration_sample(record: dict) -> tuple | None:
-    """The labelled sample a calibration ``record`` (its ``calibration`` section) was made on: (dataset, split,
-    path, limit and the seed drawing a limited subset); None for none (an artifact never calibrated). Each
-    calibration on the feedback store's labels is its own sample: the labels of one backend's answers calibrate no
-    other, and each recalibration takes other labels."""
-    if not record:
+def calibration_source(record: dict) -> tuple | None:
+    """Where the questions of a calibration ``record`` (its ``calibration`` section) came from: (dataset, split) for
+    a built-in dataset, whatever subset ``--limit`` drew of it (the same questions' distribution); ("jsonl", the
+    file's sha256) for a JSONL file (recorded since calibrations record it; ("jsonl", path) before). None where
+    unknown: no record, or one that names no dataset (written by training, or before calibrations recorded it), a
+    JSONL calibration made from stored outputs without its file, and the feedback store's labels (those of the
+    backend that answered; the others' calibrations are never judged by them)."""
+    dataset = (record or {}).get("dataset")
+    if not isinstance(dataset, str) or dataset == "feedback":
         return None
-    if record.get("dataset") == "feedback":
-        return ("feedback", record.get("created"))
-    limit = record.get("limit")
-    return record.get("dataset"), record.get("split"), record.get("path"), limit, limit and record.get("seed")
+    if dataset == "jsonl":
+        if record.get("path_sha256"):
+            return "jsonl", record["path_sha256"]
+        return ("jsonl-path", record["path"]) if record.get("path") else None
+    return dataset, record.get("split")
 
 
-def drop_other_samples(manifest: Manifest, key: str) -> tuple[list[str], list[str]]:
-    """Drop from ``manifest`` the backend calibrations made on another sample than ``key``'s (just recorded).
-    Returns (the keys dropped, the top-level key when it is such a one: it cannot be dropped)."""
-    sample = calibration_sample(manifest.calibration_for(key).record)
-    other = [k for k in manifest.calibration_keys() if k != key
-             and calibration_sample(manifest.calibration_for(k).record) not in (None, sample)]
+def drop_other_sources(manifest: Manifest, key: str) -> tuple[list[str], list[str]]:
+    """Drop from ``manifest`` the backend calibrations made on questions from another source than ``key``'s (just
+    recorded): both known and different, never on an unknown one. Returns (the keys dropped, the top-level key when
+    it is such a one: it cannot be dropped)."""
+    source = calibration_source(manifest.calibration_for(key).record)
+    if source is None:
+        return [], []
+    other = []
+    for k in manifest.calibration_keys():
+        theirs = calibration_source(manifest.calibration_for(k).record) if k != key else None
+        if theirs is not None and theirs != source and {theirs[0], source[0]} != {"jsonl", "jsonl-path"}:
+            other.append(k)  # (a file known by its content and one known by its path alone may be the same one)
     dropped = [k for k in other if k != manifest.calibrated_on]
     for k in dropped:
         del manifest.backend_calibrations[k]
     return dropped, [k for k in other if k == manifest.calibrated_on]
+
+
+def command_on(argv: list[str], target: Path, key: str) -> str:
+    """This run's command (``argv``: its arguments, every setting kept) made to calibrate ``key``'s backend in
+    ``target``: the model runs there (no stored outputs), in place."""
+    valued = {"--artifact", "--output", "--backend", "--device", "--dtype", "--outputs", "--save-outputs",
+              "--evaluate-outputs"}
+    kept, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in valued:
+            skip = True
+        elif a.split("=", 1)[0] not in valued | {"--load-in-4bit"}:
+            kept.append(a)
+    return " ".join(shlex.quote(without_password(a)) for a in [
+        "python", "-m", "ibedl.training.calibrate", "--artifact", str(target), *kept, *backend_arguments(key)])
 
 
 def record(manifest: Manifest, key: str, head_update: dict, sections: dict, evaluated: dict) -> None:

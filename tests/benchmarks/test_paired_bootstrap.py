@@ -91,6 +91,25 @@ def test_bad_inputs_name_the_problem():
         paired_bootstrap(a, a, resamples=10)
 
 
+def test_compares_adapters_on_a_users_own_jsonl_questions(tiny_artifact, tiny_jsonl, tmp_path, capsys):
+    """``--dataset jsonl --path FILE``: the comparison runs on the user's own test questions; an adapter against
+    itself differs by exactly zero; a missing file is a usage error naming it."""
+    from benchmarks.paired_bootstrap import main
+
+    out = tmp_path / "cmp.json"
+    assert main(["--reference", str(tiny_artifact), "--artifacts", str(tiny_artifact), "--dataset", "jsonl",
+                 "--path", str(tiny_jsonl), "--resamples", "100", "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    n = len(tiny_jsonl.read_text().splitlines())
+    assert result["path"] == str(tiny_jsonl) and result["n"] == n and result["dataset"] == "jsonl"
+    (diff,) = result["comparisons"].values()
+    assert diff["accuracy"]["difference"] == 0.0 and diff["ece"]["ci95"] == [0.0, 0.0]
+    with pytest.raises(SystemExit) as exit_:
+        main(["--reference", str(tiny_artifact), "--artifacts", str(tiny_artifact), "--dataset", "jsonl",
+              "--path", str(tmp_path / "nope.jsonl"), "--output", str(out)])
+    assert exit_.value.code == 2 and "nope.jsonl" in capsys.readouterr().err
+
+
 def test_unseen_by_leaves_out_what_every_artifact_and_its_starts_drew(tmp_path, monkeypatch):
     """drawn_by follows each artifact's init_from to the first run without one, once per artifact."""
     from benchmarks import paired_bootstrap

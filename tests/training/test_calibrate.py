@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -309,6 +310,51 @@ def test_stored_outputs_keep_a_confident_models_small_probabilities(tiny_artifac
     assert fitted["temperature"] > 1.0  # over-confident: the fit softens it
 
 
+def test_sources_decide_which_calibrations_are_dropped():
+    """On the committed default (four backends calibrated on SciQ validation): a calibration on other questions
+    drops the other backends' and names the top level as stale; the feedback store's labels, a record that names no
+    dataset (training's) and a subset of the same split drop nothing."""
+    from ibedl.core.artifact import read_manifest
+    from ibedl.training.calibrate import calibration_source, drop_other_sources
+
+    def with_record(key, m=None, **record):  # ``key``'s calibration record replaced by ``record``
+        m = m or read_manifest(Path(__file__).resolve().parents[2] / "artifacts/default")
+        assert m.calibration_keys() == ["torch-fp32", "openvino-fp32", "openvino-bf16", "openvino-int8"]
+        if key == m.calibrated_on:
+            m.calibration = record
+        else:
+            m.backend_calibrations[key]["calibration"] = record
+        return m
+
+    m = with_record("openvino-int8", dataset="jsonl", path="mine.jsonl", path_sha256="ab" * 32)
+    assert drop_other_sources(m, "openvino-int8") == (["openvino-fp32", "openvino-bf16"], ["torch-fp32"])
+    assert m.calibration_keys() == ["torch-fp32", "openvino-int8"]
+    m = with_record("torch-fp32", dataset="sciq", split="test")
+    assert drop_other_sources(m, "torch-fp32") == (["openvino-fp32", "openvino-bf16", "openvino-int8"], [])
+    for same in ({"dataset": "feedback", "path": "db"}, {"split": "the run's validation data"},
+                 {"dataset": "sciq", "split": "validation", "limit": 300, "seed": 4}):
+        m = with_record("openvino-bf16", **same)
+        assert drop_other_sources(m, "openvino-bf16") == ([], []) and len(m.calibration_keys()) == 4, same
+    assert calibration_source({"dataset": "jsonl", "outputs": "o.json"}) is None  # stored outputs, no file named
+    # a file known by its content beside one known only by its path (recorded before): may be the same, kept
+    m = with_record("openvino-int8", with_record("openvino-fp32", dataset="jsonl", path="mine.jsonl"),
+                    dataset="jsonl", path_sha256="cd" * 32)
+    assert drop_other_sources(m, "openvino-int8") == (["openvino-bf16"], ["torch-fp32"])
+
+
+def test_the_command_for_another_backend_keeps_every_setting_and_runs_the_model():
+    from ibedl.training.calibrate import command_on
+
+    argv = ["--artifact", "a", "--output=b", "--dataset", "feedback", "--path", "postgresql://u:secret@h/db",
+            "--outputs", "o.json", "--target-accuracy", "0.95", "--backend=openvino-int8", "--load-in-4bit",
+            "--option-counts", "2,3,4", "--save-outputs", "s.json", "--device", "cuda"]
+    assert command_on(argv, Path("b"), "torch-fp32") == (
+        "python -m ibedl.training.calibrate --artifact b --dataset feedback --path postgresql://h/db "
+        "--target-accuracy 0.95 --option-counts 2,3,4 --backend torch --device cpu --dtype float32")
+    assert command_on(["--artifact", "a"], Path("a"), "torch-cuda-nf4-bf16").endswith("--backend torch-cuda-nf4-bf16")
+    assert command_on(["--artifact", "a"], Path("a"), "openvino-int8").endswith("--artifact a --backend openvino-int8")
+
+
 def test_next_version():
     assert next_version("3") == "4" and next_version("v1") == "v1.recal"
 
@@ -408,10 +454,12 @@ class TestCli:
         assert "backend 'torch-cuda-bf16' cannot run here: it runs on CUDA; this predictor is on cpu" in \
             capsys.readouterr().err
 
-    def test_another_sample_drops_the_other_backends_calibrations(self, tiny_artifact, tiny_jsonl, tmp_path, capsys):
-        """An artifact's calibrations describe one sample: calibrating on another drops the backends' made on the old
-        one (they would promise what held for other questions), with the command that calibrates each again; the same
-        sample keeps them; a stale top-level one (it cannot be dropped) is named."""
+    def test_questions_from_another_source_drop_the_other_backends_calibrations(self, tiny_artifact, tiny_jsonl,
+                                                                                  tmp_path, capsys):
+        """An artifact's calibrations describe one source of questions: calibrating on another drops the backends'
+        made on the old one (they would promise what held for other questions), with this run's command for each; the
+        same file (wherever it lies) or a subset of it keeps them; a stale top-level one (it cannot be dropped) is
+        named with its command."""
         common = ["--dataset", "jsonl", "--target-accuracy", "0.5", "--no-progress", "--min-per-count", "10"]
         art, saved = tmp_path / "art", tmp_path / "outputs.json"
         assert main(["--artifact", str(tiny_artifact), "--output", str(art), "--path", str(tiny_jsonl),
@@ -420,36 +468,46 @@ class TestCli:
         assert main(["--artifact", str(art), "--path", str(tiny_jsonl), "--outputs", str(saved),
                      "--backend", "torch-cuda-bf16", *common]) == 0
         assert read_manifest(art).calibration_keys() == ["torch-fp32", "torch-cuda-bf16"]
-        # the same sample, other targets: both kept
-        same = tmp_path / "same"
-        capsys.readouterr()
-        assert main(["--artifact", str(art), "--output", str(same), "--path", str(tiny_jsonl), "--max-tokens", "96",
-                     *common[:2], "--target-accuracy", "0.6", *common[4:]]) == 0
-        assert read_manifest(same).calibration_keys() == ["torch-fp32", "torch-cuda-bf16"]
-        assert json.loads(capsys.readouterr().out)["dropped"] == []
-        # another sample (a seeded subset): the GPU calibration is dropped, a new version, and the way back is said
+        # the same questions from a copy of the file, a subset of them, other targets: both kept, nothing said
+        copy = tmp_path / "copy.jsonl"
+        shutil.copy(tiny_jsonl, copy)
+        for n, extra in enumerate((["--target-accuracy", "0.6"], ["--limit", "45", "--seed", "3"])):
+            capsys.readouterr()
+            assert main(["--artifact", str(art), "--output", str(tmp_path / f"same{n}"), "--path", str(copy),
+                         "--max-tokens", "96", *common, *extra]) == 0
+            assert read_manifest(tmp_path / f"same{n}").calibration_keys() == ["torch-fp32", "torch-cuda-bf16"]
+            out, err = capsys.readouterr()
+            assert json.loads(out)["dropped"] == [] and "dropped" not in err
+        # other questions: the GPU calibration is dropped, a new version, and this run's command for it is said
+        mine_file = tmp_path / "mine.jsonl"
+        rows = [json.loads(line) for line in tiny_jsonl.read_text().splitlines()]
+        mine_file.write_text("".join(json.dumps({**r, "question": "Mine: " + r["question"]}) + "\n" for r in rows))
         mine = tmp_path / "mine"
-        assert main(["--artifact", str(art), "--output", str(mine), "--path", str(tiny_jsonl), "--limit", "50",
-                     "--max-tokens", "96", *common]) == 0
+        capsys.readouterr()
+        assert main(["--artifact", str(art), "--output", str(mine), "--path", str(mine_file), "--max-tokens", "96",
+                     *common]) == 0
         out, err = capsys.readouterr()
         after = read_manifest(mine)
-        assert after.calibration_keys() == ["torch-fp32"] and after.calibration["limit"] == 50
+        assert after.calibration_keys() == ["torch-fp32"] and after.calibration["path"] == str(mine_file)
         assert after.version == next_version(read_manifest(art).version)
         assert json.loads(out)["dropped"] == ["torch-cuda-bf16"] and json.loads(out)["stale"] == []
-        assert ("dropped the torch-cuda-bf16 calibration: it was made on another sample" in err
-                and f"--artifact {mine} --dataset jsonl --split validation --path {tiny_jsonl} --limit 50 "
-                    "--backend torch-cuda-bf16" in err)
+        assert "dropped the torch-cuda-bf16 calibration: it was made on other questions" in err
+        assert (f"python -m ibedl.training.calibrate --artifact {mine} --path {mine_file} --max-tokens 96 "
+                f"{' '.join(common)} --backend torch-cuda-bf16") in err
         assert read_manifest(art).calibration_keys() == ["torch-fp32", "torch-cuda-bf16"]  # the source untouched
-        # a backend calibrated on another sample than the top level's: the top level stays, named as stale
-        other = tmp_path / "other.jsonl"
-        shutil.copy(tiny_jsonl, other)
-        assert main(["--artifact", str(art), "--output", str(tmp_path / "gpu"), "--path", str(other), "--outputs",
-                     str(saved), "--backend", "torch-cuda-bf16", *common]) == 0
+        # a backend calibrated on other questions than the top level's: the top level stays, named as stale
+        mine_out = tmp_path / "mine-outputs.json"
+        assert main(["--artifact", str(tiny_artifact), "--output", str(tmp_path / "scratch"), "--path", str(mine_file),
+                     "--save-outputs", str(mine_out), "--max-tokens", "96", *common]) == 0
+        mine_out.write_text(json.dumps({**json.loads(mine_out.read_text()), "calibration_key": "torch-cuda-bf16"}))
+        capsys.readouterr()
+        assert main(["--artifact", str(art), "--output", str(tmp_path / "gpu"), "--path", str(mine_file),
+                     "--outputs", str(mine_out), "--backend", "torch-cuda-bf16", *common]) == 0
         out, err = capsys.readouterr()
-        assert json.loads(out)["stale"] == ["torch-fp32"]
+        assert json.loads(out)["stale"] == ["torch-fp32"] and json.loads(out)["dropped"] == []
         assert read_manifest(tmp_path / "gpu").calibration_keys() == ["torch-fp32", "torch-cuda-bf16"]
-        assert "warning: the top-level torch-fp32 calibration was made on another sample" in err
-        assert f"--path {other} --backend torch)" in err
+        assert "warning: the top-level torch-fp32 calibration was made on other questions" in err
+        assert f"--path {mine_file} {' '.join(common)} --backend torch --device cpu --dtype float32)" in err
 
     def test_a_backend_calibration_is_added_beside_the_others(self, tiny_artifact, tiny_jsonl, tmp_path):
         pytest.importorskip("openvino")
