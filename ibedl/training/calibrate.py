@@ -26,7 +26,7 @@ The calibrations an artifact carries describe one source of questions: a calibra
 (your own JSONL file after SciQ's) drops the other backends' calibrations made on the old source, since they would
 go on promising what held for other questions (``auto`` serves only backends it carries a calibration for, so it
 serves the recalibrated one until the others are calibrated on the new source: the command prints each one's line,
-this run's with its ``--backend``). A source is a built-in dataset's split (whatever subset ``--limit`` draws) or a
+this run's with its ``--backend``; after a run on stored outputs, that backend's arguments). A source is a built-in dataset's split (whatever subset ``--limit`` draws) or a
 JSONL file's content; one unknown (a record written by training, stored outputs without their file) drops nothing.
 The top-level calibration cannot be dropped; when it is stale the command says so, with its line. A drop, like a
 replacement, writes a new ``version``. ``--dataset feedback`` drops nothing: its labels are the answering backend's
@@ -50,6 +50,7 @@ adapter and head weights are hard links to (or, across file systems, copies of) 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import math
@@ -401,10 +402,9 @@ def next_version(version: str) -> str:
     return str(int(version) + 1) if str(version).isdigit() else f"{version}.recal"
 
 
-def main(argv: list[str] | None = None) -> int:
-    from ibedl.core.artifact import ArtifactError
-    from ibedl.training.data import DATASETS, load_dataset
-    from ibedl.training.data.errors import DatasetError
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m ibedl.training.calibrate``."""
+    from ibedl.training.data import DATASETS
 
     defaults = CalibrationConfig()
     parser = argparse.ArgumentParser(prog="python -m ibedl.training.calibrate", description=__doc__.split("\n\n")[0],
@@ -481,6 +481,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load-in-4bit", action="store_true",
                         help="load the base in 4-bit NF4 (bitsandbytes, CUDA), as IBEDL_LOAD_IN_4BIT serves it")
     parser.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ibedl.core.artifact import ArtifactError
+    from ibedl.training.data import load_dataset
+    from ibedl.training.data.errors import DatasetError
+
+    parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.limit is not None and args.limit < 2:
@@ -573,19 +582,28 @@ def main(argv: list[str] | None = None) -> int:
                       "gate": cal["gate"], "risk_control": cal["risk_control"],
                       "conformal_in_sample": cal["conformal_in_sample"],
                       "dropped": dropped, "stale": stale}, indent=2))
-    say_other_sources(argv if argv is not None else sys.argv[1:], target, dropped, stale)
+    say_other_sources(parser, argv if argv is not None else sys.argv[1:], args, target, dropped, stale)
     return 0
 
 
-def say_other_sources(argv: list[str], target: Path, dropped: list[str], stale: list[str]) -> None:
+def say_other_sources(parser: argparse.ArgumentParser, argv: list[str], args, target: Path, dropped: list[str],
+                      stale: list[str]) -> None:
     """Say on stderr which calibrations made on other questions were ``dropped`` and which top-level one is
-    ``stale``, each with the command (this run's, ``argv``) that calibrates it on this run's in ``target``."""
+    ``stale``, each with the command (this run's, ``argv``) that calibrates it on this run's questions in ``target``;
+    none after a run on stored outputs (``--outputs``: how they were computed, e.g. each option count asked, is the
+    file's, not the command line's)."""
+    def how(k: str) -> str:
+        if args.outputs:
+            return (f"compute that backend's outputs as {args.outputs}'s were computed, with "
+                    f"{' '.join(backend_arguments(k))}")
+        return command_on(parser, argv, target, k)
+
     for k in dropped:
         print(f"dropped the {k} calibration: it was made on other questions, so its promises held for those; its "
-              f"backend is served again once calibrated on these: {command_on(argv, target, k)}", file=sys.stderr)
+              f"backend is served again once calibrated on these: {how(k)}", file=sys.stderr)
     for k in stale:
         print(f"warning: the top-level {k} calibration was made on other questions and is still served on its "
-              f"backend: recalibrate it on these ({command_on(argv, target, k)})", file=sys.stderr)
+              f"backend: recalibrate it on these ({how(k)})", file=sys.stderr)
 
 
 def labelled_outputs(args, source: Path, manifest: Manifest, config: CalibrationConfig,
@@ -614,14 +632,18 @@ def labelled_outputs(args, source: Path, manifest: Manifest, config: Calibration
 
 
 def backend_arguments(key: str) -> list[str]:
-    """The arguments that compute calibration key ``key``'s arithmetic: ``--backend`` the key where a backend has its
-    name (``openvino-int8``, ``torch-cuda-nf4-bf16``), else the backend owning it with the key's device
-    (``torch-fp32``: ``--backend torch --device cpu``)."""
+    """The arguments that compute calibration key ``key``'s arithmetic (:func:`ibedl.core.backends.calibration_key`
+    names CUDA's ``-cuda-``): ``--backend`` the key where a backend has its name (``openvino-int8``,
+    ``torch-cuda-nf4-bf16``), with its device; else the backend, device, dtype and 4-bit loading whose key it is
+    (``torch-fp32``: ``--backend torch --device cpu --dtype float32``); else ``--backend`` the key (refused, named)."""
+    device = "cuda" if "-cuda-" in f"{key}-" else "cpu"
     if key in BACKENDS:
-        return ["--backend", key]
-    backend = of_key(key)
-    return ["--backend", key if backend is None else backend.name,
-            *(["--device", "cpu", "--dtype", "float32"] if key == "torch-fp32" else [])]
+        return ["--backend", key, "--device", device]
+    owner = of_key(key)
+    for dtype, four_bit in itertools.product(("float32", "bfloat16", "float16"), (False, True)):
+        if owner is not None and calibration_key(owner.name, device, dtype, four_bit) == key:
+            return ["--backend", owner.name, "--device", device, "--dtype", dtype, *(["--load-in-4bit"] * four_bit)]
+    return ["--backend", key]
 
 
 def calibration_source(record: dict) -> tuple | None:
@@ -631,13 +653,18 @@ def calibration_source(record: dict) -> tuple | None:
     unknown: no record, or one that names no dataset (written by training, or before calibrations recorded it), a
     JSONL calibration made from stored outputs without its file, and the feedback store's labels (those of the
     backend that answered; the others' calibrations are never judged by them)."""
+    from ibedl.training.data import DATASETS
+
     dataset = (record or {}).get("dataset")
-    if not isinstance(dataset, str) or dataset == "feedback":
+    if dataset not in DATASETS:  # training's "the run's validation data", feedback, none
         return None
     if dataset == "jsonl":
         if record.get("path_sha256"):
             return "jsonl", record["path_sha256"]
-        return ("jsonl-path", record["path"]) if record.get("path") else None
+        path = record.get("path")
+        if path and Path(path).is_file():  # recorded before the content was: the file as it is now
+            return "jsonl", sha256_file(Path(path))
+        return ("jsonl-path", path) if path else None
     return dataset, record.get("split")
 
 
@@ -659,18 +686,25 @@ def drop_other_sources(manifest: Manifest, key: str) -> tuple[list[str], list[st
     return dropped, [k for k in other if k == manifest.calibrated_on]
 
 
-def command_on(argv: list[str], target: Path, key: str) -> str:
-    """This run's command (``argv``: its arguments, every setting kept) made to calibrate ``key``'s backend in
-    ``target``: the model runs there (no stored outputs), in place."""
-    valued = {"--artifact", "--output", "--backend", "--device", "--dtype", "--outputs", "--save-outputs",
-              "--evaluate-outputs"}
+RUN_ONLY = ("--artifact", "--output", "--backend", "--device", "--dtype", "--load-in-4bit", "--outputs",
+            "--save-outputs", "--evaluate-outputs")  # what command_on replaces: where, and on which arithmetic
+
+
+def command_on(parser: argparse.ArgumentParser, argv: list[str], target: Path, key: str) -> str:
+    """This run's command (``argv``, parsed by ``parser``: every setting kept, abbreviated options too) made to
+    calibrate ``key``'s backend in ``target``, in place, the model run on that backend."""
+    long = {o: a for a in parser._actions for o in a.option_strings if o.startswith("--")}
     kept, skip = [], False
     for a in argv:
         if skip:
             skip = False
-        elif a in valued:
-            skip = True
-        elif a.split("=", 1)[0] not in valued | {"--load-in-4bit"}:
+            continue
+        name = a.split("=", 1)[0]
+        matches = [o for o in long if o == name] or [o for o in long if o.startswith(name)] if a.startswith("--") \
+            else []
+        if len(matches) == 1 and matches[0] in RUN_ONLY:
+            skip = "=" not in a and long[matches[0]].nargs != 0
+        else:
             kept.append(a)
     return " ".join(shlex.quote(without_password(a)) for a in [
         "python", "-m", "ibedl.training.calibrate", "--artifact", str(target), *kept, *backend_arguments(key)])

@@ -331,7 +331,8 @@ def test_sources_decide_which_calibrations_are_dropped():
     assert m.calibration_keys() == ["torch-fp32", "openvino-int8"]
     m = with_record("torch-fp32", dataset="sciq", split="test")
     assert drop_other_sources(m, "torch-fp32") == (["openvino-fp32", "openvino-bf16", "openvino-int8"], [])
-    for same in ({"dataset": "feedback", "path": "db"}, {"split": "the run's validation data"},
+    training = {"dataset": "the run's validation data", "split": "validation"}  # as finetune records it
+    for same in ({"dataset": "feedback", "path": "db"}, training,
                  {"dataset": "sciq", "split": "validation", "limit": 300, "seed": 4}):
         m = with_record("openvino-bf16", **same)
         assert drop_other_sources(m, "openvino-bf16") == ([], []) and len(m.calibration_keys()) == 4, same
@@ -340,19 +341,41 @@ def test_sources_decide_which_calibrations_are_dropped():
     m = with_record("openvino-int8", with_record("openvino-fp32", dataset="jsonl", path="mine.jsonl"),
                     dataset="jsonl", path_sha256="cd" * 32)
     assert drop_other_sources(m, "openvino-int8") == (["openvino-bf16"], ["torch-fp32"])
+    # a trained artifact's top level (training's record) is not stale beside a backend calibrated on SciQ
+    m = with_record("torch-fp32", **training)
+    assert drop_other_sources(m, "openvino-int8") == ([], [])
+
+
+def test_a_jsonl_calibration_recorded_without_its_content_is_judged_by_the_file_as_it_is(tmp_path):
+    from ibedl.core.base_model import sha256_file
+    from ibedl.training.calibrate import calibration_source
+
+    week1 = tmp_path / "week1.jsonl"
+    week1.write_text('{"question": "q", "options": ["a", "b"], "answer": "A"}\n')
+    assert calibration_source({"dataset": "jsonl", "path": str(week1)}) == ("jsonl", sha256_file(week1))
+    assert calibration_source({"dataset": "jsonl", "path": str(tmp_path / "gone.jsonl")}) == \
+        ("jsonl-path", str(tmp_path / "gone.jsonl"))
 
 
 def test_the_command_for_another_backend_keeps_every_setting_and_runs_the_model():
-    from ibedl.training.calibrate import command_on
+    from ibedl.core.backends import calibration_key
+    from ibedl.training.calibrate import backend_arguments, build_parser, command_on
 
+    parser = build_parser()
     argv = ["--artifact", "a", "--output=b", "--dataset", "feedback", "--path", "postgresql://u:secret@h/db",
-            "--outputs", "o.json", "--target-accuracy", "0.95", "--backend=openvino-int8", "--load-in-4bit",
-            "--option-counts", "2,3,4", "--save-outputs", "s.json", "--device", "cuda"]
-    assert command_on(argv, Path("b"), "torch-fp32") == (
+            "--target-accuracy", "0.95", "--backend=openvino-int8", "--load-in-4bit", "--option-counts", "2,3,4",
+            "--save-o", "s.json", "--dev", "cuda", "--limit", "40", "--seed", "3"]  # abbreviated, as argparse takes
+    assert parser.parse_args(argv).save_outputs == "s.json"
+    assert command_on(parser, argv, Path("b"), "torch-fp32") == (
         "python -m ibedl.training.calibrate --artifact b --dataset feedback --path postgresql://h/db "
-        "--target-accuracy 0.95 --option-counts 2,3,4 --backend torch --device cpu --dtype float32")
-    assert command_on(["--artifact", "a"], Path("a"), "torch-cuda-nf4-bf16").endswith("--backend torch-cuda-nf4-bf16")
-    assert command_on(["--artifact", "a"], Path("a"), "openvino-int8").endswith("--artifact a --backend openvino-int8")
+        "--target-accuracy 0.95 --option-counts 2,3,4 --limit 40 --seed 3 --backend torch --device cpu "
+        "--dtype float32")
+    assert command_on(parser, ["--artifact", "a"], Path("a"), "openvino-int8").endswith(
+        "--artifact a --backend openvino-int8 --device cpu")  # an OpenVINO backend runs on the CPU, even beside CUDA
+    for key in ("torch-fp32", "torch-bf16", "torch-cuda-fp16", "torch-cuda-nf4-fp32", "torch-cuda-bf16",
+                "torch-cuda-nf4-bf16", "openvino-int8", "openvino"):  # the arguments compute the key they are for
+        args = parser.parse_args(["--artifact", "a", "--dataset", "sciq", *backend_arguments(key)])
+        assert calibration_key(args.backend, args.device, args.dtype or "float32", args.load_in_4bit) == key, key
 
 
 def test_next_version():
@@ -493,7 +516,7 @@ class TestCli:
         assert json.loads(out)["dropped"] == ["torch-cuda-bf16"] and json.loads(out)["stale"] == []
         assert "dropped the torch-cuda-bf16 calibration: it was made on other questions" in err
         assert (f"python -m ibedl.training.calibrate --artifact {mine} --path {mine_file} --max-tokens 96 "
-                f"{' '.join(common)} --backend torch-cuda-bf16") in err
+                f"{' '.join(common)} --backend torch-cuda-bf16 --device cuda") in err
         assert read_manifest(art).calibration_keys() == ["torch-fp32", "torch-cuda-bf16"]  # the source untouched
         # a backend calibrated on other questions than the top level's: the top level stays, named as stale
         mine_out = tmp_path / "mine-outputs.json"
@@ -507,7 +530,9 @@ class TestCli:
         assert json.loads(out)["stale"] == ["torch-fp32"] and json.loads(out)["dropped"] == []
         assert read_manifest(tmp_path / "gpu").calibration_keys() == ["torch-fp32", "torch-cuda-bf16"]
         assert "warning: the top-level torch-fp32 calibration was made on other questions" in err
-        assert f"--path {mine_file} {' '.join(common)} --backend torch --device cpu --dtype float32)" in err
+        # from stored outputs no command line says how they were computed (option counts asked...): the file does
+        assert (f"recalibrate it on these (compute that backend's outputs as {mine_out}'s were computed, with "
+                "--backend torch --device cpu --dtype float32)") in err
 
     def test_a_backend_calibration_is_added_beside_the_others(self, tiny_artifact, tiny_jsonl, tmp_path):
         pytest.importorskip("openvino")
