@@ -26,11 +26,11 @@ The calibrations an artifact carries describe one source of questions: a calibra
 (your own JSONL file after SciQ's) drops the other backends' calibrations made on the old source, since they would
 go on promising what held for other questions (``auto`` serves only backends it carries a calibration for, so it
 serves the recalibrated one until the others are calibrated on the new source: the command prints each one's line,
-this run's with its ``--backend``; after a run on stored outputs, that backend's arguments). A source is a built-in dataset's split (whatever subset ``--limit`` draws) or a
-JSONL file's content; one unknown (a record written by training, stored outputs without their file) drops nothing.
-The top-level calibration cannot be dropped; when it is stale the command says so, with its line. A drop, like a
-replacement, writes a new ``version``. ``--dataset feedback`` drops nothing: its labels are the answering backend's
-alone.
+this run's with its ``--backend``; after a run on stored outputs, that backend's arguments). A source is a built-in
+dataset's split (whatever subset ``--limit`` draws) or a JSONL file's content; one unknown (a record written by
+training, stored outputs without their file) drops nothing. The top-level calibration cannot be dropped; when it is
+stale the command says so, with its line. A drop, like a replacement, writes a new ``version``. ``--dataset
+feedback`` drops nothing: its labels are the answering backend's alone.
 
 On a GPU, each arithmetic ``auto`` may serve there is calibrated on its own outputs: ``--device cuda`` (bfloat16:
 ``torch-cuda-bf16``), ``--device cuda --dtype float32`` (``torch-cuda-fp32``), ``--device cuda --load-in-4bit`` (NF4
