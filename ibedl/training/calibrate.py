@@ -686,6 +686,14 @@ def drop_other_sources(manifest: Manifest, key: str) -> tuple[list[str], list[st
     return dropped, [k for k in other if k == manifest.calibrated_on]
 
 
+def option_named(options, name: str) -> str | None:
+    """The option of ``options`` that ``name`` names as argparse reads it: itself, else the one it abbreviates."""
+    if name in options:
+        return name
+    prefixed = [o for o in options if o.startswith(name)]
+    return prefixed[0] if len(prefixed) == 1 else None
+
+
 RUN_ONLY = ("--artifact", "--output", "--backend", "--device", "--dtype", "--load-in-4bit", "--outputs",
             "--save-outputs", "--evaluate-outputs")  # what command_on replaces: where, and on which arithmetic
 
@@ -699,11 +707,9 @@ def command_on(parser: argparse.ArgumentParser, argv: list[str], target: Path, k
         if skip:
             skip = False
             continue
-        name = a.split("=", 1)[0]
-        matches = [o for o in long if o == name] or [o for o in long if o.startswith(name)] if a.startswith("--") \
-            else []
-        if len(matches) == 1 and matches[0] in RUN_ONLY:
-            skip = "=" not in a and long[matches[0]].nargs != 0
+        option = option_named(long, a.split("=", 1)[0]) if a.startswith("--") else None
+        if option in RUN_ONLY:
+            skip = "=" not in a and long[option].nargs != 0
         else:
             kept.append(a)
     return " ".join(shlex.quote(without_password(a)) for a in [
