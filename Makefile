@@ -141,14 +141,20 @@ setup-gpu: $(GPU_VENV)/.installed
 GPU_PYTHON_VERSION ?= 3.11
 GPU_HAVE ?=
 GPU_WITHOUT ?=
-gpu-wheels:
-	mkdir -p $(GPU_WHEELS)
-	$(PYTHON) requirements/offline.py wheels $(if $(GPU_HAVE),--have $(GPU_HAVE)) --without $(GPU_WITHOUT) \
-	  > $(GPU_WHEELS)/requirements.txt.tmp
-	mv $(GPU_WHEELS)/requirements.txt.tmp $(GPU_WHEELS)/requirements.txt
-	$(PIP) download -q --no-deps --require-hashes --only-binary :all: --python-version $(GPU_PYTHON_VERSION) \
+# Two passes: the second reads the downloaded wheels' own requirements and adds the pool's version of a machine
+# package one of them refuses (tritonclient asks for ml-dtypes <= 0.5.4; a machine with JAX has 0.6).
+GPU_DOWNLOAD = $(PIP) download -q --no-deps --require-hashes --only-binary :all: --python-version $(GPU_PYTHON_VERSION) \
 	  --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux2014_x86_64 \
 	  --platform any -r $(GPU_WHEELS)/requirements.txt -d $(GPU_WHEELS)
+gpu-wheels:
+	mkdir -p $(GPU_WHEELS)
+	for pass in 1 2; do \
+	  $(PYTHON) requirements/offline.py wheels $(if $(GPU_HAVE),--have $(GPU_HAVE)) --without $(GPU_WITHOUT) \
+	    --python-version $(GPU_PYTHON_VERSION) $$( [ $$pass = 2 ] && echo --wheels-dir $(GPU_WHEELS) ) \
+	    > $(GPU_WHEELS)/requirements.txt.tmp && \
+	  mv $(GPU_WHEELS)/requirements.txt.tmp $(GPU_WHEELS)/requirements.txt && \
+	  $(GPU_DOWNLOAD) || exit 1; \
+	done
 
 setup-gpu-offline:
 	$(PYTHON) requirements/offline.py install --venv $(GPU_VENV) --wheels $(GPU_WHEELS) --without $(GPU_WITHOUT)

@@ -3,6 +3,8 @@ setup-gpu-offline): which locked wheels to carry there, and the install from the
 
     # where there is an index: the wheels the machine lacks, for its Python
     python requirements/offline.py wheels --have HAVE.txt [--without openvino nncf] > wheels/gpu/requirements.txt
+    # once the wheels are downloaded: also the pool's own version of a machine package a carried wheel refuses
+    python requirements/offline.py wheels --have HAVE.txt --wheels-dir wheels/gpu --python-version 3.12 [...] > ...
     # on the machine (its python has the CUDA torch): a venv over its packages, the carried wheels, the project
     python requirements/offline.py install --venv .venv-gpu --wheels wheels/gpu [--without ...]
 
@@ -12,7 +14,9 @@ requirements/gpu.lock.txt's versions, without torch and its CUDA runtime, hashes
 leaves out what ``--without`` names (e.g. the OpenVINO backends, CPU only) with what is there only for it (followed
 through the annotations), and what the machine already has: ``HAVE.txt`` is its ``python3 -m pip list
 --format=freeze``. A package the machine has is kept at the machine's version unless pyproject.toml (its
-requirements, or its build system's, for the editable install) excludes that version: then the lock's is carried.
+requirements, or its build system's, for the editable install) excludes that version, or (with ``--wheels-dir``, the
+wheels already downloaded) a carried wheel's own requirements do (tritonclient 2.73 asks for ml-dtypes <= 0.5.4, a
+machine with JAX has 0.6): then the lock's is carried, installed in the venv in front of the machine's.
 
 ``install`` checks the python it runs on (a CUDA torch, pip >= 22.3 for ``pip --python``), makes the venv with
 ``--system-site-packages`` and a ``.pth`` adding this python's own site-packages as site directories (where this
@@ -181,19 +185,85 @@ def acceptable(have: dict[str, str | None], pyproject: dict) -> set[str]:
     return ok
 
 
-def wheels_to_carry(pool: str, pyproject: dict, have: dict[str, str | None], without: set[str]) -> str:
-    """The entries of ``pool`` (requirements/gpu-offline.txt) a machine having ``have`` must be given; ValueError
-    naming a ``without`` the pool does not hold."""
+def wheel_requirements(path: Path) -> tuple[str, list[str]]:
+    """A wheel file -> (its canonical name, its ``Requires-Dist`` strings), read from its METADATA; ValueError for a
+    file that is not a wheel."""
+    import email.parser
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = [n for n in z.namelist() if n.count("/") == 1 and n.endswith(".dist-info/METADATA")]
+            if len(names) != 1:
+                raise ValueError(f"{path.name}: not a wheel (no single .dist-info/METADATA)")
+            meta = email.parser.Parser().parsestr(z.read(names[0]).decode())
+    except zipfile.BadZipFile:
+        raise ValueError(f"{path.name}: not a wheel (not a zip file)") from None
+    return canonical(meta["Name"]), list(meta.get_all("Requires-Dist") or [])
+
+
+def refused_by_carried(wheels: list[Path], have: dict[str, str | None], carried: set[str], pyproject: dict,
+                       python_version: str) -> dict[str, str]:
+    """The machine's packages (in ``have``, not ``carried``) at a version one of ``wheels`` requires otherwise, on
+    Python ``python_version`` (its unconditional requirements and those of the extras pyproject.toml asks of it,
+    e.g. tritonclient[grpc]) -> why, e.g. ``tritonclient requires ml-dtypes<=0.5.4; the machine has 0.6.0``. A
+    machine package without a version (``name @ url``) is not judged."""
+    Requirement, Version = _packaging()
+    asked: dict[str, set[str]] = {}
+    for text in requirement_texts(pyproject, EXTRAS):
+        requirement = Requirement(text)
+        asked.setdefault(canonical(requirement.name), set()).update(requirement.extras)
+    env = {"python_version": python_version, "python_full_version": f"{python_version}.0"}
+    refused: dict[str, str] = {}
+    for path in wheels:
+        name, texts = wheel_requirements(path)
+        for text in texts:
+            requirement = Requirement(text)
+            dep = canonical(requirement.name)
+            if dep in carried or have.get(dep) is None or dep in refused:
+                continue
+            if requirement.marker and not any(requirement.marker.evaluate({**env, "extra": extra})
+                                              for extra in ["", *sorted(asked.get(name, ()))]):
+                continue
+            try:
+                ok = requirement.specifier.contains(Version(have[dep]), prereleases=True)
+            except ValueError:  # InvalidVersion
+                ok = False
+            if not ok:
+                refused[dep] = f"{name} requires {requirement.name}{requirement.specifier}; the machine has {have[dep]}"
+    return refused
+
+
+def wheels_to_carry(pool: str, pyproject: dict, have: dict[str, str | None], without: set[str],
+                    wheels_dir: Path | None = None, python_version: str = "3.11") -> str:
+    """The entries of ``pool`` (requirements/gpu-offline.txt) a machine having ``have`` must be given; with
+    ``wheels_dir`` (the wheels downloaded for the first answer), also the pool's version of each machine package a
+    carried wheel there refuses on Python ``python_version`` (:func:`refused_by_carried`), followed until none is
+    refused; each such package is named in a comment, and one the pool lacks too (the install's pip check will name
+    it). ValueError naming a ``without`` the pool does not hold."""
     parents, locked = via(pool), entries(pool)
     unknown = sorted(without - set(locked))
     if unknown:
         raise ValueError(f"--without: {unknown} are not in {OFFLINE.name}")
     Requirement, _ = _packaging()
     build = {canonical(Requirement(t).name) for t in pyproject["build-system"]["requires"]}
-    keep = sorted(needed(parents, without, build) - acceptable(have, pyproject))
+    keep = needed(parents, without, build) - acceptable(have, pyproject)
+    refused: dict[str, str] = {}
+    if wheels_dir is not None:
+        files = {wheel_requirements(p)[0]: p for p in sorted(wheels_dir.glob("*.whl"))}
+        while True:
+            found = refused_by_carried([files[n] for n in sorted(keep) if n in files], have, keep, pyproject,
+                                       python_version)
+            new = {n for n in found if n in locked} - keep
+            refused.update(found)
+            if not new:
+                break
+            keep |= new
+    notes = [f"# {'carried although the machine has it' if n in locked else 'not in the pool'}: {why}\n"
+             for n, why in sorted(refused.items())]
     header = ("# requirements/gpu-offline.txt's entries the machine lacks"
               f"{' (without ' + ' '.join(sorted(without)) + ')' if without else ''}: written by make gpu-wheels\n")
-    return header + "".join(locked[name] for name in keep)
+    return header + "".join(notes) + "".join(locked[name] for name in sorted(keep))
 
 
 def unmet(pyproject: dict, extras, without: set[str]) -> list[str]:
@@ -308,6 +378,9 @@ def main(argv=None) -> int:
         p.add_argument("--without", nargs="*", default=[], help="packages left out on purpose (and their own needs)")
         if name == "wheels":
             p.add_argument("--have", type=Path, help="the machine's `python3 -m pip list --format=freeze`")
+            p.add_argument("--wheels-dir", type=Path, help="the wheels already downloaded: also carry the pool's "
+                           "version of a machine package one of them refuses")
+            p.add_argument("--python-version", default="3.11", help="the machine's Python (default 3.11)")
         if name == "install":
             p.add_argument("--venv", type=Path, default=ROOT / ".venv-gpu")
             p.add_argument("--wheels", type=Path, default=ROOT / "wheels/gpu")
@@ -320,9 +393,14 @@ def main(argv=None) -> int:
     if args.command == "wheels":
         if args.have is not None and not args.have.is_file():
             parser.error(f"--have: no file {args.have}")
+        if args.wheels_dir is not None and not args.wheels_dir.is_dir():
+            parser.error(f"--wheels-dir: no directory {args.wheels_dir}")
+        if not re.fullmatch(r"3\.\d+", args.python_version):
+            parser.error(f"--python-version: expected 3.N, got {args.python_version!r}")
         have = have_versions(args.have.read_text()) if args.have else {}
         try:
-            sys.stdout.write(wheels_to_carry(OFFLINE.read_text(), pyproject, have, without))
+            sys.stdout.write(wheels_to_carry(OFFLINE.read_text(), pyproject, have, without, args.wheels_dir,
+                                             args.python_version))
         except ValueError as e:
             parser.error(str(e))
         return 0

@@ -234,9 +234,13 @@ def test_make_gpu_check_installs_the_gpu_lock_not_the_cpu_one():
     offline = makefile_rule("setup-gpu-offline")  # requirements/offline.py: tests/test_offline_install.py
     assert "requirements/offline.py install --venv $(GPU_VENV) --wheels $(GPU_WHEELS)" in offline
     wheels = makefile_rule("gpu-wheels")
-    assert "requirements/offline.py wheels" in wheels and "> $(GPU_WHEELS)/requirements.txt" in wheels
-    assert "--require-hashes" in wheels and "-r $(GPU_WHEELS)/requirements.txt" in wheels
-    assert "--python-version $(GPU_PYTHON_VERSION)" in wheels
+    assert "requirements/offline.py wheels" in wheels and "$(GPU_WHEELS)/requirements.txt" in wheels
+    # two passes, the second reading the downloaded wheels (tests/test_offline_install.py: refused_by_carried)
+    assert "for pass in 1 2" in wheels and "--wheels-dir $(GPU_WHEELS)" in wheels and "$(GPU_DOWNLOAD)" in wheels
+    download = re.search(r"^GPU_DOWNLOAD = \$\(PIP\) download.*?(?=^\S)", (ROOT / "Makefile").read_text(),
+                         flags=re.S | re.M).group(0)
+    assert "--require-hashes" in download and "-r $(GPU_WHEELS)/requirements.txt" in download
+    assert "--python-version $(GPU_PYTHON_VERSION)" in download and "--python-version $(GPU_PYTHON_VERSION)" in wheels
     lock = makefile_rule("lock")
     assert "-o $(GPU_LOCK)" in lock
     assert "-c $(GPU_LOCK)" in lock and "-o $(LOCK_VENV)/gpu-runtime.txt" in lock

