@@ -48,6 +48,9 @@ STEPS = ("train", "calibrate", "serve", "paper")
 # gets the most: three precisions, each loading the model, training, calibrating and evaluating 500 questions.
 BUDGETS = {"train": 200, "calibrate": 70, "serve": 80, "paper": 90}
 WHOLE_CHECK_S = 480
+# The serve step stops sending questions this long before its budget ends: time to read the GPU memory, stop the
+# service and write what the clients got (a step killed at its budget keeps only what it had written).
+SERVE_STOP_MARGIN_S = 15.0
 RUNS = Path("runs/gpu_check")
 PAPER_H100 = {"test_samples_per_s": 68.08, "train_samples_per_s": 26.41, "peak_memory_gb": 21.88}
 
@@ -149,13 +152,15 @@ def step_serve(args, out: Path) -> dict:
     from benchmarks.service_process import ServiceProcess
     from ibedl.training.data import load_dataset
 
+    send_until = time.monotonic() + parse_budgets(args.budget)["serve"] - SERVE_STOP_MARGIN_S
     artifact = RUNS / "default-cuda"
     if not (artifact / "manifest.json").is_file():
         return {"skipped": "no CUDA-calibrated copy: run the calibrate step first"}
     log = RUNS / "serve.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     proc = ServiceProcess(artifact, {"IBEDL_DEVICE": "cuda", **arithmetic(nf4_available())["serve_env"],
-                                     "IBEDL_BACKEND": "auto", "IBEDL_MAX_BATCH_SIZE": str(args.clients)}, log)
+                                     "IBEDL_BACKEND": "auto", "IBEDL_MAX_BATCH_SIZE": str(args.clients),
+                                     "IBEDL_MAX_BATCH_TOKENS": str(args.batch_tokens)}, log)
     try:
         proc.wait_ready(timeout=parse_budgets(args.budget)["serve"])
         card = httpx.get(proc.url + "/v1/models", timeout=30).json()["data"][0]
@@ -165,7 +170,9 @@ def step_serve(args, out: Path) -> dict:
         with httpx.Client(timeout=120, limits=httpx.Limits(max_connections=args.clients)) as client:
             client.post(proc.url + "/predict", json=bodies[0])  # warm-up
 
-            def ask(body: dict) -> tuple[int, float, str | None]:
+            def ask(body: dict) -> tuple[int, float, str | None] | None:
+                if time.monotonic() > send_until:  # past the step's sending time: not sent
+                    return None
                 start = time.perf_counter()
                 try:
                     r = client.post(proc.url + "/predict", json=body)
@@ -181,7 +188,7 @@ def step_serve(args, out: Path) -> dict:
     finally:
         stopped = proc.stop()
     return {"backend": card["backend"], "calibration_in_use": card["calibration_in_use"],
-            **serve_summary(answers, seconds), "clients": args.clients,
+            **serve_summary(answers, seconds), "clients": args.clients, "max_batch_tokens": args.batch_tokens,
             "gpu_memory_mib": memory, "exit_on_sigterm": stopped, "log": str(log)}
 
 
@@ -193,12 +200,15 @@ def error_type(response) -> str:
         return str(response.status_code)
 
 
-def serve_summary(answers: list[tuple[int, float, str | None]], seconds: float) -> dict:
+def serve_summary(answers: list[tuple[int, float, str | None] | None], seconds: float) -> dict:
     """What the clients got: answers/s (answered questions over the wall time of all requests), the latency
     percentiles of the answered ones, refusals (429 and 503: the model never saw the question; by error type) apart
-    from failures (any other status, or no response: by type)."""
+    from failures (any other status, or no response: by type); ``None`` is a question not sent (the step's sending
+    time was over), counted as ``not_sent``."""
     if seconds <= 0:
         raise ValueError(f"seconds must be > 0, got {seconds}")
+    not_sent = sum(a is None for a in answers)
+    answers = [a for a in answers if a is not None]
     latencies = np.array([t for code, t, _ in answers if code == 200])
     refused: dict[str, int] = {}
     failed: dict[str, int] = {}
@@ -206,7 +216,8 @@ def serve_summary(answers: list[tuple[int, float, str | None]], seconds: float) 
         if code != 200:
             tally = refused if code in (429, 503) else failed
             tally[why or str(code)] = tally.get(why or str(code), 0) + 1
-    return {"requests": len(answers), "answered": len(latencies), "refused": refused, "failed": failed,
+    return {"requests": len(answers), "not_sent": not_sent, "answered": len(latencies), "refused": refused,
+            "failed": failed,
             "answers_per_s": len(latencies) / seconds, "seconds": seconds,
             "latency_ms": None if not len(latencies) else {
                 "p50": float(np.percentile(latencies, 50) * 1000), "p99": float(np.percentile(latencies, 99) * 1000)}}
@@ -299,6 +310,9 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", type=int, default=2048,
                         help="distinct SciQ training questions sent to the CUDA service (default 2048)")
     parser.add_argument("--clients", type=int, default=64, help="concurrent clients of the serve step (default 64)")
+    parser.add_argument("--batch-tokens", type=int, default=32768,
+                        help="the service's IBEDL_MAX_BATCH_TOKENS in the serve step (default 32768: the CPU "
+                        "default of 2048 holds a pass to about 8 SciQ questions with their passages)")
     parser.add_argument("--only", default=",".join(STEPS), help=f"comma-separated steps among {', '.join(STEPS)}")
     parser.add_argument("--budget", help="seconds per step, e.g. train=300,paper=60 (default "
                         + ",".join(f"{k}={v}" for k, v in BUDGETS.items()) + ")")
@@ -309,7 +323,7 @@ def main(argv=None) -> int:
     unknown = sorted(set(steps) - set(STEPS))
     if unknown:
         parser.error(f"unknown steps {unknown}; choose among {', '.join(STEPS)}")
-    for flag in ("steps", "batch_size", "requests", "clients"):
+    for flag in ("steps", "batch_size", "requests", "clients", "batch_tokens"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     try:

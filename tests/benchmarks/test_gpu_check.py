@@ -51,7 +51,7 @@ def test_budgets_given_on_the_command_line_replace_the_defaults_and_bad_ones_are
     assert exit_.value.code == 2 and "calibrate must be > 0 seconds, got '-1'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag", ["--steps", "--batch-size", "--requests", "--clients"])
+@pytest.mark.parametrize("flag", ["--steps", "--batch-size", "--requests", "--clients", "--batch-tokens"])
 def test_counts_below_one_are_refused_by_name(flag, capsys):
     with pytest.raises(SystemExit) as exit_:
         gpu_check.main([flag, "0"])
@@ -117,6 +117,9 @@ def test_the_serve_summary_counts_answers_not_refusals_and_gives_their_latency_p
     assert got["refused"] == {"overloaded": 3} and got["failed"] == {"model_error": 1, "ReadTimeout": 1}
     assert got["latency_ms"]["p50"] == pytest.approx(50.5) and got["latency_ms"]["p99"] == pytest.approx(99.01)
     assert gpu_check.serve_summary([(503, 0.1, "not_ready")], 1.0)["latency_ms"] is None
+    # questions the step did not send before its budget: apart, not failures
+    cut = gpu_check.serve_summary(answers + [None] * 7, seconds=2.0)
+    assert cut["not_sent"] == 7 and cut["requests"] == 105 and cut["answered"] == 100 and got["not_sent"] == 0
     with pytest.raises(ValueError, match="seconds"):
         gpu_check.serve_summary(answers, 0)
 

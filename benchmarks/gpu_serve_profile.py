@@ -1,0 +1,143 @@
+"""Where the engine's time goes when it answers on CUDA: the bound of the service's answers/s on a GPU.
+
+    python -m benchmarks.gpu_serve_profile --artifact runs/gpu_check/default-cuda [--questions 512]
+        [--settings 16:2048,64:2048,64:32768,256:131072] [--output benchmarks/results/gpu_serve_profile.json]
+
+For each engine setting ``max_batch_size:max_batch_tokens`` the Python API (the engine the service runs, without
+HTTP) answers the same distinct SciQ training questions, with their passages, in requests of ``max_batch_size``
+questions: answers/s, the passes the batcher formed (count and mean size), the seconds inside
+``Predictor.predict`` (the forward passes and turning their outputs into answers) and, of those, inside the
+trunk's forward with the GPU synchronised before and after (its kernels' time); what is left of the wall time is
+the engine's own work (queueing, checks, answers). Then a cProfile of the passes of the last setting names the
+functions that take the most time. Needs CUDA (exits 2 without it, saying why); made for ``make gpu-check``'s
+machine after its calibrate step (that step writes runs/gpu_check/default-cuda).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.common import write_result
+
+
+def parse_settings(text: str) -> list[tuple[int, int]]:
+    """``"16:2048,64:32768"`` -> [(16, 2048), (64, 32768)]; ValueError naming a bad item."""
+    out = []
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        size, _, tokens = item.partition(":")
+        try:
+            pair = (int(size), int(tokens))
+        except ValueError:
+            raise ValueError(f"--settings: expected max_batch_size:max_batch_tokens, got {item!r}") from None
+        if pair[0] < 1 or pair[1] < 16:
+            raise ValueError(f"--settings: {item!r} needs max_batch_size >= 1 and max_batch_tokens >= 16")
+        out.append(pair)
+    if not out:
+        raise ValueError("--settings: no setting given")
+    return out
+
+
+def measure(artifact: str, bodies: list[dict], size: int, tokens: int, profile: cProfile.Profile | None,
+            device: str = "cuda") -> dict:
+    """One setting: the engine on ``device`` answering ``bodies`` in requests of ``size`` (the trunk's time with
+    the GPU synchronised where ``device`` is CUDA; the tests run it on a CPU)."""
+    import torch
+
+    import ibedl
+
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    model = ibedl.load(artifact, device=device, backend="torch", max_batch_size=size, max_batch_tokens=tokens,
+                       queue_size=max(len(bodies), 256), max_request_tokens=max(16384, 2 * tokens),
+                       request_timeout_s=600)
+    predictor = model.engine.default.predictor
+    passes, inside, trunk = [], [0.0], [0.0]
+    predict, hidden = predictor.predict, predictor._hidden
+
+    def timed_hidden(batch):
+        sync()
+        start = time.perf_counter()
+        out = hidden(batch)
+        sync()
+        trunk[0] += time.perf_counter() - start
+        return out
+
+    def timed_predict(questions, truncate_context=True):
+        start = time.perf_counter()
+        if profile is not None:
+            profile.enable()
+        try:
+            return predict(questions, truncate_context)
+        finally:
+            if profile is not None:
+                profile.disable()
+            inside[0] += time.perf_counter() - start
+            passes.append(len(questions))
+
+    try:
+        model.predict(bodies[:size], batch_size=size)  # warm-up: CUDA kernels, caches
+        predictor.predict, predictor._hidden = timed_predict, timed_hidden
+        passes.clear()
+        inside[0] = trunk[0] = 0.0
+        start = time.perf_counter()
+        model.predict(bodies, batch_size=size)
+        seconds = time.perf_counter() - start
+    finally:
+        model.close()
+    return {"max_batch_size": size, "max_batch_tokens": tokens, "questions": len(bodies),
+            "answers_per_s": len(bodies) / seconds, "seconds": seconds, "passes": len(passes),
+            "mean_pass_questions": sum(passes) / max(len(passes), 1), "predictor_s": inside[0],
+            "trunk_forward_s": trunk[0], "engine_outside_predictor_s": seconds - inside[0],
+            "predictor_outside_trunk_s": inside[0] - trunk[0]}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_serve_profile",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--artifact", default="runs/gpu_check/default-cuda")
+    parser.add_argument("--questions", type=int, default=512, help="distinct questions per setting (default 512)")
+    parser.add_argument("--settings", default="16:2048,64:2048,64:32768,256:131072",
+                        help="max_batch_size:max_batch_tokens,... (default: the engine's default first)")
+    parser.add_argument("--output", default="benchmarks/results/gpu_serve_profile.json")
+    args = parser.parse_args(argv)
+    if args.questions < 1:
+        parser.error(f"--questions must be >= 1, got {args.questions}")
+    try:
+        settings = parse_settings(args.settings)
+    except ValueError as e:
+        parser.error(str(e))
+    if not (Path(args.artifact) / "manifest.json").is_file():
+        parser.error(f"--artifact: {args.artifact} holds no manifest.json (run make gpu-check's calibrate step)")
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"error: no CUDA device (torch {torch.__version__}); this profile is for a GPU machine", file=sys.stderr)
+        return 2
+    from ibedl.training.data import load_dataset
+
+    bodies = [{"question": q.question, "options": list(q.options), "context": q.context}
+              for q in load_dataset("sciq", "train", limit=args.questions, seed=0)]
+    result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "artifact": args.artifact,
+              "settings": []}
+    profile = cProfile.Profile()
+    for i, (size, tokens) in enumerate(settings):
+        row = measure(args.artifact, bodies, size, tokens, profile if i == len(settings) - 1 else None)
+        result["settings"].append(row)
+        write_result(args.output, result, echo=False)
+        print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(20)
+    result["top_functions_last_setting"] = [line.rstrip() for line in text.getvalue().splitlines()
+                                            if line.strip()][-22:]
+    write_result(args.output, result, echo=False)
+    print("\n".join(result["top_functions_last_setting"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""benchmarks/gpu_serve_profile.py: its arguments, and one setting measured for real (on this CPU: the same engine
+and accounting as on CUDA, without the synchronisation)."""
+
+from __future__ import annotations
+
+import cProfile
+
+import pytest
+
+from benchmarks import gpu_serve_profile
+
+
+def test_settings_are_parsed_and_bad_ones_refused_by_name():
+    assert gpu_serve_profile.parse_settings("16:2048, 64:32768,") == [(16, 2048), (64, 32768)]
+    for text, message in (("64", "expected max_batch_size:max_batch_tokens, got '64'"),
+                          ("0:2048", "'0:2048' needs max_batch_size >= 1"), ("8:4", "max_batch_tokens >= 16"),
+                          (" , ", "no setting given")):
+        with pytest.raises(ValueError, match=message):
+            gpu_serve_profile.parse_settings(text)
+
+
+def test_bad_arguments_and_a_missing_artifact_are_refused_before_loading_anything(tmp_path, capsys):
+    for argv, message in ((["--questions", "0"], "--questions must be >= 1, got 0"),
+                          (["--settings", "x:y"], "got 'x:y'"),
+                          (["--artifact", str(tmp_path)], "holds no manifest.json")):
+        with pytest.raises(SystemExit) as exit_:
+            gpu_serve_profile.main(argv)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_without_cuda_it_exits_2_saying_why(monkeypatch, capsys, tmp_path):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_serve_profile.main(["--artifact", "artifacts/default", "--output", str(tmp_path / "p.json")]) == 2
+    assert "no CUDA device" in capsys.readouterr().err and not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.integration
+def test_one_setting_accounts_every_question_and_splits_the_time(monkeypatch):
+    from ibedl.training.data import load_dataset
+    from tests.conftest import shared_cache_dir
+
+    monkeypatch.setenv("IBEDL_CACHE_DIR", shared_cache_dir())
+    bodies = [{"question": q.question, "options": list(q.options), "context": q.context}
+              for q in load_dataset("sciq", "train", limit=6, seed=0)]
+    profile = cProfile.Profile()
+    row = gpu_serve_profile.measure("artifacts/default", bodies, 3, 4096, profile, device="cpu")
+    assert row["questions"] == 6 and 1 <= row["passes"] <= 6
+    assert row["mean_pass_questions"] * row["passes"] == pytest.approx(6)  # every question in one pass
+    assert 0 < row["trunk_forward_s"] <= row["predictor_s"] <= row["seconds"]
+    assert row["answers_per_s"] == pytest.approx(6 / row["seconds"])
+    assert row["engine_outside_predictor_s"] == pytest.approx(row["seconds"] - row["predictor_s"])
+    assert profile.getstats()  # the passes ran under the profiler
