@@ -69,3 +69,23 @@ def paired_ratio(numerator, denominator, seed: int = 0) -> dict:
                        vectorized=True, n_resamples=2000, rng=np.random.default_rng(seed)).confidence_interval
     ends = [None if np.isnan(x) else float(x) for x in (ci.low, ci.high)]
     return {"ratio": float(numerator.mean() / denominator.mean()), "low": ends[0], "high": ends[1]}
+
+
+def operator_table(run, device: str, top: int = 12) -> dict:
+    """torch's profiler over one call of ``run``: the seconds of CPU time spent in operators (launching them,
+    on a GPU) against the seconds the device's kernels ran, and the ``top`` operators by CPU time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    with profile(activities=activities) as prof:
+        run()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    cpu = sum(e.self_cpu_time_total for e in events) / 1e6
+    kernels = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e6
+    rows = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return {"operator_cpu_s": cpu, "kernel_s": kernels, "operator_calls": sum(e.count for e in events),
+            "top_by_cpu": [{"name": e.key, "calls": e.count, "cpu_s": e.self_cpu_time_total / 1e6,
+                            "kernel_s": getattr(e, "self_device_time_total", 0) / 1e6} for e in rows]}

@@ -1,15 +1,21 @@
 """Where the engine's time goes when it answers on CUDA: the bound of the service's answers/s on a GPU.
 
     python -m benchmarks.gpu_serve_profile --artifact runs/gpu_check/default-cuda [--questions 512]
-        [--settings 16:2048,64:2048,64:32768,256:131072] [--output benchmarks/results/gpu_serve_profile.json]
+        [--settings 16:2048,64:32768,64:32768:loose,256:131072:loose]
+        [--output benchmarks/results/gpu_serve_profile.json]
 
 For each engine setting ``max_batch_size:max_batch_tokens`` the Python API (the engine the service runs, without
 HTTP) answers the same distinct SciQ training questions, with their passages, in requests of ``max_batch_size``
 questions: answers/s, the passes the batcher formed (count and mean size), the seconds inside
 ``Predictor.predict`` (the forward passes and turning their outputs into answers) and, of those, inside the
 trunk's forward with the GPU synchronised before and after (its kernels' time); what is left of the wall time is
-the engine's own work (queueing, checks, answers). Then a cProfile of the passes of the last setting names the
-functions that take the most time. Needs CUDA (exits 2 without it, saying why); made for ``make gpu-check``'s
+the engine's own work (queueing, checks, answers). A setting ending in ``:loose`` lifts the two length rules made
+for a CPU, where padding costs compute: the batcher's (a pass takes questions within a factor 2 of its first
+prompt's length, ``ibedl.engine.batcher.SIMILAR``) and the predictor's (a pass runs in groups padded to at most
+1.25x their real tokens, ``Predictor.max_padding``), so each pass is one forward of up to ``max_batch_size``
+questions. Then a cProfile of the passes of the last setting names the Python functions that take the most time,
+and torch's profiler one pass's operators by their CPU and CUDA time (whether the pass waits on kernels or on
+launching them). Needs CUDA (exits 2 without it, saying why); made for ``make gpu-check``'s
 machine after its calibrate step (that step writes runs/gpu_check/default-cuda).
 """
 
@@ -23,39 +29,48 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import write_result
+from benchmarks.common import operator_table, write_result
 
 
-def parse_settings(text: str) -> list[tuple[int, int]]:
-    """``"16:2048,64:32768"`` -> [(16, 2048), (64, 32768)]; ValueError naming a bad item."""
+def parse_settings(text: str) -> list[tuple[int, int, bool]]:
+    """``"16:2048,64:32768:loose"`` -> [(16, 2048, False), (64, 32768, True)]; ValueError naming a bad item."""
     out = []
     for item in filter(None, (p.strip() for p in text.split(","))):
-        size, _, tokens = item.partition(":")
+        parts = item.split(":")
         try:
-            pair = (int(size), int(tokens))
+            if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "loose"):
+                raise ValueError
+            triple = (int(parts[0]), int(parts[1]), len(parts) == 3)
         except ValueError:
-            raise ValueError(f"--settings: expected max_batch_size:max_batch_tokens, got {item!r}") from None
-        if pair[0] < 1 or pair[1] < 16:
+            raise ValueError(f"--settings: expected max_batch_size:max_batch_tokens[:loose], got {item!r}") from None
+        if triple[0] < 1 or triple[1] < 16:
             raise ValueError(f"--settings: {item!r} needs max_batch_size >= 1 and max_batch_tokens >= 16")
-        out.append(pair)
+        out.append(triple)
     if not out:
         raise ValueError("--settings: no setting given")
     return out
 
 
 def measure(artifact: str, bodies: list[dict], size: int, tokens: int, profile: cProfile.Profile | None,
-            device: str = "cuda") -> dict:
+            device: str = "cuda", loose: bool = False) -> dict:
     """One setting: the engine on ``device`` answering ``bodies`` in requests of ``size`` (the trunk's time with
-    the GPU synchronised where ``device`` is CUDA; the tests run it on a CPU)."""
+    the GPU synchronised where ``device`` is CUDA; the tests run it on a CPU); ``loose``: without the length
+    rules (module docstring), restored afterwards."""
+    import math
+
     import torch
 
     import ibedl
+    from ibedl.engine import batcher
 
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     model = ibedl.load(artifact, device=device, backend="torch", max_batch_size=size, max_batch_tokens=tokens,
                        queue_size=max(len(bodies), 256), max_request_tokens=max(16384, 2 * tokens),
                        request_timeout_s=600)
     predictor = model.engine.default.predictor
+    similar = batcher.SIMILAR
+    if loose:
+        batcher.SIMILAR, predictor.max_padding = math.inf, math.inf
     passes, inside, trunk = [], [0.0], [0.0]
     predict, hidden = predictor.predict, predictor._hidden
 
@@ -87,13 +102,17 @@ def measure(artifact: str, bodies: list[dict], size: int, tokens: int, profile: 
         start = time.perf_counter()
         model.predict(bodies, batch_size=size)
         seconds = time.perf_counter() - start
+        predictor.predict, predictor._hidden = predict, hidden
+        questions = [model.check(b).question for b in bodies[:size]]
+        operators = operator_table(lambda: model.engine.default.predict(questions), device)
     finally:
+        batcher.SIMILAR = similar
         model.close()
-    return {"max_batch_size": size, "max_batch_tokens": tokens, "questions": len(bodies),
+    return {"max_batch_size": size, "max_batch_tokens": tokens, "loose": loose, "questions": len(bodies),
             "answers_per_s": len(bodies) / seconds, "seconds": seconds, "passes": len(passes),
             "mean_pass_questions": sum(passes) / max(len(passes), 1), "predictor_s": inside[0],
             "trunk_forward_s": trunk[0], "engine_outside_predictor_s": seconds - inside[0],
-            "predictor_outside_trunk_s": inside[0] - trunk[0]}
+            "predictor_outside_trunk_s": inside[0] - trunk[0], "one_pass_operators": operators}
 
 
 def main(argv=None) -> int:
@@ -101,8 +120,8 @@ def main(argv=None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--artifact", default="runs/gpu_check/default-cuda")
     parser.add_argument("--questions", type=int, default=512, help="distinct questions per setting (default 512)")
-    parser.add_argument("--settings", default="16:2048,64:2048,64:32768,256:131072",
-                        help="max_batch_size:max_batch_tokens,... (default: the engine's default first)")
+    parser.add_argument("--settings", default="16:2048,64:32768,64:32768:loose,256:131072:loose",
+                        help="max_batch_size:max_batch_tokens[:loose],... (default: the engine's default first)")
     parser.add_argument("--output", default="benchmarks/results/gpu_serve_profile.json")
     args = parser.parse_args(argv)
     if args.questions < 1:
@@ -125,11 +144,12 @@ def main(argv=None) -> int:
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "artifact": args.artifact,
               "settings": []}
     profile = cProfile.Profile()
-    for i, (size, tokens) in enumerate(settings):
-        row = measure(args.artifact, bodies, size, tokens, profile if i == len(settings) - 1 else None)
+    for i, (size, tokens, loose) in enumerate(settings):
+        row = measure(args.artifact, bodies, size, tokens, profile if i == len(settings) - 1 else None, loose=loose)
         result["settings"].append(row)
         write_result(args.output, result, echo=False)
-        print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+        print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items() if k != "one_pass_operators"},
+              {k: v for k, v in row["one_pass_operators"].items() if k != "top_by_cpu"}, flush=True)
     text = io.StringIO()
     pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(20)
     result["top_functions_last_setting"] = [line.rstrip() for line in text.getvalue().splitlines()

@@ -4,6 +4,7 @@ and accounting as on CUDA, without the synchronisation)."""
 from __future__ import annotations
 
 import cProfile
+import re
 
 import pytest
 
@@ -11,11 +12,12 @@ from benchmarks import gpu_serve_profile
 
 
 def test_settings_are_parsed_and_bad_ones_refused_by_name():
-    assert gpu_serve_profile.parse_settings("16:2048, 64:32768,") == [(16, 2048), (64, 32768)]
-    for text, message in (("64", "expected max_batch_size:max_batch_tokens, got '64'"),
+    assert gpu_serve_profile.parse_settings("16:2048, 64:32768:loose,") == [(16, 2048, False), (64, 32768, True)]
+    for text, message in (("64", "expected max_batch_size:max_batch_tokens[:loose], got '64'"), ("8:64:tight", "got"),
+                          ("8:64:loose:x", "got '8:64:loose:x'"),
                           ("0:2048", "'0:2048' needs max_batch_size >= 1"), ("8:4", "max_batch_tokens >= 16"),
                           (" , ", "no setting given")):
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(ValueError, match=re.escape(message)):
             gpu_serve_profile.parse_settings(text)
 
 
@@ -38,6 +40,7 @@ def test_without_cuda_it_exits_2_saying_why(monkeypatch, capsys, tmp_path):
 
 @pytest.mark.integration
 def test_one_setting_accounts_every_question_and_splits_the_time(monkeypatch):
+    from ibedl.engine import batcher
     from ibedl.training.data import load_dataset
     from tests.conftest import shared_cache_dir
 
@@ -46,9 +49,15 @@ def test_one_setting_accounts_every_question_and_splits_the_time(monkeypatch):
               for q in load_dataset("sciq", "train", limit=6, seed=0)]
     profile = cProfile.Profile()
     row = gpu_serve_profile.measure("artifacts/default", bodies, 3, 4096, profile, device="cpu")
-    assert row["questions"] == 6 and 1 <= row["passes"] <= 6
+    assert row["questions"] == 6 and 1 <= row["passes"] <= 6 and row["loose"] is False
     assert row["mean_pass_questions"] * row["passes"] == pytest.approx(6)  # every question in one pass
     assert 0 < row["trunk_forward_s"] <= row["predictor_s"] <= row["seconds"]
     assert row["answers_per_s"] == pytest.approx(6 / row["seconds"])
     assert row["engine_outside_predictor_s"] == pytest.approx(row["seconds"] - row["predictor_s"])
     assert profile.getstats()  # the passes ran under the profiler
+    ops = row["one_pass_operators"]
+    assert ops["operator_cpu_s"] > 0 and ops["kernel_s"] == 0 and ops["operator_calls"] > 0  # no GPU here
+    assert any(op["name"] == "aten::linear" or "mm" in op["name"] for op in ops["top_by_cpu"])
+    # loose: at most as many passes, the batcher's rule restored afterwards
+    loose = gpu_serve_profile.measure("artifacts/default", bodies, 3, 4096, None, device="cpu", loose=True)
+    assert loose["loose"] is True and loose["passes"] <= row["passes"] and batcher.SIMILAR == 2.0
