@@ -141,20 +141,22 @@ setup-gpu: $(GPU_VENV)/.installed
 GPU_PYTHON_VERSION ?= 3.11
 GPU_HAVE ?=
 GPU_WITHOUT ?=
-# Two passes: the second reads the downloaded wheels' own requirements and adds the pool's version of a machine
-# package one of them refuses (tritonclient asks for ml-dtypes <= 0.5.4; a machine with JAX has 0.6).
+# Passes until the list stops changing: each after the first reads the downloaded wheels' own requirements and adds
+# the pool's version of a machine package one of them refuses (tritonclient asks for ml-dtypes <= 0.5.4; a machine
+# with JAX has 0.6), whose own wheel the next pass reads.
 GPU_DOWNLOAD = $(PIP) download -q --no-deps --require-hashes --only-binary :all: --python-version $(GPU_PYTHON_VERSION) \
 	  --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux2014_x86_64 \
 	  --platform any -r $(GPU_WHEELS)/requirements.txt -d $(GPU_WHEELS)
 gpu-wheels:
 	mkdir -p $(GPU_WHEELS)
-	for pass in 1 2; do \
+	rm -f $(GPU_WHEELS)/requirements.txt
+	for pass in 1 2 3 4 5; do \
 	  $(PYTHON) requirements/offline.py wheels $(if $(GPU_HAVE),--have $(GPU_HAVE)) --without $(GPU_WITHOUT) \
-	    --python-version $(GPU_PYTHON_VERSION) $$( [ $$pass = 2 ] && echo --wheels-dir $(GPU_WHEELS) ) \
-	    > $(GPU_WHEELS)/requirements.txt.tmp && \
-	  mv $(GPU_WHEELS)/requirements.txt.tmp $(GPU_WHEELS)/requirements.txt && \
-	  $(GPU_DOWNLOAD) || exit 1; \
-	done
+	    --python-version $(GPU_PYTHON_VERSION) $$( [ $$pass -gt 1 ] && echo --wheels-dir $(GPU_WHEELS) ) \
+	    > $(GPU_WHEELS)/requirements.txt.tmp || exit 1; \
+	  if cmp -s $(GPU_WHEELS)/requirements.txt.tmp $(GPU_WHEELS)/requirements.txt; then break; fi; \
+	  mv $(GPU_WHEELS)/requirements.txt.tmp $(GPU_WHEELS)/requirements.txt && $(GPU_DOWNLOAD) || exit 1; \
+	done; rm -f $(GPU_WHEELS)/requirements.txt.tmp
 
 setup-gpu-offline:
 	$(PYTHON) requirements/offline.py install --venv $(GPU_VENV) --wheels $(GPU_WHEELS) --without $(GPU_WITHOUT)

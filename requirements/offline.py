@@ -185,9 +185,14 @@ def acceptable(have: dict[str, str | None], pyproject: dict) -> set[str]:
     return ok
 
 
-def wheel_requirements(path: Path) -> tuple[str, list[str]]:
-    """A wheel file -> (its canonical name, its ``Requires-Dist`` strings), read from its METADATA; ValueError for a
-    file that is not a wheel."""
+def pinned_version(entry: str) -> str:
+    """The version an :func:`entries` entry pins (``name==version \\`` on its first line)."""
+    return entry.split("==", 1)[1].split()[0].rstrip("\\")
+
+
+def wheel_requirements(path: Path) -> tuple[str, str, list[str]]:
+    """A wheel file -> (its canonical name, its version, its ``Requires-Dist`` strings), read from its METADATA;
+    ValueError for a file that is not a wheel."""
     import email.parser
     import zipfile
 
@@ -199,7 +204,7 @@ def wheel_requirements(path: Path) -> tuple[str, list[str]]:
             meta = email.parser.Parser().parsestr(z.read(names[0]).decode())
     except zipfile.BadZipFile:
         raise ValueError(f"{path.name}: not a wheel (not a zip file)") from None
-    return canonical(meta["Name"]), list(meta.get_all("Requires-Dist") or [])
+    return canonical(meta["Name"]), meta["Version"], list(meta.get_all("Requires-Dist") or [])
 
 
 def refused_by_carried(wheels: list[Path], have: dict[str, str | None], carried: set[str], pyproject: dict,
@@ -216,7 +221,7 @@ def refused_by_carried(wheels: list[Path], have: dict[str, str | None], carried:
     env = {"python_version": python_version, "python_full_version": f"{python_version}.0"}
     refused: dict[str, str] = {}
     for path in wheels:
-        name, texts = wheel_requirements(path)
+        name, _, texts = wheel_requirements(path)
         for text in texts:
             requirement = Requirement(text)
             dep = canonical(requirement.name)
@@ -237,10 +242,12 @@ def refused_by_carried(wheels: list[Path], have: dict[str, str | None], carried:
 def wheels_to_carry(pool: str, pyproject: dict, have: dict[str, str | None], without: set[str],
                     wheels_dir: Path | None = None, python_version: str = "3.11") -> str:
     """The entries of ``pool`` (requirements/gpu-offline.txt) a machine having ``have`` must be given; with
-    ``wheels_dir`` (the wheels downloaded for the first answer), also the pool's version of each machine package a
-    carried wheel there refuses on Python ``python_version`` (:func:`refused_by_carried`), followed until none is
-    refused; each such package is named in a comment, and one the pool lacks too (the install's pip check will name
-    it). ValueError naming a ``without`` the pool does not hold."""
+    ``wheels_dir`` (the wheels downloaded for the previous answer), also the pool's version of each machine package
+    a carried wheel there (at the lock's version: another version left there is not read) refuses on Python
+    ``python_version`` (:func:`refused_by_carried`); each such package is named in a comment, and one the pool
+    lacks too (the install's pip check will name it). A package added so has no wheel there yet: its own
+    requirements are read on the next call, so ``make gpu-wheels`` repeats download and call until the answer
+    stops changing. ValueError naming a ``without`` the pool does not hold."""
     parents, locked = via(pool), entries(pool)
     unknown = sorted(without - set(locked))
     if unknown:
@@ -250,7 +257,11 @@ def wheels_to_carry(pool: str, pyproject: dict, have: dict[str, str | None], wit
     keep = needed(parents, without, build) - acceptable(have, pyproject)
     refused: dict[str, str] = {}
     if wheels_dir is not None:
-        files = {wheel_requirements(p)[0]: p for p in sorted(wheels_dir.glob("*.whl"))}
+        files = {}
+        for path in sorted(wheels_dir.glob("*.whl")):
+            name, version, _ = wheel_requirements(path)
+            if name in locked and pinned_version(locked[name]) == version:
+                files[name] = path
         while True:
             found = refused_by_carried([files[n] for n in sorted(keep) if n in files], have, keep, pyproject,
                                        python_version)

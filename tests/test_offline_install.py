@@ -174,7 +174,7 @@ def test_a_machine_package_a_carried_wheel_refuses_is_carried_at_the_pools_versi
     wheels.mkdir()
     wheel(wheels, "tritonclient", "2.73.0", "tritonclient", requires=[
         "ml-dtypes<=0.5.4", "numpy>=1.19.1", "protobuf<7.0,>=6.30.0; extra == 'grpc'",
-        "aiohttp<4.0.0,>=3.8.1; extra == 'all'", "typing-extensions; python_version < '3.9'"])
+        "aiohttp<4.0.0,>=3.8.1; extra == 'all'", "typing-extensions>=99; python_version < '3.9'"])
     have = {"ml-dtypes": "0.6.0", "protobuf": "7.36.2", "numpy": "2.5.2", "aiohttp": "2.0.0",
             "typing-extensions": "1.0"}
     first = carried(have)
@@ -189,11 +189,27 @@ def test_a_machine_package_a_carried_wheel_refuses_is_carried_at_the_pools_versi
     refused = offline.refused_by_carried(sorted(wheels.glob("*.whl")), {**have, "ml-dtypes": None}, set(), PYPROJECT,
                                          "3.12")
     assert set(refused) == {"protobuf"}
-    # a refused package the pool lacks is named, not invented
+    # on a Python the marker admits, the unbounded-below range refuses the machine's typing-extensions 1.0
+    assert "typing-extensions" in offline.refused_by_carried(sorted(wheels.glob("*.whl")), have, set(), PYPROJECT,
+                                                             "3.8")
+    # a package carried for that has its own wheel read on the next call (make gpu-wheels repeats until no change):
+    # the lock's ml-dtypes refusing the machine's numpy brings the pool's numpy; a wheel of another version than
+    # the lock's is not read
+    wheel(wheels, "ml-dtypes", "0.5.4", "ml_dtypes", requires=["numpy<2"])
+    wheel(wheels, "protobuf", "0.0.1", "protobuf", requires=["urllib3<0"])
+    third = offline.entries(offline.wheels_to_carry(offline.OFFLINE.read_text(), PYPROJECT,
+                                                    {**have, "urllib3": "2.0.0"}, set(), wheels, "3.12"))
+    assert "numpy" in third and "urllib3" not in third
+    # a refused package the pool lacks is named in a comment, not invented
     wheel(wheels, "ibedl-probe", "1.0", "ibedl_probe", requires=["not-in-pool<1"])
     assert offline.refused_by_carried([wheels / "ibedl_probe-1.0-py3-none-any.whl"], {"not-in-pool": "2.0"}, set(),
                                       PYPROJECT, "3.12") == {"not-in-pool": "ibedl-probe requires not-in-pool<1; "
                                                                             "the machine has 2.0"}
+    wheel(wheels, "tritonclient", "2.73.0", "tritonclient", requires=["not-in-pool<1"])
+    text = offline.wheels_to_carry(offline.OFFLINE.read_text(), PYPROJECT, {"not-in-pool": "2.0"}, set(), wheels,
+                                   "3.12")
+    assert "# not in the pool: tritonclient requires not-in-pool<1; the machine has 2.0" in text
+    assert "not-in-pool" not in offline.entries(text)
     (wheels / "broken-1.0-py3-none-any.whl").write_text("not a zip")
     with pytest.raises(ValueError, match="broken-1.0-py3-none-any.whl: not a wheel"):
         offline.wheel_requirements(wheels / "broken-1.0-py3-none-any.whl")
