@@ -71,21 +71,36 @@ def paired_ratio(numerator, denominator, seed: int = 0) -> dict:
     return {"ratio": float(numerator.mean() / denominator.mean()), "low": ends[0], "high": ends[1]}
 
 
+def _device_us(event) -> float | None:
+    """An event's own time on the device, microseconds (``self_cuda_time_total`` on torch before 2.4), or None."""
+    for name in ("self_device_time_total", "self_cuda_time_total"):
+        if hasattr(event, name):
+            return getattr(event, name)
+    return None
+
+
 def operator_table(run, device: str, top: int = 12) -> dict:
     """torch's profiler over one call of ``run``: the seconds of CPU time spent in operators (launching them,
-    on a GPU) against the seconds the device's kernels ran, and the ``top`` operators by CPU time."""
+    on a GPU) against the seconds the device's kernels ran (summed over the kernel events only, as torch's own
+    table does: an operator's event carries its kernels' time too; None without CUDA or where this torch does not
+    say), and the ``top`` operators by CPU time."""
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    cuda = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         run()
-        if device.startswith("cuda"):
+        if cuda:
             torch.cuda.synchronize()
     events = prof.key_averages()
-    cpu = sum(e.self_cpu_time_total for e in events) / 1e6
-    kernels = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e6
+    on_device = [e for e in events if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+    kernels = [_device_us(e) for e in on_device]
+    kernel_s = sum(kernels) / 1e6 if cuda and None not in kernels else None
     rows = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
-    return {"operator_cpu_s": cpu, "kernel_s": kernels, "operator_calls": sum(e.count for e in events),
-            "top_by_cpu": [{"name": e.key, "calls": e.count, "cpu_s": e.self_cpu_time_total / 1e6,
-                            "kernel_s": getattr(e, "self_device_time_total", 0) / 1e6} for e in rows]}
+    return {"operator_cpu_s": sum(e.self_cpu_time_total for e in events) / 1e6, "kernel_s": kernel_s,
+            "kernel_launches": sum(e.count for e in on_device) if cuda else None,
+            "operator_calls": sum(e.count for e in events if e.device_type == DeviceType.CPU),
+            "top_by_cpu": [{"name": e.key, "calls": e.count, "cpu_s": e.self_cpu_time_total / 1e6}
+                           for e in rows]}

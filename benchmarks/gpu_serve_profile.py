@@ -71,7 +71,7 @@ def measure(artifact: str, bodies: list[dict], size: int, tokens: int, profile: 
     similar = batcher.SIMILAR
     if loose:
         batcher.SIMILAR, predictor.max_padding = math.inf, math.inf
-    passes, inside, trunk = [], [0.0], [0.0]
+    passes, inside, trunk, forwards = [], [0.0], [0.0], [0]
     predict, hidden = predictor.predict, predictor._hidden
 
     def timed_hidden(batch):
@@ -80,6 +80,7 @@ def measure(artifact: str, bodies: list[dict], size: int, tokens: int, profile: 
         out = hidden(batch)
         sync()
         trunk[0] += time.perf_counter() - start
+        forwards[0] += 1
         return out
 
     def timed_predict(questions, truncate_context=True):
@@ -99,6 +100,7 @@ def measure(artifact: str, bodies: list[dict], size: int, tokens: int, profile: 
         predictor.predict, predictor._hidden = timed_predict, timed_hidden
         passes.clear()
         inside[0] = trunk[0] = 0.0
+        forwards[0] = 0
         start = time.perf_counter()
         model.predict(bodies, batch_size=size)
         seconds = time.perf_counter() - start
@@ -110,7 +112,8 @@ def measure(artifact: str, bodies: list[dict], size: int, tokens: int, profile: 
         model.close()
     return {"max_batch_size": size, "max_batch_tokens": tokens, "loose": loose, "questions": len(bodies),
             "answers_per_s": len(bodies) / seconds, "seconds": seconds, "passes": len(passes),
-            "mean_pass_questions": sum(passes) / max(len(passes), 1), "predictor_s": inside[0],
+            "mean_pass_questions": sum(passes) / max(len(passes), 1), "trunk_forwards": forwards[0],
+            "predictor_s": inside[0],
             "trunk_forward_s": trunk[0], "engine_outside_predictor_s": seconds - inside[0],
             "predictor_outside_trunk_s": inside[0] - trunk[0], "one_pass_operators": operators}
 

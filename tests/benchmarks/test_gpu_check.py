@@ -96,17 +96,33 @@ def test_a_child_runs_its_one_step_and_records_its_failure(tmp_path, monkeypatch
     assert not out.exists()
 
 
-def test_without_bitsandbytes_the_check_calibrates_and_serves_bf16_and_says_nf4_was_not_measured():
+def test_without_bitsandbytes_the_check_calibrates_bf16_and_fp32_for_auto_and_says_nf4_was_not_measured():
     with_nf4, without = gpu_check.arithmetic(True), gpu_check.arithmetic(False)
-    assert with_nf4["key"] == "torch-cuda-nf4-bf16" and "--load-in-4bit" in with_nf4["calibrate_flags"]
+    assert with_nf4["keys"] == ["torch-cuda-nf4-bf16"] and with_nf4["calibrate_flags"] == [
+        ["--dtype", "bfloat16", "--load-in-4bit"]]
     assert with_nf4["serve_env"] == {"IBEDL_LOAD_IN_4BIT": "true"} and "nf4" not in with_nf4
-    assert without["key"] == "torch-cuda-bf16" and "--load-in-4bit" not in without["calibrate_flags"]
+    assert without["keys"] == ["torch-cuda-bf16", "torch-cuda-fp32"]
+    assert without["calibrate_flags"] == [["--dtype", "bfloat16"], ["--dtype", "float32"]]
     assert without["serve_env"] == {} and "bitsandbytes is not installed" in without["nf4"]
     from ibedl.core.backends.registry import REFERENCE, REGISTRY  # the key a CUDA service looks its calibration up by
 
     torch_backend = REGISTRY[REFERENCE]
-    assert with_nf4["key"] == torch_backend.calibration_key("cuda", "bfloat16", load_in_4bit=True)
-    assert without["key"] == torch_backend.calibration_key("cuda", "bfloat16", load_in_4bit=False)
+    assert with_nf4["keys"] == [torch_backend.calibration_key("cuda", "bfloat16", load_in_4bit=True)]
+    assert without["keys"] == [torch_backend.calibration_key("cuda", dtype, load_in_4bit=False)
+                               for dtype in ("bfloat16", "float32")]
+
+
+def test_the_cuda_calibration_follows_the_defaults_recipe():
+    """make calibrate-default's CALIBRATE flags (less the backend's own): a CUDA service keeps the same promises,
+    per option count, as the CPU backends."""
+    import re
+    import shlex
+
+    from tests.test_lock import ROOT
+
+    text = (ROOT / "Makefile").read_text()
+    recipe = re.search(r"^CALIBRATE = \$\(PY\) -m ibedl\.training\.calibrate (.*?)\n(?=\S)", text, flags=re.S | re.M)
+    assert shlex.split(recipe.group(1).replace("\\\n", " ")) == gpu_check.CALIBRATION
 
 
 def test_the_serve_summary_counts_answers_not_refusals_and_gives_their_latency_percentiles():

@@ -56,8 +56,42 @@ def test_one_setting_accounts_every_question_and_splits_the_time(monkeypatch):
     assert row["engine_outside_predictor_s"] == pytest.approx(row["seconds"] - row["predictor_s"])
     assert profile.getstats()  # the passes ran under the profiler
     ops = row["one_pass_operators"]
-    assert ops["operator_cpu_s"] > 0 and ops["kernel_s"] == 0 and ops["operator_calls"] > 0  # no GPU here
+    assert ops["operator_cpu_s"] > 0 and ops["kernel_s"] is None and ops["operator_calls"] > 0  # no GPU here
     assert any(op["name"] == "aten::linear" or "mm" in op["name"] for op in ops["top_by_cpu"])
-    # loose: at most as many passes, the batcher's rule restored afterwards
+    assert row["trunk_forwards"] >= row["passes"]  # a pass runs in one or more length groups
+    # loose: one forward per pass, fewer forwards on these questions; the batcher's rule restored afterwards
     loose = gpu_serve_profile.measure("artifacts/default", bodies, 3, 4096, None, device="cpu", loose=True)
-    assert loose["loose"] is True and loose["passes"] <= row["passes"] and batcher.SIMILAR == 2.0
+    assert loose["loose"] is True and loose["trunk_forwards"] == loose["passes"] and batcher.SIMILAR == 2.0
+    assert loose["trunk_forwards"] < row["trunk_forwards"]
+
+
+def test_kernel_time_is_summed_over_kernel_events_only(monkeypatch):
+    """torch's profiler gives an operator's event its kernels' device time too: summing every event would count
+    the kernels twice (torch's own table sums the CUDA-typed events)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import torch
+    from torch.autograd import DeviceType
+
+    from benchmarks import common
+
+    events = [SimpleNamespace(key="aten::mm", count=2, device_type=DeviceType.CPU, self_cpu_time_total=300.0,
+                              self_device_time_total=1000.0),
+              SimpleNamespace(key="sm90_gemm", count=2, device_type=DeviceType.CUDA, self_cpu_time_total=0.0,
+                              self_device_time_total=1000.0),
+              SimpleNamespace(key="user", count=1, device_type=DeviceType.CUDA, self_cpu_time_total=0.0,
+                              self_device_time_total=5000.0, is_user_annotation=True)]
+
+    @contextlib.contextmanager
+    def fake_profile(activities):
+        yield SimpleNamespace(key_averages=lambda: events)
+
+    monkeypatch.setattr("torch.profiler.profile", fake_profile)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    got = common.operator_table(lambda: None, "cuda")
+    assert got["kernel_s"] == pytest.approx(0.001) and got["operator_cpu_s"] == pytest.approx(0.0003)
+    assert got["kernel_launches"] == 2 and got["operator_calls"] == 2
+    assert common.operator_table(lambda: None, "cpu")["kernel_s"] is None
+    del events[1].self_device_time_total  # a torch that does not say
+    assert common.operator_table(lambda: None, "cuda")["kernel_s"] is None
