@@ -167,7 +167,8 @@ def step_serve(args, out: Path) -> dict:
     from benchmarks.service_process import ServiceProcess
     from ibedl.training.data import load_dataset
 
-    send_until = time.monotonic() + parse_budgets(args.budget)["serve"] - SERVE_STOP_MARGIN_S
+    budget = parse_budgets(args.budget)["serve"]
+    send_until = time.monotonic() + budget - SERVE_STOP_MARGIN_S
     artifact = RUNS / "default-cuda"
     if not (artifact / "manifest.json").is_file():
         return {"skipped": "no CUDA-calibrated copy: run the calibrate step first"}
@@ -179,7 +180,7 @@ def step_serve(args, out: Path) -> dict:
         env["IBEDL_MAX_BATCH_TOKENS"] = str(args.batch_tokens)
     proc = ServiceProcess(artifact, env, log)
     try:
-        proc.wait_ready(timeout=parse_budgets(args.budget)["serve"])
+        proc.wait_ready(timeout=budget)
         card = httpx.get(proc.url + "/v1/models", timeout=30).json()["data"][0]
         # distinct questions (SciQ training, with their passages): a repeated question would measure a cache
         questions = load_dataset("sciq", "train", limit=args.requests, seed=0)
