@@ -9,14 +9,13 @@ HTTP) answers the same distinct SciQ training questions, with their passages, in
 questions: answers/s, the passes the batcher formed (count and mean size), the seconds inside
 ``Predictor.predict`` (the forward passes and turning their outputs into answers) and, of those, inside the
 trunk's forward with the GPU synchronised before and after (its kernels' time); what is left of the wall time is
-the engine's own work (queueing, checks, answers). A setting ending in ``:loose`` lifts the two length rules made
-for a CPU, where padding costs compute: the batcher's (a pass takes questions within a factor 2 of its first
-prompt's length, ``ibedl.engine.batcher.SIMILAR``) and the predictor's (a pass runs in groups padded to at most
-1.25x their real tokens, ``Predictor.max_padding``), so each pass is one forward of up to ``max_batch_size``
-questions. Then a cProfile of the passes of the last setting names the Python functions that take the most time,
-and torch's profiler one pass's operators by their CPU and CUDA time (whether the pass waits on kernels or on
-launching them). Needs CUDA (exits 2 without it, saying why); made for ``make gpu-check``'s
-machine after its calibrate step (that step writes runs/gpu_check/default-cuda).
+the engine's own work (queueing, checks, answers). A setting ending in ``:loose`` serves with ``pad_freely``
+(``IBEDL_PAD_FREELY``): it lifts the two length rules made for a CPU, where padding costs compute (a pass takes
+questions within a factor 2 of its first prompt's length, and runs them in groups padded to at most 1.25x their real
+tokens), so each pass is one forward of up to ``max_batch_size`` questions. Then a cProfile of the passes of the last
+setting names the Python functions that take the most time, and torch's profiler one pass's operators by their CPU
+and CUDA time (whether the pass waits on kernels or on launching them). Needs CUDA (exits 2 without it, saying why);
+made for ``make gpu-check``'s machine after its calibrate step (that step writes runs/gpu_check/default-cuda).
 """
 
 from __future__ import annotations
@@ -54,23 +53,17 @@ def parse_settings(text: str) -> list[tuple[int, int, bool]]:
 def measure(artifact: str, bodies: list[dict], size: int, tokens: int, profile: cProfile.Profile | None,
             device: str = "cuda", loose: bool = False) -> dict:
     """One setting: the engine on ``device`` answering ``bodies`` in requests of ``size`` (the trunk's time with
-    the GPU synchronised where ``device`` is CUDA; the tests run it on a CPU); ``loose``: without the length
-    rules (module docstring), restored afterwards."""
-    import math
-
+    the GPU synchronised where ``device`` is CUDA; the tests run it on a CPU); ``loose``: served with ``pad_freely``
+    (module docstring)."""
     import torch
 
     import ibedl
-    from ibedl.engine import batcher
 
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     model = ibedl.load(artifact, device=device, backend="torch", max_batch_size=size, max_batch_tokens=tokens,
                        queue_size=max(len(bodies), 256), max_request_tokens=max(16384, 2 * tokens),
-                       request_timeout_s=600)
+                       request_timeout_s=600, pad_freely=loose)
     predictor = model.engine.default.predictor
-    similar = batcher.SIMILAR
-    if loose:
-        batcher.SIMILAR, predictor.max_padding = math.inf, math.inf
     passes, inside, trunk, forwards = [], [0.0], [0.0], [0]
     predict, hidden = predictor.predict, predictor._hidden
 
@@ -105,7 +98,6 @@ def measure(artifact: str, bodies: list[dict], size: int, tokens: int, profile: 
         questions = [model.check(b).question for b in bodies[:size]]
         operators = operator_table(lambda: model.engine.default.predict(questions), device)
     finally:
-        batcher.SIMILAR = similar
         model.close()
     return {"max_batch_size": size, "max_batch_tokens": tokens, "loose": loose, "questions": len(bodies),
             "answers_per_s": len(bodies) / seconds, "seconds": seconds, "passes": len(passes),

@@ -90,6 +90,8 @@ class MicroBatcher:
         max_batch_tokens: prompt tokens per forward pass (a single longer question still runs alone).
         max_wait_ms: how long a pass waits for more questions after its first.
         queue_size: questions waiting, at most.
+        similar: questions share a pass only if their prompt lengths are within this factor of its first one's
+            (``math.inf``: whatever their lengths).
         service_time: the per-token time estimate (updated from every pass); a fresh one admits everything
             until the first pass is measured.
         admission: the admission policy (its ``margin``: admission requires that many times the expected completion
@@ -105,16 +107,19 @@ class MicroBatcher:
                  max_wait_ms: float = 5.0, queue_size: int = 256, on_batch: Callable[[int, float], None] | None = None,
                  on_depth: Callable[[int], None] | None = None, max_batch_tokens: int = 1 << 30,
                  service_time: ServiceTime | None = None, admission: Admission | None = None,
-                 executor: ThreadPoolExecutor | None = None) -> None:
+                 executor: ThreadPoolExecutor | None = None, similar: float = SIMILAR) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
         if queue_size < 1:
             raise ValueError(f"queue_size must be >= 1, got {queue_size}")
+        if not similar >= 1:
+            raise ValueError(f"similar must be >= 1, got {similar}")
         self.predict = predict
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
+        self.similar = similar
         self.max_wait = max_wait_ms / 1000.0
         self.queue_size = queue_size
         self.service_time = service_time or ServiceTime()
@@ -362,7 +367,7 @@ class MicroBatcher:
 
     def _next(self, first: _Item, room_tokens: int, ends_by: float) -> _Item | None:
         """The next question in turn order that may share ``first``'s pass: the same model, at most
-        ``room_tokens`` tokens, of a similar length (within ``SIMILAR`` times), and not making the pass end after
+        ``room_tokens`` tokens, of a similar length (within ``similar`` times), and not making the pass end after
         ``ends_by`` (the earliest deadline in it) or after its own deadline; or None."""
         self._purge()
         now = self.clock()
@@ -370,7 +375,7 @@ class MicroBatcher:
             head = request.items[0]
             if request.predict != first.predict or head.tokens > room_tokens:  # bound methods: equal per object
                 continue
-            if not first.tokens / SIMILAR <= head.tokens <= first.tokens * SIMILAR:
+            if not first.tokens / self.similar <= head.tokens <= first.tokens * self.similar:
                 continue
             if (now + self.service_time.seconds(self.max_batch_tokens - room_tokens + head.tokens)
                     > min(ends_by, head.deadline)):

@@ -31,7 +31,7 @@ from pydantic import ValidationError
 from ibedl.core.predictor import Prediction
 from ibedl.core.prompt import MCQuestion
 from ibedl.engine.admission import Admission, InvalidTimeout
-from ibedl.engine.batcher import MicroBatcher
+from ibedl.engine.batcher import SIMILAR, MicroBatcher
 from ibedl.engine.capacity import ServiceTime, warm_up
 from ibedl.engine.context import TIMEOUT_HEADER, RequestContext
 from ibedl.engine.errors import (
@@ -137,7 +137,7 @@ class Engine:
             self.settings.max_wait_ms, self.settings.queue_size,
             on_batch=self._on_batch, on_depth=lambda n: self.notify("depth", n),
             max_batch_tokens=self.settings.max_batch_tokens, service_time=service_time, admission=self.admission,
-            executor=self._model)
+            executor=self._model, similar=math.inf if self.settings.pad_freely else SIMILAR)
 
     @classmethod
     def load(cls, settings: EngineSettings, loader: Loader | None = None) -> Engine:

@@ -112,6 +112,8 @@ def make_runtimes(predictors: list[Predictor], settings: EngineSettings,
         # Served prompts may be longer than the training cut (manifest prompt.max_tokens): the model reads
         # them whole; only what exceeds this limit is refused.
         predictor.max_tokens = settings.max_tokens
+        if settings.pad_freely:  # one forward per pass, padded to its longest prompt (a switch's copy keeps it)
+            predictor.max_padding = math.inf
         calibration = served_calibration(predictor, settings)
         runtimes[manifest.name] = AdapterRuntime(
             name=manifest.name,

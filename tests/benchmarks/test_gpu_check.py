@@ -146,3 +146,36 @@ def test_a_refusals_type_is_read_from_its_body_or_its_status():
     assert gpu_check.error_type(httpx.Response(503, json={"error": {"type": "overloaded", "message": "x"}})) == \
         "overloaded"
     assert gpu_check.error_type(httpx.Response(502, text="<html>bad gateway</html>")) == "502"
+
+
+def test_the_pass_summary_reads_the_services_own_pass_metrics():
+    """What the serve steps record of the passes, read from the Prometheus text the service's metrics produce."""
+    from prometheus_client import generate_latest
+
+    from ibedl.serve.metrics import Metrics
+
+    metrics = Metrics()
+    assert gpu_check.pass_summary(generate_latest(metrics.registry).decode()) == {
+        "count": 0, "mean_questions": None, "mean_forward_ms": None}
+    for size, seconds in ((2, 0.1), (4, 0.2), (6, 0.3)):
+        metrics.batch_size.observe(size)
+        metrics.forward_seconds.observe(seconds)
+    got = gpu_check.pass_summary(generate_latest(metrics.registry).decode())
+    assert got["count"] == 3 and got["mean_questions"] == pytest.approx(4.0)
+    assert got["mean_forward_ms"] == pytest.approx(200.0)
+
+
+def test_the_second_serve_step_lifts_the_length_rules(monkeypatch, tmp_path):
+    """serve_free runs the serve step with IBEDL_PAD_FREELY=true, under its own budget and log."""
+    seen = {}
+
+    def fake(args, out, pad_freely=False):
+        seen["pad_freely"] = pad_freely
+        return {"pad_freely": pad_freely}
+
+    monkeypatch.setattr(gpu_check, "step_serve", fake)
+    args = gpu_check.argparse.Namespace(budget=None)
+    monkeypatch.chdir(tmp_path)
+    assert gpu_check.run_step("serve_free", args, tmp_path / "check.json") == 0
+    assert seen == {"pad_freely": True}
+    assert json.loads((tmp_path / "check_serve_free.json").read_text()) == {"pad_freely": True}

@@ -457,3 +457,29 @@ def test_a_given_executor_runs_every_pass_and_between_passes_and_outlives_the_ba
         assert model.submit(lambda: "still open").result() == "still open"  # the batcher left it to its owner
     finally:
         model.shutdown()
+
+
+@pytest.mark.parametrize("similar, expected", [(2.0, [["a", "c"], ["b"], ["d"]]),
+                                               (float("inf"), [["a", "b", "c", "d"]])])
+def test_similar_bounds_how_much_the_prompt_lengths_of_a_pass_may_differ(similar, expected):
+    """By default a pass takes questions within a factor 2 of its first one's length (c: 5 beside a's 4; b, 40, and d,
+    400, wait for passes of their own); ``similar=inf`` (the engine's IBEDL_PAD_FREELY) takes them whatever their
+    lengths."""
+
+    async def main():
+        predict = FakePredict()
+        b = MicroBatcher(predict, max_batch_size=8, max_wait_ms=50, similar=similar)
+        b.start()
+        futures = []
+        for name, tokens in (("a", 4), ("b", 40), ("c", 5), ("d", 400)):
+            futures += await b.submit_many([q(name)], [tokens])
+        await asyncio.gather(*futures)
+        await b.stop()
+        return predict.batches
+
+    assert run(main()) == expected
+
+
+def test_similar_below_one_is_refused():
+    with pytest.raises(ValueError, match="similar must be >= 1, got 0.5"):
+        MicroBatcher(FakePredict(), similar=0.5)

@@ -169,3 +169,29 @@ def test_the_model_loads_warms_and_answers_on_one_thread(tiny_artifact):
     assert kinds[0] == "load" and kinds.count("predict") >= 4, kinds  # warm-up twice, then the passes
     assert len({t for _, t in threads}) == 1, threads
     assert threads[0][1] not in (threading.get_ident(), scheduler)
+
+
+def test_pad_freely_answers_a_pass_of_mixed_lengths_in_one_forward_with_the_same_answers(tiny_artifact):
+    """IBEDL_PAD_FREELY (for a GPU): questions of very different prompt lengths share one pass, run as one padded
+    forward, and get the answers they get in the passes and length groups of the default rules (right padding, read
+    at the last real token)."""
+    bodies = [{**Q, "question": "short"}, {**Q, "question": "long", "context": "w " * 30},
+              {**Q, "question": "mid", "context": "w " * 8}]
+    runs = {}
+    for free in (False, True):
+        engine, passes = engine_with(tiny_artifact, pad_freely=free, max_batch_size=8)
+        predictor, forwards = engine.default.predictor, []
+        forward = predictor.forward
+        predictor.forward = lambda batch, forward=forward, forwards=forwards: (
+            forwards.append(tuple(batch.input_ids.shape)) or forward(batch))
+        try:
+            runs[free] = passes, forwards, engine.predict(bodies, batch_size=3)
+        finally:
+            engine.close()
+    (strict_passes, strict_forwards, strict), (free_passes, free_forwards, free) = runs[False], runs[True]
+    assert len(strict_passes) == 3 and len(strict_forwards) == 3, (strict_passes, strict_forwards)
+    assert free_passes == [["short", "long", "mid"]] and len(free_forwards) == 1 and free_forwards[0][0] == 3
+    for a, b in zip(strict, free, strict=True):
+        assert a.probabilities == pytest.approx(b.probabilities, abs=1e-5)
+        assert a.uncertainty_mass == pytest.approx(b.uncertainty_mass, abs=1e-5)
+        assert a.prediction == b.prediction and a.abstained == b.abstained
