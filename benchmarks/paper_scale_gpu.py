@@ -10,6 +10,9 @@ enough: speed and memory do not depend on their values. Needs CUDA.
 Training step: LoRA r=8 on q/v (the paper's recipe), AdamW; ``rows`` = the IB-EDL head on the last-token
 hidden state (K=20 samples + beta * KL, as in training), ``full`` = the reference path: LM logits
 (B, S, 128,256), the option columns at the last token, cross-entropy. Test: no-grad forward of each path.
+The two paths' timed steps alternate (rows then full, then full then rows, ...) on the same batches, so drift of the
+machine and the order they run in fall on both; ``rows_vs_full`` gives each phase's speed ratio with a 95% paired
+bootstrap interval over those pairs (the first run ran each path's steps in one block, rows first).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import operator_table, write_result
+from benchmarks.common import operator_table, paired_ratio, write_result
 from ibedl.core.head import HeadConfig, build_head
 from ibedl.core.predictor import Predictor, lm_head_rows
 from ibedl.core.prompt import MCQuestion, option_token_ids
@@ -42,10 +45,12 @@ def sync():
         torch.cuda.synchronize()
 
 
+PATHS = ("rows", "full")
+
+
 def reset_peak():
     if DEVICE == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_peak_memory_stats()  # the peak of allocated memory: the allocator's cache does not count
 
 
 def peak_gb() -> float:
@@ -102,10 +107,13 @@ def main(argv=None) -> int:
     parser.add_argument("--questions", required=True)
     parser.add_argument("--tokenizer", required=True)
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=12, help="timed steps per path and phase (after 2 warm-up)")
+    parser.add_argument("--steps", type=int, default=12,
+                        help="timed steps per path and phase, alternating between the paths (after 2 warm-up); >= 2")
     parser.add_argument("--output", default="benchmarks/results/paper_scale_gpu.json")
     parser.add_argument("--smoke", action="store_true", help="a 2-layer model on the CPU: checks the script runs")
     args = parser.parse_args(argv)
+    if args.steps < 2:
+        parser.error(f"--steps must be >= 2 (the paths' speed ratio is a paired interval over steps), got {args.steps}")
     global DEVICE
     if args.smoke:
         DEVICE = "cpu"
@@ -120,25 +128,32 @@ def main(argv=None) -> int:
               "torch": torch.__version__, "model": "Llama3-8B shape, random bf16",
               "params_b": sum(p.numel() for p in predictor.model.parameters()) / 1e9, "batch_size": args.batch_size,
               "mean_prompt_tokens": sum(tokens) / len(tokens), "paper": PAPER_H100, "paths": {}}
+    result["rows_vs_full"] = {}
     for phase, train in (("train", True), ("test", False)):
         predictor.model.train(train)
-        for path in ("rows", "full"):
-            reset_peak()
+        for path in PATHS:
             for b in batches[:2]:
                 step(predictor, head, ids, b, path, optimizer, train)
-            times = [step(predictor, head, ids, batches[i % len(batches)], path, optimizer, train)
-                     for i in range(args.steps)]
+        times, peaks = {p: [] for p in PATHS}, dict.fromkeys(PATHS, 0.0)
+        for i in range(args.steps):
+            for path in PATHS if i % 2 == 0 else PATHS[::-1]:
+                reset_peak()
+                times[path].append(step(predictor, head, ids, batches[i % len(batches)], path, optimizer, train))
+                peaks[path] = max(peaks[path], peak_gb())
+        for path in PATHS:
             entry = result["paths"].setdefault(path, {})
-            entry[f"{phase}_samples_per_s"] = args.batch_size * len(times) / sum(times)
-            entry[f"{phase}_peak_memory_gb"] = peak_gb()
+            entry[f"{phase}_samples_per_s"] = args.batch_size * len(times[path]) / sum(times[path])
+            entry[f"{phase}_peak_memory_gb"] = peaks[path]
             # one more step under torch's profiler: launching operators (CPU) against running kernels (GPU)
             entry[f"{phase}_one_step_operators"] = operator_table(
                 lambda path=path, train=train: step(predictor, head, ids, batches[0], path, optimizer, train), DEVICE)
             print(phase, path, json.dumps({k: v for k, v in entry.items() if "operators" not in k}), flush=True)
-            write_result(args.output, result, echo=False)  # kept if the run is stopped before the next path
-    rows, full = result["paths"]["rows"], result["paths"]["full"]
-    result["rows_vs_full"] = {k: rows[k] / full[k] if full[k] else None for k in rows
-                              if isinstance(rows[k], float)}
+        # rows' samples/s over full's: full's step time over rows' on the same batches
+        result["rows_vs_full"][f"{phase}_samples_per_s"] = paired_ratio(times["full"], times["rows"])
+        result["rows_vs_full"][f"{phase}_peak_memory_gb"] = (peaks["rows"] / peaks["full"] if peaks["full"]
+                                                             else None)
+        write_result(args.output, result, echo=False)  # kept if the run is stopped before the next phase
+    rows = result["paths"]["rows"]
     result["rows_vs_paper"] = {
         "train_samples_per_s": rows["train_samples_per_s"] / PAPER_H100["ib_edl_train_samples_per_s"],
         "test_samples_per_s": rows["test_samples_per_s"] / PAPER_H100["ib_edl_test_samples_per_s"],
