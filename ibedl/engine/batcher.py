@@ -365,10 +365,12 @@ class MicroBatcher:
         chosen = min(at_risk, key=slack) if at_risk else min(self._requests, key=_Request.turn)
         return self._take(chosen)
 
-    def _next(self, first: _Item, room_tokens: int, ends_by: float) -> _Item | None:
-        """The next question in turn order that may share ``first``'s pass: the same model, at most
-        ``room_tokens`` tokens, of a similar length (within ``similar`` times), and not making the pass end after
-        ``ends_by`` (the earliest deadline in it) or after its own deadline; or None."""
+    def _next(self, first: _Item, room_tokens: int, ends_by: float, size: int = 1, longest: int = 0) -> _Item | None:
+        """The next question in turn order that may share ``first``'s pass (of ``size`` questions, the longest of
+        ``longest`` tokens): the same model, at most ``room_tokens`` tokens, of a similar length (within ``similar``
+        times), and not making the pass end after ``ends_by`` (the earliest deadline in it) or after its own deadline;
+        or None. Without the similarity rule (``similar`` infinite) the pass runs as one forward padded to its
+        longest prompt, so its padded tokens, not only its real ones, stay within ``max_batch_tokens``."""
         self._purge()
         now = self.clock()
         for request in self._in_turn():
@@ -376,6 +378,8 @@ class MicroBatcher:
             if request.predict != first.predict or head.tokens > room_tokens:  # bound methods: equal per object
                 continue
             if not first.tokens / self.similar <= head.tokens <= first.tokens * self.similar:
+                continue
+            if math.isinf(self.similar) and (size + 1) * max(longest, head.tokens) > self.max_batch_tokens:
                 continue
             if (now + self.service_time.seconds(self.max_batch_tokens - room_tokens + head.tokens)
                     > min(ends_by, head.deadline)):
@@ -395,13 +399,15 @@ class MicroBatcher:
             self._wakeup.clear()
             await self._wakeup.wait()
         self._busy = True  # from the first question taken: stop() must wait for it
-        batch, tokens = [first], first.tokens
+        batch, tokens, longest = [first], first.tokens, first.tokens
         deadline = self.clock() + self.max_wait
         while len(batch) < self.max_batch_size:
-            item = self._next(first, self.max_batch_tokens - tokens, min(i.deadline for i in batch))
+            item = self._next(first, self.max_batch_tokens - tokens, min(i.deadline for i in batch), len(batch),
+                              longest)
             if item is not None:
                 batch.append(item)
                 tokens += item.tokens
+                longest = max(longest, item.tokens)
                 continue
             if self._live_depth():
                 break  # what waits does not fit in this pass, is much longer or shorter, or for another model

@@ -3,7 +3,9 @@ the service runs, and the admission arithmetic built on it.
 
 The predictor runs each micro-batch in groups of similar prompt length (``Predictor.predict``), so a pass
 costs about its real tokens times a per-token time; that time depends on how full the batches are and on
-what else the CPU runs, so it is an exponentially weighted mean of recent passes rather than a constant.
+what else the CPU runs, so it is an exponentially weighted mean of recent passes rather than a constant. Under
+``IBEDL_PAD_FREELY`` a pass runs padded to its longest prompt: the time per real token then includes the padding
+the recent passes carried, on average.
 """
 
 from __future__ import annotations

@@ -49,14 +49,16 @@ class EngineSettings(BaseSettings):
     max_tokens: int = Field(1024, ge=16,
                             description="prompt tokens after formatting (training may have cut passages shorter)")
 
-    max_batch_tokens: int = Field(2048, ge=16, description="prompt tokens per forward pass (bounds how long one "
-                                  "pass holds the model; a longer single question runs alone)")
+    max_batch_tokens: int = Field(2048, ge=16, description="prompt tokens per forward pass, counted padded to the "
+                                  "pass's longest prompt under IBEDL_PAD_FREELY (bounds how long one pass holds the "
+                                  "model and its memory; a longer single question runs alone)")
     max_wait_ms: float = Field(5.0, ge=0, le=1000, description="how long a batch waits for more questions")
     pad_freely: bool = Field(False, description="a forward pass takes waiting questions whatever their prompt "
-                             "lengths and runs them as one batch padded to the longest (for a GPU, where a pass's "
-                             "time depends little on its padding); off: a pass takes questions within a factor 2 of "
-                             "its first one's length and runs them in groups padded to at most 1.25x their real "
-                             "tokens, which pays on a CPU, where padding is computed like real tokens")
+                             "lengths and runs them as one batch padded to the longest (meant for a GPU, where a "
+                             "pass's time should depend little on its padding: not yet measured on one); off: a "
+                             "pass takes questions within a factor 2 of its first one's length and runs them in "
+                             "groups padded to at most 1.25x their real tokens, which pays on a CPU, where padding "
+                             "is computed like real tokens")
     queue_size: int = Field(256, ge=1, description="questions waiting, at most (a memory bound; admission by "
                             "capacity refuses earlier)")
     request_timeout_s: float = Field(30.0, gt=0, description="a request's deadline from its arrival; a client may "

@@ -148,25 +148,42 @@ def test_a_refusals_type_is_read_from_its_body_or_its_status():
     assert gpu_check.error_type(httpx.Response(502, text="<html>bad gateway</html>")) == "502"
 
 
-def test_the_pass_summary_reads_the_services_own_pass_metrics():
-    """What the serve steps record of the passes, read from the Prometheus text the service's metrics produce."""
+def test_the_passes_between_two_readings_of_the_services_own_metrics():
+    """What the serve steps record of the passes: read from the Prometheus text the service's metrics produce, the
+    passes before the clients' (start-up, warm-up) taken away; a reading that failed is said, not raised."""
     from prometheus_client import generate_latest
 
     from ibedl.serve.metrics import Metrics
 
     metrics = Metrics()
-    assert gpu_check.pass_summary(generate_latest(metrics.registry).decode()) == {
-        "count": 0, "mean_questions": None, "mean_forward_ms": None}
+    empty = gpu_check.pass_totals(generate_latest(metrics.registry).decode())
+    assert gpu_check.passes_between(empty, empty) == {"count": 0, "mean_questions": None, "mean_forward_ms": None}
+    metrics.batch_size.observe(1)  # the warm-up's pass
+    metrics.forward_seconds.observe(5.0)
+    before = gpu_check.pass_totals(generate_latest(metrics.registry).decode())
     for size, seconds in ((2, 0.1), (4, 0.2), (6, 0.3)):
         metrics.batch_size.observe(size)
         metrics.forward_seconds.observe(seconds)
-    got = gpu_check.pass_summary(generate_latest(metrics.registry).decode())
+    after = gpu_check.pass_totals(generate_latest(metrics.registry).decode())
+    got = gpu_check.passes_between(before, after)
     assert got["count"] == 3 and got["mean_questions"] == pytest.approx(4.0)
     assert got["mean_forward_ms"] == pytest.approx(200.0)
+    assert gpu_check.passes_between(before, "HTTPStatusError: 401") == {"error": "HTTPStatusError: 401"}
+
+
+def test_a_metrics_reading_that_fails_says_why():
+    class Refusing:
+        def get(self, url):
+            import httpx
+
+            request = httpx.Request("GET", url)
+            return httpx.Response(401, request=request)
+
+    assert gpu_check.read_passes(Refusing(), "http://127.0.0.1:1").startswith("HTTPStatusError")
 
 
 def test_the_second_serve_step_lifts_the_length_rules(monkeypatch, tmp_path):
-    """serve_free runs the serve step with IBEDL_PAD_FREELY=true, under its own budget and log."""
+    """serve_free runs the serve step with pad_freely (the step sets IBEDL_PAD_FREELY from it)."""
     seen = {}
 
     def fake(args, out, pad_freely=False):

@@ -483,3 +483,21 @@ def test_similar_bounds_how_much_the_prompt_lengths_of_a_pass_may_differ(similar
 def test_similar_below_one_is_refused():
     with pytest.raises(ValueError, match="similar must be >= 1, got 0.5"):
         MicroBatcher(FakePredict(), similar=0.5)
+
+
+def test_without_the_similarity_rule_a_pass_keeps_its_padded_tokens_within_max_batch_tokens():
+    """Padded to its longest prompt, a pass of one 100-token question and 20-token ones costs 100 tokens a question:
+    at most 4 fit in 400 padded tokens (their real 160 would admit all 8); the rest wait for passes of their own."""
+
+    async def main():
+        predict = FakePredict()
+        b = MicroBatcher(predict, max_batch_size=8, max_wait_ms=50, max_batch_tokens=400, similar=float("inf"))
+        b.start()
+        futures = await b.submit_many([q("long")], [100])
+        for i in range(7):
+            futures += await b.submit_many([q(f"s{i}")], [20])
+        await asyncio.gather(*futures)
+        await b.stop()
+        return predict.batches
+
+    assert run(main()) == [["long", "s0", "s1", "s2"], ["s3", "s4", "s5", "s6"]]
