@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from scipy.stats import rankdata, spearmanr
+from scipy.stats import spearmanr
 from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import roc_auc_score
 from sklearn.model_selection import StratifiedKFold
@@ -56,11 +56,26 @@ def out_of_fold(x: np.ndarray, y: np.ndarray, seed: int = 0) -> np.ndarray:
     return scores
 
 
+def average_ranks(x: np.ndarray) -> np.ndarray:
+    """(n,) values -> (n,) ranks from 1, tied values sharing their mean rank: scipy.stats.rankdata's default, exactly
+    (its array-API checks cost more than the sort on the bootstraps' thousands of calls; 2x faster at n = 500)."""
+    order = np.argsort(x, kind="mergesort")
+    ordered = x[order]
+    starts = np.empty(len(x), dtype=bool)
+    starts[:1] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=starts[1:])
+    group = np.cumsum(starts)  # 1-based index of each sorted value's run of ties
+    bounds = np.r_[np.flatnonzero(starts), len(x)]  # where each run starts, then n
+    ranks = np.empty(len(x))
+    ranks[order] = 0.5 * (bounds[group - 1] + bounds[group] + 1)  # mean of the run's ranks start+1 .. end
+    return ranks
+
+
 def fast_auroc(y: np.ndarray, score: np.ndarray) -> float:
     """AUROC by the Mann-Whitney statistic on average ranks (equal to sklearn's roc_auc_score, ties included)."""
     positive = y == 1
     n1, n0 = int(positive.sum()), int((~positive).sum())
-    return float((rankdata(score)[positive].sum() - n1 * (n1 + 1) / 2) / (n1 * n0))
+    return float((average_ranks(score)[positive].sum() - n1 * (n1 + 1) / 2) / (n1 * n0))
 
 
 def gain(x: np.ndarray, y: np.ndarray, seed: int = 0) -> dict:
@@ -83,7 +98,7 @@ def gain(x: np.ndarray, y: np.ndarray, seed: int = 0) -> dict:
 def partial_spearman(a: np.ndarray, b: np.ndarray, given: np.ndarray) -> float:
     """Spearman correlation of ``a`` and ``b`` with ``given`` partialled out: the Pearson correlation of their ranks'
     residuals after a linear fit on the rank of ``given``."""
-    ra, rb, rg = rankdata(a), rankdata(b), rankdata(given)
+    ra, rb, rg = average_ranks(a), average_ranks(b), average_ranks(given)
     design = np.c_[np.ones_like(rg), rg]
 
     def residual(r):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from benchmarks.decisions import SHIFTED
-from benchmarks.sigma_search import fast_auroc, gain, main, partial_spearman, score_candidate
+from benchmarks.sigma_search import average_ranks, fast_auroc, gain, main, partial_spearman, score_candidate
 from tests.reproduced import assert_reproduced, mismatches
 
 
@@ -16,6 +16,17 @@ def test_partial_spearman_removes_what_the_given_variable_explains():
     assert abs(partial_spearman(a, b, given)) < 0.06
     own = rng.normal(size=2000)  # a signal of their own, shared
     assert partial_spearman(a + own, b + own, given) > 0.8
+
+
+@pytest.mark.parametrize("values", [[3.0], [2.0, 2.0, 2.0], [1.0, 2.0, 3.0], [3.0, 1.0, 3.0, 2.0, 1.0, 3.0],
+                                    [0.5, -np.inf, 0.5, np.inf, -0.0, 0.0]])
+def test_average_ranks_are_scipys(values):
+    from scipy.stats import rankdata
+
+    x = np.asarray(values)
+    assert np.array_equal(average_ranks(x), rankdata(x))
+    many = np.round(np.random.default_rng(0).normal(size=997), 1)  # runs of ties of every length
+    assert np.array_equal(average_ranks(many), rankdata(many))
 
 
 def test_fast_auroc_is_sklearns_with_ties():
