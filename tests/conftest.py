@@ -17,6 +17,14 @@ from benchmarks.service_process import ServiceProcess  # noqa: F401  (the tests 
 # side by side, and a developer's own service may hold it. A test that needs the port reads it from the door.
 os.environ["IBEDL_GRPC_PORT"] = "0"
 
+# Under pytest-xdist (make test: TEST_WORKERS processes) each worker's torch, and every child process it starts,
+# would take all the cores: N workers on N cores would run N x N threads, and the tests that bound real work by the
+# clock (a lone client never refused, a queue's deadline) would meet cores taken by the other workers' threads.
+# Each worker gets its share, set before anything imports torch (xdist names the worker count before conftest).
+if _workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0):
+    for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_name, str(max(1, len(os.sched_getaffinity(0)) // _workers)))
+
 TINY_CORPUS = [
     "Question: What do plants need to make food? A. sunlight B. sand C. salt D. iron Answer: A",
     "Which planet is closest to the sun? Mercury Venus Earth Mars Answer: B",
