@@ -105,19 +105,20 @@ test-servers-deps:
 	  exit 1; \
 	fi
 
-# Two pytest runs: the fast tests quietly (one dot a test) on TEST_WORKERS processes (pytest-xdist; on 2 cores
-# 8.6 minutes against 14.3 in one), then the real-model and server tests in one process, one line per test as it
-# starts and the slowest durations, so a long test shows what is running (they share the real model's cache, and
-# auto's timings are taken there: a second worker would be another load on the cores they time).
+# The unit tests: on TEST_WORKERS processes (pytest-xdist; the time it saves: docs/development.md#make-targets)
+UNIT_TESTS = -n $(TEST_WORKERS) -m "not integration and not servers" $(PYTEST_ARGS)
+# Two pytest runs: the unit tests quietly (one dot a test), then the real-model and server tests in one process, one
+# line per test as it starts and the slowest durations, so a long test shows what is running (they share the real
+# model's cache, and auto's timings are taken there: a second worker would be another load on the cores they time).
 # Exit code 5 (nothing selected, e.g. PYTEST_ARGS=tests/training) is not a failure.
 test: setup test-servers-deps
 	@status=0; \
-	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not integration and not servers" $(PYTEST_ARGS) || [ $$? = 5 ] || status=1; \
+	$(PY) -m pytest -q $(UNIT_TESTS) || [ $$? = 5 ] || status=1; \
 	$(PY) -m pytest -v --durations=10 -m "integration or servers" $(PYTEST_ARGS) || [ $$? = 5 ] || status=1; \
 	exit $$status
 
 test-fast: setup
-	$(PY) -m pytest -n $(TEST_WORKERS) -m "not integration and not servers" $(PYTEST_ARGS)
+	$(PY) -m pytest $(UNIT_TESTS)
 
 # The GPU path end to end on a lent CUDA machine (benchmarks/gpu_check.py: train bf16 / 4-bit base, calibrate and
 # serve on CUDA, the 8B-shaped throughput run against the paper's H100 figures). Needs a CUDA build of torch in the
