@@ -8,6 +8,17 @@ from pathlib import Path
 from benchmarks.common import REPO
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing on ``host`` listens on now, for a server another process binds (the OS picks it; another
+    process may take it before the server does, rarely: a server in this process takes a bound socket instead,
+    tests/serve/conftest.uvicorn_server)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 class ServiceProcess:
     """``python -m ibedl.serve`` in a subprocess on a free loopback port; stopped with SIGTERM."""
 
@@ -15,14 +26,8 @@ class ServiceProcess:
         """``artifact``: one adapter directory, or a list of them (served together, ``--artifacts``); ``preexec_fn``
         runs in the child before the service (e.g. joining a memory cgroup: benchmarks.memory_cgroup)."""
         import os
-        import socket
         import subprocess
         import sys
-
-        def free_port() -> int:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                return s.getsockname()[1]
 
         self.port, self.grpc_port = free_port(), free_port()  # HTTP, and the Open Inference Protocol over gRPC
         self.url = f"http://127.0.0.1:{self.port}"

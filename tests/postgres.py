@@ -11,11 +11,12 @@ import os
 import pwd
 import secrets
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.service_process import free_port
 
 USER = "ibedl"
 
@@ -30,12 +31,6 @@ def postgres_bin(name: str) -> str:
                              "it: apt-get install -y --no-install-recommends postgresql (make test installs it as "
                              "root)")
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class PostgresServer:

@@ -24,6 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
+from benchmarks.service_process import free_port
 from tests.deploy.render import nginx_command, render_nginx, require_binary
 from tests.serve.conftest import uvicorn_server
 
@@ -31,12 +32,6 @@ pytestmark = pytest.mark.servers
 
 READ_TIMEOUT_S = 2  # the rendered gateway's proxy_read_timeout (35 s as shipped)
 Q = {"question": "Which is sun?", "options": ["sun", "moon"]}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Replica:

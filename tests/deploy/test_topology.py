@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -37,6 +36,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks.service_process import free_port
 from tests.deploy.render import (
     API_JOB,
     DASHBOARD_JSON,
@@ -68,12 +68,6 @@ API_TOKEN, METRICS_TOKEN, LABEL_TOKEN = "topology-api-token", "topology-metrics-
 METRICS_AUTH = {"Authorization": f"Bearer {METRICS_TOKEN}"}
 LABEL_AUTH = {"Authorization": f"Bearer {LABEL_TOKEN}"}
 FEEDBACK_KEY = "topology-feedback-key"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tail(path: Path, n: int = 3000) -> str:

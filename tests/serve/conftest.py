@@ -23,36 +23,38 @@ def load_predictor(settings):
 @contextmanager
 def uvicorn_server(app, host: str = "127.0.0.1"):
     """``app`` on a real uvicorn in a thread, on a free port of ``host``; yields its URL once ready, stops it after.
-    The service knows its server, as ``python -m ibedl.serve`` tells it: setting ``should_exit`` (what uvicorn's
-    SIGTERM handler does) drains it."""
+    The server takes the socket this bound (no other process can take the port between the pick and the bind, as
+    under pytest-xdist's workers). The service knows its server, as ``python -m ibedl.serve`` tells it: setting
+    ``should_exit`` (what uvicorn's SIGTERM handler does) drains it."""
     import socket
     import threading
 
     import httpx
     import uvicorn
 
-    with socket.socket() as s:
-        s.bind((host, 0))
-        port = s.getsockname()[1]
+    sock = socket.socket()
+    sock.bind((host, 0))
+    port = sock.getsockname()[1]
     srv = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
     app.state.service.server = srv
-    thread = threading.Thread(target=srv.run, daemon=True)
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     url = f"http://{host}:{port}"
     deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(url + "/health/ready", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the server did not get ready"
-        time.sleep(0.05)
     try:
+        while True:
+            try:
+                if httpx.get(url + "/health/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not get ready"
+            time.sleep(0.05)
         yield url
     finally:
         srv.should_exit = True
         thread.join(30)
+        sock.close()
 
 
 def wait_ready(client: TestClient, timeout: float = 60.0) -> None:

@@ -13,15 +13,10 @@ import time
 import pytest
 import uvicorn
 
+from benchmarks.service_process import free_port
 from ibedl.serve.__main__ import main
 from ibedl.serve.server import CLOSE, log_exposure, refusal, uvicorn_config
 from ibedl.serve.settings import Settings
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "localhost", "::1", "[::1]"])
@@ -119,7 +114,8 @@ def test_the_start_log_warns_of_labels_kept_in_one_process(caplog, tmp_path):
 
 
 class Running:
-    """A real uvicorn server, configured as the service configures it, in a thread, around a trivial app."""
+    """A real uvicorn server, configured as the service configures it, in a thread, around a trivial app, on a socket
+    bound here (no other process can take its port first)."""
 
     def __init__(self, **settings):
         async def app(scope, receive, send):
@@ -128,9 +124,11 @@ class Running:
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
             await send({"type": "http.response.body", "body": b"ok"})
 
-        self.port = free_port()
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
         self.server = uvicorn.Server(uvicorn_config(app, Settings(port=self.port, **settings)))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self):
         self.thread.start()
@@ -143,6 +141,7 @@ class Running:
     def __exit__(self, *exc):
         self.server.should_exit = True
         self.thread.join(30)
+        self.sock.close()
 
     def connect(self) -> socket.socket:
         s = socket.create_connection(("127.0.0.1", self.port), timeout=10)

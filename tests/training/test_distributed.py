@@ -3,7 +3,6 @@ TensorBoard files, and the settings that cannot run on a CPU (FSDP, mixed precis
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ import pytest
 import safetensors.torch
 import yaml
 
+from benchmarks.service_process import free_port
 from ibedl.core.artifact import read_manifest
 from ibedl.training import distributed
 from ibedl.training.config import load_config
@@ -56,12 +56,6 @@ def assert_same_run(artifact: Path, reference: Path) -> None:
     for split in ("validation", "test"):
         for key in ("accuracy", "nll", "ece", "brier"):
             assert metrics[split][key] == pytest.approx(expected[split][key], rel=TOLERANCE), (split, key)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path, tiny_model_dir, jsonl_data, one_process):  # noqa: F811
