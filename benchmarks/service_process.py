@@ -8,14 +8,20 @@ from pathlib import Path
 from benchmarks.common import REPO
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing on ``host`` listens on now, for a server another process binds (the OS picks it; another
-    process may take it before the server does, rarely: a server in this process takes a bound socket instead,
-    tests/serve/conftest.uvicorn_server)."""
+def bound_socket(host: str = "127.0.0.1"):
+    """A socket bound to a port of ``host`` the OS picked, for a server in this process to listen on (uvicorn's
+    ``Server.run(sockets=[...])``): no other process can take the port first. The caller closes it."""
     import socket
 
-    with socket.socket() as s:
-        s.bind((host, 0))
+    sock = socket.socket()
+    sock.bind((host, 0))
+    return sock
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing on ``host`` listens on now, for a server another process binds (another process may take it
+    before the server does, rarely: a server in this process takes a :func:`bound_socket` instead)."""
+    with bound_socket(host) as s:
         return s.getsockname()[1]
 
 

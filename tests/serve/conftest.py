@@ -26,14 +26,14 @@ def uvicorn_server(app, host: str = "127.0.0.1"):
     The server takes the socket this bound (no other process can take the port between the pick and the bind, as
     under pytest-xdist's workers). The service knows its server, as ``python -m ibedl.serve`` tells it: setting
     ``should_exit`` (what uvicorn's SIGTERM handler does) drains it."""
-    import socket
     import threading
 
     import httpx
     import uvicorn
 
-    sock = socket.socket()
-    sock.bind((host, 0))
+    from benchmarks.service_process import bound_socket
+
+    sock = bound_socket(host)
     port = sock.getsockname()[1]
     srv = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
     app.state.service.server = srv

@@ -13,7 +13,7 @@ import time
 import pytest
 import uvicorn
 
-from benchmarks.service_process import free_port
+from benchmarks.service_process import bound_socket, free_port
 from ibedl.serve.__main__ import main
 from ibedl.serve.server import CLOSE, log_exposure, refusal, uvicorn_config
 from ibedl.serve.settings import Settings
@@ -124,8 +124,7 @@ class Running:
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
             await send({"type": "http.response.body", "body": b"ok"})
 
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
+        self.sock = bound_socket()
         self.port = self.sock.getsockname()[1]
         self.server = uvicorn.Server(uvicorn_config(app, Settings(port=self.port, **settings)))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
