@@ -11,6 +11,7 @@ from benchmarks.paper_comparison import (
     ARMS,
     BAYESIAN,
     CLAIMS,
+    EDL_ACCURACY,
     EDL_FAMILY,
     GRID_COLUMNS,
     Claim,
@@ -341,6 +342,16 @@ def test_a_claim_against_several_rows_takes_the_best_on_seeds_that_have_them_all
     noise += [record("noise", m, 1, ece=0.3) for m in ("edl", "vid", "i_edl")]  # seed 1 has no R-EDL: left out
     assert claim_diffs(edl, noise) == pytest.approx([2.0])  # 10% against VID's 8%, the best of the four
     assert claim_cell(edl, noise) == "not reproduced: +2.00 (0 of 1 seed)"
+
+
+def test_a_higher_is_better_claim_against_several_rows_takes_the_highest():
+    acc = next(c for c in CLAIMS if c.b == EDL_ACCURACY)
+    assert acc.kind == "noise" and acc.better == "higher"
+    noise = [record("noise", "ib_edl", 0, accuracy=0.0, without={"accuracy": 0.79})]
+    noise += [record("noise", m, 0, accuracy=a) for m, a in (("edl", 0.80), ("vid", 0.75), ("i_edl", 0.82),
+                                                             ("r_edl", 0.86))]
+    assert claim_diffs(acc, noise) == pytest.approx([-7.0])  # 79% against R-EDL's 86%, the most accurate
+    assert claim_cell(acc, noise) == "not reproduced: -7.00 (0 of 1 seed)"
 
 
 def test_the_bayesian_claim_takes_the_better_of_mc_dropout_and_laplace_on_each_seed():
