@@ -19,8 +19,9 @@
    and runs as one forward: the length rules made for a CPU lifted) and, unless ``--batch-tokens`` says otherwise,
    ``IBEDL_MAX_BATCH_TOKENS`` of 1,024 padded tokens per client (so a pass may hold every client's question), so
    one run says which a GPU service should use.
-5. ``paper``: the 8B-shaped throughput run (benchmarks.paper_scale_gpu, random bf16 Llama3-8B shape) beside the
-   paper's H100 figures: 68.08 test and 26.41 train samples/s, 21.88 GB peak.
+5. ``paper``: the 8B-shaped throughput run (benchmarks.paper_scale_gpu, random bf16 Llama3-8B shape) on the
+   paper's workload (OBQA training questions in batches of 4) beside its H100 figures: 68.08 test and 26.41 train
+   samples/s, 21.88 GB peak.
 
 Needs CUDA (a CUDA build of torch); without it, it exits 2 at once, saying why. Without bitsandbytes (the ``gpu``
 extra) it still runs, calibrating and serving in bf16 (``torch-cuda-bf16``) with no NF4 training row, and its result
@@ -295,15 +296,10 @@ def serve_summary(answers: list[tuple[int, float, str | None] | None], seconds: 
 def step_paper(args, out: Path) -> dict:
     from benchmarks import paper_scale_gpu
     from ibedl.core.base_model import resolve_model
-    from ibedl.training.data import load_dataset
 
-    questions = RUNS / "paper_questions.json"
-    questions.parent.mkdir(parents=True, exist_ok=True)
-    questions.write_text(json.dumps([{"question": q.question, "options": list(q.options), "context": q.context,
-                                      "answer": q.answer} for q in load_dataset("sciq", "train", limit=256, seed=0)]))
-    path = partial_path(out, "paper")
-    code = paper_scale_gpu.main(["--questions", str(questions), "--tokenizer", str(resolve_model(
-        "smollm2-135m-instruct").path), "--output", str(path)])
+    path = partial_path(out, "paper")  # the paper's workload: paper_scale_gpu's defaults
+    code = paper_scale_gpu.main(["--tokenizer", str(resolve_model("smollm2-135m-instruct").path),
+                                 "--output", str(path)])
     result = json.loads(path.read_text()) if path.is_file() else {}
     rows = result.get("paths", {}).get("rows", {})
     return {"exit": code, "paper_h100": PAPER_H100, "measured_rows": rows,

@@ -1,10 +1,14 @@
 """The paper's scale on a GPU: our predictor and training step on an 8B-shaped Llama (random weights, bf16),
 option rows against the full-vocabulary-logits path, beside the paper's H100 figures.
 
-    python -m benchmarks.paper_scale_gpu --questions q.json --tokenizer DIR [--batch-size 8] [--steps 12] \
-        [--output benchmarks/results/paper_scale_gpu.json]
+    python -m benchmarks.paper_scale_gpu --tokenizer DIR [--dataset obqa | --questions q.json] [--batch-size 4] \
+        [--steps 12] [--output benchmarks/results/paper_scale_gpu.json]
 
-``q.json``: a list of {question, options, context, answer} (SciQ training questions with passages);
+The questions: the first 256 of a built-in dataset's training split drawn with seed 0 (``--dataset``, default
+``obqa``), or ``q.json``, a list of {question, options, context, answer}. The paper measured on OBQA (short
+questions, no passages) in batches of 4 (:data:`PAPER_WORKLOAD`); the defaults run that workload, and
+``rows_vs_paper`` says whether a run's did (``same_workload``). Other questions and batches measure other workloads
+(the first H200 runs: SciQ with passages, about 2.2x the prompt tokens, in batches of 8).
 ``DIR``: the SmolLM2 tokenizer (token ids < 49,152 fit the Llama-3 vocabulary of 128,256). Random weights are
 enough: speed and memory do not depend on their values. Needs CUDA.
 Training step: LoRA r=8 on q/v (the paper's recipe), AdamW; ``rows`` = the IB-EDL head on the last-token
@@ -33,6 +37,10 @@ from ibedl.training.losses import cross_entropy, gaussian_information, ib_edl_ri
 
 PAPER_H100 = {"ib_edl_train_samples_per_s": 26.41, "ib_edl_test_samples_per_s": 68.08, "ib_edl_peak_memory_gb": 21.88,
               "source": "IB-EDL (ICLR 2025), Llama3-8B, one H100"}
+# What those figures were measured on: the paper's appendix (Llama3-8B in mixed precision, OBQA for training and test)
+# and the authors' configs (configs/_base_/edl_schedule.yaml: per-device train and eval batch 4, bf16).
+PAPER_WORKLOAD = {"dataset": "obqa", "split": "train", "batch_size": 4, "precision": "bf16"}
+QUESTIONS = 256  # --dataset's questions: the run cycles through their batches
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
 
@@ -61,6 +69,9 @@ def build(args):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
+    qs = questions(args)  # before the model: a set too small for one batch is refused at once
+    if len(qs) < args.batch_size:
+        raise SystemExit(f"error: {len(qs)} questions do not fill one batch of {args.batch_size}")
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     with torch.device(DEVICE):
@@ -73,10 +84,19 @@ def build(args):
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
     head = build_head(HeadConfig("ib_edl", 26, rows.shape[1]), rows).to(DEVICE)
     predictor = Predictor(model, tok, head, template="chat-v1" if tok.chat_template else "plain-v1", max_tokens=512)
-    data = json.loads(Path(args.questions).read_text())
-    qs = [MCQuestion(d["question"], tuple(d["options"]), context=d.get("context"), answer=d["answer"]) for d in data]
     batches = [qs[i : i + args.batch_size] for i in range(0, len(qs) - args.batch_size + 1, args.batch_size)]
     return predictor, head, ids, batches
+
+
+def questions(args) -> list[MCQuestion]:
+    """The questions the run steps through: ``--questions``' file, else ``--dataset``'s training questions."""
+    if args.questions:
+        data = json.loads(Path(args.questions).read_text())
+        return [MCQuestion(d["question"], tuple(d["options"]), context=d.get("context"), answer=d["answer"])
+                for d in data]
+    from ibedl.training.data import load_dataset
+
+    return load_dataset(args.dataset, "train", limit=QUESTIONS, seed=0)
 
 
 def step(predictor, head, ids, batch, path, optimizer, train: bool) -> float:
@@ -104,14 +124,21 @@ def step(predictor, head, ids, batch, path, optimizer, train: bool) -> float:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--questions", required=True)
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--dataset", default=PAPER_WORKLOAD["dataset"],
+                        help=f"a built-in dataset: its first {QUESTIONS} training questions drawn with seed 0 "
+                             "(default: the paper's, obqa)")
+    source.add_argument("--questions", help="a JSON list of {question, options, context, answer} instead")
     parser.add_argument("--tokenizer", required=True)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=PAPER_WORKLOAD["batch_size"],
+                        help="questions per step (default: the paper's per-device batch, 4)")
     parser.add_argument("--steps", type=int, default=12,
                         help="timed steps per path and phase, alternating between the paths (after 2 warm-up); >= 2")
     parser.add_argument("--output", default="benchmarks/results/paper_scale_gpu.json")
     parser.add_argument("--smoke", action="store_true", help="a 2-layer model on the CPU: checks the script runs")
     args = parser.parse_args(argv)
+    if args.batch_size < 1:
+        parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.steps < 2:
         parser.error(f"--steps must be >= 2 (the paths' speed ratio is a paired interval over steps), got {args.steps}")
     global DEVICE
@@ -127,7 +154,9 @@ def main(argv=None) -> int:
     result = {"device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu (smoke)",
               "torch": torch.__version__, "model": "Llama3-8B shape, random bf16",
               "params_b": sum(p.numel() for p in predictor.model.parameters()) / 1e9, "batch_size": args.batch_size,
-              "mean_prompt_tokens": sum(tokens) / len(tokens), "paper": PAPER_H100, "paths": {}}
+              "mean_prompt_tokens": sum(tokens) / len(tokens),
+              "questions": Path(args.questions).name if args.questions else f"{args.dataset} {PAPER_WORKLOAD['split']}",
+              "paper": PAPER_H100, "paper_workload": PAPER_WORKLOAD, "paths": {}}
     result["rows_vs_full"] = {}
     for phase, train in (("train", True), ("test", False)):
         predictor.model.train(train)
@@ -158,6 +187,9 @@ def main(argv=None) -> int:
         "train_samples_per_s": rows["train_samples_per_s"] / PAPER_H100["ib_edl_train_samples_per_s"],
         "test_samples_per_s": rows["test_samples_per_s"] / PAPER_H100["ib_edl_test_samples_per_s"],
         "train_peak_memory": rows["train_peak_memory_gb"] / PAPER_H100["ib_edl_peak_memory_gb"],
+        # the paper's questions and batch (its prompt format and tokenizer are not ours: mean_prompt_tokens says ours)
+        "same_workload": (not args.questions and args.dataset == PAPER_WORKLOAD["dataset"]
+                          and args.batch_size == PAPER_WORKLOAD["batch_size"]),
     }
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -196,3 +196,21 @@ def test_the_second_serve_step_lifts_the_length_rules(monkeypatch, tmp_path):
     assert gpu_check.run_step("serve_free", args, tmp_path / "check.json") == 0
     assert seen == {"pad_freely": True}
     assert json.loads((tmp_path / "check_serve_free.json").read_text()) == {"pad_freely": True}
+
+
+@pytest.mark.integration
+def test_the_paper_step_measures_the_papers_workload(monkeypatch, tmp_path):
+    """The paper step runs benchmarks.paper_scale_gpu on OBQA in batches of 4, what the paper's figures were measured
+    on (here in its CPU smoke mode: the step's own arguments, with --smoke and two steps added)."""
+    from benchmarks import paper_scale_gpu
+    from tests.conftest import shared_cache_dir
+
+    monkeypatch.setenv("IBEDL_CACHE_DIR", shared_cache_dir())
+    real = paper_scale_gpu.main
+    monkeypatch.setattr(paper_scale_gpu, "main", lambda argv: real([*argv, "--smoke", "--steps", "2"]))
+    result = gpu_check.step_paper(gpu_check.argparse.Namespace(), tmp_path / "check.json")
+    assert result["exit"] == 0 and result["device"] == "cpu (smoke)"
+    assert result["vs_paper"]["same_workload"] is True
+    run = result["paper_scale_gpu"]
+    assert run["questions"] == "obqa train" and run["batch_size"] == 4 and run["paper_workload"]["dataset"] == "obqa"
+    assert json.loads((tmp_path / "check_paper.json").read_text()) == run

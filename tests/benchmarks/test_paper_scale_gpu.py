@@ -33,6 +33,8 @@ def test_the_smoke_run_measures_both_paths_and_profiles_one_step_of_each(tmp_pat
                                  "--output", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["device"] == "cpu (smoke)" and result["paper"] == paper_scale_gpu.PAPER_H100
+    # SciQ in batches of 2 is not what the paper measured: its figures are not this run's yardstick
+    assert result["questions"] == "q.json" and result["rows_vs_paper"]["same_workload"] is False
     # per phase: 2 warm-up steps of each path, the timed steps alternating (rows first, then full first), one
     # profiled step of each
     phase = ["rows", "rows", "full", "full", "rows", "full", "full", "rows", "rows", "full"]
@@ -50,7 +52,43 @@ def test_the_smoke_run_measures_both_paths_and_profiles_one_step_of_each(tmp_pat
         assert set(ratio) == {"ratio", "low", "high"}
 
 
-def test_fewer_than_two_steps_are_refused(capsys):
+@pytest.mark.integration
+def test_by_default_it_runs_the_papers_workload_obqa_in_batches_of_4(tmp_path, monkeypatch):
+    from ibedl.core.base_model import resolve_model
+    from ibedl.training.data import load_dataset
+    from tests.conftest import shared_cache_dir
+
+    monkeypatch.setenv("IBEDL_CACHE_DIR", shared_cache_dir())
+    seen = []
+    step = paper_scale_gpu.step
+
+    def recorded(predictor, head, ids, batch, path, optimizer, train):
+        seen.append(batch)
+        return step(predictor, head, ids, batch, path, optimizer, train)
+
+    monkeypatch.setattr(paper_scale_gpu, "step", recorded)
+    out = tmp_path / "p.json"
+    assert paper_scale_gpu.main(["--smoke", "--tokenizer", str(resolve_model("smollm2-135m-instruct").path),
+                                 "--steps", "2", "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["paper_workload"] == paper_scale_gpu.PAPER_WORKLOAD == {
+        "dataset": "obqa", "split": "train", "batch_size": 4, "precision": "bf16"}
+    assert result["questions"] == "obqa train" and result["batch_size"] == 4
+    assert result["rows_vs_paper"]["same_workload"] is True
+    obqa = load_dataset("obqa", "train", limit=paper_scale_gpu.QUESTIONS, seed=0)
+    assert all(len(b) == 4 for b in seen) and seen[0] == obqa[:4]  # the questions stepped through are OBQA's
+
+
+def test_fewer_questions_than_a_batch_are_refused_saying_so(tmp_path):
+    questions = tmp_path / "q.json"
+    questions.write_text(json.dumps([{"question": "q", "options": ["a", "b"], "answer": 0}]))
+    with pytest.raises(SystemExit, match="1 questions do not fill one batch of 4"):
+        paper_scale_gpu.main(["--smoke", "--questions", str(questions), "--tokenizer", "t"])
+
+
+@pytest.mark.parametrize(("flag", "value", "says"), [("--steps", "1", "--steps must be >= 2"),
+                                                    ("--batch-size", "0", "--batch-size must be >= 1, got 0")])
+def test_bad_counts_are_refused_by_name(flag, value, says, capsys):
     with pytest.raises(SystemExit):
-        paper_scale_gpu.main(["--smoke", "--questions", "q.json", "--tokenizer", "t", "--steps", "1"])
-    assert "--steps must be >= 2" in capsys.readouterr().err
+        paper_scale_gpu.main(["--smoke", "--questions", "q.json", "--tokenizer", "t", flag, value])
+    assert says in capsys.readouterr().err
