@@ -104,3 +104,24 @@ def operator_table(run, device: str, top: int = 12) -> dict:
             "operator_calls": sum(e.count for e in events if e.device_type == DeviceType.CPU),
             "top_by_cpu": [{"name": e.key, "calls": e.count, "cpu_s": e.self_cpu_time_total / 1e6}
                            for e in rows]}
+
+
+def saved_activation_bytes(run, parameters) -> tuple[int, object]:
+    """Bytes of the tensors autograd keeps for the backward pass while ``run()`` runs its forward (its activations),
+    each storage counted once, the ``parameters``' own storages left out (a matmul keeps its weight, which memory
+    holds anyway). Under non-reentrant checkpointing a checkpointed region keeps none: its own hooks take its saves,
+    and it recomputes them in the backward pass. Returns (those bytes, what ``run`` returned)."""
+    import torch
+
+    weights = {p.untyped_storage().data_ptr() for p in parameters}
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights and t.device.type != "meta":
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return sum(kept.values()), out

@@ -2,7 +2,7 @@
 option rows against the full-vocabulary-logits path, beside the paper's H100 figures.
 
     python -m benchmarks.paper_scale_gpu --tokenizer DIR [--dataset obqa | --questions q.json] [--batch-size 4] \
-        [--steps 12] [--output benchmarks/results/paper_scale_gpu.json]
+        [--steps 12] [--gradient-checkpointing] [--output benchmarks/results/paper_scale_gpu.json]
 
 The questions: the first 256 of a built-in dataset's training split drawn with seed 0 (``--dataset``, default
 ``obqa``), or ``q.json``, a list of {question, options, context, answer}. The paper measured on OBQA (short
@@ -33,6 +33,7 @@ from benchmarks.common import operator_table, paired_ratio, write_result
 from ibedl.core.head import HeadConfig, build_head
 from ibedl.core.predictor import Predictor, lm_head_rows
 from ibedl.core.prompt import MCQuestion, option_token_ids
+from ibedl.training.finetune import enable_gradient_checkpointing
 from ibedl.training.losses import cross_entropy, gaussian_information, ib_edl_risk
 
 PAPER_H100 = {"ib_edl_train_samples_per_s": 26.41, "ib_edl_test_samples_per_s": 68.08, "ib_edl_peak_memory_gb": 21.88,
@@ -82,6 +83,8 @@ def build(args):
     ids = option_token_ids(tok, 26)
     rows = lm_head_rows(model, ids)
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+    if args.gradient_checkpointing:  # what training's gradient_checkpointing: true does (the paper's runs did not)
+        enable_gradient_checkpointing(model)
     head = build_head(HeadConfig("ib_edl", 26, rows.shape[1]), rows).to(DEVICE)
     predictor = Predictor(model, tok, head, template="chat-v1" if tok.chat_template else "plain-v1", max_tokens=512)
     batches = [qs[i : i + args.batch_size] for i in range(0, len(qs) - args.batch_size + 1, args.batch_size)]
@@ -135,6 +138,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=12,
                         help="timed steps per path and phase, alternating between the paths (after 2 warm-up); >= 2")
     parser.add_argument("--output", default="benchmarks/results/paper_scale_gpu.json")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="decoder layers recompute their activations in the backward pass (less memory)")
     parser.add_argument("--smoke", action="store_true", help="a 2-layer model on the CPU: checks the script runs")
     args = parser.parse_args(argv)
     if args.batch_size < 1:
@@ -156,6 +161,7 @@ def main(argv=None) -> int:
               "params_b": sum(p.numel() for p in predictor.model.parameters()) / 1e9, "batch_size": args.batch_size,
               "mean_prompt_tokens": sum(tokens) / len(tokens),
               "questions": Path(args.questions).name if args.questions else f"{args.dataset} {PAPER_WORKLOAD['split']}",
+              "gradient_checkpointing": args.gradient_checkpointing,
               "paper": PAPER_H100, "paper_workload": PAPER_WORKLOAD, "paths": {}}
     result["rows_vs_full"] = {}
     for phase, train in (("train", True), ("test", False)):

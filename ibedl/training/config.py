@@ -191,6 +191,10 @@ class TrainConfig(_Model):
     # fusion would cut), and on the CPU inductor needs a C++ compiler. Changes float summation order only, so it is
     # not part of a member's fingerprint (ibedl.training.member_resume.NOT_TRAINING).
     torch_compile: bool = False
+    # recompute each decoder layer's activations in the backward pass instead of keeping them (transformers'
+    # non-reentrant checkpointing): less memory for about one more forward; the same gradients, so not part of a
+    # member's fingerprint either
+    gradient_checkpointing: bool = False
     load_in_4bit: bool = False
     threads: StrictInt | None = Field(None, ge=1)
     progress: bool = True

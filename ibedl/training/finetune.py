@@ -217,9 +217,29 @@ def build(cfg: TrainConfig, method: Method, device: str | None = None, resolved:
         frozen = prefix_cache.freeze_below(model, prefix_cache.check_train_layers(model, cfg.train_layers))
         prefix_cache.attach(predictor, cfg.train_layers, resolved.sha256)
         log.info("train_layers %d: %d LoRA tensors below frozen", cfg.train_layers, frozen)
+    if cfg.gradient_checkpointing:  # opt-in (TrainConfig.gradient_checkpointing); acts in train mode only
+        enable_gradient_checkpointing(model)
     if cfg.torch_compile:  # opt-in (TrainConfig.torch_compile); the adapter saved is the uncompiled module's
         predictor.decoder = torch.compile(predictor.decoder, dynamic=True)
     return predictor, resolved, ids, params, warm
+
+
+def enable_gradient_checkpointing(model, on: bool = True) -> None:
+    """Each decoder layer of ``model`` (PEFT-wrapped or not) recomputes its activations in the backward pass instead
+    of keeping them (``on``; False: keeps them again): transformers' checkpointing, non-reentrant
+    (torch.utils.checkpoint's recommended form), which replays dropout's random state, so the gradients are those of
+    the plain step. Only in train mode: evaluation and serving run as before. transformers 5.2x names it
+    ``activation_checkpointing_*``, earlier releases ``gradient_checkpointing_*``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not getattr(base, "supports_gradient_checkpointing", False):
+        raise ValueError(f"{type(base).__name__} does not support gradient checkpointing")
+    new = hasattr(base, "activation_checkpointing_enable")
+    if not on:
+        (base.activation_checkpointing_disable if new else base.gradient_checkpointing_disable)()
+    elif new:
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def base_tokenizer(resolved: ResolvedModel):

@@ -25,9 +25,11 @@ from pathlib import Path
 from ibedl.core.artifact import ADAPTER_FILES, HEAD_FILE, atomic_write_text, files_sha256
 
 RECORD = "member.json"
-# Config keys that change where a run writes, what it shows, or only the float summation order (threads, torch_compile),
-# not what it learns from: a member trained under other values is the same member.
-NOT_TRAINING = ("output", "name", "progress", "track", "track_dir", "threads", "members_from", "torch_compile")
+# Config keys that change where a run writes, what it shows, only the float summation order (threads, torch_compile)
+# or only what memory holds (gradient_checkpointing), not what it learns from: a member trained under other values is
+# the same member.
+NOT_TRAINING = ("output", "name", "progress", "track", "track_dir", "threads", "members_from", "torch_compile",
+                "gradient_checkpointing")
 
 
 def fingerprint(config: dict, seed: int, base_sha256: str) -> str:

@@ -83,3 +83,22 @@ def test_the_paired_ratio_is_the_ratio_of_means_inside_its_interval():
         paired_ratio([1.0, 2.0], [1.0])
     with pytest.raises(ValueError, match=r"1-D .* shapes \(2, 2\)"):  # a table of times is not a pairing
         paired_ratio([[1.0, 2.0], [3.0, 4.0]], [[1.0, 2.0], [3.0, 4.0]])
+
+
+def test_the_kept_activations_are_the_bytes_autograd_saves_weights_left_out_and_none_under_checkpointing():
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from benchmarks.common import saved_activation_bytes
+
+    w = torch.nn.Parameter(torch.randn(1000))
+    x = torch.randn(1000, requires_grad=True)
+    # exp saves its output (1,000 float32 = 4,000 bytes); x * w saves x (for w's gradient) and w (for x's), a weight
+    kept, loss = saved_activation_bytes(lambda: (x * w).exp().sum(), [w])
+    assert kept == 4000 + 4000 and loss.requires_grad
+    assert saved_activation_bytes(lambda: (x * w).exp().sum(), [])[0] == 4000 + 4000 + 4000  # w counted too
+    # a checkpointed region keeps nothing: it recomputes in the backward pass, and its gradient is the same
+    kept, loss = saved_activation_bytes(lambda: checkpoint(lambda t: (x * t).exp().sum(), w, use_reentrant=False), [w])
+    assert kept == 0
+    loss.backward()
+    torch.testing.assert_close(w.grad, (x * (x * w).exp()).detach())

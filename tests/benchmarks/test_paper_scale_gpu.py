@@ -30,11 +30,12 @@ def test_the_smoke_run_measures_both_paths_and_profiles_one_step_of_each(tmp_pat
     monkeypatch.setattr(paper_scale_gpu, "step", recorded)
     assert paper_scale_gpu.main(["--smoke", "--questions", str(questions), "--tokenizer",
                                  str(resolve_model("smollm2-135m-instruct").path), "--batch-size", "2", "--steps", "2",
-                                 "--output", str(out)]) == 0
+                                 "--gradient-checkpointing", "--output", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["device"] == "cpu (smoke)" and result["paper"] == paper_scale_gpu.PAPER_H100
     # SciQ in batches of 2 is not what the paper measured: its figures are not this run's yardstick
     assert result["questions"] == "q.json" and result["rows_vs_paper"]["same_workload"] is False
+    assert result["gradient_checkpointing"] is True
     # per phase: 2 warm-up steps of each path, the timed steps alternating (rows first, then full first), one
     # profiled step of each
     phase = ["rows", "rows", "full", "full", "rows", "full", "full", "rows", "rows", "full"]
@@ -74,6 +75,7 @@ def test_by_default_it_runs_the_papers_workload_obqa_in_batches_of_4(tmp_path, m
     assert result["paper_workload"] == paper_scale_gpu.PAPER_WORKLOAD == {
         "dataset": "obqa", "split": "train", "batch_size": 4, "precision": "bf16"}
     assert result["questions"] == "obqa train" and result["batch_size"] == 4
+    assert result["gradient_checkpointing"] is False  # the paper's runs kept their activations
     assert result["rows_vs_paper"]["same_workload"] is True
     obqa = load_dataset("obqa", "train", limit=paper_scale_gpu.QUESTIONS, seed=0)
     assert all(len(b) == 4 for b in seen) and seen[0] == obqa[:4]  # the questions stepped through are OBQA's

@@ -414,9 +414,51 @@ def test_torch_compile_is_opt_in_and_compiles_the_trunk_that_trains(tmp_path, ti
     assert type(module).__name__ == "LlamaModel" and options == {"dynamic": True}
 
 
-def test_torch_compile_leaves_a_members_fingerprint_as_before():
+@pytest.mark.parametrize("key", ["torch_compile", "gradient_checkpointing"])
+def test_a_setting_that_changes_no_gradient_leaves_a_members_fingerprint_as_before(key):
     from ibedl.training import member_resume
 
     before = {"method": "map", "seed": 0, "threads": None}  # a config written before the key existed
-    assert member_resume.fingerprint({**before, "torch_compile": True}, 0, "sha") == member_resume.fingerprint(
-        before, 0, "sha")
+    assert member_resume.fingerprint({**before, key: True}, 0, "sha") == member_resume.fingerprint(before, 0, "sha")
+
+
+def ib_edl_step(cfg) -> tuple[int, list[torch.Tensor]]:
+    """(bytes autograd kept, gradients) of one IB-EDL forward and backward pass of the model ``cfg`` builds, from
+    LoRA weights, dropout masks and loss samples drawn with fixed seeds."""
+    from benchmarks.common import saved_activation_bytes
+    from ibedl.core.prompt import MCQuestion
+    from ibedl.training.distributed import OptionScorer
+    from ibedl.training.finetune import build
+    from ibedl.training.methods import METHODS
+    from ibedl.training.methods.base import LossContext
+
+    method = METHODS["ib_edl"]
+    torch.manual_seed(0)  # the same LoRA initialisation
+    predictor, _, _, params, _ = build(cfg, method)
+    layers = predictor.decoder.layers
+    assert len(layers) > 1 and {layer.gradient_checkpointing for layer in layers} == {cfg.gradient_checkpointing}
+    scorer = OptionScorer(predictor).train()
+    questions = [MCQuestion(f"Which is number {i}?", ("one", "two", "three"), answer=i % 3) for i in range(4)]
+    enc, y = predictor.encode(questions), torch.tensor([q.answer for q in questions])
+    torch.manual_seed(1)  # the same dropout masks (replayed when the layers recompute)
+    context = LossContext(generator=torch.Generator().manual_seed(2))
+    trained = [p for p in scorer.parameters() if p.requires_grad]
+    kept, loss = saved_activation_bytes(lambda: method.loss(
+        scorer(enc.input_ids, enc.attention_mask, enc.last_index, enc.option_mask), y, enc.option_mask, params,
+        context)["loss"].mean(), trained)
+    loss.backward()
+    return kept, [p.grad for p in trained]
+
+
+def test_gradient_checkpointing_keeps_fewer_activations_for_the_same_gradients(tmp_path, tiny_model_dir, jsonl_data):
+    kept, grads = {}, {}
+    for on in (False, True):
+        kept[on], grads[on] = ib_edl_step(config(tmp_path, tiny_model_dir, jsonl_data, "ib_edl",
+                                                 **{"gradient_checkpointing": on, "lora.dropout": 0.3}))
+    assert kept[True] < 0.5 * kept[False]
+    for with_, without in zip(grads[True], grads[False], strict=True):
+        torch.testing.assert_close(with_, without, rtol=1e-5, atol=1e-7)
+    # a whole run trains with it (the layers recompute in train mode only: evaluation and calibration as before)
+    out = train(config(tmp_path / "run", tiny_model_dir, jsonl_data, "map",
+                       **{"optim.max_steps": 2, "gradient_checkpointing": True}))
+    assert json.loads((out / "manifest.json").read_text())["training"]["config"]["gradient_checkpointing"] is True
