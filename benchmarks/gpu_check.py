@@ -295,11 +295,9 @@ def serve_summary(answers: list[tuple[int, float, str | None] | None], seconds: 
 
 def step_paper(args, out: Path) -> dict:
     from benchmarks import paper_scale_gpu
-    from ibedl.core.base_model import resolve_model
 
-    path = partial_path(out, "paper")  # the paper's workload: paper_scale_gpu's defaults
-    code = paper_scale_gpu.main(["--tokenizer", str(resolve_model("smollm2-135m-instruct").path),
-                                 "--output", str(path)])
+    path = partial_path(out, "paper")  # the paper's workload and the SmolLM2 tokenizer: paper_scale_gpu's defaults
+    code = paper_scale_gpu.main(["--output", str(path)])
     result = json.loads(path.read_text()) if path.is_file() else {}
     rows = result.get("paths", {}).get("rows", {})
     return {"exit": code, "paper_h100": PAPER_H100, "measured_rows": rows,

@@ -1,7 +1,7 @@
 """What padding costs a forward pass, on this machine's CPU or a CUDA GPU: the choice ``IBEDL_PAD_FREELY`` makes.
 
     python -m benchmarks.padding_cost [--artifact artifacts/default] [--device cpu] [--backend torch]
-        [--batch-size 16] [--batches 24] [--output benchmarks/results/padding_cost_cpu.json]
+        [--batch-size 16] [--batches 24] [--output benchmarks/results/padding_cost_<cpu|cuda>.json]
 
 The predictor answers the same batches of distinct SciQ training questions, with their passages, two ways: in
 groups of similar length padded to at most 1.25x their real tokens (``Predictor.max_padding``, the service's
@@ -68,6 +68,11 @@ def measure(predictor, batches: list[list]) -> dict:
             "largest_probability_difference": largest_difference}
 
 
+def default_output(device: str) -> str:
+    """Where a run on ``device`` writes by default: one file per kind of device, so a GPU's run keeps the CPU's."""
+    return f"benchmarks/results/padding_cost_{'cuda' if device.startswith('cuda') else 'cpu'}.json"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.padding_cost", description=__doc__.split("\n\n")[0])
     parser.add_argument("--artifact", default="artifacts/default")
@@ -75,7 +80,8 @@ def main(argv=None) -> int:
     parser.add_argument("--backend", default="torch", help="the trunk's inference backend (default torch)")
     parser.add_argument("--batch-size", type=int, default=16, help="questions per batch (default 16, the service's)")
     parser.add_argument("--batches", type=int, default=24, help="batches, each answered both ways (default 24)")
-    parser.add_argument("--output", default="benchmarks/results/padding_cost_cpu.json")
+    parser.add_argument("--output", default=None,
+                        help="default: benchmarks/results/padding_cost_<cpu|cuda>.json, by --device")
     args = parser.parse_args(argv)
     for flag, least in (("batch_size", 1), ("batches", 2)):
         if getattr(args, flag) < least:
@@ -104,7 +110,7 @@ def main(argv=None) -> int:
                                                                                  else sys.argv[1:])]),
               "device": device, "torch": torch.__version__, "backend": predictor.backend,
               "threads": torch.get_num_threads(), "artifact": args.artifact, "batch_size": args.batch_size, **row}
-    write_result(args.output, result)
+    write_result(args.output or default_output(args.device), result)
     return 0
 
 

@@ -1,7 +1,7 @@
 """The paper's scale on a GPU: our predictor and training step on an 8B-shaped Llama (random weights, bf16),
 option rows against the full-vocabulary-logits path, beside the paper's H100 figures.
 
-    python -m benchmarks.paper_scale_gpu --tokenizer DIR [--dataset obqa | --questions q.json] [--batch-size 4] \
+    python -m benchmarks.paper_scale_gpu [--tokenizer DIR] [--dataset obqa | --questions q.json] [--batch-size 4] \
         [--steps 12] [--gradient-checkpointing] [--output benchmarks/results/paper_scale_gpu.json]
 
 The questions: the first 256 of a built-in dataset's training split drawn with seed 0 (``--dataset``, default
@@ -9,7 +9,7 @@ The questions: the first 256 of a built-in dataset's training split drawn with s
 questions, no passages) in batches of 4 (:data:`PAPER_WORKLOAD`); the defaults run that workload, and
 ``rows_vs_paper`` says whether a run's did (``same_workload``). Other questions and batches measure other workloads
 (the first H200 runs: SciQ with passages, about 2.2x the prompt tokens, in batches of 8).
-``DIR``: the SmolLM2 tokenizer (token ids < 49,152 fit the Llama-3 vocabulary of 128,256). Random weights are
+``DIR``: by default the SmolLM2 tokenizer (token ids < 49,152 fit the Llama-3 vocabulary of 128,256). Random weights are
 enough: speed and memory do not depend on their values. Needs CUDA.
 Training step: LoRA r=8 on q/v (the paper's recipe), AdamW; ``rows`` = the IB-EDL head on the last-token
 hidden state (K=20 samples + beta * KL, as in training), ``full`` = the reference path: LM logits
@@ -70,6 +70,10 @@ def build(args):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
+    if args.tokenizer is None:
+        from ibedl.core.base_model import resolve_model
+
+        args.tokenizer = str(resolve_model("smollm2-135m-instruct").path)
     qs = questions(args)  # before the model: a set too small for one batch is refused at once
     if len(qs) < args.batch_size:
         raise SystemExit(f"error: {len(qs)} questions do not fill one batch of {args.batch_size}")
@@ -132,7 +136,8 @@ def main(argv=None) -> int:
                         help=f"a built-in dataset: its first {QUESTIONS} training questions drawn with seed 0 "
                              "(default: the paper's, obqa)")
     source.add_argument("--questions", help="a JSON list of {question, options, context, answer} instead")
-    parser.add_argument("--tokenizer", required=True)
+    parser.add_argument("--tokenizer", default=None,
+                        help="a tokenizer directory (default: the SmolLM2-135M-Instruct one the project ships)")
     parser.add_argument("--batch-size", type=int, default=PAPER_WORKLOAD["batch_size"],
                         help="questions per step (default: the paper's per-device batch, 4)")
     parser.add_argument("--steps", type=int, default=12,
