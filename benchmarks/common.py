@@ -106,14 +106,15 @@ def operator_table(run, device: str, top: int = 12) -> dict:
                            for e in rows]}
 
 
-def saved_activation_bytes(run, parameters) -> tuple[int, object]:
+def saved_activation_bytes(run, module) -> tuple[int, object]:
     """Bytes of the tensors autograd keeps for the backward pass while ``run()`` runs its forward (its activations),
-    each storage counted once, the ``parameters``' own storages left out (a matmul keeps its weight, which memory
-    holds anyway). Under non-reentrant checkpointing a checkpointed region keeps none: its own hooks take its saves,
-    and it recomputes them in the backward pass. Returns (those bytes, what ``run`` returned)."""
+    each storage counted once, the storages of ``module``'s parameters, trained or frozen, left out (a matmul keeps its
+    weight, which memory holds anyway). A region under non-reentrant checkpointing keeps only its inputs: its own
+    hooks take the tensors saved inside it, which it recomputes in the backward pass. Returns (those bytes, what
+    ``run`` returned)."""
     import torch
 
-    weights = {p.untyped_storage().data_ptr() for p in parameters}
+    weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
     kept: dict[int, int] = {}
 
     def pack(t):

@@ -63,7 +63,6 @@ WHOLE_CHECK_S = 480
 SERVE_STOP_MARGIN_S = 15.0
 FREE_TOKENS_PER_CLIENT = 1024  # serve_free's padded tokens per pass, per client (the service's default max_tokens)
 RUNS = Path("runs/gpu_check")
-PAPER_H100 = {"test_samples_per_s": 68.08, "train_samples_per_s": 26.41, "peak_memory_gb": 21.88}
 
 
 def missing_gpu() -> str | None:
@@ -300,7 +299,7 @@ def step_paper(args, out: Path) -> dict:
     code = paper_scale_gpu.main(["--output", str(path)])
     result = json.loads(path.read_text()) if path.is_file() else {}
     rows = result.get("paths", {}).get("rows", {})
-    return {"exit": code, "paper_h100": PAPER_H100, "measured_rows": rows,
+    return {"exit": code, "paper_h100": paper_scale_gpu.PAPER_H100, "measured_rows": rows,
             "vs_paper": result.get("rows_vs_paper"), "device": result.get("device"),
             "paper_scale_gpu": result}  # the whole run (both paths, the profiled steps): this file replaces it
 

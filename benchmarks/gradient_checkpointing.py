@@ -2,18 +2,21 @@
 or a CUDA GPU: the activations a training step keeps against the time it takes.
 
     python -m benchmarks.gradient_checkpointing [--config ibedl/training/configs/smollm2_science_ib_edl.yaml]
-        [--device cpu] [--batch-size 16] [--steps 8] [--output benchmarks/results/gradient_checkpointing_cpu.json]
+        [--device cpu] [--batch-size N] [--steps 8] [--output benchmarks/results/gradient_checkpointing_cpu.json]
 
 The recipe's model, LoRA and head (``finetune.build``) run the forward and backward pass of its training loss on
-batches of distinct SciQ training questions with their passages, each batch twice: checkpointing off and on (off
-first, then on first, ...), from the same weights (no optimizer step) and the same random state (dropout masks, the
-loss's samples), after one untimed pass of each. Recorded per setting: step seconds, the bytes autograd keeps for
-the backward pass (its saved tensors, weights left out: ``benchmarks.common.saved_activation_bytes``) and, on CUDA,
-the peak of allocated memory;
+batches of distinct SciQ training questions with their passages, grouped by length as training groups them, each
+batch twice: checkpointing off and on (off first, then on first, ...), from the same weights (no optimizer step) and
+the same random state (dropout masks, the loss's samples), after one untimed pass of each. Recorded per setting:
+step seconds, the bytes autograd keeps for the backward pass (its saved tensors, weights left out, counted in a
+forward pass of their own, untimed: ``benchmarks.common.saved_activation_bytes``) and, on CUDA, the peak of
+allocated memory;
 ``on_vs_off`` gives the time ratio with a 95% paired bootstrap interval over the batches and the kept bytes' ratio;
 ``gradient_max_rel_diff`` the largest difference between the two settings' gradients over the largest gradient
 (checkpointing recomputes the same arithmetic: it should be 0 on a CPU, or float noise). The CPU's features or the
-GPU's name are recorded.
+GPU's name are recorded. On the CPU the process's resident memory grew from batch to batch (to 24 GB over 8 batches
+of 8 on a 23 GB machine; not investigated): the committed run set ``MALLOC_MMAP_THRESHOLD_=131072``, without which
+the kernel stopped it at the sixth batch.
 """
 
 from __future__ import annotations
@@ -30,29 +33,55 @@ from ibedl.training.finetune import enable_gradient_checkpointing
 SETTINGS = ("off", "on")
 
 
-def one_pass(scorer, method, params, enc, y, seed: int) -> tuple[float, int, list[torch.Tensor]]:
-    """(seconds, kept bytes, gradients) of one forward and backward pass of the method's loss on ``enc``."""
+def loss_of(scorer, method, params, enc, y, seed: int) -> torch.Tensor:
+    """The method's training loss on ``enc`` (a forward pass), its random draws (dropout's masks, the loss's samples)
+    fixed by ``seed``."""
     from ibedl.training.methods.base import LossContext
 
     device = enc.input_ids.device
-    torch.manual_seed(seed)  # dropout's masks: the same in both settings
+    torch.manual_seed(seed)
     context = LossContext(generator=torch.Generator(device=device).manual_seed(seed))
+    out = scorer(enc.input_ids, enc.attention_mask, enc.last_index, enc.option_mask)
+    return method.loss(out, y, enc.option_mask, params, context)["loss"].mean()
+
+
+def one_pass(scorer, method, params, enc, y, seed: int) -> tuple[float, list[torch.Tensor]]:
+    """(seconds, gradients) of one forward and backward pass of the method's loss on ``enc``."""
+    device = enc.input_ids.device
     trained = [p for p in scorer.parameters() if p.requires_grad]
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    kept, loss = saved_activation_bytes(lambda: method.loss(
-        scorer(enc.input_ids, enc.attention_mask, enc.last_index, enc.option_mask), y, enc.option_mask, params,
-        context)["loss"].mean(), trained)
-    loss.backward()
+    loss_of(scorer, method, params, enc, y, seed).backward()
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     grads = [p.grad.detach().clone() for p in trained]
     for p in trained:
         p.grad = None
-    return seconds, kept, grads
+    return seconds, grads
+
+
+def kept_bytes(scorer, method, params, enc, y, seed: int) -> int:
+    """The bytes autograd keeps for the backward pass of that loss: a forward pass of its own, untimed (counting
+    runs a Python hook per saved tensor)."""
+    return saved_activation_bytes(lambda: loss_of(scorer, method, params, enc, y, seed), scorer)[0]
+
+
+def training_batches(batch_size: int, steps: int) -> list:
+    """``steps`` batches of SciQ training questions with passages, grouped by length as training groups them
+    (``finetune.length_grouped_batches`` over a window of 32 batches), so they hold a training batch's padding."""
+    import random
+
+    from ibedl.training.data import load_dataset
+    from ibedl.training.finetune import length_grouped_batches
+
+    need = max(32, steps) * batch_size
+    pool = [q for q in load_dataset("sciq", "train", seed=0) if q.context][:need]
+    if len(pool) < need:
+        raise ValueError(f"{len(pool)} SciQ training questions with passages, {need} needed")
+    return [[pool[i] for i in b] for b in length_grouped_batches(pool, batch_size, random.Random(0))[:steps]]
 
 
 def main(argv=None) -> int:
@@ -60,12 +89,13 @@ def main(argv=None) -> int:
     parser.add_argument("--config", default="ibedl/training/configs/smollm2_science_ib_edl.yaml",
                         help="the training recipe whose model, LoRA, head and loss run")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="questions a pass (default: the recipe's micro-batch, optim.batch_size)")
     parser.add_argument("--steps", type=int, default=8, help="batches, each run in both settings; >= 2")
     parser.add_argument("--output", default=None,
                         help="default: benchmarks/results/gradient_checkpointing_<device>.json")
     args = parser.parse_args(argv)
-    if args.batch_size < 1 or args.steps < 2:
+    if (args.batch_size is not None and args.batch_size < 1) or args.steps < 2:
         parser.error(f"--batch-size must be >= 1 and --steps >= 2, got {args.batch_size} and {args.steps}")
     if args.device not in ("cpu", "cuda"):
         parser.error(f"--device must be cpu or cuda, got {args.device!r}")
@@ -73,38 +103,38 @@ def main(argv=None) -> int:
         print("error: --device cuda needs a CUDA device", file=sys.stderr)
         return 2
     from ibedl.training.config import load_config
-    from ibedl.training.data import load_dataset
     from ibedl.training.distributed import OptionScorer
     from ibedl.training.finetune import build
     from ibedl.training.methods import METHODS
 
     cfg = load_config(args.config, [f"device={args.device}", "progress=false"])
+    args.batch_size = args.batch_size or cfg.optim.batch_size
+    try:  # before the model: a request the data cannot meet is refused at once
+        batches = training_batches(args.batch_size, args.steps)
+    except ValueError as e:
+        parser.error(f"--batch-size {args.batch_size} --steps {args.steps}: {e}")
     method = METHODS[cfg.method]
     predictor, _, _, params, _ = build(cfg, method)
     scorer = OptionScorer(predictor).train()
-    questions = [q for q in load_dataset("sciq", "train", limit=40 * args.batch_size, seed=0) if q.context]
-    questions = questions[: args.steps * args.batch_size]
-    if len(questions) < args.steps * args.batch_size:
-        parser.error(f"{len(questions)} SciQ questions with passages for {args.steps} batches of {args.batch_size}")
-    batches = [questions[i : i + args.batch_size] for i in range(0, len(questions), args.batch_size)]
     warm = predictor.encode(batches[0]).to(args.device)
     for setting in SETTINGS:  # one untimed pass of each: first-call costs (allocations, kernels chosen) fall here
         enable_gradient_checkpointing(predictor.model, setting == "on")
         one_pass(scorer, method, params, warm, torch.tensor([q.answer for q in batches[0]], device=args.device), 0)
     seconds, kept, peaks = ({s: [] for s in SETTINGS} for _ in range(3))
-    worst, tokens = 0.0, []
+    worst, tokens, padded = 0.0, [], []
     for i, batch in enumerate(batches):
         enc = predictor.encode(batch).to(args.device)
         tokens.append(int(enc.attention_mask.sum()))
+        padded.append(enc.input_ids.numel())
         y = torch.tensor([q.answer for q in batch], device=args.device)
         grads = {}
         for setting in SETTINGS if i % 2 == 0 else SETTINGS[::-1]:
             enable_gradient_checkpointing(predictor.model, setting == "on")
-            s, k, grads[setting] = one_pass(scorer, method, params, enc, y, seed=i)
+            s, grads[setting] = one_pass(scorer, method, params, enc, y, seed=i)
             seconds[setting].append(s)
-            kept[setting].append(k)
             if args.device == "cuda":
                 peaks[setting].append(torch.cuda.max_memory_allocated())
+            kept[setting].append(kept_bytes(scorer, method, params, enc, y, seed=i))
         scale = max(float(g.abs().max()) for g in grads["off"])
         worst = max(worst, max(float((a - b).abs().max()) for a, b in zip(grads["on"], grads["off"], strict=True))
                     / scale)
@@ -115,7 +145,8 @@ def main(argv=None) -> int:
         "cpu": cpu_features() if args.device == "cpu" else None, "torch": torch.__version__,
         "threads": torch.get_num_threads(), "config": args.config, "method": cfg.method,
         "dtype": str(next(predictor.model.parameters()).dtype), "batch_size": args.batch_size,
-        "batches": len(batches), "mean_prompt_tokens": sum(tokens) / len(questions),
+        "batches": len(batches), "mean_prompt_tokens": sum(tokens) / sum(map(len, batches)),
+        "mean_padded_tokens": sum(padded) / sum(map(len, batches)),  # per question, batched as training batches
         "settings": {s: {"mean_step_s": sum(seconds[s]) / len(seconds[s]),
                          "mean_kept_activation_mib": sum(kept[s]) / len(kept[s]) / mib,
                          "peak_allocated_mib": max(peaks[s]) / mib if peaks[s] else None} for s in SETTINGS},

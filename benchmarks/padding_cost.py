@@ -70,7 +70,7 @@ def measure(predictor, batches: list[list]) -> dict:
 
 def default_output(device: str) -> str:
     """Where a run on ``device`` writes by default: one file per kind of device, so a GPU's run keeps the CPU's."""
-    return f"benchmarks/results/padding_cost_{'cuda' if device.startswith('cuda') else 'cpu'}.json"
+    return f"benchmarks/results/padding_cost_{device.split(':')[0]}.json"
 
 
 def main(argv=None) -> int:

@@ -236,10 +236,16 @@ def enable_gradient_checkpointing(model, on: bool = True) -> None:
     new = hasattr(base, "activation_checkpointing_enable")
     if not on:
         (base.activation_checkpointing_disable if new else base.gradient_checkpointing_disable)()
-    elif new:
+        return
+    if new:
         base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # Enabling also hooks the input embeddings so that their output requires a gradient, which only reentrant
+    # checkpointing needs: kept, the backward pass would run on into the frozen embeddings' output, and turning
+    # checkpointing off would leave the hook behind.
+    if hasattr(base, "disable_input_require_grads"):
+        base.disable_input_require_grads()
 
 
 def base_tokenizer(resolved: ResolvedModel):

@@ -91,14 +91,17 @@ def test_the_kept_activations_are_the_bytes_autograd_saves_weights_left_out_and_
 
     from benchmarks.common import saved_activation_bytes
 
-    w = torch.nn.Parameter(torch.randn(1000))
+    module = torch.nn.Linear(1000, 1, bias=False)  # its weight: (1, 1000)
+    w = module.weight[0]  # a view of the weight's storage
     x = torch.randn(1000, requires_grad=True)
     # exp saves its output (1,000 float32 = 4,000 bytes); x * w saves x (for w's gradient) and w (for x's), a weight
-    kept, loss = saved_activation_bytes(lambda: (x * w).exp().sum(), [w])
+    kept, loss = saved_activation_bytes(lambda: (x * w).exp().sum(), module)
     assert kept == 4000 + 4000 and loss.requires_grad
-    assert saved_activation_bytes(lambda: (x * w).exp().sum(), [])[0] == 4000 + 4000 + 4000  # w counted too
-    # a checkpointed region keeps nothing: it recomputes in the backward pass, and its gradient is the same
-    kept, loss = saved_activation_bytes(lambda: checkpoint(lambda t: (x * t).exp().sum(), w, use_reentrant=False), [w])
-    assert kept == 0
+    assert saved_activation_bytes(lambda: (x * w).exp().sum(), torch.nn.Linear(1, 1))[0] == 3 * 4000  # w counted
+    # a checkpointed region keeps its inputs only (x; w is a weight) and recomputes the rest in the backward pass,
+    # for the same gradient
+    region = lambda a, b: (a * b).exp().sum()  # noqa: E731
+    kept, loss = saved_activation_bytes(lambda: checkpoint(region, x, w, use_reentrant=False), module)
+    assert kept == 4000
     loss.backward()
-    torch.testing.assert_close(w.grad, (x * (x * w).exp()).detach())
+    torch.testing.assert_close(module.weight.grad[0], (x * (x * w).exp()).detach())

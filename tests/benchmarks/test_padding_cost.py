@@ -45,3 +45,4 @@ def test_a_gpu_run_writes_beside_the_cpu_result_not_over_it():
     assert padding_cost.default_output("cpu") == "benchmarks/results/padding_cost_cpu.json"
     assert padding_cost.default_output("cuda:1") == padding_cost.default_output("cuda") == (
         "benchmarks/results/padding_cost_cuda.json")
+    assert padding_cost.default_output("mps") == "benchmarks/results/padding_cost_mps.json"

@@ -424,30 +424,23 @@ def test_a_setting_that_changes_no_gradient_leaves_a_members_fingerprint_as_befo
 
 def ib_edl_step(cfg) -> tuple[int, list[torch.Tensor]]:
     """(bytes autograd kept, gradients) of one IB-EDL forward and backward pass of the model ``cfg`` builds, from
-    LoRA weights, dropout masks and loss samples drawn with fixed seeds."""
-    from benchmarks.common import saved_activation_bytes
+    LoRA weights, dropout masks and loss samples drawn with fixed seeds (the benchmark's own passes)."""
+    from benchmarks.gradient_checkpointing import kept_bytes, one_pass
     from ibedl.core.prompt import MCQuestion
     from ibedl.training.distributed import OptionScorer
     from ibedl.training.finetune import build
     from ibedl.training.methods import METHODS
-    from ibedl.training.methods.base import LossContext
 
     method = METHODS["ib_edl"]
     torch.manual_seed(0)  # the same LoRA initialisation
     predictor, _, _, params, _ = build(cfg, method)
     layers = predictor.decoder.layers
     assert len(layers) > 1 and {layer.gradient_checkpointing for layer in layers} == {cfg.gradient_checkpointing}
+    assert not predictor.decoder.embed_tokens._forward_hooks  # no input hook left behind (reentrant form's)
     scorer = OptionScorer(predictor).train()
     questions = [MCQuestion(f"Which is number {i}?", ("one", "two", "three"), answer=i % 3) for i in range(4)]
     enc, y = predictor.encode(questions), torch.tensor([q.answer for q in questions])
-    torch.manual_seed(1)  # the same dropout masks (replayed when the layers recompute)
-    context = LossContext(generator=torch.Generator().manual_seed(2))
-    trained = [p for p in scorer.parameters() if p.requires_grad]
-    kept, loss = saved_activation_bytes(lambda: method.loss(
-        scorer(enc.input_ids, enc.attention_mask, enc.last_index, enc.option_mask), y, enc.option_mask, params,
-        context)["loss"].mean(), trained)
-    loss.backward()
-    return kept, [p.grad for p in trained]
+    return kept_bytes(scorer, method, params, enc, y, seed=1), one_pass(scorer, method, params, enc, y, seed=1)[1]
 
 
 def test_gradient_checkpointing_keeps_fewer_activations_for_the_same_gradients(tmp_path, tiny_model_dir, jsonl_data):
@@ -458,7 +451,41 @@ def test_gradient_checkpointing_keeps_fewer_activations_for_the_same_gradients(t
     assert kept[True] < 0.5 * kept[False]
     for with_, without in zip(grads[True], grads[False], strict=True):
         torch.testing.assert_close(with_, without, rtol=1e-5, atol=1e-7)
-    # a whole run trains with it (the layers recompute in train mode only: evaluation and calibration as before)
-    out = train(config(tmp_path / "run", tiny_model_dir, jsonl_data, "map",
-                       **{"optim.max_steps": 2, "gradient_checkpointing": True}))
-    assert json.loads((out / "manifest.json").read_text())["training"]["config"]["gradient_checkpointing"] is True
+
+
+def test_a_run_with_gradient_checkpointing_trains_the_same_adapter(tmp_path, tiny_model_dir, jsonl_data):
+    """Whole runs (LoRA dropout 0.3, 3 steps, evaluation and calibration in eval mode): the adapter and head trained
+    with checkpointing equal those trained without, so a member's fingerprint may leave the key out."""
+    outs = [train(config(tmp_path / str(on), tiny_model_dir, jsonl_data, "ib_edl", **{
+        "optim.max_steps": 3, "lora.dropout": 0.3, "gradient_checkpointing": on, **EXTRA["ib_edl"]})) for on in (0, 1)]
+    assert json.loads((outs[1] / "manifest.json").read_text())["training"]["config"]["gradient_checkpointing"] is True
+    for name in ("adapter_model.safetensors", "head.safetensors"):
+        without, with_ = (safetensors.torch.load_file(out / name) for out in outs)
+        assert with_.keys() == without.keys()
+        for key in without:
+            torch.testing.assert_close(with_[key], without[key], rtol=1e-5, atol=1e-7)
+
+
+def test_gradient_checkpointing_takes_either_name_transformers_gives_it_and_refuses_a_model_without():
+    from ibedl.training.finetune import enable_gradient_checkpointing
+
+    class Older:  # transformers before 5.2x: gradient_checkpointing_* only
+        supports_gradient_checkpointing = True
+        calls = []
+
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs):
+            self.calls.append(("enable", gradient_checkpointing_kwargs))
+
+        def gradient_checkpointing_disable(self):
+            self.calls.append(("disable",))
+
+    old = Older()
+    enable_gradient_checkpointing(old)
+    enable_gradient_checkpointing(old, on=False)
+    assert old.calls == [("enable", {"use_reentrant": False}), ("disable",)]
+
+    class Without:
+        supports_gradient_checkpointing = False
+
+    with pytest.raises(ValueError, match="Without does not support gradient checkpointing"):
+        enable_gradient_checkpointing(Without())
