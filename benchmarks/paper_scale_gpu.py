@@ -17,6 +17,9 @@ hidden state (K=20 samples + beta * KL, as in training), ``full`` = the referenc
 The two paths' timed steps alternate (rows then full, then full then rows, ...) on the same batches, so drift of the
 machine and the order they run in fall on both; ``rows_vs_full`` gives each phase's speed ratio with a 95% paired
 bootstrap interval over those pairs (the first run ran each path's steps in one block, rows first).
+``train_kept_activation_gb``: the activations autograd keeps for one training step's backward pass on the first batch
+(``kept_batch_padded_tokens``; weights left out), a device-independent share of the peak: ``--device cpu --layers N``
+measures it at the real widths on a CPU (slowly), a decoder layer's share by difference.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import operator_table, paired_ratio, write_result
+from benchmarks.common import cpu_features, operator_table, paired_ratio, saved_activation_bytes, write_result
 from ibedl.core.head import HeadConfig, build_head
 from ibedl.core.predictor import Predictor, lm_head_rows
 from ibedl.core.prompt import MCQuestion, option_token_ids
@@ -81,7 +84,7 @@ def build(args):
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     with torch.device(DEVICE):
         shape = ({**LLAMA3_8B, "num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512} if args.smoke
-                 else LLAMA3_8B)
+                 else {**LLAMA3_8B, "num_hidden_layers": args.layers or LLAMA3_8B["num_hidden_layers"]})
         model = AutoModelForCausalLM.from_config(LlamaConfig(**shape), dtype=torch.bfloat16)
     model.config.use_cache = False
     ids = option_token_ids(tok, 26)
@@ -104,6 +107,15 @@ def questions(args) -> list[MCQuestion]:
     from ibedl.training.data import load_dataset
 
     return load_dataset(args.dataset, "train", limit=QUESTIONS, seed=0)
+
+
+def same_workload(args, device: str) -> bool:
+    """Whether a run measured what the paper's figures were measured on: its questions and batch, on the whole model
+    on a GPU, keeping the activations as the paper's runs did (its prompt format and tokenizer are not ours:
+    ``mean_prompt_tokens`` says what ours gave)."""
+    return (device == "cuda" and not args.questions and args.dataset == PAPER_WORKLOAD["dataset"]
+            and args.batch_size == PAPER_WORKLOAD["batch_size"]
+            and args.layers in (None, LLAMA3_8B["num_hidden_layers"]) and not args.gradient_checkpointing)
 
 
 def step(predictor, head, ids, batch, path, optimizer, train: bool) -> float:
@@ -146,13 +158,22 @@ def main(argv=None) -> int:
     parser.add_argument("--gradient-checkpointing", action="store_true",
                         help="decoder layers recompute their activations in the backward pass (less memory)")
     parser.add_argument("--smoke", action="store_true", help="a 2-layer model on the CPU: checks the script runs")
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu: the real widths on the CPU, slowly; "
+                        "with --layers, for the activations a decoder layer keeps")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 32, Llama3-8B's)")
     args = parser.parse_args(argv)
     if args.batch_size < 1:
         parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.steps < 2:
         parser.error(f"--steps must be >= 2 (the paths' speed ratio is a paired interval over steps), got {args.steps}")
+    if args.layers is not None and args.layers < 1:
+        parser.error(f"--layers must be >= 1, got {args.layers}")
+    if args.smoke and args.layers is not None:
+        parser.error(f"--smoke runs its own 2-layer model: --layers {args.layers} is not taken with it")
+    if args.device not in ("cuda", "cpu"):
+        parser.error(f"--device must be cuda or cpu, got {args.device!r}")
     global DEVICE
-    if args.smoke:
+    if args.smoke or args.device == "cpu":
         DEVICE = "cpu"
     elif not torch.cuda.is_available():
         print("error: this benchmark needs a CUDA device", file=sys.stderr)
@@ -160,8 +181,14 @@ def main(argv=None) -> int:
     predictor, head, ids, batches = build(args)
     params = [p for p in predictor.model.parameters() if p.requires_grad] + list(head.parameters())
     optimizer = torch.optim.AdamW(params, lr=1e-4)
+    weights = torch.nn.ModuleList([predictor.model, head])  # what saved_activation_bytes leaves out
     tokens = [int(predictor.encode(b).attention_mask.sum()) / len(b) for b in batches]
-    result = {"device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu (smoke)",
+    result = {"device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu (smoke)" if args.smoke else "cpu",
+              "cpu": cpu_features() if DEVICE == "cpu" else None,
+              "layers": predictor.model.config.num_hidden_layers,
+              "kept_batch_padded_tokens": predictor.encode(batches[0]).input_ids.numel(),
+              # every batch's (the timed steps take the first --steps): a step's activations grow with them
+              "batch_padded_tokens": [predictor.encode(b).input_ids.numel() for b in batches],
               "torch": torch.__version__, "model": "Llama3-8B shape, random bf16",
               "params_b": sum(p.numel() for p in predictor.model.parameters()) / 1e9, "batch_size": args.batch_size,
               "mean_prompt_tokens": sum(tokens) / len(tokens),
@@ -184,6 +211,9 @@ def main(argv=None) -> int:
             entry = result["paths"].setdefault(path, {})
             entry[f"{phase}_samples_per_s"] = args.batch_size * len(times[path]) / sum(times[path])
             entry[f"{phase}_peak_memory_gb"] = peaks[path]
+            if train:  # the activations autograd keeps for one step's backward pass (weights left out), any device
+                entry["train_kept_activation_gb"] = saved_activation_bytes(
+                    lambda path=path: step(predictor, head, ids, batches[0], path, optimizer, True), weights)[0] / 1e9
             # one more step under torch's profiler: launching operators (CPU) against running kernels (GPU)
             entry[f"{phase}_one_step_operators"] = operator_table(
                 lambda path=path, train=train: step(predictor, head, ids, batches[0], path, optimizer, train), DEVICE)
@@ -198,9 +228,7 @@ def main(argv=None) -> int:
         "train_samples_per_s": rows["train_samples_per_s"] / PAPER_H100["ib_edl_train_samples_per_s"],
         "test_samples_per_s": rows["test_samples_per_s"] / PAPER_H100["ib_edl_test_samples_per_s"],
         "train_peak_memory": rows["train_peak_memory_gb"] / PAPER_H100["ib_edl_peak_memory_gb"],
-        # the paper's questions and batch (its prompt format and tokenizer are not ours: mean_prompt_tokens says ours)
-        "same_workload": (not args.questions and args.dataset == PAPER_WORKLOAD["dataset"]
-                          and args.batch_size == PAPER_WORKLOAD["batch_size"]),
+        "same_workload": same_workload(args, DEVICE),
     }
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
