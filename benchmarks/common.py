@@ -121,7 +121,9 @@ def saved_activation_bytes(run, module) -> tuple[int, object]:
         storage = t.untyped_storage()
         if storage.data_ptr() not in weights and t.device.type != "meta":
             kept[storage.data_ptr()] = storage.nbytes()
-        return t
+        # the values only: a tensor an operation saves may be its own output, whose grad_fn is the node keeping it,
+        # and holding it whole would make a cycle that keeps the graph alive after the loss is dropped
+        return t.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = run()

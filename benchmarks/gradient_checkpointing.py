@@ -14,9 +14,7 @@ allocated memory;
 ``on_vs_off`` gives the time ratio with a 95% paired bootstrap interval over the batches and the kept bytes' ratio;
 ``gradient_max_rel_diff`` the largest difference between the two settings' gradients over the largest gradient
 (checkpointing recomputes the same arithmetic: it should be 0 on a CPU, or float noise). The CPU's features or the
-GPU's name are recorded. On the CPU the process's resident memory grew from batch to batch (to 24 GB over 8 batches
-of 8 on a 23 GB machine; not investigated): the committed run set ``MALLOC_MMAP_THRESHOLD_=131072``, without which
-the kernel stopped it at the sixth batch.
+GPU's name are recorded.
 """
 
 from __future__ import annotations
