@@ -182,13 +182,15 @@ def main(argv=None) -> int:
     params = [p for p in predictor.model.parameters() if p.requires_grad] + list(head.parameters())
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     weights = torch.nn.ModuleList([predictor.model, head])  # what saved_activation_bytes leaves out
-    tokens = [int(predictor.encode(b).attention_mask.sum()) / len(b) for b in batches]
+    encoded = [predictor.encode(b) for b in batches]  # tokenised once: the real and padded tokens of each batch
+    tokens = [int(e.attention_mask.sum()) / e.input_ids.shape[0] for e in encoded]
+    padded = [e.input_ids.numel() for e in encoded]
     result = {"device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu (smoke)" if args.smoke else "cpu",
               "cpu": cpu_features() if DEVICE == "cpu" else None,
               "layers": predictor.model.config.num_hidden_layers,
-              "kept_batch_padded_tokens": predictor.encode(batches[0]).input_ids.numel(),
+              "kept_batch_padded_tokens": padded[0],
               # every batch's (the timed steps take the first --steps): a step's activations grow with them
-              "batch_padded_tokens": [predictor.encode(b).input_ids.numel() for b in batches],
+              "batch_padded_tokens": padded,
               "torch": torch.__version__, "model": "Llama3-8B shape, random bf16",
               "params_b": sum(p.numel() for p in predictor.model.parameters()) / 1e9, "batch_size": args.batch_size,
               "mean_prompt_tokens": sum(tokens) / len(tokens),
