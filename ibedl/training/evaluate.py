@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base-model", help="override the manifest's base model reference")
     parser.add_argument("--backend", default=None,
                         help="inference backend: auto, torch, openvino-fp32, openvino-bf16, openvino, openvino-int8, "
-                             "torch-cuda-fp32, torch-cuda-bf16, torch-cuda-nf4-bf16 "
+                             "torch-cuda-fp32, torch-cuda-bf16, torch-cuda-nf4-bf16, torch-cuda-merged-fp32, "
+                             "torch-cuda-merged-bf16 "
                              "(default IBEDL_BACKEND or auto: what the service would serve, the fastest calibrated "
                              "backend on this machine, timed at start-up)")
     parser.add_argument("--output", help="write metrics JSON here (and a reliability PNG beside it)")

@@ -96,20 +96,27 @@ def test_a_child_runs_its_one_step_and_records_its_failure(tmp_path, monkeypatch
     assert not out.exists()
 
 
-def test_without_bitsandbytes_the_check_calibrates_bf16_and_fp32_for_auto_and_says_nf4_was_not_measured():
+def test_without_bitsandbytes_the_check_calibrates_bf16_and_merged_trunks_for_auto_and_says_nf4_was_not_measured():
     with_nf4, without = gpu_check.arithmetic(True), gpu_check.arithmetic(False)
     assert with_nf4["keys"] == ["torch-cuda-nf4-bf16"] and with_nf4["calibrate_flags"] == [
         ["--dtype", "bfloat16", "--load-in-4bit"]]
     assert with_nf4["serve_env"] == {"IBEDL_LOAD_IN_4BIT": "true"} and "nf4" not in with_nf4
-    assert without["keys"] == ["torch-cuda-bf16", "torch-cuda-fp32"]
-    assert without["calibrate_flags"] == [["--dtype", "bfloat16"], ["--dtype", "float32"]]
+    assert without["keys"] == ["torch-cuda-bf16", "torch-cuda-merged-bf16", "torch-cuda-merged-fp32"]
+    assert without["calibrate_flags"] == [["--dtype", "bfloat16"], ["--backend", "torch-cuda-merged-bf16"],
+                                          ["--backend", "torch-cuda-merged-fp32"]]
     assert without["serve_env"] == {} and "bitsandbytes is not installed" in without["nf4"]
-    from ibedl.core.backends.registry import REFERENCE, REGISTRY  # the key a CUDA service looks its calibration up by
+    # the key a CUDA service looks its calibration up by, and the arguments that compute each
+    from ibedl.core.backends.registry import REFERENCE, REGISTRY
+    from ibedl.training.calibrate import build_parser
 
     torch_backend = REGISTRY[REFERENCE]
-    assert with_nf4["keys"] == [torch_backend.calibration_key("cuda", "bfloat16", load_in_4bit=True)]
-    assert without["keys"] == [torch_backend.calibration_key("cuda", dtype, load_in_4bit=False)
-                               for dtype in ("bfloat16", "float32")]
+    assert with_nf4["keys"][0] == without["keys"][0].replace("cuda-", "cuda-nf4-") == torch_backend.calibration_key(
+        "cuda", "bfloat16", load_in_4bit=True)  # the first is what torch as loaded computes, which serves at start
+    for use in (with_nf4, without):  # each calibrate command computes the key it is listed for, on the GPU
+        for key, flags in zip(use["keys"], use["calibrate_flags"], strict=True):
+            args = build_parser().parse_args(["--artifact", "a", "--dataset", "sciq", "--device", "cuda", *flags])
+            assert REGISTRY[args.backend or REFERENCE].calibration_key(
+                args.device, args.dtype, args.load_in_4bit) == key
 
 
 def test_the_cuda_calibration_follows_the_defaults_recipe():
@@ -182,6 +189,33 @@ def test_a_metrics_reading_that_fails_says_why():
     assert gpu_check.read_passes(Refusing(), "http://127.0.0.1:1").startswith("HTTPStatusError")
 
 
+def test_the_serve_step_waits_for_autos_measurement_to_end_but_not_past_its_time():
+    """The clients start once the background measurement is done or failed (one backend answers them), or at the
+    deadline with the card as it stands; a service with nothing to measure starts them at once."""
+    def service(states):
+        cards = iter([{"backend": {"name": name, "background": None if state is None else {"state": state}}}
+                      for name, state in states])
+        return lambda: next(cards)
+
+    now, waits = [0.0], []
+
+    def wait(seconds):
+        waits.append(seconds)
+        now[0] += seconds
+
+    states = [("torch", "waiting"), ("torch", "timing torch-cuda-merged-bf16"), ("torch-cuda-merged-bf16", "done")]
+    card, ended = gpu_check.settled_card(service(states), until=10.0, clock=lambda: now[0], wait=wait)
+    assert ended and card["backend"]["name"] == "torch-cuda-merged-bf16" and waits == [gpu_check.SETTLE_POLL_S] * 2
+    card, ended = gpu_check.settled_card(service([("torch", "failed")]), until=0.0, clock=lambda: now[0], wait=wait)
+    assert ended and card["backend"]["name"] == "torch"
+    card, ended = gpu_check.settled_card(service([("torch", None)]), until=0.0, clock=lambda: now[0], wait=wait)
+    assert ended  # a named backend: nothing measured in the background
+    now[0], waits[:] = 0.0, []
+    card, ended = gpu_check.settled_card(service([("torch", "building x")] * 3), until=0.6, clock=lambda: now[0],
+                                         wait=wait)
+    assert not ended and card["backend"]["background"]["state"] == "building x" and len(waits) == 2
+
+
 def test_the_second_serve_step_lifts_the_length_rules(monkeypatch, tmp_path):
     """serve_free runs the serve step with pad_freely (the step sets IBEDL_PAD_FREELY from it)."""
     seen = {}
@@ -228,7 +262,8 @@ def test_each_command_of_make_gpu_profiles_parses_and_without_cuda_exits_2_sayin
     text = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
     recipe = text.split("\ngpu-profiles:\n", 1)[1].split("\n\n", 1)[0].replace("\\\n", " ")
     commands = [shlex.split(line.split("-m ", 1)[1]) for line in recipe.splitlines() if "-m benchmarks." in line]
-    assert [c[0] for c in commands] == ["benchmarks.gpu_serve_profile", "benchmarks.padding_cost",
+    assert [c[0] for c in commands] == ["benchmarks.merged_adapter", "benchmarks.gpu_serve_profile",
+                                        "benchmarks.padding_cost",
                                         "benchmarks.gradient_checkpointing", "benchmarks.paper_scale_gpu"]
     assert all(re.match(r"\s*-timeout \$\(GPU_PROFILE_S\) \$\(GPU_VENV\)/bin/python", line)
                for line in recipe.splitlines() if "-m benchmarks." in line)  # bounded, and a failure goes on

@@ -90,7 +90,8 @@ def load(artifact) -> Predictor:
 
 
 ALL = ["openvino-int8", "openvino-bf16", "openvino-fp32"]
-CUDA = ["torch-cuda-fp32", "torch-cuda-bf16", "torch-cuda-nf4-bf16"]  # candidates on CUDA (test_backends_torch_cuda)
+CUDA = ["torch-cuda-fp32", "torch-cuda-bf16", "torch-cuda-nf4-bf16", "torch-cuda-merged-fp32",
+        "torch-cuda-merged-bf16"]  # candidates on CUDA (test_backends_torch_cuda)
 
 
 def test_the_fastest_calibrated_backend_is_chosen_and_a_slower_one_is_not(tiny_artifact, tmp_path, timed):

@@ -1,6 +1,7 @@
 """The CUDA torch backends (ibedl.core.backends.torch_cuda): on a CUDA device ``auto`` chooses among the arithmetics
 the artifact carries calibrations for (``torch-cuda-fp32``, ``torch-cuda-bf16``, ``torch-cuda-nf4-bf16`` where
-bitsandbytes imports), and the one chosen is served with the calibration made on it.
+bitsandbytes imports, and the merged ``torch-cuda-merged-fp32`` and ``torch-cuda-merged-bf16``), and the one chosen is
+served with the calibration made on it.
 
 These run on the CPU: a predictor of the tiny model stands on a faked CUDA device (its ``device``, the GPU's name and
 bfloat16 support, bitsandbytes are patched), and a trunk is loaded on the CPU in bfloat16 for its shape and
@@ -9,6 +10,7 @@ arithmetic. The test at the end runs on a real GPU only."""
 from __future__ import annotations
 
 import copy
+import itertools
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,6 +27,7 @@ from ibedl.core.predictor import Predictor
 from ibedl.core.prompt import MCQuestion
 
 CUDA = ["torch-cuda-fp32", "torch-cuda-bf16", "torch-cuda-nf4-bf16"]
+MERGED = ["torch-cuda-merged-fp32", "torch-cuda-merged-bf16"]  # the adapter folded into the base's weights
 QUESTIONS = [MCQuestion("Which is sun?", ("sun", "moon", "tree")),
              MCQuestion("Which is wet, of all the things one finds near the sea?", ("water", "sand")),
              MCQuestion("Pick one.", ("a", "b", "c", "d"), context="A short passage to read first.")]
@@ -91,6 +94,23 @@ class TestCalibrationKeys:
         assert backends.of_key(name) is REGISTRY["torch"] and backend.owns_key(name)
         assert [n for n in CUDA if REGISTRY[n].owns_key(name)] == [name]
 
+    @pytest.mark.parametrize("name", MERGED)
+    def test_a_merged_backend_keys_an_arithmetic_of_its_own(self, name):
+        """Torch as loaded never computes a merged trunk's numbers: its key belongs to the merged backend alone."""
+        backend = REGISTRY[name]
+        assert backend.merged and not backend.load_in_4bit
+        for loaded_as in [("cpu", "float32", False), ("cuda", backend.dtype, False), ("cuda", "bfloat16", True)]:
+            assert backends.calibration_key(name, *loaded_as) == name
+            assert backends.calibration_key("torch", *loaded_as) != name
+        assert backends.of_key(name) is backend
+        assert [n for n, b in REGISTRY.items() if b.owns_key(name)] == [name]
+
+    def test_a_merged_backend_is_named_for_its_arithmetic_and_never_on_a_4bit_base(self):
+        with pytest.raises(ValueError, match="arithmetic: 'torch-cuda-merged-bf16', got 'torch-cuda-bf16'"):
+            TorchCudaBackend("torch-cuda-bf16", "bfloat16", merged=True)
+        with pytest.raises(ValueError, match="'torch-cuda-merged-nf4-bf16': an adapter is not merged into a 4-bit"):
+            TorchCudaBackend("torch-cuda-merged-nf4-bf16", "bfloat16", load_in_4bit=True, merged=True)
+
     def test_a_cuda_backend_is_named_for_its_arithmetic(self):
         with pytest.raises(ValueError, match="named for its arithmetic: 'torch-cuda-bf16', got 'torch-cuda-fast'"):
             TorchCudaBackend("torch-cuda-fast", "bfloat16")
@@ -105,7 +125,7 @@ class TestCalibrationKeys:
 class TestUnavailable:
     def test_on_the_cpu_each_says_why_and_refuses_to_build(self, tiny_artifact):
         predictor = loaded(tiny_artifact, torch.float32)
-        for name in CUDA:
+        for name in CUDA + MERGED:
             assert backends.unavailable(name, predictor, tiny_artifact) == "it runs on CUDA; this predictor is on cpu"
             with pytest.raises(ValueError, match=f"backend '{name}' cannot run here: it runs on CUDA"):
                 backends.build_trunk(name, predictor, tiny_artifact, "sha")
@@ -145,6 +165,18 @@ class TestAutoOnCuda:
         on_cuda(bitsandbytes=False)
         names, skipped = auto_backend.candidates(predictor, artifact, backends.unavailable)
         assert names == ["torch-cuda-fp32", "torch"] and "bitsandbytes" in skipped["torch-cuda-nf4-bf16"]
+
+    def test_merged_arithmetics_are_timed_beside_the_one_loaded(self, tiny_artifact, tmp_path, on_cuda):
+        """A merged trunk in the precision torch was loaded in is another arithmetic: timed, not skipped."""
+        artifact = carrying(tiny_artifact, tmp_path / "a", ["torch-cuda-bf16", *MERGED])
+        predictor = loaded(artifact)
+        on_cuda()
+        names, skipped = auto_backend.candidates(predictor, artifact, backends.unavailable)
+        assert names == [*MERGED, "torch"]
+        assert skipped["torch-cuda-bf16"] == "torch as loaded computes in its arithmetic (torch-cuda-bf16)"
+        on_cuda(bf16=False)
+        names, skipped = auto_backend.candidates(predictor, artifact, backends.unavailable)
+        assert "torch-cuda-merged-fp32" in names and skipped["torch-cuda-merged-bf16"] == "NVIDIA H200 has no bfloat16"
 
     def test_a_model_loaded_in_fp32_times_bf16_against_it(self, tiny_artifact, tmp_path, on_cuda):
         artifact = carrying(tiny_artifact, tmp_path / "a", CUDA)
@@ -224,10 +256,12 @@ class TestAutoOnCuda:
         assert backends.build_one("torch-cuda-nf4-bf16", predictor, tiny_artifact, "sha", export=False) == "trunk"
         ref = predictor.model.name_or_path
         member = tiny_artifact / predictor.manifest.members[0]
-        assert calls == [(ref, "sha", member, torch.device("cuda", 0), "bfloat16", True)]
+        assert calls == [(ref, "sha", member, torch.device("cuda", 0), "bfloat16", True, False)]
+        backends.build_one("torch-cuda-merged-bf16", predictor, tiny_artifact, "sha")
+        assert calls[-1] == (ref, "sha", member, torch.device("cuda", 0), "bfloat16", False, True)
         predictor.drop_model()  # the switcher's copy once a trunk serves: its model is gone
         backends.build_one("torch-cuda-fp32", predictor, tiny_artifact, "sha")
-        assert calls[-1][0] == predictor.manifest.base_model_ref().ref and calls[-1][4:] == ("float32", False)
+        assert calls[-1][0] == predictor.manifest.base_model_ref().ref and calls[-1][4:] == ("float32", False, False)
 
 
 class TestTrunk:
@@ -248,6 +282,32 @@ class TestTrunk:
         served = reference.predict(QUESTIONS)
         assert [len(p.probs) for p in served] == [3, 2, 4]
         assert [p.probs for p in served] == [p.probs for p in loaded(tiny_artifact).predict(QUESTIONS)]
+
+    def test_a_merged_trunk_folds_the_adapter_into_the_weights(self, tiny_artifact):
+        """No LoRA layer is left. In fp32 the states are the unmerged adapter's to fp32's rounding, and far from the
+        base's without the adapter (the adapter matters to them); in bf16 merging loses nothing beyond bf16's own
+        rounding: its states are as close to fp32's as the unmerged bf16 trunk's are."""
+        reference = loaded(tiny_artifact, torch.float32)
+        sha = reference.manifest.base_model_ref().sha256
+        adapter = tiny_artifact / reference.manifest.members[0]
+        batch = reference.encode(QUESTIONS)
+        exact = auto_backend.torch_hidden(reference, batch)
+        scale = exact.abs().max()
+        with reference.model.disable_adapter(), torch.no_grad():
+            bare = auto_backend.torch_hidden(reference, batch)
+        off = {}
+        for dtype, merged in itertools.product(("float32", "bfloat16"), (True, False)):
+            trunk = load_trunk(reference.model.name_or_path, sha, adapter, "cpu", dtype, False, merged=merged)
+            assert any("lora" in name for name, _ in trunk.model.named_modules()) is not merged
+            hidden = trunk(batch)
+            assert hidden.shape == exact.shape and hidden.dtype == getattr(torch, dtype)
+            off[dtype, merged] = float((hidden.float() - exact).abs().max() / scale)
+        assert off["float32", True] < 1e-5 and float((bare - exact).abs().max() / scale) > 100 * off["float32", True]
+        assert off["bfloat16", True] < 2 * off["bfloat16", False] + 1e-3, off
+
+    def test_an_adapter_is_not_merged_into_a_4bit_base(self, tiny_artifact):
+        with pytest.raises(ValueError, match="not merged into a 4-bit base"):
+            load_trunk("any", "0" * 64, tiny_artifact, "cpu", "bfloat16", True, merged=True)
 
     def test_other_base_weights_are_refused(self, tiny_artifact):
         ref = str(read_manifest(tiny_artifact).base_model_ref().ref)
@@ -271,3 +331,24 @@ def test_on_a_gpu_each_trunk_computes_what_its_calibration_ran_on(tiny_artifact,
     hidden = auto_backend.runner(predictor, batch)(predictor.trunk)()
     assert hidden.shape == (len(QUESTIONS), predictor.model.config.hidden_size) and hidden.is_cuda
     assert torch.equal(hidden, auto_backend.torch_hidden(reference, batch))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="loads the trunk on a CUDA GPU")
+@pytest.mark.parametrize("name", MERGED)
+def test_on_a_gpu_a_merged_trunk_is_the_arithmetic_its_calibration_runs(tiny_artifact, name):
+    """``calibrate --backend torch-cuda-merged-*`` answers through this backend's trunk: two loads compute the same
+    states bit for bit, as close to the fp32 unmerged states as the unmerged trunk of the same precision is."""
+    backend = REGISTRY[name]
+    predictor = Predictor.from_artifact(tiny_artifact, device="cuda", backend=name)
+    again = Predictor.from_artifact(tiny_artifact, device="cuda", backend=name)
+    assert predictor.calibration_key == name and predictor.trunk is not None
+    batch = predictor.encode(QUESTIONS)
+    hidden = auto_backend.runner(predictor, batch)(predictor.trunk)()
+    assert hidden.is_cuda and torch.equal(hidden, auto_backend.runner(again, batch)(again.trunk)())
+    exact = auto_backend.torch_hidden(Predictor.from_artifact(tiny_artifact, device="cuda", dtype=torch.float32,
+                                                              backend="torch"), batch).float()
+    unmerged = auto_backend.torch_hidden(Predictor.from_artifact(tiny_artifact, device="cuda", backend="torch",
+                                                                 dtype=getattr(torch, backend.dtype)), batch)
+    off = {way: float((h.float() - exact).abs().max() / exact.abs().max())
+           for way, h in (("merged", hidden), ("unmerged", unmerged))}
+    assert off["merged"] <= 2 * off["unmerged"] + 1e-3, off  # (TF32 may round fp32's matmuls on CUDA alike)

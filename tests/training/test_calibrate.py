@@ -373,7 +373,8 @@ def test_the_command_for_another_backend_keeps_every_setting_and_runs_the_model(
     assert command_on(parser, ["--artifact", "a"], Path("a"), "openvino-int8").endswith(
         "--artifact a --backend openvino-int8 --device cpu")  # an OpenVINO backend runs on the CPU, even beside CUDA
     for key in ("torch-fp32", "torch-bf16", "torch-cuda-fp16", "torch-cuda-nf4-fp32", "torch-cuda-bf16",
-                "torch-cuda-nf4-bf16", "openvino-int8", "openvino"):  # the arguments compute the key they are for
+                "torch-cuda-nf4-bf16", "openvino-int8", "openvino", "torch-cuda-merged-bf16",
+                "torch-cuda-merged-fp32"):  # the arguments compute the key they are for
         args = parser.parse_args(["--artifact", "a", "--dataset", "sciq", *backend_arguments(key)])
         assert calibration_key(args.backend, args.device, args.dtype or "float32", args.load_in_4bit) == key, key
 

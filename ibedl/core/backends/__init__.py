@@ -7,7 +7,8 @@ precision, what it needs, how it builds, its calibration key, whether ``auto`` m
 quantised on a sample), and one line of ``REGISTRY`` (ibedl.core.backends.registry) lists it:
 ``torch`` (torch_eager: the PEFT model as loaded, on the CPU or CUDA), ``openvino`` (openvino_int8_weights),
 ``openvino-fp32``, ``openvino-bf16`` and ``openvino-int8`` (static int8), and on CUDA ``torch-cuda-fp32``,
-``torch-cuda-bf16`` and ``torch-cuda-nf4-bf16`` (the base and adapter loaded once more in that arithmetic); the
+``torch-cuda-bf16`` and ``torch-cuda-nf4-bf16`` (the base and adapter loaded once more in that arithmetic) and
+``torch-cuda-merged-fp32`` and ``torch-cuda-merged-bf16`` (the same with the adapter folded into the weights); the
 OpenVINO ones share ibedl.core.backends.openvino_ir (export, IR cache, compile), the CUDA ones
 ibedl.core.backends.torch_cuda. ``auto`` (the default) is not a backend but a choice among them: the one this machine
 runs the artifact fastest on, measured among those the artifact carries a calibration for (ibedl.core.auto_backend;

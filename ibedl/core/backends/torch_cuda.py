@@ -1,11 +1,22 @@
 """What the CUDA torch backends share: the base model loaded a second time, in the backend's arithmetic on the
 predictor's CUDA device, with the artifact's adapter (:func:`load_trunk`), so that ``auto`` can time the arithmetics
-an artifact carries calibrations for (``torch-cuda-fp32``, ``torch-cuda-bf16``, ``torch-cuda-nf4-bf16``) whatever
-the service loaded, and serve the calibration made on the one it runs.
+an artifact carries calibrations for (``torch-cuda-fp32``, ``torch-cuda-bf16``, ``torch-cuda-nf4-bf16``,
+``torch-cuda-merged-fp32``, ``torch-cuda-merged-bf16``) whatever the service loaded, and serve the calibration made
+on the one it runs.
+
+A merged backend folds the adapter into the base's weights (W + B A s, PEFT's ``merge_and_unload``): the same
+function, rounded once where the unmerged trunk rounds the base's product and the adapter's apart, with half the
+operations a forward dispatches (each of SmolLM2-135M's 210 LoRA layers is otherwise the base's matmul plus the
+adapter's dropout, two small matmuls, a scale, an add and, in bf16, casts to and from its float32 weights:
+``python -m benchmarks.merged_adapter``: 12,118 against 5,818 ATen operators for one question). A GPU pass of a few
+questions is likely bound by dispatching operations, not by running them (``gpu_serve_profile.json``: 150-190 ms for
+about 3 questions on an H200), which is what merging saves; ``auto`` times it. It is its own arithmetic, so its own
+calibration key: calibrated with ``--backend torch-cuda-merged-<precision>``. Never on a 4-bit base (the merge would
+quantise the adapter's update into NF4).
 
 The trunk is loaded as the predictor's own model is (ibedl.core.base_model.load_base_model, then the adapter by PEFT
-with its defaults), so it computes what ``python -m ibedl.training.calibrate --device cuda --dtype D
-[--load-in-4bit]`` computed: each backend's name is the calibration key torch gives that arithmetic
+with its defaults), so an unmerged one computes what ``python -m ibedl.training.calibrate --device cuda --dtype D
+[--load-in-4bit]`` computed: each unmerged backend's name is the calibration key torch gives that arithmetic
 (ibedl.core.backends.torch_eager).
 """
 
@@ -56,12 +67,16 @@ class TorchTrunk:
                                batch.last_index)
 
 
-def load_trunk(ref: str, base_sha256: str, adapter: Path, device, dtype: str, load_in_4bit: bool) -> TorchTrunk:
+def load_trunk(ref: str, base_sha256: str, adapter: Path, device, dtype: str, load_in_4bit: bool,
+               merged: bool = False) -> TorchTrunk:
     """The base model ``ref`` (whose weights must have sha256 ``base_sha256``) with the adapter in directory
     ``adapter``, loaded on ``device`` in ``dtype`` (a torch dtype's name), NF4 with ``load_in_4bit``: as the predictor
     loads its own (ibedl.core.base_model.load_base_model, then PEFT with its defaults), so the trunk computes in the
-    arithmetic a calibration made with those settings ran on. ValueError when ``ref`` resolves to other weights than
-    the ones served."""
+    arithmetic a calibration made with those settings ran on; ``merged``: the adapter then folded into the base's
+    weights (module docstring). ValueError when ``ref`` resolves to other weights than the ones served, or for a
+    merge into a 4-bit base."""
+    if merged and load_in_4bit:
+        raise ValueError("an adapter is not merged into a 4-bit base: the merge would quantise its update into NF4")
     from peft import PeftModel
 
     from ibedl.core.base_model import load_base_model, resolve_model
@@ -72,24 +87,33 @@ def load_trunk(ref: str, base_sha256: str, adapter: Path, device, dtype: str, lo
                          f"served ones ({base_sha256[:12]})")
     model, _ = load_base_model(resolved, device=str(device), dtype=getattr(torch, dtype), load_in_4bit=load_in_4bit)
     model = PeftModel.from_pretrained(model, adapter, adapter_name="m0", use_safetensors=True)
+    if merged:
+        model = model.merge_and_unload()
     return TorchTrunk(model.eval())
 
 
 @dataclass(frozen=True)
 class TorchCudaBackend:
     """A CUDA torch backend: the base model and adapter loaded once more in ``dtype`` (and NF4 with
-    ``load_in_4bit``, which needs bitsandbytes) on the predictor's CUDA device. Its calibration key is its name, the
-    key torch gives the same arithmetic (``torch-cuda-[nf4-]<precision>``)."""
+    ``load_in_4bit``, which needs bitsandbytes) on the predictor's CUDA device, the adapter folded into the base's
+    weights where ``merged``. Its calibration key is its name: the key torch gives the same arithmetic
+    (``torch-cuda-[nf4-]<precision>``), or for a merged one ``torch-cuda-merged-<precision>``, which only this backend
+    computes."""
 
     name: str
     dtype: str  # a torch dtype's name: float32, bfloat16
     load_in_4bit: bool = False
+    merged: bool = False
     auto: bool = True
     build_cost: int = 1  # the base model read from disk again and, for NF4, quantised: seconds
     static_int8: bool = False
 
     def __post_init__(self) -> None:
         key = TORCH.calibration_key("cuda", self.dtype, self.load_in_4bit)  # ValueError for an unknown dtype
+        if self.merged and self.load_in_4bit:
+            raise ValueError(f"backend {self.name!r}: an adapter is not merged into a 4-bit base")
+        if self.merged:
+            key = key.replace("torch-cuda-", "torch-cuda-merged-", 1)
         if self.name != key:
             raise ValueError(f"a CUDA torch backend is named for its arithmetic: {key!r}, got {self.name!r}")
         if self.build_cost < 1:
@@ -131,7 +155,7 @@ class TorchCudaBackend:
         ref = model.name_or_path if model is not None else predictor.manifest.base_model_ref().ref
         log.info("loading %s with the adapter of %s on %s for backend %s", ref, artifact, predictor.device, self.name)
         adapter = Path(artifact) / predictor.manifest.members[0]
-        return load_trunk(ref, base_sha256, adapter, predictor.device, self.dtype, self.load_in_4bit)
+        return load_trunk(ref, base_sha256, adapter, predictor.device, self.dtype, self.load_in_4bit, self.merged)
 
     def export(self, predictor, artifact: Path, base_sha256: str, copy_model: bool = True) -> Path:
         raise ValueError(f"backend {self.name!r} loads the base model in its arithmetic when it is built: there is "

@@ -27,7 +27,10 @@ class TorchBackend:
                          SHORT_DTYPES[name]])
 
     def owns_key(self, key: str) -> bool:
-        return key.startswith(f"{self.name}-")  # torch-<precision>, torch-cuda-[nf4-]<precision>
+        """The keys :meth:`calibration_key` gives, ``torch-<precision>`` and ``torch-cuda-[nf4-]<precision>``: not a
+        merged CUDA trunk's (``torch-cuda-merged-*``), which the model as loaded does not compute."""
+        return key in {self.calibration_key(device, dtype, four_bit) for device in ("cpu", "cuda")
+                       for dtype in SHORT_DTYPES for four_bit in (False, True)}
 
     def unavailable(self, predictor, artifact: Path) -> str | None:
         return None  # runs wherever the model loaded
