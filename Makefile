@@ -178,13 +178,15 @@ gpu-check-offline: setup-gpu-offline
 
 # The GPU measurements beyond the check, on a lent machine after make gpu-check or gpu-check-offline (their venv, and
 # the default calibrated on CUDA under runs/gpu_check for the serve profile): what merging the adapter saves a
-# forward, where the service's time goes on CUDA, what padding costs there, what gradient checkpointing trades, and
+# forward, where a training step's time goes in each precision (the check's micro-batch), where the service's time
+# goes on CUDA, what padding costs there, what gradient checkpointing trades, and
 # the 8B shape with it. Each writes its JSON under
 # benchmarks/results/ and is stopped after GPU_PROFILE_S seconds, keeping what it wrote; a failed one does not stop
 # the next. Without CUDA each exits 2 saying so.
 GPU_PROFILE_S ?= 120
 gpu-profiles:
 	-timeout $(GPU_PROFILE_S) $(GPU_VENV)/bin/python -m benchmarks.merged_adapter --device cuda
+	-timeout $(GPU_PROFILE_S) $(GPU_VENV)/bin/python -m benchmarks.training_precision --device cuda --batch-size 64
 	-timeout $(GPU_PROFILE_S) $(GPU_VENV)/bin/python -m benchmarks.gpu_serve_profile
 	-timeout $(GPU_PROFILE_S) $(GPU_VENV)/bin/python -m benchmarks.padding_cost --device cuda
 	-timeout $(GPU_PROFILE_S) $(GPU_VENV)/bin/python -m benchmarks.gradient_checkpointing --device cuda

@@ -262,7 +262,8 @@ def test_each_command_of_make_gpu_profiles_parses_and_without_cuda_exits_2_sayin
     text = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
     recipe = text.split("\ngpu-profiles:\n", 1)[1].split("\n\n", 1)[0].replace("\\\n", " ")
     commands = [shlex.split(line.split("-m ", 1)[1]) for line in recipe.splitlines() if "-m benchmarks." in line]
-    assert [c[0] for c in commands] == ["benchmarks.merged_adapter", "benchmarks.gpu_serve_profile",
+    assert [c[0] for c in commands] == ["benchmarks.merged_adapter", "benchmarks.training_precision",
+                                        "benchmarks.gpu_serve_profile",
                                         "benchmarks.padding_cost",
                                         "benchmarks.gradient_checkpointing", "benchmarks.paper_scale_gpu"]
     assert all(re.match(r"\s*-timeout \$\(GPU_PROFILE_S\) \$\(GPU_VENV\)/bin/python", line)

@@ -1,0 +1,58 @@
+"""What the training benchmarks share: the recipe's loss on a batch with its random draws fixed, one timed forward and
+backward pass of it, and batches of SciQ training questions grouped by length as training groups them
+(benchmarks.gradient_checkpointing, benchmarks.training_precision)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+
+def loss_of(scorer, method, params, enc, y, seed: int) -> torch.Tensor:
+    """The method's training loss on ``enc`` (a forward pass), its random draws (dropout's masks, the loss's samples)
+    fixed by ``seed``."""
+    from ibedl.training.methods.base import LossContext
+
+    device = enc.input_ids.device
+    torch.manual_seed(seed)
+    context = LossContext(generator=torch.Generator(device=device).manual_seed(seed))
+    out = scorer(enc.input_ids, enc.attention_mask, enc.last_index, enc.option_mask)
+    return method.loss(out, y, enc.option_mask, params, context)["loss"].mean()
+
+
+def one_pass(scorer, method, params, enc, y, seed: int, autocast=contextlib.nullcontext) -> tuple[float, list]:
+    """(seconds, gradients) of one forward and backward pass of the method's loss on ``enc``, the forward under
+    ``autocast()`` (none by default); on CUDA the peak of allocated memory is reset first."""
+    device = enc.input_ids.device
+    trained = [p for p in scorer.parameters() if p.requires_grad]
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    with autocast():
+        loss = loss_of(scorer, method, params, enc, y, seed)
+    loss.backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    grads = [p.grad.detach().clone() for p in trained]
+    for p in trained:
+        p.grad = None
+    return seconds, grads
+
+
+def training_batches(batch_size: int, steps: int) -> list:
+    """``steps`` batches of SciQ training questions with passages, grouped by length as training groups them
+    (``finetune.length_grouped_batches`` over a window of 32 batches), so they hold a training batch's padding."""
+    import random
+
+    from ibedl.training.data import load_dataset
+    from ibedl.training.finetune import length_grouped_batches
+
+    need = max(32, steps) * batch_size
+    pool = [q for q in load_dataset("sciq", "train", seed=0) if q.context][:need]
+    if len(pool) < need:
+        raise ValueError(f"{len(pool)} SciQ training questions with passages, {need} needed")
+    return [[pool[i] for i in b] for b in length_grouped_batches(pool, batch_size, random.Random(0))[:steps]]
