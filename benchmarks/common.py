@@ -25,6 +25,12 @@ def write_result(path: str | Path, result, echo: bool = True) -> Path:
     return path
 
 
+def device_output(benchmark: str, device: str) -> str:
+    """Where ``benchmark`` run on ``device`` writes by default: one file per kind of device
+    (``benchmarks/results/<benchmark>_<cpu|cuda>.json``), so a GPU's run keeps the CPU's."""
+    return f"benchmarks/results/{benchmark}_{device.split(':')[0]}.json"
+
+
 def cpu_features() -> dict:
     """The CPU's model name, the instruction sets the backends' speed depends on, oneDNN's instruction cap when one is
     set (the kernels then run an older CPU's code) and the cores this process may use: recorded with every speed
@@ -79,11 +85,12 @@ def _device_us(event) -> float | None:
     return None
 
 
-def operator_table(run, device: str, top: int = 12) -> dict:
+def operator_table(run, device: str, top: int = 12, counts: bool = False) -> dict:
     """torch's profiler over one call of ``run``: the seconds of CPU time spent in operators (launching them,
     on a GPU) against the seconds the device's kernels ran (summed over the kernel events only, as torch's own
     table does: an operator's event carries its kernels' time too; None without CUDA or where this torch does not
-    say), and the ``top`` operators by CPU time."""
+    say), and the ``top`` operators by CPU time; with ``counts`` also every CPU operator's calls
+    (``calls_by_operator``)."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -99,11 +106,14 @@ def operator_table(run, device: str, top: int = 12) -> dict:
     kernels = [_device_us(e) for e in on_device]
     kernel_s = sum(kernels) / 1e6 if cuda and None not in kernels else None
     rows = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
-    return {"operator_cpu_s": sum(e.self_cpu_time_total for e in events) / 1e6, "kernel_s": kernel_s,
-            "kernel_launches": sum(e.count for e in on_device) if cuda else None,
-            "operator_calls": sum(e.count for e in events if e.device_type == DeviceType.CPU),
-            "top_by_cpu": [{"name": e.key, "calls": e.count, "cpu_s": e.self_cpu_time_total / 1e6}
-                           for e in rows]}
+    table = {"operator_cpu_s": sum(e.self_cpu_time_total for e in events) / 1e6, "kernel_s": kernel_s,
+             "kernel_launches": sum(e.count for e in on_device) if cuda else None,
+             "operator_calls": sum(e.count for e in events if e.device_type == DeviceType.CPU),
+             "top_by_cpu": [{"name": e.key, "calls": e.count, "cpu_s": e.self_cpu_time_total / 1e6}
+                            for e in rows]}
+    if counts:
+        table["calls_by_operator"] = {e.key: e.count for e in events if e.device_type == DeviceType.CPU}
+    return table
 
 
 def saved_activation_bytes(run, module) -> tuple[int, object]:

@@ -8,9 +8,8 @@
    training samples/s and peak GPU memory of each, and test accuracy).
 2. ``calibrate``: the committed default adapter calibrated by its own recipe (:data:`CALIBRATION`: per option
    count) on the arithmetic it will be served with (CUDA, bf16 on a 4-bit base: ``torch-cuda-nf4-bf16``; without
-   bitsandbytes bf16 as loaded and the adapter merged in bf16 and fp32, ``torch-cuda-bf16``,
-   ``torch-cuda-merged-bf16`` and ``torch-cuda-merged-fp32``, for ``auto`` to time them), into a copy under
-   ``runs/gpu_check``.
+   bitsandbytes bf16 as loaded and with the adapter merged, ``torch-cuda-bf16`` and ``torch-cuda-merged-bf16``, for
+   ``auto`` to time both), into a copy under ``runs/gpu_check``.
 3. ``serve``: that copy served on CUDA (``IBEDL_DEVICE=cuda``, ``IBEDL_LOAD_IN_4BIT=true`` where NF4 is): readiness,
    then ``auto``'s background measurement of the calibrated arithmetics (the clients start when it has ended, so
    one backend answers them, or :data:`MIN_SENDING_S` before the step must stop sending), the backend and the
@@ -27,9 +26,10 @@
    samples/s, 21.88 GB peak.
 
 Needs CUDA (a CUDA build of torch); without it, it exits 2 at once, saying why. Without bitsandbytes (the ``gpu``
-extra) it still runs, calibrating and serving in bf16 (``torch-cuda-bf16``) with no NF4 training row, and its result
-says NF4 was not measured. CI never runs it. Each step runs in a child process under a time budget of its own
-(:data:`BUDGETS`, 440 s in all, so the check fits in 8 minutes with its start-up); a step still running when its
+extra) it still runs, calibrating and serving in bf16 as loaded and merged (``torch-cuda-bf16``,
+``torch-cuda-merged-bf16``) with no NF4 training row, and its result says NF4 was not measured. CI never runs it. Each
+step runs in a child process under a time budget of its own (:data:`BUDGETS`, 445 s in all, so the check fits in 8
+minutes with its start-up); a step still running when its
 budget ends is killed (its process group: the service it started too) and recorded with what it had written so far
 (``stopped_by_budget``). Each step's result is written as soon as it is known, so a run cut short by the machine's
 time keeps what it measured.
@@ -55,20 +55,22 @@ from benchmarks.common import write_result
 
 STEPS = ("train", "calibrate", "serve", "serve_free", "paper")
 # Seconds each step may run (its child process included start-up, model loading and CUDA initialisation). The
-# issue's bound is 8 minutes for the whole check; these sum to 435 s, leaving 45 s for the parent and slack. Train
+# issue's bound is 8 minutes for the whole check; these sum to 445 s, leaving 35 s for the parent and slack. Train
 # gets the most: three precisions, each loading the model, training, calibrating and evaluating 500 questions (two
 # took 121 s on the H200, 64 and 50 s). Calibrate: one arithmetic took 34 s there; with bitsandbytes one runs,
-# without it three. The paper step took 40 s.
+# without it two (the merged one loads the base twice: the predictor's and the trunk's). The paper step took 40 s.
 # Serve waits for auto's background measurement first (below); serve_free starts on its cached winner.
-BUDGETS = {"train": 180, "calibrate": 100, "serve": 65, "serve_free": 45, "paper": 60}
+BUDGETS = {"train": 180, "calibrate": 80, "serve": 65, "serve_free": 60, "paper": 60}
 WHOLE_CHECK_S = 480
 # The serve step stops sending questions this long before its budget ends: time to read the GPU memory, stop the
 # service and write what the clients got (a step killed at its budget keeps only what it had written).
 SERVE_STOP_MARGIN_S = 15.0
 # The serve step sends once auto's background measurement has ended (so one backend answers the clients), but no later
-# than this long before it must stop sending; it asks the service how the measurement stands this often.
+# than this long before it must stop sending; it asks the service how the measurement stands this often, each asking
+# given at most CARD_TIMEOUT_S.
 MIN_SENDING_S = 20.0
 SETTLE_POLL_S = 0.5
+CARD_TIMEOUT_S = 5.0
 FREE_TOKENS_PER_CLIENT = 1024  # serve_free's padded tokens per pass, per client (the service's default max_tokens)
 RUNS = Path("runs/gpu_check")
 
@@ -93,17 +95,18 @@ CALIBRATION = ["--dataset", "sciq", "--split", "validation", "--option-counts", 
 
 def arithmetic(has_nf4: bool) -> dict:
     """What the calibrate and serve steps use: bf16 on a 4-bit NF4 base where bitsandbytes is installed (the
-    smallest footprint, served with IBEDL_LOAD_IN_4BIT), else bf16 as loaded and the adapter merged into the weights
-    in bf16 and in fp32, each calibrated, so that IBEDL_BACKEND=auto measures them and serves the fastest (a pass of
-    a few questions is bound by dispatching operators, which merging halves; on the H200 the training step's fp32
-    test passes ran 1.8x bf16's rate, and merged fp32 does what unmerged fp32 does with fewer operators). The check
-    still runs without NF4, and says it was not measured."""
+    smallest footprint, served with IBEDL_LOAD_IN_4BIT), else bf16 as loaded and the adapter merged into the bf16
+    weights, each calibrated, so that IBEDL_BACKEND=auto times the two and serves the faster: a pass of a few
+    questions is likely bound by dispatching operators, and merging halves them (on the H200 unmerged fp32's test
+    passes ran 1.8x bf16's rate, fp32 having fewer operators: no casts to and from the adapter's float32; merged, the
+    two precisions dispatch the same operators, and fp32's matmuls are not faster). ``make gpu-profiles`` times
+    merged fp32 beside them (benchmarks.merged_adapter). The check still runs without NF4, and says it was not
+    measured."""
     if has_nf4:
         return {"keys": ["torch-cuda-nf4-bf16"], "calibrate_flags": [["--dtype", "bfloat16", "--load-in-4bit"]],
                 "serve_env": {"IBEDL_LOAD_IN_4BIT": "true"}}
-    merged = ["torch-cuda-merged-bf16", "torch-cuda-merged-fp32"]
-    return {"keys": ["torch-cuda-bf16", *merged],
-            "calibrate_flags": [["--dtype", "bfloat16"], *(["--backend", key] for key in merged)], "serve_env": {},
+    return {"keys": ["torch-cuda-bf16", "torch-cuda-merged-bf16"],
+            "calibrate_flags": [["--dtype", "bfloat16"], ["--backend", "torch-cuda-merged-bf16"]], "serve_env": {},
             "nf4": "not measured: bitsandbytes is not installed (pip install -e '.[gpu]')"}
 
 
@@ -202,8 +205,13 @@ def step_serve(args, out: Path, pad_freely: bool = False) -> dict:
     proc = ServiceProcess(artifact, env, log)
     try:
         proc.wait_ready(timeout=budget)
-        get_card = lambda: httpx.get(proc.url + "/v1/models", timeout=30).json()["data"][0]  # noqa: E731
-        at_ready = get_card()["backend"]["name"]
+        def get_card() -> dict | None:  # None: the service did not say in time (it is answering or measuring)
+            try:
+                return httpx.get(proc.url + "/v1/models", timeout=CARD_TIMEOUT_S).json()["data"][0]
+            except httpx.HTTPError:
+                return None
+
+        at_ready = settled_card(get_card, 0.0)[0]["backend"]["name"]
         card, settled = settled_card(get_card, send_until - MIN_SENDING_S)
         # distinct questions (SciQ training, with their passages): a repeated question would measure a cache
         questions = load_dataset("sciq", "train", limit=args.requests, seed=0)
@@ -227,10 +235,12 @@ def step_serve(args, out: Path, pad_freely: bool = False) -> dict:
                 answers = list(pool.map(ask, bodies))
             seconds = time.perf_counter() - start
             passes = passes_between(before, read_passes(client, proc.url))
+        after = get_card()  # a measurement that had not ended may have switched the backend while the clients ran
         memory = gpu_memory_mib(proc.proc.pid)
     finally:
         stopped = proc.stop()
     return {"backend_at_ready": at_ready, "measurement_ended": settled, "backend": card["backend"],
+            "backend_after": None if after is None else after["backend"],
             "calibration_in_use": card["calibration_in_use"],
             **serve_summary(answers, seconds), "passes": passes, "clients": args.clients,
             "max_batch_tokens": batch_tokens, "pad_freely": pad_freely, "gpu_memory_mib": memory,
@@ -240,14 +250,19 @@ def step_serve(args, out: Path, pad_freely: bool = False) -> dict:
 def settled_card(get_card, until: float, clock=time.monotonic, wait=time.sleep) -> tuple[dict, bool]:
     """(the default adapter's card from ``get_card()``, whether ``auto``'s background measurement had ended): read
     until that measurement is done or failed (the backend then serving serves from then on; a card without one has
-    nothing to measure) or until ``clock()`` reaches ``until``, every :data:`SETTLE_POLL_S` seconds."""
+    nothing to measure) or until ``clock()`` reaches ``until`` (then the last card read), every
+    :data:`SETTLE_POLL_S` seconds. ``get_card`` returns None when the service did not answer in time; the first card
+    is waited for whatever ``until`` says."""
+    card = None
     while True:
-        card = get_card()
-        background = card["backend"].get("background")
-        if background is None or background.get("state") in ("done", "failed"):
-            return card, True
-        if clock() >= until:
-            return card, False
+        read = get_card()
+        card = read if read is not None else card
+        if card is not None:
+            background = card["backend"].get("background")
+            if background is None or background.get("state") in ("done", "failed"):
+                return card, True
+            if clock() >= until:
+                return card, False
         wait(SETTLE_POLL_S)
 
 

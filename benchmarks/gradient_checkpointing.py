@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from benchmarks.common import cpu_features, paired_ratio, saved_activation_bytes, write_result
+from benchmarks.common import cpu_features, device_output, paired_ratio, saved_activation_bytes, write_result
 from benchmarks.training_passes import loss_of, one_pass, training_batches
 from ibedl.training.finetune import enable_gradient_checkpointing
 
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
                       "peak_allocated": max(peaks["on"]) / max(peaks["off"]) if peaks["on"] else None},
         "gradient_max_rel_diff": worst,
     }
-    write_result(args.output or f"benchmarks/results/gradient_checkpointing_{args.device}.json", result)
+    write_result(args.output or device_output("gradient_checkpointing", args.device), result)
     return 0
 
 

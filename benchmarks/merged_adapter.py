@@ -22,15 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import cpu_features, operator_table, paired_ratio, write_result
+from benchmarks.common import cpu_features, device_output, operator_table, paired_ratio, write_result
 
 WAYS = ("unmerged", "merged")
 AGREEMENT_QUESTIONS = 64
-
-
-def default_output(device: str) -> str:
-    """Where a run on ``device`` writes by default: one file per kind of device, so a GPU's run keeps the CPU's."""
-    return f"benchmarks/results/merged_adapter_{device.split(':')[0]}.json"
 
 
 def parse_sizes(text: str) -> list[int]:
@@ -46,20 +41,19 @@ def parse_sizes(text: str) -> list[int]:
 
 
 def load_pair(artifact: str, device: str, dtype: str) -> dict:
-    """The artifact's trunk on ``device`` in ``dtype``, unmerged and merged (``Predictor.trunk`` callables), with a
-    predictor of the unmerged one for encoding and answering."""
+    """The artifact's trunk on ``device`` in ``dtype``, unmerged (the predictor's own PEFT model) and merged
+    (``Predictor.trunk`` callables), with the predictor for encoding and answering."""
     import torch
 
-    from ibedl.core.backends.torch_cuda import load_trunk
+    from ibedl.core.backends.torch_cuda import TorchTrunk, load_trunk
     from ibedl.core.predictor import Predictor
     from ibedl.engine.settings import EngineSettings
 
     predictor = Predictor.from_artifact(artifact, device=device, dtype=getattr(torch, dtype), backend="torch")
     sha = predictor.manifest.base_model_ref().sha256
     adapter = Path(artifact) / predictor.manifest.members[0]
-    trunks = {way: load_trunk(predictor.model.name_or_path, sha, adapter, device, dtype, False, merged=way == "merged")
-              for way in WAYS}
-    predictor.drop_model()  # it encodes and answers through the two trunks: its own weights are not needed
+    trunks = {"unmerged": TorchTrunk(predictor.model),
+              "merged": load_trunk(predictor.model.name_or_path, sha, adapter, device, dtype, False, merged=True)}
     predictor.max_tokens = EngineSettings.model_fields["max_tokens"].default  # prompts as the service reads them
     return {"predictor": predictor, "trunks": trunks}
 
@@ -105,9 +99,18 @@ def measure(pair: dict, batches: list[list], device: str) -> dict:
 
 
 def agreement(pair: dict, questions: list) -> dict:
-    """How the two ways' answers to ``questions`` differ."""
+    """How the two ways' answers to ``questions`` differ, and their last-token states (the largest difference over
+    the largest state)."""
+    import torch
+
+    states = {way: [] for way in WAYS}
+    for _, batch in pair["predictor"].batches(questions):
+        for way in WAYS:
+            states[way].append(pair["trunks"][way](batch).float().flatten())
+    merged, unmerged = (torch.cat(states[way]) for way in ("merged", "unmerged"))
     a, b = (answers(pair, way, questions) for way in WAYS)
     return {"questions": len(questions),
+            "largest_state_difference": float((merged - unmerged).abs().max() / unmerged.abs().max()),
             "largest_probability_difference": max(abs(x - y) for p, q in zip(a, b, strict=True)
                                                   for x, y in zip(p.probs, q.probs, strict=True)),
             "same_answer": sum(p.index == q.index for p, q in zip(a, b, strict=True)) / len(questions)}
@@ -148,7 +151,7 @@ def main(argv=None) -> int:
               "device": torch.cuda.get_device_name(args.device) if cuda else cpu_features(),
               "torch": torch.__version__, "threads": torch.get_num_threads(), "artifact": args.artifact,
               "precisions": {}}
-    output = args.output or default_output(args.device)
+    output = args.output or device_output("merged_adapter", args.device)
     for dtype in dtypes:
         try:
             pair = load_pair(args.artifact, args.device, dtype)

@@ -20,7 +20,7 @@ import math
 import sys
 import time
 
-from benchmarks.common import cpu_features, paired_ratio, write_result
+from benchmarks.common import cpu_features, device_output, paired_ratio, write_result
 
 WAYS = ("grouped", "free")
 MAX_PADDING = {"grouped": 1.25, "free": math.inf}
@@ -68,11 +68,6 @@ def measure(predictor, batches: list[list]) -> dict:
             "largest_probability_difference": largest_difference}
 
 
-def default_output(device: str) -> str:
-    """Where a run on ``device`` writes by default: one file per kind of device, so a GPU's run keeps the CPU's."""
-    return f"benchmarks/results/padding_cost_{device.split(':')[0]}.json"
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.padding_cost", description=__doc__.split("\n\n")[0])
     parser.add_argument("--artifact", default="artifacts/default")
@@ -110,7 +105,7 @@ def main(argv=None) -> int:
                                                                                  else sys.argv[1:])]),
               "device": device, "torch": torch.__version__, "backend": predictor.backend,
               "threads": torch.get_num_threads(), "artifact": args.artifact, "batch_size": args.batch_size, **row}
-    write_result(args.output or default_output(args.device), result)
+    write_result(args.output or device_output("padding_cost", args.device), result)
     return 0
 
 

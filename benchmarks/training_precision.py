@@ -12,10 +12,12 @@ float32 by PEFT, so each LoRA layer casts its input up and its output down), and
 and backward pass of its training loss on the same batches of distinct SciQ training questions with their passages,
 grouped by length as training groups them; the precisions take turns in a rotating order, after one untimed pass
 each. Recorded per precision: step seconds, its time against fp32's with a 95% paired bootstrap interval over the
-batches, the largest difference of its gradients from fp32's over the largest gradient, on CUDA the peak of allocated
-memory, and one pass under torch's profiler: the ATen operators it dispatches, the seconds of CPU time they take
+batches, the largest difference of its gradients from fp32's over the largest gradient, on CUDA the peak of memory
+allocated during a pass above what was allocated before it (every precision's model stays loaded), and one pass under
+torch's profiler: the ATen operators it dispatches, the seconds of CPU time they take
 against the seconds the GPU's kernels run (a step whose operators take longer to dispatch than its kernels to run is
-bound by dispatching them, not by the GPU), kernel launches and the top operators. Default precisions: fp32 and bf16
+bound by dispatching them, not by the GPU), kernel launches, the top operators and those whose calls differ most
+from fp32's. Default precisions: fp32 and bf16
 on a CPU, all three on CUDA.
 """
 
@@ -28,7 +30,7 @@ import sys
 
 import torch
 
-from benchmarks.common import cpu_features, operator_table, paired_ratio, write_result
+from benchmarks.common import cpu_features, device_output, operator_table, paired_ratio, write_result
 from benchmarks.training_passes import loss_of, one_pass, training_batches
 
 PRECISIONS = {"fp32": ["dtype=float32"], "bf16": ["dtype=bfloat16"],
@@ -114,10 +116,11 @@ def main(argv=None) -> int:
         grads = {}
         for p in order:
             scorer, _, params, autocast = runs[p]
+            before = torch.cuda.memory_allocated() if args.device == "cuda" else 0  # every precision's model stays
             s, grads[p] = one_pass(scorer, method, params, enc, y, seed=i, autocast=autocast)
             seconds[p].append(s)
             if args.device == "cuda":
-                peaks[p].append(torch.cuda.max_memory_allocated())
+                peaks[p].append(torch.cuda.max_memory_allocated() - before)
         scale = max(float(g.abs().max()) for g in grads["fp32"])
         for p in precisions:
             worst[p] = max(worst[p], max(float((a.float() - b).abs().max())
@@ -131,7 +134,13 @@ def main(argv=None) -> int:
                 loss = loss_of(scorer, method, params, warm, y0, 0)
             loss.backward()
             scorer.zero_grad(set_to_none=True)
-        profiles[p] = operator_table(step, args.device, top=8)
+        profiles[p] = operator_table(step, args.device, top=8, counts=True)
+    reference = profiles["fp32"].pop("calls_by_operator")
+    for p in precisions[1:]:  # the operators whose calls differ most from fp32's: [fp32's, this one's]
+        calls = profiles[p].pop("calls_by_operator")
+        names = sorted(set(calls) | set(reference), key=lambda n: -abs(calls.get(n, 0) - reference.get(n, 0)))
+        profiles[p]["calls_unlike_fp32"] = {n: [reference.get(n, 0), calls.get(n, 0)] for n in names[:8]
+                                            if calls.get(n, 0) != reference.get(n, 0)}
     result = {
         "command": " ".join(["python", "-m", "benchmarks.training_precision",
                              *(argv if argv is not None else sys.argv[1:])]),
@@ -143,10 +152,10 @@ def main(argv=None) -> int:
         "precisions": {p: {"overrides": PRECISIONS[p], "mean_step_s": sum(seconds[p]) / len(seconds[p]),
                            "vs_fp32_time": paired_ratio(seconds[p], seconds["fp32"]) if p != "fp32" else None,
                            "gradient_max_rel_diff_vs_fp32": worst[p],
-                           "peak_allocated_mib": max(peaks[p]) / 2**20 if peaks[p] else None,
+                           "pass_peak_above_start_mib": max(peaks[p]) / 2**20 if peaks[p] else None,
                            "one_pass_operators": profiles[p]} for p in precisions},
     }
-    write_result(args.output or f"benchmarks/results/training_precision_{args.device}.json", result)
+    write_result(args.output or device_output("training_precision", args.device), result)
     return 0
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import io
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -80,11 +81,20 @@ def split(source: Path, out: Path, part_bytes: int) -> list[Path]:
 
 
 def read_sums(parts_dir: Path) -> dict[str, str]:
+    """{file name: sha256} from ``parts_dir``'s SHA256SUMS; ValueError when it is missing or a line is not
+    ``<sha256>  <name>``."""
     sums_file = parts_dir / SUMS
     if not sums_file.is_file():
         raise ValueError(f"{sums_file} is missing: it comes with the last part")
-    pairs = (line.split(None, 1) for line in sums_file.read_text().splitlines() if line.strip())
-    return {name.strip(): digest for digest, name in pairs}
+    sums = {}
+    for number, line in enumerate(sums_file.read_text().splitlines(), 1):
+        fields = line.split()
+        if not line.strip():
+            continue
+        if len(fields) != 2 or len(fields[0]) != 64:
+            raise ValueError(f"{sums_file} line {number} is not '<sha256>  <name>': {line!r}")
+        sums[fields[1]] = fields[0]
+    return sums
 
 
 def join(parts_dir: Path, target: Path) -> list[str]:
@@ -104,10 +114,17 @@ def join(parts_dir: Path, target: Path) -> list[str]:
     data = b"".join(chunks)
     if sha256(data) != sums.get(WHOLE):
         raise ValueError(f"the joined parts are not the tar {SUMS} records")
+    if not hasattr(tarfile, "data_filter"):
+        raise ValueError(f"unpacking safely needs tarfile's data filter (Python 3.11.4 or later); this is Python "
+                         f"{sys.version.split()[0]}")
     target.mkdir(parents=True, exist_ok=True)
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
-        members = tar.getmembers()
-        tar.extractall(target, filter="data")  # refuses absolute paths, links out of target, devices
+        # every member checked before anything is touched: absolute paths, '..', links out of target, devices refused
+        members = [tarfile.data_filter(m, str(target)) for m in tar.getmembers()]
+        for top in {Path(m.name).parts[0] for m in members if Path(m.name).parts}:
+            if (target / top).is_dir() and not (target / top).is_symlink():
+                shutil.rmtree(target / top)  # an earlier join's folder: replaced whole, no stale file left
+        tar.extractall(target, members=members, filter="data")
     return [m.name for m in members if m.isfile()]
 
 
@@ -132,9 +149,13 @@ def main(argv=None) -> int:
     j.add_argument("--parts", default=".device-carry/gpu")
     j.add_argument("--target", default="wheels")
     args = parser.parse_args(argv)
+    if args.command == "split" and (args.budget_mib <= 0 or args.margin_mib < 0):
+        parser.error(f"--budget-mib must be > 0 and --margin-mib >= 0, got {args.budget_mib} and {args.margin_mib}")
     try:
         if args.command == "split":
             repo = Path(args.repo)
+            if not Path(args.out).resolve().is_relative_to(repo.resolve()):
+                raise ValueError(f"--out {args.out} is outside the checkout {repo}: a call carries only its paths")
             tree = tree_bytes(repo)
             room = int((args.budget_mib - args.margin_mib) * MIB) - tree
             parts = split(Path(args.source), Path(args.out), room)
@@ -142,7 +163,8 @@ def main(argv=None) -> int:
                   f"most {room / MIB:.1f} MiB (the working tree sends {tree / MIB:.1f} MiB with each call)")
             for i, carried in enumerate(calls(parts, repo), 1):
                 print(f"call {i}: carry {carried}")
-            print(f"then, in the last call: python3 requirements/carry.py join --parts {args.out} --target wheels")
+            print(f"then, in the last call: python3 requirements/carry.py join --parts {args.out} "
+                  f"--target {Path(args.source).parent}")
         else:
             files = join(Path(args.parts), Path(args.target))
             print(f"{len(files)} files unpacked into {args.target}")

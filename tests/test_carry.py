@@ -34,10 +34,13 @@ def test_a_split_folder_joins_back_byte_for_byte(tmp_path):
     assert sum(p.stat().st_size for p in parts) == total
     sums = carry.read_sums(tmp_path / "out")
     assert set(sums) == {p.name for p in parts} | {carry.WHOLE}
+    (tmp_path / "there" / "gpu").mkdir(parents=True)
+    (tmp_path / "there" / "gpu" / "stale.whl").write_bytes(b"from an earlier join")
     files = carry.join(tmp_path / "out", tmp_path / "there")
     assert sorted(files) == ["gpu/a.whl", "gpu/requirements.txt", "gpu/sub/b.bin"]
     for name in ("a.whl", "requirements.txt", "sub/b.bin"):
         assert (tmp_path / "there" / "gpu" / name).read_bytes() == (source / name).read_bytes()
+    assert not (tmp_path / "there" / "gpu" / "stale.whl").exists()  # the folder is replaced whole
 
 
 def test_a_missing_or_altered_part_is_refused_by_name(tmp_path):
@@ -52,6 +55,9 @@ def test_a_missing_or_altered_part_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=f"{parts[0].name} is altered"):
         carry.join(tmp_path / "out", tmp_path / "there")
     assert not (tmp_path / "there").exists()  # nothing unpacked from altered parts
+    (tmp_path / "out" / carry.SUMS).write_text("not a sum\n")
+    with pytest.raises(ValueError, match="SHA256SUMS line 1 is not '<sha256>  <name>': 'not a sum'"):
+        carry.join(tmp_path / "out", tmp_path / "there")
     (tmp_path / "out" / carry.SUMS).unlink()
     with pytest.raises(ValueError, match="SHA256SUMS is missing: it comes with the last part"):
         carry.join(tmp_path / "out", tmp_path / "there")
@@ -68,9 +74,11 @@ def test_a_tar_reaching_out_of_its_target_is_refused(tmp_path):
     out.mkdir()
     (out / "part-00").write_bytes(data)
     (out / carry.SUMS).write_text(f"{carry.sha256(data)}  part-00\n{carry.sha256(data)}  {carry.WHOLE}\n")
+    (tmp_path / "there").mkdir()
     with pytest.raises(tarfile.TarError):
         carry.join(out, tmp_path / "there")
     assert not (tmp_path / "escaped.txt").exists()
+    assert (tmp_path / "there").is_dir() and (out / "part-00").is_file()  # nothing outside it removed either
 
 
 def test_split_counts_what_travels_with_each_call_and_says_what_each_carries(tmp_path, capsys):
@@ -92,7 +100,14 @@ def test_split_counts_what_travels_with_each_call_and_says_what_each_carries(tmp
     assert all(p.stat().st_size <= 8192 for p in parts) and len(parts) >= 2
     assert f"call {len(parts)}: carry ['.device-carry/gpu/{parts[-1].name}', '.device-carry/gpu/SHA256SUMS']" in out
     assert "call 1: carry ['.device-carry/gpu/part-00']" in out
+    assert "then, in the last call: python3 requirements/carry.py join --parts" in out
+    assert out.rstrip().endswith(f"--target {repo / 'wheels'}")
     assert carry.main([*argv[:-4], "--budget-mib", str(carry.tree_bytes(repo) / carry.MIB), "--margin-mib", "0"]) == 2
     assert "no room for a part" in capsys.readouterr().err
+    assert carry.main([*argv[:-6], "--out", str(tmp_path / "elsewhere"), "--budget-mib", "64"]) == 2
+    assert "is outside the checkout" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        carry.main([*argv[:-2], "--margin-mib", "-1"])
+    assert "--margin-mib >= 0, got" in capsys.readouterr().err
     assert carry.main(["join", "--parts", str(repo / ".device-carry" / "gpu"), "--target", str(tmp_path / "w")]) == 0
     assert (tmp_path / "w" / "gpu" / "a.whl").read_bytes() == (source / "a.whl").read_bytes()

@@ -103,6 +103,7 @@ def evaluate(predictor: Predictor, questions: list[MCQuestion], batch_size: int 
 
 def main(argv: list[str] | None = None) -> int:
     from ibedl.core.artifact import ArtifactError
+    from ibedl.core.backends.registry import BACKENDS
     from ibedl.training.data import DATASETS, load_dataset
     from ibedl.training.data.errors import DatasetError
     from ibedl.training.plots import reliability_diagram
@@ -117,11 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--base-model", help="override the manifest's base model reference")
     parser.add_argument("--backend", default=None,
-                        help="inference backend: auto, torch, openvino-fp32, openvino-bf16, openvino, openvino-int8, "
-                             "torch-cuda-fp32, torch-cuda-bf16, torch-cuda-nf4-bf16, torch-cuda-merged-fp32, "
-                             "torch-cuda-merged-bf16 "
-                             "(default IBEDL_BACKEND or auto: what the service would serve, the fastest calibrated "
-                             "backend on this machine, timed at start-up)")
+                        help=f"inference backend: {', '.join(BACKENDS)} (default IBEDL_BACKEND or auto: what the "
+                             "service would serve, the fastest calibrated backend on this machine, timed at start-up)")
     parser.add_argument("--output", help="write metrics JSON here (and a reliability PNG beside it)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)

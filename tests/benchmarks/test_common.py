@@ -66,6 +66,13 @@ def test_a_process_that_waits_counts_its_voluntary_context_switches():
         child.wait(10)
 
 
+def test_a_gpu_run_writes_beside_the_cpu_result_not_over_it():
+    assert common.device_output("padding_cost", "cpu") == "benchmarks/results/padding_cost_cpu.json"
+    assert common.device_output("merged_adapter", "cuda:1") == common.device_output("merged_adapter", "cuda") == (
+        "benchmarks/results/merged_adapter_cuda.json")
+    assert common.device_output("padding_cost", "mps") == "benchmarks/results/padding_cost_mps.json"
+
+
 def test_the_paired_ratio_is_the_ratio_of_means_inside_its_interval():
     import numpy as np
 

@@ -101,9 +101,8 @@ def test_without_bitsandbytes_the_check_calibrates_bf16_and_merged_trunks_for_au
     assert with_nf4["keys"] == ["torch-cuda-nf4-bf16"] and with_nf4["calibrate_flags"] == [
         ["--dtype", "bfloat16", "--load-in-4bit"]]
     assert with_nf4["serve_env"] == {"IBEDL_LOAD_IN_4BIT": "true"} and "nf4" not in with_nf4
-    assert without["keys"] == ["torch-cuda-bf16", "torch-cuda-merged-bf16", "torch-cuda-merged-fp32"]
-    assert without["calibrate_flags"] == [["--dtype", "bfloat16"], ["--backend", "torch-cuda-merged-bf16"],
-                                          ["--backend", "torch-cuda-merged-fp32"]]
+    assert without["keys"] == ["torch-cuda-bf16", "torch-cuda-merged-bf16"]
+    assert without["calibrate_flags"] == [["--dtype", "bfloat16"], ["--backend", "torch-cuda-merged-bf16"]]
     assert without["serve_env"] == {} and "bitsandbytes is not installed" in without["nf4"]
     # the key a CUDA service looks its calibration up by, and the arguments that compute each
     from ibedl.core.backends.registry import REFERENCE, REGISTRY
@@ -214,6 +213,11 @@ def test_the_serve_step_waits_for_autos_measurement_to_end_but_not_past_its_time
     card, ended = gpu_check.settled_card(service([("torch", "building x")] * 3), until=0.6, clock=lambda: now[0],
                                          wait=wait)
     assert not ended and card["backend"]["background"]["state"] == "building x" and len(waits) == 2
+    # a card the service did not give in time is asked again; past the deadline the last one read is kept
+    cards = iter([None, {"backend": {"name": "torch", "background": {"state": "timing y"}}}, None])
+    now[0], waits[:] = 0.0, []
+    card, ended = gpu_check.settled_card(lambda: next(cards), until=0.6, clock=lambda: now[0], wait=wait)
+    assert not ended and card["backend"]["background"]["state"] == "timing y" and len(waits) == 2
 
 
 def test_the_second_serve_step_lifts_the_length_rules(monkeypatch, tmp_path):

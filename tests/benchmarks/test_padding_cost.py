@@ -40,9 +40,3 @@ def test_a_real_run_alternates_both_ways_on_the_same_batches(tmp_path, monkeypat
     assert ratio["ratio"] == pytest.approx(result["free"]["seconds"] / result["grouped"]["seconds"])
     assert result["largest_probability_difference"] < 1e-5  # right padding: the same answers either way
 
-
-def test_a_gpu_run_writes_beside_the_cpu_result_not_over_it():
-    assert padding_cost.default_output("cpu") == "benchmarks/results/padding_cost_cpu.json"
-    assert padding_cost.default_output("cuda:1") == padding_cost.default_output("cuda") == (
-        "benchmarks/results/padding_cost_cuda.json")
-    assert padding_cost.default_output("mps") == "benchmarks/results/padding_cost_mps.json"

@@ -44,4 +44,6 @@ def test_each_precision_runs_on_the_same_batches_and_is_profiled(tmp_path, monke
     assert fp32["vs_fp32_time"] is None and set(bf16["vs_fp32_time"]) == {"ratio", "low", "high"}
     # PEFT keeps the adapter in float32 on a bf16 base: its casts make a bf16 pass dispatch more operators
     assert bf16["one_pass_operators"]["operator_calls"] > fp32["one_pass_operators"]["operator_calls"] > 1000
-    assert fp32["one_pass_operators"]["kernel_s"] is None and fp32["peak_allocated_mib"] is None  # CUDA figures
+    unlike = bf16["one_pass_operators"]["calls_unlike_fp32"]
+    assert unlike["aten::to"][1] > unlike["aten::to"][0] and "calls_unlike_fp32" not in fp32["one_pass_operators"]
+    assert fp32["one_pass_operators"]["kernel_s"] is None and fp32["pass_peak_above_start_mib"] is None  # CUDA's

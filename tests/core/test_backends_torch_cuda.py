@@ -101,7 +101,6 @@ class TestCalibrationKeys:
         assert backend.merged and not backend.load_in_4bit
         for loaded_as in [("cpu", "float32", False), ("cuda", backend.dtype, False), ("cuda", "bfloat16", True)]:
             assert backends.calibration_key(name, *loaded_as) == name
-            assert backends.calibration_key("torch", *loaded_as) != name
         assert backends.of_key(name) is backend
         assert [n for n, b in REGISTRY.items() if b.owns_key(name)] == [name]
 
@@ -110,6 +109,8 @@ class TestCalibrationKeys:
             TorchCudaBackend("torch-cuda-bf16", "bfloat16", merged=True)
         with pytest.raises(ValueError, match="'torch-cuda-merged-nf4-bf16': an adapter is not merged into a 4-bit"):
             TorchCudaBackend("torch-cuda-merged-nf4-bf16", "bfloat16", load_in_4bit=True, merged=True)
+        with pytest.raises(ValueError, match="no calibration key for dtype 'int4'"):
+            TorchCudaBackend("torch-cuda-merged-int4", "int4", merged=True)
 
     def test_a_cuda_backend_is_named_for_its_arithmetic(self):
         with pytest.raises(ValueError, match="named for its arithmetic: 'torch-cuda-bf16', got 'torch-cuda-fast'"):
@@ -145,10 +146,11 @@ class TestUnavailable:
         assert backends.unavailable("torch-cuda-nf4-bf16", predictor, tiny_artifact) == "NVIDIA H200 has no bfloat16"
         assert backends.unavailable("torch-cuda-fp32", predictor, tiny_artifact) is None
 
-    def test_ensembles_and_mc_dropout_stay_on_torch_as_loaded(self, tiny_artifact):
+    @pytest.mark.parametrize("name", ["torch-cuda-bf16", *MERGED])
+    def test_ensembles_and_mc_dropout_stay_on_torch_as_loaded(self, tiny_artifact, name):
         for heads, mc in ([object(), object()], 0), ([object()], 4):
             predictor = SimpleNamespace(device=torch.device("cuda"), heads=heads, mc_samples=mc)
-            assert REGISTRY["torch-cuda-bf16"].unavailable(predictor, tiny_artifact) == (
+            assert REGISTRY[name].unavailable(predictor, tiny_artifact) == (
                 "MC-Dropout and ensembles run on torch as loaded")
 
 
@@ -201,13 +203,15 @@ class TestAutoOnCuda:
 
     def test_the_chosen_arithmetic_is_served_with_its_own_calibration(self, tiny_artifact, tmp_path, on_cuda,
                                                                      monkeypatch):
-        zeta = {"torch-cuda-fp32": -1.0, "torch-cuda-bf16": -2.0, "torch-cuda-nf4-bf16": -3.0}
-        artifact = carrying(tiny_artifact, tmp_path / "a", CUDA, zeta)
+        zeta = {"torch-cuda-fp32": -1.0, "torch-cuda-bf16": -2.0, "torch-cuda-nf4-bf16": -3.0,
+                "torch-cuda-merged-fp32": -4.0, "torch-cuda-merged-bf16": -5.0}
+        artifact = carrying(tiny_artifact, tmp_path / "a", CUDA + MERGED, zeta)
         predictor = loaded(artifact)
         on_cuda()
         predictor.use_calibration()
         assert predictor.calibration.key == "torch-cuda-bf16" and predictor.head.config.zeta == -2.0
-        seconds = {"torch": 1.0, "torch-cuda-fp32": 1.5, "torch-cuda-nf4-bf16": 0.6}
+        seconds = {"torch": 1.0, "torch-cuda-fp32": 1.5, "torch-cuda-nf4-bf16": 0.6, "torch-cuda-merged-fp32": 0.9,
+                   "torch-cuda-merged-bf16": 0.5}
         monkeypatch.setattr(auto_backend, "torch_hidden", lambda predictor, batch: "torch")
         monkeypatch.setattr(auto_backend, "time_call", lambda run: seconds[run()])
         built = []
@@ -217,12 +221,13 @@ class TestAutoOnCuda:
             return lambda batch: name  # stands for the trunk: answers with its name, what the clock reads
 
         choice, trunk = auto_backend.choose(predictor, artifact, "base", build, backends.unavailable)
-        assert choice.backend == "torch-cuda-nf4-bf16" and built == ["torch-cuda-fp32", "torch-cuda-nf4-bf16"]
-        assert choice.seconds == seconds and "1.67x torch" in choice.reason
+        assert choice.backend == "torch-cuda-merged-bf16" and built == ["torch-cuda-fp32", "torch-cuda-nf4-bf16",
+                                                                         *MERGED]
+        assert choice.seconds == seconds and "2.00x torch" in choice.reason
         predictor.serve_on(Built(trunk, choice.backend, choice.reason, choice))
         predictor.use_calibration()
-        assert predictor.calibration_key == predictor.calibration.key == "torch-cuda-nf4-bf16"
-        assert predictor.head.config.zeta == -3.0
+        assert predictor.calibration_key == predictor.calibration.key == "torch-cuda-merged-bf16"
+        assert predictor.head.config.zeta == -5.0
 
     def test_a_measurement_is_cached_per_gpu(self, tiny_artifact, tmp_path, on_cuda, monkeypatch):
         artifact = carrying(tiny_artifact, tmp_path / "a", CUDA)

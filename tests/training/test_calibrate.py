@@ -377,6 +377,7 @@ def test_the_command_for_another_backend_keeps_every_setting_and_runs_the_model(
                 "torch-cuda-merged-fp32"):  # the arguments compute the key they are for
         args = parser.parse_args(["--artifact", "a", "--dataset", "sciq", *backend_arguments(key)])
         assert calibration_key(args.backend, args.device, args.dtype or "float32", args.load_in_4bit) == key, key
+        assert (args.device == "cuda") is ("-cuda-" in key), key  # a CUDA arithmetic is computed on the GPU
 
 
 def test_next_version():

@@ -30,10 +30,20 @@ import torch
 
 from ibedl.core.backends.openvino_ir import LastTokenTrunk
 from ibedl.core.backends.torch_eager import BACKEND as TORCH
+from ibedl.core.backends.torch_eager import SHORT_DTYPES
 
 log = logging.getLogger(__name__)
 
 PRECISIONS = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}  # a dtype's name -> what Backend.precision says
+NO_MERGE_INTO_4BIT = "an adapter is not merged into a 4-bit base: the merge would quantise its update into NF4"
+
+
+def merged_key(dtype: str) -> str:
+    """The calibration key of the adapter merged into a base in ``dtype`` (a torch dtype's name) on CUDA,
+    ``torch-cuda-merged-<precision>``: an arithmetic only a merged backend computes. ValueError for an unknown dtype."""
+    if dtype not in SHORT_DTYPES:
+        raise ValueError(f"no calibration key for dtype {dtype!r}; expected one of {sorted(SHORT_DTYPES)}")
+    return f"torch-cuda-merged-{SHORT_DTYPES[dtype]}"
 
 
 def has_bitsandbytes() -> bool:
@@ -50,7 +60,8 @@ class TorchTrunk:
     model's device and in its dtype (the head reads them as it reads the predictor's own).
 
     Args:
-        model: the base with the adapter (a PEFT model), in eval mode.
+        model: the base with the adapter (a PEFT model, or the base with the adapter merged into its weights), in
+            eval mode.
     """
 
     def __init__(self, model) -> None:
@@ -76,7 +87,7 @@ def load_trunk(ref: str, base_sha256: str, adapter: Path, device, dtype: str, lo
     weights (module docstring). ValueError when ``ref`` resolves to other weights than the ones served, or for a
     merge into a 4-bit base."""
     if merged and load_in_4bit:
-        raise ValueError("an adapter is not merged into a 4-bit base: the merge would quantise its update into NF4")
+        raise ValueError(NO_MERGE_INTO_4BIT)
     from peft import PeftModel
 
     from ibedl.core.base_model import load_base_model, resolve_model
@@ -109,11 +120,9 @@ class TorchCudaBackend:
     static_int8: bool = False
 
     def __post_init__(self) -> None:
-        key = TORCH.calibration_key("cuda", self.dtype, self.load_in_4bit)  # ValueError for an unknown dtype
         if self.merged and self.load_in_4bit:
-            raise ValueError(f"backend {self.name!r}: an adapter is not merged into a 4-bit base")
-        if self.merged:
-            key = key.replace("torch-cuda-", "torch-cuda-merged-", 1)
+            raise ValueError(f"backend {self.name!r}: {NO_MERGE_INTO_4BIT}")
+        key = merged_key(self.dtype) if self.merged else TORCH.calibration_key("cuda", self.dtype, self.load_in_4bit)
         if self.name != key:
             raise ValueError(f"a CUDA torch backend is named for its arithmetic: {key!r}, got {self.name!r}")
         if self.build_cost < 1:
