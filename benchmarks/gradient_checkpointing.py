@@ -24,6 +24,7 @@ import sys
 
 import torch
 
+from benchmarks import training_passes
 from benchmarks.common import cpu_features, device_output, paired_ratio, saved_activation_bytes, write_result
 from benchmarks.training_passes import loss_of, one_pass, training_batches
 from ibedl.training.finetune import enable_gradient_checkpointing
@@ -39,19 +40,9 @@ def kept_bytes(scorer, method, params, enc, y, seed: int) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default="ibedl/training/configs/smollm2_science_ib_edl.yaml",
-                        help="the training recipe whose model, LoRA, head and loss run")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--batch-size", type=int, default=None,
-                        help="questions a pass (default: the recipe's micro-batch, optim.batch_size)")
-    parser.add_argument("--steps", type=int, default=8, help="batches, each run in both settings; >= 2")
-    parser.add_argument("--output", default=None,
-                        help="default: benchmarks/results/gradient_checkpointing_<device>.json")
+    training_passes.add_arguments(parser, "gradient_checkpointing", steps=8, each="in both settings")
     args = parser.parse_args(argv)
-    if (args.batch_size is not None and args.batch_size < 1) or args.steps < 2:
-        parser.error(f"--batch-size must be >= 1 and --steps >= 2, got {args.batch_size} and {args.steps}")
-    if args.device not in ("cpu", "cuda"):
-        parser.error(f"--device must be cpu or cuda, got {args.device!r}")
+    training_passes.check_arguments(parser, args)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda needs a CUDA device", file=sys.stderr)
         return 2

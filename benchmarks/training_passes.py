@@ -4,10 +4,32 @@ backward pass of it, and batches of SciQ training questions grouped by length as
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import time
 
 import torch
+
+RECIPE = "ibedl/training/configs/smollm2_science_ib_edl.yaml"
+
+
+def add_arguments(parser: argparse.ArgumentParser, benchmark: str, steps: int, each: str) -> None:
+    """The arguments every training-pass benchmark takes: the recipe, the device, the batch, how many batches (each
+    run ``each``) and where the result goes (default ``benchmarks/results/<benchmark>_<device>.json``)."""
+    parser.add_argument("--config", default=RECIPE, help="the training recipe whose model, LoRA, head and loss run")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="questions a pass (default: the recipe's micro-batch, optim.batch_size)")
+    parser.add_argument("--steps", type=int, default=steps, help=f"batches, each run {each}; >= 2")
+    parser.add_argument("--output", default=None, help=f"default: benchmarks/results/{benchmark}_<device>.json")
+
+
+def check_arguments(parser: argparse.ArgumentParser, args) -> None:
+    """Refuse (``parser.error``, naming the value) a batch below 1, fewer than 2 batches or a device not cpu or cuda."""
+    if (args.batch_size is not None and args.batch_size < 1) or args.steps < 2:
+        parser.error(f"--batch-size must be >= 1 and --steps >= 2, got {args.batch_size} and {args.steps}")
+    if args.device not in ("cpu", "cuda"):
+        parser.error(f"--device must be cpu or cuda, got {args.device!r}")
 
 
 def loss_of(scorer, method, params, enc, y, seed: int) -> torch.Tensor:

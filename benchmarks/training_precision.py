@@ -30,6 +30,7 @@ import sys
 
 import torch
 
+from benchmarks import training_passes
 from benchmarks.common import cpu_features, device_output, operator_table, paired_ratio, write_result
 from benchmarks.training_passes import loss_of, one_pass, training_batches
 
@@ -61,20 +62,10 @@ def autocast_of(precision: str, device: str):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.training_precision",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default="ibedl/training/configs/smollm2_science_ib_edl.yaml",
-                        help="the training recipe whose model, LoRA, head and loss run")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    training_passes.add_arguments(parser, "training_precision", steps=6, each="in every precision")
     parser.add_argument("--precisions", default=None, help=f"comma-separated, of {', '.join(PRECISIONS)}")
-    parser.add_argument("--batch-size", type=int, default=None,
-                        help="questions a pass (default: the recipe's micro-batch, optim.batch_size)")
-    parser.add_argument("--steps", type=int, default=6, help="batches, each run in every precision; >= 2")
-    parser.add_argument("--output", default=None,
-                        help="default: benchmarks/results/training_precision_<device>.json")
     args = parser.parse_args(argv)
-    if (args.batch_size is not None and args.batch_size < 1) or args.steps < 2:
-        parser.error(f"--batch-size must be >= 1 and --steps >= 2, got {args.batch_size} and {args.steps}")
-    if args.device not in ("cpu", "cuda"):
-        parser.error(f"--device must be cpu or cuda, got {args.device!r}")
+    training_passes.check_arguments(parser, args)
     try:
         precisions = parse_precisions(args.precisions, args.device)
     except ValueError as e:
