@@ -208,14 +208,14 @@ def step_serve(args, out: Path, pad_freely: bool = False) -> dict:
         def get_card() -> dict | None:  # None: the service did not say in time (it is answering or measuring)
             try:
                 return httpx.get(proc.url + "/v1/models", timeout=CARD_TIMEOUT_S).json()["data"][0]
-            except httpx.HTTPError:
+            except (httpx.HTTPError, ValueError, KeyError, IndexError):
                 return None
 
-        at_ready = settled_card(get_card, 0.0)[0]["backend"]["name"]
-        card, settled = settled_card(get_card, send_until - MIN_SENDING_S)
+        ready = get_card()
         # distinct questions (SciQ training, with their passages): a repeated question would measure a cache
         questions = load_dataset("sciq", "train", limit=args.requests, seed=0)
         bodies = [{"question": q.question, "options": list(q.options), "context": q.context} for q in questions]
+        card, settled = settled_card(get_card, send_until - MIN_SENDING_S)
         with httpx.Client(timeout=120, limits=httpx.Limits(max_connections=args.clients)) as client:
             client.post(proc.url + "/predict", json=bodies[0])  # warm-up
             before = read_passes(client, proc.url)  # the warm-up's and start-up's passes are not the clients'
@@ -239,9 +239,11 @@ def step_serve(args, out: Path, pad_freely: bool = False) -> dict:
         memory = gpu_memory_mib(proc.proc.pid)
     finally:
         stopped = proc.stop()
-    return {"backend_at_ready": at_ready, "measurement_ended": settled, "backend": card["backend"],
+    return {"backend_at_ready": None if ready is None else ready["backend"]["name"], "measurement_ended": settled,
+            "backend": card["backend"], "calibration_in_use": card["calibration_in_use"],
+            # after the clients: None where the service did not give its card
             "backend_after": None if after is None else after["backend"],
-            "calibration_in_use": card["calibration_in_use"],
+            "calibration_after": None if after is None else after["calibration_in_use"],
             **serve_summary(answers, seconds), "passes": passes, "clients": args.clients,
             "max_batch_tokens": batch_tokens, "pad_freely": pad_freely, "gpu_memory_mib": memory,
             "exit_on_sigterm": stopped, "log": str(log)}
@@ -251,8 +253,8 @@ def settled_card(get_card, until: float, clock=time.monotonic, wait=time.sleep) 
     """(the default adapter's card from ``get_card()``, whether ``auto``'s background measurement had ended): read
     until that measurement is done or failed (the backend then serving serves from then on; a card without one has
     nothing to measure) or until ``clock()`` reaches ``until`` (then the last card read), every
-    :data:`SETTLE_POLL_S` seconds. ``get_card`` returns None when the service did not answer in time; the first card
-    is waited for whatever ``until`` says."""
+    :data:`SETTLE_POLL_S` seconds. ``get_card`` returns None when the service did not answer in time; TimeoutError
+    when it gave no card at all by ``until`` (a service that stopped answering)."""
     card = None
     while True:
         read = get_card()
@@ -261,8 +263,10 @@ def settled_card(get_card, until: float, clock=time.monotonic, wait=time.sleep) 
             background = card["backend"].get("background")
             if background is None or background.get("state") in ("done", "failed"):
                 return card, True
-            if clock() >= until:
-                return card, False
+        if clock() >= until:
+            if card is None:
+                raise TimeoutError("the service gave no card (GET /v1/models) before the clients were due to start")
+            return card, False
         wait(SETTLE_POLL_S)
 
 

@@ -32,30 +32,30 @@ def check_arguments(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"--device must be cpu or cuda, got {args.device!r}")
 
 
-def loss_of(scorer, method, params, enc, y, seed: int) -> torch.Tensor:
-    """The method's training loss on ``enc`` (a forward pass), its random draws (dropout's masks, the loss's samples)
-    fixed by ``seed``."""
+def loss_of(scorer, method, params, enc, y, seed: int, autocast=contextlib.nullcontext) -> torch.Tensor:
+    """The method's training loss on ``enc`` (a forward pass, under ``autocast()`` as accelerate runs the model's
+    forward in mixed precision; the loss outside it), its random draws (dropout's masks, the loss's samples) fixed by
+    ``seed``."""
     from ibedl.training.methods.base import LossContext
 
     device = enc.input_ids.device
     torch.manual_seed(seed)
     context = LossContext(generator=torch.Generator(device=device).manual_seed(seed))
-    out = scorer(enc.input_ids, enc.attention_mask, enc.last_index, enc.option_mask)
+    with autocast():
+        out = scorer(enc.input_ids, enc.attention_mask, enc.last_index, enc.option_mask)
     return method.loss(out, y, enc.option_mask, params, context)["loss"].mean()
 
 
 def one_pass(scorer, method, params, enc, y, seed: int, autocast=contextlib.nullcontext) -> tuple[float, list]:
-    """(seconds, gradients) of one forward and backward pass of the method's loss on ``enc``, the forward under
-    ``autocast()`` (none by default); on CUDA the peak of allocated memory is reset first."""
+    """(seconds, gradients) of one forward and backward pass of the method's loss on ``enc``, the model's forward
+    under ``autocast()`` (none by default); on CUDA the peak of allocated memory is reset first."""
     device = enc.input_ids.device
     trained = [p for p in scorer.parameters() if p.requires_grad]
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    with autocast():
-        loss = loss_of(scorer, method, params, enc, y, seed)
-    loss.backward()
+    loss_of(scorer, method, params, enc, y, seed, autocast).backward()
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start

@@ -121,9 +121,7 @@ def main(argv=None) -> int:
     profiles = {}
     for p, (scorer, _, params, autocast) in runs.items():
         def step(scorer=scorer, params=params, autocast=autocast):
-            with autocast():
-                loss = loss_of(scorer, method, params, warm, y0, 0)
-            loss.backward()
+            loss_of(scorer, method, params, warm, y0, 0, autocast).backward()
             scorer.zero_grad(set_to_none=True)
         profiles[p] = operator_table(step, args.device, top=8, counts=True)
     reference = profiles["fp32"].pop("calls_by_operator")

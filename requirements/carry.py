@@ -47,7 +47,7 @@ def tree_bytes(repo: Path) -> int:
 def tar_of(source: Path) -> bytes:
     """``source`` as an uncompressed tar whose members are under its own name, in sorted order."""
     buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT, dereference=True) as tar:
         for path in sorted(source.rglob("*")):
             if path.is_file():
                 tar.add(path, arcname=str(Path(source.name) / path.relative_to(source)), recursive=False)
@@ -119,13 +119,34 @@ def join(parts_dir: Path, target: Path) -> list[str]:
                          f"{sys.version.split()[0]}")
     target.mkdir(parents=True, exist_ok=True)
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
-        # every member checked before anything is touched: absolute paths, '..', links out of target, devices refused
-        members = [tarfile.data_filter(m, str(target)) for m in tar.getmembers()]
-        for top in {Path(m.name).parts[0] for m in members if Path(m.name).parts}:
-            if (target / top).is_dir() and not (target / top).is_symlink():
-                shutil.rmtree(target / top)  # an earlier join's folder: replaced whole, no stale file left
-        tar.extractall(target, members=members, filter="data")
+        members = tar.getmembers()
+        top = one_folder(members)  # checked before anything is touched
+        members = [tarfile.data_filter(m, str(target)) for m in members]  # links out of target, devices refused
+        staging = target / f".joining-{top}"
+        if staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir()
+        tar.extractall(staging, members=members, filter="data")
+    if (target / top).is_dir() and not (target / top).is_symlink():
+        shutil.rmtree(target / top)  # an earlier join's folder: replaced whole once the new one is out, no stale file
+    (staging / top).rename(target / top)
+    staging.rmdir()
     return [m.name for m in members if m.isfile()]
+
+
+def one_folder(members: list) -> str:
+    """The one folder every member of the tar lies in (what ``split`` writes: the source folder's name); ValueError
+    naming a member that is absolute, climbs with '..', is a file beside the folder or lies in another."""
+    tops = set()
+    for m in members:
+        parts = Path(m.name).parts
+        if (len(parts) < (1 if m.isdir() else 2) or Path(m.name).is_absolute() or ".." in parts
+                or parts[0] in (".", "")):
+            raise ValueError(f"tar member {m.name!r} is not a path inside one folder: refused")
+        tops.add(parts[0])
+    if len(tops) != 1:
+        raise ValueError(f"the tar holds {sorted(tops)}, not one folder: refused")
+    return tops.pop()
 
 
 def calls(parts: list[Path], repo: Path) -> list[list[str]]:

@@ -63,22 +63,26 @@ def test_a_missing_or_altered_part_is_refused_by_name(tmp_path):
         carry.join(tmp_path / "out", tmp_path / "there")
 
 
-def test_a_tar_reaching_out_of_its_target_is_refused(tmp_path):
+@pytest.mark.parametrize("names", [["../escaped.txt"], ["../there/gpu/x"], ["/abs.txt"], ["gpu/a", "other/b"],
+                                   ["./gpu"]])
+def test_a_tar_reaching_out_of_one_folder_is_refused_before_anything_is_touched(tmp_path, names):
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w") as tar:
-        info = tarfile.TarInfo("../escaped.txt")
-        info.size = 2
-        tar.addfile(info, io.BytesIO(b"hi"))
+        for name in names:
+            info = tarfile.TarInfo(name)
+            info.size = 2
+            tar.addfile(info, io.BytesIO(b"hi"))
     data = buffer.getvalue()
     out = tmp_path / "out"
     out.mkdir()
     (out / "part-00").write_bytes(data)
     (out / carry.SUMS).write_text(f"{carry.sha256(data)}  part-00\n{carry.sha256(data)}  {carry.WHOLE}\n")
-    (tmp_path / "there").mkdir()
-    with pytest.raises(tarfile.TarError):
+    (tmp_path / "there" / "gpu").mkdir(parents=True)
+    (tmp_path / "there" / "gpu" / "kept.whl").write_bytes(b"k")
+    with pytest.raises(ValueError, match="refused"):
         carry.join(out, tmp_path / "there")
-    assert not (tmp_path / "escaped.txt").exists()
-    assert (tmp_path / "there").is_dir() and (out / "part-00").is_file()  # nothing outside it removed either
+    assert not (tmp_path / "escaped.txt").exists() and (out / "part-00").is_file()  # nothing outside removed
+    assert (tmp_path / "there" / "gpu" / "kept.whl").read_bytes() == b"k"  # nor the folder a join would replace
 
 
 def test_split_counts_what_travels_with_each_call_and_says_what_each_carries(tmp_path, capsys):

@@ -218,6 +218,9 @@ def test_the_serve_step_waits_for_autos_measurement_to_end_but_not_past_its_time
     now[0], waits[:] = 0.0, []
     card, ended = gpu_check.settled_card(lambda: next(cards), until=0.6, clock=lambda: now[0], wait=wait)
     assert not ended and card["backend"]["background"]["state"] == "timing y" and len(waits) == 2
+    now[0] = 0.0  # a service that stopped answering: no card by the deadline
+    with pytest.raises(TimeoutError, match="gave no card"):
+        gpu_check.settled_card(lambda: None, until=1.0, clock=lambda: now[0], wait=wait)
 
 
 def test_the_second_serve_step_lifts_the_length_rules(monkeypatch, tmp_path):

@@ -46,5 +46,4 @@ def test_a_real_run_times_both_ways_on_the_same_batches(tiny_artifact, tmp_path)
         assert 0 < merged["operator_calls"] < unmerged["operator_calls"]  # the LoRA layers' own operators are gone
         assert measured["operator_calls_merged_over_unmerged"] == pytest.approx(
             merged["operator_calls"] / unmerged["operator_calls"])
-        assert measured["merged_over_unmerged_time"]["ratio"] == pytest.approx(
-            merged["ms_per_forward"] / unmerged["ms_per_forward"])
+        assert set(measured["merged_over_unmerged_time"]) == {"ratio", "low", "high"}
