@@ -58,13 +58,18 @@ def load_pair(artifact: str, device: str, dtype: str) -> dict:
     return {"predictor": predictor, "trunks": trunks}
 
 
-def answers(pair: dict, way: str, questions: list) -> list:
-    """The predictor's answers to ``questions`` served on the trunk of ``way``."""
+def answers(pair: dict, way: str, questions: list) -> tuple[list, object]:
+    """The predictor's answers to ``questions`` served on the trunk of ``way``, and their last-token states, (N, d)
+    float32 flattened: one trunk pass per batch, the answers reading the states it kept (``reusing_hidden``)."""
+    import torch
+
     from ibedl.core.backends import Built
 
     predictor = pair["predictor"]
     predictor.serve_on(Built(pair["trunks"][way], f"{way} trunk"))
-    return predictor.predict(questions)
+    with predictor.reusing_hidden(), torch.no_grad():
+        states = torch.cat([predictor.hidden(batch).float().flatten() for _, batch in predictor.batches(questions)])
+        return predictor.predict(questions), states
 
 
 def measure(pair: dict, batches: list[list], device: str) -> dict:
@@ -101,14 +106,7 @@ def measure(pair: dict, batches: list[list], device: str) -> dict:
 def agreement(pair: dict, questions: list) -> dict:
     """How the two ways' answers to ``questions`` differ, and their last-token states (the largest difference over
     the largest state)."""
-    import torch
-
-    states = {way: [] for way in WAYS}
-    for _, batch in pair["predictor"].batches(questions):
-        for way in WAYS:
-            states[way].append(pair["trunks"][way](batch).float().flatten())
-    merged, unmerged = (torch.cat(states[way]) for way in ("merged", "unmerged"))
-    a, b = (answers(pair, way, questions) for way in WAYS)
+    (a, unmerged), (b, merged) = (answers(pair, way, questions) for way in WAYS)
     return {"questions": len(questions),
             "largest_state_difference": float((merged - unmerged).abs().max() / unmerged.abs().max()),
             "largest_probability_difference": max(abs(x - y) for p, q in zip(a, b, strict=True)
