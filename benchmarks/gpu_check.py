@@ -377,7 +377,8 @@ def parse_budgets(text: str | None) -> dict[str, float]:
 def run_budgeted(command: list[str], budget_s: float, partial: Path) -> dict:
     """Run ``command`` (a step's child process) for at most ``budget_s`` seconds: its result is the JSON it wrote to
     ``partial``; past its budget its process group is killed (a service it started with it) and the result is what
-    ``partial`` held then, marked ``stopped_by_budget``. A child that wrote nothing gives an ``error``."""
+    ``partial`` held then, marked ``stopped_by_budget``. A child that wrote nothing gives an ``error``; one that wrote
+    and then exited non-zero (failed after a partial result) is marked with its ``process_exit``."""
     if budget_s <= 0:
         raise ValueError(f"budget_s must be > 0, got {budget_s}")
     partial.unlink(missing_ok=True)
@@ -397,7 +398,7 @@ def run_budgeted(command: list[str], budget_s: float, partial: Path) -> dict:
         return {**result, "stopped_by_budget": budget_s}
     if not result:
         return {"error": f"the step's process exited {proc.returncode} without writing {partial}"}
-    return result
+    return result if proc.returncode == 0 else {**result, "process_exit": proc.returncode}
 
 
 def run_step(name: str, args, out: Path) -> int:
@@ -460,7 +461,8 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         result["steps"][name] = run_budgeted([*child, "--run-step", name], budgets[name], partial_path(out, name))
         result["steps"][name]["seconds"] = round(time.perf_counter() - start, 1)
-        failed |= "error" in result["steps"][name] or result["steps"][name].get("exit", 0) != 0
+        failed |= ("error" in result["steps"][name] or result["steps"][name].get("exit", 0) != 0
+                   or "process_exit" in result["steps"][name])
         write_result(out, result, echo=False)
         print(f"{name}: {json.dumps(result['steps'][name])[:400]}", flush=True)
     print(f"wrote {out}")

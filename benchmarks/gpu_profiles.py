@@ -14,14 +14,16 @@ profiles run in :data:`PROFILES`' order, which puts first what decides the issue
    slower than fp32), at the check's micro-batch of 64;
 4. ``merged_adapter``: what folding the adapter into the weights saves a forward;
 5. ``padding_cost``: padded freely against length groups;
-6. ``gradient_checkpointing``: its trade on the 135M model.
+6. ``gradient_checkpointing``: its trade on the 135M model;
+7. ``pass_overhead``: what a pass costs the machine's CPU besides the trunk, and the predictor's two cheaper steps.
 
 Each runs as a process of its own (its group killed at its limit: ``benchmarks.gpu_check.run_budgeted``) for at
 most ``--each-s`` seconds and what is left of ``--budget-s``; one that would start with less than
 :data:`MIN_START_S` left is skipped. A failed one does not stop the next. Each writes its JSON into
 ``--results-dir`` (``$OUT`` on a lent machine: what a call has written comes back even when the call is cut short),
-and ``gpu_profiles.json`` there records what each did: ``wrote``, ``stopped_by_budget`` (what it had written is kept)
-or ``error`` (without CUDA each exits 2 saying so), and its seconds.
+and ``gpu_profiles.json`` there records what each did: ``wrote``, ``stopped_by_budget`` (what it had written is kept),
+``process_exit`` (it failed after writing part of its result), ``error`` (it wrote nothing: without CUDA each exits 2
+saying so) or ``skipped``, and its seconds. It exits 1 unless every profile wrote its whole result.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ PROFILES = {
     "merged_adapter": ("benchmarks.merged_adapter", ["--device", "cuda"]),
     "padding_cost": ("benchmarks.padding_cost", ["--device", "cuda"]),
     "gradient_checkpointing": ("benchmarks.gradient_checkpointing", ["--device", "cuda"]),
+    "pass_overhead": ("benchmarks.pass_overhead", ["--device", "cuda"]),
 }
 # A profile is not started with less time than this left of the budget: loading a model and CUDA take most of it.
 MIN_START_S = 30.0
@@ -71,7 +74,7 @@ def run(names: list[str], results: Path, budget_s: float, each_s: float, python:
             start = clock()
             outcome = run_budgeted([python, "-m", module, *arguments, "--output", str(output)], min(each_s, left),
                                    output)
-            entry = {key: outcome[key] for key in ("error", "stopped_by_budget") if key in outcome}
+            entry = {key: outcome[key] for key in ("error", "stopped_by_budget", "process_exit") if key in outcome}
             if output.is_file():  # a profile stopped by its limit keeps what it had written
                 entry["wrote"] = str(output)
             entry["seconds"] = round(clock() - start, 1)
@@ -98,7 +101,7 @@ def main(argv=None) -> int:
     if not (args.budget_s > 0 and args.each_s > 0):
         parser.error(f"--budget-s and --each-s must be > 0, got {args.budget_s} and {args.each_s}")
     record = run(names, Path(args.results_dir), args.budget_s, args.each_s)
-    return 0 if all("wrote" in e for e in record["profiles"].values()) else 1
+    return 0 if all(set(e) == {"wrote", "seconds"} for e in record["profiles"].values()) else 1
 
 
 if __name__ == "__main__":

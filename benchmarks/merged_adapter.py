@@ -22,22 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import cpu_features, device_output, operator_table, paired_ratio, write_result
+from benchmarks.common import cpu_features, device_output, operator_table, paired_ratio, parse_sizes, write_result
 
 WAYS = ("unmerged", "merged")
 AGREEMENT_QUESTIONS = 64
-
-
-def parse_sizes(text: str) -> list[int]:
-    """``"1,8"`` -> [1, 8]; ValueError naming a bad item."""
-    sizes = []
-    for item in filter(None, (p.strip() for p in text.split(","))):
-        if not item.isdigit() or int(item) < 1:
-            raise ValueError(f"--batch-sizes: expected positive integers, got {item!r}")
-        sizes.append(int(item))
-    if not sizes:
-        raise ValueError("--batch-sizes: no batch size given")
-    return sizes
 
 
 def load_pair(artifact: str, device: str, dtype: str) -> dict:
@@ -128,7 +116,7 @@ def main(argv=None) -> int:
     if args.rounds < 2:
         parser.error(f"--rounds must be >= 2, got {args.rounds}")
     try:
-        sizes = parse_sizes(args.batch_sizes)
+        sizes = parse_sizes(args.batch_sizes, "--batch-sizes")
     except ValueError as e:
         parser.error(str(e))
     import torch

@@ -20,7 +20,7 @@ the machine's own python.
     # here, once the calls are done (commits are refused until then)
     python requirements/carry.py restore
 
-``slim`` shrinks what each call sends with it (the tree: 50 MiB of which :data:`LEAVE` is 28), so the parts are
+``slim`` shrinks what each call sends with it (the tree: 50 MiB of which :data:`LEAVE` is 27), so the parts are
 larger and fewer: for the H200's wheels 3 calls instead of 9. It removes the paths from git's index, not from the
 disk, ignores them in ``.git/info/exclude`` (what a lent machine's copy honours) and installs a pre-commit hook that
 refuses commits while the index lacks them; ``restore`` puts the index back from HEAD and removes both.
@@ -58,14 +58,17 @@ def sha256(data: bytes) -> str:
 
 def tree_bytes(repo: Path) -> int:
     """Bytes of what a call sends of the working tree: tracked files and untracked ones git does not ignore."""
-    out = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                         capture_output=True, check=True).stdout
-    files = (repo / name for name in out.decode().split("\0") if name)
+    out = git(repo, "ls-files", "-z", "--cached", "--others", "--exclude-standard")
+    files = (repo / name for name in out.split("\0") if name)
     return sum(f.stat().st_size for f in files if f.is_file() and not f.is_symlink())
 
 
 def git(repo: Path, *args: str) -> str:
-    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, check=True, text=True).stdout
+    """``git -C repo args``' output; ValueError with git's own message when it fails."""
+    done = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ValueError(f"git {' '.join(args[:2])} in {repo}: {done.stderr.strip() or f'exit {done.returncode}'}")
+    return done.stdout
 
 
 def git_path(repo: Path, name: str) -> Path:
@@ -81,6 +84,8 @@ def slim_paths(repo: Path) -> list[str] | None:
     if SLIM_BEGIN not in lines:
         return None
     block = lines[lines.index(SLIM_BEGIN) + 1:]
+    if SLIM_END not in block:
+        raise ValueError(f"{exclude}: the slim block has no end line ({SLIM_END!r}): mend it by hand")
     return [line.lstrip("/") for line in block[:block.index(SLIM_END)]]
 
 
@@ -88,18 +93,27 @@ def slim(repo: Path, leave: tuple[str, ...] | list[str] = LEAVE) -> list[str]:
     """Leave ``leave`` out of what a call sends: removed from git's index (the files stay on disk), ignored in
     info/exclude, and commits refused by a pre-commit hook until :func:`restore`. The tracked files left behind;
     none when the tree is already slim by the same paths. ValueError, before changing anything, for a path git does
-    not track, staged changes under one, a pre-commit hook of the checkout's own, or a tree slim by other paths."""
-    leave = [str(Path(p).as_posix()).strip("/") for p in leave]
+    not track, staged changes under one, a pre-commit hook of the checkout's own or one outside it (a global
+    ``core.hooksPath``), a checkout with other worktrees (they share the marker and the hook, not the index), or a
+    tree slim by other paths."""
+    for path in leave:
+        if (Path(path).is_absolute() or ".." in Path(path).parts or Path(path).as_posix().strip("/") in ("", ".")
+                or any(c in path for c in "*?[]!#\\") or path != path.strip()):
+            raise ValueError(f"--leave {path!r} is not a plain path inside the checkout (no globs, no '..')")
+    leave = [Path(p).as_posix().strip("/") for p in leave]
     done = slim_paths(repo)
     if done is not None:
         if sorted(done) == sorted(leave):
             return []
         raise ValueError(f"the tree is already slim, leaving {done}: python requirements/carry.py restore first")
     for path in leave:
-        if not path or Path(path).is_absolute() or ".." in Path(path).parts:
-            raise ValueError(f"--leave {path!r} is not a path inside the checkout")
         if not git(repo, "ls-files", "--", path).strip():
             raise ValueError(f"--leave {path}: git tracks nothing there")
+    worktrees = [line for line in git(repo, "worktree", "list", "--porcelain").splitlines()
+                 if line.startswith("worktree ")]
+    if len(worktrees) > 1:
+        raise ValueError(f"this checkout has {len(worktrees)} worktrees; they share info/exclude and the hooks but not "
+                         "the index, so slim would reach the others: run it where there is one")
     staged = git(repo, "diff", "--cached", "--name-only", "--", *leave).split()
     if staged:
         raise ValueError(f"staged changes under what slim leaves behind ({', '.join(staged[:3])}"
@@ -108,8 +122,12 @@ def slim(repo: Path, leave: tuple[str, ...] | list[str] = LEAVE) -> list[str]:
     hook = git_path(repo, "hooks/pre-commit")
     if hook.exists():
         raise ValueError(f"{hook} exists: slim would install its own there to refuse commits while the tree is slim")
+    git_dir = Path(git(repo, "rev-parse", "--absolute-git-dir").strip())
+    if not hook.resolve().is_relative_to(git_dir.resolve()):
+        raise ValueError(f"git's hooks for this checkout live in {hook.parent} (core.hooksPath), outside {git_dir}: "
+                         "a hook there would refuse other repositories' commits too")
     files = [f for f in git(repo, "ls-files", "-z", "--", *leave).split("\0") if f]
-    git(repo, "rm", "-r", "-q", "--cached", "--", *leave)
+    # the marker and the hook first: should the index change fail, restore still finds what to undo
     exclude = git_path(repo, "info/exclude")
     exclude.parent.mkdir(parents=True, exist_ok=True)
     old = exclude.read_text() if exclude.is_file() else ""
@@ -118,15 +136,21 @@ def slim(repo: Path, leave: tuple[str, ...] | list[str] = LEAVE) -> list[str]:
     hook.parent.mkdir(parents=True, exist_ok=True)
     hook.write_text(HOOK)
     hook.chmod(0o755)
+    git(repo, "rm", "-r", "-q", "--cached", "--", *leave)
     return files
 
 
 def restore(repo: Path) -> list[str]:
     """Undo :func:`slim`: the index of the paths it left behind back from HEAD (the files on disk untouched), its
-    info/exclude block and its pre-commit hook removed. The paths restored; none when the tree is whole."""
+    info/exclude block and its pre-commit hook removed. The paths restored; none when the tree is whole. ValueError,
+    changing nothing, when HEAD no longer holds one of them (a commit made past the hook dropped it)."""
     leave = slim_paths(repo)
     if leave is None:
         return []
+    gone = [p for p in leave if not git(repo, "ls-tree", "-r", "--name-only", "HEAD", "--", p).strip()]
+    if gone:
+        raise ValueError(f"HEAD holds nothing under {', '.join(gone)}: a commit dropped them (git log --diff-filter=D "
+                         f"-- {gone[0]}); bring them back there first, then restore")
     git(repo, "reset", "-q", "--", *leave)
     exclude = git_path(repo, "info/exclude")
     lines = exclude.read_text().splitlines()
@@ -304,7 +328,7 @@ def main(argv=None) -> int:
         else:
             files = join(Path(args.parts), Path(args.target))
             print(f"{len(files)} files unpacked into {args.target}")
-    except (ValueError, OSError, tarfile.TarError, subprocess.CalledProcessError) as e:
+    except (ValueError, OSError, tarfile.TarError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

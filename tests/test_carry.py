@@ -167,8 +167,9 @@ def test_slim_refuses_before_changing_anything(repo, capsys):
     before = git(repo, "status", "--porcelain")
     with pytest.raises(ValueError, match="--leave nowhere: git tracks nothing there"):
         carry.slim(repo, ["results", "nowhere"])
-    with pytest.raises(ValueError, match="not a path inside the checkout"):
-        carry.slim(repo, ["../outside"])
+    for bad in ("../outside", "/abs", ".", "res*", "b[1]", "docs "):  # what a pattern would not ignore as named
+        with pytest.raises(ValueError, match="is not a plain path inside the checkout"):
+            carry.slim(repo, ["results", bad])
     (repo / "results" / "r.json").write_text("staged")
     git(repo, "add", "results/r.json")
     with pytest.raises(ValueError, match=r"staged changes under what slim leaves behind \(results/r.json\)"):
@@ -180,9 +181,21 @@ def test_slim_refuses_before_changing_anything(repo, capsys):
     with pytest.raises(ValueError, match="pre-commit exists"):
         carry.slim(repo, ["results"])
     assert hook.read_text() == "#!/bin/sh\nexit 0\n" and carry.slim_paths(repo) is None
+    hook.unlink()
+    git(repo, "config", "core.hooksPath", str(repo.parent / "hooks-elsewhere"))
+    with pytest.raises(ValueError, match="outside .*a hook there would refuse other repositories' commits too"):
+        carry.slim(repo, ["results"])
+    git(repo, "config", "--unset", "core.hooksPath")
+    git(repo, "worktree", "add", "-q", str(repo.parent / "second"))
+    with pytest.raises(ValueError, match="this checkout has 2 worktrees"):
+        carry.slim(repo, ["results"])
+    git(repo, "worktree", "remove", str(repo.parent / "second"))
+    assert carry.slim_paths(repo) is None and not hook.exists()
     assert git(repo, "status", "--porcelain") == " M code/a.py\n M results/r.json\n" and before == " M code/a.py\n"
     assert carry.main(["slim", "--repo", str(repo), "--leave", "nowhere"]) == 2
     assert "git tracks nothing there" in capsys.readouterr().err
+    assert carry.main(["slim", "--repo", str(repo.parent)]) == 2  # not a checkout: git's own words, no traceback
+    assert "error: git rev-parse --git-path in" in capsys.readouterr().err
 
 
 def test_split_after_slim_makes_fewer_larger_parts_and_says_how_to_restore(repo, capsys):
@@ -215,3 +228,15 @@ def test_what_slim_leaves_behind_by_default_is_tracked_here_and_not_what_the_gpu
     assert inputs[1] == "artifacts/map"
     for path in inputs:
         assert (ROOT / path).exists() and not any(Path(path).is_relative_to(p) for p in carry.LEAVE), path
+
+
+def test_restore_changes_nothing_when_a_commit_past_the_hook_dropped_what_it_would_restore(repo):
+    carry.slim(repo, ["results"])
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--no-verify", "-m", "drops results")
+    with pytest.raises(ValueError, match="HEAD holds nothing under results: a commit dropped them"):
+        carry.restore(repo)
+    assert carry.slim_paths(repo) == ["results"] and (repo / ".git" / "hooks" / "pre-commit").exists()
+    exclude = repo / ".git" / "info" / "exclude"
+    exclude.write_text(exclude.read_text().replace(carry.SLIM_END, ""))
+    with pytest.raises(ValueError, match="the slim block has no end line"):
+        carry.slim_paths(repo)

@@ -280,8 +280,22 @@ class Predictor:
 
     # -- tokenisation ---------------------------------------------------------------------------
 
-    def _encode_one(self, index: int, q: MCQuestion, truncate_context: bool) -> list[int]:
-        ids = self.tokenizer(format_prompt(q, self.template, self.tokenizer))["input_ids"]
+    def _encode_all(self, questions: list[MCQuestion], truncate_context: bool) -> list[list[int]]:
+        """Token ids of each question's prompt: the prompts tokenised in one call (the fast tokenizer's batch, a
+        pass's questions at once), a prompt past ``max_tokens`` then shortened by :meth:`_encode_one`."""
+        if not questions:  # a fast tokenizer refuses an empty list
+            return []
+        prompts = [format_prompt(q, self.template, self.tokenizer) for q in questions]
+        seqs = self.tokenizer(prompts)["input_ids"]
+        return [ids if len(ids) <= self.max_tokens else self._encode_one(i, q, truncate_context, ids)
+                for i, (q, ids) in enumerate(zip(questions, seqs, strict=True))]
+
+    def _encode_one(self, index: int, q: MCQuestion, truncate_context: bool,
+                    ids: list[int] | None = None) -> list[int]:
+        """Token ids of ``q``'s prompt (``ids``: already tokenised whole), its passage's tail cut to fit
+        ``max_tokens`` where ``truncate_context`` allows; PromptTooLongError naming ``index`` where it cannot fit."""
+        if ids is None:
+            ids = self.tokenizer(format_prompt(q, self.template, self.tokenizer))["input_ids"]
         if len(ids) <= self.max_tokens:
             return ids
         if not (truncate_context and q.context):
@@ -307,7 +321,7 @@ class Predictor:
         """Tokenise and right-pad a batch. Raises :class:`PromptTooLongError` past ``max_tokens``."""
         if not questions:
             raise ValueError("encode needs at least one question")
-        return self._pad([self._encode_one(i, q, truncate_context) for i, q in enumerate(questions)], questions)
+        return self._pad(self._encode_all(questions, truncate_context), questions)
 
     def _pad(self, seqs: list[list[int]], questions: list[MCQuestion]) -> EncodedBatch:
         width = max(len(s) for s in seqs)
@@ -367,9 +381,17 @@ class Predictor:
         states = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         return states[torch.arange(states.shape[0], device=states.device), batch.last_index]
 
+    def activate(self, name: str) -> None:
+        """Make PEFT adapter ``name`` the active one, unless it already is: ``set_adapter`` walks every module of the
+        model (11-17 ms a call on the 2-core EPYC, once a pass when it was called every pass;
+        benchmarks.pass_overhead). Whoever else shares the model (another adapter served beside it, an ensemble's
+        members) is seen by its ``active_adapter``."""
+        if getattr(self.model, "active_adapter", None) not in (name, [name]):
+            self.model.set_adapter(name)
+
     def _member_forward(self, batch: EncodedBatch, k: int) -> HeadPrediction:
         if self.members is not None and hasattr(self.model, "set_adapter"):
-            self.model.set_adapter(self.members[k])
+            self.activate(self.members[k])
         head = self.heads[k]
         mask = batch.option_mask.to(self.device)
         if self.mc_samples <= 0:
@@ -406,7 +428,7 @@ class Predictor:
     def batches(self, questions: list[MCQuestion], truncate_context: bool = True):
         """Yields (indices into ``questions``, EncodedBatch) for groups of similar prompt length
         (:func:`length_groups`): the batches :meth:`predict` runs."""
-        seqs = [self._encode_one(i, q, truncate_context) for i, q in enumerate(questions)]
+        seqs = self._encode_all(questions, truncate_context)
         for group in length_groups([len(s) for s in seqs], self.max_padding):
             yield group, self._pad([seqs[i] for i in group], [questions[i] for i in group])
 

@@ -44,7 +44,7 @@ def features(predictor, questions: list, batch_size: int = 8) -> tuple[np.ndarra
     was_training = model.training
     model.eval()
     if predictor.members is not None and hasattr(model, "set_adapter"):
-        model.set_adapter(predictor.members[0])
+        predictor.activate(predictor.members[0])
     energies = torch.zeros(len(questions), dtype=torch.float32)
     hidden: torch.Tensor | None = None
     try:

@@ -80,6 +80,8 @@ def test_a_step_within_its_budget_gives_its_result_and_one_that_wrote_nothing_an
     assert gpu_check.run_budgeted(child(code), 30, partial) == {"ok": 256}
     assert gpu_check.run_budgeted(child("raise SystemExit(3)"), 30, partial) == {
         "error": f"the step's process exited 3 without writing {partial}"}
+    crash = f"import pathlib; pathlib.Path({str(partial)!r}).write_text('{{\"size_1\": 2}}'); raise SystemExit(1)"
+    assert gpu_check.run_budgeted(child(crash), 30, partial) == {"size_1": 2, "process_exit": 1}  # failed midway
     with pytest.raises(ValueError, match="budget_s must be > 0, got 0"):
         gpu_check.run_budgeted(child("pass"), 0, partial)
 

@@ -45,13 +45,16 @@ def test_the_order_puts_the_open_bounds_first_and_outputs_follow_the_benchmarks_
     assert gpu_profiles.output_name("paper_scale_gpu_checkpointed") == "paper_scale_gpu_checkpointed.json"
     from benchmarks.common import device_output
 
-    for name in ("training_precision", "merged_adapter", "padding_cost", "gradient_checkpointing"):
+    for name in ("training_precision", "merged_adapter", "padding_cost", "gradient_checkpointing", "pass_overhead"):
         assert gpu_profiles.output_name(name) == Path(device_output(name, "cuda")).name
 
 
 STAND_INS = {
     "prof_ok": "import json, sys\nopen(sys.argv[sys.argv.index('--output') + 1], 'w').write(json.dumps({'ok': 1}))\n",
     "prof_fail": "import sys\nprint('error: no CUDA device', file=sys.stderr)\nsys.exit(2)\n",
+    # writes its first size, then fails
+    "prof_crash": "import sys\nopen(sys.argv[sys.argv.index('--output') + 1], 'w').write('{\"sizes\": [1]}')\n"
+                  "raise SystemExit('CUDA out of memory at size 8')\n",
     # writes, then waits for ever: its limit must kill it
     "prof_hang": "import json, sys, threading\nopen(sys.argv[sys.argv.index('--output') + 1], 'w').write('{}')\n"
                  "threading.Event().wait()\n",
@@ -65,16 +68,18 @@ def stand_ins(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     monkeypatch.setattr(gpu_profiles, "PROFILES", {
         "first": ("prof_ok", []), "failing": ("prof_fail", ["--device", "cuda"]), "hanging": ("prof_hang", []),
-        "last": ("prof_ok", [])})
+        "crashing": ("prof_crash", []), "last": ("prof_ok", [])})
     results = tmp_path / "results"
     results.mkdir()
     return results
 
 
 def test_the_runner_runs_in_its_order_records_each_and_a_failure_does_not_stop_the_next(stand_ins):
-    record = gpu_profiles.run(["last", "hanging", "failing", "first"], stand_ins, budget_s=600, each_s=3)
-    assert list(record["profiles"]) == ["first", "failing", "hanging", "last"]  # PROFILES' order, not the given one
-    first, failing, hanging, last = record["profiles"].values()
+    record = gpu_profiles.run(["last", "crashing", "hanging", "failing", "first"], stand_ins, budget_s=600, each_s=3)
+    # PROFILES' order, not the given one
+    assert list(record["profiles"]) == ["first", "failing", "hanging", "crashing", "last"]
+    first, failing, hanging, crashing, last = record["profiles"].values()
+    assert crashing["process_exit"] == 1 and crashing["wrote"] == str(stand_ins / "crashing_cuda.json")
     assert first["wrote"] == str(stand_ins / "first_cuda.json") and "error" not in first
     assert json.loads((stand_ins / "first_cuda.json").read_text()) == {"ok": 1}
     assert "exited 2" in failing["error"] and "wrote" not in failing
@@ -105,3 +110,9 @@ def test_bad_arguments_are_refused_by_name(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         gpu_profiles.main(argv)
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_it_exits_0_only_when_every_profile_wrote_its_whole_result(stand_ins):
+    assert gpu_profiles.main(["--only", "first,last", "--results-dir", str(stand_ins)]) == 0
+    assert gpu_profiles.main(["--only", "first,crashing", "--results-dir", str(stand_ins)]) == 1
+    assert gpu_profiles.main(["--only", "failing", "--results-dir", str(stand_ins)]) == 1

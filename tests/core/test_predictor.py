@@ -4,7 +4,7 @@ import torch
 from ibedl.core.base_model import load_base_model, resolve_model
 from ibedl.core.head import HeadConfig, build_head
 from ibedl.core.predictor import Predictor, PromptTooLongError, fits, lm_head_rows
-from ibedl.core.prompt import MCQuestion, option_token_ids
+from ibedl.core.prompt import MCQuestion, format_prompt, option_token_ids
 
 QUESTIONS = [
     MCQuestion("What do plants need?", ("sunlight", "sand", "salt", "iron")),
@@ -184,3 +184,51 @@ def test_reusing_hidden_keeps_each_adapters_states_apart(predictor, monkeypatch)
     finally:
         del predictor.model.active_adapter
     assert len(calls) == 2
+
+
+def test_a_pass_tokenises_its_prompts_in_one_call_as_one_by_one_would(predictor, monkeypatch):
+    """Every prompt's ids as tokenising it alone gives, those past the limit shortened the same way, and one that
+    cannot fit refused by its index in the pass."""
+    short = Predictor(predictor.model, predictor.tokenizer, predictor.heads, "plain-v1", max_tokens=64)
+    long = MCQuestion("What did the boy buy?", ("apples", "bread"), context="word " * 2000)
+    questions = [*QUESTIONS, long, QUESTIONS[0]]
+    alone = [short._encode_one(i, q, True) for i, q in enumerate(questions)]
+    assert len(alone[3]) <= 64 < short.count_tokens(long)  # shortened
+    fitting = [format_prompt(q, "plain-v1", short.tokenizer) for q in questions if short.count_tokens(q) <= 64]
+    calls = []
+    tokenizer = type(short.tokenizer)
+    original = tokenizer.__call__
+    monkeypatch.setattr(tokenizer, "__call__", lambda self, text, *a, **k: calls.append(text) or original(
+        self, text, *a, **k))
+    assert short._encode_all(questions, True) == alone
+    assert isinstance(calls[0], list) and len(calls[0]) == len(questions)  # one call for the pass
+    assert len(fitting) == 3 and not set(fitting) & {c for c in calls[1:] if isinstance(c, str)}  # not again alone
+    assert short._encode_all([], True) == [] and short.predict([]) == []  # an empty pass, as one by one gave
+    batch = short.encode(questions)
+    assert [row[:n].tolist() for row, n in zip(batch.input_ids, batch.attention_mask.sum(1), strict=True)] == alone
+    fine = MCQuestion("why?", ("a", "b"))
+    tight = Predictor(predictor.model, predictor.tokenizer, predictor.heads, "plain-v1",
+                      max_tokens=short.count_tokens(fine) + 2)
+    with pytest.raises(PromptTooLongError, match="question 1 is") as error:
+        tight.encode([fine, MCQuestion("why " * 50, ("a", "b"), context="x")])
+    assert error.value.index == 1
+
+
+def test_a_served_adapter_is_switched_to_only_when_another_is_active(tiny_artifact, tiny_map_artifact, monkeypatch):
+    """PEFT's set_adapter walks the whole model: a predictor calls it when the shared model has another adapter
+    active, not before every pass, and each adapter answers as when loaded alone."""
+    first, second = Predictor.from_artifacts([tiny_artifact, tiny_map_artifact])
+    alone = [Predictor.from_artifact(a).predict(QUESTIONS) for a in (tiny_artifact, tiny_map_artifact)]
+    switched = []
+    original = first.model.set_adapter
+    monkeypatch.setattr(first.model, "set_adapter", lambda name: switched.append(name) or original(name))
+    answers = {}
+    for predictor, name in ((first, "first"), (first, "first"), (second, "second"), (second, "second"),
+                            (first, "first")):
+        answers.setdefault(name, []).append(predictor.predict(QUESTIONS))
+    assert switched == ["a1m0", "m0"]  # loaded with the first active: one switch to the second and one back
+    for got, want in ((answers["first"], alone[0]), (answers["second"], alone[1])):
+        for run in got:
+            for a, b in zip(run, want, strict=True):
+                assert a.probs == pytest.approx(b.probs, abs=1e-5)
+    assert answers["first"][0][0].probs != pytest.approx(answers["second"][0][0].probs, abs=1e-3)  # two adapters

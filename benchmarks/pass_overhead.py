@@ -1,0 +1,109 @@
+"""What a pass costs the model's thread besides the trunk's forward, and what the predictor's two cheaper steps save:
+
+    python -m benchmarks.pass_overhead [--artifact artifacts/default] [--device cpu] [--sizes 1,8,64] [--rounds 16]
+        [--dataset sciq] [--output benchmarks/results/pass_overhead_<cpu|cuda>.json]
+
+A served pass runs on one thread: it tokenises its questions, makes its adapter the active one, runs the trunk, then
+the head, and turns the outputs into answers. On a GPU all but the trunk's forward is host work no card speeds up
+(the H200's serving profile: about 20 ms a pass outside the trunk, ``gpu_serve_profile.json``). Here the artifact's
+predictor (torch backend, on ``--device``) answers distinct SciQ training questions with their passages (or
+``--dataset``'s, those the artifact's token limit admits) in passes of each size, its trunk replaced by a stand-in
+that returns states of the trunk's shape (host work does not depend on their values), so a timed pass is everything
+but the trunk's forward. Recorded per size, over ``--rounds`` rounds of new questions: milliseconds a pass and a
+question, and, alternating which runs first, each of the two steps against what it replaced, on the same questions:
+the pass's prompts tokenised in one call (``Predictor._encode_all``) against one call each, and the adapter
+activated only when another one is active (``Predictor.activate``) against PEFT's ``set_adapter`` before every
+pass; each with a 95% paired bootstrap interval of the time ratio over the rounds (below 1: the step is cheaper),
+and the CPU's features or the GPU's name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+
+from benchmarks.common import cpu_features, device_output, paired_ratio, parse_sizes, write_result
+from ibedl.core.auto_backend import time_call as timed
+
+
+def measure(predictor, questions: list, size: int, rounds: int) -> dict:
+    """One pass size: ``rounds`` passes of ``size`` new questions each (``questions`` holds at least
+    ``rounds * size``), the two steps against what they replaced in each round."""
+    name = predictor.members[0]
+    passes, one_by_one, one_call, set_adapter, check = [], [], [], [], []
+    for r in range(rounds):
+        chunk = questions[r * size:(r + 1) * size]
+        predictor.predict(chunk)  # the same questions once untimed: the tokenizer's and allocator's first touches
+        passes.append(timed(lambda chunk=chunk: predictor.predict(chunk)))
+        ways = [(one_by_one, lambda chunk=chunk: [predictor._encode_one(i, q, True) for i, q in enumerate(chunk)]),
+                (one_call, lambda chunk=chunk: predictor._encode_all(chunk, True))]
+        for times, call in ways if r % 2 == 0 else ways[::-1]:
+            times.append(timed(call))
+        ways = [(set_adapter, lambda: predictor.model.set_adapter(name)), (check, lambda: predictor.activate(name))]
+        for times, call in ways if r % 2 == 0 else ways[::-1]:
+            times.append(timed(call))
+    ms = lambda times: 1e3 * sum(times) / len(times)  # noqa: E731
+    return {"questions_per_pass": size, "rounds": rounds,
+            "pass_ms_outside_trunk": ms(passes), "question_ms_outside_trunk": ms(passes) / size,
+            "tokenise_one_by_one_ms": ms(one_by_one), "tokenise_one_call_ms": ms(one_call),
+            "tokenise_one_call_vs_one_by_one": paired_ratio(one_call, one_by_one),
+            "set_adapter_ms": ms(set_adapter), "activate_check_ms": ms(check),
+            "activate_check_vs_set_adapter": paired_ratio(check, set_adapter)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.pass_overhead", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--artifact", default="artifacts/default")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
+    parser.add_argument("--sizes", default="1,8,64", help="questions per pass, comma-separated (default 1,8,64)")
+    parser.add_argument("--rounds", type=int, default=16, help="passes of new questions per size (default 16; >= 2)")
+    parser.add_argument("--dataset", default="sciq", help="a built-in dataset's training questions (default sciq)")
+    parser.add_argument("--output", default=None, help="default: benchmarks/results/pass_overhead_<cpu|cuda>.json")
+    args = parser.parse_args(argv)
+    try:
+        sizes = parse_sizes(args.sizes, "--sizes")
+    except ValueError as e:
+        parser.error(str(e))
+    if args.rounds < 2:
+        parser.error(f"--rounds must be >= 2 (a paired interval needs two rounds), got {args.rounds}")
+    if not (args.device == "cpu" or args.device.startswith("cuda")):
+        parser.error(f"--device must be cpu or cuda[:i], got {args.device!r}")
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"error: --device {args.device}: no CUDA device (torch {torch.__version__})", file=sys.stderr)
+        return 2
+    from ibedl.core.predictor import Predictor, fits
+    from ibedl.training.data import load_dataset
+
+    predictor = Predictor.from_artifact(args.artifact, device=args.device, backend="torch")
+    if not predictor.members:
+        parser.error(f"--artifact {args.artifact}: its predictor serves no PEFT adapter to activate")
+    width = predictor.model.config.hidden_size
+    states = torch.randn(max(sizes), width, generator=torch.Generator().manual_seed(0))
+    states = states.to(predictor.device, next(predictor.heads[0].parameters()).dtype)
+    predictor._hidden = lambda batch: states[: batch.input_ids.shape[0]]  # the trunk's stand-in
+    needed = args.rounds * max(sizes)
+    pool = load_dataset(args.dataset, "train", seed=0)
+    admitted = (q for q in pool if fits(predictor.tokenizer, predictor.template, predictor.max_tokens, q))
+    questions = list(itertools.islice(admitted, needed))
+    if len(questions) < needed:  # the service would refuse the others
+        parser.error(f"only {len(questions)} of {len(pool)} {args.dataset} questions fit the artifact's "
+                     f"{predictor.max_tokens} tokens; {needed} needed: fewer --rounds, smaller --sizes or another "
+                     "--dataset")
+    result = {"artifact": args.artifact, "dataset": args.dataset, "device": (torch.cuda.get_device_name(args.device)
+                                                   if args.device.startswith("cuda") else "cpu"),
+              "cpu": cpu_features(), "torch": torch.__version__, "sizes": []}
+    output = args.output or device_output("pass_overhead", args.device)
+    for size in sizes:
+        row = measure(predictor, questions, size, args.rounds)
+        result["sizes"].append(row)
+        write_result(output, result, echo=False)
+        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+    print(f"wrote {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
