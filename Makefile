@@ -171,7 +171,8 @@ gpu-wheels:
 GPU_CARRY_BUDGET_MIB ?= 64
 gpu-carry:
 	$(PYTHON) requirements/carry.py slim
-	$(PYTHON) requirements/carry.py split --source $(GPU_WHEELS) --out .device-carry/gpu --budget-mib $(GPU_CARRY_BUDGET_MIB)
+	$(PYTHON) requirements/carry.py split --source $(GPU_WHEELS) --out .device-carry/gpu \
+	  --budget-mib $(GPU_CARRY_BUDGET_MIB) || { $(PYTHON) requirements/carry.py restore; exit 2; }
 
 gpu-carry-restore:
 	$(PYTHON) requirements/carry.py restore
