@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import write_result
+from benchmarks.common import device_output, write_result
 from benchmarks.gpu_check import run_budgeted
 
 # name: (module, its arguments): in the order they run, the one most needed first (module docstring).
@@ -50,10 +50,14 @@ PROFILES = {
 MIN_START_S = 30.0
 
 
+# The profiles that write one file whatever the device; the others write benchmarks.common.device_output's for cuda.
+OWN_OUTPUT = {"gpu_serve_profile": "gpu_serve_profile.json",
+              "paper_scale_gpu_checkpointed": "paper_scale_gpu_checkpointed.json"}
+
+
 def output_name(name: str) -> str:
-    """The file a profile writes in the results folder: its name, ``_cuda`` for those that keep a CPU result
-    beside it (``benchmarks.common.device_output``)."""
-    return f"{name}.json" if name.startswith(("gpu_", "paper_")) else f"{name}_cuda.json"
+    """The file a profile writes in the results folder (as its default output would be named)."""
+    return OWN_OUTPUT.get(name) or Path(device_output(name, "cuda")).name
 
 
 def run(names: list[str], results: Path, budget_s: float, each_s: float, python: str = sys.executable,
