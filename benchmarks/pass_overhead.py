@@ -7,19 +7,23 @@ A served pass runs on one thread: it tokenises its questions, makes its adapter 
 the head, and turns the outputs into answers. On a GPU all but the trunk's forward is host work no card speeds up
 (the H200's serving profile: about 20 ms a pass outside the trunk, ``gpu_serve_profile.json``). Here the artifact's
 predictor (torch backend, on ``--device``) answers distinct SciQ training questions with their passages (or
-``--dataset``'s, those the artifact's token limit admits) in passes of each size, its trunk replaced by a stand-in
+``--dataset``'s) as the service does: whole, under the service's default token limit (``IBEDL_MAX_TOKENS``; a
+served prompt is never shortened, one over the limit refused), in passes of each size, its trunk replaced by a stand-in
 that returns states of the trunk's shape (host work does not depend on their values), so a timed pass is everything
 but the trunk's forward. Recorded per size, over ``--rounds`` rounds of new questions: milliseconds a pass and a
-question, and, alternating which runs first, each of the two steps against what it replaced, on the same questions:
-the pass's prompts tokenised in one call (``Predictor._encode_all``) against one call each, and the adapter
+question, and, alternating which runs first, each of the three steps against what it replaced, on the same
+questions: the pass's prompts tokenised in one call (``Predictor._encode_all``) against one call each; the adapter
 activated only when another one is active (``Predictor.activate``) against PEFT's ``set_adapter`` before every
-pass; each with a 95% paired bootstrap interval of the time ratio over the rounds (below 1: the step is cheaper),
-and the CPU's features or the GPU's name.
+pass; and a pass of questions the service's request check tokenised already (``TokenizedQuestion``, their ids made
+on a copy of the tokenizer, untimed: that is the check thread's work) against the same questions plain; each with a
+95% paired bootstrap interval of the time ratio over the rounds (below 1: the step is cheaper), and the CPU's
+features or the GPU's name.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import sys
 
@@ -30,12 +34,20 @@ from ibedl.core.auto_backend import time_call as timed
 def measure(predictor, questions: list, size: int, rounds: int) -> dict:
     """One pass size: ``rounds`` passes of ``size`` new questions each (``questions`` holds at least
     ``rounds * size``), the two steps against what they replaced in each round."""
+    from ibedl.core.predictor import TokenizedQuestion, prompt_ids
+
     name = predictor.members[0]
-    passes, one_by_one, one_call, set_adapter, check = [], [], [], [], []
+    counter = copy.deepcopy(predictor.tokenizer)  # the check thread's own copy
+    passes, one_by_one, one_call, set_adapter, check, checked_passes = [], [], [], [], [], []
     for r in range(rounds):
         chunk = questions[r * size:(r + 1) * size]
-        predictor.predict(chunk)  # the same questions once untimed: the tokenizer's and allocator's first touches
-        passes.append(timed(lambda chunk=chunk: predictor.predict(chunk)))
+        checked = [TokenizedQuestion.of(q, predictor.tokenizer, predictor.template,
+                                        prompt_ids(counter, predictor.template, q)) for q in chunk]
+        predictor.predict(chunk, False)  # the same questions once untimed: the tokenizer's and allocator's first use
+        ways = [(passes, lambda chunk=chunk: predictor.predict(chunk, False)),
+                (checked_passes, lambda checked=checked: predictor.predict(checked, False))]
+        for times, call in ways if r % 2 == 0 else ways[::-1]:
+            times.append(timed(call))
         ways = [(one_by_one, lambda chunk=chunk: [predictor._encode_one(i, q, True) for i, q in enumerate(chunk)]),
                 (one_call, lambda chunk=chunk: predictor._encode_all(chunk, True))]
         for times, call in ways if r % 2 == 0 else ways[::-1]:
@@ -46,6 +58,8 @@ def measure(predictor, questions: list, size: int, rounds: int) -> dict:
     ms = lambda times: 1e3 * sum(times) / len(times)  # noqa: E731
     return {"questions_per_pass": size, "rounds": rounds,
             "pass_ms_outside_trunk": ms(passes), "question_ms_outside_trunk": ms(passes) / size,
+            "checked_pass_ms_outside_trunk": ms(checked_passes),
+            "checked_pass_vs_pass": paired_ratio(checked_passes, passes),
             "tokenise_one_by_one_ms": ms(one_by_one), "tokenise_one_call_ms": ms(one_call),
             "tokenise_one_call_vs_one_by_one": paired_ratio(one_call, one_by_one),
             "set_adapter_ms": ms(set_adapter), "activate_check_ms": ms(check),
@@ -74,7 +88,8 @@ def main(argv=None) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(f"error: --device {args.device}: no CUDA device (torch {torch.__version__})", file=sys.stderr)
         return 2
-    from ibedl.core.predictor import Predictor, fits
+    from ibedl.core.predictor import Predictor, count_prompt_tokens
+    from ibedl.engine.settings import EngineSettings
     from ibedl.training.data import load_dataset
 
     predictor = Predictor.from_artifact(args.artifact, device=args.device, backend="torch")
@@ -86,10 +101,12 @@ def main(argv=None) -> int:
     predictor._hidden = lambda batch: states[: batch.input_ids.shape[0]]  # the trunk's stand-in
     needed = args.rounds * max(sizes)
     pool = load_dataset(args.dataset, "train", seed=0)
-    admitted = (q for q in pool if fits(predictor.tokenizer, predictor.template, predictor.max_tokens, q))
+    predictor.max_tokens = EngineSettings.model_fields["max_tokens"].default  # what make_runtimes sets
+    admitted = (q for q in pool
+                if count_prompt_tokens(predictor.tokenizer, predictor.template, q) <= predictor.max_tokens)
     questions = list(itertools.islice(admitted, needed))
     if len(questions) < needed:  # the service would refuse the others
-        parser.error(f"only {len(questions)} of {len(pool)} {args.dataset} questions fit the artifact's "
+        parser.error(f"only {len(questions)} of {len(pool)} {args.dataset} questions fit the service's "
                      f"{predictor.max_tokens} tokens; {needed} needed: fewer --rounds, smaller --sizes or another "
                      "--dataset")
     result = {"artifact": args.artifact, "dataset": args.dataset, "device": (torch.cuda.get_device_name(args.device)

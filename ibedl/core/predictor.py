@@ -79,32 +79,23 @@ class Prediction:
         return len(self.probs)
 
 
-def _rows(t: torch.Tensor | None, i: int, n: int) -> list[float] | None:
-    return None if t is None else [float(x) for x in t[i, :n]]
+def _as_lists(t: torch.Tensor | None) -> list | None:
+    """``t`` as nested Python floats, in one call (not an element at a time: a pass of 64 answers spent milliseconds
+    on that)."""
+    return None if t is None else t.detach().float().cpu().tolist()
 
 
 def to_predictions(out: HeadPrediction, num_options: list[int]) -> list[Prediction]:
     """Split a batch's head outputs into per-question :class:`Prediction` records."""
-    preds = []
     probs = out.probs.detach().float().cpu()
-    rest = {k: None if v is None else v.detach().float().cpu() for k, v in
-            (("alpha", out.alpha), ("belief", out.belief), ("sigma", out.sigma), ("u", out.uncertainty))}
-    for i, n in enumerate(num_options):
-        p = probs[i, :n]
-        idx = int(p.argmax())
-        preds.append(
-            Prediction(
-                index=idx,
-                letter=LETTERS[idx],
-                confidence=float(p[idx]),
-                probs=[float(x) for x in p],
-                alpha=_rows(rest["alpha"], i, n),
-                belief=_rows(rest["belief"], i, n),
-                uncertainty=None if rest["u"] is None else float(rest["u"][i]),
-                sigma=_rows(rest["sigma"], i, n),
-            )
-        )
-    return preds
+    real = torch.arange(probs.shape[1]) < torch.tensor(num_options)[:, None]  # (B, C): each question's own options
+    index = probs.masked_fill(~real, float("-inf")).argmax(1).tolist()  # as p[:n].argmax() of each row
+    rows, alpha, belief, sigma = (_as_lists(t) for t in (probs, out.alpha, out.belief, out.sigma))
+    u = _as_lists(out.uncertainty)
+    return [Prediction(index=idx, letter=LETTERS[idx], confidence=rows[i][idx], probs=rows[i][:n],
+                       alpha=None if alpha is None else alpha[i][:n], belief=None if belief is None else belief[i][:n],
+                       uncertainty=None if u is None else u[i], sigma=None if sigma is None else sigma[i][:n])
+            for i, (n, idx) in enumerate(zip(num_options, index, strict=True))]
 
 
 def length_groups(lengths: list[int], max_padding: float = 1.25) -> list[list[int]]:
@@ -126,9 +117,52 @@ def length_groups(lengths: list[int], max_padding: float = 1.25) -> list[list[in
     return groups
 
 
+def prompt_ids(tokenizer, template: str, q: MCQuestion) -> list[int]:
+    """Token ids of the formatted prompt of ``q`` (with its whole passage)."""
+    return tokenizer(format_prompt(q, template, tokenizer))["input_ids"]
+
+
 def count_prompt_tokens(tokenizer, template: str, q: MCQuestion) -> int:
     """Tokens of the formatted prompt of ``q`` (with its whole passage)."""
-    return len(tokenizer(format_prompt(q, template, tokenizer))["input_ids"])
+    return len(prompt_ids(tokenizer, template, q))
+
+
+@dataclass(frozen=True)
+class TokenizedQuestion(MCQuestion):
+    """A question whose whole prompt was tokenised before its pass (the service counts every prompt's tokens when it
+    checks the request, on a thread of its own): ``prompt_ids`` under ``template`` by a copy of ``tokenizer``. A
+    predictor whose tokenizer is that very object and whose template is ``template`` takes the ids instead of
+    tokenising the prompt again on the model's thread; any other predictor tokenises it as a plain question, and so
+    does every predictor once the text the ids were made of changed (``dataclasses.replace``).
+
+    Attributes:
+        prompt_ids: the formatted prompt's token ids, untruncated (:func:`prompt_ids`).
+        template: the prompt template they were made under.
+        tokenizer: the tokenizer they equal (compared by identity, never called through this).
+    """
+
+    prompt_ids: tuple[int, ...] = ()
+    template: str = ""
+    tokenizer: object = dataclasses.field(default=None, compare=False, repr=False)
+    made_of: tuple = dataclasses.field(default=(), compare=False, repr=False)  # the texts the ids were made of
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.prompt_ids:
+            raise ValueError("a tokenized question needs its prompt's token ids, got none")
+        object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))
+        if not self.made_of:
+            object.__setattr__(self, "made_of", self.texts())
+
+    def texts(self) -> tuple:
+        """What the prompt is made of: the stem, the options and the passage."""
+        return self.question, self.options, self.context
+
+    @classmethod
+    def of(cls, q: MCQuestion, tokenizer, template: str, ids: list[int]) -> TokenizedQuestion:
+        """``q`` with the ids of its prompt under ``template``, made by ``tokenizer`` or a copy of it."""
+        fields = {f.name: getattr(q, f.name) for f in dataclasses.fields(MCQuestion)}
+        return cls(**fields, prompt_ids=tuple(ids), template=template, tokenizer=tokenizer)
 
 
 def fits(tokenizer, template: str, max_tokens: int, q: MCQuestion) -> bool:
@@ -281,14 +315,24 @@ class Predictor:
     # -- tokenisation ---------------------------------------------------------------------------
 
     def _encode_all(self, questions: list[MCQuestion], truncate_context: bool) -> list[list[int]]:
-        """Token ids of each question's prompt: the prompts tokenised in one call (the fast tokenizer's batch, a
-        pass's questions at once), a prompt past ``max_tokens`` then shortened by :meth:`_encode_one`."""
-        if not questions:  # a fast tokenizer refuses an empty list
-            return []
-        prompts = [format_prompt(q, self.template, self.tokenizer) for q in questions]
-        seqs = self.tokenizer(prompts)["input_ids"]
+        """Token ids of each question's prompt: those a :class:`TokenizedQuestion` carries for this tokenizer and
+        template, the others tokenised in one call (the fast tokenizer's batch, a pass's questions at once), a prompt
+        past ``max_tokens`` then shortened by :meth:`_encode_one`."""
+        seqs = [self._tokenized_ids(q) for q in questions]
+        fresh = [i for i, ids in enumerate(seqs) if ids is None]
+        if fresh:  # a fast tokenizer refuses an empty list
+            prompts = [format_prompt(questions[i], self.template, self.tokenizer) for i in fresh]
+            for i, ids in zip(fresh, self.tokenizer(prompts)["input_ids"], strict=True):
+                seqs[i] = ids
         return [ids if len(ids) <= self.max_tokens else self._encode_one(i, q, truncate_context, ids)
                 for i, (q, ids) in enumerate(zip(questions, seqs, strict=True))]
+
+    def _tokenized_ids(self, q: MCQuestion) -> list[int] | None:
+        """The ids ``q`` carries, when they were made by this predictor's tokenizer under its template."""
+        if isinstance(q, TokenizedQuestion) and q.tokenizer is self.tokenizer and q.template == self.template \
+                and q.made_of == q.texts():
+            return list(q.prompt_ids)
+        return None
 
     def _encode_one(self, index: int, q: MCQuestion, truncate_context: bool,
                     ids: list[int] | None = None) -> list[int]:
@@ -324,13 +368,12 @@ class Predictor:
         return self._pad(self._encode_all(questions, truncate_context), questions)
 
     def _pad(self, seqs: list[list[int]], questions: list[MCQuestion]) -> EncodedBatch:
-        width = max(len(s) for s in seqs)
+        lengths = [len(s) for s in seqs]
+        width = max(lengths)
         pad = self.tokenizer.pad_token_id
-        input_ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-        attention = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            input_ids[i, : len(s)] = torch.tensor(s)
-            attention[i, : len(s)] = 1
+        # one tensor from padded lists, not one a row: a pass of 64 spent milliseconds on torch.tensor calls
+        input_ids = torch.tensor([list(s) + [pad] * (width - len(s)) for s in seqs], dtype=torch.long)
+        attention = (torch.arange(width) < torch.tensor(lengths)[:, None]).long()
         num_options = max(q.num_options for q in questions)
         if num_options > self.num_rows:
             raise ValueError(f"the head scores at most {self.num_rows} options, got {num_options}")
@@ -613,4 +656,5 @@ def _average(outs: list[HeadPrediction]) -> HeadPrediction:
     )
 
 
-__all__ = ["Predictor", "Prediction", "EncodedBatch", "PromptTooLongError", "BaseModelMismatchError"]
+__all__ = ["Predictor", "Prediction", "EncodedBatch", "PromptTooLongError", "BaseModelMismatchError",
+           "TokenizedQuestion", "prompt_ids", "count_prompt_tokens"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 from ibedl.core.artifact import Conformal
-from ibedl.core.predictor import count_prompt_tokens
+from ibedl.core.predictor import TokenizedQuestion, prompt_ids
 from ibedl.core.prompt import LETTERS, MCQuestion
 from ibedl.engine.errors import InvalidRequest, TooLarge
 from ibedl.engine.runtime import AdapterRuntime
@@ -32,9 +32,10 @@ def max_options(settings: EngineSettings, runtime: AdapterRuntime | None) -> int
 
 
 def to_question(runtime: AdapterRuntime, settings: EngineSettings, req: PredictRequest,
-                prefix: str = "") -> tuple[MCQuestion, int]:
+                prefix: str = "") -> tuple[TokenizedQuestion, int]:
     """Check limits and convert for the adapter ``runtime``; ``prefix`` locates the item in a batch
-    (``items.3.``). Returns the question and its prompt's token count."""
+    (``items.3.``). Returns the question with its prompt's token ids (the pass takes them instead of tokenising
+    again) and their count."""
     s = settings
     if isinstance(req.options, dict):
         keys = list(req.options)
@@ -63,8 +64,8 @@ def to_question(runtime: AdapterRuntime, settings: EngineSettings, req: PredictR
                        prefix + "context")
     if req.conformal is not None:  # an alpha or score not stored for this option count is the client's error: 422,
         stored_quantile(conformal_of(runtime, len(options)), req, prefix)  # before the model runs
-    q = MCQuestion(req.question, tuple(options), req.context or None, id=req.id)
-    tokens = count_tokens(runtime, q)
+    q = tokenized(runtime, MCQuestion(req.question, tuple(options), req.context or None, id=req.id))
+    tokens = len(q.prompt_ids)
     if tokens > s.max_tokens:
         raise TooLarge(f"the prompt is {tokens} tokens after formatting; the limit is {s.max_tokens}",
                        prefix + ("context" if q.context else "question"))
@@ -102,6 +103,8 @@ def stored_quantile(conformal: Conformal | None, req: PredictRequest,
                              prefix + "conformal") from None
 
 
-def count_tokens(runtime: AdapterRuntime, q: MCQuestion) -> int:
-    """Tokens of ``q``'s formatted prompt, counted on the calling thread's own copy of the runtime's tokenizer."""
-    return count_prompt_tokens(runtime.count_tokenizers.get(), runtime.predictor.template, q)
+def tokenized(runtime: AdapterRuntime, q: MCQuestion) -> TokenizedQuestion:
+    """``q`` with its formatted prompt's token ids, tokenised on the calling thread's own copy of the runtime's
+    tokenizer: a pass on the runtime's predictor takes them (the tokenizer they were copied from is its own)."""
+    counter, template = runtime.count_tokenizers, runtime.predictor.template
+    return TokenizedQuestion.of(q, counter.source, template, prompt_ids(counter.get(), template, q))

@@ -15,11 +15,16 @@ class PerThreadTokenizer:
 
     Args:
         tokenizer: the base model's tokenizer; it is copied now, before any thread asks, and never handed out.
+
+    Attributes:
+        source: ``tokenizer``, kept only to say which tokenizer the copies equal (ibedl.core.predictor.TokenizedQuestion
+            compares it by identity); never called here.
     """
 
     def __init__(self, tokenizer) -> None:
         if not callable(tokenizer):
             raise ValueError(f"tokenizer must be a callable tokenizer, got {type(tokenizer).__name__}")
+        self.source = tokenizer
         self._template = copy.deepcopy(tokenizer)
         self._copying = threading.Lock()  # the template is read by one deep copy at a time
         self._local = threading.local()

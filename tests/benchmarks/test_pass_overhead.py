@@ -45,5 +45,6 @@ def test_a_real_run_times_the_passes_without_the_trunk_and_both_ways_of_each_ste
         assert row["rounds"] == 2 and row["pass_ms_outside_trunk"] > 0
         assert row["question_ms_outside_trunk"] == pytest.approx(row["pass_ms_outside_trunk"]
                                                                  / row["questions_per_pass"])
-        for key in ("tokenise_one_call_vs_one_by_one", "activate_check_vs_set_adapter"):
+        assert row["checked_pass_ms_outside_trunk"] > 0
+        for key in ("tokenise_one_call_vs_one_by_one", "activate_check_vs_set_adapter", "checked_pass_vs_pass"):
             assert set(row[key]) == {"ratio", "low", "high"} and row[key]["ratio"] > 0

@@ -1,9 +1,20 @@
+import copy
+import dataclasses
+
 import pytest
 import torch
 
 from ibedl.core.base_model import load_base_model, resolve_model
-from ibedl.core.head import HeadConfig, build_head
-from ibedl.core.predictor import Predictor, PromptTooLongError, fits, lm_head_rows
+from ibedl.core.head import HeadConfig, HeadPrediction, build_head
+from ibedl.core.predictor import (
+    Predictor,
+    PromptTooLongError,
+    TokenizedQuestion,
+    fits,
+    lm_head_rows,
+    prompt_ids,
+    to_predictions,
+)
 from ibedl.core.prompt import MCQuestion, format_prompt, option_token_ids
 
 QUESTIONS = [
@@ -232,3 +243,85 @@ def test_a_served_adapter_is_switched_to_only_when_another_is_active(tiny_artifa
             for a, b in zip(run, want, strict=True):
                 assert a.probs == pytest.approx(b.probs, abs=1e-5)
     assert answers["first"][0][0].probs != pytest.approx(answers["second"][0][0].probs, abs=1e-3)  # two adapters
+
+
+def test_a_pass_takes_the_ids_a_checked_question_carries_for_its_tokenizer_and_template(predictor, monkeypatch):
+    """A question tokenised before its pass (the service's request check, on a copy of the model's tokenizer) carries
+    its prompt's ids: the pass takes them and tokenises only the others, in one call, with the answers of tokenising
+    them all; ids made for another tokenizer object, another template or texts since replaced are not taken."""
+    counter = copy.deepcopy(predictor.tokenizer)  # the check's own copy
+
+    def checked(q, ids_of=None, tokenizer=predictor.tokenizer, template="plain-v1"):
+        return TokenizedQuestion.of(q, tokenizer, template, prompt_ids(counter, "plain-v1", ids_of or q))
+
+    plain = predictor._encode_all(QUESTIONS, True)
+    mixed = [checked(QUESTIONS[0]), checked(QUESTIONS[1]), QUESTIONS[2]]
+    planted = checked(QUESTIONS[0], ids_of=QUESTIONS[1])  # the ids of another prompt: visible if taken
+    strangers = [checked(QUESTIONS[0], ids_of=QUESTIONS[1], tokenizer=counter),  # an equal tokenizer, not the one
+                 checked(QUESTIONS[0], ids_of=QUESTIONS[1], template="chat-v1"),
+                 dataclasses.replace(planted, options=("sunlight", "sand"))]
+    calls = []
+    tokenizer = type(predictor.tokenizer)
+    original = tokenizer.__call__
+    monkeypatch.setattr(tokenizer, "__call__", lambda self, text, *a, **k: calls.append(text) or original(
+        self, text, *a, **k))
+    assert predictor._encode_all(mixed, True) == plain
+    assert calls == [[format_prompt(QUESTIONS[2], "plain-v1", predictor.tokenizer)]]  # only the plain one, once
+    calls.clear()
+    assert predictor._encode_all(mixed[:2], True) == plain[:2] and calls == []  # a pass of checked ones: none
+    assert predictor._encode_all([planted], True) == [plain[1]]  # taken as carried
+    replaced = MCQuestion("What do plants need?", ("sunlight", "sand"))
+    assert predictor._encode_all(strangers, True) == [plain[0], plain[0], predictor._encode_all([replaced], True)[0]]
+    assert predictor._encode_all([copy.copy(planted)], True) == [plain[1]]  # a copied question keeps its ids
+    monkeypatch.undo()
+    for a, b in zip(predictor.predict(mixed), predictor.predict(QUESTIONS), strict=True):
+        assert a.probs == pytest.approx(b.probs, abs=1e-6) and a.uncertainty == pytest.approx(b.uncertainty, abs=1e-6)
+    short = Predictor(predictor.model, predictor.tokenizer, predictor.heads, "plain-v1", max_tokens=64)
+    long = MCQuestion("What did the boy buy?", ("apples", "bread"), context="word " * 2000)
+    assert short._encode_all([checked(long)], True) == [short._encode_one(0, long, True)]  # shortened alike
+    with pytest.raises(PromptTooLongError, match="question 0 is"):
+        short._encode_all([checked(long)], False)
+    with pytest.raises(ValueError, match="a tokenized question needs its prompt's token ids, got none"):
+        TokenizedQuestion.of(QUESTIONS[0], predictor.tokenizer, "plain-v1", [])
+
+
+def test_predictions_split_a_batch_row_by_row_over_each_questions_own_options():
+    """Each question's record holds its own options' values as floats of the float32 outputs, its index the first
+    largest of them (options past its count never win, a NaN row points at its first NaN as torch's argmax does);
+    a head without Dirichlet outputs leaves them None."""
+    g = torch.Generator().manual_seed(3)
+    probs = torch.rand(4, 5, generator=g)
+    probs[1, 3:] = 9.0  # past question 1's 3 options: must not win
+    probs[2, :2] = 0.5  # a tie: the first
+    probs[3, 1] = float("nan")
+    out = HeadPrediction(logits=probs, probs=probs, alpha=torch.rand(4, 5, generator=g) + 1,
+                         belief=torch.rand(4, 5, generator=g), uncertainty=torch.rand(4, generator=g),
+                         sigma=torch.rand(4, 5, generator=g))
+    counts = [5, 3, 2, 4]
+    preds = to_predictions(out, counts)
+    for i, (pred, n) in enumerate(zip(preds, counts, strict=True)):
+        row = probs[i, :n]
+        assert pred.index == int(row.argmax()) and pred.letter == "ABCDE"[pred.index]
+        torch.testing.assert_close(torch.tensor(pred.probs, dtype=torch.float64), row.double(), rtol=0, atol=0,
+                                   equal_nan=True)  # exactly the float32 values
+        assert all(type(x) is float for x in pred.probs) and pred.num_options == n
+        assert pred.alpha == [float(x) for x in out.alpha[i, :n]]
+        assert pred.belief == [float(x) for x in out.belief[i, :n]]
+        assert pred.sigma == [float(x) for x in out.sigma[i, :n]] and pred.uncertainty == float(out.uncertainty[i])
+    assert [p.index for p in preds[1:3]] == [int(probs[1, :3].argmax()), 0] and preds[3].index == 1
+    assert preds[0].confidence == float(probs[0].max())
+    bare = to_predictions(HeadPrediction(logits=probs, probs=probs), counts)
+    assert all(p.alpha is None and p.belief is None and p.sigma is None and p.uncertainty is None for p in bare)
+    assert [p.probs for p in bare[:3]] == [p.probs for p in preds[:3]]
+
+
+def test_a_batch_is_padded_on_the_right_and_read_at_its_last_real_token(predictor):
+    batch = predictor.encode(QUESTIONS)
+    seqs = predictor._encode_all(QUESTIONS, True)
+    width = max(len(s) for s in seqs)
+    assert batch.input_ids.shape == batch.attention_mask.shape == (3, width) and batch.input_ids.dtype == torch.long
+    for i, s in enumerate(seqs):
+        assert batch.input_ids[i].tolist() == s + [predictor.tokenizer.pad_token_id] * (width - len(s))
+        assert batch.attention_mask[i].tolist() == [1] * len(s) + [0] * (width - len(s))
+        assert int(batch.last_index[i]) == len(s) - 1
+    assert batch.option_mask.tolist() == [[True] * 4 + [False], [True] * 3 + [False] * 2, [True] * 5]

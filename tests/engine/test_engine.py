@@ -195,3 +195,34 @@ def test_pad_freely_answers_a_pass_of_mixed_lengths_in_one_forward_with_the_same
         assert a.probabilities == pytest.approx(b.probabilities, abs=1e-5)
         assert a.uncertainty_mass == pytest.approx(b.uncertainty_mass, abs=1e-5)
         assert a.prediction == b.prediction and a.abstained == b.abstained
+
+
+def test_a_checked_prompt_is_tokenised_once_off_the_model_thread(tiny_artifact, monkeypatch):
+    """The check tokenises each prompt to count it (on the caller's thread in the Python door, on the check thread in
+    the service's); the pass takes those ids: the model's thread tokenises none of a request's prompts, and the
+    answers are those of the predictor tokenising them itself."""
+    from ibedl.core.predictor import TokenizedQuestion
+    from ibedl.core.prompt import MCQuestion
+
+    engine, _ = engine_with(tiny_artifact)
+    bodies = [Q, {**Q, "question": "Which is moon?", "context": "The moon is not the sun. " * 3}]
+    predictor, passed = engine.default.predictor, []
+    predict = predictor.predict
+    predictor.predict = lambda questions, truncate_context=True: (passed.extend(questions)
+                                                                  or predict(questions, truncate_context))
+    calls = []
+    tokenizer = type(predictor.tokenizer)
+    original = tokenizer.__call__
+    monkeypatch.setattr(tokenizer, "__call__", lambda self, text, *a, **k: calls.append(
+        threading.current_thread().name) or original(self, text, *a, **k))
+    try:
+        answers = engine.predict(bodies, batch_size=2)
+    finally:
+        engine.close()
+    assert len(passed) == 2 and all(isinstance(q, TokenizedQuestion) and predictor._tokenized_ids(q) is not None
+                                    for q in passed)
+    assert calls and not [name for name in calls if name.startswith("ibedl-model")], calls
+    monkeypatch.undo()
+    plain = predict([MCQuestion(b["question"], tuple(b["options"]), b.get("context")) for b in bodies], False)
+    for answer, own in zip(answers, plain, strict=True):
+        assert list(answer.probabilities.values()) == pytest.approx(own.probs, abs=1e-6)
