@@ -106,7 +106,7 @@ test-servers-deps:
 	fi
 
 # The unit tests: on TEST_WORKERS processes (pytest-xdist; the time it saves: docs/development.md#make-targets)
-UNIT_TESTS = -n $(TEST_WORKERS) -m "not integration and not servers" $(PYTEST_ARGS)
+UNIT_TESTS = -n $(TEST_WORKERS) -m "not integration and not servers" --durations=15 $(PYTEST_ARGS)
 # Two pytest runs: the unit tests quietly (one dot a test), then the real-model and server tests in one process, one
 # line per test as it starts and the slowest durations, so a long test shows what is running (they share the real
 # model's cache, and auto's timings are taken there: a second worker would be another load on the cores they time).

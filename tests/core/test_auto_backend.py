@@ -351,3 +351,23 @@ def test_measure_backends_build_of_a_backend_with_nothing_to_export_is_a_usage_e
         measure_backends.main(["--artifact", str(tiny_artifact), "--build", "torch-cuda-bf16"])
     assert stop.value.code == 2
     assert "--build torch-cuda-bf16: backend 'torch-cuda-bf16' loads the base model" in capsys.readouterr().err
+
+
+def test_measure_backends_builds_times_and_caches_what_auto_then_serves(tiny_artifact, tmp_path, monkeypatch, capsys):
+    """``python -m ibedl.core.measure_backends --artifact DIR`` on real trunks (the tiny model's torch and OpenVINO
+    fp32, timed on this machine): it prints the choice of the faster, and the next ``auto`` load reads that
+    measurement back, building nothing, and serves the same backend with its calibration (whichever won here)."""
+    from ibedl.core import measure_backends
+
+    monkeypatch.setenv("IBEDL_CACHE_DIR", str(tmp_path / "cache"))
+    artifact = carrying(tiny_artifact, tmp_path / "a", ["openvino-fp32"], sample=False)
+    measure_backends.main(["--artifact", str(artifact)])
+    printed = json.loads(capsys.readouterr().out)
+    seconds = printed["seconds"]
+    assert set(seconds) == {"torch", "openvino-fp32"} and all(s > 0 for s in seconds.values())
+    assert printed["backend"] == min(seconds, key=seconds.get) and not printed["cached"]
+    assert Path(printed["path"]).is_file()
+    served = Predictor.from_artifact(artifact, backend="auto")
+    assert served.backend_choice.cached and served.backend_choice.seconds == seconds
+    assert served.backend == printed["backend"] and served.backend_reason.startswith("the fastest calibrated backend")
+    assert served.calibration.key == ("torch-fp32" if served.backend == "torch" else "openvino-fp32")

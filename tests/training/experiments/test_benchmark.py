@@ -41,22 +41,25 @@ def test_expand_grid(bench_config):
 
 
 def test_runner_end_to_end_and_resume(bench_config, tmp_path):
-    path, _ = bench_config
+    path, config = bench_config
+    # every kind of experiment and cell once: one id dataset (the ood experiment trains on it too)
+    path.write_text(json.dumps({**config, "experiments": [{"kind": "id", "datasets": ["obqa"]},
+                                                           *config["experiments"][1:]]}))
     runs_dir, results = tmp_path / "runs", tmp_path / "tiny-results.json"
     args = ["--config", str(path), "--runs-dir", str(runs_dir), "--results", str(results)]
     assert main(args) == 0
     data = json.loads(results.read_text())
-    assert len(data) == 12
-    # the ood cell reuses the id training run of OBQA: 4 trained datasets x 2 trained methods
-    assert len(list(runs_dir.glob("*/manifest.json"))) == 6
+    assert len(data) == 9
+    # the ood cell reuses the id training run of OBQA: 2 trained datasets (OBQA, noisy ARC) x 2 trained methods
+    assert len(list(runs_dir.glob("*/manifest.json"))) == 4
     by_key = {r["key"]: r for r in data}
-    assert set(by_key["id-sciq-ib_edl-s0"]["metrics"]) >= {"accuracy", "ece", "nll", "brier", "aurc", "ece_35"}
+    assert set(by_key["id-obqa-ib_edl-s0"]["metrics"]) >= {"accuracy", "ece", "nll", "brier", "aurc", "ece_35"}
     ood = by_key["ood-obqa-ib_edl-s0"]["metrics"]
     assert 0 <= ood["ood/arc_easy/auroc_mp"] <= 1 and 0 <= ood["ood/arc_easy/auroc_um"] <= 1
     assert "ood/arc_easy/auroc_um" not in by_key["ood-obqa-map-s0"]["metrics"]
     # MC-Dropout and the methods with a predictive fit (Laplace, MAP+TS) reuse the MAP training run
-    assert not (runs_dir / "sciq-mc_dropout-s0").exists()
-    assert (runs_dir / "sciq-map-s0" / "predictions-mc_dropout-sciq.json").is_file()
+    assert not (runs_dir / "obqa-mc_dropout-s0").exists()
+    assert (runs_dir / "obqa-map-s0" / "predictions-mc_dropout-obqa.json").is_file()
     manifest = json.loads((runs_dir / "arc_easy-noise0.5-map-s0" / "manifest.json").read_text())
     assert manifest["training"]["label_noise"] == 0.5
     # every speed names the machine it was measured on (this CPU here), and the report says so
@@ -64,8 +67,8 @@ def test_runner_end_to_end_and_resume(bench_config, tmp_path):
     assert all(r["efficiency"]["train_machine"] == r["efficiency"]["test_machine"] == describe() for r in data)
     report = results.with_suffix(".md").read_text()
     assert "## Label noise (50% of training labels moved; clean test data)" in report
-    assert (tmp_path / "tiny-results-plots" / "risk-coverage-sciq.png").is_file()
-    assert f"Measured on (cells' training, test speeds): {describe()} (12, 12)." in report
+    assert (tmp_path / "tiny-results-plots" / "risk-coverage-obqa.png").is_file()
+    assert f"Measured on (cells' training, test speeds): {describe()} (9, 9)." in report
 
     # every IB-EDL cell has its zeta-free row (the fitted zeta itself, or the predictions again where it is 0)
     assert all(r["metrics_without_posthoc"] for r in data if r["method"] == "ib_edl")
@@ -74,17 +77,18 @@ def test_runner_end_to_end_and_resume(bench_config, tmp_path):
     # Resume: nothing is retrained; a lost result is rebuilt from its cached predictions, and an IB-EDL set cached
     # without its zeta-free row (an older evaluate_run's) is drawn again.
     stamps = {p: p.stat().st_mtime for p in runs_dir.glob("*/manifest.json")}
-    results.write_text(json.dumps([r for r in data if r["key"] not in ("id-sciq-ib_edl-s0", "id-obqa-ib_edl-s0")]))
+    lost = ("noise-arc_easy-noise0.5-ib_edl-s0", "id-obqa-ib_edl-s0")
+    results.write_text(json.dumps([r for r in data if r["key"] not in lost]))
     old = runs_dir / "obqa-ib_edl-s0" / "predictions-ib_edl-obqa.json"
     cached = json.loads(old.read_text())
     old.write_text(json.dumps({k: v for k, v in cached.items() if k != "without_posthoc"}))
     assert main(args) == 0
     assert json.loads(old.read_text())["without_posthoc"] == cached["without_posthoc"]
     again = json.loads(results.read_text())
-    assert len(again) == 12
+    assert len(again) == 9
     assert {p: p.stat().st_mtime for p in runs_dir.glob("*/manifest.json")} == stamps
-    rebuilt = {r["key"]: r for r in again}["id-sciq-ib_edl-s0"]
-    assert rebuilt["metrics"] == by_key["id-sciq-ib_edl-s0"]["metrics"]
+    rebuilt = {r["key"]: r for r in again}[lost[0]]  # its cached predictions intact: the same record
+    assert rebuilt["metrics"] == by_key[lost[0]]["metrics"]
 
 
 def test_an_interrupted_ensemble_run_restarts_from_its_saved_members(bench_config, tmp_path):
