@@ -178,6 +178,17 @@ def postgres_dsn(postgres_server, request):
     postgres_server.drop_database(name)
 
 
+def tokenizer_calls(monkeypatch, tokenizer, record=lambda text: text) -> list:
+    """A list that gets ``record(text)`` for every call of a tokenizer of ``tokenizer``'s class (its copies too: the
+    class's ``__call__`` is wrapped, as calling an instance looks it up there), from now to the test's end."""
+    calls: list = []
+    kind = type(tokenizer)
+    original = kind.__call__
+    monkeypatch.setattr(kind, "__call__", lambda self, text, *a, **k: calls.append(record(text)) or original(
+        self, text, *a, **k))
+    return calls
+
+
 def thread_recording_loader(threads: list[tuple[str, int]]):
     """The default loader, recording ``("load", thread id)`` when it loads and ``("predict", thread id)`` at every
     call of the model (the warm-up's and the passes')."""

@@ -16,6 +16,7 @@ from ibedl.core.predictor import (
     to_predictions,
 )
 from ibedl.core.prompt import MCQuestion, format_prompt, option_token_ids
+from tests.conftest import tokenizer_calls
 
 QUESTIONS = [
     MCQuestion("What do plants need?", ("sunlight", "sand", "salt", "iron")),
@@ -206,11 +207,7 @@ def test_a_pass_tokenises_its_prompts_in_one_call_as_one_by_one_would(predictor,
     alone = [short._encode_one(i, q, True) for i, q in enumerate(questions)]
     assert len(alone[3]) <= 64 < short.count_tokens(long)  # shortened
     fitting = [format_prompt(q, "plain-v1", short.tokenizer) for q in questions if short.count_tokens(q) <= 64]
-    calls = []
-    tokenizer = type(short.tokenizer)
-    original = tokenizer.__call__
-    monkeypatch.setattr(tokenizer, "__call__", lambda self, text, *a, **k: calls.append(text) or original(
-        self, text, *a, **k))
+    calls = tokenizer_calls(monkeypatch, short.tokenizer)
     assert short._encode_all(questions, True) == alone
     assert isinstance(calls[0], list) and len(calls[0]) == len(questions)  # one call for the pass
     assert len(fitting) == 3 and not set(fitting) & {c for c in calls[1:] if isinstance(c, str)}  # not again alone
@@ -260,11 +257,7 @@ def test_a_pass_takes_the_ids_a_checked_question_carries_for_its_tokenizer_and_t
     strangers = [checked(QUESTIONS[0], ids_of=QUESTIONS[1], tokenizer=counter),  # an equal tokenizer, not the one
                  checked(QUESTIONS[0], ids_of=QUESTIONS[1], template="chat-v1"),
                  dataclasses.replace(planted, options=("sunlight", "sand"))]
-    calls = []
-    tokenizer = type(predictor.tokenizer)
-    original = tokenizer.__call__
-    monkeypatch.setattr(tokenizer, "__call__", lambda self, text, *a, **k: calls.append(text) or original(
-        self, text, *a, **k))
+    calls = tokenizer_calls(monkeypatch, predictor.tokenizer)
     assert predictor._encode_all(mixed, True) == plain
     assert calls == [[format_prompt(QUESTIONS[2], "plain-v1", predictor.tokenizer)]]  # only the plain one, once
     calls.clear()

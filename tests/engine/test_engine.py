@@ -11,7 +11,7 @@ import pytest
 from ibedl.engine.engine import Engine
 from ibedl.engine.errors import NotReady, Overloaded, QueueFull, Timeout
 from ibedl.engine.settings import EngineSettings
-from tests.conftest import thread_recording_loader
+from tests.conftest import thread_recording_loader, tokenizer_calls
 from tests.engine.conftest import engine_with
 
 Q = {"question": "Which is sun?", "options": ["sun", "moon", "tree"]}
@@ -210,11 +210,7 @@ def test_a_checked_prompt_is_tokenised_once_off_the_model_thread(tiny_artifact, 
     predict = predictor.predict
     predictor.predict = lambda questions, truncate_context=True: (passed.extend(questions)
                                                                   or predict(questions, truncate_context))
-    calls = []
-    tokenizer = type(predictor.tokenizer)
-    original = tokenizer.__call__
-    monkeypatch.setattr(tokenizer, "__call__", lambda self, text, *a, **k: calls.append(
-        threading.current_thread().name) or original(self, text, *a, **k))
+    calls = tokenizer_calls(monkeypatch, predictor.tokenizer, lambda text: threading.current_thread().name)
     try:
         answers = engine.predict(bodies, batch_size=2)
     finally:
