@@ -33,7 +33,7 @@ from ibedl.core.auto_backend import time_call as timed
 
 def measure(predictor, questions: list, size: int, rounds: int) -> dict:
     """One pass size: ``rounds`` passes of ``size`` new questions each (``questions`` holds at least
-    ``rounds * size``), the two steps against what they replaced in each round."""
+    ``rounds * size``), the three steps against what they replaced in each round."""
     from ibedl.core.predictor import TokenizedQuestion, prompt_ids
 
     name = predictor.members[0]

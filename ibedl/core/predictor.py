@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,39 +131,39 @@ def count_prompt_tokens(tokenizer, template: str, q: MCQuestion) -> int:
 @dataclass(frozen=True)
 class TokenizedQuestion(MCQuestion):
     """A question whose whole prompt was tokenised before its pass (the service counts every prompt's tokens when it
-    checks the request, on a thread of its own): ``prompt_ids`` under ``template`` by a copy of ``tokenizer``. A
-    predictor whose tokenizer is that very object and whose template is ``template`` takes the ids instead of
-    tokenising the prompt again on the model's thread; any other predictor tokenises it as a plain question, and so
-    does every predictor once the text the ids were made of changed (``dataclasses.replace``).
+    checks the request, on a thread of its own): ``prompt_ids`` under ``template`` by a copy of the tokenizer
+    :meth:`of` was given. A predictor whose tokenizer is that very object and whose template is ``template`` takes
+    the ids instead of tokenising the prompt again on the model's thread; any other predictor tokenises it as a plain
+    question, and so does every predictor for a question made otherwise than by :meth:`of` (``dataclasses.replace``
+    with other texts included: the tokenizer is no field, only a weak reference :meth:`of` attaches). Compares equal
+    to a tokenized question of the same fields whatever its ids.
 
     Attributes:
         prompt_ids: the formatted prompt's token ids, untruncated (:func:`prompt_ids`).
         template: the prompt template they were made under.
-        tokenizer: the tokenizer they equal (compared by identity, never called through this).
     """
 
-    prompt_ids: tuple[int, ...] = ()
-    template: str = ""
-    tokenizer: object = dataclasses.field(default=None, compare=False, repr=False)
-    made_of: tuple = dataclasses.field(default=(), compare=False, repr=False)  # the texts the ids were made of
+    prompt_ids: tuple[int, ...] = dataclasses.field(default=(), compare=False, repr=False)
+    template: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.prompt_ids:
             raise ValueError("a tokenized question needs its prompt's token ids, got none")
         object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))
-        if not self.made_of:
-            object.__setattr__(self, "made_of", self.texts())
-
-    def texts(self) -> tuple:
-        """What the prompt is made of: the stem, the options and the passage."""
-        return self.question, self.options, self.context
 
     @classmethod
     def of(cls, q: MCQuestion, tokenizer, template: str, ids: list[int]) -> TokenizedQuestion:
         """``q`` with the ids of its prompt under ``template``, made by ``tokenizer`` or a copy of it."""
         fields = {f.name: getattr(q, f.name) for f in dataclasses.fields(MCQuestion)}
-        return cls(**fields, prompt_ids=tuple(ids), template=template, tokenizer=tokenizer)
+        made = cls(**fields, prompt_ids=tuple(ids), template=template)
+        object.__setattr__(made, "_made_by", weakref.ref(tokenizer))  # a copy or deepcopy keeps the reference
+        return made
+
+    def made_by(self, tokenizer) -> bool:
+        """Whether the ids were made by ``tokenizer`` (or a copy of it) for these very texts."""
+        made_by = getattr(self, "_made_by", None)
+        return made_by is not None and made_by() is tokenizer
 
 
 def fits(tokenizer, template: str, max_tokens: int, q: MCQuestion) -> bool:
@@ -329,8 +330,7 @@ class Predictor:
 
     def _tokenized_ids(self, q: MCQuestion) -> list[int] | None:
         """The ids ``q`` carries, when they were made by this predictor's tokenizer under its template."""
-        if isinstance(q, TokenizedQuestion) and q.tokenizer is self.tokenizer and q.template == self.template \
-                and q.made_of == q.texts():
+        if isinstance(q, TokenizedQuestion) and q.made_by(self.tokenizer) and q.template == self.template:
             return list(q.prompt_ids)
         return None
 

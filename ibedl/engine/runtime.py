@@ -100,7 +100,9 @@ def make_runtimes(predictors: list[Predictor], settings: EngineSettings,
     if bad:
         raise ValueError(f"{len(bad)} weight tensors hold NaN or inf (first: {', '.join(bad[:3])}); "
                          "the artifact is broken: retrain or restore it")
-    count_tokenizers = PerThreadTokenizer(predictors[0].tokenizer)  # one base model: one tokenizer
+    # one base model: one tokenizer (a pass takes the check's ids only on predictors holding this very object; a
+    # loader giving each predictor a tokenizer of its own makes their passes tokenise again, slower, never wrong)
+    count_tokenizers = PerThreadTokenizer(predictors[0].tokenizer)
     runtimes: dict[str, AdapterRuntime] = {}
     for predictor in predictors:
         manifest = predictor.manifest

@@ -265,7 +265,11 @@ def test_a_pass_takes_the_ids_a_checked_question_carries_for_its_tokenizer_and_t
     assert predictor._encode_all([planted], True) == [plain[1]]  # taken as carried
     replaced = MCQuestion("What do plants need?", ("sunlight", "sand"))
     assert predictor._encode_all(strangers, True) == [plain[0], plain[0], predictor._encode_all([replaced], True)[0]]
-    assert predictor._encode_all([copy.copy(planted)], True) == [plain[1]]  # a copied question keeps its ids
+    assert predictor._encode_all([copy.copy(planted), copy.deepcopy(planted)], True) == [plain[1]] * 2  # copies too
+    assert copy.copy(predictor)._encode_all([planted], True) == [plain[1]]  # a backend switch's copy of the predictor
+    assert "prompt_ids" not in repr(planted) and planted == checked(QUESTIONS[0])  # equal whatever its ids
+    assert set(dataclasses.asdict(planted)) == {f.name for f in dataclasses.fields(MCQuestion)} | {"prompt_ids",
+                                                                                                     "template"}
     monkeypatch.undo()
     for a, b in zip(predictor.predict(mixed), predictor.predict(QUESTIONS), strict=True):
         assert a.probs == pytest.approx(b.probs, abs=1e-6) and a.uncertainty == pytest.approx(b.uncertainty, abs=1e-6)
@@ -287,6 +291,7 @@ def test_predictions_split_a_batch_row_by_row_over_each_questions_own_options():
     probs[1, 3:] = 9.0  # past question 1's 3 options: must not win
     probs[2, :2] = 0.5  # a tie: the first
     probs[3, 1] = float("nan")
+    probs[2, 3] = float("nan")  # past question 2's 2 options: ignored
     out = HeadPrediction(logits=probs, probs=probs, alpha=torch.rand(4, 5, generator=g) + 1,
                          belief=torch.rand(4, 5, generator=g), uncertainty=torch.rand(4, generator=g),
                          sigma=torch.rand(4, 5, generator=g))
@@ -316,5 +321,6 @@ def test_a_batch_is_padded_on_the_right_and_read_at_its_last_real_token(predicto
     for i, s in enumerate(seqs):
         assert batch.input_ids[i].tolist() == s + [predictor.tokenizer.pad_token_id] * (width - len(s))
         assert batch.attention_mask[i].tolist() == [1] * len(s) + [0] * (width - len(s))
+        assert batch.attention_mask.dtype == batch.last_index.dtype == torch.long
         assert int(batch.last_index[i]) == len(s) - 1
     assert batch.option_mask.tolist() == [[True] * 4 + [False], [True] * 3 + [False] * 2, [True] * 5]
