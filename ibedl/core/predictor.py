@@ -123,6 +123,14 @@ def prompt_ids(tokenizer, template: str, q: MCQuestion) -> list[int]:
     return tokenizer(format_prompt(q, template, tokenizer))["input_ids"]
 
 
+def prompts_ids(tokenizer, template: str, questions: list[MCQuestion]) -> list[list[int]]:
+    """:func:`prompt_ids` of each of ``questions``, tokenised in one call (a fast tokenizer's batch: the same ids in
+    less time than a call each, tests/integration/test_prompt_tokens_real.py)."""
+    if not questions:  # a fast tokenizer refuses an empty list
+        return []
+    return tokenizer([format_prompt(q, template, tokenizer) for q in questions])["input_ids"]
+
+
 def count_prompt_tokens(tokenizer, template: str, q: MCQuestion) -> int:
     """Tokens of the formatted prompt of ``q`` (with its whole passage)."""
     return len(prompt_ids(tokenizer, template, q))
@@ -321,10 +329,9 @@ class Predictor:
         past ``max_tokens`` then shortened by :meth:`_encode_one`."""
         seqs = [self._tokenized_ids(q) for q in questions]
         fresh = [i for i, ids in enumerate(seqs) if ids is None]
-        if fresh:  # a fast tokenizer refuses an empty list
-            prompts = [format_prompt(questions[i], self.template, self.tokenizer) for i in fresh]
-            for i, ids in zip(fresh, self.tokenizer(prompts)["input_ids"], strict=True):
-                seqs[i] = ids
+        for i, ids in zip(fresh, prompts_ids(self.tokenizer, self.template, [questions[i] for i in fresh]),
+                          strict=True):
+            seqs[i] = ids
         return [ids if len(ids) <= self.max_tokens else self._encode_one(i, q, truncate_context, ids)
                 for i, (q, ids) in enumerate(zip(questions, seqs, strict=True))]
 
@@ -657,4 +664,4 @@ def _average(outs: list[HeadPrediction]) -> HeadPrediction:
 
 
 __all__ = ["Predictor", "Prediction", "EncodedBatch", "PromptTooLongError", "BaseModelMismatchError",
-           "TokenizedQuestion", "prompt_ids", "count_prompt_tokens"]
+           "TokenizedQuestion", "prompt_ids", "prompts_ids", "count_prompt_tokens"]

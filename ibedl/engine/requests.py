@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 from ibedl.core.artifact import Conformal
-from ibedl.core.predictor import TokenizedQuestion, prompt_ids
+from ibedl.core.predictor import TokenizedQuestion, prompts_ids
 from ibedl.core.prompt import LETTERS, MCQuestion
 from ibedl.engine.errors import InvalidRequest, TooLarge
 from ibedl.engine.runtime import AdapterRuntime
@@ -32,10 +32,9 @@ def max_options(settings: EngineSettings, runtime: AdapterRuntime | None) -> int
 
 
 def to_question(runtime: AdapterRuntime, settings: EngineSettings, req: PredictRequest,
-                prefix: str = "") -> tuple[TokenizedQuestion, int]:
+                prefix: str = "") -> MCQuestion:
     """Check limits and convert for the adapter ``runtime``; ``prefix`` locates the item in a batch
-    (``items.3.``). Returns the question with its prompt's token ids (the pass takes them instead of tokenising
-    again) and their count."""
+    (``items.3.``). Its prompt's tokens are checked next (:func:`tokenized`, :func:`within_tokens`)."""
     s = settings
     if isinstance(req.options, dict):
         keys = list(req.options)
@@ -64,12 +63,16 @@ def to_question(runtime: AdapterRuntime, settings: EngineSettings, req: PredictR
                        prefix + "context")
     if req.conformal is not None:  # an alpha or score not stored for this option count is the client's error: 422,
         stored_quantile(conformal_of(runtime, len(options)), req, prefix)  # before the model runs
-    q = tokenized(runtime, MCQuestion(req.question, tuple(options), req.context or None, id=req.id))
+    return MCQuestion(req.question, tuple(options), req.context or None, id=req.id)
+
+
+def within_tokens(settings: EngineSettings, q: TokenizedQuestion, prefix: str = "") -> int:
+    """The prompt's token count, TooLarge past ``max_tokens`` (a served prompt is never shortened)."""
     tokens = len(q.prompt_ids)
-    if tokens > s.max_tokens:
-        raise TooLarge(f"the prompt is {tokens} tokens after formatting; the limit is {s.max_tokens}",
+    if tokens > settings.max_tokens:
+        raise TooLarge(f"the prompt is {tokens} tokens after formatting; the limit is {settings.max_tokens}",
                        prefix + ("context" if q.context else "question"))
-    return q, tokens
+    return tokens
 
 
 def conformal_of(runtime: AdapterRuntime, options: int) -> Conformal | None:
@@ -103,8 +106,10 @@ def stored_quantile(conformal: Conformal | None, req: PredictRequest,
                              prefix + "conformal") from None
 
 
-def tokenized(runtime: AdapterRuntime, q: MCQuestion) -> TokenizedQuestion:
-    """``q`` with its formatted prompt's token ids, tokenised on the calling thread's own copy of the runtime's
-    tokenizer: a pass on the runtime's predictor takes them (the tokenizer they were copied from is its own)."""
+def tokenized(runtime: AdapterRuntime, questions: list[MCQuestion]) -> list[TokenizedQuestion]:
+    """``questions`` (one request's, for the adapter ``runtime``) with their formatted prompts' token ids, tokenised
+    in one call on the calling thread's own copy of the runtime's tokenizer: a pass on the runtime's predictor takes
+    them (the tokenizer they were copied from is its own)."""
     counter, template = runtime.count_tokenizers, runtime.predictor.template
-    return TokenizedQuestion.of(q, counter.source, template, prompt_ids(counter.get(), template, q))
+    return [TokenizedQuestion.of(q, counter.source, template, ids)
+            for q, ids in zip(questions, prompts_ids(counter.get(), template, questions), strict=True)]

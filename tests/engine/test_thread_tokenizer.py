@@ -34,7 +34,7 @@ def test_threads_tokenise_concurrently_on_their_own_copies_as_one_thread_does(ti
         try:
             start.wait(timeout=60)  # all threads tokenize at once
             for r in range(ROUNDS):
-                counts[t].append(tokenized(runtime, questions[(t + r) % THREADS]).prompt_ids)
+                counts[t].append(tokenized(runtime, [questions[(t + r) % THREADS]])[0].prompt_ids)
             used[t] = runtime.count_tokenizers.get()
         except BaseException as e:  # a thread's failure is the test's
             errors.append(e)
