@@ -164,7 +164,7 @@ class TokenizedQuestion(MCQuestion):
     def of(cls, q: MCQuestion, tokenizer, template: str, ids: list[int]) -> TokenizedQuestion:
         """``q`` with the ids of its prompt under ``template``, made by ``tokenizer`` or a copy of it."""
         fields = {f.name: getattr(q, f.name) for f in dataclasses.fields(MCQuestion)}
-        made = cls(**fields, prompt_ids=tuple(ids), template=template)
+        made = cls(**fields, prompt_ids=ids, template=template)
         object.__setattr__(made, "_made_by", weakref.ref(tokenizer))  # a copy or deepcopy keeps the reference
         return made
 
@@ -346,7 +346,7 @@ class Predictor:
         """Token ids of ``q``'s prompt (``ids``: already tokenised whole), its passage's tail cut to fit
         ``max_tokens`` where ``truncate_context`` allows; PromptTooLongError naming ``index`` where it cannot fit."""
         if ids is None:
-            ids = self.tokenizer(format_prompt(q, self.template, self.tokenizer))["input_ids"]
+            ids = prompt_ids(self.tokenizer, self.template, q)
         if len(ids) <= self.max_tokens:
             return ids
         if not (truncate_context and q.context):

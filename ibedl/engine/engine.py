@@ -358,7 +358,6 @@ class Engine:
         # benchmarks/results/pass_overhead_cpu.json), then each prompt's token limit
         runtime = self.runtime(items[0].adapter, f"{field}.0.adapter")
         prefixes = [f"{field}.{i}." for i in range(len(items))]
-        items = [as_request(item, prefix) for item, prefix in zip(items, prefixes, strict=True)]
         questions = [to_question(runtime, self.settings, item, prefix) for item, prefix in zip(items, prefixes,
                                                                                                strict=True)]
         checked = [Checked(runtime, item, q, within_tokens(self.settings, q, prefix))
