@@ -1,5 +1,5 @@
 """What the benchmark scripts share: writing their results file, the CPU each speed figure was measured on, a
-process's context switches and the paired ratio of two sets of times."""
+process's context switches and its threads' CPU time, and the paired ratio of two sets of times."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ibedl.core.cpu_isa import cpu_flags, model_name, onednn_cap
+from ibedl.core.cpu_isa import cpu_flags, model_name, onednn_cap, usable_cores
 
 REPO = Path(__file__).resolve().parents[1]  # the repository's root, where the benchmarks run as modules
 
@@ -49,8 +49,7 @@ def cpu_features() -> dict:
     figure. Read through :mod:`ibedl.core.cpu_isa`, the one place that parses the CPU."""
     flags = cpu_flags()
     isa = {f: f in flags for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")}
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"model": model_name(), **isa, "onednn_cap": onednn_cap() or None, "cores": cores}
+    return {"model": model_name(), **isa, "onednn_cap": onednn_cap() or None, "cores": usable_cores()}
 
 
 def voluntary_context_switches(pid: int | str = "self") -> int:
@@ -67,6 +66,21 @@ def voluntary_context_switches(pid: int | str = "self") -> int:
         total += next(int(line.split()[1]) for line in status.splitlines()
                       if line.startswith("voluntary_ctxt_switches:"))
     return total
+
+
+def thread_cpu_s(pid: int | str = "self") -> dict[int, float]:
+    """CPU seconds (user and system) each live thread of process ``pid`` has used, by its native thread id, from
+    ``/proc/<pid>/task/*/stat`` (Linux; clock-tick resolution, 10 ms on most kernels: sum a run of seconds)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    used = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except FileNotFoundError:  # the thread ended between the listing and the read
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after the name, which may hold spaces; state is field 3
+        used[int(task.name)] = (int(fields[11]) + int(fields[12])) / tick  # utime and stime, fields 14 and 15
+    return used
 
 
 def paired_ratio(numerator, denominator, seed: int = 0) -> dict:

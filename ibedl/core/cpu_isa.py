@@ -84,6 +84,14 @@ def model_name() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity mask where the OS has one (Linux), else the machine's count (a
+    container's CPU quota is not read)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def cpu_signature() -> str:
     """The CPU's model name and flags (Linux), else what ``platform`` knows, and oneDNN's instruction cap when one
     is set (:func:`onednn_cap`: the kernels, so the timings, are another CPU's): what a measurement or a compile

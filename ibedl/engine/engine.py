@@ -370,10 +370,10 @@ class Engine:
         return checked
 
     async def off_loop(self, fn: Callable, *args):
-        """``fn(*args)`` on the request-checking thread (tokenizing takes milliseconds of CPU, too long for the
-        event loop); its exception is raised here."""
+        """``fn(*args)`` on one of the request-checking threads (``IBEDL_CHECK_THREADS``; tokenizing takes
+        milliseconds of CPU, too long for the event loop); its exception is raised here."""
         if self._checker is None:
-            self._checker = ThreadPoolExecutor(1, thread_name_prefix="ibedl-check")
+            self._checker = ThreadPoolExecutor(self.settings.checking_threads(), thread_name_prefix="ibedl-check")
         return await asyncio.get_running_loop().run_in_executor(self._checker, fn, *args)
 
     # -- answering (on the engine's event loop) -------------------------------------------------

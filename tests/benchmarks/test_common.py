@@ -112,3 +112,32 @@ def test_the_kept_activations_are_the_bytes_autograd_saves_weights_left_out_and_
     assert kept == 4000
     loss.backward()
     torch.testing.assert_close(module.weight.grad[0], (x * (x * w).exp()).detach())
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux's /proc to read threads' CPU time")
+def test_a_thread_s_cpu_seconds_are_read_by_its_native_id():
+    """A thread that computes until its own clock (time.thread_time) says 0.3 s is read at about that, within the
+    clock tick /proc counts in; a thread that only waited meanwhile is read at (nearly) nothing more than before."""
+    import threading
+    import time
+
+    done, native = threading.Event(), {}
+
+    def spin() -> None:
+        native["id"] = threading.get_native_id()
+        while time.thread_time() < 0.3:
+            pass
+        done.set()
+
+    waiting = threading.Thread(target=done.wait, args=(60,))
+    waiting.start()
+    before = common.thread_cpu_s()
+    worker = threading.Thread(target=spin)
+    worker.start()
+    assert done.wait(60), "the spinning thread never reached 0.3 s of CPU"
+    used = common.thread_cpu_s()
+    worker.join()
+    waiting.join()
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    assert 0.3 - 2 * tick <= used[native["id"]] <= 0.3 + 0.1  # + what it took to start and to stop spinning
+    assert used[waiting.native_id] - before[waiting.native_id] <= 2 * tick

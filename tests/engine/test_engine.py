@@ -222,3 +222,47 @@ def test_a_checked_prompt_is_tokenised_once_off_the_model_thread(tiny_artifact, 
     plain = predict([MCQuestion(b["question"], tuple(b["options"]), b.get("context")) for b in bodies], False)
     for answer, own in zip(answers, plain, strict=True):
         assert list(answer.probabilities.values()) == pytest.approx(own.probs, abs=1e-6)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_requests_are_checked_on_as_many_threads_as_set_each_with_its_own_tokenizer(tiny_artifact, threads):
+    """IBEDL_CHECK_THREADS requests are checked at once and no more: with ``threads`` checks held open until that
+    many are in flight together, one more request waits for a thread; each thread counts on its own tokenizer copy,
+    and the answers are those of one thread."""
+    engine, _ = engine_with(tiny_artifact, check_threads=threads)
+    together = threading.Barrier(threads)
+    lock, state = threading.Lock(), {"now": 0, "most": 0, "threads": set(), "copies": set()}
+    check = engine.check
+
+    def held(question, prefix=""):
+        with lock:
+            state["now"] += 1
+            state["most"] = max(state["most"], state["now"])
+        try:
+            together.wait(30)  # raises BrokenBarrierError unless ``threads`` checks are in flight at once
+            checked = check(question, prefix)
+            state["threads"].add(threading.current_thread().name)
+            state["copies"].add(id(checked.runtime.count_tokenizers.get()))
+            return checked
+        finally:
+            with lock:
+                state["now"] -= 1
+
+    engine.check = held
+    questions = [{**Q, "question": f"Which is sun, {i}?"} for i in range(2 * threads)]
+
+    async def ask_all():
+        from ibedl.engine.schemas import PredictRequest
+
+        return await asyncio.gather(*(engine.ask_one(PredictRequest(**q), engine.arrive()) for q in questions))
+
+    try:
+        answers = engine.call(ask_all)
+        engine.check = check
+        alone = engine.predict(questions)
+    finally:
+        engine.close()
+    assert state["most"] == threads and len(state["threads"]) == threads and len(state["copies"]) == threads
+    assert all(name.startswith("ibedl-check") for name in state["threads"])
+    for a, b in zip(answers, alone, strict=True):
+        assert a.probabilities == pytest.approx(b.probabilities, abs=1e-6)

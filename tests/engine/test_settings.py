@@ -1,0 +1,34 @@
+"""ibedl/engine/settings.py: the defaults computed from the machine, and values refused with the setting named."""
+
+import os
+
+import pytest
+from pydantic import ValidationError
+
+from ibedl.engine.settings import EngineSettings
+
+
+@pytest.mark.parametrize("cores, threads", [(1, 1), (2, 1), (7, 1), (8, 2), (12, 3), (16, 4), (128, 4)])
+def test_requests_are_checked_on_a_quarter_of_the_cores_one_to_four_by_default(monkeypatch, cores, threads):
+    monkeypatch.delenv("IBEDL_CHECK_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    assert EngineSettings().checking_threads() == threads
+
+
+def test_without_an_affinity_mask_the_default_counts_the_machine_s_cores(monkeypatch):
+    monkeypatch.delenv("IBEDL_CHECK_THREADS", raising=False)
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 12)
+    assert EngineSettings().checking_threads() == 3
+
+
+def test_a_set_count_is_taken_as_it_is(monkeypatch):
+    monkeypatch.setenv("IBEDL_CHECK_THREADS", "6")
+    assert EngineSettings().checking_threads() == 6
+
+
+@pytest.mark.parametrize("value", ["0", "65", "two"])
+def test_a_count_out_of_range_is_refused_by_name(monkeypatch, value):
+    monkeypatch.setenv("IBEDL_CHECK_THREADS", value)
+    with pytest.raises(ValidationError, match="check_threads"):
+        EngineSettings()
