@@ -15,7 +15,9 @@ profiles run in :data:`PROFILES`' order, which puts first what decides the issue
 4. ``merged_adapter``: what folding the adapter into the weights saves a forward;
 5. ``padding_cost``: padded freely against length groups;
 6. ``gradient_checkpointing``: its trade on the 135M model;
-7. ``pass_overhead``: what a pass costs the machine's CPU besides the trunk, and the predictor's two cheaper steps.
+7. ``pass_overhead``: what a pass costs the machine's CPU besides the trunk, and the predictor's two cheaper steps;
+8. ``check_threads``: whether 2 or 4 request-checking threads answer more than one outside the trunk, on the GPU
+   machine's cores (``IBEDL_CHECK_THREADS``'s default there is 4).
 
 Each runs as a process of its own (its group killed at its limit: ``benchmarks.gpu_check.run_budgeted``) for at
 most ``--each-s`` seconds and what is left of ``--budget-s``; one that would start with less than
@@ -45,6 +47,7 @@ PROFILES = {
     "padding_cost": ("benchmarks.padding_cost", ["--device", "cuda"]),
     "gradient_checkpointing": ("benchmarks.gradient_checkpointing", ["--device", "cuda"]),
     "pass_overhead": ("benchmarks.pass_overhead", ["--device", "cuda"]),
+    "check_threads": ("benchmarks.check_threads", ["--device", "cuda", "--threads", "1,2,4"]),
 }
 # A profile is not started with less time than this left of the budget: loading a model and CUDA take most of it.
 MIN_START_S = 30.0

@@ -45,7 +45,8 @@ def test_the_order_puts_the_open_bounds_first_and_outputs_follow_the_benchmarks_
     assert gpu_profiles.output_name("paper_scale_gpu_checkpointed") == "paper_scale_gpu_checkpointed.json"
     from benchmarks.common import device_output
 
-    for name in ("training_precision", "merged_adapter", "padding_cost", "gradient_checkpointing", "pass_overhead"):
+    for name in ("training_precision", "merged_adapter", "padding_cost", "gradient_checkpointing", "pass_overhead",
+                 "check_threads"):
         assert gpu_profiles.output_name(name) == Path(device_output(name, "cuda")).name
 
 
