@@ -28,12 +28,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import sys
 import threading
 import time
 
-from benchmarks.common import cpu_features, device_output, paired_ratio, parse_sizes, thread_cpu_s, write_result
+from benchmarks.common import (
+    cpu_features,
+    cuda_refusal,
+    device_output,
+    paired_ratio,
+    parse_sizes,
+    served_questions,
+    thread_cpu_s,
+    write_result,
+)
 
 SERVE_AS_ON_A_GPU = {"max_batch_size": 64, "max_batch_tokens": 65536, "pad_freely": True}
 
@@ -126,18 +134,14 @@ def main(argv=None) -> int:
                                ("--rounds", args.rounds, 2)):
         if value < least:
             parser.error(f"{flag} must be >= {least}, got {value}")
-    if not (args.device == "cpu" or args.device.startswith("cuda")):
-        parser.error(f"--device must be cpu or cuda[:i], got {args.device!r}")
+    refused = cuda_refusal(parser, args.device)
+    if refused is not None:
+        return refused
     import torch
 
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print(f"error: --device {args.device}: no CUDA device (torch {torch.__version__})", file=sys.stderr)
-        return 2
-    from ibedl.core.predictor import count_prompt_tokens
     from ibedl.engine.engine import Engine
     from ibedl.engine.schemas import PredictRequest
     from ibedl.engine.settings import EngineSettings
-    from ibedl.training.data import load_dataset
 
     engines = {}
     for n in threads:
@@ -147,13 +151,11 @@ def main(argv=None) -> int:
     try:
         predictor = engines[threads[0]].runtimes[next(iter(engines[threads[0]].runtimes))].predictor
         limit = engines[threads[0]].settings.max_tokens
-        pool = load_dataset(args.dataset, "train", seed=0)
-        admitted = (q for q in pool if count_prompt_tokens(predictor.tokenizer, predictor.template, q) <= limit)
-        needed = (args.rounds + 1) * args.requests
-        questions = list(itertools.islice(admitted, needed))
-        if len(questions) < needed:  # the service would refuse the others
-            parser.error(f"only {len(questions)} of {len(pool)} {args.dataset} questions fit the service's {limit} "
-                         f"tokens; {needed} needed: fewer --rounds or --requests, or another --dataset")
+        try:
+            questions = served_questions(predictor.tokenizer, predictor.template, limit, args.dataset,
+                                         (args.rounds + 1) * args.requests, "fewer --rounds or --requests")
+        except ValueError as e:
+            parser.error(str(e))
         requests = [PredictRequest(question=q.question, options=list(q.options), context=q.context)
                     for q in questions]
         seconds: dict[int, list[float]] = {n: [] for n in threads}

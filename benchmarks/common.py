@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +42,37 @@ def device_output(benchmark: str, device: str) -> str:
     """Where ``benchmark`` run on ``device`` writes by default: one file per kind of device
     (``benchmarks/results/<benchmark>_<cpu|cuda>.json``), so a GPU's run keeps the CPU's."""
     return f"benchmarks/results/{benchmark}_{device.split(':')[0]}.json"
+
+
+def cuda_refusal(parser, device: str) -> int | None:
+    """A benchmark's ``--device``: ``parser.error`` unless it is cpu or cuda[:i]; 2, after saying why, when it names
+    CUDA and torch has none; else None (measure)."""
+    if not (device == "cpu" or device.startswith("cuda")):
+        parser.error(f"--device must be cpu or cuda[:i], got {device!r}")
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"error: --device {device}: no CUDA device (torch {torch.__version__})", file=sys.stderr)
+        return 2
+    return None
+
+
+def served_questions(tokenizer, template: str, limit: int, dataset: str, needed: int, fewer: str) -> list:
+    """The first ``needed`` of ``dataset``'s training questions (seed 0) whose whole prompt fits ``limit`` tokens, as
+    the service would admit them (it refuses the others); ValueError saying how many fit and, in ``fewer``, which
+    flags ask for less."""
+    import itertools
+
+    from ibedl.core.predictor import count_prompt_tokens
+    from ibedl.training.data import load_dataset
+
+    pool = load_dataset(dataset, "train", seed=0)
+    questions = list(itertools.islice((q for q in pool if count_prompt_tokens(tokenizer, template, q) <= limit),
+                                      needed))
+    if len(questions) < needed:
+        raise ValueError(f"only {len(questions)} of {len(pool)} {dataset} questions fit the service's {limit} "
+                         f"tokens; {needed} needed: {fewer} or another --dataset")
+    return questions
 
 
 def cpu_features() -> dict:

@@ -24,10 +24,17 @@ from __future__ import annotations
 
 import argparse
 import copy
-import itertools
 import sys
 
-from benchmarks.common import cpu_features, device_output, paired_ratio, parse_sizes, write_result
+from benchmarks.common import (
+    cpu_features,
+    cuda_refusal,
+    device_output,
+    paired_ratio,
+    parse_sizes,
+    served_questions,
+    write_result,
+)
 from ibedl.core.auto_backend import time_call as timed
 
 
@@ -81,16 +88,13 @@ def main(argv=None) -> int:
         parser.error(str(e))
     if args.rounds < 2:
         parser.error(f"--rounds must be >= 2 (a paired interval needs two rounds), got {args.rounds}")
-    if not (args.device == "cpu" or args.device.startswith("cuda")):
-        parser.error(f"--device must be cpu or cuda[:i], got {args.device!r}")
+    refused = cuda_refusal(parser, args.device)
+    if refused is not None:
+        return refused
     import torch
 
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print(f"error: --device {args.device}: no CUDA device (torch {torch.__version__})", file=sys.stderr)
-        return 2
-    from ibedl.core.predictor import Predictor, count_prompt_tokens
+    from ibedl.core.predictor import Predictor
     from ibedl.engine.settings import EngineSettings
-    from ibedl.training.data import load_dataset
 
     predictor = Predictor.from_artifact(args.artifact, device=args.device, backend="torch")
     if not predictor.members:
@@ -99,16 +103,12 @@ def main(argv=None) -> int:
     states = torch.randn(max(sizes), width, generator=torch.Generator().manual_seed(0))
     states = states.to(predictor.device, next(predictor.heads[0].parameters()).dtype)
     predictor._hidden = lambda batch: states[: batch.input_ids.shape[0]]  # the trunk's stand-in
-    needed = args.rounds * max(sizes)
-    pool = load_dataset(args.dataset, "train", seed=0)
     predictor.max_tokens = EngineSettings.model_fields["max_tokens"].default  # what make_runtimes sets
-    admitted = (q for q in pool
-                if count_prompt_tokens(predictor.tokenizer, predictor.template, q) <= predictor.max_tokens)
-    questions = list(itertools.islice(admitted, needed))
-    if len(questions) < needed:  # the service would refuse the others
-        parser.error(f"only {len(questions)} of {len(pool)} {args.dataset} questions fit the service's "
-                     f"{predictor.max_tokens} tokens; {needed} needed: fewer --rounds, smaller --sizes or another "
-                     "--dataset")
+    try:
+        questions = served_questions(predictor.tokenizer, predictor.template, predictor.max_tokens, args.dataset,
+                                     args.rounds * max(sizes), "fewer --rounds, smaller --sizes")
+    except ValueError as e:
+        parser.error(str(e))
     result = {"artifact": args.artifact, "dataset": args.dataset, "device": (torch.cuda.get_device_name(args.device)
                                                    if args.device.startswith("cuda") else "cpu"),
               "cpu": cpu_features(), "torch": torch.__version__, "sizes": []}

@@ -121,21 +121,23 @@ def test_a_thread_s_cpu_seconds_are_read_by_its_native_id():
     import threading
     import time
 
-    done, native = threading.Event(), {}
+    done, release, native = threading.Event(), threading.Event(), {}
 
     def spin() -> None:
         native["id"] = threading.get_native_id()
         while time.thread_time() < 0.3:
             pass
         done.set()
+        release.wait(60)  # alive until read: an ended thread is no longer listed
 
-    waiting = threading.Thread(target=done.wait, args=(60,))
+    waiting = threading.Thread(target=release.wait, args=(60,))
     waiting.start()
     before = common.thread_cpu_s()
     worker = threading.Thread(target=spin)
     worker.start()
     assert done.wait(60), "the spinning thread never reached 0.3 s of CPU"
     used = common.thread_cpu_s()
+    release.set()
     worker.join()
     waiting.join()
     tick = 1 / os.sysconf("SC_CLK_TCK")
