@@ -16,6 +16,9 @@ from benchmarks.service_process import ServiceProcess  # noqa: F401  (the tests 
 # Every service a test starts opens its gRPC door on a free port, never the fixed default (8001): tests run services
 # side by side, and a developer's own service may hold it. A test that needs the port reads it from the door.
 os.environ["IBEDL_GRPC_PORT"] = "0"
+# Every engine a test starts checks requests on two threads, whatever this machine's cores would give by default (one
+# on up to 7 cores): the path of several check threads runs on every machine.
+os.environ.setdefault("IBEDL_CHECK_THREADS", "2")
 
 # Under pytest-xdist (make test: TEST_WORKERS processes) each worker's torch, and every child process it starts,
 # would take all the cores: N workers on N cores would run N x N threads, and the tests that bound real work by the
@@ -178,13 +181,14 @@ def postgres_dsn(postgres_server, request):
     postgres_server.drop_database(name)
 
 
-def tokenizer_calls(monkeypatch, tokenizer, record=lambda text: text) -> list:
-    """A list that gets ``record(text)`` for every call of a tokenizer of ``tokenizer``'s class (its copies too: the
-    class's ``__call__`` is wrapped, as calling an instance looks it up there), from now to the test's end."""
+def tokenizer_calls(monkeypatch, tokenizer, record=lambda text, called: text) -> list:
+    """A list that gets ``record(text, called)`` for every call of a tokenizer of ``tokenizer``'s class (its copies
+    too: the class's ``__call__`` is wrapped, as calling an instance looks it up there; ``called`` is the instance
+    called), from now to the test's end."""
     calls: list = []
     kind = type(tokenizer)
     original = kind.__call__
-    monkeypatch.setattr(kind, "__call__", lambda self, text, *a, **k: calls.append(record(text)) or original(
+    monkeypatch.setattr(kind, "__call__", lambda self, text, *a, **k: calls.append(record(text, self)) or original(
         self, text, *a, **k))
     return calls
 

@@ -139,7 +139,7 @@ def count_prompt_tokens(tokenizer, template: str, q: MCQuestion) -> int:
 @dataclass(frozen=True)
 class TokenizedQuestion(MCQuestion):
     """A question whose whole prompt was tokenised before its pass (the service counts every prompt's tokens when it
-    checks the request, on a thread of its own): ``prompt_ids`` under ``template`` by a copy of the tokenizer
+    checks the request, on one of its check threads): ``prompt_ids`` under ``template`` by a copy of the tokenizer
     :meth:`of` was given. A predictor whose tokenizer is that very object and whose template is ``template`` takes
     the ids instead of tokenising the prompt again on the model's thread; any other predictor tokenises it as a plain
     question, and so does every predictor for a question made otherwise than by :meth:`of` (``dataclasses.replace``

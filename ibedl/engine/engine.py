@@ -373,7 +373,7 @@ class Engine:
         """``fn(*args)`` on one of the request-checking threads (``IBEDL_CHECK_THREADS``; tokenizing takes
         milliseconds of CPU, too long for the event loop); its exception is raised here."""
         if self._checker is None:
-            self._checker = ThreadPoolExecutor(self.settings.checking_threads(), thread_name_prefix="ibedl-check")
+            self._checker = ThreadPoolExecutor(self.settings.check_threads, thread_name_prefix="ibedl-check")
         return await asyncio.get_running_loop().run_in_executor(self._checker, fn, *args)
 
     # -- answering (on the engine's event loop) -------------------------------------------------

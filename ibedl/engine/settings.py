@@ -71,11 +71,12 @@ class EngineSettings(BaseSettings):
     max_request_tokens: int = Field(16384, ge=16, description="prompt tokens in one request, all its questions")
     max_batch_items: int = Field(32, ge=1, description="items in one request (POST /predict/batch, an Open "
                                  "Inference Protocol infer)")
-    check_threads: int | None = Field(None, ge=1, le=64, description="threads that check requests before they "
-                                      "are queued, each tokenising prompts on its own copy of the tokenizer; "
-                                      "default: a quarter of the cores this process may use (its affinity; a "
-                                      "container's CPU limit is not read), 1 to 4 (on a GPU one thread can bound "
-                                      "the service: benchmarks/results/check_threads_cpu.json)")
+    check_threads: int | None = Field(None, ge=1, le=64, validate_default=True, description="threads that check "
+                                      "requests before they are queued, each tokenising prompts on its own copy of "
+                                      "the tokenizer (made at its first request); default: a quarter of the cores "
+                                      "this process may use (its affinity; a container's CPU limit is not read), 1 "
+                                      "to 4 (on a GPU one thread can bound the service: "
+                                      "benchmarks/results/check_threads_cpu.json)")
 
     feedback_key: SecretStr | None = Field(
         None, description="key that signs the receipt each answer carries (HMAC-SHA256, at least 16 characters); "
@@ -138,13 +139,6 @@ class EngineSettings(BaseSettings):
                                      "feedback store's new labels, so that a suspension another replica's labels "
                                      "made reaches this replica's answers; 0: only on SIGHUP")
 
-    def checking_threads(self) -> int:
-        """IBEDL_CHECK_THREADS, else a quarter of the cores this process may use, at least 1 and at most 4 (the
-        model's thread and its torch workers keep the rest)."""
-        if self.check_threads is not None:
-            return self.check_threads
-        return max(1, min(4, usable_cores() // 4))
-
     def served_artifacts(self) -> list[Path]:
         """The adapter directories to serve, the default first."""
         return list(self.artifacts) or [self.artifact]
@@ -162,6 +156,13 @@ class EngineSettings(BaseSettings):
         if len(set(names)) != len(names):
             raise ValueError(f"IBEDL_ARTIFACTS lists a directory twice: {names}")
         return self
+
+    @field_validator("check_threads")
+    @classmethod
+    def _check_threads(cls, v: int | None) -> int:
+        """Unset: a quarter of the cores this process may use, at least 1 and at most 4 (the model's thread and its
+        torch workers keep the rest); read as an int from then on."""
+        return max(1, min(4, usable_cores() // 4)) if v is None else v
 
     @field_validator("feedback_key", mode="before")
     @classmethod

@@ -1,7 +1,8 @@
 """One tokenizer copy per thread, for counting prompt tokens off the model's thread. A Hugging Face fast tokenizer (its
 Rust half) must not be called from two threads at once: a call that changes its truncation or padding while another
-encodes raises "Already borrowed" or leaves the other with the wrong settings. The service checks requests on one
-thread, but the Python API (``Engine.predict``, ``Engine.check``) on whichever thread calls it."""
+encodes raises "Already borrowed" or leaves the other with the wrong settings. The service checks requests on its
+pool of check threads (``IBEDL_CHECK_THREADS``), the Python API (``Engine.predict``, ``Engine.check``) on whichever
+thread calls it."""
 
 from __future__ import annotations
 

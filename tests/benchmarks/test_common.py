@@ -135,11 +135,13 @@ def test_a_thread_s_cpu_seconds_are_read_by_its_native_id():
     before = common.thread_cpu_s()
     worker = threading.Thread(target=spin)
     worker.start()
-    assert done.wait(60), "the spinning thread never reached 0.3 s of CPU"
-    used = common.thread_cpu_s()
-    release.set()
-    worker.join()
-    waiting.join()
+    try:
+        assert done.wait(60), "the spinning thread never reached 0.3 s of CPU"
+        used = common.thread_cpu_s()
+    finally:
+        release.set()
+        worker.join()
+        waiting.join()
     tick = 1 / os.sysconf("SC_CLK_TCK")
     assert 0.3 - 2 * tick <= used[native["id"]] <= 0.3 + 0.1  # + what it took to start and to stop spinning
     assert used[waiting.native_id] - before[waiting.native_id] <= 2 * tick

@@ -198,7 +198,7 @@ def test_pad_freely_answers_a_pass_of_mixed_lengths_in_one_forward_with_the_same
 
 
 def test_a_checked_prompt_is_tokenised_once_off_the_model_thread(tiny_artifact, monkeypatch):
-    """The check tokenises each prompt to count it (on the caller's thread in the Python door, on the check thread in
+    """The check tokenises each prompt to count it (on the caller's thread in the Python door, on a check thread in
     the service's); the pass takes those ids: the model's thread tokenises none of a request's prompts, and the
     answers are those of the predictor tokenising them itself."""
     from ibedl.core.predictor import TokenizedQuestion
@@ -210,7 +210,7 @@ def test_a_checked_prompt_is_tokenised_once_off_the_model_thread(tiny_artifact, 
     predict = predictor.predict
     predictor.predict = lambda questions, truncate_context=True: (passed.extend(questions)
                                                                   or predict(questions, truncate_context))
-    calls = tokenizer_calls(monkeypatch, predictor.tokenizer, lambda text: threading.current_thread().name)
+    calls = tokenizer_calls(monkeypatch, predictor.tokenizer, lambda text, called: threading.current_thread().name)
     try:
         answers = engine.predict(bodies, batch_size=2)
     finally:
@@ -225,30 +225,25 @@ def test_a_checked_prompt_is_tokenised_once_off_the_model_thread(tiny_artifact, 
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-def test_requests_are_checked_on_as_many_threads_as_set_each_with_its_own_tokenizer(tiny_artifact, threads):
-    """IBEDL_CHECK_THREADS requests are checked at once and no more: with ``threads`` checks held open until that
-    many are in flight together, one more request waits for a thread; each thread counts on its own tokenizer copy,
-    and the answers are those of one thread."""
+def test_requests_are_checked_on_as_many_threads_as_set_each_with_its_own_tokenizer(tiny_artifact, monkeypatch,
+                                                                                    threads):
+    """IBEDL_CHECK_THREADS requests are checked at once and no more: with every check held, ``threads`` are in flight
+    and the others wait for a thread; each thread tokenises on a tokenizer copy of its own, never the model's; the
+    answers are those of the Python door."""
     engine, _ = engine_with(tiny_artifact, check_threads=threads)
-    together = threading.Barrier(threads)
-    lock, state = threading.Lock(), {"now": 0, "most": 0, "threads": set(), "copies": set()}
+    release, lock, in_flight = threading.Event(), threading.Lock(), []
     check = engine.check
 
     def held(question, prefix=""):
         with lock:
-            state["now"] += 1
-            state["most"] = max(state["most"], state["now"])
-        try:
-            together.wait(30)  # raises BrokenBarrierError unless ``threads`` checks are in flight at once
-            checked = check(question, prefix)
-            state["threads"].add(threading.current_thread().name)
-            state["copies"].add(id(checked.runtime.count_tokenizers.get()))
-            return checked
-        finally:
-            with lock:
-                state["now"] -= 1
+            in_flight.append(threading.current_thread().name)
+        assert release.wait(30), "the test never released the checks"
+        return check(question, prefix)
 
     engine.check = held
+    predictor = engine.default.predictor
+    calls = tokenizer_calls(monkeypatch, predictor.tokenizer, lambda text, called: (threading.current_thread().name,
+                                                                                   called))
     questions = [{**Q, "question": f"Which is sun, {i}?"} for i in range(2 * threads)]
 
     async def ask_all():
@@ -256,13 +251,27 @@ def test_requests_are_checked_on_as_many_threads_as_set_each_with_its_own_tokeni
 
         return await asyncio.gather(*(engine.ask_one(PredictRequest(**q), engine.arrive()) for q in questions))
 
+    answers: list = []
+    asking = threading.Thread(target=lambda: answers.extend(engine.call(ask_all)))
     try:
-        answers = engine.call(ask_all)
+        asking.start()
+        # every request handed to the pool: ``threads`` checks running, the others queued for a thread
+        wait_until(lambda: engine._checker is not None and len(in_flight) == threads
+                   and engine._checker._work_queue.qsize() == len(questions) - threads)
+        assert len(in_flight) == threads and len(set(in_flight)) == threads
+        release.set()
+        asking.join(60)
+        assert not asking.is_alive() and len(answers) == len(questions)
+        checked = [(name, called) for name, called in calls if name.startswith("ibedl-check")]
         engine.check = check
+        monkeypatch.undo()
         alone = engine.predict(questions)
     finally:
+        release.set()
         engine.close()
-    assert state["most"] == threads and len(state["threads"]) == threads and len(state["copies"]) == threads
-    assert all(name.startswith("ibedl-check") for name in state["threads"])
+    copies = {name: {id(called) for n, called in checked if n == name} for name, _ in checked}
+    assert set(copies) == set(in_flight) and all(len(ids) == 1 for ids in copies.values())  # one copy a thread
+    assert len({next(iter(ids)) for ids in copies.values()}) == threads  # each its own
+    assert all(called is not predictor.tokenizer for _, called in checked)
     for a, b in zip(answers, alone, strict=True):
         assert a.probabilities == pytest.approx(b.probabilities, abs=1e-6)

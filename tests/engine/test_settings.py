@@ -12,19 +12,19 @@ from ibedl.engine.settings import EngineSettings
 def test_requests_are_checked_on_a_quarter_of_the_cores_one_to_four_by_default(monkeypatch, cores, threads):
     monkeypatch.delenv("IBEDL_CHECK_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
-    assert EngineSettings().checking_threads() == threads
+    assert EngineSettings().check_threads == threads
 
 
 def test_without_an_affinity_mask_the_default_counts_the_machine_s_cores(monkeypatch):
     monkeypatch.delenv("IBEDL_CHECK_THREADS", raising=False)
     monkeypatch.delattr(os, "sched_getaffinity", raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 12)
-    assert EngineSettings().checking_threads() == 3
+    assert EngineSettings().check_threads == 3
 
 
 def test_a_set_count_is_taken_as_it_is(monkeypatch):
     monkeypatch.setenv("IBEDL_CHECK_THREADS", "6")
-    assert EngineSettings().checking_threads() == 6
+    assert EngineSettings().check_threads == 6
 
 
 @pytest.mark.parametrize("value", ["0", "65", "two"])
