@@ -120,7 +120,9 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def get_state(request: Request) -> ServiceState:
+async def get_state(request: Request) -> ServiceState:
+    """The service's state, for routes (``State``). A coroutine: FastAPI awaits it on the event loop, where it would
+    run a plain function in a worker thread, a hop per request (tests/serve/test_app.py)."""
     return request.app.state.service
 
 

@@ -480,3 +480,23 @@ def test_a_grpc_door_that_cannot_be_imported_fails_readiness_with_the_remedy_not
         assert "gRPC door cannot be imported" in body["reason"] and "IBEDL_GRPC=false" in body["reason"]
         assert ("ModuleNotFoundError" if broken == "missing" else "RuntimeError") in body["reason"]
         assert c.post("/predict", json={"question": "q?", "options": ["a", "b"]}).status_code == 503
+
+
+def test_answering_takes_no_worker_thread_hop(client, monkeypatch):
+    """Every dependency and route of an answer is awaited on the event loop: FastAPI runs a plain ``def`` dependency
+    in a worker thread, a hop per request that cost the loop about 0.15 ms of CPU an answer
+    (benchmarks/results/service_bound_cpu*.json)."""
+    import anyio.to_thread
+
+    hops, run_sync = [], anyio.to_thread.run_sync
+
+    async def recorded(func, *args, **kwargs):
+        hops.append(getattr(func, "__qualname__", repr(func)))
+        return await run_sync(func, *args, **kwargs)
+
+    monkeypatch.setattr(anyio.to_thread, "run_sync", recorded)
+    assert client.post("/predict", json=Q).status_code == 200
+    assert client.post("/predict/batch", json={"items": [Q, Q]}).status_code == 200
+    assert client.get("/v1/models").status_code == 200
+    assert client.get("/health/ready").status_code == 200
+    assert hops == []
