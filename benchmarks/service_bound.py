@@ -1,0 +1,216 @@
+"""What bounds the HTTP service's answers/s when the trunk costs nothing (as on a GPU that answers faster than the
+host), and which of its threads:
+
+    python -m benchmarks.service_bound [--artifact artifacts/default] [--clients 64] [--requests 3000] [--items 1]
+        [--check-threads N] [--dataset sciq] [--output benchmarks/results/service_bound_cpu.json]
+
+The service (``ibedl.serve``'s app on uvicorn, as ``python -m ibedl.serve`` configures it, with an API token) runs
+in this process on a loopback port, serving the artifact's predictor (torch backend) with its trunk replaced by
+``benchmarks.check_threads``' stand-in, under the scheduling a GPU serves with (passes of up to 64 questions, padded
+freely). A client in a process of its own (asyncio streams with h11's framing: httpx's client took 8.8 ms of CPU a
+request and was the bound) keeps ``--clients`` connections, each sending its next request once answered:
+``--requests`` requests of ``--items`` distinct SciQ training questions with their passages (or ``--dataset``'s),
+whole under the service's token limit (``POST /predict`` for one, ``POST /predict/batch`` for more), after a first
+tenth untimed. Recorded: answers/s and p50/p99 latency of a request as the client got them, the statuses, the
+client's CPU time a request, and the service's CPU time an answer on each kind of thread: the event loop
+(uvicorn's: HTTP, the request's parsing and validation, scheduling, the answer's building and JSON, the observers),
+the request-checking threads (``IBEDL_CHECK_THREADS``, default as the service's), the model's thread, and the others
+(``other: native``: threads Python did not start, torch's and the tokenizers'). From those, the answers/s each kind
+would allow at full use (the check pool's as if its threads ran in parallel), and the lowest
+(``bound_answers_per_s``, ``bound_by``): the service's bound on a machine with a core for each thread and one for the
+client. The client shares this machine's cores: answers/s is what this machine gave, the CPU times what the
+service's code costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import multiprocessing
+import statistics
+import sys
+import threading
+import time
+
+from benchmarks.check_threads import SERVE_AS_ON_A_GPU, stand_in_loader
+from benchmarks.common import cpu_features, served_questions, thread_cpu_s, write_result
+
+TOKEN = "service-bound-benchmark-token"  # the API token the service requires here (any value; loopback only)
+
+
+async def post(reader, writer, connection, target: str, body: bytes) -> int:
+    """One ``POST`` of ``body`` (JSON) to ``target`` on a kept-alive HTTP/1.1 connection (h11 framing); its status,
+    once the whole response is read."""
+    import h11
+
+    headers = [("Host", "127.0.0.1"), ("Authorization", f"Bearer {TOKEN}"), ("Content-Type", "application/json"),
+               ("Content-Length", str(len(body)))]
+    writer.write(connection.send(h11.Request(method="POST", target=target, headers=headers)))
+    writer.write(connection.send(h11.Data(data=body)) + connection.send(h11.EndOfMessage()))
+    status = 0
+    while True:
+        event = connection.next_event()
+        if event is h11.NEED_DATA:
+            data = await reader.read(65536)
+            if not data:
+                raise ConnectionError("the service closed the connection before its answer")
+            connection.receive_data(data)
+        elif isinstance(event, h11.Response):
+            status = event.status_code
+        elif isinstance(event, h11.EndOfMessage):
+            connection.start_next_cycle()
+            return status
+
+
+def client(port: int, target: str, bodies: list[dict], clients: int) -> dict:
+    """In a process of its own: ``bodies`` sent as ``POST`` to ``target`` by ``clients`` concurrent kept-alive
+    connections, each its next once answered; wall seconds, the process's CPU seconds, each request's latency
+    (seconds) and status counts. Plain asyncio streams with h11's framing: httpx's client took 8.8 ms of CPU a
+    request here and was the bound."""
+    import json
+
+    import h11
+
+    async def run() -> dict:
+        latencies: list[float] = []
+        statuses: dict[str, int] = {}
+        queue = iter(json.dumps(body).encode() for body in bodies)
+
+        async def one() -> None:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            connection = h11.Connection(h11.CLIENT)
+            try:
+                for body in queue:  # one shared queue
+                    start = time.perf_counter()
+                    status = await post(reader, writer, connection, target, body)
+                    latencies.append(time.perf_counter() - start)
+                    statuses[str(status)] = statuses.get(str(status), 0) + 1
+            finally:
+                writer.close()
+
+        start, cpu = time.perf_counter(), time.process_time()
+        await asyncio.gather(*(one() for _ in range(clients)))
+        return {"seconds": time.perf_counter() - start, "cpu_s": time.process_time() - cpu,
+                "latencies": latencies, "statuses": statuses}
+
+    return asyncio.run(run())
+
+
+def cpu_by_role(server_thread: int) -> dict[str, float]:
+    """CPU seconds this process's threads have used, summed by role: the server's event loop (``server_thread``'s
+    native id), the check threads, the model's thread, and the others by their Python name without its number
+    (``other: asyncio``, ...; ``other: native`` for threads Python did not start: torch's, the tokenizers')."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out = {"event_loop": 0.0, "check": 0.0, "model": 0.0}
+    for tid, seconds in thread_cpu_s().items():
+        name = names.get(tid)
+        if tid == server_thread:
+            role = "event_loop"
+        elif name is None:
+            role = "other: native"
+        else:
+            kind = name.split("_")[0].split(" (")[0].rstrip("-0123456789")
+            role = {"ibedl-check": "check", "ibedl-model": "model"}.get(kind, f"other: {kind}")
+        out[role] = out.get(role, 0.0) + seconds
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) of ``values``, by linear interpolation."""
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1] if len(values) > 1 else values[0]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.service_bound", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--artifact", default="artifacts/default")
+    parser.add_argument("--clients", type=int, default=64, help="concurrent connections (default 64)")
+    parser.add_argument("--requests", type=int, default=3000, help="timed one-question requests (default 3000)")
+    parser.add_argument("--items", type=int, default=1, help="questions a request: 1 sends POST /predict, more "
+                        "POST /predict/batch (default 1)")
+    parser.add_argument("--check-threads", type=int, default=None, help="IBEDL_CHECK_THREADS (default: the "
+                        "service's own default on this machine)")
+    parser.add_argument("--dataset", default="sciq", help="a built-in dataset's training questions (default sciq)")
+    parser.add_argument("--output", default="benchmarks/results/service_bound_cpu.json")
+    args = parser.parse_args(argv)
+    for flag, value in (("--clients", args.clients), ("--requests", args.requests), ("--items", args.items),
+                        ("--check-threads", args.check_threads)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
+    import torch
+    import uvicorn
+
+    from benchmarks.service_process import bound_socket
+    from ibedl.serve.app import create_app
+    from ibedl.serve.server import uvicorn_config
+    from ibedl.serve.settings import Settings
+
+    settings = Settings(artifact=args.artifact, device="cpu", backend="torch", backend_switching=False,
+                        api_token=TOKEN, check_threads=args.check_threads, grpc=False, **SERVE_AS_ON_A_GPU)
+    app = create_app(settings, stand_in_loader())
+    sock = bound_socket()
+    server = uvicorn.Server(uvicorn_config(app, settings))  # on ``sock``'s port
+    app.state.service.server = server
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="service", daemon=True)
+    thread.start()
+    port = sock.getsockname()[1]
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter: none of this process's threads
+    try:
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+            engine = app.state.service.engine
+            end = time.monotonic() + 300
+            while not engine.ready:  # loading: the stand-in loads the base model and the adapter
+                if time.monotonic() > end or not thread.is_alive():
+                    print(f"error: the service did not get ready: {engine.reason}", file=sys.stderr)
+                    return 1
+                time.sleep(0.1)
+            predictor = next(iter(engine.runtimes.values())).predictor
+            warm = max(1, args.requests // 10)
+            try:
+                questions = served_questions(predictor.tokenizer, predictor.template, settings.max_tokens,
+                                             args.dataset, (warm + args.requests) * args.items,
+                                             "fewer --requests or --items")
+            except ValueError as e:
+                parser.error(str(e))
+            items = [{"question": q.question, "options": list(q.options), **({"context": q.context}
+                                                                              if q.context else {})}
+                     for q in questions]
+            target = "/predict" if args.items == 1 else "/predict/batch"
+            bodies = items if args.items == 1 else [{"items": items[i:i + args.items]}
+                                                    for i in range(0, len(items), args.items)]
+            pool.submit(client, port, target, bodies[:warm], args.clients).result()  # every thread's first use
+            before = cpu_by_role(thread.native_id)
+            got = pool.submit(client, port, target, bodies[warm:], args.clients).result()
+            used = {role: seconds - before.get(role, 0.0)
+                    for role, seconds in cpu_by_role(thread.native_id).items()}
+    finally:
+        server.should_exit = True
+        thread.join(60)
+        sock.close()
+    answered = got["statuses"].get("200", 0) * args.items
+    per_answer = {role: 1e3 * seconds / max(answered, 1) for role, seconds in used.items()}
+    threads = settings.check_threads  # the check pool's bound: if its threads ran in parallel (the tokenizer's
+    # Rust half releases the GIL, the Python around it does not)
+    # answers/s each kind of thread would allow at full use; None where the run was too short for its clock ticks
+    bounds = {role: 1e3 * n / per_answer[role] if per_answer[role] > 0 else None
+              for role, n in (("event_loop", 1), ("model", 1), ("check", threads))}
+    measured = {role: bound for role, bound in bounds.items() if bound is not None}
+    result = {"artifact": args.artifact, "dataset": args.dataset, "clients": args.clients, "requests": args.requests,
+              "items_per_request": args.items,
+              "check_threads": threads, "settings": SERVE_AS_ON_A_GPU, "device": "cpu", "cpu": cpu_features(),
+              "torch": torch.__version__, "statuses": got["statuses"],
+              "answers_per_s": answered / got["seconds"],
+              "latency_ms": {"p50": 1e3 * percentile(got["latencies"], 50),
+                             "p99": 1e3 * percentile(got["latencies"], 99)},
+              "cpu_ms_per_answer_by_thread": per_answer,
+              "client_cpu_ms_per_request": 1e3 * got["cpu_s"] / args.requests,
+              "bound_answers_per_s_by_thread": bounds,
+              "bound_answers_per_s": min(measured.values(), default=None),
+              "bound_by": min(measured, key=measured.get, default=None)}
+    write_result(args.output, result)
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
