@@ -38,6 +38,7 @@ time keeps what it measured.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shlex
@@ -46,12 +47,12 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 from benchmarks.common import write_result
+from benchmarks.load_client import send_all
 
 STEPS = ("train", "calibrate", "serve", "serve_free", "paper")
 # Seconds each step may run (its child process included start-up, model loading and CUDA initialisation). The
@@ -216,24 +217,18 @@ def step_serve(args, out: Path, pad_freely: bool = False) -> dict:
         questions = load_dataset("sciq", "train", limit=args.requests, seed=0)
         bodies = [{"question": q.question, "options": list(q.options), "context": q.context} for q in questions]
         card, settled = settled_card(get_card, send_until - MIN_SENDING_S)
-        with httpx.Client(timeout=120, limits=httpx.Limits(max_connections=args.clients)) as client:
+        with httpx.Client(timeout=120) as client:
             client.post(proc.url + "/predict", json=bodies[0])  # warm-up
             before = read_passes(client, proc.url)  # the warm-up's and start-up's passes are not the clients'
-
-            def ask(body: dict) -> tuple[int, float, str | None] | None:
-                if time.monotonic() > send_until:  # past the step's sending time: not sent
-                    return None
-                start = time.perf_counter()
-                try:
-                    r = client.post(proc.url + "/predict", json=body)
-                except httpx.HTTPError as e:  # one lost connection is one failed question, not a lost step
-                    return 0, time.perf_counter() - start, type(e).__name__
-                return r.status_code, time.perf_counter() - start, None if r.status_code == 200 else error_type(r)
-
+            # the clients: benchmarks.load_client (httpx's client took 8.8 ms of CPU a request and would be the bound);
+            # a request past the step's sending time is not sent, a lost connection is one failed question
             start = time.perf_counter()
-            with ThreadPoolExecutor(args.clients) as pool:
-                answers = list(pool.map(ask, bodies))
+            sent = asyncio.run(send_all(proc.port, "/predict", [json.dumps(b).encode() for b in bodies], args.clients,
+                                        until=send_until))
             seconds = time.perf_counter() - start
+            answers = [None if a is None else (a[0], a[1], None if a[0] == 200 else
+                                               a[2] if isinstance(a[2], str) else error_type(a[0], a[2]))
+                       for a in sent]
             passes = passes_between(before, read_passes(client, proc.url))
         after = get_card()  # a measurement that had not ended may have switched the backend while the clients ran
         memory = gpu_memory_mib(proc.proc.pid)
@@ -308,12 +303,12 @@ def passes_between(before: dict[str, float] | str, after: dict[str, float] | str
             "mean_forward_ms": 1000 * seconds / count if count else None}
 
 
-def error_type(response) -> str:
+def error_type(status: int, body: bytes) -> str:
     """The error type a refusal's body names (``overloaded``, ``not_ready``...), else its status code."""
     try:
-        return str(response.json()["error"]["type"])
+        return str(json.loads(body)["error"]["type"])
     except (ValueError, KeyError, TypeError):
-        return str(response.status_code)
+        return str(status)
 
 
 def serve_summary(answers: list[tuple[int, float, str | None] | None], seconds: float) -> dict:

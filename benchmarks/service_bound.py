@@ -7,18 +7,17 @@ host), and which of its threads:
 The service (``ibedl.serve``'s app on uvicorn, as ``python -m ibedl.serve`` configures it, with an API token) runs
 in this process on a loopback port, serving the artifact's predictor (torch backend) with its trunk replaced by
 ``benchmarks.check_threads``' stand-in, under the scheduling a GPU serves with (passes of up to 64 questions, padded
-freely). A client in a process of its own (asyncio streams with h11's framing: httpx's client took 8.8 ms of CPU a
-request and was the bound) keeps ``--clients`` connections, each sending its next request once answered:
-``--requests`` requests of ``--items`` distinct SciQ training questions with their passages (or ``--dataset``'s),
-whole under the service's token limit (``POST /predict`` for one, ``POST /predict/batch`` for more), after a first
-tenth untimed. Recorded: answers/s and p50/p99 latency of a request as the client got them, the statuses, the
-client's CPU time a request, and the service's CPU time an answer on each kind of thread: the event loop
-(uvicorn's: HTTP, the request's parsing and validation, scheduling, the answer's building and JSON, the observers),
-the request-checking threads (``IBEDL_CHECK_THREADS``, default as the service's), the model's thread, and the others
-(``other: native``: threads Python did not start, torch's and the tokenizers'). From those, the answers/s each kind
-would allow at full use (the check pool's as if its threads ran in parallel), and the lowest
-(``bound_answers_per_s``, ``bound_by``): the service's bound on a machine with a core for each thread and one for the
-client. The client shares this machine's cores: answers/s is what this machine gave, the CPU times what the
+freely). A client in a process of its own (``benchmarks.load_client``) keeps ``--clients`` connections, each sending
+its next request once answered: ``--requests`` requests of ``--items`` distinct SciQ training questions with their
+passages (or ``--dataset``'s), whole under the service's token limit (``POST /predict`` for one, ``POST
+/predict/batch`` for more), after a first tenth untimed. Recorded: answers/s and p50/p99 latency of a request as the
+client got them, the statuses, the client's CPU time a request, and the service's CPU time an answer on each kind of
+thread: the event loop (uvicorn's: HTTP, the request's parsing and validation, scheduling, the answer's building and
+JSON, the observers), the request-checking threads (``IBEDL_CHECK_THREADS``, default as the service's), the model's
+thread, and the others (``other: native``: threads Python did not start, torch's and the tokenizers'). From those,
+the answers/s each kind would allow at full use (the check pool's as if its threads ran in parallel), and the lowest
+(``bound_answers_per_s``, ``bound_by``): the service's bound on a machine with a core for each thread and one for
+the client. The client shares this machine's cores: answers/s is what this machine gave, the CPU times what the
 service's code costs.
 """
 
@@ -35,66 +34,25 @@ import time
 
 from benchmarks.check_threads import SERVE_AS_ON_A_GPU, stand_in_loader
 from benchmarks.common import cpu_features, served_questions, thread_cpu_s, write_result
+from benchmarks.load_client import send_all
 
 TOKEN = "service-bound-benchmark-token"  # the API token the service requires here (any value; loopback only)
 
 
-async def post(reader, writer, connection, target: str, body: bytes) -> int:
-    """One ``POST`` of ``body`` (JSON) to ``target`` on a kept-alive HTTP/1.1 connection (h11 framing); its status,
-    once the whole response is read."""
-    import h11
-
-    headers = [("Host", "127.0.0.1"), ("Authorization", f"Bearer {TOKEN}"), ("Content-Type", "application/json"),
-               ("Content-Length", str(len(body)))]
-    writer.write(connection.send(h11.Request(method="POST", target=target, headers=headers)))
-    writer.write(connection.send(h11.Data(data=body)) + connection.send(h11.EndOfMessage()))
-    status = 0
-    while True:
-        event = connection.next_event()
-        if event is h11.NEED_DATA:
-            data = await reader.read(65536)
-            if not data:
-                raise ConnectionError("the service closed the connection before its answer")
-            connection.receive_data(data)
-        elif isinstance(event, h11.Response):
-            status = event.status_code
-        elif isinstance(event, h11.EndOfMessage):
-            connection.start_next_cycle()
-            return status
-
-
 def client(port: int, target: str, bodies: list[dict], clients: int) -> dict:
     """In a process of its own: ``bodies`` sent as ``POST`` to ``target`` by ``clients`` concurrent kept-alive
-    connections, each its next once answered; wall seconds, the process's CPU seconds, each request's latency
-    (seconds) and status counts. Plain asyncio streams with h11's framing: httpx's client took 8.8 ms of CPU a
-    request here and was the bound."""
+    connections (benchmarks.load_client), each its next once answered; wall seconds, the process's CPU seconds,
+    each request's latency (seconds) and status counts (0: no answer)."""
     import json
 
-    import h11
-
-    async def run() -> dict:
-        latencies: list[float] = []
-        statuses: dict[str, int] = {}
-        queue = iter(json.dumps(body).encode() for body in bodies)
-
-        async def one() -> None:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            connection = h11.Connection(h11.CLIENT)
-            try:
-                for body in queue:  # one shared queue
-                    start = time.perf_counter()
-                    status = await post(reader, writer, connection, target, body)
-                    latencies.append(time.perf_counter() - start)
-                    statuses[str(status)] = statuses.get(str(status), 0) + 1
-            finally:
-                writer.close()
-
-        start, cpu = time.perf_counter(), time.process_time()
-        await asyncio.gather(*(one() for _ in range(clients)))
-        return {"seconds": time.perf_counter() - start, "cpu_s": time.process_time() - cpu,
-                "latencies": latencies, "statuses": statuses}
-
-    return asyncio.run(run())
+    encoded = [json.dumps(body).encode() for body in bodies]
+    start, cpu = time.perf_counter(), time.process_time()
+    sent = asyncio.run(send_all(port, target, encoded, clients, [("Authorization", f"Bearer {TOKEN}")]))
+    seconds, cpu_s = time.perf_counter() - start, time.process_time() - cpu
+    statuses: dict[str, int] = {}
+    for status, _, _ in sent:
+        statuses[str(status)] = statuses.get(str(status), 0) + 1
+    return {"seconds": seconds, "cpu_s": cpu_s, "latencies": [took for _, took, _ in sent], "statuses": statuses}
 
 
 def cpu_by_role(server_thread: int) -> dict[str, float]:

@@ -149,11 +149,9 @@ def test_the_serve_summary_counts_answers_not_refusals_and_gives_their_latency_p
 
 
 def test_a_refusals_type_is_read_from_its_body_or_its_status():
-    import httpx
-
-    assert gpu_check.error_type(httpx.Response(503, json={"error": {"type": "overloaded", "message": "x"}})) == \
-        "overloaded"
-    assert gpu_check.error_type(httpx.Response(502, text="<html>bad gateway</html>")) == "502"
+    assert gpu_check.error_type(503, b'{"error": {"type": "overloaded", "message": "x"}}') == "overloaded"
+    assert gpu_check.error_type(502, b"<html>bad gateway</html>") == "502"
+    assert gpu_check.error_type(500, b'{"detail": "x"}') == "500"
 
 
 def test_the_passes_between_two_readings_of_the_services_own_metrics():
