@@ -179,6 +179,7 @@ class Engine:
             log.info("loaded after the shutdown began; not serving")
             return
         self._serve(runtimes, service_time)
+        await self._warm_checks(runtimes)
         await self.start()
         self.notify("estimated", service_time.per_token_s)
         for name, rt in runtimes.items():
@@ -369,12 +370,32 @@ class Engine:
                            "send them in smaller batches", field)
         return checked
 
-    async def off_loop(self, fn: Callable, *args):
-        """``fn(*args)`` on one of the request-checking threads (``IBEDL_CHECK_THREADS``; tokenizing takes
-        milliseconds of CPU, too long for the event loop); its exception is raised here."""
+    def _checks(self) -> ThreadPoolExecutor:
+        """The request-checking threads (``IBEDL_CHECK_THREADS``), started at the first use."""
         if self._checker is None:
             self._checker = ThreadPoolExecutor(self.settings.check_threads, thread_name_prefix="ibedl-check")
-        return await asyncio.get_running_loop().run_in_executor(self._checker, fn, *args)
+        return self._checker
+
+    async def off_loop(self, fn: Callable, *args):
+        """``fn(*args)`` on one of the request-checking threads (tokenizing takes milliseconds of CPU, too long for
+        the event loop); its exception is raised here."""
+        return await asyncio.get_running_loop().run_in_executor(self._checks(), fn, *args)
+
+    async def _warm_checks(self, runtimes: dict[str, AdapterRuntime]) -> None:
+        """Every check thread started and holding its copy of each runtime's tokenizer before the first request: a
+        copy takes about 0.1 s, and made on demand, under the copies' lock, the first requests would wait for them
+        one after another. One task a thread: each waits until every thread runs one (else the pool may reuse an
+        idle thread). A runtime of a later reload or backend switch copies on demand."""
+        n = self.settings.check_threads
+        together = threading.Barrier(n)
+
+        def warm() -> None:
+            with contextlib.suppress(threading.BrokenBarrierError):  # never: then the copies are made on demand
+                together.wait(60)
+            for runtime in runtimes.values():
+                runtime.count_tokenizers.get()
+
+        await asyncio.gather(*(asyncio.wrap_future(self._checks().submit(warm)) for _ in range(n)))
 
     # -- answering (on the engine's event loop) -------------------------------------------------
 

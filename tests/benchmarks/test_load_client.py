@@ -66,8 +66,8 @@ def test_every_body_is_answered_in_order_by_at_most_clients_at_once():
 
     results = asyncio.run(run())
     assert [status for status, _, _ in results] == [503 if n % 5 == 0 else 200 for n in range(1, 31)]
-    assert all(json.loads(answer) == {"twice": 2 * n} for n, (status, _, answer) in zip(range(1, 31), results)
-               if status == 200)
+    assert all(json.loads(answer) == {"twice": 2 * n}
+               for n, (status, _, answer) in zip(range(1, 31), results, strict=True) if status == 200)
     assert all(seconds >= 0 for _, seconds, _ in results)
     assert 1 <= state["most"] <= 4
 

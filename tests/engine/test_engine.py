@@ -275,3 +275,28 @@ def test_requests_are_checked_on_as_many_threads_as_set_each_with_its_own_tokeni
     assert all(called is not predictor.tokenizer for _, called in checked)
     for a, b in zip(answers, alone, strict=True):
         assert a.probabilities == pytest.approx(b.probabilities, abs=1e-6)
+
+
+def test_a_door_s_engine_is_ready_with_every_check_thread_holding_its_tokenizer_copy(tiny_artifact):
+    """A copy of the tokenizer takes about 0.1 s: the engine a door opens makes each check thread's before it is
+    ready, so the first requests do not wait for them one after another."""
+    engine = Engine(EngineSettings(artifact=tiny_artifact, max_tokens=96, check_threads=3))
+    together = threading.Barrier(3)
+
+    def held() -> tuple[str, object]:  # one a thread: each waits until the three threads run one
+        together.wait(30)
+        return threading.current_thread().name, getattr(engine.default.count_tokenizers._local, "tokenizer", None)
+
+    async def door():
+        await engine.open()
+        assert engine.status == "ready"
+        try:
+            return await asyncio.gather(*(asyncio.wrap_future(engine._checks().submit(held)) for _ in range(3)))
+        finally:
+            await engine.stop()
+
+    seen = asyncio.run(door())
+    assert len({name for name, _ in seen}) == 3 and all(name.startswith("ibedl-check") for name, _ in seen)
+    copies = [copy for _, copy in seen]
+    assert all(copy is not None for copy in copies) and len({id(c) for c in copies}) == 3
+    assert all(copy is not engine.default.predictor.tokenizer for copy in copies)
