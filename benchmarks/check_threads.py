@@ -29,17 +29,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-import threading
 import time
 
 from benchmarks.common import (
+    cpu_by_thread_kind,
     cpu_features,
     cuda_refusal,
     device_output,
     paired_ratio,
     parse_sizes,
     served_questions,
-    thread_cpu_s,
     write_result,
 )
 
@@ -76,11 +75,10 @@ def stand_in_loader():
 def cpu_by_role() -> dict[str, float]:
     """CPU seconds this process's threads have used, summed by role: the engines' check threads, model threads and
     event loops, the caller, and everything else (torch's workers, the tokenizers' pool)."""
-    roles = {t.native_id: t.name for t in threading.enumerate()}
     names = {"ibedl-check": "check", "ibedl-model": "model", "ibedl-engine": "event_loop", "MainThread": "caller"}
     out = dict.fromkeys([*names.values(), "other"], 0.0)
-    for tid, seconds in thread_cpu_s().items():
-        out[names.get(roles.get(tid, "").split("_")[0], "other")] += seconds
+    for kind, seconds in cpu_by_thread_kind().items():
+        out[names.get(kind, "other")] += seconds
     return out
 
 

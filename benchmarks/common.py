@@ -115,6 +115,26 @@ def thread_cpu_s(pid: int | str = "self") -> dict[int, float]:
     return used
 
 
+def cpu_by_thread_kind(named: dict[int, str] | None = None) -> dict[str, float]:
+    """CPU seconds this process's live threads have used (:func:`thread_cpu_s`), summed by kind: a Python thread's
+    name without its number (``ibedl-check``, ``MainThread``, ``AnyIO worker thread``), ``native`` for threads
+    Python did not start (torch's, the tokenizers'); ``named`` gives native thread ids a kind of their own."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    for tid, seconds in thread_cpu_s().items():
+        name = names.get(tid)
+        if named and tid in named:
+            kind = named[tid]
+        elif name is None:
+            kind = "native"
+        else:
+            kind = name.split("_")[0].split(" (")[0].rstrip("-0123456789")
+        out[kind] = out.get(kind, 0.0) + seconds
+    return out
+
+
 def paired_ratio(numerator, denominator, seed: int = 0) -> dict:
     """mean(numerator) / mean(denominator) of paired times, with a 95% paired bootstrap interval (scipy's BCa, 2,000
     resamples of the pairs; None for both ends where the pairs leave nothing to resample, e.g. every pair in one

@@ -27,13 +27,14 @@ import argparse
 import asyncio
 import concurrent.futures
 import multiprocessing
-import statistics
 import sys
 import threading
 import time
 
+import numpy as np
+
 from benchmarks.check_threads import SERVE_AS_ON_A_GPU, stand_in_loader
-from benchmarks.common import cpu_features, served_questions, thread_cpu_s, write_result
+from benchmarks.common import cpu_by_thread_kind, cpu_features, served_questions, write_result
 from benchmarks.load_client import send_all
 
 TOKEN = "service-bound-benchmark-token"  # the API token the service requires here (any value; loopback only)
@@ -59,24 +60,18 @@ def cpu_by_role(server_thread: int) -> dict[str, float]:
     """CPU seconds this process's threads have used, summed by role: the server's event loop (``server_thread``'s
     native id), the check threads, the model's thread, and the others by their Python name without its number
     (``other: asyncio``, ...; ``other: native`` for threads Python did not start: torch's, the tokenizers')."""
-    names = {t.native_id: t.name for t in threading.enumerate()}
+    roles = {"event_loop": "event_loop", "ibedl-check": "check", "ibedl-model": "model"}
     out = {"event_loop": 0.0, "check": 0.0, "model": 0.0}
-    for tid, seconds in thread_cpu_s().items():
-        name = names.get(tid)
-        if tid == server_thread:
-            role = "event_loop"
-        elif name is None:
-            role = "other: native"
-        else:
-            kind = name.split("_")[0].split(" (")[0].rstrip("-0123456789")
-            role = {"ibedl-check": "check", "ibedl-model": "model"}.get(kind, f"other: {kind}")
+    for kind, seconds in cpu_by_thread_kind({server_thread: "event_loop"}).items():
+        role = roles.get(kind, f"other: {kind}")
         out[role] = out.get(role, 0.0) + seconds
     return out
 
 
 def percentile(values: list[float], q: float) -> float:
-    """The ``q``-th percentile (0-100) of ``values``, by linear interpolation."""
-    return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1] if len(values) > 1 else values[0]
+    """The ``q``-th percentile (0-100) of ``values``, by linear interpolation (numpy's, as the GPU check's serve
+    summary takes it)."""
+    return float(np.percentile(values, q))
 
 
 def main(argv=None) -> int:
