@@ -175,11 +175,11 @@ class Engine:
             return
         for runtime in runtimes.values():
             await asyncio.to_thread(self.notify, "serving", runtime)
+        await self._warm_checks(runtimes)  # before the last look at the status: nothing awaits between it and ready
         if self.status != "loading":  # drained (SIGTERM) or stopped while loading: it never becomes ready
             log.info("loaded after the shutdown began; not serving")
             return
         self._serve(runtimes, service_time)
-        await self._warm_checks(runtimes)
         await self.start()
         self.notify("estimated", service_time.per_token_s)
         for name, rt in runtimes.items():
@@ -385,7 +385,10 @@ class Engine:
         """Every check thread started and holding its copy of each runtime's tokenizer before the first request: a
         copy takes about 0.1 s, and made on demand, under the copies' lock, the first requests would wait for them
         one after another. One task a thread: each waits until every thread runs one (else the pool may reuse an
-        idle thread). A runtime of a later reload or backend switch copies on demand."""
+        idle thread). A runtime of a later reload or backend switch copies on demand, and so does every thread when
+        this fails (logged: the service still becomes ready). Nothing is started once a shutdown began."""
+        if self.status != "loading":
+            return
         n = self.settings.check_threads
         together = threading.Barrier(n)
 
@@ -395,7 +398,11 @@ class Engine:
             for runtime in runtimes.values():
                 runtime.count_tokenizers.get()
 
-        await asyncio.gather(*(asyncio.wrap_future(self._checks().submit(warm)) for _ in range(n)))
+        try:
+            await asyncio.gather(*(asyncio.wrap_future(self._checks().submit(warm)) for _ in range(n)))
+        except Exception:  # noqa: BLE001  (a copy made on demand instead is slower, not wrong)
+            log.warning("the check threads' tokenizer copies were not made at start; they are made on demand",
+                        exc_info=True)
 
     # -- answering (on the engine's event loop) -------------------------------------------------
 

@@ -300,3 +300,37 @@ def test_a_door_s_engine_is_ready_with_every_check_thread_holding_its_tokenizer_
     copies = [copy for _, copy in seen]
     assert all(copy is not None for copy in copies) and len({id(c) for c in copies}) == 3
     assert all(copy is not engine.default.predictor.tokenizer for copy in copies)
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_shutdown_during_the_check_threads_warm_up_is_never_undone_and_a_failed_warm_up_still_serves(
+        tiny_artifact, monkeypatch, fail):
+    """The warm-up is awaited before the engine's last look at its status: a SIGTERM's drain that lands while the
+    copies are made leaves it draining, never ready. A warm-up that fails is logged and the engine serves, its
+    copies made on demand."""
+    from ibedl.engine import thread_tokenizer
+
+    engine = Engine(EngineSettings(artifact=tiny_artifact, max_tokens=96, check_threads=2))
+    warm = engine._warm_checks
+
+    async def warm_then_sigterm(runtimes):
+        await warm(runtimes)
+        engine.drain()
+
+    if fail:
+        get = thread_tokenizer.PerThreadTokenizer.get
+        calls = []
+        monkeypatch.setattr(thread_tokenizer.PerThreadTokenizer, "get", lambda self: calls.append(1) or (
+            get(self) if len(calls) > 2 else (_ for _ in ()).throw(RuntimeError("no copy"))))
+    else:
+        engine._warm_checks = warm_then_sigterm
+
+    async def door():
+        await engine.open()
+        status = engine.status
+        answered = len(await asyncio.to_thread(engine.predict, [Q])) if status == "ready" else 0
+        await engine.stop()
+        return status, answered
+
+    status, answered = asyncio.run(door())
+    assert (status, answered) == (("ready", 1) if fail else ("draining", 0))
