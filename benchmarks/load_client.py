@@ -15,7 +15,8 @@ TIMEOUT_S = 120.0  # one request's longest wait for its whole answer; then it co
 async def post(reader, writer, connection, target: str, body: bytes,
                headers: Sequence[tuple[str, str]] = ()) -> tuple[int, bytes]:
     """One ``POST`` of ``body`` (JSON) to ``target`` on a kept-alive connection (``connection``: an
-    ``h11.Connection(h11.CLIENT)`` in its idle state); its status and body, once the whole answer is read.
+    ``h11.Connection(h11.CLIENT)`` in its idle state); its status and body, once the whole answer is read. The
+    connection is left idle for the next request, unless the answer closed it (``Connection: close``).
 
     Raises:
         ConnectionError: the server closed the connection before the answer's end.
@@ -26,21 +27,28 @@ async def post(reader, writer, connection, target: str, body: bytes,
             *headers]
     writer.write(connection.send(h11.Request(method="POST", target=target, headers=head))
                  + connection.send(h11.Data(data=body)) + connection.send(h11.EndOfMessage()))
-    status, chunks = 0, []
+    status, chunks, closed = 0, [], False
     while True:
-        event = connection.next_event()
+        try:
+            event = connection.next_event()
+        except h11.RemoteProtocolError as e:  # the close came before the answer's end
+            if closed:
+                raise ConnectionError("the server closed the connection before its answer") from e
+            raise
         if event is h11.NEED_DATA:
             data = await reader.read(65536)
-            if not data:
-                raise ConnectionError("the server closed the connection before its answer")
-            connection.receive_data(data)
+            closed = not data
+            connection.receive_data(data)  # b"" at the close: an answer the close ends, ends
+        elif isinstance(event, h11.ConnectionClosed):
+            raise ConnectionError("the server closed the connection before its answer")
         elif isinstance(event, h11.Response):
             status = event.status_code
         elif isinstance(event, h11.Data):
             chunks.append(bytes(event.data))
         elif isinstance(event, h11.EndOfMessage):
-            connection.start_next_cycle()
-            return status, b"".join(chunks)
+            if connection.our_state is h11.DONE and connection.their_state is h11.DONE:  # kept alive
+                connection.start_next_cycle()
+            return status, b"".join(chunks)  # else (Connection: close) the caller opens another
 
 
 async def send_all(port: int, target: str, bodies: Sequence[bytes], clients: int,
@@ -65,11 +73,15 @@ async def send_all(port: int, target: str, bodies: Sequence[bytes], clients: int
                     return  # the others see it too: what is left is not sent
                 start = time.perf_counter()
                 try:
-                    if stream is None:
-                        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-                        stream = reader, writer, h11.Connection(h11.CLIENT)
-                    status, answer = await asyncio.wait_for(post(*stream, target, body, headers), TIMEOUT_S)
+                    async with asyncio.timeout(TIMEOUT_S):  # connecting included
+                        if stream is None:
+                            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                            stream = reader, writer, h11.Connection(h11.CLIENT)
+                        status, answer = await post(*stream, target, body, headers)
                     results[i] = status, time.perf_counter() - start, answer
+                    if stream[2].our_state is not h11.IDLE:  # the server closed it after its answer
+                        stream[1].close()
+                        stream = None
                 except (OSError, asyncio.TimeoutError, h11.ProtocolError) as e:  # one lost request, not a lost run
                     results[i] = 0, time.perf_counter() - start, type(e).__name__
                     if stream is not None:

@@ -13,8 +13,9 @@ from benchmarks.load_client import send_all
 
 
 async def serve(handle):
-    """A loopback HTTP/1.1 server whose answer to each POST body is ``await handle(body)``: (status, answer body), or
-    None to close the connection without an answer. Returns the server and its port."""
+    """A loopback HTTP/1.1 server whose answer to each POST body is ``await handle(body)``: (status, answer body[,
+    "close": then it closes the connection after the answer, saying so]), or None to close the connection without an
+    answer. Returns the server and its port."""
 
     async def connection(reader, writer):
         conn = h11.Connection(h11.SERVER)
@@ -33,11 +34,13 @@ async def serve(handle):
                     answer = await handle(body)
                     if answer is None:
                         return
-                    status, content = answer
-                    writer.write(conn.send(h11.Response(status_code=status, headers=[
-                        ("Content-Length", str(len(content)))])) + conn.send(h11.Data(data=content))
-                        + conn.send(h11.EndOfMessage()))
+                    status, content, *close = answer
+                    headers = [("Content-Length", str(len(content))), *([("Connection", "close")] if close else [])]
+                    writer.write(conn.send(h11.Response(status_code=status, headers=headers))
+                                 + conn.send(h11.Data(data=content)) + conn.send(h11.EndOfMessage()))
                     await writer.drain()
+                    if close:
+                        return
                     conn.start_next_cycle()
                     body = b""
         finally:
@@ -98,3 +101,20 @@ def test_nothing_is_sent_past_the_deadline_and_clients_are_checked():
     assert asyncio.run(run()) == [None, None, None]
     with pytest.raises(ValueError, match="clients must be >= 1, got 0"):
         asyncio.run(send_all(1, "/x", [b"{}"], clients=0))
+
+
+def test_an_answer_that_closes_its_connection_counts_as_answered_and_the_next_one_reconnects():
+    """The service's shutdown 503s and its 408 say ``Connection: close``: the answer is the client's (a refusal, not
+    a failure), and the next request opens another connection."""
+    async def handle(body):
+        n = json.loads(body)["n"]
+        return (503, b'{"error": {"type": "shutting_down"}}', "close") if n == 2 else (200, b"{}")
+
+    async def run():
+        server, port = await serve(handle)
+        async with server:
+            return await send_all(port, "/x", [json.dumps({"n": n}).encode() for n in range(5)], clients=1)
+
+    results = asyncio.run(run())
+    assert [status for status, _, _ in results] == [200, 200, 503, 200, 200]
+    assert json.loads(results[2][2]) == {"error": {"type": "shutting_down"}}
