@@ -73,10 +73,10 @@ class EngineSettings(BaseSettings):
                                  "Inference Protocol infer)")
     check_threads: int | None = Field(None, ge=1, le=64, validate_default=True, description="threads that check "
                                       "requests before they are queued, each tokenising prompts on its own copy of "
-                                      "the tokenizer (made before the service is ready); default: a quarter of the "
-                                      "cores this process may use (its affinity; a container's CPU limit is not "
-                                      "read), 1 to 4 (on a GPU one thread can bound the service: "
-                                      "benchmarks/results/check_threads_cpu.json)")
+                                      "the tokenizer (the service's made before it is ready, the Python API's on "
+                                      "demand); default: a quarter of the cores this process may use (its "
+                                      "affinity; a container's CPU limit is not read), 1 to 4 (on a GPU one thread "
+                                      "can bound the service: benchmarks/results/check_threads_cpu.json)")
 
     feedback_key: SecretStr | None = Field(
         None, description="key that signs the receipt each answer carries (HMAC-SHA256, at least 16 characters); "

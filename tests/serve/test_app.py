@@ -484,7 +484,7 @@ def test_a_grpc_door_that_cannot_be_imported_fails_readiness_with_the_remedy_not
 
 def test_answering_takes_no_worker_thread_hop(client, monkeypatch):
     """Every dependency and route of an answer is awaited on the event loop: FastAPI runs a plain ``def`` dependency
-    in a worker thread, a hop per request that cost the loop about 0.15 ms of CPU an answer
+    in a worker thread, a hop per request that cost the loop about 0.3 ms of CPU an answer
     (benchmarks/results/service_bound_cpu*.json)."""
     import anyio.to_thread
 
