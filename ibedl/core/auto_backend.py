@@ -21,7 +21,6 @@ and says which candidates are still to build and time. The service does that in 
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import logging
@@ -38,7 +37,7 @@ from ibedl.core.backends import registry
 from ibedl.core.backends.registry import REFERENCE
 from ibedl.core.base_model import cache_dir, sha256_file
 from ibedl.core.cpu_isa import cpu_signature
-from ibedl.core.memory_limit import return_freed_memory
+from ibedl.core.memory_limit import collect_garbage
 from ibedl.core.prompt import MCQuestion
 
 log = logging.getLogger(__name__)
@@ -178,8 +177,7 @@ def tournament(names: list[str], build, run_of, champion: tuple[str, object], ti
             if on_win is not None:
                 on_win(name, trunk)
         del trunk  # the loser's compiled model goes: memory stays two trunks'
-        gc.collect()
-        return_freed_memory()
+        collect_garbage()
     return best, best_trunk, seconds, skipped
 
 

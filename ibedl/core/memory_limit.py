@@ -56,6 +56,21 @@ def expendable() -> None:
         Path("/proc/self/oom_score_adj").write_text("1000")
 
 
+def collect_garbage(freeze: bool = False) -> None:
+    """Collect every unreachable object, those frozen out of the cyclic collector's scans (``gc.freeze``) too, and
+    hand the memory back (:func:`return_freed_memory`): a dropped model is reachable only through its own cycles. What
+    survives is frozen when ``freeze``, or when something was frozen before (the service freezes what its start made:
+    ibedl.serve.heap)."""
+    import gc
+
+    frozen = gc.get_freeze_count() > 0
+    gc.unfreeze()
+    gc.collect()
+    if freeze or frozen:
+        gc.freeze()
+    return_freed_memory()
+
+
 def return_freed_memory() -> None:
     """Hand memory freed by Python back to the system (glibc keeps freed heap pages otherwise): after a model or a
     compiled trunk is dropped, the process's resident size shrinks instead of staying at its peak. Where CUDA is in

@@ -312,14 +312,11 @@ class Predictor:
         """Drop the torch model whatever answers (a copy that only encodes, such as the background switcher's),
         keeping the device, dtype and 4-bit loading its calibration key is made of; :meth:`release_model` is the
         checked call for a server."""
-        import gc
-
-        from ibedl.core.memory_limit import return_freed_memory
+        from ibedl.core.memory_limit import collect_garbage
 
         self._released = self._arithmetic()
         self.model = self.decoder = None
-        gc.collect()
-        return_freed_memory()
+        collect_garbage()
 
     # -- tokenisation ---------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from fastapi import Depends, Request
 
 from ibedl.engine.context import TIMEOUT_HEADER, RequestContext
 from ibedl.engine.engine import Engine, Loader
+from ibedl.serve.heap import HeapFreezer
 from ibedl.serve.observer import ServiceObserver
 from ibedl.serve.settings import Settings
 
@@ -29,7 +30,8 @@ class ServiceState:
         self.settings = settings
         self.observer = ServiceObserver(settings)
         self.metrics = self.observer.metrics
-        self.engine = Engine(settings, loader, observers=[self.observer])  # all the settings: the loader reads them
+        observers = [self.observer, *([HeapFreezer(settings.request_timeout_s)] if settings.gc_freeze else [])]
+        self.engine = Engine(settings, loader, observers=observers)  # all the settings: the loader reads them
         self.server = None  # uvicorn.Server when run by ibedl.serve.__main__, to notice SIGTERM
         self.grpc = None  # ibedl.serve.grpc_door.GrpcDoor while the gRPC port is open
         self._watcher: asyncio.Task | None = None

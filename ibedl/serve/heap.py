@@ -1,0 +1,69 @@
+"""The service process's heap and Python's cyclic garbage collector. A loaded service holds about half a million
+objects the collector tracks (torch, transformers, pydantic's schemas, the adapters), nearly all made at start and
+kept for the process's life. Each full collection walks them all, about 0.1 s on the event loop, and the answers'
+short-lived objects trigger one every few hundred requests: those pauses were the service's p99
+(``benchmarks.service_bound``). Once the engine is ready, what the start made is moved out of the collector's way
+(``gc.freeze``: collected first, then never walked again; still freed when its last reference goes). What drops a
+model collects the frozen objects too (``ibedl.core.memory_limit.collect_garbage``). A backend switch replaces an
+adapter's trunk: once every request that could hold the old one has ended (``request_timeout_s`` later), the heap is
+collected whole (the old trunk freed, were it reachable only through cycles) and frozen anew. The service's own
+process only: the Python API never freezes its caller's heap."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import time
+
+from ibedl.core.memory_limit import collect_garbage
+from ibedl.engine.observer import Observer
+
+log = logging.getLogger("ibedl.serve")
+
+
+def freeze() -> int:
+    """Collect the whole heap (what was frozen before too), then freeze what survives; the objects frozen."""
+    start = time.perf_counter()
+    collect_garbage(freeze=True)
+    frozen = gc.get_freeze_count()
+    log.info("froze the %d objects the garbage collector tracks out of its scans (%.0f ms)", frozen,
+             1e3 * (time.perf_counter() - start))
+    return frozen
+
+
+class HeapFreezer(Observer):
+    """Freezes the heap when the engine becomes ready, and again ``settle_s`` seconds after a backend switch (the
+    requests' longest life: ``request_timeout_s``). ``refrozen`` is set after each freeze (tests wait on it)."""
+
+    def __init__(self, settle_s: float) -> None:
+        if not settle_s >= 0:
+            raise ValueError(f"settle_s must be >= 0, got {settle_s}")
+        self.settle_s = settle_s
+        self.refrozen = asyncio.Event()
+        self._pending: asyncio.TimerHandle | None = None
+
+    @property
+    def pending(self) -> bool:
+        """Whether a refreeze is due (after a switch)."""
+        return self._pending is not None
+
+    def readiness(self, ready: bool) -> None:
+        self._cancel()
+        if ready:
+            self._freeze()
+
+    def switched(self, adapter: str, old: str, new: str) -> None:
+        """Called on the engine's event loop: the refreeze is timed on it."""
+        self._cancel()
+        self._pending = asyncio.get_running_loop().call_later(self.settle_s, self._freeze)
+
+    def _freeze(self) -> None:
+        self._pending = None
+        freeze()
+        self.refrozen.set()
+
+    def _cancel(self) -> None:
+        if self._pending is not None:
+            self._pending.cancel()
+            self._pending = None
