@@ -2,23 +2,25 @@
 host), and which of its threads:
 
     python -m benchmarks.service_bound [--artifact artifacts/default] [--clients 64] [--requests 3000] [--items 1]
-        [--check-threads N] [--dataset sciq] [--output benchmarks/results/service_bound_cpu.json]
+        [--check-threads N] [--no-gc-freeze] [--dataset sciq] [--output benchmarks/results/service_bound_cpu.json]
 
-The service (``ibedl.serve``'s app on uvicorn, as ``python -m ibedl.serve`` configures it, with an API token) runs
-in this process on a loopback port, serving the artifact's predictor (torch backend) with its trunk replaced by
-``benchmarks.check_threads``' stand-in, under the scheduling a GPU serves with (passes of up to 64 questions, padded
-freely). A client in a process of its own (``benchmarks.load_client``) keeps ``--clients`` connections, each sending
-its next request once answered: ``--requests`` requests of ``--items`` distinct SciQ training questions with their
-passages (or ``--dataset``'s), whole under the service's token limit (``POST /predict`` for one, ``POST
-/predict/batch`` for more), after a first tenth untimed. Recorded: answers/s and p50/p99 latency of a request as the
-client got them, the statuses, the client's CPU time a request, and the service's CPU time an answer on each kind of
-thread: the event loop (uvicorn's: HTTP, the request's parsing and validation, scheduling, the answer's building and
-JSON, the observers), the request-checking threads (``IBEDL_CHECK_THREADS``, default as the service's), the model's
-thread, and the others (``other: native``: threads Python did not start, torch's and the tokenizers'). From those,
-the answers/s each kind would allow at full use (the check pool's as if its threads ran in parallel), and the lowest
-(``bound_answers_per_s``, ``bound_by``): the service's bound on a machine with a core for each thread and one for
-the client. The client shares this machine's cores: answers/s is what this machine gave, the CPU times what the
-service's code costs.
+The service (``ibedl.serve``'s app on uvicorn, as ``python -m ibedl.serve`` configures it, with an API token, its JSON
+log lines, the access lines among them, written to a file) runs in this process on a loopback port, serving the
+artifact's predictor (torch backend) with its trunk replaced by ``benchmarks.check_threads``' stand-in, under the
+scheduling a GPU serves with (passes of up to 64 questions, padded freely). A client in a process of its own
+(``benchmarks.load_client``) keeps ``--clients`` connections, each sending its next request once answered:
+``--requests`` requests of ``--items`` distinct SciQ training questions with their passages (or ``--dataset``'s), whole
+under the service's token limit (``POST /predict`` for one, ``POST /predict/batch`` for more), after a first tenth
+untimed. Recorded: answers/s and p50/p99 latency of a request as the client got them, the statuses, the client's CPU
+time a request, and the service's CPU time an answer on each kind of thread: the event loop (uvicorn's: HTTP, the
+request's parsing and validation, scheduling, the answer's building and JSON, the observers), the request-checking
+threads (``IBEDL_CHECK_THREADS``, default as the service's), the model's thread, and the others (``other: native``:
+threads Python did not start, torch's and the tokenizers'). From those, the answers/s each kind would allow at full use
+(the check pool's as if its threads ran in parallel), and the lowest (``bound_answers_per_s``, ``bound_by``): the
+service's bound on a machine with a core for each thread and one for the client. The client shares this machine's cores:
+answers/s is what this machine gave, the CPU times what the service's code costs. Also recorded: the cyclic garbage
+collector's collections over the timed requests, their count and pauses by generation (``IBEDL_GC_FREEZE``, on unless
+``--no-gc-freeze``, keeps the full ones short).
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import gc
 import multiprocessing
 import sys
+import tempfile
 import threading
 import time
 
@@ -68,6 +72,47 @@ def cpu_by_role(server_thread: int) -> dict[str, float]:
     return out
 
 
+def logging_state() -> list:
+    """What ``ibedl.serve.logs.configure`` changes: the root logger's handlers and level, uvicorn's loggers'."""
+    import logging
+
+    return [(logger, logger.handlers[:], logger.level, logger.propagate)
+            for logger in (logging.getLogger(), *(logging.getLogger(n) for n in ("uvicorn", "uvicorn.error")))]
+
+
+def restore_logging(saved: list) -> None:
+    for logger, handlers, level, propagate in saved:
+        logger.handlers[:], logger.propagate = handlers, propagate
+        logger.setLevel(level)
+
+
+class Collections:
+    """The cyclic garbage collector's collections while in a ``with`` block, in any thread: pauses by generation."""
+
+    def __init__(self) -> None:
+        self.pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}
+        self._start: float | None = None
+
+    def __enter__(self) -> Collections:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:  # a collection holds the GIL: starts and stops alternate
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.pauses[info["generation"]].append(time.perf_counter() - self._start)
+            self._start = None
+
+    def summary(self) -> dict:
+        """Per generation: collections, their seconds in all, the longest in ms."""
+        return {str(g): {"collections": len(p), "seconds": sum(p), "longest_ms": 1e3 * max(p, default=0.0)}
+                for g, p in self.pauses.items()}
+
+
 def percentile(values: list[float], q: float) -> float:
     """The ``q``-th percentile (0-100) of ``values``, by linear interpolation (numpy's, as the GPU check's serve
     summary takes it)."""
@@ -83,6 +128,8 @@ def main(argv=None) -> int:
                         "POST /predict/batch (default 1)")
     parser.add_argument("--check-threads", type=int, default=None, help="IBEDL_CHECK_THREADS (default: the "
                         "service's own default on this machine)")
+    parser.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=True,
+                        help="IBEDL_GC_FREEZE (default on, as the service)")
     parser.add_argument("--dataset", default="sciq", help="a built-in dataset's training questions (default sciq)")
     parser.add_argument("--output", default="benchmarks/results/service_bound_cpu.json")
     args = parser.parse_args(argv)
@@ -94,12 +141,18 @@ def main(argv=None) -> int:
     import uvicorn
 
     from benchmarks.service_process import bound_socket
+    from ibedl.serve import logs
     from ibedl.serve.app import create_app
     from ibedl.serve.server import uvicorn_config
     from ibedl.serve.settings import Settings
 
     settings = Settings(artifact=args.artifact, device="cpu", backend="torch", backend_switching=False,
-                        api_token=TOKEN, check_threads=args.check_threads, grpc=False, **SERVE_AS_ON_A_GPU)
+                        api_token=TOKEN, check_threads=args.check_threads, grpc=False, log_format="json",
+                        gc_freeze=args.gc_freeze, **SERVE_AS_ON_A_GPU)
+    log_dir = tempfile.TemporaryDirectory(prefix="service-bound-")
+    log_file = open(f"{log_dir.name}/service.log", "w")  # noqa: SIM115  (closed with the directory below)
+    saved = logging_state()
+    logs.configure(settings.log_level, settings.log_format).setStream(log_file)
     app = create_app(settings, stand_in_loader())
     sock = bound_socket()
     server = uvicorn.Server(uvicorn_config(app, settings))  # on ``sock``'s port
@@ -133,13 +186,17 @@ def main(argv=None) -> int:
                                                     for i in range(0, len(items), args.items)]
             pool.submit(client, port, target, bodies[:warm], args.clients).result()  # every thread's first use
             before = cpu_by_role(thread.native_id)
-            got = pool.submit(client, port, target, bodies[warm:], args.clients).result()
+            with Collections() as collections:
+                got = pool.submit(client, port, target, bodies[warm:], args.clients).result()
             used = {role: seconds - before.get(role, 0.0)
                     for role, seconds in cpu_by_role(thread.native_id).items()}
     finally:
         server.should_exit = True
         thread.join(60)
         sock.close()
+        restore_logging(saved)
+        log_file.close()
+        log_dir.cleanup()
     answered = got["statuses"].get("200", 0) * args.items
     per_answer = {role: 1e3 * seconds / max(answered, 1) for role, seconds in used.items()}
     threads = settings.check_threads  # the check pool's bound: if its threads ran in parallel (the tokenizer's
@@ -150,13 +207,15 @@ def main(argv=None) -> int:
     measured = {role: bound for role, bound in bounds.items() if bound is not None}
     result = {"artifact": args.artifact, "dataset": args.dataset, "clients": args.clients, "requests": args.requests,
               "items_per_request": args.items,
-              "check_threads": threads, "settings": SERVE_AS_ON_A_GPU, "device": "cpu", "cpu": cpu_features(),
+              "check_threads": threads, "settings": SERVE_AS_ON_A_GPU, "gc_freeze": args.gc_freeze, "device": "cpu",
+              "cpu": cpu_features(),
               "torch": torch.__version__, "statuses": got["statuses"],
               "answers_per_s": answered / got["seconds"],
               "latency_ms": {"p50": 1e3 * percentile(got["latencies"], 50),
                              "p99": 1e3 * percentile(got["latencies"], 99)},
               "cpu_ms_per_answer_by_thread": per_answer,
               "client_cpu_ms_per_request": 1e3 * got["cpu_s"] / args.requests,
+              "gc_collections": collections.summary(),
               "bound_answers_per_s_by_thread": bounds,
               "bound_answers_per_s": min(measured.values(), default=None),
               "bound_by": min(measured, key=measured.get, default=None)}
