@@ -1,7 +1,7 @@
 """The service process's heap and Python's cyclic garbage collector. A loaded service holds about half a million
 objects the collector tracks (torch, transformers, pydantic's schemas, the adapters), nearly all made at start and
-kept for the process's life. Each full collection walks them all, about 0.1 s on the event loop, and the answers'
-short-lived objects trigger one every few hundred requests: those pauses were the service's p99
+kept for the process's life. Each full collection walks them all, about 0.25 s on the event loop of a 2-core Xeon,
+and the answers' short-lived objects set one off every 800 or so requests: those pauses were the service's p99
 (``benchmarks.service_bound``). Once the engine is ready, what the start made is moved out of the collector's way
 (``gc.freeze``: collected first, then never walked again; still freed when its last reference goes). What drops a
 model collects the frozen objects too (``ibedl.core.memory_limit.collect_garbage``). A backend switch replaces an

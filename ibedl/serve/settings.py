@@ -50,7 +50,7 @@ class Settings(EngineSettings):
     max_body_bytes: int = Field(1_000_000, ge=1024)
     gc_freeze: bool = Field(True, description="once loaded, move the objects the start made out of Python's garbage "
                             "collector's scans (gc.freeze; again after a backend switch): its full collections "
-                            "otherwise stall the event loop for about 0.1 s every few hundred requests")
+                            "otherwise stall the event loop for about 0.25 s every 800 or so requests")
 
     drift_window: int = Field(500, ge=10, description="served uncertainty masses in the rolling window")
     drift_alarm_rate: float = Field(0.01, gt=0, lt=0.5, description="false-alarm rate the KS threshold is set for")
