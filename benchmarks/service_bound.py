@@ -19,8 +19,8 @@ threads Python did not start, torch's and the tokenizers'). From those, the answ
 (the check pool's as if its threads ran in parallel), and the lowest (``bound_answers_per_s``, ``bound_by``): the
 service's bound on a machine with a core for each thread and one for the client. The client shares this machine's cores:
 answers/s is what this machine gave, the CPU times what the service's code costs. Also recorded: the cyclic garbage
-collector's collections over the timed requests, their count and pauses by generation (``IBEDL_GC_FREEZE``, on unless
-``--no-gc-freeze``, keeps the full ones short).
+collector's collections over the timed requests, their count and pauses by generation, and the objects the service
+froze once ready (``IBEDL_GC_FREEZE``, on unless ``--no-gc-freeze``: it keeps the full collections short).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import gc
 import multiprocessing
 import sys
@@ -72,18 +73,26 @@ def cpu_by_role(server_thread: int) -> dict[str, float]:
     return out
 
 
-def logging_state() -> list:
-    """What ``ibedl.serve.logs.configure`` changes: the root logger's handlers and level, uvicorn's loggers'."""
+@contextlib.contextmanager
+def service_logging(settings):
+    """The service's log lines (``ibedl.serve.logs.configure``, as ``python -m ibedl.serve`` sets it up) written to
+    a file in a temporary directory; on leaving, the file and directory go and the root and uvicorn loggers are as
+    they were."""
     import logging
 
-    return [(logger, logger.handlers[:], logger.level, logger.propagate)
-            for logger in (logging.getLogger(), *(logging.getLogger(n) for n in ("uvicorn", "uvicorn.error")))]
+    from ibedl.serve import logs
 
-
-def restore_logging(saved: list) -> None:
-    for logger, handlers, level, propagate in saved:
-        logger.handlers[:], logger.propagate = handlers, propagate
-        logger.setLevel(level)
+    loggers = (logging.getLogger(), *(logging.getLogger(n) for n in ("uvicorn", "uvicorn.error")))
+    saved = [(logger, logger.handlers[:], logger.level, logger.propagate) for logger in loggers]
+    with tempfile.TemporaryDirectory(prefix="service-bound-") as directory, \
+            open(f"{directory}/service.log", "w") as log_file:
+        logs.configure(settings.log_level, settings.log_format).setStream(log_file)
+        try:
+            yield
+        finally:
+            for logger, handlers, level, propagate in saved:
+                logger.handlers[:], logger.propagate = handlers, propagate
+                logger.setLevel(level)
 
 
 class Collections:
@@ -141,7 +150,7 @@ def main(argv=None) -> int:
     import uvicorn
 
     from benchmarks.service_process import bound_socket
-    from ibedl.serve import logs
+    from ibedl.engine.heap import HeapFreezer
     from ibedl.serve.app import create_app
     from ibedl.serve.server import uvicorn_config
     from ibedl.serve.settings import Settings
@@ -149,54 +158,50 @@ def main(argv=None) -> int:
     settings = Settings(artifact=args.artifact, device="cpu", backend="torch", backend_switching=False,
                         api_token=TOKEN, check_threads=args.check_threads, grpc=False, log_format="json",
                         gc_freeze=args.gc_freeze, **SERVE_AS_ON_A_GPU)
-    log_dir = tempfile.TemporaryDirectory(prefix="service-bound-")
-    log_file = open(f"{log_dir.name}/service.log", "w")  # noqa: SIM115  (closed with the directory below)
-    saved = logging_state()
-    logs.configure(settings.log_level, settings.log_format).setStream(log_file)
-    app = create_app(settings, stand_in_loader())
-    sock = bound_socket()
-    server = uvicorn.Server(uvicorn_config(app, settings))  # on ``sock``'s port
-    app.state.service.server = server
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="service", daemon=True)
-    thread.start()
-    port = sock.getsockname()[1]
-    context = multiprocessing.get_context("spawn")  # a fresh interpreter: none of this process's threads
-    try:
-        with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
-            engine = app.state.service.engine
-            end = time.monotonic() + 300
-            while not engine.ready:  # loading: the stand-in loads the base model and the adapter
-                if time.monotonic() > end or not thread.is_alive():
-                    print(f"error: the service did not get ready: {engine.reason}", file=sys.stderr)
-                    return 1
-                time.sleep(0.1)
-            predictor = next(iter(engine.runtimes.values())).predictor
-            warm = max(1, args.requests // 10)
-            try:
-                questions = served_questions(predictor.tokenizer, predictor.template, settings.max_tokens,
-                                             args.dataset, (warm + args.requests) * args.items,
-                                             "fewer --requests or --items")
-            except ValueError as e:
-                parser.error(str(e))
-            items = [{"question": q.question, "options": list(q.options), **({"context": q.context}
-                                                                              if q.context else {})}
-                     for q in questions]
-            target = "/predict" if args.items == 1 else "/predict/batch"
-            bodies = items if args.items == 1 else [{"items": items[i:i + args.items]}
-                                                    for i in range(0, len(items), args.items)]
-            pool.submit(client, port, target, bodies[:warm], args.clients).result()  # every thread's first use
-            before = cpu_by_role(thread.native_id)
-            with Collections() as collections:
-                got = pool.submit(client, port, target, bodies[warm:], args.clients).result()
-            used = {role: seconds - before.get(role, 0.0)
-                    for role, seconds in cpu_by_role(thread.native_id).items()}
-    finally:
-        server.should_exit = True
-        thread.join(60)
-        sock.close()
-        restore_logging(saved)
-        log_file.close()
-        log_dir.cleanup()
+    with service_logging(settings):
+        app = create_app(settings, stand_in_loader())
+        sock = bound_socket()
+        server = uvicorn.Server(uvicorn_config(app, settings))  # on ``sock``'s port
+        app.state.service.server = server
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="service", daemon=True)
+        thread.start()
+        port = sock.getsockname()[1]
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter: none of this process's threads
+        try:
+            with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+                engine = app.state.service.engine
+                end = time.monotonic() + 300
+                while not engine.ready:  # loading: the stand-in loads the base model and the adapter
+                    if time.monotonic() > end or not thread.is_alive():
+                        print(f"error: the service did not get ready: {engine.reason}", file=sys.stderr)
+                        return 1
+                    time.sleep(0.1)
+                predictor = next(iter(engine.runtimes.values())).predictor
+                warm = max(1, args.requests // 10)
+                try:
+                    questions = served_questions(predictor.tokenizer, predictor.template, settings.max_tokens,
+                                                 args.dataset, (warm + args.requests) * args.items,
+                                                 "fewer --requests or --items")
+                except ValueError as e:
+                    parser.error(str(e))
+                items = [{"question": q.question, "options": list(q.options), **({"context": q.context}
+                                                                                  if q.context else {})}
+                         for q in questions]
+                target = "/predict" if args.items == 1 else "/predict/batch"
+                bodies = items if args.items == 1 else [{"items": items[i:i + args.items]}
+                                                        for i in range(0, len(items), args.items)]
+                pool.submit(client, port, target, bodies[:warm], args.clients).result()  # every thread's first use
+                before = cpu_by_role(thread.native_id)
+                with Collections() as collections:
+                    got = pool.submit(client, port, target, bodies[warm:], args.clients).result()
+                used = {role: seconds - before.get(role, 0.0)
+                        for role, seconds in cpu_by_role(thread.native_id).items()}
+                frozen = sum(o.frozen for o in engine.observers if isinstance(o, HeapFreezer))  # done by the first
+                # request: the engine freezes on its loop as it becomes ready
+        finally:
+            server.should_exit = True
+            thread.join(60)
+            sock.close()
     answered = got["statuses"].get("200", 0) * args.items
     per_answer = {role: 1e3 * seconds / max(answered, 1) for role, seconds in used.items()}
     threads = settings.check_threads  # the check pool's bound: if its threads ran in parallel (the tokenizer's
@@ -207,8 +212,8 @@ def main(argv=None) -> int:
     measured = {role: bound for role, bound in bounds.items() if bound is not None}
     result = {"artifact": args.artifact, "dataset": args.dataset, "clients": args.clients, "requests": args.requests,
               "items_per_request": args.items,
-              "check_threads": threads, "settings": SERVE_AS_ON_A_GPU, "gc_freeze": args.gc_freeze, "device": "cpu",
-              "cpu": cpu_features(),
+              "check_threads": threads, "settings": SERVE_AS_ON_A_GPU, "gc_freeze": args.gc_freeze,
+              "frozen_objects": frozen, "device": "cpu", "cpu": cpu_features(),
               "torch": torch.__version__, "statuses": got["statuses"],
               "answers_per_s": answered / got["seconds"],
               "latency_ms": {"p50": 1e3 * percentile(got["latencies"], 50),

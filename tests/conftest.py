@@ -19,6 +19,10 @@ os.environ["IBEDL_GRPC_PORT"] = "0"
 # Every engine a test starts checks requests on two threads, whatever this machine's cores would give by default (one
 # on up to 7 cores): the path of several check threads runs on every machine.
 os.environ.setdefault("IBEDL_CHECK_THREADS", "2")
+# No service a test starts freezes its heap (IBEDL_GC_FREEZE), in this process or its own: a freeze collects the whole
+# heap (0.2-0.4 s in a test process) and would carry into later tests. Tests that freeze ask for it (the ``unfrozen``
+# fixture undoes it).
+os.environ.setdefault("IBEDL_GC_FREEZE", "false")
 
 # Under pytest-xdist (make test: TEST_WORKERS processes) each worker's torch, and every child process it starts,
 # would take all the cores: N workers on N cores would run N x N threads, and the tests that bound real work by the
@@ -159,6 +163,33 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     # integration tests opt back into the shared cache (see tests/integration/conftest.py).
     monkeypatch.setenv("IBEDL_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "ibedl-cache"))
 
+
+class Cycle:
+    """An object reachable from itself: once nothing else holds it, only the cyclic collector frees it."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+@pytest.fixture
+def unfrozen(monkeypatch):
+    """A test process's heap unfrozen before and after the test, and ibedl.core.memory_limit not remembering a
+    freeze of its own."""
+    import gc
+
+    from ibedl.core import memory_limit
+
+    gc.unfreeze()
+    monkeypatch.setattr(memory_limit, "_frozen", False)
+    yield
+    gc.unfreeze()
+
+
+def generations_hold(obj) -> bool:
+    """Whether ``obj`` is in one of the cyclic collector's generations (a frozen object is in none: never walked)."""
+    import gc
+
+    return any(o is obj for o in gc.get_objects())
 
 
 @pytest.fixture(scope="session")

@@ -9,12 +9,16 @@ the background (exporting an IR, proving that OpenVINO compiles it) runs in chil
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
+import threading
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a number near 2**63
+_frozen = False  # whether collect_garbage(freeze=True) froze this process's heap (a caller's own freeze is left alone)
+_collecting = threading.Lock()  # one collect_garbage at a time: two would undo each other's unfreeze and freeze
 
 
 def container_limit_bytes(root: Path = CGROUP_ROOT, proc_cgroup: Path = Path("/proc/self/cgroup")) -> int | None:
@@ -57,17 +61,20 @@ def expendable() -> None:
 
 
 def collect_garbage(freeze: bool = False) -> None:
-    """Collect every unreachable object, those frozen out of the cyclic collector's scans (``gc.freeze``) too, and
-    hand the memory back (:func:`return_freed_memory`): a dropped model is reachable only through its own cycles. What
-    survives is frozen when ``freeze``, or when something was frozen before (the service freezes what its start made:
-    ibedl.serve.heap)."""
-    import gc
-
-    frozen = gc.get_freeze_count() > 0
-    gc.unfreeze()
-    gc.collect()
-    if freeze or frozen:
-        gc.freeze()
+    """Collect every unreachable object and hand the memory back (:func:`return_freed_memory`): a dropped model is
+    reachable only through its own cycles. ``freeze``: then move what survives out of the cyclic collector's scans
+    (``gc.freeze``: the service does once loaded, ibedl.engine.heap); from then on every call collects the frozen
+    objects too and freezes what survives again. A heap someone else froze (a caller of the Python API, before it
+    forks) is left as it is: its frozen objects are not collected."""
+    global _frozen
+    with _collecting:
+        ours = freeze or _frozen
+        if ours:
+            gc.unfreeze()
+        gc.collect()
+        if ours:
+            gc.freeze()
+            _frozen = True
     return_freed_memory()
 
 
@@ -95,4 +102,4 @@ def killed_reason(signal_name: str, what: str) -> str:
             "python -m ibedl.core.measure_backends --artifact DIR, as the image does)")
 
 
-__all__ = ["container_limit_bytes", "expendable", "killed_reason", "return_freed_memory"]
+__all__ = ["collect_garbage", "container_limit_bytes", "expendable", "killed_reason", "return_freed_memory"]

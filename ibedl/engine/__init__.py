@@ -20,4 +20,5 @@ PUBLIC = (
     "ibedl.engine.requests",  # the request rules a door's schema states (NOT_BLANK, max_options)
     "ibedl.engine.drift",  # DriftMonitor, AccuracyEstimate: what an observer may keep
     "ibedl.engine.feedback_kinds",  # which store the settings name
+    "ibedl.engine.heap",  # HeapFreezer: a service process's heap out of the garbage collector's scans
 )

@@ -35,7 +35,7 @@ class Observer:
         """Questions waiting for the model now."""
 
     def switched(self, adapter: str, old: str, new: str) -> None:
-        """``adapter`` moved from backend ``old`` to ``new``."""
+        """``adapter`` moved from backend ``old`` to ``new``. Called on the engine's event loop."""
 
     def labels(self, results: list) -> None:
         """Labels recorded or refused as duplicates (``FeedbackResult`` rows with ``adapter`` and ``status``)."""

@@ -15,7 +15,7 @@ from fastapi import Depends, Request
 
 from ibedl.engine.context import TIMEOUT_HEADER, RequestContext
 from ibedl.engine.engine import Engine, Loader
-from ibedl.serve.heap import HeapFreezer
+from ibedl.engine.heap import HeapFreezer
 from ibedl.serve.observer import ServiceObserver
 from ibedl.serve.settings import Settings
 

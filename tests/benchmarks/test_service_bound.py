@@ -47,10 +47,9 @@ def test_a_real_run_answers_every_request_over_http_and_splits_the_service_s_cpu
     result = json.loads(out.read_text())
     assert result["statuses"] == {"200": 12} and result["check_threads"] == 2 and result["cpu"]["cores"] >= 1
     assert result["items_per_request"] == items and result["gc_freeze"] is freeze
+    assert (result["frozen_objects"] > 0) == freeze
     collections = result["gc_collections"]
-    assert set(collections) == {"0", "1", "2"} and all(
-        c["collections"] >= 0 and c["seconds"] >= 0 and c["longest_ms"] <= 1e3 * c["seconds"] + 1e-9
-        for c in collections.values())
+    assert set(collections) == {"0", "1", "2"} and collections["0"]["collections"] > 0  # the timed requests' own
     assert result["answers_per_s"] > 0 and 0 < result["latency_ms"]["p50"] <= result["latency_ms"]["p99"]
     by_thread = result["cpu_ms_per_answer_by_thread"]
     assert {"event_loop", "check", "model"} <= set(by_thread) and all(v >= 0 for v in by_thread.values())

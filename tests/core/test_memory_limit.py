@@ -88,40 +88,30 @@ def test_freed_cuda_blocks_go_back_to_the_driver_only_where_cuda_is_in_use(monke
     assert emptied == [True]
 
 
-class Cycle:
-    """An object reachable from itself: once nothing else holds it, only the cyclic collector frees it."""
 
-    def __init__(self) -> None:
-        self.me = self
-
-
-@pytest.fixture
-def unfrozen():
-    """Leaves the test process's heap unfrozen however the test ends."""
-    import gc
-
-    gc.unfreeze()
-    yield
-    gc.unfreeze()
-
-
-@pytest.mark.parametrize("frozen_before", [False, True])
-def test_collect_garbage_frees_cycles_frozen_or_not_and_keeps_the_freeze(unfrozen, frozen_before):
-    """A dropped model is reachable only through its own cycles: after gc.freeze (the service's), gc.collect leaves it
-    where it is; collect_garbage frees it, and what was frozen stays out of the collector's scans."""
+@pytest.mark.parametrize("frozen_by", [None, "ibedl", "caller"])
+def test_collect_garbage_frees_cycles_it_froze_and_leaves_a_callers_freeze_alone(unfrozen, frozen_by):
+    """A dropped model is reachable only through its own cycles. Once the service froze its heap
+    (collect_garbage(freeze=True)), gc.collect leaves such a cycle where it is; collect_garbage frees it and freezes
+    the survivors again. A heap the caller froze itself is not touched."""
     import gc
     import weakref
 
     from ibedl.core.memory_limit import collect_garbage
+    from tests.conftest import Cycle, generations_hold
 
     dropped, kept = Cycle(), Cycle()
     ref = weakref.ref(dropped)
-    if frozen_before:
+    if frozen_by == "ibedl":
+        collect_garbage(freeze=True)
+    elif frozen_by == "caller":
         gc.freeze()
+    frozen = gc.get_freeze_count()
     del dropped
     gc.collect()
-    assert (ref() is not None) == frozen_before  # a frozen cycle outlives gc.collect
+    assert (ref() is None) == (frozen_by is None)  # a frozen cycle outlives gc.collect
     collect_garbage()
-    assert ref() is None
-    assert (gc.get_freeze_count() > 0) == frozen_before
-    assert any(o is kept for o in gc.get_objects()) != frozen_before  # frozen: in none of the collector's generations
+    assert (ref() is None) == (frozen_by != "caller")
+    assert generations_hold(kept) == (frozen_by is None)  # what was frozen stays frozen
+    if frozen_by == "caller":
+        assert gc.get_freeze_count() == frozen  # neither unfrozen nor grown

@@ -98,9 +98,7 @@ def make_client(tiny_artifact):
     @contextmanager
     def factory(loader=None, ready=True, **overrides):
         served = {} if "artifacts" in overrides else {"artifact": tiny_artifact}  # IBEDL_ARTIFACTS replaces it
-        # gc_freeze off: a freeze collects this whole test process's heap (0.2-0.4 s an app); tests/serve/test_heap.py
-        # and the services tests start as processes run with it on
-        settings = Settings(**{**served, "drift_bootstrap": 100, "max_tokens": 96, "gc_freeze": False, **overrides})
+        settings = Settings(**{**served, "drift_bootstrap": 100, "max_tokens": 96, **overrides})
         app = create_app(settings, loader=loader)
         with TestClient(app, raise_server_exceptions=False) as client:
             if ready:

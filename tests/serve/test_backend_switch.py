@@ -5,6 +5,7 @@ dependence on this machine's speed); the real ones are recorded by benchmarks/ba
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import threading
 import weakref
@@ -314,4 +315,24 @@ def test_the_torch_model_itself_is_freed_once_a_trunk_serves(make_client, bf16_c
         assert state.engine.versions.switcher.done.wait(30)
         gc.collect()
         assert model() is None  # before any pass on the trunk: the last pass on torch holds nothing either
+        assert served(c.post("/predict", json=Q)) == ("openvino-bf16", "openvino-bf16")
+
+
+def test_a_switch_collects_and_refreezes_the_heap_once_its_requests_are_over(make_client, bf16_calibrated, switching,
+                                                                             unfrozen):
+    """With IBEDL_GC_FREEZE on, the torch model frozen at start is still freed when a trunk beats it (dropping a model
+    collects the frozen heap too), and the switch leaves a refreeze due request_timeout_s later."""
+    from ibedl.engine.heap import HeapFreezer
+
+    gate = switching({"torch": 1.0, "openvino-bf16": 0.4})
+    with make_client(loader=unmeasured_loader, artifact=bf16_calibrated, gc_freeze=True, request_timeout_s=0.5) as c:
+        state = c.app.state.service
+        (freezer,) = [o for o in state.engine.observers if isinstance(o, HeapFreezer)]
+        model = weakref.ref(state.engine.default.predictor.model)
+        assert freezer.frozen > 0 and model() is not None
+        freezer.refrozen.clear()
+        gate.set()
+        assert state.engine.versions.switcher.done.wait(30)
+        assert model() is None  # frozen at start, freed by the drop without a test's gc.collect
+        assert c.portal.call(lambda: asyncio.wait_for(freezer.refrozen.wait(), 30)) is True
         assert served(c.post("/predict", json=Q)) == ("openvino-bf16", "openvino-bf16")

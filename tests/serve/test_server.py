@@ -3,6 +3,7 @@ IBEDL_ALLOW_ANONYMOUS=true, which it logs), the start log says who may send labe
 closes connections that never send their headers and answers 503 over IBEDL_MAX_CONNECTIONS."""
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -86,6 +87,8 @@ def test_allow_anonymous_starts_open_and_says_so(tiny_artifact, tmp_path):
     text = log_path.read_text()
     assert code == 0, text
     assert f"IBEDL_ALLOW_ANONYMOUS=true: serving 0.0.0.0:{port} OPEN, without a token" in text
+    # IBEDL_GC_FREEZE's default (no IBEDL_ variable reaches this process but the cache's): the heap frozen once ready
+    assert re.search(r"froze the [1-9]\d* objects the garbage collector tracks out of its scans", text), text
 
 
 @pytest.mark.parametrize("settings, line", [

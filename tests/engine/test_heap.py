@@ -1,5 +1,5 @@
-"""The service's heap out of the cyclic garbage collector's way (ibedl/serve/heap.py): frozen once ready, collected
-whole and frozen again after a backend switch once the requests that could hold the old trunk are over."""
+"""A service's heap out of the cyclic garbage collector's way (ibedl/engine/heap.py): frozen when the engine is ready,
+collected whole and frozen again after a backend switch once the requests that could hold the old trunk are over."""
 
 from __future__ import annotations
 
@@ -9,41 +9,22 @@ import weakref
 
 import pytest
 
-from ibedl.serve.heap import HeapFreezer
+from ibedl.engine.heap import HeapFreezer
+from tests.conftest import Cycle, generations_hold
 
 
-class Cycle:
-    """An object reachable from itself: once nothing else holds it, only the cyclic collector frees it."""
+def test_ready_collects_the_heap_and_freezes_what_survives(unfrozen):
+    from ibedl.core.memory_limit import collect_garbage
 
-    def __init__(self) -> None:
-        self.me = self
-
-
-@pytest.fixture
-def unfrozen():
-    """Leaves the test process's heap unfrozen however the test ends."""
-    gc.unfreeze()
-    yield
-    gc.unfreeze()
-
-
-def generations_hold(obj) -> bool:
-    """Whether ``obj`` is in one of the collector's generations (a frozen object is in none: never scanned)."""
-    return any(o is obj for o in gc.get_objects())
-
-
-def test_a_ready_service_has_collected_and_frozen_what_its_start_made(make_client, unfrozen):
-    garbage = weakref.ref(Cycle())
-    with make_client(gc_freeze=True) as client:
-        state = client.app.state.service
-        assert gc.get_freeze_count() > 0 and garbage() is None
-        assert not generations_hold(state) and not generations_hold(state.engine)  # out of every collection
-        assert client.post("/predict", json={"question": "Q?", "options": ["a", "b"]}).status_code == 200
-
-
-def test_without_gc_freeze_nothing_is_frozen(make_client, unfrozen):
-    with make_client(gc_freeze=False) as client:
-        assert gc.get_freeze_count() == 0 and generations_hold(client.app.state.service)
+    garbage, kept = Cycle(), Cycle()
+    dead = weakref.ref(garbage)
+    collect_garbage(freeze=True)  # frozen while alive (an earlier freeze): no plain collection frees it now
+    del garbage
+    gc.collect()
+    assert dead() is not None
+    freezer = HeapFreezer(settle_s=30)
+    freezer.readiness(True)
+    assert dead() is None and not generations_hold(kept) and freezer.frozen == gc.get_freeze_count() > 0
 
 
 def test_a_switch_collects_the_frozen_heap_once_its_requests_are_over(unfrozen):
