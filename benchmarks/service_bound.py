@@ -31,6 +31,7 @@ import concurrent.futures
 import contextlib
 import gc
 import multiprocessing
+import os
 import sys
 import tempfile
 import threading
@@ -213,7 +214,8 @@ def main(argv=None) -> int:
     result = {"artifact": args.artifact, "dataset": args.dataset, "clients": args.clients, "requests": args.requests,
               "items_per_request": args.items,
               "check_threads": threads, "settings": SERVE_AS_ON_A_GPU, "gc_freeze": args.gc_freeze,
-              "frozen_objects": frozen, "device": "cpu", "cpu": cpu_features(),
+              "frozen_objects": frozen, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "device": "cpu",
+              "cpu": cpu_features(),
               "torch": torch.__version__, "statuses": got["statuses"],
               "answers_per_s": answered / got["seconds"],
               "latency_ms": {"p50": 1e3 * percentile(got["latencies"], 50),

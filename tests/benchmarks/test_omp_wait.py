@@ -1,0 +1,56 @@
+"""benchmarks/omp_wait.py: two real child processes on the tiny adapter, one per OpenMP wait policy, paired batch by
+batch, and its arguments refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import omp_wait
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--pairs", "0"], "--pairs must be >= 1, got 0"),
+    (["--rounds", "1"], "--rounds must be >= 2, got 1"),
+    (["--batch", "0"], "--batch must be >= 1, got 0"),
+])
+def test_bad_arguments_are_refused_by_name(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        omp_wait.main(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_a_real_run_times_both_policies_on_the_same_batches(tiny_artifact, tmp_path, monkeypatch):
+    seen = []
+    real = omp_wait.run_child
+    monkeypatch.setattr(omp_wait, "run_child", lambda policy, args: seen.append(policy) or real(policy, args))
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the parent's own policy reaches neither child
+    out = tmp_path / "omp.json"
+    assert omp_wait.main(["--artifact", str(tiny_artifact), "--pairs", "2", "--rounds", "2", "--batch", "2",
+                          "--dataset", "obqa", "--output", str(out)]) == 0
+    assert seen == ["unset", "PASSIVE", "PASSIVE", "unset"]  # each pair alternates which goes first
+    result = json.loads(out.read_text())
+    for policy in omp_wait.POLICIES:
+        assert len(result["runs"][policy]) == 2
+        assert all(len(run["seconds"]) == len(run["cpu_s"]) == 2 and min(run["seconds"]) > 0
+                   for run in result["runs"][policy])
+        assert result["median_ms_a_batch"][policy] > 0 and result["mean_cpu_ms_a_batch"][policy] > 0
+    assert {"ratio", "low", "high"} <= set(result["passive_time_ratio"]) and result["passive_time_ratio"]["ratio"] > 0
+    assert result["cpu"]["cores"] >= 1 and result["torch_threads"] >= 1
+
+
+def test_the_child_is_given_the_policy_in_its_environment(monkeypatch):
+    import subprocess
+
+    envs = []
+
+    def run(argv, env, **kwargs):
+        envs.append(env.get("OMP_WAIT_POLICY"))
+        return subprocess.CompletedProcess(argv, 0, '{"seconds": [1.0], "cpu_s": [1.0], "threads": 1}\n', "")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    args = omp_wait.argparse.Namespace(artifact="a", rounds=2, batch=1, dataset="sciq")
+    assert omp_wait.run_child("unset", args)["threads"] == 1 and omp_wait.run_child("PASSIVE", args)
+    assert envs == [None, "PASSIVE"]
