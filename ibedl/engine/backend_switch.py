@@ -132,6 +132,7 @@ class BackendSwitcher:
             best, _, seconds, failed = auto_backend.tournament(
                 self.names, self._build_noted, auto_backend.runner(self.shadow, batch), serving, self._time,
                 self.rounds, self._switch)
+            del runtime, serving  # the start's runtime and trunk: freed with the model below, not after "done"
             names, skipped = auto_backend.candidates(self.shadow, self.artifact, backends.unavailable)
             self.choice = auto_backend.record(self.shadow, self.artifact, self.choice.base_sha256, names, seconds,
                                               {**skipped, **failed}, best)

@@ -336,3 +336,22 @@ def test_a_switch_collects_and_refreezes_the_heap_once_its_requests_are_over(mak
         assert model() is None  # frozen at start, freed by the drop without a test's gc.collect
         assert c.portal.call(lambda: asyncio.wait_for(freezer.refrozen.wait(), 30)) is True
         assert served(c.post("/predict", json=Q)) == ("openvino-bf16", "openvino-bf16")
+
+
+def test_nothing_holds_the_start_runtime_once_the_tournament_is_over(make_client, bf16_calibrated, switching):
+    """The switcher lets go of the runtime it started from as soon as the tournament is over, before the model's drop
+    collects the heap (a frozen heap's cycles are freed there, or at the next freeze), not when its thread ends."""
+    gate = switching({"torch": 1.0, "openvino-bf16": 0.4})
+    with make_client(loader=unmeasured_loader, artifact=bf16_calibrated) as c:
+        engine = c.app.state.service.engine
+        start = weakref.ref(engine.default)
+        settle, alive_at_settle = engine.versions.settle_backend, []
+
+        def settling(*args):
+            alive_at_settle.append(start() is not None)
+            return settle(*args)
+
+        engine.versions.settle_backend = settling
+        gate.set()
+        assert engine.versions.switcher.done.wait(30)
+        assert alive_at_settle == [False] and engine.default is not None  # no gc.collect: nothing held it
