@@ -10,9 +10,10 @@ spinning workers take the cores the event loop and the check threads need (``ben
 native`` threads). Here the other side of the choice: the artifact's predictor (torch backend, CPU, the real trunk)
 answering ``--rounds`` batches of ``--batch`` SciQ training questions with their passages (or ``--dataset``'s), in a
 process of its own with ``OMP_WAIT_POLICY`` unset, then in one with ``PASSIVE`` (each pair alternates which goes
-first; both answer the same batches). Recorded per batch: seconds and the process's CPU seconds (every thread); the
-time ratio PASSIVE / unset over the batches paired, with a 95% paired bootstrap interval, the same for CPU time, and
-the CPU's features.
+first; both answer the same batches). Recorded per batch: seconds and the process's CPU seconds (every thread); per
+pair, the ratio PASSIVE / unset of the mean seconds and of the mean CPU seconds a batch (a pair is the unit: batches of
+one process are not independent draws), their mean and range over the pairs (no interval: few pairs), each child's
+policy as it saw it, and the CPU's features.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ import time
 
 import numpy as np
 
-from benchmarks.common import cpu_features, paired_ratio, served_questions, write_result
+from benchmarks.common import cpu_features, served_questions, write_result
 
 POLICIES = ("unset", "PASSIVE")
+CHILD_TIMEOUT_S = 1800  # a child that has not answered by then is stuck
 
 
 def child(artifact: str, rounds: int, batch: int, dataset: str) -> dict:
@@ -52,19 +54,25 @@ def child(artifact: str, rounds: int, batch: int, dataset: str) -> dict:
             predictor.predict(questions)
             seconds.append(time.perf_counter() - start)
             cpu.append(time.process_time() - used)
-    return {"seconds": seconds, "cpu_s": cpu, "threads": torch.get_num_threads()}
+    return {"seconds": seconds, "cpu_s": cpu, "threads": torch.get_num_threads(),
+            "policy": os.environ.get("OMP_WAIT_POLICY")}
 
 
 def run_child(policy: str, args) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     if policy != "unset":
         env["OMP_WAIT_POLICY"] = policy
-    done = subprocess.run([sys.executable, "-m", "benchmarks.omp_wait", "--child", "--artifact", args.artifact,
-                           "--rounds", str(args.rounds), "--batch", str(args.batch), "--dataset", args.dataset],
-                          env=env, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"the {policy} child exited with {done.returncode}: {done.stderr.strip()[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    try:
+        done = subprocess.run([sys.executable, "-m", "benchmarks.omp_wait", "--child", "--artifact", args.artifact,
+                               "--rounds", str(args.rounds), "--batch", str(args.batch), "--dataset", args.dataset],
+                              env=env, capture_output=True, text=True, check=False, timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        raise RuntimeError(f"the {policy} child did not finish within {CHILD_TIMEOUT_S} s") from e
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"the {policy} child exited with {done.returncode} and no result: "
+                           f"{done.stderr.strip()[-2000:]}")
+    return json.loads(lines[-1])
 
 
 def main(argv=None) -> int:
@@ -94,15 +102,17 @@ def main(argv=None) -> int:
                 return 1
             print(f"pair {pair + 1}/{args.pairs}: {policy} done", file=sys.stderr)
 
-    def pooled(policy: str, key: str) -> list[float]:
-        return [value for run in runs[policy] for value in run[key]]
+    def pair_ratios(key: str) -> dict:
+        ratios = [float(np.mean(passive[key]) / np.mean(spin[key]))
+                  for passive, spin in zip(runs["PASSIVE"], runs["unset"], strict=True)]
+        return {"pairs": ratios, "mean": float(np.mean(ratios)), "low": min(ratios), "high": max(ratios)}
 
     result = {"artifact": args.artifact, "dataset": args.dataset, "pairs": args.pairs, "rounds": args.rounds,
-              "batch": args.batch, "device": "cpu", "cpu": cpu_features(), "torch_threads": runs["unset"][0]["threads"],
-              "median_ms_a_batch": {policy: 1e3 * float(np.median(pooled(policy, "seconds"))) for policy in POLICIES},
-              "mean_cpu_ms_a_batch": {policy: 1e3 * float(np.mean(pooled(policy, "cpu_s"))) for policy in POLICIES},
-              "passive_time_ratio": paired_ratio(pooled("PASSIVE", "seconds"), pooled("unset", "seconds")),
-              "passive_cpu_ratio": paired_ratio(pooled("PASSIVE", "cpu_s"), pooled("unset", "cpu_s")),
+              "batch": args.batch, "device": "cpu", "cpu": cpu_features(),
+              "torch_threads": sorted({run["threads"] for policy in POLICIES for run in runs[policy]}),
+              "mean_ms_a_batch": {policy: 1e3 * float(np.mean([s for run in runs[policy] for s in run["seconds"]]))
+                                  for policy in POLICIES},
+              "passive_time_ratio": pair_ratios("seconds"), "passive_cpu_ratio": pair_ratios("cpu_s"),
               "runs": runs}
     write_result(args.output, result)
     print(f"wrote {args.output}")

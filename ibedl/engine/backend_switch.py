@@ -128,11 +128,12 @@ class BackendSwitcher:
         try:
             runtime = self.engine.runtimes[self.adapter]
             serving = (runtime.ref["backend"], runtime.predictor.trunk)
+            del runtime  # once switched from, nothing here holds the start's runtime (its torch model among it)
             batch = self.shadow.encode(auto_backend.timing_questions())
             best, _, seconds, failed = auto_backend.tournament(
                 self.names, self._build_noted, auto_backend.runner(self.shadow, batch), serving, self._time,
                 self.rounds, self._switch)
-            del runtime, serving  # the start's runtime and trunk: freed with the model below, not after "done"
+            del serving  # the start's trunk: freed before the model's drop below collects the heap, not after "done"
             names, skipped = auto_backend.candidates(self.shadow, self.artifact, backends.unavailable)
             self.choice = auto_backend.record(self.shadow, self.artifact, self.choice.base_sha256, names, seconds,
                                               {**skipped, **failed}, best)

@@ -31,13 +31,16 @@ def test_a_real_run_times_both_policies_on_the_same_batches(tiny_artifact, tmp_p
                           "--dataset", "obqa", "--output", str(out)]) == 0
     assert seen == ["unset", "PASSIVE", "PASSIVE", "unset"]  # each pair alternates which goes first
     result = json.loads(out.read_text())
-    for policy in omp_wait.POLICIES:
-        assert len(result["runs"][policy]) == 2
+    for policy, seen_by_child in (("unset", None), ("PASSIVE", "PASSIVE")):
+        assert [run["policy"] for run in result["runs"][policy]] == [seen_by_child] * 2  # as the child saw it
         assert all(len(run["seconds"]) == len(run["cpu_s"]) == 2 and min(run["seconds"]) > 0
                    for run in result["runs"][policy])
-        assert result["median_ms_a_batch"][policy] > 0 and result["mean_cpu_ms_a_batch"][policy] > 0
-    assert {"ratio", "low", "high"} <= set(result["passive_time_ratio"]) and result["passive_time_ratio"]["ratio"] > 0
-    assert result["cpu"]["cores"] >= 1 and result["torch_threads"] >= 1
+        assert result["mean_ms_a_batch"][policy] > 0
+    ratio = result["passive_time_ratio"]
+    assert len(ratio["pairs"]) == 2 and ratio["low"] <= ratio["mean"] <= ratio["high"]
+    first = result["runs"]["PASSIVE"][0]["seconds"], result["runs"]["unset"][0]["seconds"]
+    assert ratio["pairs"][0] == pytest.approx(sum(first[0]) / sum(first[1]))  # per pair, of the mean batch times
+    assert result["cpu"]["cores"] >= 1 and min(result["torch_threads"]) >= 1
 
 
 def test_the_child_is_given_the_policy_in_its_environment(monkeypatch):
@@ -54,3 +57,17 @@ def test_the_child_is_given_the_policy_in_its_environment(monkeypatch):
     args = omp_wait.argparse.Namespace(artifact="a", rounds=2, batch=1, dataset="sciq")
     assert omp_wait.run_child("unset", args)["threads"] == 1 and omp_wait.run_child("PASSIVE", args)
     assert envs == [None, "PASSIVE"]
+
+
+@pytest.mark.parametrize("done, message", [
+    ((1, "", "Traceback: no questions"), "the PASSIVE child exited with 1 and no result: .*no questions"),
+    ((0, "", ""), "the PASSIVE child exited with 0 and no result"),
+])
+def test_a_child_without_a_result_is_an_error_that_says_so(monkeypatch, done, message):
+    import subprocess
+
+    code, out, err = done
+    monkeypatch.setattr(subprocess, "run", lambda argv, **k: subprocess.CompletedProcess(argv, code, out, err))
+    args = omp_wait.argparse.Namespace(artifact="a", rounds=2, batch=1, dataset="sciq")
+    with pytest.raises(RuntimeError, match=message):
+        omp_wait.run_child("PASSIVE", args)

@@ -355,3 +355,20 @@ def test_nothing_holds_the_start_runtime_once_the_tournament_is_over(make_client
         gate.set()
         assert engine.versions.switcher.done.wait(30)
         assert alive_at_settle == [False] and engine.default is not None  # no gc.collect: nothing held it
+
+
+def test_the_start_runtime_goes_at_the_first_switch_not_after_the_tournament(make_client, tiny_artifact, tmp_path,
+                                                                              monkeypatch, switching):
+    """torch -> bf16, then fp32 built and timed: by fp32's build nothing holds the runtime torch served from (its
+    model's memory can go back while the tournament goes on)."""
+    artifact, loader = two_candidates(tiny_artifact, tmp_path, monkeypatch, ["openvino-bf16", "openvino-fp32"])
+    start, alive_at_build = [], {}
+    gate = switching({"torch": 1.0, "openvino-bf16": 0.4, "openvino-fp32": 0.6},
+                     on_build=lambda switcher, name: alive_at_build.setdefault(name, start[0]() is not None))
+    with make_client(loader=loader, artifact=artifact) as c:
+        engine = c.app.state.service.engine
+        start.append(weakref.ref(engine.default))
+        gate.set()
+        assert engine.versions.switcher.done.wait(30)
+        assert [s["to"] for s in engine.versions.switcher.status["switches"]] == ["openvino-bf16"]
+    assert alive_at_build == {"openvino-bf16": True, "openvino-fp32": False}  # no gc.collect: nothing held it
