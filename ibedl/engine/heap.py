@@ -24,16 +24,6 @@ from ibedl.engine.observer import Observer
 log = logging.getLogger("ibedl.engine")
 
 
-def freeze() -> int:
-    """Collect the whole heap (what was frozen before too), then freeze what survives; the objects frozen."""
-    start = time.perf_counter()
-    collect_garbage(freeze=True)
-    frozen = gc.get_freeze_count()
-    log.info("froze the %d objects the garbage collector tracks out of its scans (%.0f ms)", frozen,
-             1e3 * (time.perf_counter() - start))
-    return frozen
-
-
 class HeapFreezer(Observer):
     """Freezes the heap when the engine becomes ready, and again ``settle_s`` seconds after a backend switch (the
     requests' longest life: ``request_timeout_s``); a drain cancels a refreeze not yet due. Each freeze takes the
@@ -64,8 +54,13 @@ class HeapFreezer(Observer):
         self._pending = asyncio.get_running_loop().call_later(self.settle_s, self._freeze)
 
     def _freeze(self) -> None:
+        """Collect the whole heap (what was frozen before too), then freeze what survives."""
         self._pending = None
-        self.frozen = freeze()
+        start = time.perf_counter()
+        collect_garbage(freeze=True)
+        self.frozen = gc.get_freeze_count()
+        log.info("froze the %d objects the garbage collector tracks out of its scans (%.0f ms)", self.frozen,
+                 1e3 * (time.perf_counter() - start))
         self.refrozen.set()
 
     def _cancel(self) -> None:

@@ -3,6 +3,7 @@ batch, and its arguments refused by name."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -54,7 +55,7 @@ def test_the_child_is_given_the_policy_in_its_environment(monkeypatch):
 
     monkeypatch.setattr(subprocess, "run", run)
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    args = omp_wait.argparse.Namespace(artifact="a", rounds=2, batch=1, dataset="sciq")
+    args = argparse.Namespace(artifact="a", rounds=2, batch=1, dataset="sciq")
     assert omp_wait.run_child("unset", args)["threads"] == 1 and omp_wait.run_child("PASSIVE", args)
     assert envs == [None, "PASSIVE"]
 
@@ -68,6 +69,6 @@ def test_a_child_without_a_result_is_an_error_that_says_so(monkeypatch, done, me
 
     code, out, err = done
     monkeypatch.setattr(subprocess, "run", lambda argv, **k: subprocess.CompletedProcess(argv, code, out, err))
-    args = omp_wait.argparse.Namespace(artifact="a", rounds=2, batch=1, dataset="sciq")
+    args = argparse.Namespace(artifact="a", rounds=2, batch=1, dataset="sciq")
     with pytest.raises(RuntimeError, match=message):
         omp_wait.run_child("PASSIVE", args)
