@@ -8,8 +8,9 @@
    training samples/s and peak GPU memory of each, and test accuracy).
 2. ``calibrate``: the committed default adapter calibrated by its own recipe (:data:`CALIBRATION`: per option
    count) on the arithmetic it will be served with (CUDA, bf16 on a 4-bit base: ``torch-cuda-nf4-bf16``; without
-   bitsandbytes bf16 as loaded and with the adapter merged, ``torch-cuda-bf16`` and ``torch-cuda-merged-bf16``, for
-   ``auto`` to time both), into a copy under ``runs/gpu_check``.
+   bitsandbytes bf16 as loaded and with the adapter merged, ``torch-cuda-bf16`` and ``torch-cuda-merged-bf16``), and
+   on the merged trunk replayed from CUDA graphs (``torch-cuda-graphs-bf16``), for ``auto`` to time them, into a copy
+   under ``runs/gpu_check``.
 3. ``serve``: that copy served on CUDA (``IBEDL_DEVICE=cuda``, ``IBEDL_LOAD_IN_4BIT=true`` where NF4 is): readiness,
    then ``auto``'s background measurement of the calibrated arithmetics (the clients start when it has ended, so
    one backend answers them, or :data:`MIN_SENDING_S` before the step must stop sending), the backend and the
@@ -26,9 +27,10 @@
    samples/s, 21.88 GB peak.
 
 Needs CUDA (a CUDA build of torch); without it, it exits 2 at once, saying why. Without bitsandbytes (the ``gpu``
-extra) it still runs, calibrating and serving in bf16 as loaded and merged (``torch-cuda-bf16``,
-``torch-cuda-merged-bf16``) with no NF4 training row, and its result says NF4 was not measured. CI never runs it. Each
-step runs in a child process under a time budget of its own (:data:`BUDGETS`, 445 s in all, so the check fits in 8
+extra) it still runs, calibrating and serving in bf16 as loaded, merged and graphed (``torch-cuda-bf16``,
+``torch-cuda-merged-bf16``, ``torch-cuda-graphs-bf16``) with no NF4 training row, and its result says NF4 was not
+measured. CI never runs it. Each
+step runs in a child process under a time budget of its own (:data:`BUDGETS`, 450 s in all, so the check fits in 8
 minutes with its start-up); a step still running when its
 budget ends is killed (its process group: the service it started too) and recorded with what it had written so far
 (``stopped_by_budget``). Each step's result is written as soon as it is known, so a run cut short by the machine's
@@ -56,12 +58,12 @@ from benchmarks.load_client import send_all
 
 STEPS = ("train", "calibrate", "serve", "serve_free", "paper")
 # Seconds each step may run (its child process included start-up, model loading and CUDA initialisation). The
-# issue's bound is 8 minutes for the whole check; these sum to 445 s, leaving 35 s for the parent and slack. Train
+# issue's bound is 8 minutes for the whole check; these sum to 450 s, leaving 30 s for the parent and slack. Train
 # gets the most: three precisions, each loading the model, training, calibrating and evaluating 500 questions (two
-# took 121 s on the H200, 64 and 50 s). Calibrate: one arithmetic took 34 s there; with bitsandbytes one runs,
-# without it two (the merged one loads the base twice: the predictor's and the trunk's). The paper step took 40 s.
-# Serve waits for auto's background measurement first (below); serve_free starts on its cached winner.
-BUDGETS = {"train": 180, "calibrate": 80, "serve": 65, "serve_free": 60, "paper": 60}
+# took 121 s on the H200, 64 and 50 s). Calibrate: one arithmetic took 34 s there; with bitsandbytes two run,
+# without it three (the merged and graphed ones load the base twice: the predictor's and the trunk's). The paper step
+# took 40 s. Serve waits for auto's background measurement first (below); serve_free starts on its cached winner.
+BUDGETS = {"train": 165, "calibrate": 100, "serve": 65, "serve_free": 60, "paper": 60}
 WHOLE_CHECK_S = 480
 # The serve step stops sending questions this long before its budget ends: time to read the GPU memory, stop the
 # service and write what the clients got (a step killed at its budget keeps only what it had written).
@@ -97,18 +99,22 @@ CALIBRATION = ["--dataset", "sciq", "--split", "validation", "--option-counts", 
 def arithmetic(has_nf4: bool) -> dict:
     """What the calibrate and serve steps use: bf16 on a 4-bit NF4 base where bitsandbytes is installed (the
     smallest footprint, served with IBEDL_LOAD_IN_4BIT), else bf16 as loaded and the adapter merged into the bf16
-    weights, each calibrated, so that IBEDL_BACKEND=auto times the two and serves the faster: a pass of a few
+    weights; and either way that merged trunk replayed from CUDA graphs (ibedl.core.backends.cuda_graphs, which
+    launches a pass's kernels at once); each calibrated, so that IBEDL_BACKEND=auto times them and serves the
+    fastest: a pass of a few
     questions is likely bound by dispatching operators, and merging halves them (on the H200 unmerged fp32's test
     passes ran 1.8x bf16's rate, fp32 having fewer operators: no casts to and from the adapter's float32; merged, the
     two precisions dispatch the same operators, and fp32's matmuls are not faster). ``make gpu-profiles`` times
     merged fp32 beside them (benchmarks.merged_adapter). The check still runs without NF4, and says it was not
     measured."""
+    graphs = ("torch-cuda-graphs-bf16", ["--backend", "torch-cuda-graphs-bf16"])
     if has_nf4:
-        return {"keys": ["torch-cuda-nf4-bf16"], "calibrate_flags": [["--dtype", "bfloat16", "--load-in-4bit"]],
+        return {"keys": ["torch-cuda-nf4-bf16", graphs[0]],
+                "calibrate_flags": [["--dtype", "bfloat16", "--load-in-4bit"], graphs[1]],
                 "serve_env": {"IBEDL_LOAD_IN_4BIT": "true"}}
-    return {"keys": ["torch-cuda-bf16", "torch-cuda-merged-bf16"],
-            "calibrate_flags": [["--dtype", "bfloat16"], ["--backend", "torch-cuda-merged-bf16"]], "serve_env": {},
-            "nf4": "not measured: bitsandbytes is not installed (pip install -e '.[gpu]')"}
+    return {"keys": ["torch-cuda-bf16", "torch-cuda-merged-bf16", graphs[0]],
+            "calibrate_flags": [["--dtype", "bfloat16"], ["--backend", "torch-cuda-merged-bf16"], graphs[1]],
+            "serve_env": {}, "nf4": "not measured: bitsandbytes is not installed (pip install -e '.[gpu]')"}
 
 
 def nf4_available() -> bool:

@@ -104,6 +104,9 @@ class BackendSwitcher:
         self.status["state"] = f"building {name}"
         try:
             trunk = self._build(name)
+            for step in backends.preparation(trunk):  # e.g. CUDA graphs: captured on the model's thread, which
+                self.status["state"] = f"preparing {name}"  # replays them, one shape between two passes
+                self._on_loop(self.engine.batcher.between_passes(step))
         except auto_backend.BUILD_ERRORS as e:
             self.status["failed"][name] = f"{type(e).__name__}: {e}"
             log.warning("auto: building %s failed (%s: %s); still serving %s", name, type(e).__name__, e,

@@ -14,6 +14,7 @@ import dataclasses
 import math
 import time
 
+from ibedl.core.backends import preparation
 from ibedl.core.predictor import Predictor, count_prompt_tokens
 from ibedl.core.prompt import MCQuestion
 
@@ -102,6 +103,8 @@ def warm_up(predictors: list[Predictor]) -> ServiceTime:
         return dataclasses.replace(PROBE, options=PROBE.options[: min(len(PROBE.options), predictor.num_rows)])
 
     for predictor in predictors:
+        for step in preparation(predictor.trunk):  # e.g. CUDA graphs, captured on this thread: the model's
+            step()
         predictor.predict([probe(predictor)])  # its passage is cut to the served limit
     first = predictors[0]
     tokens = min(count_prompt_tokens(first.tokenizer, first.template, probe(first)), first.max_tokens)

@@ -38,7 +38,8 @@ class EngineSettings(BaseSettings):
                          "cached per machine), torch, openvino-fp32, openvino-bf16, openvino (int8 weights), "
                          "openvino-int8 (static int8), and on CUDA torch-cuda-fp32, torch-cuda-bf16, "
                          "torch-cuda-nf4-bf16 (NF4 weights, bitsandbytes), torch-cuda-merged-fp32 and "
-                         "torch-cuda-merged-bf16 (the adapter folded into the weights)")
+                         "torch-cuda-merged-bf16 (the adapter folded into the weights), torch-cuda-graphs-fp32 and "
+                         "torch-cuda-graphs-bf16 (that merged trunk replayed from CUDA graphs)")
     allow_uncalibrated_backend: bool = Field(False, description="serve on a backend for which the artifact carries "
                                              "no calibration, with the thresholds and conformal quantiles of the "
                                              "one it carries first (its guarantees were made on other arithmetic); "

@@ -37,7 +37,8 @@ On a GPU, each arithmetic ``auto`` may serve there is calibrated on its own outp
 weights, bitsandbytes: ``torch-cuda-nf4-bf16``); ``--backend torch-cuda-nf4-bf16`` (and the others) computes the same
 arithmetic whatever ``--dtype`` loads. The adapter folded into the weights (half the operations a forward dispatches)
 is an arithmetic of its own, only a backend computes: ``--backend torch-cuda-merged-bf16`` or
-``torch-cuda-merged-fp32`` with ``--device cuda``.
+``torch-cuda-merged-fp32`` with ``--device cuda``; so is that merged trunk replayed from CUDA graphs (one launch a
+pass): ``--backend torch-cuda-graphs-bf16`` or ``torch-cuda-graphs-fp32``.
 
 ``--dataset feedback --path FEEDBACK_DB`` calibrates on production traffic: the labels sent back to the service
 (``POST /v1/feedback``) for this adapter version, with the outputs its receipts carried, so the model does not run
@@ -474,7 +475,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="inference backend to calibrate on (default torch, in --device's --dtype); the "
                         "calibration is recorded for that backend and precision, beside the others the artifact "
                         "carries (on CUDA: torch-cuda-fp32, torch-cuda-bf16, torch-cuda-nf4-bf16, "
-                        "torch-cuda-merged-fp32, torch-cuda-merged-bf16, what auto serves there). With --outputs: "
+                        "torch-cuda-merged-fp32, torch-cuda-merged-bf16, torch-cuda-graphs-fp32, "
+                        "torch-cuda-graphs-bf16, what auto serves there). With --outputs: "
                         "the backend that file's outputs were computed on (checked); with "
                         "--dataset feedback: the labelled answers of the backend that served them are taken (default: "
                         "the one most of them name)")

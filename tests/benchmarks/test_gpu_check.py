@@ -99,12 +99,14 @@ def test_a_child_runs_its_one_step_and_records_its_failure(tmp_path, monkeypatch
 
 
 def test_without_bitsandbytes_the_check_calibrates_bf16_and_merged_trunks_for_auto_and_says_nf4_was_not_measured():
+    """Either way the graphed trunk is calibrated too, for auto to time it."""
     with_nf4, without = gpu_check.arithmetic(True), gpu_check.arithmetic(False)
-    assert with_nf4["keys"] == ["torch-cuda-nf4-bf16"] and with_nf4["calibrate_flags"] == [
-        ["--dtype", "bfloat16", "--load-in-4bit"]]
+    assert with_nf4["keys"] == ["torch-cuda-nf4-bf16", "torch-cuda-graphs-bf16"] and with_nf4["calibrate_flags"] == [
+        ["--dtype", "bfloat16", "--load-in-4bit"], ["--backend", "torch-cuda-graphs-bf16"]]
     assert with_nf4["serve_env"] == {"IBEDL_LOAD_IN_4BIT": "true"} and "nf4" not in with_nf4
-    assert without["keys"] == ["torch-cuda-bf16", "torch-cuda-merged-bf16"]
-    assert without["calibrate_flags"] == [["--dtype", "bfloat16"], ["--backend", "torch-cuda-merged-bf16"]]
+    assert without["keys"] == ["torch-cuda-bf16", "torch-cuda-merged-bf16", "torch-cuda-graphs-bf16"]
+    assert without["calibrate_flags"] == [["--dtype", "bfloat16"], ["--backend", "torch-cuda-merged-bf16"],
+                                          ["--backend", "torch-cuda-graphs-bf16"]]
     assert without["serve_env"] == {} and "bitsandbytes is not installed" in without["nf4"]
     # the key a CUDA service looks its calibration up by, and the arguments that compute each
     from ibedl.core.backends.registry import REFERENCE, REGISTRY

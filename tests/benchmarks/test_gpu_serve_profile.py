@@ -24,6 +24,9 @@ def test_settings_are_parsed_and_bad_ones_refused_by_name():
 def test_bad_arguments_and_a_missing_artifact_are_refused_before_loading_anything(tmp_path, capsys):
     for argv, message in ((["--questions", "0"], "--questions must be >= 1, got 0"),
                           (["--settings", "x:y"], "got 'x:y'"),
+                          (["--backends", "torch,tpu"], "unknown inference backend 'tpu'"),
+                          (["--backends", "auto"], "name one or more backends (auto is a choice among them)"),
+                          (["--backends", " , "], "got ' , '"),
                           (["--artifact", str(tmp_path)], "holds no manifest.json")):
         with pytest.raises(SystemExit) as exit_:
             gpu_serve_profile.main(argv)
@@ -49,6 +52,7 @@ def test_one_setting_accounts_every_question_and_splits_the_time(monkeypatch):
     profile = cProfile.Profile()
     row = gpu_serve_profile.measure("artifacts/default", bodies, 3, 4096, profile, device="cpu")
     assert row["questions"] == 6 and 1 <= row["passes"] <= 6 and row["loose"] is False
+    assert row["backend"] == "torch" and row["graph_counts"] is None  # torch as loaded: no graphs
     assert row["mean_pass_questions"] * row["passes"] == pytest.approx(6)  # every question in one pass
     assert 0 < row["trunk_forward_s"] <= row["predictor_s"] <= row["seconds"]
     assert row["answers_per_s"] == pytest.approx(6 / row["seconds"])

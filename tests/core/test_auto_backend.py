@@ -91,7 +91,8 @@ def load(artifact) -> Predictor:
 
 ALL = ["openvino-int8", "openvino-bf16", "openvino-fp32"]
 CUDA = ["torch-cuda-fp32", "torch-cuda-bf16", "torch-cuda-nf4-bf16", "torch-cuda-merged-fp32",
-        "torch-cuda-merged-bf16"]  # candidates on CUDA (test_backends_torch_cuda)
+        "torch-cuda-merged-bf16", "torch-cuda-graphs-fp32", "torch-cuda-graphs-bf16"]  # candidates on CUDA
+# (test_backends_torch_cuda, test_backends_cuda_graphs)
 
 
 def test_the_fastest_calibrated_backend_is_chosen_and_a_slower_one_is_not(tiny_artifact, tmp_path, timed):

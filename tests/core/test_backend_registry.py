@@ -16,7 +16,8 @@ from ibedl.core.predictor import Predictor
 MODULES = {"torch": "torch_eager", "openvino": "openvino_int8_weights", "openvino-fp32": "openvino_fp32",
            "openvino-bf16": "openvino_bf16", "openvino-int8": "openvino_int8", "torch-cuda-fp32": "torch_cuda_fp32",
            "torch-cuda-bf16": "torch_cuda_bf16", "torch-cuda-nf4-bf16": "torch_cuda_nf4",
-           "torch-cuda-merged-fp32": "torch_cuda_merged_fp32", "torch-cuda-merged-bf16": "torch_cuda_merged_bf16"}
+           "torch-cuda-merged-fp32": "torch_cuda_merged_fp32", "torch-cuda-merged-bf16": "torch_cuda_merged_bf16",
+           "torch-cuda-graphs-fp32": "torch_cuda_graphs_fp32", "torch-cuda-graphs-bf16": "torch_cuda_graphs_bf16"}
 
 
 def test_each_backend_is_its_own_module_and_one_registry_line():
@@ -25,7 +26,7 @@ def test_each_backend_is_its_own_module_and_one_registry_line():
         declared = importlib.import_module(f"ibedl.core.backends.{module}").BACKEND
         assert REGISTRY[name] is declared and declared.name == name
     assert [REGISTRY[n].precision for n in MODULES] == ["model", "f32", "f32", "bf16", "f32", "f32", "bf16", "bf16",
-                                                        "f32", "bf16"]
+                                                        "f32", "bf16", "f32", "bf16"]
     with pytest.raises(ValueError, match="auto is a choice among backends"):
         backends.get("auto")
     with pytest.raises(ValueError, match="unknown inference backend 'tpu'"):
@@ -38,7 +39,8 @@ def test_each_backend_declares_what_callers_ask_instead_of_its_name():
                         "openvino-bf16": (True, 2, False), "openvino-int8": (True, 3, True),
                         "torch-cuda-fp32": (True, 1, False), "torch-cuda-bf16": (True, 1, False),
                         "torch-cuda-nf4-bf16": (True, 1, False), "torch-cuda-merged-fp32": (True, 1, False),
-                        "torch-cuda-merged-bf16": (True, 1, False)}
+                        "torch-cuda-merged-bf16": (True, 1, False), "torch-cuda-graphs-fp32": (True, 1, False),
+                        "torch-cuda-graphs-bf16": (True, 1, False)}
     assert backends.REFERENCE == "torch" and REGISTRY[backends.REFERENCE].build_cost == 0  # nothing to build
     # every calibration key belongs to the backends that compute it, and to no other: a CUDA key to torch as loaded
     # in that arithmetic and to the CUDA backend that loads it so (of_key: torch, listed first)
@@ -47,7 +49,10 @@ def test_each_backend_declares_what_callers_ask_instead_of_its_name():
                         ("openvino-fp32", ["openvino-fp32"]), ("openvino-int8", ["openvino-int8"]),
                         # a merged trunk's arithmetic is its own: torch as loaded never computes it
                         ("torch-cuda-merged-bf16", ["torch-cuda-merged-bf16"]),
-                        ("torch-cuda-merged-fp32", ["torch-cuda-merged-fp32"])]:
+                        ("torch-cuda-merged-fp32", ["torch-cuda-merged-fp32"]),
+                        # so is a graphed one's (padded shapes, causal attention without a mask)
+                        ("torch-cuda-graphs-bf16", ["torch-cuda-graphs-bf16"]),
+                        ("torch-cuda-graphs-fp32", ["torch-cuda-graphs-fp32"])]:
         assert backends.of_key(key) is REGISTRY[owners[0]]
         assert [n for n, b in REGISTRY.items() if b.owns_key(key)] == owners
     assert backends.of_key("torch") is None and backends.of_key("tpu-fp32") is None

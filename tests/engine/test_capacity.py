@@ -56,3 +56,25 @@ def test_round_robin_finish_serves_one_question_of_each_request_a_turn():
 def test_bad_arguments_name_the_value(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ServiceTime(**kwargs)
+
+
+def test_warm_up_prepares_a_trunk_before_its_probes(tiny_artifact):
+    """A graphed trunk's graphs are all captured at warm-up (on the thread that serves: the engine's model thread
+    runs warm_up), before its probes, so no served pass pays a capture."""
+    import torch
+
+    from ibedl.core.backends import Built
+    from ibedl.core.backends.cuda_graphs import GraphedTrunk
+    from ibedl.core.backends.torch_cuda import TorchTrunk
+    from ibedl.core.predictor import Predictor
+    from ibedl.engine.capacity import warm_up
+    from tests.core.test_backends_cuda_graphs import Captures
+
+    predictor = Predictor.from_artifact(tiny_artifact, device="cpu", dtype=torch.float32, backend="torch")
+    captures = Captures()
+    shapes = [(1, 64), (1, 128), (2, 128)]
+    trunk = GraphedTrunk(TorchTrunk(predictor.model), shapes, captures)
+    predictor.serve_on(Built(trunk, "torch-cuda-graphs-fp32"))
+    estimate = warm_up([predictor])
+    assert captures.shapes == [(2, 128), (1, 128), (1, 64)]  # all, largest first, before the probes replayed
+    assert trunk.counts["replays"] == 2 and trunk.counts["eager"] == 0 and estimate.per_token_s > 0

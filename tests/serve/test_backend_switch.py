@@ -55,11 +55,12 @@ def unmeasured_loader(settings):
 
 @pytest.fixture
 def switching(monkeypatch):
-    """``switching(seconds, fail=None, on_build=None)``: the service's switcher builds a Trunk (or raises ``fail``)
-    once the returned gate is set, calling ``on_build(switcher, name)`` first, and times each backend at
-    ``seconds[name]``."""
+    """``switching(seconds, fail=None, on_build=None, make=Trunk)``: the service's switcher builds ``make(decoder,
+    name)`` (or raises ``fail``) once the returned gate is set, calling ``on_build(switcher, name)`` first, and times
+    each backend at ``seconds[name]``."""
 
-    def install(seconds: dict[str, float], fail: Exception | None = None, on_build=None) -> threading.Event:
+    def install(seconds: dict[str, float], fail: Exception | None = None, on_build=None,
+                make=Trunk) -> threading.Event:
         gate = threading.Event()
         gate.built = {}  # name -> weak reference to the trunk built for it
         real_torch = auto_backend.torch_hidden
@@ -77,7 +78,7 @@ def switching(monkeypatch):
                     on_build(switcher, name)
                 if fail is not None:
                     raise fail
-                trunk = Trunk(decoder, name)
+                trunk = make(decoder, name)
                 gate.built[name] = weakref.ref(trunk)
                 return trunk
             return run
@@ -372,3 +373,49 @@ def test_the_start_runtime_goes_at_the_first_switch_not_after_the_tournament(mak
         assert engine.versions.switcher.done.wait(30)
         assert [s["to"] for s in engine.versions.switcher.status["switches"]] == ["openvino-bf16"]
     assert alive_at_build == {"openvino-bf16": True, "openvino-fp32": False}  # no gc.collect: nothing held it
+
+
+class Preparing(Trunk):
+    """A trunk that asks for steps on the thread that will call it before it serves, as a graphed CUDA trunk asks to
+    capture its graphs (ibedl.core.backends.cuda_graphs): each step records its thread and whether the trunk had
+    answered yet; ``fail`` makes the second step raise."""
+
+    fail: Exception | None = None
+
+    def __init__(self, decoder, name: str) -> None:
+        super().__init__(decoder, name)
+        self.ran: list[tuple[str, bool]] = []
+
+    def prepare(self):
+        for i in range(3):
+            yield lambda i=i: self.step(i)
+
+    def step(self, i: int) -> None:
+        if i == 1 and self.fail is not None:
+            raise self.fail
+        self.ran.append((threading.current_thread().name, self.name in LAST))
+
+
+def test_a_trunk_is_prepared_on_the_model_thread_before_it_is_timed(make_client, bf16_calibrated, switching):
+    LAST.clear()
+    built: list[Preparing] = []
+    gate = switching({"torch": 1.0, "openvino-bf16": 0.4}, make=lambda d, n: built.append(Preparing(d, n)) or built[-1])
+    gate.set()
+    with make_client(loader=unmeasured_loader, artifact=bf16_calibrated) as c:
+        assert c.app.state.service.engine.versions.switcher.done.wait(30)
+        r = c.post("/predict", json=Q)
+    assert served(r) == ("openvino-bf16", "openvino-bf16")
+    (trunk,) = built
+    assert len(trunk.ran) == 3 and all(t.startswith("ibedl-model") and not answered for t, answered in trunk.ran)
+
+
+def test_a_preparation_that_fails_is_a_failed_build(make_client, bf16_calibrated, switching, monkeypatch):
+    monkeypatch.setattr(Preparing, "fail", RuntimeError("operation not permitted when stream is capturing"))
+    switching({"torch": 1.0, "openvino-bf16": 0.4}, make=Preparing).set()
+    with make_client(loader=unmeasured_loader, artifact=bf16_calibrated) as c:
+        assert c.app.state.service.engine.versions.switcher.done.wait(30)
+        r = c.post("/predict", json=Q)
+        card = c.get("/v1/models").json()["data"][0]
+    assert r.status_code == 200 and served(r) == ("torch", "torch-fp32")
+    assert card["backend"]["background"]["failed"] == {
+        "openvino-bf16": "RuntimeError: operation not permitted when stream is capturing"}

@@ -8,7 +8,8 @@ quantised on a sample), and one line of ``REGISTRY`` (ibedl.core.backends.regist
 ``torch`` (torch_eager: the PEFT model as loaded, on the CPU or CUDA), ``openvino`` (openvino_int8_weights),
 ``openvino-fp32``, ``openvino-bf16`` and ``openvino-int8`` (static int8), and on CUDA ``torch-cuda-fp32``,
 ``torch-cuda-bf16`` and ``torch-cuda-nf4-bf16`` (the base and adapter loaded once more in that arithmetic) and
-``torch-cuda-merged-fp32`` and ``torch-cuda-merged-bf16`` (the same with the adapter folded into the weights); the
+``torch-cuda-merged-fp32`` and ``torch-cuda-merged-bf16`` (the same with the adapter folded into the weights) and
+``torch-cuda-graphs-fp32`` and ``torch-cuda-graphs-bf16`` (the merged trunk replayed from CUDA graphs); the
 OpenVINO ones share ibedl.core.backends.openvino_ir (export, IR cache, compile), the CUDA ones
 ibedl.core.backends.torch_cuda. ``auto`` (the default) is not a backend but a choice among them: the one this machine
 runs the artifact fastest on, measured among those the artifact carries a calibration for (ibedl.core.auto_backend;
@@ -25,7 +26,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ibedl.core.backends.base import Backend, Built
+from ibedl.core.backends.base import Backend, Built, preparation
 from ibedl.core.backends.openvino_ir import (
     CompileCrashError,
     LastTokenTrunk,
@@ -120,7 +121,8 @@ def _build(backend: str, predictor, artifact: Path, base_sha256: str, export: bo
     return get(backend).build(predictor, artifact, base_sha256, export)
 
 
-__all__ = ["REGISTRY", "BACKENDS", "DEFAULT_BACKEND", "REFERENCE", "Backend", "Built", "check_backend", "get", "of_key",
+__all__ = ["REGISTRY", "BACKENDS", "DEFAULT_BACKEND", "REFERENCE", "Backend", "Built", "preparation",
+           "check_backend", "get", "of_key",
            "calibration_key", "unavailable", "build_trunk", "build_one", "export_ir", "quantized_on", "openvino_trunk",
            "ir_path", "runs_openvino", "native_bf16", "int8_cached", "artifact_sample", "sample_digest",
            "compile_checked", "compress_int8_groups", "CompileCrashError", "LastTokenTrunk", "OpenVINOTrunk"]

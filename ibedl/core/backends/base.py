@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -52,6 +53,13 @@ class Backend(Protocol):
 
     def quantized_on(self, artifact: Path) -> str | None:
         """sha256 of the sample a quantised trunk is calibrated on (its calibration must record it), else None."""
+
+
+def preparation(trunk) -> Iterator[Callable[[], object]]:
+    """The steps ``trunk`` asks to have run, each on the thread that will call it, before it serves (a graphed trunk's
+    captures, one shape a step: ibedl.core.backends.cuda_graphs); none for any other trunk (or None: torch's model)."""
+    prepare = getattr(trunk, "prepare", None)
+    return iter(()) if prepare is None else prepare()
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ from ibedl.core.backends.openvino_int8 import BACKEND as OPENVINO_INT8
 from ibedl.core.backends.openvino_int8_weights import BACKEND as OPENVINO_INT8_WEIGHTS
 from ibedl.core.backends.torch_cuda_bf16 import BACKEND as TORCH_CUDA_BF16
 from ibedl.core.backends.torch_cuda_fp32 import BACKEND as TORCH_CUDA_FP32
+from ibedl.core.backends.torch_cuda_graphs_bf16 import BACKEND as TORCH_CUDA_GRAPHS_BF16
+from ibedl.core.backends.torch_cuda_graphs_fp32 import BACKEND as TORCH_CUDA_GRAPHS_FP32
 from ibedl.core.backends.torch_cuda_merged_bf16 import BACKEND as TORCH_CUDA_MERGED_BF16
 from ibedl.core.backends.torch_cuda_merged_fp32 import BACKEND as TORCH_CUDA_MERGED_FP32
 from ibedl.core.backends.torch_cuda_nf4 import BACKEND as TORCH_CUDA_NF4
@@ -29,6 +31,8 @@ REGISTRY: dict[str, Backend] = {b.name: b for b in (
     TORCH_CUDA_NF4,
     TORCH_CUDA_MERGED_FP32,
     TORCH_CUDA_MERGED_BF16,
+    TORCH_CUDA_GRAPHS_FP32,
+    TORCH_CUDA_GRAPHS_BF16,
 )}
 BACKENDS = (*REGISTRY, "auto")  # what IBEDL_BACKEND accepts
 # Which backend is fastest depends on the CPU, not only on its flags (benchmarks/results/cpu_backends.json): ``auto``

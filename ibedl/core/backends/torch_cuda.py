@@ -1,8 +1,8 @@
 """What the CUDA torch backends share: the base model loaded a second time, in the backend's arithmetic on the
 predictor's CUDA device, with the artifact's adapter (:func:`load_trunk`), so that ``auto`` can time the arithmetics
 an artifact carries calibrations for (``torch-cuda-fp32``, ``torch-cuda-bf16``, ``torch-cuda-nf4-bf16``,
-``torch-cuda-merged-fp32``, ``torch-cuda-merged-bf16``) whatever the service loaded, and serve the calibration made
-on the one it runs.
+``torch-cuda-merged-fp32``, ``torch-cuda-merged-bf16``, ``torch-cuda-graphs-fp32``, ``torch-cuda-graphs-bf16``)
+whatever the service loaded, and serve the calibration made on the one it runs.
 
 A merged backend folds the adapter into the base's weights (W + B A s, PEFT's ``merge_and_unload``): the same
 function, rounded once where the unmerged trunk rounds the base's product and the adapter's apart, with half the
@@ -13,6 +13,10 @@ questions is likely bound by dispatching operations, not by running them (``gpu_
 about 3 questions on an H200), which is what merging saves; ``auto`` times it. It is its own arithmetic, so its own
 calibration key: calibrated with ``--backend torch-cuda-merged-<precision>``. Never on a 4-bit base (the merge would
 quantise the adapter's update into NF4).
+
+A graphed backend (``torch-cuda-graphs-<precision>``) is the merged trunk replayed from CUDA graphs, one per padded
+shape (ibedl.core.backends.cuda_graphs): a pass then costs its kernels' time and one launch, not the dispatch of each
+operator. Its arithmetic is its own (padded shapes, causal attention without a mask), so is its calibration key.
 
 The trunk is loaded as the predictor's own model is (ibedl.core.base_model.load_base_model, then the adapter by PEFT
 with its defaults), so an unmerged one computes what ``python -m ibedl.training.calibrate --device cuda --dtype D
@@ -28,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from ibedl.core.backends.cuda_graphs import GraphedTrunk
 from ibedl.core.backends.openvino_ir import LastTokenTrunk
 from ibedl.core.backends.torch_eager import BACKEND as TORCH
 from ibedl.core.backends.torch_eager import SHORT_DTYPES
@@ -44,6 +49,12 @@ def merged_key(dtype: str) -> str:
     if dtype not in SHORT_DTYPES:
         raise ValueError(f"no calibration key for dtype {dtype!r}; expected one of {sorted(SHORT_DTYPES)}")
     return f"torch-cuda-merged-{SHORT_DTYPES[dtype]}"
+
+
+def graphs_key(dtype: str) -> str:
+    """The calibration key of the merged trunk in ``dtype`` replayed from CUDA graphs,
+    ``torch-cuda-graphs-<precision>``. ValueError for an unknown dtype."""
+    return merged_key(dtype).replace("-merged-", "-graphs-")
 
 
 def has_bitsandbytes() -> bool:
@@ -107,14 +118,16 @@ def load_trunk(ref: str, base_sha256: str, adapter: Path, device, dtype: str, lo
 class TorchCudaBackend:
     """A CUDA torch backend: the base model and adapter loaded once more in ``dtype`` (and NF4 with
     ``load_in_4bit``, which needs bitsandbytes) on the predictor's CUDA device, the adapter folded into the base's
-    weights where ``merged``. Its calibration key is its name: the key torch gives the same arithmetic
-    (``torch-cuda-[nf4-]<precision>``), or for a merged one ``torch-cuda-merged-<precision>``, which only this backend
+    weights where ``merged``, and that merged trunk replayed from CUDA graphs where ``graphs``. Its calibration key is
+    its name: the key torch gives the same arithmetic (``torch-cuda-[nf4-]<precision>``), or for a merged one
+    ``torch-cuda-merged-<precision>`` and a graphed one ``torch-cuda-graphs-<precision>``, which only this backend
     computes."""
 
     name: str
     dtype: str  # a torch dtype's name: float32, bfloat16
     load_in_4bit: bool = False
     merged: bool = False
+    graphs: bool = False
     auto: bool = True
     build_cost: int = 1  # the base model read from disk again and, for NF4, quantised: seconds
     static_int8: bool = False
@@ -122,7 +135,10 @@ class TorchCudaBackend:
     def __post_init__(self) -> None:
         if self.merged and self.load_in_4bit:
             raise ValueError(f"backend {self.name!r}: {NO_MERGE_INTO_4BIT}")
-        key = merged_key(self.dtype) if self.merged else TORCH.calibration_key("cuda", self.dtype, self.load_in_4bit)
+        if self.graphs and not self.merged:
+            raise ValueError(f"backend {self.name!r}: the graphed trunk is the merged one (merged=True)")
+        key = (graphs_key(self.dtype) if self.graphs else merged_key(self.dtype) if self.merged
+               else TORCH.calibration_key("cuda", self.dtype, self.load_in_4bit))
         if self.name != key:
             raise ValueError(f"a CUDA torch backend is named for its arithmetic: {key!r}, got {self.name!r}")
         if self.build_cost < 1:
@@ -153,10 +169,11 @@ class TorchCudaBackend:
             return "NF4 needs bitsandbytes, which does not import here (pip install -e '.[gpu]')"
         return None
 
-    def build(self, predictor, artifact: Path, base_sha256: str, export: bool = True) -> TorchTrunk:
+    def build(self, predictor, artifact: Path, base_sha256: str, export: bool = True):
         """The trunk for ``predictor``: its base model (the one loaded, else the manifest's) with the artifact's
         adapter, loaded in this arithmetic on its device (seconds; nothing is cached, so ``export`` changes
-        nothing)."""
+        nothing); a graphed one captures its graphs when first used or prepared (not here: a capture belongs on the
+        thread that replays it)."""
         why = self.unavailable(predictor, artifact)
         if why is not None:
             raise ValueError(f"backend {self.name!r} cannot run here: {why}")
@@ -164,7 +181,8 @@ class TorchCudaBackend:
         ref = model.name_or_path if model is not None else predictor.manifest.base_model_ref().ref
         log.info("loading %s with the adapter of %s on %s for backend %s", ref, artifact, predictor.device, self.name)
         adapter = Path(artifact) / predictor.manifest.members[0]
-        return load_trunk(ref, base_sha256, adapter, predictor.device, self.dtype, self.load_in_4bit, self.merged)
+        trunk = load_trunk(ref, base_sha256, adapter, predictor.device, self.dtype, self.load_in_4bit, self.merged)
+        return GraphedTrunk(trunk) if self.graphs else trunk
 
     def export(self, predictor, artifact: Path, base_sha256: str, copy_model: bool = True) -> Path:
         raise ValueError(f"backend {self.name!r} loads the base model in its arithmetic when it is built: there is "
