@@ -172,6 +172,31 @@ class TestGraphedTrunk:
         assert len(captures.shapes) == 5  # served from what was prepared
         assert list(backends.preparation(merged)) == [] and list(backends.preparation(None)) == []
 
+    def test_a_shape_whose_capture_fails_runs_the_same_forward_eagerly(self, predictor, merged, caplog):
+        """A capture CUDA refuses (here: every one of length 64) leaves its shape to the same unmasked forward on the
+        same buffers, logged once as a warning; the other shapes are still captured, and preparing never raises."""
+        captures = Captures()
+
+        def capture(forward, ids, last):
+            if ids.shape[1] == 64:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            return captures(forward, ids, last)
+
+        trunk = GraphedTrunk(merged, [(4, 64), (2, 64), (2, 128)], capture)
+        with caplog.at_level("DEBUG", logger="ibedl.core.backends.cuda_graphs"):
+            for step in trunk.prepare():
+                step()
+        assert captures.shapes == [(2, 128)] and trunk.counts["capture_failed"] == 2
+        assert trunk.failed == dict.fromkeys([(4, 64), (2, 64)],
+                                             "RuntimeError: operation not permitted when stream is capturing")
+        assert [r.levelname for r in caplog.records] == ["WARNING", "DEBUG"]
+        assert "4 questions x 64 tokens failed" in caplog.records[0].message
+        for n in (1, 3, 6):
+            batch = predictor.encode(questions(n))
+            first = trunk(batch)
+            assert torch.allclose(first, merged(batch), rtol=1e-5, atol=1e-5)
+        assert trunk.counts["eager"] == 0 and trunk.counts["replays"] == 4  # 1, 3, then 4 + 2
+
     def test_a_shape_it_does_not_capture_is_refused(self, merged):
         trunk, _ = graphed(merged)
         with pytest.raises(ValueError, match="shape \\(8, 64\\) is not one this trunk captures"):

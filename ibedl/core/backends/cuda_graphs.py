@@ -21,7 +21,8 @@ When: graphs are captured on the thread that will replay them (a capture on anot
 passes' CUDA calls): each on first use, or all ahead with :meth:`GraphedTrunk.prepare`, which the engine runs on its
 model thread at warm-up and before the background measurement times the trunk (ibedl.engine.capacity.warm_up,
 ibedl.engine.backend_switch). The graphs share one memory pool, captured largest first (so the smaller ones reuse
-its blocks); replays never overlap (one thread), and each copies its output out before the next.
+its blocks); replays never overlap (one thread), and each copies its output out before the next. A shape whose
+capture fails runs the same forward eagerly on the same buffers (logged; ``GraphedTrunk.failed``).
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ class GraphedTrunk:
         self._capture = capture
         self.lengths = sorted({n for _, n in self.shapes})
         self.graphs: dict[tuple[int, int], Graph] = {}
-        self.counts: Counter = Counter()  # replays, eager (batches no graph fits), captured
+        self.failed: dict[tuple[int, int], str] = {}  # shapes whose capture failed -> why (they run eagerly)
+        self.counts: Counter = Counter()  # captured, capture_failed, replays, eager (batches no graph fits)
 
     def _forward(self, ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         states = self.trunk.gather.decoder(input_ids=ids, use_cache=False).last_hidden_state
@@ -127,7 +129,9 @@ class GraphedTrunk:
 
     def capture(self, shape: tuple[int, int]) -> Graph:
         """The graph of ``shape`` (batch, length), captured now if it is not yet (on this thread: the one that
-        replays it)."""
+        replays it). A capture that fails (a CUDA call it cannot record, no memory left) leaves that shape to the
+        same forward run eagerly on the same buffers, the same arithmetic without the launch saving: logged, and
+        recorded in ``failed`` and ``counts["capture_failed"]``."""
         if shape in self.graphs:
             return self.graphs[shape]
         if shape not in self.shapes:
@@ -136,9 +140,21 @@ class GraphedTrunk:
         ids = torch.full((batch, length), PAD_ID, dtype=torch.long, device=self.device)
         last = torch.zeros(batch, dtype=torch.long, device=self.device)
         with torch.no_grad():
-            replay, out = self._capture(self._forward, ids, last)
+            try:
+                replay, out = self._capture(self._forward, ids, last)
+                self.counts["captured"] += 1
+            except RuntimeError as e:  # torch.OutOfMemoryError too
+                (log.warning if not self.failed else log.debug)(
+                    "capturing the CUDA graph of %s questions x %s tokens failed (%s: %s): that shape runs eagerly",
+                    batch, length, type(e).__name__, e)
+                self.failed[shape] = f"{type(e).__name__}: {e}"
+                self.counts["capture_failed"] += 1
+                out = self._forward(ids, last)
+
+                def replay(ids=ids, last=last, out=out):
+                    with torch.no_grad():
+                        out.copy_(self._forward(ids, last))
         self.graphs[shape] = Graph(ids, last, replay, out)
-        self.counts["captured"] += 1
         return self.graphs[shape]
 
     def prepare(self) -> Iterator[Callable[[], None]]:
