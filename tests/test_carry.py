@@ -224,7 +224,8 @@ def test_what_slim_leaves_behind_by_default_is_tracked_here_and_not_what_the_gpu
     # the check's --artifact default, the stage-1 adapter its training starts from, the code, the CUDA tests, the
     # offline install's files
     inputs = ["artifacts/default", load_config(ROOT / "ibedl/training/configs/smollm2_science_ib_edl.yaml").init_from,
-              "ibedl", "benchmarks/gpu_check.py", "tests/core/test_backends_torch_cuda.py", "requirements"]
+              "ibedl", "benchmarks/gpu_check.py", "tests/core/test_backends_torch_cuda.py",
+              "tests/core/test_backends_cuda_graphs.py", "requirements"]
     assert inputs[1] == "artifacts/map"
     for path in inputs:
         assert (ROOT / path).exists() and not any(Path(path).is_relative_to(p) for p in carry.LEAVE), path
