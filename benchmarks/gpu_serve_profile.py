@@ -16,8 +16,8 @@ questions within a factor 2 of its first prompt's length, and runs them in group
 tokens), so each pass is one forward of up to ``max_batch_size`` questions. Then a cProfile of the passes of the last
 setting names the Python functions that take the most time, and torch's profiler one pass's operators by their CPU
 and CUDA time (whether the pass waits on kernels or on launching them). A graphed trunk's rows also say how its
-forwards went (``graph_counts``: graphs captured, captures failed, replays, eager forwards; ``graphs_failed``: each
-failed capture's shape and error). The backends run in the order given, the
+forwards went (``graph_counts``: graphs captured, replays, forwards without a graph). The backends run in the order
+given, the
 graphed one first by default: the eager torch rows were measured before (the committed result's first version).
 Needs CUDA (exits 2 without it, saying why);
 made for ``make gpu-check``'s machine after its calibrate step (that step writes runs/gpu_check/default-cuda).
@@ -105,10 +105,8 @@ def measure(artifact: str, bodies: list[dict], size: int, tokens: int, profile: 
     finally:
         model.close()
     counts = getattr(predictor.trunk, "counts", None)  # a graphed trunk's captures, replays and eager forwards
-    failed = getattr(predictor.trunk, "failed", {})  # and the shapes whose capture failed, with why
     return {"backend": backend, "max_batch_size": size, "max_batch_tokens": tokens, "loose": loose,
             "questions": len(bodies), "graph_counts": None if counts is None else dict(counts),
-            "graphs_failed": {f"{b}x{n}": why for (b, n), why in failed.items()},
             "answers_per_s": len(bodies) / seconds, "seconds": seconds, "passes": len(passes),
             "mean_pass_questions": sum(passes) / max(len(passes), 1), "trunk_forwards": forwards[0],
             "predictor_s": inside[0],

@@ -19,6 +19,9 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a number near 2**63
 _frozen = False  # whether collect_garbage(freeze=True) froze this process's heap (a caller's own freeze is left alone)
 _collecting = threading.Lock()  # one collect_garbage at a time: two would undo each other's unfreeze and freeze
+# Held while a CUDA graph is captured (ibedl.core.backends.cuda_graphs) and while torch's CUDA cache is emptied: an
+# empty_cache on another thread during a capture fails torch's allocator (it asserts that no capture is under way).
+CUDA_CACHE = threading.Lock()
 
 
 def container_limit_bytes(root: Path = CGROUP_ROOT, proc_cgroup: Path = Path("/proc/self/cgroup")) -> int | None:
@@ -89,7 +92,8 @@ def return_freed_memory() -> None:
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
     torch = sys.modules.get("torch")  # not imported for this alone
     if torch is not None and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
+        with CUDA_CACHE:  # never while a CUDA graph is being captured
+            torch.cuda.empty_cache()
 
 
 def killed_reason(signal_name: str, what: str) -> str:
@@ -102,4 +106,5 @@ def killed_reason(signal_name: str, what: str) -> str:
             "python -m ibedl.core.measure_backends --artifact DIR, as the image does)")
 
 
-__all__ = ["collect_garbage", "container_limit_bytes", "expendable", "killed_reason", "return_freed_memory"]
+__all__ = ["collect_garbage", "container_limit_bytes", "expendable", "killed_reason", "return_freed_memory",
+           "CUDA_CACHE"]

@@ -52,7 +52,7 @@ def test_one_setting_accounts_every_question_and_splits_the_time(monkeypatch):
     profile = cProfile.Profile()
     row = gpu_serve_profile.measure("artifacts/default", bodies, 3, 4096, profile, device="cpu")
     assert row["questions"] == 6 and 1 <= row["passes"] <= 6 and row["loose"] is False
-    assert row["backend"] == "torch" and row["graph_counts"] is None and row["graphs_failed"] == {}  # no graphs
+    assert row["backend"] == "torch" and row["graph_counts"] is None  # torch as loaded: no graphs
     assert row["mean_pass_questions"] * row["passes"] == pytest.approx(6)  # every question in one pass
     assert 0 < row["trunk_forward_s"] <= row["predictor_s"] <= row["seconds"]
     assert row["answers_per_s"] == pytest.approx(6 / row["seconds"])

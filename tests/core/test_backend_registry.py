@@ -50,7 +50,7 @@ def test_each_backend_declares_what_callers_ask_instead_of_its_name():
                         # a merged trunk's arithmetic is its own: torch as loaded never computes it
                         ("torch-cuda-merged-bf16", ["torch-cuda-merged-bf16"]),
                         ("torch-cuda-merged-fp32", ["torch-cuda-merged-fp32"]),
-                        # so is a graphed one's (padded shapes, causal attention without a mask)
+                        # so is a graphed one's (padded shapes, the causal mask alone)
                         ("torch-cuda-graphs-bf16", ["torch-cuda-graphs-bf16"]),
                         ("torch-cuda-graphs-fp32", ["torch-cuda-graphs-fp32"])]:
         assert backends.of_key(key) is REGISTRY[owners[0]]

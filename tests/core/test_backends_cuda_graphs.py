@@ -8,12 +8,20 @@ captures). The tests at the end capture real graphs on a GPU only."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
 from ibedl.core import auto_backend, backends
 from ibedl.core.backends import REGISTRY, cuda_graphs, torch_cuda
-from ibedl.core.backends.cuda_graphs import GraphedTrunk, graph_shapes, right_padded, smallest_at_least
+from ibedl.core.backends.cuda_graphs import (
+    GraphCaptureError,
+    GraphedTrunk,
+    graph_shapes,
+    right_padded,
+    smallest_at_least,
+)
 from ibedl.core.backends.torch_cuda import TorchCudaBackend, load_trunk
 from ibedl.core.predictor import EncodedBatch, Predictor
 from ibedl.core.prompt import MCQuestion
@@ -29,20 +37,28 @@ def questions(n: int, start: int = 0) -> list[MCQuestion]:
 
 
 class Captures:
-    """A capture for the CPU: its replay reruns the forward on the captured buffers into the output buffer. Records
-    the shapes captured and the replays."""
+    """A capture for the CPU: its replay reruns the forward on the captured buffers into the output buffer, each run
+    with ``torch.cuda.is_current_stream_capturing()`` true, as transformers sees it inside a real capture. Records
+    the shapes captured and the replays; ``empty=True`` makes replays do nothing (a graph that recorded no work)."""
 
-    def __init__(self) -> None:
+    def __init__(self, empty: bool = False) -> None:
         self.shapes: list[tuple[int, int]] = []
         self.replays = 0
+        self.empty = empty
+
+    @staticmethod
+    def capturing(forward, ids, last):
+        with mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: True):
+            return forward(ids, last)
 
     def __call__(self, forward, ids, last):
         self.shapes.append(tuple(ids.shape))
-        out = forward(ids, last)
+        out = self.capturing(forward, ids, last)
 
         def replay():
             self.replays += 1
-            out.copy_(forward(ids, last))
+            if not self.empty:
+                out.copy_(self.capturing(forward, ids, last))
 
         return replay, out
 
@@ -105,8 +121,8 @@ class TestShapes:
 
 class TestGraphedTrunk:
     def test_a_replay_answers_what_the_masked_trunk_answers(self, predictor, merged):
-        """Padded to a captured shape, without a mask, each prompt's last-token state is the masked trunk's to fp32's
-        rounding: no real token reads a pad."""
+        """Padded to a captured shape, under the causal mask alone, each prompt's last-token state is the masked
+        trunk's to fp32's rounding: no real token reads a pad."""
         trunk, captures = graphed(merged)
         for n in (1, 2, 3, 4):
             batch = predictor.encode(questions(n))
@@ -114,7 +130,7 @@ class TestGraphedTrunk:
             assert got.shape == expected.shape == (n, predictor.model.config.hidden_size)
             assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5), float((got - expected).abs().max())
         assert captures.shapes == [(1, 64), (2, 64), (4, 64)]  # each on first use, once
-        assert trunk.counts == {"captured": 3, "replays": 4} and captures.replays == 4
+        assert trunk.counts == {"captured": 3, "replays": 4} and captures.replays == 4 + 3  # a check a capture
 
     def test_what_the_buffers_held_before_never_reaches_an_answer(self, predictor, merged):
         """Three questions after four in the same graph (its fourth row and longer ids still in the buffer) get what
@@ -139,15 +155,19 @@ class TestGraphedTrunk:
         assert torch.allclose(trunk(batch), merged(batch), rtol=1e-5, atol=1e-5)
         assert captures.shapes == [(4, 64), (2, 64)] and trunk.counts["replays"] == 4
 
-    def test_a_longer_prompt_takes_the_next_length_and_one_past_all_runs_eagerly(self, predictor, merged):
+    def test_a_longer_prompt_takes_the_next_length_and_one_past_all_runs_the_same_forward_eagerly(self, predictor,
+                                                                                                 merged):
         trunk, captures = graphed(merged)
         batch = predictor.encode(questions(2, start=8))  # 63 and 68 tokens
         assert batch.input_ids.shape[1] == 68
         assert torch.allclose(trunk(batch), merged(batch), rtol=1e-5, atol=1e-5) and captures.shapes == [(2, 128)]
         short, captures = graphed(merged, [(2, 64)])
-        assert torch.equal(short(batch), merged(batch)) and short.counts["eager"] == 1 and captures.shapes == []
+        got = short(batch)
+        assert short.counts == {"eager": 1} and captures.shapes == []  # at its own width, no graph
+        assert torch.equal(got, short.forward(batch.input_ids, batch.last_index))
+        assert torch.allclose(got, merged(batch), rtol=1e-5, atol=1e-5)
 
-    def test_a_batch_not_padded_on_the_right_runs_eagerly(self, predictor, merged):
+    def test_a_batch_not_padded_on_the_right_runs_the_masked_trunk(self, predictor, merged):
         trunk, captures = graphed(merged)
         batch = predictor.encode(questions(2, start=3))
         width = batch.input_ids.shape[1]
@@ -156,7 +176,7 @@ class TestGraphedTrunk:
         left = EncodedBatch(torch.stack([torch.roll(r, s) for r, s in zip(batch.input_ids, shift, strict=True)]),
                             torch.stack([torch.roll(r, s) for r, s in zip(batch.attention_mask, shift, strict=True)]),
                             torch.full_like(batch.last_index, width - 1), batch.option_mask)
-        assert torch.equal(trunk(left), merged(left)) and trunk.counts["eager"] == 1 and captures.shapes == []
+        assert torch.equal(trunk(left), merged(left)) and trunk.counts == {"masked": 1} and captures.shapes == []
 
     def test_prepare_captures_each_shape_not_yet_captured_largest_first(self, predictor, merged):
         trunk, captures = graphed(merged)
@@ -172,30 +192,51 @@ class TestGraphedTrunk:
         assert len(captures.shapes) == 5  # served from what was prepared
         assert list(backends.preparation(merged)) == [] and list(backends.preparation(None)) == []
 
-    def test_a_shape_whose_capture_fails_runs_the_same_forward_eagerly(self, predictor, merged, caplog):
-        """A capture CUDA refuses (here: every one of length 64) leaves its shape to the same unmasked forward on the
-        same buffers, logged once as a warning; the other shapes are still captured, and preparing never raises."""
-        captures = Captures()
+    def test_a_capture_that_fails_or_replays_nothing_is_an_error_naming_its_shape(self, predictor, merged):
+        """After a failed capture torch's allocator is not fit to go on: the error is raised, named (a failed build for
+        auto). A graph that recorded no work (e.g. kernels sent to another device's stream) would answer every batch
+        with its capture's own states: the check replays it on other ids and refuses it."""
+        def refused(forward, ids, last):
+            raise RuntimeError("operation not permitted when stream is capturing")
 
-        def capture(forward, ids, last):
-            if ids.shape[1] == 64:
-                raise RuntimeError("operation not permitted when stream is capturing")
-            return captures(forward, ids, last)
-
-        trunk = GraphedTrunk(merged, [(4, 64), (2, 64), (2, 128)], capture)
-        with caplog.at_level("DEBUG", logger="ibedl.core.backends.cuda_graphs"):
-            for step in trunk.prepare():
+        trunk = GraphedTrunk(merged, [(2, 64)], refused)
+        with pytest.raises(GraphCaptureError, match="the CUDA graph of 2 questions x 64 tokens failed: RuntimeError: "
+                                                    "operation not permitted when stream is capturing"):
+            trunk(predictor.encode(questions(2)))
+        empty = GraphedTrunk(merged, [(2, 64)], Captures(empty=True))
+        with pytest.raises(GraphCaptureError, match="2 questions x 64 tokens, replayed, differs from its forward by "
+                                                    "[0-9.e-]+ of the largest state"):
+            for step in empty.prepare():
                 step()
-        assert captures.shapes == [(2, 128)] and trunk.counts["capture_failed"] == 2
-        assert trunk.failed == dict.fromkeys([(4, 64), (2, 64)],
-                                             "RuntimeError: operation not permitted when stream is capturing")
-        assert [r.levelname for r in caplog.records] == ["WARNING", "DEBUG"]
-        assert "4 questions x 64 tokens failed" in caplog.records[0].message
-        for n in (1, 3, 6):
-            batch = predictor.encode(questions(n))
-            first = trunk(batch)
-            assert torch.allclose(first, merged(batch), rtol=1e-5, atol=1e-5)
-        assert trunk.counts["eager"] == 0 and trunk.counts["replays"] == 4  # 1, 3, then 4 + 2
+        assert trunk.graphs == empty.graphs == {} and isinstance(GraphCaptureError("x"), RuntimeError)
+
+    def test_a_capture_computes_what_the_forward_computes_outside_one(self, predictor, merged, monkeypatch):
+        """transformers builds its own attention mask while a CUDA stream captures and skips it otherwise (for
+        is_causal: another kernel on a GPU; on this CPU the two agree bit for bit, so the test reads what attention
+        is given): the forward gives it the causal mask, so the graph, its warm-up and any forward outside a capture
+        run the same attention, on the same (1, 1, L, L) mask."""
+        import transformers.models.llama.modeling_llama as llama
+
+        given = []
+        real = llama.ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+        def attention(module, query, key, value, attention_mask, *args, **kwargs):
+            given.append(None if attention_mask is None else (tuple(attention_mask.shape), attention_mask.dtype))
+            return real(module, query, key, value, attention_mask, *args, **kwargs)
+
+        monkeypatch.setitem(llama.ALL_ATTENTION_FUNCTIONS, "sdpa", attention)
+        assert merged.model.config._attn_implementation == "sdpa"
+        trunk, captures = graphed(merged)
+        got = trunk(predictor.encode(questions(3)))
+        graph = trunk.graphs[(4, 64)]
+        layers = merged.model.config.num_hidden_layers
+        # the capture, its check's replay and forward, the batch's replay: all under the capture's mask
+        assert given == [((1, 1, 64, 64), torch.float32)] * layers * 4
+        outside = trunk.forward(graph.ids, graph.last)
+        assert given[-1] == ((1, 1, 64, 64), torch.float32) and len(given) == layers * 5
+        assert torch.equal(graph.out, outside) and torch.equal(got, outside[:3])
+        mask = cuda_graphs.causal_mask(3, torch.float32, "cpu")[0, 0]
+        assert torch.equal(mask == 0, torch.ones(3, 3, dtype=torch.bool).tril())
 
     def test_a_shape_it_does_not_capture_is_refused(self, merged):
         trunk, _ = graphed(merged)
@@ -258,9 +299,9 @@ class TestBackend:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs on a GPU")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_on_a_gpu_a_replay_is_the_eager_forward_at_its_shape(tiny_artifact, dtype):
-    """A real capture: a replay computes what the same unmasked forward computes eagerly on the padded batch (the
-    same kernels: within one rounding of the precision), and each answer is the masked trunk's to its precision's
+def test_on_a_gpu_a_replay_is_the_forward_at_its_shape(tiny_artifact, dtype):
+    """A real capture: a replay computes what the same forward computes eagerly on the padded batch (the same
+    kernels: within one rounding of the precision), and each answer is the masked trunk's to its precision's
     rounding; graphs replayed in another order than they were captured in still answer their own shapes."""
     reference = Predictor.from_artifact(tiny_artifact, device="cuda", dtype=getattr(torch, dtype), backend="torch")
     sha = reference.manifest.base_model_ref().sha256
@@ -277,21 +318,30 @@ def test_on_a_gpu_a_replay_is_the_eager_forward_at_its_shape(tiny_artifact, dtyp
         with torch.no_grad():
             padded = torch.zeros(tuple(graph.ids.shape), dtype=torch.long)
             padded[:n, :batch.input_ids.shape[1]] = batch.input_ids
-            states = eager.gather.decoder(input_ids=padded.cuda(), use_cache=False).last_hidden_state
-            expected = states[torch.arange(n, device="cuda"), batch.last_index.cuda()]
+            last = torch.nn.functional.pad(batch.last_index, (0, graph.ids.shape[0] - n))
+            expected = trunk.forward(padded.cuda(), last.cuda())[:n]
         assert got.is_cuda and got.dtype == getattr(torch, dtype)
         scale = expected.float().abs().max()
         assert float((got.float() - expected.float()).abs().max() / scale) <= (1e-6 if dtype == "float32" else 8e-3)
         masked = eager(batch).float()
         assert float((got.float() - masked).abs().max() / masked.abs().max()) < (1e-4 if dtype == "float32" else 3e-2)
-    assert trunk.counts["replays"] == 4 and trunk.counts["captured"] == 3 and trunk.counts["eager"] == 0
+    assert trunk.counts == {"replays": 4, "captured": 3}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs on a GPU")
 def test_on_a_gpu_the_backend_serves_through_its_graphs(tiny_artifact):
-    predictor = Predictor.from_artifact(tiny_artifact, device="cuda", backend="torch-cuda-graphs-bf16")
-    assert isinstance(predictor.trunk, GraphedTrunk) and predictor.calibration_key == "torch-cuda-graphs-bf16"
-    qs = questions(5)
-    answers = predictor.predict(qs)
-    assert [len(a.probs) for a in answers] == [3] * 5 and predictor.trunk.counts["replays"] >= 1
-    assert predictor.trunk.counts["eager"] == 0
+    """Served by name, the backend captures its graphs at the engine's warm-up (every shape, each checked) and
+    answers through them."""
+    import ibedl
+
+    model = ibedl.load(tiny_artifact, device="cuda", backend="torch-cuda-graphs-bf16",
+                       allow_uncalibrated_backend=True)
+    try:
+        trunk = model.engine.default.predictor.trunk
+        assert isinstance(trunk, GraphedTrunk) and trunk.counts["captured"] == len(graph_shapes())
+        before = trunk.counts["replays"]
+        answers = model.predict([{"question": q.question, "options": list(q.options)} for q in questions(5)])
+        assert len(answers) == 5 and trunk.counts["replays"] > before
+        assert trunk.counts["eager"] == trunk.counts["masked"] == 0
+    finally:
+        model.close()

@@ -1,6 +1,7 @@
 """The graphed trunk's forward (ibedl.core.backends.cuda_graphs) on the real model and default adapter: real SciQ
-prompts padded on the right up to the captured shapes, without an attention mask, give the masked trunk's last-token
-states and the same answers (on the CPU, with the tests' stand-in capture, which reruns the forward on the buffers)."""
+prompts padded on the right up to the captured shapes, under the causal mask alone, give the trunk's last-token
+states under its padding mask and the same answers (on the CPU, with the tests' stand-in capture, which reruns the
+forward on the buffers as a capture sees it)."""
 
 import pytest
 
@@ -13,7 +14,7 @@ from tests.core.test_backends_cuda_graphs import Captures
 from tests.integration.conftest import DEFAULT_ARTIFACT
 
 
-def test_the_default_padded_to_graph_shapes_without_a_mask_answers_as_masked(real_model_ref):
+def test_the_default_padded_to_graph_shapes_answers_as_with_its_padding_mask(real_model_ref):
     predictor = Predictor.from_artifact(DEFAULT_ARTIFACT, device="cpu", backend="torch")
     predictor.max_padding = float("inf")  # one forward a batch, padded to its longest prompt: the mask matters most
     questions = load_dataset("sciq", "validation", limit=12, seed=3)

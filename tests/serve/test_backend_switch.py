@@ -410,7 +410,10 @@ def test_a_trunk_is_prepared_on_the_model_thread_before_it_is_timed(make_client,
 
 
 def test_a_preparation_that_fails_is_a_failed_build(make_client, bf16_calibrated, switching, monkeypatch):
-    monkeypatch.setattr(Preparing, "fail", RuntimeError("operation not permitted when stream is capturing"))
+    from ibedl.core.backends.cuda_graphs import GraphCaptureError
+
+    monkeypatch.setattr(Preparing, "fail", GraphCaptureError("capturing the CUDA graph of 64 questions x 256 tokens "
+                                                             "failed: OutOfMemoryError: CUDA out of memory"))
     switching({"torch": 1.0, "openvino-bf16": 0.4}, make=Preparing).set()
     with make_client(loader=unmeasured_loader, artifact=bf16_calibrated) as c:
         assert c.app.state.service.engine.versions.switcher.done.wait(30)
@@ -418,4 +421,5 @@ def test_a_preparation_that_fails_is_a_failed_build(make_client, bf16_calibrated
         card = c.get("/v1/models").json()["data"][0]
     assert r.status_code == 200 and served(r) == ("torch", "torch-fp32")
     assert card["backend"]["background"]["failed"] == {
-        "openvino-bf16": "RuntimeError: operation not permitted when stream is capturing"}
+        "openvino-bf16": "GraphCaptureError: capturing the CUDA graph of 64 questions x 256 tokens failed: "
+                         "OutOfMemoryError: CUDA out of memory"}

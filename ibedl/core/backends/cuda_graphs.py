@@ -10,28 +10,39 @@ rather than by computing them. A replayed graph launches them all at once.
 How: a graph replays fixed shapes on fixed buffers. A batch of B prompts of S tokens is padded up to the smallest
 captured (B', L') with B' >= B and L' >= S (:data:`BATCHES`, :data:`LENGTHS`, at most :data:`MAX_GRAPH_TOKENS`
 tokens a graph), its ids copied into that graph's input buffer, the graph replayed and its first B rows of (B', d)
-last-token states copied out. Rows beyond the largest batch captured at L' run in turn; prompts longer than the
-longest length, and batches not padded on the right, run eagerly (``GraphedTrunk.eager``, counted). The forward is
-the decoder without an attention mask: prompts are padded on the right (ibedl.core.predictor.Predictor's batches), so
-under causal attention no real token reads a pad, and a real token's state is a function of its own prompt alone;
-the pads' ids never matter (:data:`PAD_ID`). The graphed arithmetic is its own (the shapes a kernel sees, causal
-attention without a mask), so a graphed backend has its own calibration key (ibedl.core.backends.torch_cuda).
+last-token states copied out. Rows beyond the largest batch captured at L' run in turn.
+
+The forward (:meth:`GraphedTrunk.forward`) is the decoder under a causal mask alone, given as a 4-D additive mask
+(one (1, 1, L, L) buffer per length): prompts are padded on the right (ibedl.core.predictor.Predictor's batches), so
+under causal attention no real token reads a pad and a real token's state is a function of its own prompt alone; the
+pads' ids never matter (:data:`PAD_ID`). The mask is explicit because transformers builds one itself while a CUDA
+stream is capturing (it skips it otherwise, for ``is_causal``): with it given, a capture, its warm-up and a forward
+outside any capture compute the same. A prompt longer than the longest length runs the same forward eagerly at its
+own shape; a batch not padded on the right runs the eager trunk with its padding mask (``GraphedTrunk.counts``). The
+graphed arithmetic is its own (the shapes a kernel sees), so a graphed backend has its own calibration key
+(ibedl.core.backends.torch_cuda).
 
 When: graphs are captured on the thread that will replay them (a capture on another thread would race the serving
 passes' CUDA calls): each on first use, or all ahead with :meth:`GraphedTrunk.prepare`, which the engine runs on its
 model thread at warm-up and before the background measurement times the trunk (ibedl.engine.capacity.warm_up,
-ibedl.engine.backend_switch). The graphs share one memory pool, captured largest first (so the smaller ones reuse
-its blocks); replays never overlap (one thread), and each copies its output out before the next. A shape whose
-capture fails runs the same forward eagerly on the same buffers (logged; ``GraphedTrunk.failed``).
+ibedl.engine.backend_switch), each capture under ibedl.core.memory_limit.CUDA_CACHE (no other thread empties torch's
+CUDA cache meanwhile). The graphs share one memory pool, captured largest first (so the smaller ones reuse its
+blocks); replays never overlap (one thread), and each copies its output out before the next. Each capture is checked
+at once: its replay on other ids must compute what the forward computes on them (an empty or misdirected graph
+would answer the capture's own input). A capture that fails raises :class:`GraphCaptureError` (a failed build for
+``auto``; at start, a service that says why): after a failed capture torch's allocator is not fit to go on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterator
 
 import torch
+
+from ibedl.core.memory_limit import CUDA_CACHE
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +51,14 @@ LENGTHS = (64, 128, 256, 512, 1024, 2048)  # padded prompt lengths a graph is ca
 BATCHES = (1, 2, 4, 8, 16, 32, 64)  # padded batch sizes (the service's default passes hold up to 16 questions)
 MAX_GRAPH_TOKENS = 16384  # B' x L' of the largest graph: 36 graphs in all with the sizes above
 PAD_ID = 0  # what fills a graph's input past a prompt's end: never read by a real token under causal attention
+CHECK_ID = 1  # the token a capture's check replays (any id other than the capture's own input)
+CHECK_TOLERANCE = 0.05  # a checked replay may differ from the forward by this much of the largest state (rounding
+# of a kernel chosen differently; an empty or misdirected graph differs by the states' own size)
 WARMUP_RUNS = 1  # eager runs of each shape on the capture's stream before it is captured (CUDA's advice)
+
+
+class GraphCaptureError(RuntimeError):
+    """A CUDA graph could not be captured, or its replay does not compute its forward."""
 
 
 def graph_shapes(lengths=LENGTHS, batches=BATCHES, max_tokens: int = MAX_GRAPH_TOKENS) -> list[tuple[int, int]]:
@@ -72,6 +90,13 @@ def right_padded(attention_mask: torch.Tensor, last_index: torch.Tensor) -> bool
     return bool(torch.equal(attention_mask.bool(), expected))
 
 
+def causal_mask(length: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """(1, 1, L, L) additive causal mask: 0 where a query may attend (keys at or before it), the dtype's minimum
+    after. 4-D, so transformers takes it as it is, captured or not."""
+    blocked = torch.full((length, length), torch.finfo(dtype).min, dtype=dtype, device=device).triu(1)
+    return blocked[None, None]
+
+
 class Graph:
     """One captured shape: its input buffers ``ids`` (B', L') and ``last`` (B',), ``replay()`` and the (B', d)
     ``out`` buffer each replay overwrites."""
@@ -81,18 +106,20 @@ class Graph:
 
 
 def cuda_capture(forward, ids: torch.Tensor, last: torch.Tensor, pool) -> tuple[Callable[[], None], torch.Tensor]:
-    """Capture ``forward(ids, last)`` into a CUDA graph in memory ``pool``, after :data:`WARMUP_RUNS` eager runs on a
-    side stream: (its replay, its output buffer). Capture errors are this thread's alone (``thread_local``): another
-    thread's CUDA calls meanwhile neither fail nor spoil it."""
-    stream = torch.cuda.Stream(device=ids.device)
-    stream.wait_stream(torch.cuda.current_stream(ids.device))
-    with torch.cuda.stream(stream):
-        for _ in range(WARMUP_RUNS):
-            forward(ids, last)
-    torch.cuda.current_stream(ids.device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        out = forward(ids, last)
+    """Capture ``forward(ids, last)`` into a CUDA graph in memory ``pool`` on the buffers' device, after
+    :data:`WARMUP_RUNS` eager runs on a side stream: (its replay, its output buffer). Capture errors are this
+    thread's alone (``thread_local``): another thread's CUDA calls meanwhile neither fail nor spoil it."""
+    device = ids.device
+    with torch.cuda.device(device):
+        stream = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(WARMUP_RUNS):
+                forward(ids, last)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            out = forward(ids, last)
     return graph.replay, out
 
 
@@ -101,8 +128,8 @@ class GraphedTrunk:
     docstring).
 
     Args:
-        trunk: the eager trunk (ibedl.core.backends.torch_cuda.TorchTrunk: ``model``, ``gather`` and ``device``);
-            it answers what no graph fits.
+        trunk: the eager trunk (ibedl.core.backends.torch_cuda.TorchTrunk: ``model``, ``gather`` and ``device``); it
+            answers a batch not padded on the right.
         shapes: the (batch, length) pairs to capture (default :func:`graph_shapes`), captured largest first.
         capture: ``capture(forward, ids, last) -> (replay, out)`` (default :func:`cuda_capture` in one shared
             pool; a test passes one that reruns ``forward`` on the buffers).
@@ -111,6 +138,7 @@ class GraphedTrunk:
     def __init__(self, trunk, shapes: list[tuple[int, int]] | None = None, capture=None) -> None:
         self.trunk = trunk
         self.model, self.device = trunk.model, trunk.device
+        self.dtype = next(trunk.model.parameters()).dtype
         self.shapes = graph_shapes() if shapes is None else largest_first(shapes)
         if not self.shapes:
             raise ValueError("a graphed trunk needs at least one shape to capture")
@@ -120,18 +148,29 @@ class GraphedTrunk:
         self._capture = capture
         self.lengths = sorted({n for _, n in self.shapes})
         self.graphs: dict[tuple[int, int], Graph] = {}
-        self.failed: dict[tuple[int, int], str] = {}  # shapes whose capture failed -> why (they run eagerly)
-        self.counts: Counter = Counter()  # captured, capture_failed, replays, eager (batches no graph fits)
+        self._masks: dict[int, torch.Tensor] = {}  # length -> its causal mask (one per captured length)
+        self.counts: Counter = Counter()  # captured, replays, eager (longer than any length), masked (not right-padded)
 
-    def _forward(self, ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-        states = self.trunk.gather.decoder(input_ids=ids, use_cache=False).last_hidden_state
+    def _on_device(self):
+        """The trunk's CUDA device as the current one (a graph replays on the current device's stream)."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
+    def forward(self, ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """(B, d) states of each row's token ``last`` (B,) of right-padded ``ids`` (B, L), on the model's device: the
+        decoder under a causal mask alone (module docstring); what each graph records."""
+        length = ids.shape[1]
+        mask = self._masks.get(length)
+        if mask is None:
+            mask = causal_mask(length, self.dtype, self.device)
+            if length in self.lengths:
+                self._masks[length] = mask
+        states = self.trunk.gather.decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
         return states[torch.arange(ids.shape[0], device=ids.device), last]
 
     def capture(self, shape: tuple[int, int]) -> Graph:
         """The graph of ``shape`` (batch, length), captured now if it is not yet (on this thread: the one that
-        replays it). A capture that fails (a CUDA call it cannot record, no memory left) leaves that shape to the
-        same forward run eagerly on the same buffers, the same arithmetic without the launch saving: logged, and
-        recorded in ``failed`` and ``counts["capture_failed"]``."""
+        replays it), and checked: replayed on other ids, it must compute what :meth:`forward` computes on them.
+        GraphCaptureError when the capture fails or the check does."""
         if shape in self.graphs:
             return self.graphs[shape]
         if shape not in self.shapes:
@@ -139,22 +178,25 @@ class GraphedTrunk:
         batch, length = shape
         ids = torch.full((batch, length), PAD_ID, dtype=torch.long, device=self.device)
         last = torch.zeros(batch, dtype=torch.long, device=self.device)
-        with torch.no_grad():
+        with torch.no_grad(), self._on_device():
+            if length not in self._masks:
+                self._masks[length] = causal_mask(length, self.dtype, self.device)  # made before, not in, the graph
             try:
-                replay, out = self._capture(self._forward, ids, last)
-                self.counts["captured"] += 1
+                with CUDA_CACHE:
+                    replay, out = self._capture(self.forward, ids, last)
             except RuntimeError as e:  # torch.OutOfMemoryError too
-                (log.warning if not self.failed else log.debug)(
-                    "capturing the CUDA graph of %s questions x %s tokens failed (%s: %s): that shape runs eagerly",
-                    batch, length, type(e).__name__, e)
-                self.failed[shape] = f"{type(e).__name__}: {e}"
-                self.counts["capture_failed"] += 1
-                out = self._forward(ids, last)
-
-                def replay(ids=ids, last=last, out=out):
-                    with torch.no_grad():
-                        out.copy_(self._forward(ids, last))
+                raise GraphCaptureError(f"capturing the CUDA graph of {batch} questions x {length} tokens failed: "
+                                        f"{type(e).__name__}: {e}") from e
+            ids.fill_(CHECK_ID)
+            last.fill_(length - 1)
+            replay()
+            expected = self.forward(ids, last)
+            off = float((out.float() - expected.float()).abs().max() / expected.float().abs().max().clamp_min(1e-12))
+        if not off <= CHECK_TOLERANCE:
+            raise GraphCaptureError(f"the CUDA graph of {batch} questions x {length} tokens, replayed, differs from "
+                                    f"its forward by {off:.3g} of the largest state: the capture recorded other work")
         self.graphs[shape] = Graph(ids, last, replay, out)
+        self.counts["captured"] += 1
         return self.graphs[shape]
 
     def prepare(self) -> Iterator[Callable[[], None]]:
@@ -164,19 +206,18 @@ class GraphedTrunk:
             if shape not in self.graphs:
                 yield lambda shape=shape: self.capture(shape)
 
-    def eager(self, batch) -> torch.Tensor:
-        """What the eager trunk answers (with the attention mask)."""
-        self.counts["eager"] += 1
-        return self.trunk(batch)
-
     def __call__(self, batch) -> torch.Tensor:
         rows, width = batch.input_ids.shape
+        if not right_padded(batch.attention_mask, batch.last_index):
+            self.counts["masked"] += 1
+            return self.trunk(batch)
         length = smallest_at_least(width, self.lengths)
-        if length is None or not right_padded(batch.attention_mask, batch.last_index):
-            return self.eager(batch)
-        most = max(b for b, n in self.shapes if n == length)
-        outs = []
-        with torch.no_grad():
+        with torch.no_grad(), self._on_device():
+            if length is None:  # longer than any graph: the same forward at its own shape
+                self.counts["eager"] += 1
+                return self.forward(batch.input_ids.to(self.device), batch.last_index.to(self.device))
+            most = max(b for b, n in self.shapes if n == length)
+            outs = []
             for start in range(0, rows, most):
                 ids, last = batch.input_ids[start:start + most], batch.last_index[start:start + most]
                 n = ids.shape[0]
@@ -191,5 +232,5 @@ class GraphedTrunk:
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-__all__ = ["GraphedTrunk", "Graph", "graph_shapes", "smallest_at_least", "right_padded", "cuda_capture", "LENGTHS",
-           "BATCHES", "MAX_GRAPH_TOKENS", "PAD_ID"]
+__all__ = ["GraphedTrunk", "Graph", "GraphCaptureError", "graph_shapes", "smallest_at_least", "right_padded",
+           "causal_mask", "cuda_capture", "LENGTHS", "BATCHES", "MAX_GRAPH_TOKENS", "PAD_ID"]

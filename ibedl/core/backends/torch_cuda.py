@@ -16,7 +16,7 @@ quantise the adapter's update into NF4).
 
 A graphed backend (``torch-cuda-graphs-<precision>``) is the merged trunk replayed from CUDA graphs, one per padded
 shape (ibedl.core.backends.cuda_graphs): a pass then costs its kernels' time and one launch, not the dispatch of each
-operator. Its arithmetic is its own (padded shapes, causal attention without a mask), so is its calibration key.
+operator. Its arithmetic is its own (padded shapes, the causal mask alone), so is its calibration key.
 
 The trunk is loaded as the predictor's own model is (ibedl.core.base_model.load_base_model, then the adapter by PEFT
 with its defaults), so an unmerged one computes what ``python -m ibedl.training.calibrate --device cuda --dtype D
