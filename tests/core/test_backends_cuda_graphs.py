@@ -13,7 +13,7 @@ from unittest import mock
 import pytest
 import torch
 
-from ibedl.core import auto_backend, backends
+from ibedl.core import auto_backend, backends, memory_limit
 from ibedl.core.backends import REGISTRY, cuda_graphs, torch_cuda
 from ibedl.core.backends.cuda_graphs import (
     GraphCaptureError,
@@ -205,10 +205,88 @@ class TestGraphedTrunk:
             trunk(predictor.encode(questions(2)))
         empty = GraphedTrunk(merged, [(2, 64)], Captures(empty=True))
         with pytest.raises(GraphCaptureError, match="2 questions x 64 tokens, replayed, differs from its forward by "
-                                                    "[0-9.e-]+ of the largest state"):
+                                                    "[0-9.e-]+ of a row's size"):
             for step in empty.prepare():
                 step()
         assert trunk.graphs == empty.graphs == {} and isinstance(GraphCaptureError("x"), RuntimeError)
+
+    def test_a_graph_that_mixes_its_rows_fails_its_check(self, merged):
+        """The check gives each row its own ids and position: a graph answering every row with its first row's state
+        (rows mixed up) is refused."""
+        captures = Captures()
+
+        def first_row_everywhere(forward, ids, last):
+            replay, out = captures(forward, ids, last)
+
+            def mixed():
+                replay()
+                out.copy_(out[:1].expand_as(out))
+
+            return mixed, out
+
+        trunk = GraphedTrunk(merged, [(2, 64)], first_row_everywhere)
+        with pytest.raises(GraphCaptureError, match="differs from its forward"):
+            trunk.capture((2, 64))
+
+    def test_each_capture_holds_the_cuda_cache_lock(self, merged):
+        """No thread empties torch's CUDA cache while a graph is captured (memory_limit.CUDA_CACHE): an empty_cache
+        during a capture fails torch's allocator."""
+        held = []
+        captures = Captures()
+
+        def capture(forward, ids, last):
+            held.append(memory_limit.CUDA_CACHE.locked())
+            return captures(forward, ids, last)
+
+        trunk = GraphedTrunk(merged, [(2, 64), (1, 64)], capture)
+        for step in trunk.prepare():
+            step()
+        assert held == [True, True] and not memory_limit.CUDA_CACHE.locked()
+
+    def test_a_real_capture_runs_on_the_trunks_device_and_one_side_stream(self, merged, monkeypatch):
+        """cuda_capture, its CUDA calls faked: warm-up and capture run with the buffers' device current and on the
+        trunk's one side stream, in its one pool, errors kept to this thread; every capture of a trunk shares them (the
+        allocator reuses a block only on the stream that freed it)."""
+        import contextlib
+
+        calls = []
+
+        class Stream:
+            def __init__(self, device=None):
+                calls.append(("stream", device))
+
+            def wait_stream(self, other):
+                pass
+
+        @contextlib.contextmanager
+        def recording(name, *args, **kwargs):
+            calls.append((name, *args, *sorted(kwargs.items())))
+            yield
+
+        class Graph:
+            def replay(self):
+                pass
+
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream("current"))
+        monkeypatch.setattr(torch.cuda, "device", lambda device: recording("device", device))
+        monkeypatch.setattr(torch.cuda, "stream", lambda stream: recording("stream as current", type(stream).__name__))
+        monkeypatch.setattr(torch.cuda, "graph", lambda graph, **kw: recording("graph", **{k: v if k != "stream" else
+                                                                                          type(v).__name__
+                                                                                          for k, v in kw.items()}))
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+        trunk = GraphedTrunk(merged, [(2, 64), (1, 64)])
+        stream_made = calls[:]
+        for shape in ((2, 64), (1, 64)):
+            ids = torch.zeros(shape, dtype=torch.long)
+            replay, out = trunk._capture(trunk.forward, ids, torch.zeros(shape[0], dtype=torch.long))
+            assert out.shape == (shape[0], merged.model.config.hidden_size)
+        device = torch.device("cpu")
+        assert stream_made == [("stream", device)] and ("stream", device) not in calls[1:]  # one side stream
+        graph = ("graph", ("capture_error_mode", "thread_local"), ("pool", "pool"), ("stream", "Stream"))
+        assert [c for c in calls[1:] if c[0] != "stream"] == [("device", device), ("stream as current", "Stream"),
+                                                              graph] * 2
 
     def test_a_capture_computes_what_the_forward_computes_outside_one(self, predictor, merged, monkeypatch):
         """transformers builds its own attention mask while a CUDA stream captures and skips it otherwise (for

@@ -88,6 +88,29 @@ def test_freed_cuda_blocks_go_back_to_the_driver_only_where_cuda_is_in_use(monke
     assert emptied == [True]
 
 
+def test_the_cuda_cache_is_emptied_only_under_its_lock(monkeypatch):
+    """A CUDA graph's capture holds memory_limit.CUDA_CACHE (ibedl.core.backends.cuda_graphs): emptying the cache
+    takes it too, so never during a capture."""
+    import torch
+
+    from ibedl.core import memory_limit
+
+    events = []
+
+    class Recording:
+        def __enter__(self):
+            events.append("acquire")
+
+        def __exit__(self, *exc):
+            events.append("release")
+
+    monkeypatch.setattr(memory_limit, "CUDA_CACHE", Recording())
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty"))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    return_freed_memory()
+    assert events == ["acquire", "empty", "release"]
+
+
 
 @pytest.mark.parametrize("frozen_by", [None, "ibedl", "caller"])
 def test_collect_garbage_frees_cycles_it_froze_and_leaves_a_callers_freeze_alone(unfrozen, frozen_by):

@@ -27,10 +27,12 @@ passes' CUDA calls): each on first use, or all ahead with :meth:`GraphedTrunk.pr
 model thread at warm-up and before the background measurement times the trunk (ibedl.engine.capacity.warm_up,
 ibedl.engine.backend_switch), each capture under ibedl.core.memory_limit.CUDA_CACHE (no other thread empties torch's
 CUDA cache meanwhile). The graphs share one memory pool, captured largest first (so the smaller ones reuse its
-blocks); replays never overlap (one thread), and each copies its output out before the next. Each capture is checked
-at once: its replay on other ids must compute what the forward computes on them (an empty or misdirected graph
-would answer the capture's own input). A capture that fails raises :class:`GraphCaptureError` (a failed build for
-``auto``; at start, a service that says why): after a failed capture torch's allocator is not fit to go on.
+blocks: they are captured on one side stream, as the allocator reuses a block only on the stream that freed it);
+replays never overlap (one thread), and each copies its output out before the next. Each capture is checked at
+once: its replay on other ids must compute what the forward computes on them (an empty or misdirected graph would
+answer the capture's own input, a graph mixing rows the wrong row). A capture that fails raises
+:class:`GraphCaptureError`, naming its shape: a failed build for ``auto`` (the service stays on the backend it
+serves; the memory the failed capture took may stay held), and at start a service that says why.
 """
 
 from __future__ import annotations
@@ -51,9 +53,9 @@ LENGTHS = (64, 128, 256, 512, 1024, 2048)  # padded prompt lengths a graph is ca
 BATCHES = (1, 2, 4, 8, 16, 32, 64)  # padded batch sizes (the service's default passes hold up to 16 questions)
 MAX_GRAPH_TOKENS = 16384  # B' x L' of the largest graph: 36 graphs in all with the sizes above
 PAD_ID = 0  # what fills a graph's input past a prompt's end: never read by a real token under causal attention
-CHECK_ID = 1  # the token a capture's check replays (any id other than the capture's own input)
-CHECK_TOLERANCE = 0.05  # a checked replay may differ from the forward by this much of the largest state (rounding
-# of a kernel chosen differently; an empty or misdirected graph differs by the states' own size)
+CHECK_ID = 1  # a capture's check replays row r on token CHECK_ID + r (any ids other than the capture's own input)
+CHECK_TOLERANCE = 0.05  # a checked replay's row may differ from the forward's by this much of its norm (rounding of a
+# kernel chosen differently; an empty or misdirected graph, or rows mixed up, differ by the rows' own size)
 WARMUP_RUNS = 1  # eager runs of each shape on the capture's stream before it is captured (CUDA's advice)
 
 
@@ -105,13 +107,15 @@ class Graph:
         self.ids, self.last, self.replay, self.out = ids, last, replay, out
 
 
-def cuda_capture(forward, ids: torch.Tensor, last: torch.Tensor, pool) -> tuple[Callable[[], None], torch.Tensor]:
+def cuda_capture(forward, ids: torch.Tensor, last: torch.Tensor, pool, stream) -> tuple[Callable[[], None],
+                                                                                        torch.Tensor]:
     """Capture ``forward(ids, last)`` into a CUDA graph in memory ``pool`` on the buffers' device, after
-    :data:`WARMUP_RUNS` eager runs on a side stream: (its replay, its output buffer). Capture errors are this
-    thread's alone (``thread_local``): another thread's CUDA calls meanwhile neither fail nor spoil it."""
+    :data:`WARMUP_RUNS` eager runs, both on ``stream`` (a side stream of that device; the captures sharing a pool
+    share it too: torch's allocator reuses a freed block only on the stream that freed it): (its replay, its output
+    buffer). Capture errors are this thread's alone (``thread_local``): another thread's CUDA calls meanwhile
+    neither fail nor spoil it."""
     device = ids.device
     with torch.cuda.device(device):
-        stream = torch.cuda.Stream(device=device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             for _ in range(WARMUP_RUNS):
@@ -131,20 +135,21 @@ class GraphedTrunk:
         trunk: the eager trunk (ibedl.core.backends.torch_cuda.TorchTrunk: ``model``, ``gather`` and ``device``); it
             answers a batch not padded on the right.
         shapes: the (batch, length) pairs to capture (default :func:`graph_shapes`), captured largest first.
-        capture: ``capture(forward, ids, last) -> (replay, out)`` (default :func:`cuda_capture` in one shared
-            pool; a test passes one that reruns ``forward`` on the buffers).
+        capture: ``capture(forward, ids, last) -> (replay, out)`` (default :func:`cuda_capture` in one memory pool
+            and on one side stream for all the trunk's graphs; a test passes one that reruns ``forward`` on the
+            buffers).
     """
 
     def __init__(self, trunk, shapes: list[tuple[int, int]] | None = None, capture=None) -> None:
         self.trunk = trunk
         self.model, self.device = trunk.model, trunk.device
-        self.dtype = next(trunk.model.parameters()).dtype
+        self.dtype = trunk.gather.decoder.get_input_embeddings().weight.dtype  # the queries' dtype: the mask's
         self.shapes = graph_shapes() if shapes is None else largest_first(shapes)
         if not self.shapes:
             raise ValueError("a graphed trunk needs at least one shape to capture")
         if capture is None:
-            pool = torch.cuda.graph_pool_handle()
-            capture = lambda forward, ids, last: cuda_capture(forward, ids, last, pool)  # noqa: E731
+            pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device=self.device)
+            capture = lambda forward, ids, last: cuda_capture(forward, ids, last, pool, stream)  # noqa: E731
         self._capture = capture
         self.lengths = sorted({n for _, n in self.shapes})
         self.graphs: dict[tuple[int, int], Graph] = {}
@@ -169,7 +174,8 @@ class GraphedTrunk:
 
     def capture(self, shape: tuple[int, int]) -> Graph:
         """The graph of ``shape`` (batch, length), captured now if it is not yet (on this thread: the one that
-        replays it), and checked: replayed on other ids, it must compute what :meth:`forward` computes on them.
+        replays it), and checked: replayed on other ids (each row its own, each reading another position), each
+        row must be what :meth:`forward` computes on them, to :data:`CHECK_TOLERANCE` of its size.
         GraphCaptureError when the capture fails or the check does."""
         if shape in self.graphs:
             return self.graphs[shape]
@@ -187,14 +193,15 @@ class GraphedTrunk:
             except RuntimeError as e:  # torch.OutOfMemoryError too
                 raise GraphCaptureError(f"capturing the CUDA graph of {batch} questions x {length} tokens failed: "
                                         f"{type(e).__name__}: {e}") from e
-            ids.fill_(CHECK_ID)
-            last.fill_(length - 1)
+            rows = torch.arange(batch, device=self.device)
+            ids.copy_((CHECK_ID + rows)[:, None].expand(batch, length))
+            last.copy_(length - 1 - rows)
             replay()
-            expected = self.forward(ids, last)
-            off = float((out.float() - expected.float()).abs().max() / expected.float().abs().max().clamp_min(1e-12))
+            expected = self.forward(ids, last).float()
+            off = float(((out.float() - expected).norm(dim=1) / expected.norm(dim=1).clamp_min(1e-12)).max())
         if not off <= CHECK_TOLERANCE:
             raise GraphCaptureError(f"the CUDA graph of {batch} questions x {length} tokens, replayed, differs from "
-                                    f"its forward by {off:.3g} of the largest state: the capture recorded other work")
+                                    f"its forward by {off:.3g} of a row's size: the capture recorded other work")
         self.graphs[shape] = Graph(ids, last, replay, out)
         self.counts["captured"] += 1
         return self.graphs[shape]
