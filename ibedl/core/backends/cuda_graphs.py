@@ -194,8 +194,9 @@ class GraphedTrunk:
                 raise GraphCaptureError(f"capturing the CUDA graph of {batch} questions x {length} tokens failed: "
                                         f"{type(e).__name__}: {e}") from e
             rows = torch.arange(batch, device=self.device)
-            ids.copy_((CHECK_ID + rows)[:, None].expand(batch, length))
-            last.copy_(length - 1 - rows)
+            vocab = self.trunk.gather.decoder.get_input_embeddings().num_embeddings
+            ids.copy_(((CHECK_ID + rows) % vocab)[:, None].expand(batch, length))
+            last.copy_((length - 1 - rows) % length)
             replay()
             expected = self.forward(ids, last).float()
             off = float(((out.float() - expected).norm(dim=1) / expected.norm(dim=1).clamp_min(1e-12)).max())
