@@ -105,6 +105,15 @@ def measured(choice) -> dict | None:
             "skipped": choice.skipped, "measured_at": choice.measured, "from_earlier_start": choice.cached}
 
 
+def forwards(trunk) -> dict | None:
+    """How a trunk that counts its forwards ran them (a graphed CUDA trunk: graphs ``captured``, ``replays``,
+    ``eager`` and ``masked`` forwards without a graph: ibedl.core.backends.cuda_graphs), None for any other."""
+    counts = getattr(trunk, "counts", None)
+    if counts is None:
+        return None
+    return {key: int(counts.get(key, 0)) for key in ("captured", "replays", "eager", "masked")}
+
+
 def model_card(runtime: AdapterRuntime, settings: EngineSettings, suspended: dict | None = None) -> dict:
     """What /v1/models says of a served adapter; ``suspended``: why labelled feedback suspended its version's
     promises (ibedl.engine.feedback.Feedback.suspension), None while they stand."""
@@ -129,7 +138,8 @@ def model_card(runtime: AdapterRuntime, settings: EngineSettings, suspended: dic
         "promises_suspended": suspended,
         "calibration": served.record or None,
         "backend": {"name": runtime.predictor.backend, "requested": settings.backend,
-                    "reason": runtime.predictor.backend_reason, "measured": measured(runtime.predictor.backend_choice)},
+                    "reason": runtime.predictor.backend_reason, "measured": measured(runtime.predictor.backend_choice),
+                    "forwards": forwards(runtime.predictor.trunk)},
         "calibration_in_use": {"key": served.key, "backend_key": runtime.predictor.calibration_key,
                                "matches_backend": runtime.calibration_matches, "carried": m.calibration_keys(),
                                "metrics": served.metrics},

@@ -338,8 +338,10 @@ class ModelCard(BaseModel):
     backend: dict = Field(..., description="the inference backend: name (auto resolved), requested (IBEDL_BACKEND), "
                           "reason (why auto chose it), measured (auto: seconds per batch of `batch` prompts of each "
                           "candidate timed, those skipped and why, when, whether read from an earlier start's "
-                          "measurement; null when a backend was named), background (auto in the service: what the "
-                          "background measurement is doing, failed builds and why, switches; null when none runs)")
+                          "measurement; null when a backend was named), forwards (a trunk replayed from CUDA graphs: "
+                          "graphs captured, replays, forwards without a graph; null for any other), background (auto "
+                          "in the service: what the background measurement is doing, failed builds and why, switches; "
+                          "null when none runs)")
     calibration_in_use: dict = Field(..., description="key: the backend and precision of the calibration served; "
                                      "backend_key: those of the backend that serves; matches_backend; carried: every "
                                      "calibration the artifact holds; metrics: those recorded under the one in use")

@@ -91,7 +91,7 @@ def test_the_matching_calibration_is_applied_and_reported(make_client, with_cpu_
     assert body["adapter"]["backend"] == "torch" and body["adapter"]["calibration"] == "torch-fp32"
     assert body["confidence"] < 0.999 and body["abstain_reason"] == "min_confidence"  # the CPU one's threshold
     assert card["backend"] == {"name": "torch", "requested": "torch", "reason": "named", "measured": None,
-                               "background": None}
+                               "forwards": None, "background": None}
     assert card["calibration_in_use"] == {"key": "torch-fp32", "backend_key": "torch-fp32", "matches_backend": True,
                                           "carried": ["torch-cuda-bf16", "torch-fp32"],
                                           "metrics": {"test": {"accuracy": 0.123}}}

@@ -423,3 +423,37 @@ def test_a_preparation_that_fails_is_a_failed_build(make_client, bf16_calibrated
     assert card["backend"]["background"]["failed"] == {
         "openvino-bf16": "GraphCaptureError: capturing the CUDA graph of 64 questions x 256 tokens failed: "
                          "OutOfMemoryError: CUDA out of memory"}
+
+
+def test_the_card_says_how_a_graphed_trunk_ran_its_forwards(make_client, bf16_calibrated, switching):
+    """A trunk replayed from CUDA graphs (here on the CPU, its capture a stand-in that reruns the forward) is
+    prepared whole before it is timed, and ``GET /v1/models`` says what it captured and how its forwards ran."""
+    import torch
+
+    from ibedl.core.backends.cuda_graphs import GraphedTrunk
+    from tests.core.test_backends_cuda_graphs import Captures
+
+    class Eager:  # what GraphedTrunk wraps (ibedl.core.backends.torch_cuda.TorchTrunk's parts)
+        def __init__(self, decoder):
+            self.model, self.gather, self.device = decoder, openvino_ir.LastTokenTrunk(decoder), torch.device("cpu")
+
+        def __call__(self, batch):
+            return self.gather(batch.input_ids, batch.attention_mask, batch.last_index)
+
+    class Timed(GraphedTrunk):  # the injected timer reads which trunk ran last
+        def __call__(self, batch):
+            LAST.append("openvino-bf16")
+            return super().__call__(batch)
+
+    shapes = [(b, n) for b in (1, 2) for n in (64, 128, 256)]
+    switching({"torch": 1.0, "openvino-bf16": 0.4},
+              make=lambda decoder, name: Timed(Eager(decoder), shapes, Captures())).set()
+    with make_client(loader=unmeasured_loader, artifact=bf16_calibrated) as c:
+        assert c.app.state.service.engine.versions.switcher.done.wait(30)
+        card = c.get("/v1/models").json()["data"][0]["backend"]
+        assert card["background"]["failed"] == {}, card["background"]
+        before = card["forwards"]
+        assert served(c.post("/predict", json=Q)) == ("openvino-bf16", "openvino-bf16")
+        after = c.get("/v1/models").json()["data"][0]["backend"]["forwards"]
+    assert before["captured"] == len(shapes) and before["eager"] == before["masked"] == 0
+    assert after == {**before, "replays": before["replays"] + 1}
