@@ -151,7 +151,9 @@ class GraphedTrunk:
             pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device=self.device)
             capture = lambda forward, ids, last: cuda_capture(forward, ids, last, pool, stream)  # noqa: E731
         self._capture = capture
-        self.lengths = sorted({n for _, n in self.shapes})
+        # length -> the batch sizes captured at it, ascending: what a pass's padding and split look up
+        self._batches = {n: sorted(b for b, m in self.shapes if m == n) for n in sorted({n for _, n in self.shapes})}
+        self.lengths = list(self._batches)
         self.graphs: dict[tuple[int, int], Graph] = {}
         self._masks: dict[int, torch.Tensor] = {}  # length -> its causal mask (one per captured length)
         self.counts: Counter = Counter()  # captured, replays, eager (longer than any length), masked (not right-padded)
@@ -163,14 +165,18 @@ class GraphedTrunk:
     def forward(self, ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         """(B, d) states of each row's token ``last`` (B,) of right-padded ``ids`` (B, L), on the model's device: the
         decoder under a causal mask alone (module docstring); what each graph records."""
-        length = ids.shape[1]
+        mask = self._mask(ids.shape[1])
+        states = self.trunk.gather.decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+        return states[torch.arange(ids.shape[0], device=ids.device), last]
+
+    def _mask(self, length: int) -> torch.Tensor:
+        """The causal mask of ``length``, kept for a captured length (a graph reads it), made anew for another."""
         mask = self._masks.get(length)
         if mask is None:
             mask = causal_mask(length, self.dtype, self.device)
-            if length in self.lengths:
+            if length in self._batches:
                 self._masks[length] = mask
-        states = self.trunk.gather.decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-        return states[torch.arange(ids.shape[0], device=ids.device), last]
+        return mask
 
     def capture(self, shape: tuple[int, int]) -> Graph:
         """The graph of ``shape`` (batch, length), captured now if it is not yet (on this thread: the one that
@@ -185,8 +191,7 @@ class GraphedTrunk:
         ids = torch.full((batch, length), PAD_ID, dtype=torch.long, device=self.device)
         last = torch.zeros(batch, dtype=torch.long, device=self.device)
         with torch.no_grad(), self._on_device():
-            if length not in self._masks:
-                self._masks[length] = causal_mask(length, self.dtype, self.device)  # made before, not in, the graph
+            self._mask(length)  # made before, not in, the graph
             try:
                 with CUDA_CACHE:
                     replay, out = self._capture(self.forward, ids, last)
@@ -224,12 +229,12 @@ class GraphedTrunk:
             if length is None:  # longer than any graph: the same forward at its own shape
                 self.counts["eager"] += 1
                 return self.forward(batch.input_ids.to(self.device), batch.last_index.to(self.device))
-            most = max(b for b, n in self.shapes if n == length)
+            sizes = self._batches[length]
             outs = []
-            for start in range(0, rows, most):
-                ids, last = batch.input_ids[start:start + most], batch.last_index[start:start + most]
+            for start in range(0, rows, sizes[-1]):
+                ids, last = batch.input_ids[start:start + sizes[-1]], batch.last_index[start:start + sizes[-1]]
                 n = ids.shape[0]
-                graph = self.capture((smallest_at_least(n, [b for b, m in self.shapes if m == length]), length))
+                graph = self.capture((smallest_at_least(n, sizes), length))
                 padded = torch.full(tuple(graph.ids.shape), PAD_ID, dtype=torch.long)
                 padded[:n, :width] = ids
                 graph.ids.copy_(padded)
