@@ -120,13 +120,14 @@ class Running:
     """A real uvicorn server, configured as the service configures it, in a thread, around a trivial app, on a socket
     bound here (no other process can take its port first)."""
 
-    def __init__(self, **settings):
-        async def app(scope, receive, send):
+    def __init__(self, app=None, **settings):
+        async def ok(scope, receive, send):
             if scope["type"] != "http":
                 return
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
             await send({"type": "http.response.body", "body": b"ok"})
 
+        app = app or ok
         self.sock = bound_socket()
         self.port = self.sock.getsockname()[1]
         self.server = uvicorn.Server(uvicorn_config(app, Settings(port=self.port, **settings)))
@@ -218,6 +219,34 @@ def test_a_connection_idle_after_a_body_that_ended_past_its_early_response_is_cl
         s.sendall(b"{}")
         assert s.recv(1024) == b"", "an idle connection was kept with no timer to close it"
         s.close()
+
+
+def test_a_request_slower_than_the_header_timeout_is_answered():
+    """The header timer is for a request's headers: once they are in, the request is answered however long the app
+    takes (a pass on a busy model), and the connection's timer starts again after the response."""
+    import asyncio
+
+    reached, release = threading.Event(), threading.Event()
+
+    async def slow(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        reached.set()
+        await asyncio.get_running_loop().run_in_executor(None, release.wait)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"4")]})
+        await send({"type": "http.response.body", "body": b"slow"})
+
+    with Running(app=slow, header_timeout_s=0.3) as srv:
+        s = srv.connect()
+        s.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert reached.wait(10)
+        witness = srv.connect()  # opened after the request's headers, it sends nothing: its header timer closing it
+        assert witness.recv(1024) == b""  # shows the request's own (armed earlier) would have fired too
+        release.set()
+        assert read_response(s, until=b"\r\n\r\nslow").startswith(b"HTTP/1.1 200")
+        assert s.recv(1024) == b"", "the idle connection after the response was not closed by its header timer"
+        for c in (s, witness):
+            c.close()
 
 
 def test_a_request_over_the_connection_cap_gets_503():
