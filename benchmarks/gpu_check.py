@@ -1,6 +1,6 @@
 """The GPU path end to end on a lent CUDA machine, in one command that fits its time (``make gpu-check``):
 
-    python -m benchmarks.gpu_check [--steps 60] [--batch-size 64] [--requests 2048] [--clients 64]
+    python -m benchmarks.gpu_check [--steps 60] [--batch-size 64] [--requests 2048] [--clients 64] [--batch-items 8]
         [--only train,calibrate,serve,serve_free,paper] [--budget train=200,...]
         [--output benchmarks/results/gpu_check.json]
 
@@ -17,7 +17,10 @@
    calibration the service reports it uses, answers/s and p50/p99 latency from 64 concurrent clients sending 2,048
    distinct SciQ questions (micro-batches of up to 64), refusals by reason, the passes the service ran (their count,
    mean questions and mean model time, from its ``/metrics``), and the GPU memory of the service process
-   (nvidia-smi).
+   (nvidia-smi). Then (``batched``) the same clients send 2,048 other questions as ``POST /predict/batch``
+   requests of ``--batch-items`` (8) each, what a client after throughput sends: each HTTP request costs the host's
+   event loop about as much as a question's whole answer, so one-question requests measure the host as much as the
+   card (docs/results.md#service-bound). When both rounds run, the first may send for half the sending time left.
 4. ``serve_free``: the same with ``IBEDL_PAD_FREELY=true`` (a pass takes questions whatever their prompt lengths
    and runs as one forward: the length rules made for a CPU lifted) and, unless ``--batch-tokens`` says otherwise,
    ``IBEDL_MAX_BATCH_TOKENS`` of 1,024 padded tokens per client (so a pass may hold every client's question), so
@@ -203,6 +206,7 @@ def step_serve(args, out: Path, pad_freely: bool = False) -> dict:
     artifact = RUNS / "default-cuda"
     if not (artifact / "manifest.json").is_file():
         return {"skipped": "no CUDA-calibrated copy: run the calibrate step first"}
+    rounds = [("one", 1)] + ([("batched", args.batch_items)] if args.batch_items > 1 else [])
     log = RUNS / ("serve_free.log" if pad_freely else "serve.log")
     log.parent.mkdir(parents=True, exist_ok=True)
     env = {"IBEDL_DEVICE": "cuda", **arithmetic(nf4_available())["serve_env"], "IBEDL_BACKEND": "auto",
@@ -220,23 +224,14 @@ def step_serve(args, out: Path, pad_freely: bool = False) -> dict:
                 return None
 
         ready = get_card()
-        # distinct questions (SciQ training, with their passages): a repeated question would measure a cache
-        questions = load_dataset("sciq", "train", limit=args.requests, seed=0)
-        bodies = [{"question": q.question, "options": list(q.options), "context": q.context} for q in questions]
+        # distinct questions (SciQ training, with their passages), none in two rounds: a repeated question would
+        # measure a cache
+        questions = load_dataset("sciq", "train", limit=args.requests * len(rounds), seed=0)
+        items = [{"question": q.question, "options": list(q.options), "context": q.context} for q in questions]
         card, settled = settled_card(get_card, send_until - MIN_SENDING_S)
         with httpx.Client(timeout=120) as client:
-            client.post(proc.url + "/predict", json=bodies[0])  # warm-up
-            before = read_passes(client, proc.url)  # the warm-up's and start-up's passes are not the clients'
-            # the clients: benchmarks.load_client (httpx's client took 8.8 ms of CPU a request and would be the bound);
-            # a request past the step's sending time is not sent, a lost connection is one failed question
-            start = time.perf_counter()
-            sent = asyncio.run(send_all(proc.port, "/predict", [json.dumps(b).encode() for b in bodies], args.clients,
-                                        until=send_until))
-            seconds = time.perf_counter() - start
-            answers = [None if a is None else (a[0], a[1], None if a[0] == 200 else
-                                               a[2] if isinstance(a[2], str) else error_type(a[0], a[2]))
-                       for a in sent]
-            passes = passes_between(before, read_passes(client, proc.url))
+            client.post(proc.url + "/predict", json=items[0])  # warm-up
+            measured = client_rounds(client, proc.url, proc.port, items, rounds, args.clients, send_until)
         after = get_card()  # a measurement that had not ended may have switched the backend while the clients ran
         memory = gpu_memory_mib(proc.proc.pid)
     finally:
@@ -246,9 +241,40 @@ def step_serve(args, out: Path, pad_freely: bool = False) -> dict:
             # after the clients: None where the service did not give its card
             "backend_after": None if after is None else after["backend"],
             "calibration_after": None if after is None else after["calibration_in_use"],
-            **serve_summary(answers, seconds), "passes": passes, "clients": args.clients,
+            **measured["one"], "batched": measured.get("batched"), "clients": args.clients,
             "max_batch_tokens": batch_tokens, "pad_freely": pad_freely, "gpu_memory_mib": memory,
             "exit_on_sigterm": stopped, "log": str(log)}
+
+
+def client_rounds(client, url: str, port: int, items: list[dict], rounds: list[tuple[str, int]], clients: int,
+                  send_until: float) -> dict:
+    """Each round ``(name, questions a request)`` in turn: its own ``len(items) // len(rounds)`` of ``items`` sent by
+    ``clients`` concurrent connections to the service at ``url`` (``port``), one a request (``POST /predict``) or
+    several (``POST /predict/batch``; the round's questions that would not fill a last request are left out);
+    :func:`serve_summary` of what they got, with the passes the service ran meanwhile (its ``/metrics`` read with
+    ``client`` before and after). A round sends until ``time.monotonic()`` reaches ``send_until``, every round but
+    the last until half the time left then."""
+    each = len(items) // len(rounds)
+    measured = {}
+    for i, (name, per_request) in enumerate(rounds):
+        mine = items[i * each:(i + 1) * each][:each // per_request * per_request]  # whole requests only
+        bodies = mine if per_request == 1 else [{"items": mine[j:j + per_request]}
+                                                for j in range(0, len(mine), per_request)]
+        left = send_until - time.monotonic()
+        until = time.monotonic() + (left / 2 if i + 1 < len(rounds) else left)
+        before = read_passes(client, url)  # the warm-up's, start-up's and the last round's passes are not this one's
+        # the clients: benchmarks.load_client (httpx's client took 8.8 ms of CPU a request and would be the bound); a
+        # request past the round's sending time is not sent, a lost connection is one failed request
+        start = time.perf_counter()
+        sent = asyncio.run(send_all(port, "/predict" if per_request == 1 else "/predict/batch",
+                                    [json.dumps(b).encode() for b in bodies], clients, until=until))
+        seconds = time.perf_counter() - start
+        answers = [None if a is None else (a[0], a[1], None if a[0] == 200 else
+                                           a[2] if isinstance(a[2], str) else error_type(a[0], a[2]))
+                   for a in sent]
+        measured[name] = {**serve_summary(answers, seconds, per_request),
+                          "passes": passes_between(before, read_passes(client, url))}
+    return measured
 
 
 def settled_card(get_card, until: float, clock=time.monotonic, wait=time.sleep) -> tuple[dict, bool]:
@@ -318,13 +344,17 @@ def error_type(status: int, body: bytes) -> str:
         return str(status)
 
 
-def serve_summary(answers: list[tuple[int, float, str | None] | None], seconds: float) -> dict:
-    """What the clients got: answers/s (answered questions over the wall time of all requests), the latency
-    percentiles of the answered ones, refusals (429 and 503: the model never saw the question; by error type) apart
-    from failures (any other status, or no response: by type); ``None`` is a question not sent (the step's sending
-    time was over), counted as ``not_sent``."""
+def serve_summary(answers: list[tuple[int, float, str | None] | None], seconds: float,
+                  per_request: int = 1) -> dict:
+    """What the clients got from requests of ``per_request`` questions each: answers/s (answered questions over the
+    wall time of all requests), the latency percentiles of the answered requests, refusals (429 and 503: the model
+    never saw the request; by error type) apart from failures (any other status, or no response: by type); ``None``
+    is a request not sent (the step's sending time was over), counted as ``not_sent``. ``requests``, ``answered``,
+    ``refused`` and ``failed`` count requests."""
     if seconds <= 0:
         raise ValueError(f"seconds must be > 0, got {seconds}")
+    if per_request < 1:
+        raise ValueError(f"per_request must be >= 1, got {per_request}")
     not_sent = sum(a is None for a in answers)
     answers = [a for a in answers if a is not None]
     latencies = np.array([t for code, t, _ in answers if code == 200])
@@ -335,8 +365,8 @@ def serve_summary(answers: list[tuple[int, float, str | None] | None], seconds: 
             tally = refused if code in (429, 503) else failed
             tally[why or str(code)] = tally.get(why or str(code), 0) + 1
     return {"requests": len(answers), "not_sent": not_sent, "answered": len(latencies), "refused": refused,
-            "failed": failed,
-            "answers_per_s": len(latencies) / seconds, "seconds": seconds,
+            "failed": failed, "questions_per_request": per_request,
+            "answers_per_s": per_request * len(latencies) / seconds, "seconds": seconds,
             "latency_ms": None if not len(latencies) else {
                 "p50": float(np.percentile(latencies, 50) * 1000), "p99": float(np.percentile(latencies, 99) * 1000)}}
 
@@ -424,6 +454,9 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", type=int, default=2048,
                         help="distinct SciQ training questions sent to the CUDA service (default 2048)")
     parser.add_argument("--clients", type=int, default=64, help="concurrent clients of the serve step (default 64)")
+    parser.add_argument("--batch-items", type=int, default=8,
+                        help="questions a request in the serve steps' second round of --requests other questions, "
+                        "sent as POST /predict/batch (default 8; 1: no second round)")
     parser.add_argument("--batch-tokens", type=int,
                         help="the service's IBEDL_MAX_BATCH_TOKENS in the serve step (default: the service's)")
     parser.add_argument("--only", default=",".join(STEPS), help=f"comma-separated steps among {', '.join(STEPS)}")
@@ -436,7 +469,7 @@ def main(argv=None) -> int:
     unknown = sorted(set(steps) - set(STEPS))
     if unknown:
         parser.error(f"unknown steps {unknown}; choose among {', '.join(STEPS)}")
-    for flag in ("steps", "batch_size", "requests", "clients", "batch_tokens"):
+    for flag in ("steps", "batch_size", "requests", "clients", "batch_items", "batch_tokens"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     try:

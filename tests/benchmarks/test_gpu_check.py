@@ -51,7 +51,8 @@ def test_budgets_given_on_the_command_line_replace_the_defaults_and_bad_ones_are
     assert exit_.value.code == 2 and "calibrate must be > 0 seconds, got '-1'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag", ["--steps", "--batch-size", "--requests", "--clients", "--batch-tokens"])
+@pytest.mark.parametrize("flag", ["--steps", "--batch-size", "--requests", "--clients", "--batch-items",
+                                  "--batch-tokens"])
 def test_counts_below_one_are_refused_by_name(flag, capsys):
     with pytest.raises(SystemExit) as exit_:
         gpu_check.main([flag, "0"])
@@ -146,8 +147,13 @@ def test_the_serve_summary_counts_answers_not_refusals_and_gives_their_latency_p
     # questions the step did not send before its budget: apart, not failures
     cut = gpu_check.serve_summary(answers + [None] * 7, seconds=2.0)
     assert cut["not_sent"] == 7 and cut["requests"] == 105 and cut["answered"] == 100 and got["not_sent"] == 0
+    batched = gpu_check.serve_summary(answers, seconds=2.0, per_request=8)  # requests of 8: answers count questions
+    assert batched["answered"] == 100 and batched["answers_per_s"] == 400.0 and batched["questions_per_request"] == 8
+    assert batched["latency_ms"] == got["latency_ms"]  # a request's latency
     with pytest.raises(ValueError, match="seconds"):
         gpu_check.serve_summary(answers, 0)
+    with pytest.raises(ValueError, match="per_request must be >= 1, got 0"):
+        gpu_check.serve_summary(answers, 1.0, per_request=0)
 
 
 def test_a_refusals_type_is_read_from_its_body_or_its_status():
@@ -177,6 +183,70 @@ def test_the_passes_between_two_readings_of_the_services_own_metrics():
     assert got["count"] == 3 and got["mean_questions"] == pytest.approx(4.0)
     assert got["mean_forward_ms"] == pytest.approx(200.0)
     assert gpu_check.passes_between(before, "HTTPStatusError: 401") == {"error": "HTTPStatusError: 401"}
+
+
+def test_the_serve_rounds_send_one_question_requests_then_batches_of_other_questions():
+    """The serve steps' two rounds against a real loopback HTTP server that counts each request as one pass in the
+    service's own metrics: the first round's questions one a request, the second's (none of the first's) in whole
+    batches, answers/s counting questions, each round's passes apart; past the sending time nothing is sent."""
+    import asyncio
+    import threading
+
+    import httpx
+    from prometheus_client import generate_latest
+
+    from ibedl.serve.metrics import Metrics
+    from tests.benchmarks.test_load_client import serve
+
+    metrics, bodies = Metrics(), []
+
+    async def handle(body):
+        body = json.loads(body)
+        bodies.append(body)
+        metrics.batch_size.observe(len(body["items"]) if "items" in body else 1)
+        metrics.forward_seconds.observe(0.01)
+        return 200, b"{}"
+
+    class Scraper:  # the step's httpx client, for /metrics
+        def get(self, url):
+            return httpx.Response(200, text=generate_latest(metrics.registry).decode(),
+                                  request=httpx.Request("GET", url))
+
+    loop = asyncio.new_event_loop()
+    started, stop = threading.Event(), asyncio.Event()
+    port = []
+
+    async def run():
+        server, p = await serve(handle)
+        port.append(p)
+        started.set()
+        async with server:
+            await stop.wait()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(run(),), daemon=True)
+    thread.start()
+    assert started.wait(10)
+    items = [{"question": f"q{i}", "options": ["a", "b"]} for i in range(20)]
+    try:
+        got = gpu_check.client_rounds(Scraper(), "http://127.0.0.1", port[0], items, [("one", 1), ("batched", 4)],
+                                      clients=3, send_until=time.monotonic() + 60)
+        late = gpu_check.client_rounds(Scraper(), "http://127.0.0.1", port[0], items, [("one", 1)], clients=3,
+                                       send_until=time.monotonic() - 1)
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(10)
+    singles, batches = [b for b in bodies if "items" not in b], [b for b in bodies if "items" in b]
+    assert sorted(b["question"] for b in singles) == sorted(f"q{i}" for i in range(10))
+    assert sorted(len(b["items"]) for b in batches) == [4, 4]  # q10-q17; q18 and q19 fill no whole request
+    assert sorted(q["question"] for b in batches for q in b["items"]) == sorted(f"q{i}" for i in range(10, 18))
+    one, batched = got["one"], got["batched"]
+    assert one["answered"] == 10 and one["questions_per_request"] == 1
+    assert one["answers_per_s"] == pytest.approx(10 / one["seconds"])
+    assert batched["requests"] == batched["answered"] == 2 and batched["questions_per_request"] == 4
+    assert batched["answers_per_s"] == pytest.approx(8 / batched["seconds"])
+    assert one["passes"]["count"] == 10 and one["passes"]["mean_questions"] == pytest.approx(1.0)
+    assert batched["passes"]["count"] == 2 and batched["passes"]["mean_questions"] == pytest.approx(4.0)
+    assert late["one"]["not_sent"] == 20 and late["one"]["answered"] == 0 and len(bodies) == 12
 
 
 def test_a_metrics_reading_that_fails_says_why():
