@@ -101,6 +101,15 @@ class TestLinks:
                 missing.append(module)
         assert not missing, f"{path.relative_to(ROOT)} names modules that do not exist: {missing}"
 
+    def test_every_runnable_benchmark_is_in_the_benchmarks_index(self):
+        """benchmarks/README.md lists every benchmark a user can run (a module with a ``__main__`` block), with the
+        command that writes its result."""
+        index = (ROOT / "benchmarks" / "README.md").read_text()
+        missing = [p.stem for p in sorted((ROOT / "benchmarks").glob("*.py"))
+                   if 'if __name__ == "__main__"' in p.read_text()
+                   and not re.search(rf"benchmarks\.{p.stem}\b", index)]
+        assert not missing, f"benchmarks/README.md does not list {missing}"
+
 
 class TestSettingsReference:
     def test_every_setting_is_documented(self):
