@@ -10,13 +10,17 @@ profiles run in :data:`PROFILES`' order, which puts first what decides the issue
    1,000 answers/s); it reads the calibration the check's calibrate step wrote (``runs/gpu_check/default-cuda``);
 2. ``paper_scale_gpu_checkpointed``: the 8B shape with gradient checkpointing (the memory lever, when the check's
    paper step is over the paper's 21.88 GB);
-3. ``training_precision``: where a training step's time goes in fp32, bf16 and under autocast (why bf16 trained
+3. ``service_bound``: the one-question answers/s one service process gives through HTTP on this machine's CPU when
+   the trunk costs nothing (``benchmarks.service_bound``, a stand-in trunk, the client on a core of its own; the
+   GPU is not used). Beside the check's one-question serve round it names the bound: near it, the host (the
+   process's GIL: docs/results.md#service-bound); well above it, the card or the passes;
+4. ``training_precision``: where a training step's time goes in fp32, bf16 and under autocast (why bf16 trained
    slower than fp32), at the check's micro-batch of 64;
-4. ``merged_adapter``: what folding the adapter into the weights saves a forward;
-5. ``padding_cost``: padded freely against length groups;
-6. ``gradient_checkpointing``: its trade on the 135M model;
-7. ``pass_overhead``: what a pass costs the machine's CPU besides the trunk, and the predictor's two cheaper steps;
-8. ``check_threads``: whether 2 or 4 request-checking threads answer more than one outside the trunk, on the GPU
+5. ``merged_adapter``: what folding the adapter into the weights saves a forward;
+6. ``padding_cost``: padded freely against length groups;
+7. ``gradient_checkpointing``: its trade on the 135M model;
+8. ``pass_overhead``: what a pass costs the machine's CPU besides the trunk, and the predictor's two cheaper steps;
+9. ``check_threads``: whether 2 or 4 request-checking threads answer more than one outside the trunk, on the GPU
    machine's cores (``IBEDL_CHECK_THREADS``'s default there is 4).
 
 Each runs as a process of its own (its group killed at its limit: ``benchmarks.gpu_check.run_budgeted``) for at
@@ -42,6 +46,7 @@ from benchmarks.gpu_check import run_budgeted
 PROFILES = {
     "gpu_serve_profile": ("benchmarks.gpu_serve_profile", ["--artifact", "runs/gpu_check/default-cuda"]),
     "paper_scale_gpu_checkpointed": ("benchmarks.paper_scale_gpu", ["--gradient-checkpointing"]),
+    "service_bound": ("benchmarks.service_bound", ["--requests", "3000"]),
     "training_precision": ("benchmarks.training_precision", ["--device", "cuda", "--batch-size", "64"]),
     "merged_adapter": ("benchmarks.merged_adapter", ["--device", "cuda"]),
     "padding_cost": ("benchmarks.padding_cost", ["--device", "cuda"]),
@@ -55,7 +60,8 @@ MIN_START_S = 30.0
 
 # The profiles that write one file whatever the device; the others write benchmarks.common.device_output's for cuda.
 OWN_OUTPUT = {"gpu_serve_profile": "gpu_serve_profile.json",
-              "paper_scale_gpu_checkpointed": "paper_scale_gpu_checkpointed.json"}
+              "paper_scale_gpu_checkpointed": "paper_scale_gpu_checkpointed.json",
+              "service_bound": "service_bound_gpu_host.json"}  # the host's CPU: no CUDA in it
 
 
 def output_name(name: str) -> str:

@@ -20,6 +20,8 @@ def test_each_profile_parses_its_arguments_and_without_cuda_exits_2_saying_so(mo
     that make gpu-check writes)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for name, (module, arguments) in gpu_profiles.PROFILES.items():
+        if name == "service_bound":  # the host's bound: no CUDA in it (tests/benchmarks/test_service_bound.py)
+            continue
         try:
             code = importlib.import_module(module).main([*arguments, "--output", str(tmp_path / name)])
         except SystemExit as e:  # argparse's refusal
@@ -43,6 +45,9 @@ def test_the_order_puts_the_open_bounds_first_and_outputs_follow_the_benchmarks_
     assert list(gpu_profiles.PROFILES)[:2] == ["gpu_serve_profile", "paper_scale_gpu_checkpointed"]
     assert gpu_profiles.output_name("gpu_serve_profile") == "gpu_serve_profile.json"
     assert gpu_profiles.output_name("paper_scale_gpu_checkpointed") == "paper_scale_gpu_checkpointed.json"
+    # third: the host's own bound beside the check's serve round (the GPU's machine CPU, never the committed CPU file)
+    assert list(gpu_profiles.PROFILES)[2] == "service_bound"
+    assert gpu_profiles.output_name("service_bound") == "service_bound_gpu_host.json"
     from benchmarks.common import device_output
 
     for name in ("training_precision", "merged_adapter", "padding_cost", "gradient_checkpointing", "pass_overhead",
