@@ -54,6 +54,14 @@ def log_exposure(settings: Settings) -> None:
 
 
 CLOSE = (b"connection", b"close")
+# A request's target and header lines, at most (bytes): what uvicorn's h11 protocol allowed (h11's
+# max_incomplete_event_size). httptools itself sets no bound: without this a client could send headers until the
+# header timeout, all kept in memory.
+MAX_HEAD_BYTES = 16 * 1024
+
+
+class HeadTooLarge(Exception):
+    """A request's target and headers passed MAX_HEAD_BYTES (raised in a parser callback: the parser stops)."""
 
 
 class ServiceHttp(HttpToolsProtocol):
@@ -63,6 +71,10 @@ class ServiceHttp(HttpToolsProtocol):
     - a connection whose request headers are not complete ``header_timeout_s`` after it opened or after its previous
       response is closed (uvicorn itself waits forever for the first request's headers, so a client that opens
       connections and sends nothing would hold them up to IBEDL_MAX_CONNECTIONS);
+    - a request whose target and headers pass MAX_HEAD_BYTES is answered 431 and its connection closed. httptools
+      hands over a header only once the next one starts, so the parsed target and headers are counted and so are
+      the reads that begin inside an unfinished head (one header that never ends): a head is refused by
+      MAX_HEAD_BYTES plus at most one read;
     - at shutdown an idle kept-alive connection is not closed at once: a request the peer has just sent on it would
       be reset unread, and the gateway cannot retry a POST it already sent (it answers 502). The next request on it
       is answered (the draining service refuses it with 503, which the gateway retries on another replica) with
@@ -78,17 +90,63 @@ class ServiceHttp(HttpToolsProtocol):
     _header_timer: asyncio.TimerHandle | None = None
     _closing = False
     _body_ended = False  # of the request self.cycle answers
+    _head_bytes = 0  # of the request being parsed: its target and header lines handed over so far
+    _head_reads = 0  # of the request being parsed: the bytes of the reads that began inside its unfinished head
+    _in_head = False  # a request's head has begun and is not complete
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._arm_header_timer()
 
     def data_received(self, data: bytes) -> None:
+        inside = self._in_head  # a read that begins inside a head is head up to the head's end, if it ends here
         super().data_received(data)
         if self._closing and self.cycle is not None and not self.cycle.response_complete:
             self._close_after(self.cycle)
+        if inside and self._in_head and not self.transport.is_closing():
+            self._head_reads += len(data)
+            if self._head_reads > MAX_HEAD_BYTES:
+                self._refuse_head()
+
+    def on_message_begin(self) -> None:
+        self._head_bytes = self._head_reads = 0
+        self._in_head = True
+        super().on_message_begin()
+
+    def on_url(self, url: bytes) -> None:
+        self._count_head(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value) + 4)  # ": " and CRLF
+        super().on_header(name, value)
+
+    def _count_head(self, size: int) -> None:
+        self._head_bytes += size
+        if self._head_bytes > MAX_HEAD_BYTES:
+            raise HeadTooLarge(f"the request's target and headers pass {MAX_HEAD_BYTES} bytes")
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request the parser refused; 431 when it was refused for its size."""
+        if self._head_bytes <= MAX_HEAD_BYTES:
+            return super().send_400_response(msg)
+        self._refuse_head()
+
+    def _refuse_head(self) -> None:
+        """Answer 431 and close: the request's head passed MAX_HEAD_BYTES."""
+        self._in_head = False
+        self.logger.warning("refused a request whose target and headers pass %d bytes", MAX_HEAD_BYTES)
+        body = f"the request's target and headers pass {MAX_HEAD_BYTES} bytes".encode()
+        head = [b"HTTP/1.1 431 Request Header Fields Too Large\r\n"]
+        for name, value in self.server_state.default_headers:
+            head.append(name + b": " + value + b"\r\n")
+        head.append(b"content-type: text/plain; charset=utf-8\r\ncontent-length: " + str(len(body)).encode()
+                    + b"\r\nconnection: close\r\n\r\n")
+        self.transport.write(b"".join(head) + body)
+        self.transport.close()
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
         self._body_ended = False
         super().on_headers_complete()
         self._cancel_header_timer()

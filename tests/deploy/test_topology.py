@@ -464,8 +464,13 @@ def test_prometheus_scrapes_both_replicas(topology):
     # (b) the ibedl_ metrics of both replicas can be queried
     up = {r["metric"]["instance"]: r["value"][1] for r in topo.query(f'up{{job="{API_JOB}"}}')}
     assert up == {a: "1" for a in addrs}
-    ready = {r["metric"]["instance"]: r["value"][1] for r in topo.query("ibedl_ready")}
-    assert ready == {a: "1" for a in addrs}
+    # a replica's target may have been scraped up while it was still loading (ibedl_ready 0): the next scrape
+    # after its readiness says 1
+    def both_ready():
+        ready = {r["metric"]["instance"]: r["value"][1] for r in topo.query("ibedl_ready")}
+        return ready if ready == {a: "1" for a in addrs} else None
+
+    topo.wait_for("ibedl_ready 1 from both replicas", both_ready, timeout=20)
     info = topo.query("ibedl_model_info")
     assert {r["metric"]["instance"] for r in info} == addrs
     manifest = json.loads((artifact_dir() / "manifest.json").read_text())

@@ -249,6 +249,42 @@ def test_a_request_slower_than_the_header_timeout_is_answered():
             c.close()
 
 
+def test_a_request_whose_headers_pass_the_limit_gets_431_and_its_connection_is_closed():
+    """httptools bounds no request head; the service does, at what uvicorn's h11 protocol allowed: a client cannot
+    keep sending header lines (each kept in memory) until the header timeout."""
+    from ibedl.serve.server import MAX_HEAD_BYTES
+
+    with Running(header_timeout_s=30) as srv:
+        fits = srv.connect()
+        fits.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * (MAX_HEAD_BYTES - 200) + b"\r\n\r\n")
+        assert read_response(fits, until=b"\r\n\r\nok").startswith(b"HTTP/1.1 200")
+        big = srv.connect()
+        # never the blank line: refused while the headers still come. One write (the server has read all of it when
+        # it closes: unread bytes would reset the connection); the third header passes the limit, handed over to
+        # the protocol once the fourth begins
+        big.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-Pad-%d: " % i + b"a" * (MAX_HEAD_BYTES // 3)
+                                                                    + b"\r\n" for i in range(3)) + b"X-Next: 1")
+        answer = read_response(big)  # to the end: the server closes it
+        assert answer.startswith(b"HTTP/1.1 431") and b"connection: close" in answer.lower()
+        assert answer.endswith(f"pass {MAX_HEAD_BYTES} bytes".encode())
+        endless = srv.connect()  # one header that never ends: no header is handed over, the reads are counted
+        endless.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\nX-Endless: a")
+        deadline = time.monotonic() + 10
+        while not any(c._in_head for c in list(srv.server.server_state.connections)):  # its first read is in
+            assert time.monotonic() < deadline, "the server did not read the request's first bytes"
+            time.sleep(0.01)
+        endless.sendall(b"a" * (MAX_HEAD_BYTES + 1))
+        assert read_response(endless).startswith(b"HTTP/1.1 431")
+        long_target = srv.connect()
+        long_target.sendall(b"GET /" + b"a" * (MAX_HEAD_BYTES + 1) + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert read_response(long_target).startswith(b"HTTP/1.1 431")
+        bad = srv.connect()  # any other refusal of the parser is still uvicorn's 400
+        bad.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        assert read_response(bad).startswith(b"HTTP/1.1 400")
+        for s in (fits, big, endless, long_target, bad):
+            s.close()
+
+
 def test_a_request_over_the_connection_cap_gets_503():
     with Running(max_connections=2, header_timeout_s=30) as srv:
         held = [srv.connect(), srv.connect()]
