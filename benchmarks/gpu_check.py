@@ -225,9 +225,13 @@ def step_serve(args, out: Path, pad_freely: bool = False) -> dict:
 
         ready = get_card()
         # distinct questions (SciQ training, with their passages), none in two rounds: a repeated question would
-        # measure a cache
-        questions = load_dataset("sciq", "train", limit=args.requests * len(rounds), seed=0)
-        items = [{"question": q.question, "options": list(q.options), "context": q.context} for q in questions]
+        # measure a cache. The first round's are the ones every earlier serve step sent; the second's come from a
+        # larger draw, less those
+        first = load_dataset("sciq", "train", limit=args.requests, seed=0)
+        sent = {q.question for q in first}
+        more = [q for q in load_dataset("sciq", "train", limit=args.requests * len(rounds) * 2, seed=1)
+                if q.question not in sent][:args.requests * (len(rounds) - 1)]
+        items = [{"question": q.question, "options": list(q.options), "context": q.context} for q in [*first, *more]]
         card, settled = settled_card(get_card, send_until - MIN_SENDING_S)
         with httpx.Client(timeout=120) as client:
             client.post(proc.url + "/predict", json=items[0])  # warm-up

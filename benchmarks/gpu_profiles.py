@@ -11,9 +11,10 @@ profiles run in :data:`PROFILES`' order, which puts first what decides the issue
 2. ``paper_scale_gpu_checkpointed``: the 8B shape with gradient checkpointing (the memory lever, when the check's
    paper step is over the paper's 21.88 GB);
 3. ``service_bound``: the one-question answers/s one service process gives through HTTP on this machine's CPU when
-   the trunk costs nothing (``benchmarks.service_bound``, a stand-in trunk, the client on a core of its own; the
-   GPU is not used). Beside the check's one-question serve round it names the bound: near it, the host (the
-   process's GIL: docs/results.md#service-bound); well above it, the card or the passes;
+   the trunk costs nothing (``benchmarks.service_bound``, a stand-in trunk, its client a process of its own, which
+   the machine's 16 cores leave room for; the GPU is not used). Beside the check's one-question serve round it
+   names the bound: near it, the host (the process's GIL: docs/results.md#service-bound); well above it, the card
+   or the passes;
 4. ``training_precision``: where a training step's time goes in fp32, bf16 and under autocast (why bf16 trained
    slower than fp32), at the check's micro-batch of 64;
 5. ``merged_adapter``: what folding the adapter into the weights saves a forward;

@@ -54,9 +54,9 @@ def log_exposure(settings: Settings) -> None:
 
 
 CLOSE = (b"connection", b"close")
-# A request's target and header lines, at most (bytes): what uvicorn's h11 protocol allowed (h11's
-# max_incomplete_event_size). httptools itself sets no bound: without this a client could send headers until the
-# header timeout, all kept in memory.
+# A request's target, header and trailer lines, at most (bytes): what uvicorn's h11 protocol allowed a request's head
+# (h11's max_incomplete_event_size). httptools itself sets no bound: without this a client could send header lines
+# until the header timeout, all kept in memory.
 MAX_HEAD_BYTES = 16 * 1024
 
 
@@ -64,53 +64,59 @@ class HeadTooLarge(Exception):
     """A request's target and headers passed MAX_HEAD_BYTES (raised in a parser callback: the parser stops)."""
 
 
-class ServiceHttp(HttpToolsProtocol):
-    """uvicorn's httptools protocol (its HTTP/1.1 parser in C: the event loop's CPU an answer is 0.8x what uvicorn's
-    h11 protocol costs, docs/results.md#service-bound) with two changes:
+class UpgradeWithBody(Exception):
+    """A request asks to switch protocols and carries a body (raised in a parser callback: the parser stops)."""
 
-    - a connection whose request headers are not complete ``header_timeout_s`` after it opened or after its previous
-      response is closed (uvicorn itself waits forever for the first request's headers, so a client that opens
-      connections and sends nothing would hold them up to IBEDL_MAX_CONNECTIONS);
-    - a request whose target and headers pass MAX_HEAD_BYTES is answered 431 and its connection closed. httptools
-      hands over a header only once the next one starts, so the parsed target and headers are counted and so are
-      the reads that begin inside an unfinished head (one header that never ends): a head is refused by
-      MAX_HEAD_BYTES plus at most one read;
+
+class ServiceHttp(HttpToolsProtocol):
+    """uvicorn's httptools protocol (its HTTP/1.1 parser in C: the event loop's CPU an answer is 0.86x what uvicorn's
+    h11 protocol costs, docs/results.md#service-bound) with these changes:
+
+    - a connection is closed when no request's headers are complete ``header_timeout_s`` after it opened or after
+      its last response completed (and again after that request's body ended, if it ended later): uvicorn itself
+      waits forever for the first request's headers, so a client that opens connections and sends nothing would
+      hold them up to IBEDL_MAX_CONNECTIONS, and a client still sending a body its early response (a refusal)
+      did not read would hold one with no timer (any data cancels uvicorn's keep-alive timer);
+    - a request whose target, header and trailer lines pass MAX_HEAD_BYTES is answered 431 (or, during its response,
+      only closed). httptools hands a header over only once the next one starts, and keeps one that never ends, so
+      the lines handed over are counted and so are the reads in which the parser handed over nothing (at most
+      MAX_HEAD_BYTES in a row);
+    - a request that asks to switch protocols (``Connection: upgrade`` with ``Upgrade``, e.g. h2c) and carries a
+      body is answered 400 and closed: httptools ends such a request at its headers and would drop its body or read
+      it as the next request (uvicorn#2722). Without a body it is answered as any request, over HTTP/1.1;
     - at shutdown an idle kept-alive connection is not closed at once: a request the peer has just sent on it would
       be reset unread, and the gateway cannot retry a POST it already sent (it answers 502). The next request on it
       is answered (the draining service refuses it with 503, which the gateway retries on another replica) with
       ``Connection: close``; otherwise the peer closes it first (the gateway's pool after 4 s) or a timer does: the
       keep-alive timer (KEEP_ALIVE_S) after a response, the header timer on a connection that never sent a request.
-      A response still to start at shutdown says ``Connection: close`` too.
-
-    The connection is idle (waiting for a request's headers) once it opened, and once its request's body has ended
-    and its response is complete, whichever comes last: the header timer runs from then until a request's headers
-    are complete (its body has its own timeout)."""
+      A response still to start at shutdown says ``Connection: close`` too."""
 
     header_timeout_s: float = 10.0
     _header_timer: asyncio.TimerHandle | None = None
     _closing = False
-    _body_ended = False  # of the request self.cycle answers
-    _head_bytes = 0  # of the request being parsed: its target and header lines handed over so far
-    _head_reads = 0  # of the request being parsed: the bytes of the reads that began inside its unfinished head
-    _in_head = False  # a request's head has begun and is not complete
+    _head_bytes = 0  # of the request being parsed: its target, header and trailer lines handed over so far
+    _stalled = 0  # bytes of the reads in a row in which the parser handed nothing over
+    _moved = False  # the parser handed something over during this read
+    _upgrade_refused = False
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._arm_header_timer()
 
     def data_received(self, data: bytes) -> None:
-        inside = self._in_head  # a read that begins inside a head is head up to the head's end, if it ends here
+        self._moved = False
         super().data_received(data)
         if self._closing and self.cycle is not None and not self.cycle.response_complete:
             self._close_after(self.cycle)
-        if inside and self._in_head and not self.transport.is_closing():
-            self._head_reads += len(data)
-            if self._head_reads > MAX_HEAD_BYTES:
+        if self._moved:
+            self._stalled = 0
+        elif not self.transport.is_closing():
+            self._stalled += len(data)  # one header or trailer line that does not end, held by the parser
+            if self._stalled > MAX_HEAD_BYTES:
                 self._refuse_head()
 
     def on_message_begin(self) -> None:
-        self._head_bytes = self._head_reads = 0
-        self._in_head = True
+        self._moved, self._head_bytes = True, 0
         super().on_message_begin()
 
     def on_url(self, url: bytes) -> None:
@@ -122,20 +128,48 @@ class ServiceHttp(HttpToolsProtocol):
         super().on_header(name, value)
 
     def _count_head(self, size: int) -> None:
+        self._moved = True
         self._head_bytes += size
         if self._head_bytes > MAX_HEAD_BYTES:
             raise HeadTooLarge(f"the request's target and headers pass {MAX_HEAD_BYTES} bytes")
 
+    def on_headers_complete(self) -> None:
+        self._moved = True
+        if self.parser.should_upgrade() and any(
+                name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0")
+                for name, value in self.headers):
+            self._upgrade_refused = True
+            raise UpgradeWithBody("a request that asks to switch protocols carries a body")
+        super().on_headers_complete()
+        self._cancel_header_timer()
+
+    def on_body(self, body: bytes) -> None:
+        self._moved = True
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._moved = True
+        super().on_message_complete()
+        if self.cycle is not None and self.cycle.response_complete and not self.transport.is_closing():
+            self._arm_header_timer()  # the body ended past its early response: the next headers get the full time
+
     def send_400_response(self, msg: str) -> None:
-        """uvicorn's answer to a request the parser refused; 431 when it was refused for its size."""
-        if self._head_bytes <= MAX_HEAD_BYTES:
-            return super().send_400_response(msg)
-        self._refuse_head()
+        """uvicorn's answer to a request the parser refused: 431 when it was refused for its size, and a 400 that
+        says why for a switch of protocols with a body."""
+        if self._head_bytes > MAX_HEAD_BYTES:
+            return self._refuse_head()
+        if self._upgrade_refused:
+            self.logger.warning("refused a request that asks to switch protocols and carries a body")
+            msg = ("this service speaks HTTP/1.1 only: send the request without Upgrade and Connection: upgrade "
+                   "(a request that asks to switch protocols cannot carry a body here)")
+        return super().send_400_response(msg)
 
     def _refuse_head(self) -> None:
-        """Answer 431 and close: the request's head passed MAX_HEAD_BYTES."""
-        self._in_head = False
-        self.logger.warning("refused a request whose target and headers pass %d bytes", MAX_HEAD_BYTES)
+        """Answer 431 and close (only close during a response): the request's head passed MAX_HEAD_BYTES."""
+        self.logger.warning("refused a request whose target, header and trailer lines pass %d bytes", MAX_HEAD_BYTES)
+        if self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete:
+            self.transport.close()
+            return
         body = f"the request's target and headers pass {MAX_HEAD_BYTES} bytes".encode()
         head = [b"HTTP/1.1 431 Request Header Fields Too Large\r\n"]
         for name, value in self.server_state.default_headers:
@@ -144,18 +178,6 @@ class ServiceHttp(HttpToolsProtocol):
                     + b"\r\nconnection: close\r\n\r\n")
         self.transport.write(b"".join(head) + body)
         self.transport.close()
-
-    def on_headers_complete(self) -> None:
-        self._in_head = False
-        self._body_ended = False
-        super().on_headers_complete()
-        self._cancel_header_timer()
-
-    def on_message_complete(self) -> None:
-        super().on_message_complete()
-        self._body_ended = True
-        self._arm_if_idle()  # a body that ended past its early response: no timer was left (the keep-alive one is
-        # cancelled by any data)
 
     def shutdown(self) -> None:
         self._closing = True
@@ -172,15 +194,8 @@ class ServiceHttp(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        self._arm_if_idle()  # the next request's headers get the same time
-
-    def _idle(self) -> bool:
-        """Whether the connection waits for a request's headers."""
-        return self.cycle is None or (self.cycle.response_complete and self._body_ended)
-
-    def _arm_if_idle(self) -> None:
-        if self._idle() and not self.transport.is_closing():
-            self._arm_header_timer()
+        if not self.transport.is_closing():
+            self._arm_header_timer()  # the next request's headers get the same time; data does not cancel it
 
     def connection_lost(self, exc) -> None:
         self._cancel_header_timer()
@@ -196,8 +211,9 @@ class ServiceHttp(HttpToolsProtocol):
             self._header_timer = None
 
     def _header_timeout(self) -> None:
+        """No request's headers came in time: close, unless a request is being answered."""
         self._header_timer = None
-        if self._idle() and not self.transport.is_closing():
+        if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
             log.debug("closing a connection that sent no complete request headers in %g s", self.header_timeout_s)
             self.transport.close()
 

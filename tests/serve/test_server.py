@@ -244,6 +244,7 @@ def test_a_request_slower_than_the_header_timeout_is_answered():
         assert witness.recv(1024) == b""  # shows the request's own (armed earlier) would have fired too
         release.set()
         assert read_response(s, until=b"\r\n\r\nslow").startswith(b"HTTP/1.1 200")
+        s.settimeout(3)  # the header timer (0.3 s), not the keep-alive one (5 s)
         assert s.recv(1024) == b"", "the idle connection after the response was not closed by its header timer"
         for c in (s, witness):
             c.close()
@@ -270,7 +271,8 @@ def test_a_request_whose_headers_pass_the_limit_gets_431_and_its_connection_is_c
         endless = srv.connect()  # one header that never ends: no header is handed over, the reads are counted
         endless.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\nX-Endless: a")
         deadline = time.monotonic() + 10
-        while not any(c._in_head for c in list(srv.server.server_state.connections)):  # its first read is in
+        while not any(c.cycle is None and c._head_bytes for c in list(srv.server.server_state.connections)):
+            # its first read is in: its head begun, not complete
             assert time.monotonic() < deadline, "the server did not read the request's first bytes"
             time.sleep(0.01)
         endless.sendall(b"a" * (MAX_HEAD_BYTES + 1))
@@ -283,6 +285,88 @@ def test_a_request_whose_headers_pass_the_limit_gets_431_and_its_connection_is_c
         assert read_response(bad).startswith(b"HTTP/1.1 400")
         for s in (fits, big, endless, long_target, bad):
             s.close()
+
+
+def test_a_body_still_coming_after_its_early_response_does_not_hold_the_connection():
+    """An early response (a refusal before the body is read), then the body trickles: each byte cancels uvicorn's
+    keep-alive timer, so the header timer, armed when the response completed, closes the connection."""
+    with Running(header_timeout_s=0.3) as srv:
+        s = srv.connect()
+        s.sendall(b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        assert read_response(s, until=b"\r\n\r\nok").startswith(b"HTTP/1.1 200")
+        s.sendall(b"x")  # and never the rest
+        s.settimeout(3)  # well before the keep-alive timer (5 s), were it still armed
+        assert s.recv(1024) == b"", "a connection whose body trickled after its response was kept"
+        s.close()
+
+
+def test_an_endless_trailer_is_refused_like_an_endless_header():
+    """httptools hands trailer lines over as headers once complete and keeps one that never ends: while the app
+    still reads the body, the reads in which nothing was handed over are counted like a head's."""
+    first_chunk = threading.Event()
+
+    async def reads_the_body(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        while True:
+            message = await receive()
+            if message.get("body"):
+                first_chunk.set()
+            if not message.get("more_body") or message["type"] != "http.request":
+                break
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    from ibedl.serve.server import MAX_HEAD_BYTES
+
+    with Running(app=reads_the_body, header_timeout_s=30) as srv:
+        s = srv.connect()
+        s.sendall(b"POST /a HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\nX-T: a")
+        assert first_chunk.wait(10)
+        s.sendall(b"a" * (MAX_HEAD_BYTES + 1))  # the trailer's value, never ended
+        assert read_response(s).startswith(b"HTTP/1.1 431")
+        s.close()
+        fine = srv.connect()  # a chunked body with a short trailer is read and answered
+        fine.sendall(b"POST /a HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n"
+                     b"X-T: 1\r\n\r\n")
+        assert read_response(fine, until=b"\r\n\r\nok").startswith(b"HTTP/1.1 200")
+        fine.close()
+
+
+def test_a_request_pipelined_behind_a_large_body_is_answered_not_refused():
+    """A read that ends one request's head, carries its body and begins the next request is not counted as head."""
+    with Running(header_timeout_s=30) as srv:
+        s = srv.connect()
+        s.sendall(b"POST /a HTTP/1.1\r\nHost: x\r\n")
+        deadline = time.monotonic() + 10
+        while not any(c.cycle is None and c._head_bytes for c in list(srv.server.server_state.connections)):
+            # its first read is in: its head begun, not complete
+            assert time.monotonic() < deadline, "the server did not read the request's first bytes"
+            time.sleep(0.01)
+        # the rest of its head, its body and the next request's head begun, in one write
+        s.sendall(b"Content-Length: 20000\r\n\r\n" + b"a" * 20000 + b"GET /b HTTP/1.1\r\nHost: x\r\n")
+        assert read_response(s, until=b"\r\n\r\nok").startswith(b"HTTP/1.1 200")
+        s.sendall(b"\r\n")  # the next request's head ends
+        assert read_response(s, until=b"\r\n\r\nok").startswith(b"HTTP/1.1 200")
+        s.close()
+
+
+def test_a_switch_of_protocols_with_a_body_is_refused_and_one_without_is_answered():
+    """httptools ends a request that asks to switch protocols at its headers (its body would be dropped or read as
+    the next request: uvicorn#2722): with a body it is refused 400 and closed; without one, answered over HTTP/1.1."""
+    with Running(header_timeout_s=30) as srv:
+        s = srv.connect()
+        s.sendall(b"POST /predict HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+                  b"HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\nContent-Length: 26\r\n\r\n"
+                  b"GET /smuggled HTTP/1.1\r\n\r\n")
+        answer = read_response(s)  # to the end: one answer, the refusal; the body never read as a request
+        assert answer.startswith(b"HTTP/1.1 400") and b"speaks HTTP/1.1 only" in answer
+        assert answer.count(b"\r\n\r\n") == 1 and b"200 OK" not in answer
+        s.close()
+        g = srv.connect()
+        g.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n\r\n")
+        assert read_response(g, until=b"\r\n\r\nok").startswith(b"HTTP/1.1 200")
+        g.close()
 
 
 def test_a_request_over_the_connection_cap_gets_503():
