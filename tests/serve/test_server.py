@@ -116,6 +116,13 @@ def test_the_start_log_warns_of_labels_kept_in_one_process(caplog, tmp_path):
     assert [r.getMessage() for r in caplog.records].count(line) == 1
 
 
+async def respond(send, body: bytes) -> None:
+    """An ASGI app's answer: 200 with ``body``."""
+    length = str(len(body)).encode()
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", length)]})
+    await send({"type": "http.response.body", "body": body})
+
+
 class Running:
     """A real uvicorn server, configured as the service configures it, in a thread, around a trivial app, on a socket
     bound here (no other process can take its port first)."""
@@ -124,8 +131,7 @@ class Running:
         async def ok(scope, receive, send):
             if scope["type"] != "http":
                 return
-            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
-            await send({"type": "http.response.body", "body": b"ok"})
+            await respond(send, b"ok")
 
         app = app or ok
         self.sock = bound_socket()
@@ -233,8 +239,7 @@ def test_a_request_slower_than_the_header_timeout_is_answered():
             return
         reached.set()
         await asyncio.get_running_loop().run_in_executor(None, release.wait)
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"4")]})
-        await send({"type": "http.response.body", "body": b"slow"})
+        await respond(send, b"slow")
 
     with Running(app=slow, header_timeout_s=0.3) as srv:
         s = srv.connect()
@@ -314,8 +319,7 @@ def test_an_endless_trailer_is_refused_like_an_endless_header():
                 first_chunk.set()
             if not message.get("more_body") or message["type"] != "http.request":
                 break
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
-        await send({"type": "http.response.body", "body": b"ok"})
+        await respond(send, b"ok")
 
     from ibedl.serve.server import MAX_HEAD_BYTES
 
