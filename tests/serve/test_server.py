@@ -255,41 +255,29 @@ def test_a_request_slower_than_the_header_timeout_is_answered():
             c.close()
 
 
-def test_a_request_whose_headers_pass_the_limit_gets_431_and_its_connection_is_closed():
-    """httptools bounds no request head; the service does, at what uvicorn's h11 protocol allowed: a client cannot
-    keep sending header lines (each kept in memory) until the header timeout."""
-    from ibedl.serve.server import MAX_HEAD_BYTES
+# A request's head (target, header lines) and a trailer at most: h11's max_incomplete_event_size, which uvicorn keeps.
+# (uvicorn's httptools protocol bounds none: docs/results.md#service-bound, why the service stays on h11.)
+HEAD_LIMIT = 16 * 1024
 
+
+def test_a_request_head_past_the_limit_is_refused_and_its_connection_closed():
+    """A client cannot keep sending header lines (all kept in memory) until the header timeout: however the head
+    passes the limit (many lines, one line that never ends, a long target), it is refused 400 and closed."""
     with Running(header_timeout_s=30) as srv:
         fits = srv.connect()
-        fits.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * (MAX_HEAD_BYTES - 200) + b"\r\n\r\n")
+        fits.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * (HEAD_LIMIT - 200) + b"\r\n\r\n")
         assert read_response(fits, until=b"\r\n\r\nok").startswith(b"HTTP/1.1 200")
-        big = srv.connect()
-        # never the blank line: refused while the headers still come. One write (the server has read all of it when
-        # it closes: unread bytes would reset the connection); the third header passes the limit, handed over to
-        # the protocol once the fourth begins
-        big.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-Pad-%d: " % i + b"a" * (MAX_HEAD_BYTES // 3)
-                                                                    + b"\r\n" for i in range(3)) + b"X-Next: 1")
-        answer = read_response(big)  # to the end: the server closes it
-        assert answer.startswith(b"HTTP/1.1 431") and b"connection: close" in answer.lower()
-        assert answer.endswith(f"pass {MAX_HEAD_BYTES} bytes".encode())
-        endless = srv.connect()  # one header that never ends: no header is handed over, the reads are counted
-        endless.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\nX-Endless: a")
-        deadline = time.monotonic() + 10
-        while not any(c.cycle is None and c._head_bytes for c in list(srv.server.server_state.connections)):
-            # its first read is in: its head begun, not complete
-            assert time.monotonic() < deadline, "the server did not read the request's first bytes"
-            time.sleep(0.01)
-        endless.sendall(b"a" * (MAX_HEAD_BYTES + 1))
-        assert read_response(endless).startswith(b"HTTP/1.1 431")
-        long_target = srv.connect()
-        long_target.sendall(b"GET /" + b"a" * (MAX_HEAD_BYTES + 1) + b" HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert read_response(long_target).startswith(b"HTTP/1.1 431")
-        bad = srv.connect()  # any other refusal of the parser is still uvicorn's 400
-        bad.sendall(b"NOT HTTP AT ALL\r\n\r\n")
-        assert read_response(bad).startswith(b"HTTP/1.1 400")
-        for s in (fits, big, endless, long_target, bad):
-            s.close()
+        refused = []
+        for head in (b"GET /a HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-Pad-%d: " % i + b"a" * (HEAD_LIMIT // 3)
+                                                                     + b"\r\n" for i in range(4)),
+                     b"GET /a HTTP/1.1\r\nHost: x\r\nX-Endless: " + b"a" * (HEAD_LIMIT + 1),
+                     b"GET /" + b"a" * (HEAD_LIMIT + 1)):
+            c = srv.connect()
+            c.sendall(head)  # never the blank line: refused while the head still comes
+            refused.append(read_response(c))  # to the end: the server closes it
+            c.close()
+        assert all(r.startswith(b"HTTP/1.1 400") and b"connection: close" in r.lower() for r in refused), refused
+        fits.close()
 
 
 def test_a_body_still_coming_after_its_early_response_does_not_hold_the_connection():
@@ -306,8 +294,7 @@ def test_a_body_still_coming_after_its_early_response_does_not_hold_the_connecti
 
 
 def test_an_endless_trailer_is_refused_like_an_endless_header():
-    """httptools hands trailer lines over as headers once complete and keeps one that never ends: while the app
-    still reads the body, the reads in which nothing was handed over are counted like a head's."""
+    """A chunked body's trailer lines are bounded as a head's are, while the app still reads the body."""
     first_chunk = threading.Event()
 
     async def reads_the_body(scope, receive, send):
@@ -321,14 +308,12 @@ def test_an_endless_trailer_is_refused_like_an_endless_header():
                 break
         await respond(send, b"ok")
 
-    from ibedl.serve.server import MAX_HEAD_BYTES
-
     with Running(app=reads_the_body, header_timeout_s=30) as srv:
         s = srv.connect()
         s.sendall(b"POST /a HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\nX-T: a")
         assert first_chunk.wait(10)
-        s.sendall(b"a" * (MAX_HEAD_BYTES + 1))  # the trailer's value, never ended
-        assert read_response(s).startswith(b"HTTP/1.1 431")
+        s.sendall(b"a" * (HEAD_LIMIT + 1))  # the trailer's value, never ended
+        assert read_response(s).startswith(b"HTTP/1.1 400")
         s.close()
         fine = srv.connect()  # a chunked body with a short trailer is read and answered
         fine.sendall(b"POST /a HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n"
@@ -338,15 +323,10 @@ def test_an_endless_trailer_is_refused_like_an_endless_header():
 
 
 def test_a_request_pipelined_behind_a_large_body_is_answered_not_refused():
-    """A read that ends one request's head, carries its body and begins the next request is not counted as head."""
+    """A read that ends one request's head, carries its body and begins the next request's head: both answered."""
     with Running(header_timeout_s=30) as srv:
         s = srv.connect()
         s.sendall(b"POST /a HTTP/1.1\r\nHost: x\r\n")
-        deadline = time.monotonic() + 10
-        while not any(c.cycle is None and c._head_bytes for c in list(srv.server.server_state.connections)):
-            # its first read is in: its head begun, not complete
-            assert time.monotonic() < deadline, "the server did not read the request's first bytes"
-            time.sleep(0.01)
         # the rest of its head, its body and the next request's head begun, in one write
         s.sendall(b"Content-Length: 20000\r\n\r\n" + b"a" * 20000 + b"GET /b HTTP/1.1\r\nHost: x\r\n")
         assert read_response(s, until=b"\r\n\r\nok").startswith(b"HTTP/1.1 200")
@@ -355,22 +335,19 @@ def test_a_request_pipelined_behind_a_large_body_is_answered_not_refused():
         s.close()
 
 
-def test_a_switch_of_protocols_with_a_body_is_refused_and_one_without_is_answered():
-    """httptools ends a request that asks to switch protocols at its headers (its body would be dropped or read as
-    the next request: uvicorn#2722): with a body it is refused 400 and closed; without one, answered over HTTP/1.1."""
+def test_a_request_that_asks_to_switch_protocols_is_answered_over_http_1_1_body_and_all():
+    """The service switches no protocol: a request with ``Connection: upgrade`` (h2c here) is answered as any other,
+    its body read as its body, never as the next request (uvicorn's httptools protocol would: uvicorn#2722)."""
     with Running(header_timeout_s=30) as srv:
         s = srv.connect()
         s.sendall(b"POST /predict HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
                   b"HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\nContent-Length: 26\r\n\r\n"
                   b"GET /smuggled HTTP/1.1\r\n\r\n")
-        answer = read_response(s)  # to the end: one answer, the refusal; the body never read as a request
-        assert answer.startswith(b"HTTP/1.1 400") and b"speaks HTTP/1.1 only" in answer
-        assert answer.count(b"\r\n\r\n") == 1 and b"200 OK" not in answer
+        answer = read_response(s, until=b"\r\n\r\nok")
+        assert answer.startswith(b"HTTP/1.1 200") and answer.count(b"HTTP/1.1 ") == 1
+        s.sendall(b"GET /b HTTP/1.1\r\nHost: x\r\n\r\n")  # the same connection goes on, one answer a request
+        assert read_response(s, until=b"\r\n\r\nok").startswith(b"HTTP/1.1 200")
         s.close()
-        g = srv.connect()
-        g.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n\r\n")
-        assert read_response(g, until=b"\r\n\r\nok").startswith(b"HTTP/1.1 200")
-        g.close()
 
 
 def test_a_request_over_the_connection_cap_gets_503():
