@@ -188,9 +188,10 @@ gpu-check-offline: setup-gpu-offline
 # GPU_PROFILES_S seconds in all and GPU_PROFILE_S each (benchmarks/gpu_profiles.py): where the service's time goes on
 # CUDA, the 8B shape with gradient checkpointing, where a training step's time goes in each precision, what merging
 # the adapter saves a forward, what padding costs there, what gradient checkpointing trades, what a pass costs the
-# host besides the trunk. Each writes its JSON into
+# host besides the trunk, the one-question answers/s one service process gives on the machine's own CPU (no CUDA in
+# it), whether more request-checking threads help. Each writes its JSON into
 # GPU_PROFILES_DIR (on a lent machine: $$OUT) and gpu_profiles.json says what each did; a failed one does not stop the
-# next. Without CUDA each exits 2 saying so.
+# next. Without CUDA each but the host's bound exits 2 saying so.
 GPU_PROFILES_S ?= 300
 GPU_PROFILE_S ?= 120
 GPU_PROFILES_DIR ?= benchmarks/results

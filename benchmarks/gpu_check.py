@@ -209,8 +209,12 @@ def step_serve(args, out: Path, pad_freely: bool = False) -> dict:
     rounds = [("one", 1)] + ([("batched", args.batch_items)] if args.batch_items > 1 else [])
     log = RUNS / ("serve_free.log" if pad_freely else "serve.log")
     log.parent.mkdir(parents=True, exist_ok=True)
+    # every client's request may wait at once: the batched round's clients have 8 questions each in flight, past the
+    # service's default queue of 256 (QueueFull would measure admission, not the card)
+    queue = args.clients * max(r[1] for r in rounds)
     env = {"IBEDL_DEVICE": "cuda", **arithmetic(nf4_available())["serve_env"], "IBEDL_BACKEND": "auto",
-           "IBEDL_MAX_BATCH_SIZE": str(args.clients), "IBEDL_PAD_FREELY": str(pad_freely).lower()}
+           "IBEDL_MAX_BATCH_SIZE": str(args.clients), "IBEDL_PAD_FREELY": str(pad_freely).lower(),
+           "IBEDL_QUEUE_SIZE": str(max(queue, 256))}
     batch_tokens = args.batch_tokens or (FREE_TOKENS_PER_CLIENT * args.clients if pad_freely else None)
     if batch_tokens is not None:
         env["IBEDL_MAX_BATCH_TOKENS"] = str(batch_tokens)
@@ -228,9 +232,8 @@ def step_serve(args, out: Path, pad_freely: bool = False) -> dict:
         # measure a cache. The first round's are the ones every earlier serve step sent; the second's come from a
         # larger draw, less those
         first = load_dataset("sciq", "train", limit=args.requests, seed=0)
-        sent = {q.question for q in first}
-        more = [q for q in load_dataset("sciq", "train", limit=args.requests * len(rounds) * 2, seed=1)
-                if q.question not in sent][:args.requests * (len(rounds) - 1)]
+        more = load_dataset("sciq", "train", limit=args.requests * (len(rounds) - 1), seed=1,
+                            exclude={q.id for q in first}) if len(rounds) > 1 else []
         items = [{"question": q.question, "options": list(q.options), "context": q.context} for q in [*first, *more]]
         card, settled = settled_card(get_card, send_until - MIN_SENDING_S)
         with httpx.Client(timeout=120) as client:
@@ -246,7 +249,8 @@ def step_serve(args, out: Path, pad_freely: bool = False) -> dict:
             "backend_after": None if after is None else after["backend"],
             "calibration_after": None if after is None else after["calibration_in_use"],
             **measured["one"], "batched": measured.get("batched"), "clients": args.clients,
-            "max_batch_tokens": batch_tokens, "pad_freely": pad_freely, "gpu_memory_mib": memory,
+            "max_batch_tokens": batch_tokens, "queue_size": int(env["IBEDL_QUEUE_SIZE"]), "pad_freely": pad_freely,
+            "gpu_memory_mib": memory,
             "exit_on_sigterm": stopped, "log": str(log)}
 
 

@@ -29,8 +29,9 @@ most ``--each-s`` seconds and what is left of ``--budget-s``; one that would sta
 :data:`MIN_START_S` left is skipped. A failed one does not stop the next. Each writes its JSON into
 ``--results-dir`` (``$OUT`` on a lent machine: what a call has written comes back even when the call is cut short),
 and ``gpu_profiles.json`` there records what each did: ``wrote``, ``stopped_by_budget`` (what it had written is kept),
-``process_exit`` (it failed after writing part of its result), ``error`` (it wrote nothing: without CUDA each exits 2
-saying so) or ``skipped``, and its seconds. It exits 1 unless every profile wrote its whole result.
+``process_exit`` (it failed after writing part of its result), ``error`` (it wrote nothing: without CUDA each but
+``service_bound`` exits 2 saying so) or ``skipped``, and its seconds. It exits 1 unless every profile wrote its whole
+result.
 """
 
 from __future__ import annotations

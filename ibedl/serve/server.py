@@ -127,7 +127,8 @@ class ServiceH11(H11Protocol):
     def _header_timeout(self) -> None:
         self._header_timer = None
         if not self._answering() and not self.transport.is_closing():
-            log.debug("closing a connection that sent no complete request headers in %g s", self.header_timeout_s)
+            log.debug("closing a connection with no request's headers complete %g s after it opened or after its last "
+                      "answer", self.header_timeout_s)
             self.transport.close()
 
 
@@ -144,4 +145,5 @@ def uvicorn_config(app, settings: Settings) -> uvicorn.Config:
                           timeout_graceful_shutdown=settings.shutdown_grace_s, access_log=False,
                           log_config=None,  # uvicorn's lines go through the service's handlers (JSON or text)
                           http=service_protocol(settings.header_timeout_s),
-                          limit_concurrency=settings.max_connections, timeout_keep_alive=KEEP_ALIVE_S)
+                          limit_concurrency=settings.max_connections, timeout_keep_alive=KEEP_ALIVE_S,
+                          ws="none")  # no WebSocket route: an upgrade request is answered over HTTP/1.1
