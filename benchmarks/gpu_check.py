@@ -211,10 +211,10 @@ def step_serve(args, out: Path, pad_freely: bool = False) -> dict:
     log.parent.mkdir(parents=True, exist_ok=True)
     # every client's request may wait at once: the batched round's clients have 8 questions each in flight, past the
     # service's default queue of 256 (QueueFull would measure admission, not the card)
-    queue = args.clients * max(r[1] for r in rounds)
+    queue_size = max(args.clients * max(per_request for _, per_request in rounds), 256)
     env = {"IBEDL_DEVICE": "cuda", **arithmetic(nf4_available())["serve_env"], "IBEDL_BACKEND": "auto",
            "IBEDL_MAX_BATCH_SIZE": str(args.clients), "IBEDL_PAD_FREELY": str(pad_freely).lower(),
-           "IBEDL_QUEUE_SIZE": str(max(queue, 256))}
+           "IBEDL_QUEUE_SIZE": str(queue_size)}
     batch_tokens = args.batch_tokens or (FREE_TOKENS_PER_CLIENT * args.clients if pad_freely else None)
     if batch_tokens is not None:
         env["IBEDL_MAX_BATCH_TOKENS"] = str(batch_tokens)
@@ -249,7 +249,7 @@ def step_serve(args, out: Path, pad_freely: bool = False) -> dict:
             "backend_after": None if after is None else after["backend"],
             "calibration_after": None if after is None else after["calibration_in_use"],
             **measured["one"], "batched": measured.get("batched"), "clients": args.clients,
-            "max_batch_tokens": batch_tokens, "queue_size": int(env["IBEDL_QUEUE_SIZE"]), "pad_freely": pad_freely,
+            "max_batch_tokens": batch_tokens, "queue_size": queue_size, "pad_freely": pad_freely,
             "gpu_memory_mib": memory,
             "exit_on_sigterm": stopped, "log": str(log)}
 

@@ -81,16 +81,14 @@ class ServiceH11(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        if self._closing and self.cycle is not None and not self.cycle.response_complete:
-            self._close_after(self.cycle)
         if self._answering():  # a request's headers are in: its body has its own timeout
             self._cancel_header_timer()
-        elif self._header_timer is None and not self.transport.is_closing():
-            self._arm_header_timer()  # a guard: an idle connection always has its timer
+            if self._closing:
+                self._close_after(self.cycle)
 
     def shutdown(self) -> None:
         self._closing = True
-        if self.cycle is None or self.cycle.response_complete:
+        if not self._answering():
             return  # idle: see above
         self._close_after(self.cycle)
 

@@ -116,6 +116,18 @@ def test_the_start_log_warns_of_labels_kept_in_one_process(caplog, tmp_path):
     assert [r.getMessage() for r in caplog.records].count(line) == 1
 
 
+async def read_body(receive, on_chunk=None) -> bytes:
+    """An ASGI app's whole request body; ``on_chunk()`` after each part that carried bytes."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if message.get("body") and on_chunk is not None:
+            on_chunk()
+        if not message.get("more_body"):
+            return body
+
+
 async def respond(send, body: bytes) -> None:
     """An ASGI app's answer: 200 with ``body``."""
     length = str(len(body)).encode()
@@ -305,12 +317,7 @@ def test_an_endless_trailer_is_refused_like_an_endless_header():
     async def reads_the_body(scope, receive, send):
         if scope["type"] != "http":
             return
-        while True:
-            message = await receive()
-            if message.get("body"):
-                first_chunk.set()
-            if not message.get("more_body") or message["type"] != "http.request":
-                break
+        await read_body(receive, first_chunk.set)
         await respond(send, b"ok")
 
     with Running(app=reads_the_body, header_timeout_s=30) as srv:
@@ -346,12 +353,7 @@ def test_a_request_that_asks_to_switch_protocols_is_answered_over_http_1_1_body_
     async def echo(scope, receive, send):  # answers with its path and the bytes of body it read
         if scope["type"] != "http":
             return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await read_body(receive)
         await respond(send, f"{scope['path']}:{len(body)};".encode())
 
     with Running(app=echo, header_timeout_s=30) as srv:
