@@ -321,15 +321,23 @@ class Engine:
 
     def refuse_early(self, context: RequestContext) -> None:
         """The cheap check before a request's body is read or tokenized: NotReady as :meth:`require`, or Overloaded
-        (with Retry-After) when not even the smallest request could be answered before this one's deadline."""
+        (with Retry-After) when not even the smallest request could be answered before this one's deadline; Timeout
+        instead when the deadline is the caller's own, shorter than the service's, and even an idle service could
+        not meet it (a gateway must not retry that elsewhere as overload)."""
         self.require(context)
         deadline = self.deadline(context)  # a timeout that is not one: refused before anything else
         if not self.ready or deadline == math.inf:
             return
         wait = self.admission.busy_until(deadline, self.batcher.expected_wait([0]))
-        if wait is not None:
-            self.notify("refused", Overloaded.reason, 1)
-            raise Overloaded("the service is busy: no request could be answered before its deadline now", wait)
+        if wait is None:
+            return
+        own = deadline < context.arrived + self.settings.request_timeout_s
+        if own and self.admission.busy_until(deadline, self.batcher.service_time.seconds(0)) is not None:
+            self.notify("refused", Timeout.reason, 1)
+            raise Timeout(f"the caller's own deadline ({TIMEOUT_HEADER} over HTTP) is shorter than even the "
+                          "smallest request takes alone")
+        self.notify("refused", Overloaded.reason, 1)
+        raise Overloaded("the service is busy: no request could be answered before its deadline now", wait)
 
     # -- checking -------------------------------------------------------------------------------
 

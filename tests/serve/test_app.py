@@ -329,6 +329,12 @@ class TestCapacity:
             r = c.post("/predict", json=Q, headers={"X-Request-Timeout": "0.01"})
             assert r.status_code == 504
             assert "own deadline (X-Request-Timeout over HTTP) cannot be met" in r.json()["error"]["message"]
+            # shorter than even an idle service's smallest request: 504 before the body is read, never counted or
+            # answered as overload (a gateway would retry a 503 elsewhere, forever)
+            r = c.post("/predict", json=Q, headers={"X-Request-Timeout": "1e-9"})
+            assert r.status_code == 504 and "own deadline" in r.json()["error"]["message"], r.text
+            assert "shorter than even the smallest request takes alone" in r.json()["error"]["message"]
+            assert 'reason="capacity"' not in c.get("/metrics").text
             # the same model time over the server's own deadline: the model is too slow now (it may recover)
             with make_client(loader=per_token_loader(0.01), request_timeout_s=0.05) as slow:
                 r = slow.post("/predict", json=Q)
