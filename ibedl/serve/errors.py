@@ -6,6 +6,7 @@ status code, and the ``EngineError`` handler the one place that answers them."""
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -63,9 +64,28 @@ def body_for(path: str, type_: str, message: str, field: str | None = None) -> d
     return error_body(type_, message, field)
 
 
-def _field(loc) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body",)]
+UNION_TAG = re.compile(r"^[a-z-]+\[.*\]$")  # pydantic's name for a member of a union in a location: list[str]
+WHERE = ("body", "query", "path", "header")  # the request part FastAPI puts first in a location
+
+
+def _is_tag(part) -> bool:
+    return isinstance(part, str) and UNION_TAG.match(part) is not None
+
+
+def field_of(loc) -> str | None:
+    """The path of the bad input in a client's terms (``items.3.options.0``, ``adapter``): without the request part
+    it was in and without the union member pydantic tried."""
+    parts = [str(p) for i, p in enumerate(loc) if not (i == 0 and p in WHERE) and not _is_tag(p)]
     return ".".join(parts) or None
+
+
+def first_error(errors: list[dict]) -> dict:
+    """The error to tell a client of: the first that is inside the union member its input took (``options`` as a
+    map with a number among its values: that value, not "Input should be a valid list"), else the first."""
+    for e in errors:
+        if not (e.get("loc") and _is_tag(e["loc"][-1])):
+            return e
+    return errors[0] if errors else {"loc": (), "msg": "invalid request"}
 
 
 def install_handlers(app: FastAPI) -> None:
@@ -76,15 +96,21 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
         errors = exc.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        first = first_error(errors)
         if first.get("type") == "json_invalid":
             return error_response(422, "invalid_json",
                                   f"request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
                                   path=request.url.path)
-        message = first["msg"]
-        if len(errors) > 1:
-            message += f" (and {len(errors) - 1} more)"
-        return error_response(422, "invalid_request", message, _field(first.get("loc", ())), path=request.url.path)
+        field = field_of(first.get("loc", ()))
+        here = [e for e in errors if field_of(e.get("loc", ())) == field]  # one input's errors, one per union member
+        message = " or ".join([first["msg"], *(e["msg"].removeprefix("Input should be ") for e in here
+                                               if e is not first and e["msg"] != first["msg"])])
+        # the other inputs in error; a union member the input did not take is no error of its own
+        others = len({field_of(e.get("loc", ())) for e in errors
+                      if e is first or not _is_tag((e.get("loc") or ("",))[-1])} - {field})
+        if others:
+            message += f" (and {others} more)"
+        return error_response(422, "invalid_request", message, field, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):

@@ -124,6 +124,9 @@ class TestBadInput:
         ({"question": "q", "options": ["only one"]}, 422, "options"),
         ({"question": "q", "options": [f"o{i}" for i in range(27)]}, 422, "options"),
         ({"question": "q", "options": {"A": "a", "C": "c"}}, 422, "options"),
+        ({"question": "q", "options": [1, 2]}, 422, "options.0"),  # the path, never the union member pydantic tried
+        ({"question": "q", "options": {"A": 1, "B": "b"}}, 422, "options.A"),
+        ({"question": "q", "options": "ab"}, 422, "options"),
         ({"question": "   ", "options": ["a", "b"]}, 422, "question"),
         ({"question": "q", "options": ["a", " "]}, 422, "options.1"),
         ({"question": "q", "options": ["a", "b"], "bogus": 1}, 422, "bogus"),
@@ -145,6 +148,16 @@ class TestBadInput:
         assert set(err) == {"type", "message", "field"}
         assert err["field"] == field
         assert err["message"]
+
+    def test_a_union_is_explained_by_the_member_the_input_took(self, client):
+        err = client.post("/predict", json={"question": "q", "options": {"A": 1, "B": "b"}}).json()["error"]
+        assert err["message"] == "Input should be a valid string"  # inside the map it sent, not "a valid list"
+        err = client.post("/predict", json={"question": "q", "options": "ab"}).json()["error"]
+        assert err["message"] == "Input should be a valid list or a valid dictionary"
+        err = client.post("/predict", json={"question": "q", "options": [1, "b", 3]}).json()["error"]
+        assert (err["field"], err["message"]) == ("options.0", "Input should be a valid string (and 1 more)")
+        r = client.get("/v1/drift", params={"adapter": "a" * 200})
+        assert r.status_code == 422 and r.json()["error"]["field"] == "adapter", r.text
 
     def test_invalid_json(self, client):
         r = client.post("/predict", content=b"{not json", headers={"content-type": "application/json"})
