@@ -37,6 +37,11 @@ class AdapterRuntime:
     count_tokenizers: PerThreadTokenizer  # a copy per thread for counting tokens (the model thread owns the original)
 
     @property
+    def dirichlet(self) -> bool:
+        """Whether its answers carry a Dirichlet (belief masses and an uncertainty mass): not a softmax head's."""
+        return self.predictor.head.dirichlet
+
+    @property
     def thresholds(self) -> Abstention:
         return self.calibration.thresholds
 

@@ -23,7 +23,15 @@ from ibedl.engine.errors import EngineError, InvalidRequest, UnknownAdapter
 from ibedl.serve import logs
 from ibedl.serve.auth import api_token, token_ok
 from ibedl.serve.middleware import choose_request_id
-from ibedl.serve.tensors import Tensor, model_metadata, package_version, to_items, to_outputs
+from ibedl.serve.tensors import (
+    Tensor,
+    chosen_outputs,
+    in_version,
+    model_metadata,
+    package_version,
+    to_items,
+    to_outputs,
+)
 
 log = logging.getLogger("ibedl.serve")
 CODES = {  # an engine error's type -> the gRPC status it is answered with (HTTP's is ibedl.serve.errors.STATUS)
@@ -61,7 +69,7 @@ def inputs_of(request: pb.ModelInferRequest) -> list[Tensor]:
     return tensors
 
 
-def response_of(runtime, request: pb.ModelInferRequest, answers: list, names: list[str] | None):
+def response_of(runtime, request: pb.ModelInferRequest, answers: list, names: list[str]):
     response = pb.ModelInferResponse(model_name=runtime.name, model_version=runtime.ref["version"], id=request.id)
     for t in to_outputs(answers, names):
         response.outputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
@@ -104,7 +112,7 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
         if not self.engine.ready:  # loading, draining or failed: no model is ready, whatever its name
             return pb.ModelReadyResponse(ready=False)
         try:
-            self.engine.runtime(request.name)
+            in_version(self.engine.runtime(request.name), request.version)
         except EngineError as e:
             await self._refuse(context, e)
         return pb.ModelReadyResponse(ready=True)
@@ -113,7 +121,7 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
         await self._authorised(context)
         try:
             self.engine.require(self.engine.arrive())
-            meta = model_metadata(self.engine.runtime(request.name))
+            meta = model_metadata(in_version(self.engine.runtime(request.name), request.version))
         except EngineError as e:
             await self._refuse(context, e)
         return pb.ModelMetadataResponse(
@@ -132,10 +140,10 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
         self.metrics.inflight.inc()
         try:
             engine.refuse_early(arrival)
-            names = [o.name for o in request.outputs] or None
-            to_outputs([], names)  # unknown outputs are refused before the model runs
+            runtime = in_version(engine.runtime(request.model_name), request.model_version)
+            names = chosen_outputs([o.name for o in request.outputs] or None, runtime)  # before the model runs
             answers = await engine.ask(to_items(inputs_of(request), request.model_name), arrival, "inputs")
-            return response_of(engine.runtime(request.model_name), request, answers, names)
+            return response_of(runtime, request, answers, names)
         except EngineError as e:
             status = code_of(e).name
             await self._refuse(context, e)

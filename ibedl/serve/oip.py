@@ -16,24 +16,38 @@ from pydantic import BaseModel, ConfigDict, Field
 from ibedl.engine.errors import EngineError, InvalidRequest
 from ibedl.serve.errors import OIP_PREFIX, engine_error_response
 from ibedl.serve.state import State
-from ibedl.serve.tensors import Tensor, flat, model_metadata, package_version, to_items, to_outputs
+from ibedl.serve.tensors import (
+    Tensor,
+    chosen_outputs,
+    in_version,
+    input_data,
+    model_metadata,
+    package_version,
+    to_items,
+    to_outputs,
+)
 
 router = APIRouter(prefix="/v2", include_in_schema=False)  # its own protocol, specified by KServe, not this OpenAPI
 
 
 class JsonTensor(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)  # a shape of "1" or true is not one of 1
     name: str
     shape: list[int]
     datatype: str
     data: list[Any]
 
 
+class RequestedOutput(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)  # parameters (binary_data, ...) are the protocol's
+    name: str
+
+
 class InferRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     id: str | None = Field(None, max_length=256)
     inputs: list[JsonTensor]
-    outputs: list[dict] | None = None
+    outputs: list[RequestedOutput] | None = None
 
 
 @router.get("/health/live")
@@ -66,35 +80,40 @@ def answered(route):
 
 
 def served(model: str, request: Request, state: State):
-    """The ready service's adapter called ``model``; EngineError otherwise."""
+    """The ready service's adapter called ``model``, at the version the path names if it names one; EngineError
+    otherwise."""
     state.require_ready(request)
-    return state.engine.runtime(model)
+    return in_version(state.engine.runtime(model), request.path_params.get("version"))
 
 
+# Each route also under /versions/{version} (the protocol's; a client that pins the version metadata gives uses it).
 @router.get("/models/{model}")
+@router.get("/models/{model}/versions/{version}")
 @answered
 async def model_metadata_route(model: str, request: Request, state: State):
     return model_metadata(served(model, request, state))
 
 
 @router.get("/models/{model}/ready")
+@router.get("/models/{model}/versions/{version}/ready")
 @answered
 async def model_ready(model: str, request: Request, state: State):
     return {"name": served(model, request, state).name, "ready": True}
 
 
 @router.post("/models/{model}/infer")
+@router.post("/models/{model}/versions/{version}/infer")
 @answered
 async def infer(model: str, request: Request, state: State):
     try:
         body = InferRequest.model_validate_json(await request.body())
     except ValueError as e:  # pydantic's ValidationError: the message names what is missing or wrong
         raise InvalidRequest(f"the body is not an inference request: {e}", "inputs") from None
-    items = to_items([Tensor(t.name, t.datatype, t.shape, flat(t.data)) for t in body.inputs], model)
-    names = [o.get("name") for o in body.outputs] if body.outputs else None
-    to_outputs([], names)  # unknown outputs are refused before the model runs
+    runtime = served(model, request, state)
+    items = to_items([Tensor(t.name, t.datatype, t.shape, input_data(t.name, t.data, t.shape)) for t in body.inputs],
+                     model)
+    names = chosen_outputs([o.name for o in body.outputs] if body.outputs else None, runtime)  # before the model
     answers = await state.engine.ask(items, state.context(request), "inputs")
-    runtime = state.engine.runtime(model)
     return {"model_name": runtime.name, "model_version": runtime.ref["version"],
             **({"id": body.id} if body.id is not None else {}),
             "outputs": [vars(t) for t in to_outputs(answers, names)]}

@@ -215,6 +215,45 @@ def test_grpc_health_metadata_and_errors(tiny_artifact):
         assert f'ibedl_requests_total{{{route},status="{status}"}} {n}.0' in metrics
 
 
+def output_names(response) -> list[str]:
+    outputs = response["outputs"] if isinstance(response, dict) else response.outputs  # REST's JSON, gRPC's message
+    return [o["name"] if isinstance(o, dict) else o.name for o in outputs]
+
+
+def test_an_adapter_without_a_dirichlet_and_a_pinned_version_through_both_protocol_doors(tiny_artifact,
+                                                                                          tiny_map_artifact):
+    """A softmax head (MAP) answers no belief masses nor uncertainty mass: each protocol door's metadata leaves them
+    out, its answers too, and asking for them says why (over REST they were NaN, which JSON cannot carry: a 500 on
+    every request). A model version (the path's /versions/{v} over REST, the request's over gRPC) is the adapter's
+    own or the protocol's "no such model"."""
+    app = create_app(Settings(artifacts=f"{tiny_artifact},{tiny_map_artifact}", max_tokens=96, drift_bootstrap=100))
+    q = QUESTIONS[1]
+    with uvicorn_server(app) as url, \
+            triton_grpc.InferenceServerClient(f"127.0.0.1:{app.state.service.grpc.port}") as over_grpc:
+        want = httpx.post(url + "/predict", json={**q, "adapter": "tiny-map"}, timeout=60).json()
+        assert want["belief_masses"] is None and want["uncertainty_mass"] is None
+        over_rest = triton_http.InferenceServerClient(url.removeprefix("http://"))
+        for client, module, how in ((over_rest, triton_http, {"binary_data": False}), (over_grpc, triton_grpc, {})):
+            names = output_names(client.get_model_metadata("tiny-map"))
+            assert "probabilities" in names and not {"belief_masses", "uncertainty_mass"} & set(names)
+            assert {"belief_masses", "uncertainty_mass"} <= set(output_names(client.get_model_metadata("tiny")))
+            result = client.infer("tiny-map", tensors(module, q, **how))
+            assert output_names(result.get_response()) == names
+            np.testing.assert_allclose(result.as_numpy("probabilities")[0], list(want["probabilities"].values()),
+                                       rtol=1e-5, atol=1e-6)
+            with pytest.raises(module.InferenceServerException, match=r"unknown outputs \['uncertainty_mass'\]; "
+                               r"model 'tiny-map' has .* its head answers no Dirichlet"):
+                client.infer("tiny-map", tensors(module, q, **how),
+                             outputs=[module.InferRequestedOutput("uncertainty_mass")])
+            version = want["adapter"]["version"]
+            assert client.is_model_ready("tiny-map", model_version=version)
+            pinned = client.infer("tiny-map", tensors(module, q, **how), model_version=version)
+            assert pinned.as_numpy("answer_index").tolist() == [want["prediction"]["index"]]
+            with pytest.raises(module.InferenceServerException,
+                               match=f"model 'tiny-map' is served at version '{version}', not '{version}9'"):
+                client.infer("tiny-map", tensors(module, q, **how), model_version=version + "9")
+
+
 class Watch(Observer):
     """Events the test waits on: questions waiting for the model, and the engine's readiness going."""
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import numpy as np
 import pytest
@@ -99,6 +101,24 @@ def test_refusals_say_what_is_wrong(service):
         {"name": "question", "shape": [1], "datatype": "BYTES", "data": ["q?"]},
         {"name": "options", "shape": [1, 1], "datatype": "BYTES", "data": ["only one"]}]})
     assert r.status_code == 422 and r.json()["error"].startswith("invalid_request: ")
+    question = {"name": "question", "shape": [1], "datatype": "BYTES", "data": ["q?"]}
+    options = {"name": "options", "shape": [1, 2], "datatype": "BYTES", "data": ["a", "b"]}
+    for inputs, outputs, says in (
+            ([question, question, options], None, r"inputs \['question'\] are given more than once"),
+            ([{**question, "shape": [0], "data": []}, {**options, "shape": [0, 2], "data": []}], None,
+             r"has shape \[0\]: every dimension is at least 1"),
+            ([{**question, "shape": ["1"]}, options], None, "not an inference request"),  # a shape is integers
+            ([{**question, "shape": [True]}, options], None, "not an inference request"),
+            ([question, {**options, "data": [[[["a"]]], "b"]}], None, "nested data does not have its shape"),
+            ([question, {**options, "data": [[["a"], ["b"]]]}], None, r"nested deeper than its shape \[1, 2\]"),
+            ([question, options], [{"name": ["answer"]}], "not an inference request"),
+            ([question, options], [{"name": "answer"}, {"name": "answer"}], "asked more than once")):
+        r = httpx.post(service.url + "/v2/models/tiny/infer", timeout=60,
+                       json={"inputs": inputs, **({"outputs": outputs} if outputs else {})})
+        assert r.status_code == 422 and re.search(says, r.json()["error"]), (inputs, outputs, r.text)
+    nested = httpx.post(service.url + "/v2/models/tiny/infer", timeout=60, json={"inputs": [
+        question, {**options, "data": [["a", "b"]]}], "outputs": [{"name": "answer_index"}]})  # as its shape: fine
+    assert nested.status_code == 200 and nested.json()["outputs"][0]["shape"] == [1]
     r = httpx.post(service.url + "/v2/models/tiny/infer", content=b'{"inputs": "none"}')  # untyped, as Triton sends
     assert r.status_code == 422 and r.json()["error"].startswith(
         "invalid_request: the body is not an inference request: 1 validation error for InferRequest\ninputs")
