@@ -42,7 +42,7 @@ def create_app(settings: Settings | None = None, loader: Loader | None = None) -
     )
     app.state.service = state
     install_handlers(app)
-    app.add_middleware(RequestGuard, state=state)
+    app.add_middleware(RequestGuard, state=state, routes=[*router.routes, *oip.router.routes])
     app.include_router(router)
     app.include_router(oip.router)
     contract.install(app, state)

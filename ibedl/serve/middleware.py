@@ -37,6 +37,7 @@ METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"}
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
 log = logging.getLogger("ibedl.serve")
 CLIENT_GONE = object()  # what _read_body returns when the client disconnected
+NOT_MOUNTED = "*"  # _route_path without the service's routes
 
 
 def choose_request_id(given: str | None) -> str:
@@ -45,9 +46,12 @@ def choose_request_id(given: str | None) -> str:
 
 
 class RequestGuard:
-    def __init__(self, app, state) -> None:
+    def __init__(self, app, state, routes: list | None = None) -> None:
+        """``routes``: the service's routes (Starlette routes with a ``path``), to know before the router runs which
+        one takes a request (None: every body is checked and no route is known before the router's)."""
         self.app = app
         self.state = state
+        self.routes = routes
 
     async def _reply(self, send, status: int, type_: str, message: str, request_id: str, headers=(),
                      path: str = "", field: str | None = None) -> None:
@@ -135,8 +139,9 @@ class RequestGuard:
         if path.startswith(OIP_PREFIX) and not headers.get("content-type"):  # Triton's clients send JSON untyped
             headers["content-type"] = "application/json"
             scope["headers"] = [*scope.get("headers", []), (b"content-type", b"application/json")]
+        route = _route_path(scope, self.routes)  # before the route runs: a refusal here is counted under it too
         try:
-            scope["state"]["routed"] = _routed(scope)
+            scope["state"]["routed"] = route is not None
             refused = self._refusal(scope, headers, path)
             if refused is None and scope["method"] in BODY_METHODS and scope["state"]["routed"]:
                 receive, refused = await self._buffered(headers, receive, path.startswith(OIP_PREFIX))
@@ -156,7 +161,8 @@ class RequestGuard:
                                       path=path)
         finally:
             seconds = time.perf_counter() - start
-            template = getattr(scope.get("route"), "path", None) or "unmatched"
+            template = getattr(scope.get("route"), "path", None) or (
+                route if route not in (None, NOT_MOUNTED) else "unmatched")
             method = scope["method"] if scope["method"] in METHODS else "other"
             if measured:
                 metrics.request_done(template, method, status_holder["status"], seconds)
@@ -166,14 +172,13 @@ class RequestGuard:
             logs.request_id_var.reset(id_token)
 
 
-def _routed(scope) -> bool:
-    """Whether a route takes this path and method: the body checks are for those; the router answers the
-    others (404, or 405 with Allow)."""
-    app = scope.get("app")
-    routes = getattr(getattr(app, "router", None), "routes", None)
+def _route_path(scope, routes: list | None) -> str | None:
+    """The path template of the route of ``routes`` that takes this path and method (``/v2/models/{model}/infer``),
+    or None when none does (the router answers 404, or 405 with Allow): the body checks are for routed requests.
+    NOT_MOUNTED without ``routes`` (unit tests): every body is checked."""
     if routes is None:
-        return True  # not mounted in a Starlette app (unit tests): check every body
-    return any(route.matches(scope)[0] == Match.FULL for route in routes)
+        return NOT_MOUNTED
+    return next((route.path for route in routes if route.matches(scope)[0] == Match.FULL), None)
 
 
 async def _read_body(receive, limit: int) -> bytes | object | None:

@@ -451,6 +451,16 @@ class TestMetadataAndMetrics:
         assert 'ibedl_requests_total{method="POST",route="/predict",status="200"} 1.0' in text
         assert 'ibedl_requests_total{method="POST",route="/predict",status="422"} 1.0' in text
         assert "/health" not in text and 'route="/metrics"' not in text
+        # refused before the route runs (content type, size, a deadline): counted under the route all the same
+        client.post("/predict", content=b"q", headers={"content-type": "text/plain"})
+        client.post("/predict/batch", json={"items": [Q]}, headers={"X-Request-Timeout": "soon"})
+        client.post("/v2/models/tiny/infer", json={"inputs": "x" * 2_000_000})
+        client.post("/nowhere", json=Q)
+        text = client.get("/metrics").text
+        assert 'ibedl_requests_total{method="POST",route="/predict",status="415"} 1.0' in text
+        assert 'ibedl_requests_total{method="POST",route="/predict/batch",status="422"} 1.0' in text
+        assert 'ibedl_requests_total{method="POST",route="/v2/models/{model}/infer",status="413"} 1.0' in text
+        assert 'ibedl_requests_total{method="POST",route="unmatched",status="404"} 1.0' in text
         for method in ("BREW", "XYZZY1", "XYZZY2"):
             client.request(method, "/predict")
         text = client.get("/metrics").text

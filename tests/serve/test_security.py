@@ -48,7 +48,8 @@ def call(client, method: str, path: str, token: str | None = None):
     headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
     body = ({"items": [Q]} if path.endswith("/batch") else INFER if path.endswith("/infer") else Q) \
         if method == "POST" else None
-    return client.request(method, path.replace("{model}", "tiny"), json=body, headers=headers)
+    path = path.replace("{model}", "tiny").replace("{version}", "1")  # the tiny artifact's version: its first
+    return client.request(method, path, json=body, headers=headers)
 
 
 def error_type(r, path: str) -> str:
