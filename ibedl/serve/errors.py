@@ -101,6 +101,9 @@ def install_handlers(app: FastAPI) -> None:
             return error_response(422, "invalid_json",
                                   f"request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
                                   path=request.url.path)
+        if first.get("type") == "missing" and tuple(first.get("loc", ())) == ("body",):
+            return error_response(422, "invalid_json", "the request body is empty: send a JSON object",
+                                  path=request.url.path)
         field = field_of(first.get("loc", ()))
         here = [e for e in errors if field_of(e.get("loc", ())) == field]  # one input's errors, one per union member
         message = " or ".join([first["msg"], *(e["msg"].removeprefix("Input should be ") for e in here
@@ -114,8 +117,11 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        types = {400: "invalid_body", 404: "not_found", 405: "method_not_allowed"}  # 400: a body that is not UTF-8
-        return error_response(exc.status_code, types.get(exc.status_code, "http_error"), str(exc.detail),
+        types = {400: "invalid_body", 404: "not_found", 405: "method_not_allowed"}
+        # FastAPI's only 400: json.loads failing otherwise than on the JSON's syntax (not UTF-8, nested too deep)
+        detail = ("the body is not JSON this service reads: not UTF-8 text, or nested deeper than the parser allows"
+                  if exc.status_code == 400 else str(exc.detail))
+        return error_response(exc.status_code, types.get(exc.status_code, "http_error"), detail,
                               headers=getattr(exc, "headers", None), path=request.url.path)
 
     @app.exception_handler(Exception)

@@ -94,6 +94,10 @@ class RequestGuard:
         if not (ctype == "application/json" or ctype.endswith("+json")):
             return receive, (415, "unsupported_media_type",
                              f"send the body as application/json, not {ctype or 'no content type'}", [])
+        coding = headers.get("content-encoding", "identity").strip().lower()
+        if coding not in ("", "identity"):
+            return receive, (415, "unsupported_media_type",
+                             f"the body's Content-Encoding {coding!r} is not supported: send it uncompressed", [])
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             return receive, (413, "too_large", f"the body is {length} bytes; the limit is {limit}", [])

@@ -213,6 +213,25 @@ class TestBadInput:
         r = client.post("/predict", content=b'{"question": "\xff", "options": ["a", "b"]}',
                         headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_body", r.text
+        assert "not UTF-8 text" in r.json()["error"]["message"]  # not FastAPI's "error parsing the body"
+        deep = b'{"question": "q", "options": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # json.loads recurses
+        r = client.post("/predict", content=deep, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "nested deeper than the parser allows" in r.json()["error"]["message"], r.text
+
+    def test_empty_body_is_said_to_be_empty(self, client):
+        r = client.post("/predict", content=b"", headers={"content-type": "application/json"})
+        assert r.status_code == 422 and r.json()["error"] == {
+            "type": "invalid_json", "message": "the request body is empty: send a JSON object", "field": None}
+
+    def test_compressed_body_is_415_naming_the_coding(self, client):
+        import gzip
+
+        for route in ("/predict", "/v2/models/tiny/infer"):
+            r = client.post(route, content=gzip.compress(json.dumps(Q).encode()),
+                            headers={"content-type": "application/json", "content-encoding": "gzip"})
+            assert r.status_code == 415 and "Content-Encoding 'gzip' is not supported" in r.text, r.text
+        r = client.post("/predict", json=Q, headers={"content-encoding": "identity"})
+        assert r.status_code == 200, r.text
 
 
 class TestLifecycle:
