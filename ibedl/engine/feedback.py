@@ -250,7 +250,7 @@ class Feedback:
             self._observe(a, v, "answered_share", None, row["answered"])
             if row["answered"] and row["target"] is not None:
                 self._observe(a, v, "answered_accuracy", row["target"], row["label"] == row["predicted"], row)
-            if row["covered"] is not None:
+            if row["covered"] is not None and row["coverage"] is not None:  # a set of no stated coverage tests none
                 self._observe(a, v, "set_coverage", row["coverage"], row["covered"], row)
             if row["adaptive_covered"] is not None:
                 self._observe(a, v, "adaptive_set_coverage", row["adaptive_coverage"], row["adaptive_covered"])

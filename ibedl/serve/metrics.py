@@ -30,7 +30,7 @@ class Metrics:
         self.rejected = Counter("ibedl_rejected", "questions refused or dropped before an answer, by reason",
                                 ["reason"], registry=r)
         self.nonfinite = Counter("ibedl_nonfinite_outputs", "questions whose model outputs held NaN or inf (answered "
-                                 "503, never as an answer)", registry=r)
+                                 "500 model_error, never as an answer)", registry=r)
         self.admission_overrun = Gauge("ibedl_admission_overrun", "how much longer than estimated recent requests "
                                        "took (>= 1); admission and shedding multiply their estimates by it", registry=r)
         self.seconds_per_token = Gauge("ibedl_seconds_per_token", "estimated model seconds per prompt token (the "

@@ -64,9 +64,14 @@ def test_labels_of_a_count_never_calibrated_test_no_guarantee(make_client, per_c
         three = ok_json(c.post("/predict", json={"question": "Which?", "options": ["sun", "moon", "tree"]}))
         for answer in (six, three):
             ok_json(c.post("/v1/feedback", json={"receipt": answer["receipt"], "label": "A"}))
+        series = [(g["guarantee"], g["stated"]) for g in ok_json(c.get("/v1/guarantees"))["guarantees"]]
         rows = {g["guarantee"]: g["labels"] for g in ok_json(c.get("/v1/guarantees"))["guarantees"]}
+        metrics = c.get("/metrics").text
+    assert six["prediction_set"] and six["prediction_set_coverage"] is None  # a set, no level stated
     assert rows["answered_share"] == 2  # both are counted as traffic
     assert rows["set_coverage"] == 1  # only the 3-option answer tests the stated coverage
+    assert [s for g, s in series if g != "answered_share"] == [s for g, s in series if g != "answered_share" and s]
+    assert 'guarantee="set_coverage",stated=""' not in metrics  # no series of no level beside the stated one's
     assert rows.get("answered_accuracy", 0) == (0 if three["abstained"] else 1)
 
 
