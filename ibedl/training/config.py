@@ -122,14 +122,14 @@ class LoraSettings(_Model):
 
 class OptimSettings(_Model):
     lr: Real = Field(5e-5, gt=0)
-    head_lr: Real | None = None  # default: same as lr
-    weight_decay: Real = 0.0
+    head_lr: Real | None = Field(None, gt=0)  # default: same as lr
+    weight_decay: Real = Field(0.0, ge=0)
     batch_size: StrictInt = Field(4, ge=1)
     epochs: Real = Field(1.0, gt=0)
-    max_steps: StrictInt | None = None
+    max_steps: StrictInt | None = Field(None, ge=1)
     warmup_ratio: Real = Field(0.1, ge=0.0, lt=1.0)
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    clip_grad_norm: Real | None = None  # default: the method's (20 for the EDL family)
+    clip_grad_norm: Real | None = Field(None, gt=0)  # default: the method's (20 for the EDL family)
     # Batches per optimizer step; one step then sees batch_size x processes x gradient_accumulation_steps questions.
     gradient_accumulation_steps: StrictInt = Field(1, ge=1)
     # Early stopping: validation after every epoch (or every eval_every steps); training stops after this many passes
@@ -281,8 +281,11 @@ def config_keys_help() -> str:
             + "\n".join(lines))
 
 
-def _parse_value(text: str) -> Any:
-    return yaml_load(text)
+def _parse_value(text: str, item: str) -> Any:
+    try:
+        return yaml_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError(f"override {item!r}: the value is not YAML ({' '.join(str(e).split())})") from None
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -297,7 +300,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ValueError(f"override {item!r}: {part!r} is not a mapping")
-        node[parts[-1]] = _parse_value(value)
+        node[parts[-1]] = _parse_value(value, item)
     return data
 
 

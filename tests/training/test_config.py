@@ -29,6 +29,12 @@ def test_overrides_nested_and_typed():
 @pytest.mark.parametrize("override,message", [
     ("optim.lr=-1", "optim.lr must be > 0, got -1"),
     ("optim.batch_size=0", "optim.batch_size must be an integer >= 1, got 0"),
+    ("optim.max_steps=0", "optim.max_steps must be >= 1, got 0"),  # trained nothing, then wrote an artifact
+    ("optim.max_steps=-2", "optim.max_steps must be >= 1, got -2"),
+    ("optim.head_lr=-1", "optim.head_lr must be > 0, got -1"),  # gradient ascent on the head
+    ("optim.weight_decay=-0.1", "optim.weight_decay must be >= 0, got -0.1"),
+    ("optim.clip_grad_norm=0", "optim.clip_grad_norm must be > 0, got 0"),
+    ("optim.lr=[", "override 'optim.lr=\\[': the value is not YAML"),  # was yaml's ParserError, a traceback
     ("lora.dropout=1.5", "lora.dropout must be in \\[0, 1\\), got 1.5"),
     ("data.label_noise=1.0", "data.label_noise must be in \\[0, 1\\), got 1.0"),
     ("optim.bogus=1", "unknown config keys \\['optim.bogus'\\]"),
