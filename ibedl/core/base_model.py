@@ -245,6 +245,24 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def check_device(device: str | None) -> str | None:
+    """``device`` (None: :func:`default_device`) when it is ``cpu`` or a CUDA device this machine has; ValueError
+    naming it otherwise (before a model is loaded, not torch's error once one is)."""
+    if device is None:
+        return None
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r} is not cpu, cuda or cuda:<index>")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: torch sees no CUDA GPU on this machine (torch {torch.__version__})")
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    return device
+
+
 def default_dtype(device: str) -> torch.dtype:
     # bf16 matmuls are ~6x slower than fp32 on these CPUs; on CUDA bf16 is the fast path.
     return torch.bfloat16 if str(device).startswith("cuda") else torch.float32

@@ -148,8 +148,18 @@ class EngineSettings(BaseSettings):
     @classmethod
     def _split(cls, v):
         if isinstance(v, str):
-            v = [part.strip() for part in v.split(",") if part.strip()]
+            parts = [part.strip() for part in v.split(",") if part.strip()]
+            if v.strip() and not parts:  # ",,": not unset, and not the default adapter either
+                raise ValueError(f"IBEDL_ARTIFACTS names no directory: {v!r}")
+            v = parts
         return v
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v):
+        from ibedl.core.base_model import check_device  # torch: imported only when a device is named
+
+        return check_device(v)
 
     @model_validator(mode="after")
     def _distinct(self):

@@ -19,6 +19,7 @@ import math
 import os
 import random
 import shlex
+import shutil
 import sys
 import time
 from collections import Counter
@@ -32,8 +33,8 @@ from accelerate.utils import set_seed
 from tqdm import tqdm
 
 from ibedl.core import prefix_cache
-from ibedl.core.artifact import PEFT_TASK_TYPE, Manifest, files_sha256, save_head, write_manifest
-from ibedl.core.base_model import ResolvedModel, load_base_model, resolve_model
+from ibedl.core.artifact import MANIFEST, PEFT_TASK_TYPE, Manifest, files_sha256, save_head, write_manifest
+from ibedl.core.base_model import ResolvedModel, check_device, load_base_model, resolve_model
 from ibedl.core.cpu_isa import describe_device
 from ibedl.core.head import HEADS, CentredEvidence, HeadConfig, build_head
 from ibedl.core.model_card import write_card
@@ -557,6 +558,10 @@ def train(cfg: TrainConfig, command: str = "") -> Path:
     params = method.params(cfg.method_params)
     dirs = member_dirs(method, params)
     check_members_from(cfg, len(dirs))
+    check_device(cfg.device)
+    out_dir = Path(cfg.output)
+    check_output(out_dir)
+    stage = staging_dir(out_dir)  # the run writes here; the artifact replaces out_dir only once complete
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     accelerator = make_accelerator(cfg)
@@ -564,7 +569,6 @@ def train(cfg: TrainConfig, command: str = "") -> Path:
         accelerator.init_trackers(cfg.name, config=flatten(cfg.to_dict(), sep="."))
     started = time.time()
     train_q, val_q, test_q = load_splits(cfg)
-    out_dir = Path(cfg.output)
     # The base model is resolved (its weights hashed) and its tokenizer loaded once per process, then passed down.
     with accelerator.main_process_first():  # one process converts a base model the cache lacks; the others reuse it
         resolved = resolve_model(cfg.base_model)
@@ -574,30 +578,33 @@ def train(cfg: TrainConfig, command: str = "") -> Path:
     digests = [member_resume.fingerprint(member_config(cfg, method), seed, resolved.sha256) for seed in seeds]
     # An ensemble's members saved by an interrupted start of this run under the same config are kept, not retrained.
     resumed = {i: run for i, d in enumerate(dirs) if len(dirs) > 1
-               and (run := member_resume.finished(out_dir / d, digests[i])) is not None}
-    history_path = start_history(out_dir, set(resumed)) if accelerator.is_main_process else out_dir / "history.jsonl"
+               and (run := member_resume.finished(stage / d, digests[i])) is not None}
+    if accelerator.is_main_process and len(dirs) == 1:
+        shutil.rmtree(stage, ignore_errors=True)  # an interrupted run's files: one adapter resumes nothing
+    history_path = start_history(stage, set(resumed)) if accelerator.is_main_process else stage / "history.jsonl"
     runs = []
     for i, d in enumerate(dirs):
         if i in resumed:
-            log.info("member %d: kept as an earlier start of this run saved it (%s)", i, out_dir / d)
+            log.info("member %d: kept as an earlier start of this run saved it (%s)", i, stage / d)
             runs.append({**resumed[i], "resolved": resolved})
             continue
-        if (adopted := adopt_member(cfg, out_dir / d, digests[i], history_path, i, accelerator)) is not None:
+        if (adopted := adopt_member(cfg, stage / d, digests[i], history_path, i, accelerator)) is not None:
             runs.append({**adopted, "resolved": resolved})
             continue
-        runs.append(fit_member(cfg, method, params, train_q, val_q, out_dir / d, seeds[i], history_path, i,
+        runs.append(fit_member(cfg, method, params, train_q, val_q, stage / d, seeds[i], history_path, i,
                                accelerator, resolved, tokenizer))
         if accelerator.is_main_process:
-            member_resume.save(out_dir / d, digests[i], runs[-1])
+            member_resume.save(stage / d, digests[i], runs[-1])
     if accelerator.is_main_process:
-        manifest = loadable_manifest(cfg, method, params, dirs, runs[0])
-        write_manifest(out_dir, manifest)  # complete enough to load; metrics follow
-        predictor = load_trained(cfg, method, params, out_dir, train_q, val_q, resolved, tokenizer)
+        manifest = loadable_manifest(cfg, method, params, dirs, runs[0], stage)
+        write_manifest(stage, manifest)  # complete enough to load; metrics follow
+        predictor = load_trained(cfg, method, params, stage, train_q, val_q, resolved, tokenizer)
         sections, metrics = calibrate_and_evaluate(cfg, method, predictor, val_q, test_q)
         training = training_record(cfg, method, params, command, runs, started, sections, dropped, train_q, predictor)
         complete_manifest(manifest, predictor, sections, metrics, training)
-        write_manifest(out_dir, manifest)
-        write_card(out_dir, manifest)
+        write_manifest(stage, manifest)
+        write_card(stage, manifest)
+        publish(stage, out_dir)
         if cfg.track:  # the final metrics as scalars, the manifest as text
             accelerator.log({**numbers(flatten({"final": manifest.metrics})),
                              "manifest": (out_dir / "manifest.json").read_text()}, step=runs[0]["steps"])
@@ -652,6 +659,40 @@ def load_splits(cfg: TrainConfig) -> tuple[list[MCQuestion], list[MCQuestion], l
     return train_q, val_q, test_q
 
 
+def staging_dir(out_dir: Path) -> Path:
+    """Where a run writes the artifact for ``out_dir`` until it is complete: a hidden sibling (the same file system,
+    so publishing it is a rename). An interrupted run leaves it there, never a half-made artifact at ``out_dir``
+    that would load; an ensemble started again resumes the members it holds."""
+    out_dir = out_dir.resolve()
+    return out_dir.parent / f".{out_dir.name}.partial"
+
+
+def check_output(out_dir: Path) -> None:
+    """ValueError when ``out_dir`` exists and is not a directory (found before anything is trained)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"output {str(out_dir)!r} is a file, not an artifact directory")
+
+
+def publish(stage: Path, out_dir: Path) -> None:
+    """The completed artifact at ``stage`` moved into ``out_dir``, each of its entries replacing the one of that name
+    there (what else ``out_dir`` holds stays: a caller's log). The manifest goes first and comes back last, so
+    ``out_dir`` never holds a manifest beside files it does not describe."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / MANIFEST).unlink(missing_ok=True)
+    for entry in sorted(stage.iterdir()):
+        if entry.name == MANIFEST:
+            continue
+        target = out_dir / entry.name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        else:
+            target.unlink(missing_ok=True)
+        entry.rename(target)
+    (stage / MANIFEST).rename(out_dir / MANIFEST)
+    stage.rmdir()
+    log.info("artifact written to %s", out_dir)
+
+
 def start_history(out_dir: Path, resumed: set[int] = frozenset()) -> Path:
     """Create the artifact directory and ``history.jsonl`` (one line per step, every member), keeping only the lines
     of the ``resumed`` members."""
@@ -667,14 +708,15 @@ def member_dirs(method: Method, params: dict) -> list[str]:
     return ["."] if members == 1 else [f"members/{i}" for i in range(members)]
 
 
-def loadable_manifest(cfg: TrainConfig, method: Method, params: dict, dirs: list[str], first: dict) -> Manifest:
+def loadable_manifest(cfg: TrainConfig, method: Method, params: dict, dirs: list[str], first: dict,
+                      root: Path) -> Manifest:
     """The manifest of the trained members, before calibration: enough for Predictor.from_artifact, with the
-    sha256 of the weight files just saved."""
+    sha256 of the weight files just saved under ``root``."""
     return Manifest(
         name=cfg.name, version=cfg.version, method=method.name, method_config=params,
         base_model=first["resolved"].identity(), head=first["head"], option_token_ids=first["ids"],
         prompt={"template": cfg.template, "max_tokens": cfg.max_tokens}, members=dirs,
-        mc_samples=method.num_mc_samples(params), files=files_sha256(cfg.output, dirs),
+        mc_samples=method.num_mc_samples(params), files=files_sha256(root, dirs),
     )
 
 

@@ -32,3 +32,32 @@ def test_a_count_out_of_range_is_refused_by_name(monkeypatch, value):
     monkeypatch.setenv("IBEDL_CHECK_THREADS", value)
     with pytest.raises(ValidationError, match="check_threads"):
         EngineSettings()
+
+
+@pytest.mark.parametrize("value, message", [
+    ("bogus", "device 'bogus' is not cpu, cuda or cuda:<index>"),
+    ("tpu", "device 'tpu' is not cpu, cuda or cuda:<index>"),
+])
+def test_a_device_that_is_none_is_refused_by_name(monkeypatch, value, message):
+    monkeypatch.setenv("IBEDL_DEVICE", value)
+    with pytest.raises(ValidationError, match=message):  # before a model is loaded, not torch's error after
+        EngineSettings()
+
+
+def test_a_cuda_device_is_refused_where_torch_sees_none(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("IBEDL_DEVICE", "cuda:0")
+    with pytest.raises(ValidationError, match="device 'cuda:0': torch sees no CUDA GPU on this machine"):
+        EngineSettings()
+    monkeypatch.setenv("IBEDL_DEVICE", "cpu")
+    assert EngineSettings().device == "cpu"
+
+
+def test_artifacts_that_name_no_directory_are_refused_not_read_as_unset(monkeypatch):
+    monkeypatch.setenv("IBEDL_ARTIFACTS", ",,")  # it served artifacts/default, silently
+    with pytest.raises(ValidationError, match="IBEDL_ARTIFACTS names no directory: ',,'"):
+        EngineSettings()
+    monkeypatch.setenv("IBEDL_ARTIFACTS", "")  # empty: unset, as compose's ${IBEDL_ARTIFACTS:-} gives it
+    assert EngineSettings().served_artifacts() == [EngineSettings().artifact]

@@ -1,6 +1,7 @@
 import json
 import random
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import safetensors.torch
@@ -8,6 +9,7 @@ import torch
 
 from ibedl.core.artifact import read_manifest
 from ibedl.core.predictor import Predictor
+from ibedl.training import finetune
 from ibedl.training.confidence_ceiling import confidence_ceiling
 from ibedl.training.config import load_config
 from ibedl.training.data import load_dataset
@@ -132,19 +134,18 @@ def test_training_is_seeded(tmp_path, tiny_model_dir, jsonl_data):
 
 
 def test_an_interrupted_ensemble_keeps_its_saved_members_and_ends_as_if_uninterrupted(tmp_path, tiny_model_dir,
-                                                                                        jsonl_data):
+                                                                                        jsonl_data, monkeypatch):
     extra = {"method_params.members": 3}
     whole = read_manifest(train(config(tmp_path / "whole", tiny_model_dir, jsonl_data, "ensemble", **extra)))
     cfg = config(tmp_path, tiny_model_dir, jsonl_data, "ensemble", **extra)
-    out = train(cfg)
-    # Killed while member 2 trained: members 0 and 1 saved with their records, member 2 half-written, no manifest.
-    (out / "members" / "2" / "member.json").unlink()
-    (out / "members" / "2" / "adapter_model.safetensors").write_bytes(b"torn")
-    (out / "manifest.json").unlink()
-    with (out / "history.jsonl").open("a") as f:
-        f.write('{"member": 2, "step": 4}\n{"member": 2, "st')
-    kept = {m: (out / "members" / m / "adapter_model.safetensors").stat().st_mtime_ns for m in ("0", "1")}
+    out, stage = Path(cfg.output), finetune.staging_dir(Path(cfg.output))
+    killed_at_member_2(cfg, monkeypatch)
+    # Killed while member 2 trained: members 0 and 1 saved with their records, member 2 half-written, and nothing
+    # at the output a loader would take for an artifact.
+    assert not out.exists() and not (stage / "members" / "2" / "member.json").exists()
+    kept = {m: (stage / "members" / m / "adapter_model.safetensors").stat().st_mtime_ns for m in ("0", "1")}
     manifest = read_manifest(train(cfg))
+    assert not stage.exists()
     assert {m: (out / "members" / m / "adapter_model.safetensors").stat().st_mtime_ns for m in ("0", "1")} == kept
     runs = manifest.training["run"]["members"]
     for m in (0, 1):  # the record of the start that trained it
@@ -156,10 +157,73 @@ def test_an_interrupted_ensemble_keeps_its_saved_members_and_ends_as_if_uninterr
     assert manifest.files == whole.files
     for key in ("accuracy", "nll", "ece"):
         assert manifest.metrics["validation"][key] == pytest.approx(whole.metrics["validation"][key], abs=1e-6)
-    # another config: no member is kept
-    changed = config(tmp_path, tiny_model_dir, jsonl_data, "ensemble", **extra, **{"optim.lr": 2e-3})
-    train(changed)
+    # another config after an interrupted start: no member is kept
+    killed_at_member_2(cfg, monkeypatch)
+    kept = {m: (stage / "members" / m / "adapter_model.safetensors").stat().st_mtime_ns for m in ("0", "1")}
+    train(config(tmp_path, tiny_model_dir, jsonl_data, "ensemble", **extra, **{"optim.lr": 2e-3}))
     assert all((out / "members" / m / "adapter_model.safetensors").stat().st_mtime_ns != kept[m] for m in kept)
+
+
+def killed_at_member_2(cfg, monkeypatch) -> None:
+    """``train(cfg)`` killed while member 2 trains: it has written half its weights and a torn history line."""
+    fit = finetune.fit_member
+
+    def fit_or_die(*args, **kwargs):
+        member_dir, history, member = args[5], args[7], args[8]
+        if member == 2:
+            member_dir.mkdir(parents=True, exist_ok=True)
+            (member_dir / "adapter_model.safetensors").write_bytes(b"torn")
+            with history.open("a") as f:
+                f.write('{"member": 2, "step": 1}\n{"member": 2, "st')
+            raise KeyboardInterrupt
+        return fit(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(finetune, "fit_member", fit_or_die)
+        with pytest.raises(KeyboardInterrupt):
+            train(cfg)
+
+
+def test_an_interrupted_run_leaves_the_artifact_it_would_replace_as_it_was(tmp_path, tiny_model_dir, jsonl_data,
+                                                                         monkeypatch):
+    """A run writes beside its output and replaces it only once complete: killed during its calibration, the
+    artifact at the output is byte for byte the earlier one (a half-made one loaded and served uncalibrated)."""
+    cfg = config(tmp_path, tiny_model_dir, jsonl_data, "map")
+    out = train(cfg)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(finetune, "calibrate_and_evaluate", killed)
+    with pytest.raises(KeyboardInterrupt):
+        train(config(tmp_path, tiny_model_dir, jsonl_data, "map", **{"optim.lr": 2e-3}))
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    monkeypatch.undo()
+    again = train(config(tmp_path, tiny_model_dir, jsonl_data, "map", **{"optim.lr": 2e-3}))  # completes: replaced
+    assert again == out and read_manifest(out).training["config"]["optim"]["lr"] == 2e-3
+    assert sorted(p.name for p in out.parent.iterdir()) == ["map"]  # nothing staged or set aside is left
+
+
+def test_an_output_that_is_a_file_is_refused_before_training(tmp_path, tiny_model_dir, jsonl_data, capsys):
+    (tmp_path / "map").write_text("notes")
+    assert main(overrides(tmp_path, tiny_model_dir, jsonl_data, "map")) == 2
+    assert "is a file, not an artifact directory" in capsys.readouterr().err
+    assert (tmp_path / "map").read_text() == "notes" and not finetune.staging_dir(tmp_path / "map").exists()
+
+
+def test_what_else_the_output_directory_holds_stays(tmp_path, tiny_model_dir, jsonl_data):
+    """A caller's own file there (the benchmark's train.log) is left; the artifact's entries are replaced."""
+    (tmp_path / "map").mkdir()
+    (tmp_path / "map" / "train.log").write_text("the caller's")
+    out = train(config(tmp_path, tiny_model_dir, jsonl_data, "map"))
+    assert (out / "train.log").read_text() == "the caller's" and read_manifest(out).method == "map"
+
+
+def test_a_device_this_machine_lacks_is_refused_before_training(tmp_path, tiny_model_dir, jsonl_data, capsys):
+    assert main(overrides(tmp_path, tiny_model_dir, jsonl_data, "map", device="bogus")) == 2
+    assert "device 'bogus' is not cpu, cuda or cuda:<index>" in capsys.readouterr().err
+    assert not (tmp_path / "map").exists() and not finetune.staging_dir(tmp_path / "map").exists()
 
 
 def test_an_ensemble_copies_its_first_member_from_maps_run_of_its_seed(tmp_path, tiny_model_dir, jsonl_data, caplog):

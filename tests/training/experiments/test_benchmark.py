@@ -6,6 +6,7 @@ import pytest
 
 from ibedl.core.cpu_isa import describe
 from ibedl.training.experiments.benchmark import Run, expand, main, run_machine
+from ibedl.training.finetune import staging_dir
 
 
 @pytest.fixture
@@ -101,13 +102,18 @@ def test_an_interrupted_ensemble_run_restarts_from_its_saved_members(bench_confi
     assert main(args) == 0
     first = json.loads(results.read_text())[0]
     run = runs_dir / "sciq-ensemble-s0"
-    # killed while member 1 trained: member 0 saved, no manifest, no predictions, a stray file of the dead start
-    for name in ("benchmark-train.json", "manifest.json", "predictions-ensemble-sciq.json"):
-        (run / name).unlink()
-    (run / "members" / "1" / "member.json").unlink()
+    # killed while member 1 trained: what finetune wrote is still staged beside the run (member 0 saved, member 1
+    # not), the run's directory holds no artifact, no predictions, only a stray file of the dead start
+    stage = staging_dir(run)
+    stage.mkdir()
+    for name in ("members", "history.jsonl"):
+        (run / name).rename(stage / name)
+    for child in run.iterdir():
+        child.unlink()
+    (stage / "members" / "1" / "member.json").unlink()
     (run / "stray.tmp").write_text("x")
     results.unlink()
-    kept = (run / "members" / "0" / "adapter_model.safetensors").stat().st_mtime_ns
+    kept = (stage / "members" / "0" / "adapter_model.safetensors").stat().st_mtime_ns
     assert main(args) == 0
     assert (run / "members" / "0" / "adapter_model.safetensors").stat().st_mtime_ns == kept
     assert not (run / "stray.tmp").exists() and (run / "members" / "1" / "member.json").is_file()
