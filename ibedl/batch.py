@@ -11,6 +11,12 @@ flushed after every batch, then renamed to OUTPUT when every line is scored: an 
 scored in the ``.partial`` file and never a truncated OUTPUT. With ``IBEDL_FEEDBACK_KEY`` set, each answer carries its
 signed receipt, as the service's do.
 
+Everything that could stop a run is checked before the model is loaded (an output that would overwrite the input or
+cannot be written, an artifact given twice, invalid ``IBEDL_*`` settings, a ``--batch-size`` the engine's queue cannot
+hold); a refusal, or an artifact that does not load, is one line ``error: ...`` and exit status 2. A run that fails
+removes its ``.partial`` file, except when it was interrupted or the model's outputs were not finite (the message
+says where what was scored is).
+
 Labels collected later are recorded with the same command, without loading the model:
 
     python -m ibedl.batch --artifact artifacts/default --feedback labels.jsonl --output recorded.jsonl
@@ -27,6 +33,7 @@ import json
 import logging
 import os
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +45,7 @@ from ibedl.engine.errors import EngineError, StoreUnavailable, error_body
 from ibedl.engine.feedback import Feedback
 from ibedl.engine.feedback_kinds import STORE_SETTINGS, persistent
 from ibedl.engine.schemas import FeedbackRequest
-from ibedl.engine.settings import EngineSettings
+from ibedl.engine.settings import EngineSettings, settings_errors
 
 MAX_LINE_BYTES = 1_000_000  # as the service's default limit on a body (IBEDL_MAX_BODY_BYTES)
 log = logging.getLogger("ibedl.batch")
@@ -204,29 +211,69 @@ def _record_line(feedback: Feedback, served: dict[str, str], line: int, text, li
     return {"line": line, **result}
 
 
-def feedback_main(artifacts: list[str], labels: Path, output: Path, limit: int = MAX_LINE_BYTES) -> int:
+def partial_path(output: Path) -> Path:
+    """Where the output is written until every line is done (then renamed to ``output``)."""
+    return output.with_name(output.name + ".partial")
+
+
+def output_problem(output: Path, source: Path) -> str | None:
+    """Why the results of reading ``source`` cannot be written to ``output`` (through its ``.partial`` file), or None:
+    checked before a model is loaded, not found when the results are ready."""
+    if output.is_dir():
+        return f"--output {output} is a directory; name a file"
+    parent = output.parent
+    if not parent.is_dir():
+        return f"--output {output}: the directory {parent} does not exist"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"--output {output}: the directory {parent} is not writable"
+    for target in (output, partial_path(output)):  # the .partial is written first: it must not be the input either
+        if target.exists() and os.path.samefile(target, source):  # any spelling of the path, a link
+            return f"--output {output} would overwrite the input {source} (the same file); write to another file"
+    return None
+
+
+@contextmanager
+def replacing(output: Path, keep: tuple[type[Exception], ...] = ()):
+    """The open ``OUTPUT.partial`` (text), renamed to ``output`` once the block ends and the file is on disk. If the
+    block raises, the ``.partial`` file is removed, unless the exception is one of ``keep`` or an interruption
+    (Ctrl-C): then what was written stays there. An ``output`` that existed is untouched either way."""
+    partial = partial_path(output)
+    try:
+        with partial.open("w", encoding="utf-8") as out:
+            yield out
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(partial, output)
+    except keep:
+        raise
+    except Exception:
+        partial.unlink(missing_ok=True)
+        raise
+
+
+def feedback_main(settings: EngineSettings, labels: Path, output: Path, limit: int = MAX_LINE_BYTES) -> int:
     """``--feedback``: record labels into the feedback store (IBEDL_FEEDBACK_DB or IBEDL_FEEDBACK_DSN) for the adapter
-    versions of ``artifacts``."""
-    settings = EngineSettings(artifacts=[Path(a) for a in artifacts])
+    versions of ``settings.artifacts``."""
     if settings.feedback_key is None or not persistent(settings):  # labels kept in memory would be lost at exit
         print("error: recording labels needs IBEDL_FEEDBACK_KEY (the key that signed the receipts) and "
               f"{STORE_SETTINGS} (the feedback store to record into)", file=sys.stderr)
         return 2
     served = {}
-    for a in artifacts:
-        manifest = read_manifest(Path(a))
-        served[manifest.name] = str(manifest.version)
+    try:
+        for a in settings.artifacts:
+            manifest = read_manifest(a)
+            served[manifest.name] = str(manifest.version)
+    except (ValueError, OSError) as e:  # ArtifactError: not an adapter directory, a manifest that does not read
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     feedback = Feedback(settings)
     try:
         feedback.bind({})  # opens the store; no model is loaded, so no adaptive thresholds are needed
     except (ValueError, OSError, StoreUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    partial = output.with_name(output.name + ".partial")
-    with labels.open("rb") as src, partial.open("w", encoding="utf-8") as out:
+    with labels.open("rb") as src, replacing(output) as out:
         recorded, duplicates, refused = record_lines(feedback, served, decoded(read_lines(src, limit)), out, limit)
-        os.fsync(out.fileno())
-    os.replace(partial, output)
     print(f"{recorded} recorded, {duplicates} duplicates, {refused} refused -> {output}", file=sys.stderr)
     return 0
 
@@ -246,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
                         "record them (IBEDL_FEEDBACK_KEY, IBEDL_FEEDBACK_DB) instead of scoring questions")
     parser.add_argument("--output", required=True, type=Path, help="JSONL file of answers (or of the labels' "
                         "results), one per input line")
-    parser.add_argument("--batch-size", type=int, default=16, help="questions per forward pass (default 16)")
+    parser.add_argument("--batch-size", type=int, default=16, help="questions per request to the engine (default 16; "
+                        "at most IBEDL_QUEUE_SIZE); its forward passes take at most IBEDL_MAX_BATCH_SIZE of them")
     parser.add_argument("--adapter", help="adapter of the lines that name none (default the first --artifact)")
     parser.add_argument("--max-line-bytes", type=int, default=MAX_LINE_BYTES,
                         help=f"longest line read, in bytes (default {MAX_LINE_BYTES}, as the service's body limit); "
@@ -257,30 +305,47 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.max_line_bytes < 1:
         parser.error(f"--max-line-bytes must be >= 1, got {args.max_line_bytes}")
+    source, flag = (args.feedback, "--feedback") if args.feedback is not None else (args.input, "--input")
+    if not source.is_file():
+        parser.error(f"{flag} {source} is not a file")
+    if (problem := output_problem(args.output, source)) is not None:
+        parser.error(problem)
+    seen = set()
+    for a in args.artifact:
+        if (resolved := Path(a).resolve()) in seen:
+            parser.error(f"--artifact {a} is given twice")
+        seen.add(resolved)
+    try:
+        settings = EngineSettings(artifacts=[Path(a) for a in args.artifact])
+    except ValidationError as e:
+        print(f"error: invalid settings: {settings_errors(e)}", file=sys.stderr)
+        return 2
     if args.feedback is not None:
-        if not args.feedback.is_file():
-            parser.error(f"--feedback {args.feedback} is not a file")
-        return feedback_main(args.artifact, args.feedback, args.output, args.max_line_bytes)
-    if not args.input.is_file():
-        parser.error(f"--input {args.input} is not a file")
+        return feedback_main(settings, args.feedback, args.output, args.max_line_bytes)
+    if args.batch_size > settings.queue_size:  # one request must fit in the engine's queue, or it is refused whole
+        parser.error(f"--batch-size {args.batch_size} is more than the engine's queue holds (IBEDL_QUEUE_SIZE="
+                     f"{settings.queue_size}): give at most {settings.queue_size}, or raise IBEDL_QUEUE_SIZE")
     from tqdm import tqdm
 
-    model = load(*args.artifact)
-    if args.adapter is not None and args.adapter not in model.adapters:
-        parser.error(f"--adapter {args.adapter!r} is not loaded; choose one of {model.adapters}")
-    with args.input.open("rb") as src:
-        total = sum(1 for _, raw in read_lines(src, args.max_line_bytes) if isinstance(raw, TooLong) or raw.strip())
-    partial = args.output.with_name(args.output.name + ".partial")
-    with args.input.open("rb") as src, partial.open("w", encoding="utf-8") as out, \
-            tqdm(total=total, unit="q", disable=args.no_progress, file=sys.stderr) as bar:
+    try:
+        model = load(*args.artifact)
+    except (ValueError, OSError) as e:  # ArtifactError (missing, corrupt or changed files), two adapters of one name
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    with model:
+        if args.adapter is not None and args.adapter not in model.adapters:
+            parser.error(f"--adapter {args.adapter!r} is not loaded; choose one of {model.adapters}")
+        with args.input.open("rb") as src:
+            total = sum(1 for _, raw in read_lines(src, args.max_line_bytes)
+                        if isinstance(raw, TooLong) or raw.strip())
         try:
-            answered, refused = score(model, decoded(read_lines(src, args.max_line_bytes)), out, args.batch_size,
-                                      args.adapter, bar, args.max_line_bytes)
+            with args.input.open("rb") as src, replacing(args.output, keep=(EngineError,)) as out, \
+                    tqdm(total=total, unit="q", disable=args.no_progress, file=sys.stderr) as bar:
+                answered, refused = score(model, decoded(read_lines(src, args.max_line_bytes)), out,
+                                          args.batch_size, args.adapter, bar, args.max_line_bytes)
         except EngineError as e:  # non-finite model outputs: the model is broken, not the line
-            print(f"error: {e.message}; what was scored is in {partial}", file=sys.stderr)
+            print(f"error: {e.message}; what was scored is in {partial_path(args.output)}", file=sys.stderr)
             return 1
-        os.fsync(out.fileno())
-    os.replace(partial, args.output)
     print(f"{answered} answered, {refused} refused -> {args.output}", file=sys.stderr)
     return 0
 

@@ -17,6 +17,21 @@ from ibedl.core.cpu_isa import usable_cores
 SECRETS = ("feedback_key", "feedback_dsn")  # the engine's secrets: never shown in logs or error messages
 
 
+def settings_errors(e, secrets: tuple[str, ...] = SECRETS) -> str:
+    """What is wrong with the settings (``e``: pydantic's ValidationError), one part per field with its variable and
+    the value given (never one of ``secrets``'). A rule across settings (no field) is shown without its input: that
+    is every setting given, secrets too."""
+    parts = []
+    for error in e.errors():
+        name = ".".join(str(part) for part in error["loc"])
+        if not name:
+            parts.append(error["msg"])
+            continue
+        shown = "" if name.split(".")[0] in secrets or "input" not in error else f" (got {error['input']!r})"
+        parts.append(f"IBEDL_{name.upper()}: {error['msg']}{shown}")
+    return "; ".join(parts)
+
+
 class EngineSettings(BaseSettings):
     """Engine settings; every field reads ``IBEDL_<NAME>`` (e.g. ``IBEDL_MAX_TOKENS=2048``). An unknown keyword is
     refused (``ibedl.load(api_token=...)`` is a mistake: the Python API has no HTTP settings)."""

@@ -16,6 +16,7 @@ import textwrap
 import uvicorn
 from pydantic import ValidationError
 
+from ibedl.engine.settings import settings_errors
 from ibedl.serve import logs
 from ibedl.serve.app import create_app
 from ibedl.serve.server import log_exposure, refusal, uvicorn_config
@@ -32,21 +33,6 @@ def settings_help(width: int = 100) -> str:
         if field.description:
             lines += textwrap.wrap(field.description, width - 6, initial_indent="      ", subsequent_indent="      ")
     return "\n".join(lines)
-
-
-def settings_errors(e: ValidationError) -> str:
-    """What is wrong with the settings, one line per field, with the value given (a secret's never: a token, the
-    receipt key, the store's DSN). A rule across settings (no field) is shown without its input: that is every
-    setting given, secrets too."""
-    lines = []
-    for error in e.errors():
-        name = ".".join(str(part) for part in error["loc"])
-        if not name:
-            lines.append(error["msg"])
-            continue
-        shown = "" if name.split(".")[0] in SECRET_SETTINGS or "input" not in error else f" (got {error['input']!r})"
-        lines.append(f"IBEDL_{name.upper()}: {error['msg']}{shown}")
-    return "; ".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = Settings(**overrides)
     except ValidationError as e:
-        print(f"error: invalid settings: {settings_errors(e)}", file=sys.stderr)
+        print(f"error: invalid settings: {settings_errors(e, SECRET_SETTINGS)}", file=sys.stderr)
         return 2
     refused = refusal(settings)
     if refused is not None:
