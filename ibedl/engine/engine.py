@@ -46,6 +46,7 @@ from ibedl.engine.errors import (
     StoreUnavailable,
     Timeout,
     TooLarge,
+    described,
 )
 from ibedl.engine.feedback import Feedback, LabelQuota, served_versions
 from ibedl.engine.observer import Observer
@@ -532,7 +533,12 @@ class Engine:
         """Answers in input order, scheduled like every other caller's (threads sharing an engine take fair turns
         with each other and with the service's clients). Questions are checked first (all or none), then sent per
         adapter in requests of ``batch_size`` (default ``max_batch_size``), each admitted as a door's request is and
-        due ``timeout_s`` seconds after it is sent (default: no deadline)."""
+        due ``timeout_s`` seconds after it is sent (default: no deadline). TypeError for one question not in a list,
+        ValueError for a ``batch_size`` under 1."""
+        if isinstance(questions, (dict, str, PredictRequest, MCQuestion)):  # iterating it would read its keys
+            raise TypeError(f"questions must be a list of questions, got one {type(questions).__name__}: pass "
+                            "[question]")
+        check_batch_size(batch_size)
         return self.answer([self.check(q, f"items.{i}.", adapter) for i, q in enumerate(questions)], batch_size,
                            timeout_s=timeout_s)
 
@@ -540,9 +546,8 @@ class Engine:
                timeout_s: float | None = None) -> list[PredictResponse]:
         """Answers to checked questions in order (``ids``: of those whose request has none; default position),
         sent per adapter in requests of ``batch_size``; see :meth:`predict`."""
-        size = batch_size or self.settings.max_batch_size
-        if size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {size}")
+        check_batch_size(batch_size)
+        size = self.settings.max_batch_size if batch_size is None else batch_size
         ids = ids or [str(i) for i in range(len(checked))]
         answers: list[PredictResponse | None] = [None] * len(checked)
         for runtime in {id(c.runtime): c.runtime for c in checked}.values():
@@ -665,6 +670,12 @@ class Engine:
         return self.call(lambda: self.realised(adapter))
 
 
+def check_batch_size(batch_size: int | None) -> None:
+    """ValueError naming ``batch_size`` (questions per request; None: the engine's default) unless it is at least 1."""
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"batch_size must be an integer >= 1 or None (the engine's default), got {batch_size!r}")
+
+
 def as_request(question: dict | PredictRequest | MCQuestion, prefix: str = "") -> PredictRequest:
     """A request body from a dict (InvalidRequest naming the field when it is not one), a ``PredictRequest`` or an
     ``MCQuestion``."""
@@ -685,10 +696,8 @@ def _validated(model, value, prefix: str):
     try:
         return model.model_validate(value)
     except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
-        raise InvalidRequest(f"{first['msg']}{more}", (prefix + where) or None) from None
+        message, field = described(e.errors())
+        raise InvalidRequest(message, (prefix + (field or "")) or None) from None
 
 
 def _cancel(futures: list[asyncio.Future]) -> None:

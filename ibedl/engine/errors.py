@@ -7,6 +7,7 @@ are. ``retry_after`` (seconds, or None) says when trying again may succeed.
 from __future__ import annotations
 
 import math
+import re
 
 
 class EngineError(Exception):
@@ -113,6 +114,43 @@ class Cancelled(EngineError):
 
     type = "client_closed_request"
     reason = "client_gone"
+
+
+UNION_TAG = re.compile(r"^[a-z-]+\[.*\]$")  # pydantic's name for a member of a union in a location: list[str]
+
+
+def _is_tag(part) -> bool:
+    return isinstance(part, str) and UNION_TAG.match(part) is not None
+
+
+def field_of(loc, where: tuple[str, ...] = ()) -> str | None:
+    """The path of the bad input of a validation error's location in a client's terms (``items.3.options.0``,
+    ``adapter``): without the union member pydantic tried, nor a first part of ``where`` (a door's request part)."""
+    parts = [str(p) for i, p in enumerate(loc) if not (i == 0 and p in where) and not _is_tag(p)]
+    return ".".join(parts) or None
+
+
+def first_error(errors: list[dict]) -> dict:
+    """The validation error to tell of: the first that is inside the union member its input took (``options`` as a
+    map with a number among its values: that value, not "Input should be a valid list"), else the first."""
+    for e in errors:
+        if not (e.get("loc") and _is_tag(e["loc"][-1])):
+            return e
+    return errors[0] if errors else {"loc": (), "msg": "invalid request"}
+
+
+def described(errors: list[dict], where: tuple[str, ...] = ()) -> tuple[str, str | None]:
+    """(message, field) of pydantic's validation ``errors``: :func:`first_error`'s, where its input took no union
+    member the members' messages joined ("a valid list or a valid dictionary"), and "(and N more)" counting the
+    other inputs in error, not the members an input did not take."""
+    first = first_error(errors)
+    field = field_of(first.get("loc", ()), where)
+    here = [e for e in errors if field_of(e.get("loc", ()), where) == field]  # one input's errors, one per member
+    message = " or ".join([first["msg"], *(e["msg"].removeprefix("Input should be ") for e in here
+                                           if e is not first and e["msg"] != first["msg"])])
+    others = len({field_of(e.get("loc", ()), where) for e in errors
+                  if e is first or not _is_tag((e.get("loc") or ("",))[-1])} - {field})
+    return (message + (f" (and {others} more)" if others else "")), field
 
 
 def error_body(type_: str, message: str, field: str | None = None) -> dict:

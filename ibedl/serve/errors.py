@@ -6,14 +6,13 @@ status code, and the ``EngineError`` handler the one place that answers them."""
 from __future__ import annotations
 
 import logging
-import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ibedl.engine.errors import EngineError, UnknownAdapter, error_body
+from ibedl.engine.errors import EngineError, UnknownAdapter, described, error_body, first_error
 
 log = logging.getLogger("ibedl.serve")
 OIP_PREFIX = "/v2/"  # the Open Inference Protocol's routes (ibedl.serve.oip): its own error body
@@ -64,28 +63,7 @@ def body_for(path: str, type_: str, message: str, field: str | None = None) -> d
     return error_body(type_, message, field)
 
 
-UNION_TAG = re.compile(r"^[a-z-]+\[.*\]$")  # pydantic's name for a member of a union in a location: list[str]
 WHERE = ("body", "query", "path", "header")  # the request part FastAPI puts first in a location
-
-
-def _is_tag(part) -> bool:
-    return isinstance(part, str) and UNION_TAG.match(part) is not None
-
-
-def field_of(loc) -> str | None:
-    """The path of the bad input in a client's terms (``items.3.options.0``, ``adapter``): without the request part
-    it was in and without the union member pydantic tried."""
-    parts = [str(p) for i, p in enumerate(loc) if not (i == 0 and p in WHERE) and not _is_tag(p)]
-    return ".".join(parts) or None
-
-
-def first_error(errors: list[dict]) -> dict:
-    """The error to tell a client of: the first that is inside the union member its input took (``options`` as a
-    map with a number among its values: that value, not "Input should be a valid list"), else the first."""
-    for e in errors:
-        if not (e.get("loc") and _is_tag(e["loc"][-1])):
-            return e
-    return errors[0] if errors else {"loc": (), "msg": "invalid request"}
 
 
 def install_handlers(app: FastAPI) -> None:
@@ -104,15 +82,7 @@ def install_handlers(app: FastAPI) -> None:
         if first.get("type") == "missing" and tuple(first.get("loc", ())) == ("body",):
             return error_response(422, "invalid_json", "the request body is empty: send a JSON object",
                                   path=request.url.path)
-        field = field_of(first.get("loc", ()))
-        here = [e for e in errors if field_of(e.get("loc", ())) == field]  # one input's errors, one per union member
-        message = " or ".join([first["msg"], *(e["msg"].removeprefix("Input should be ") for e in here
-                                               if e is not first and e["msg"] != first["msg"])])
-        # the other inputs in error; a union member the input did not take is no error of its own
-        others = len({field_of(e.get("loc", ())) for e in errors
-                      if e is first or not _is_tag((e.get("loc") or ("",))[-1])} - {field})
-        if others:
-            message += f" (and {others} more)"
+        message, field = described(errors, WHERE)
         return error_response(422, "invalid_request", message, field, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)

@@ -58,6 +58,14 @@ def test_api_takes_mcquestions_and_refuses_what_the_service_refuses(model):
         model.predict([QUESTIONS[0], {"question": "q"}])
     assert (e.value.type, e.value.field) == ("invalid_request", "items.1.options")
     assert "Field required" in e.value.message
+    with pytest.raises(InvalidRequest) as e:  # the path as the service names it, not pydantic's union member
+        model.predict([QUESTIONS[0], {"question": "q", "options": {"A": "a", "B": 2}}])
+    assert (e.value.field, e.value.message) == ("items.1.options.B", "Input should be a valid string")
+    with pytest.raises(TypeError, match="questions must be a list of questions, got one dict: pass \\[question\\]"):
+        model.predict(QUESTIONS[0])  # its keys were read as questions
+    for size in (0, -1, 2.5):
+        with pytest.raises(ValueError, match=f"batch_size must be an integer >= 1 or None .*, got {size}"):
+            model.predict(QUESTIONS, batch_size=size)  # 0 was the default, silently
     with pytest.raises(InvalidRequest) as e:
         model.record_feedback([{"receipt": 7}])
     assert e.value.field is not None and e.value.field.startswith("items.0.")
