@@ -47,7 +47,9 @@ again. Those outputs are what the service answered, after the served post-hoc pa
 chosen on the labelled traffic.
 
 Without ``--output`` the artifact is updated in place; with it, a new artifact directory is written whose
-adapter and head weights are hard links to (or, across file systems, copies of) the original's.
+adapter and head weights are hard links to (or, across file systems, copies of) the original's. That directory must
+not exist yet or be empty (or be ``--artifact`` itself: in place): one that holds files, another artifact say, is
+refused before the model runs, as its files would be replaced.
 """
 
 from __future__ import annotations
@@ -73,12 +75,13 @@ import torch
 from ibedl.core import quantization_sample
 from ibedl.core.artifact import Abstention, Conformal, Manifest, check_artifact, write_manifest
 from ibedl.core.backends import BACKENDS, calibration_key, get, of_key
-from ibedl.core.base_model import sha256_file
+from ibedl.core.base_model import check_device, sha256_file
 from ibedl.core.conformal import SCORES, alpha_key, calibrate_quantiles, conformal_rank, prediction_set
 from ibedl.core.cpu_isa import int8_isa
 from ibedl.core.head import POSTHOC_NEUTRAL
 from ibedl.core.model_card import write_card
-from ibedl.core.prompt import MCQuestion
+from ibedl.core.paths import check_writable
+from ibedl.core.prompt import MAX_OPTIONS, MIN_OPTIONS, MCQuestion
 from ibedl.engine.feedback_kinds import is_dsn, open_store_at
 from ibedl.training import metrics
 from ibedl.training.data.option_counts import parse_counts, vary_option_counts
@@ -133,6 +136,10 @@ class CalibrationConfig:
     min_per_count: int = MIN_PER_COUNT
 
     def __post_init__(self) -> None:
+        if self.main_options is not None and (isinstance(self.main_options, bool) or not isinstance(
+                self.main_options, int) or not MIN_OPTIONS <= self.main_options <= MAX_OPTIONS):
+            raise ValueError(f"main_options must be an option count in {MIN_OPTIONS}..{MAX_OPTIONS}, "
+                             f"got {self.main_options!r}")
         if isinstance(self.min_per_count, bool) or not isinstance(self.min_per_count, int) or self.min_per_count < 1:
             raise ValueError(f"min_per_count must be an integer >= 1, got {self.min_per_count!r}")
         for name in ("target_accuracy", "delta", "fit_fraction"):
@@ -400,6 +407,35 @@ def _share_files(source: Path, target: Path, manifest: Manifest) -> None:
             shutil.copy2(src, dst)
 
 
+def check_output(output: str | None, artifact: str) -> None:
+    """ValueError unless ``output`` (--output) can take the calibrated artifact without destroying anything: a
+    directory that does not exist yet or is empty, or --artifact itself (calibration in place, as without --output).
+    Another artifact, or any other directory with files, would have its weights and manifest replaced; a file
+    cannot hold an artifact."""
+    if output is None or Path(output).resolve() == Path(artifact).resolve():
+        return
+    target = check_writable(output, "--output", directory=True)
+    if target.is_dir() and any(target.iterdir()):
+        raise ValueError(f"--output {output} is a directory that is not empty: the calibrated artifact would replace "
+                         "what it holds; name a new or empty directory, or leave --output out to calibrate "
+                         f"{artifact} in place")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """ValueError naming the first argument of ``args`` that cannot work, before the model runs: one only
+    ``--dataset feedback`` reads, a ``--device`` this machine lacks (ibedl.core.base_model.check_device), an
+    ``--output`` or a ``--save-outputs`` that cannot be written (or an ``--output`` whose files would be lost)."""
+    if args.dataset != "feedback":
+        for flag, given in (("--from-seq", args.from_seq is not None), ("--since-change", args.since_change)):
+            if given:
+                raise ValueError(f"{flag} goes with --dataset feedback (the labels sent back to the service), not "
+                                 f"--dataset {args.dataset}")
+    check_device(args.device)
+    check_output(args.output, args.artifact)
+    if args.save_outputs:
+        check_writable(args.save_outputs, "--save-outputs")
+
+
 def next_version(version: str) -> str:
     """"3" -> "4"; a version that is not an integer gets ".recal" appended."""
     return str(int(version) + 1) if str(version).isdigit() else f"{version}.recal"
@@ -420,7 +456,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--split", default="validation", help="split to calibrate on (default validation)")
     parser.add_argument("--path", help="file for --dataset jsonl")
     parser.add_argument("--limit", type=int, help="a seeded random subset of this size")
-    parser.add_argument("--output", help="write a new artifact directory here (default: update --artifact in place)")
+    parser.add_argument("--output", help="write the calibrated artifact into this new or empty directory (default: "
+                        "update --artifact in place)")
     parser.add_argument("--target-accuracy", type=float, default=defaults.target_accuracy,
                         help=f"accuracy guaranteed on answered questions (default {defaults.target_accuracy})")
     parser.add_argument("--delta", type=float, default=defaults.delta,
@@ -509,8 +546,9 @@ def main(argv: list[str] | None = None) -> int:
         config = CalibrationConfig(
             target_accuracy=args.target_accuracy, delta=args.delta, alpha=args.alpha, score=args.score,
             ood_rejection_rate=args.ood_rejection_rate, fit_fraction=args.fit_fraction, seed=args.seed,
-            posthoc=not args.no_posthoc, min_per_count=args.min_per_count,
+            posthoc=not args.no_posthoc, min_per_count=args.min_per_count, main_options=args.main_options,
         )
+        check_arguments(args)
         manifest = check_artifact(source)
         if not manifest.files:
             raise ArtifactError(f"{source} was written by an older version (no weight checksums in its manifest): "
@@ -797,8 +835,10 @@ def run_model(args, source: Path, load_dataset) -> tuple[str, dict, list[int], s
     """Load the artifact (on ``args.backend``) and its labelled data and answer them with the post-hoc parameter
     neutral. Returns (head kind, raw outputs, labels, calibration key of the backend and precision that ran)."""
     from ibedl.core.predictor import Predictor
+    from ibedl.training.evaluate import some_questions
 
-    questions = load_dataset(args.dataset, args.split, path=args.path, limit=args.limit, seed=args.seed)
+    questions = some_questions(load_dataset(args.dataset, args.split, path=args.path, limit=args.limit,
+                                            seed=args.seed), args.dataset, args.split, args.path)
     if getattr(args, "option_counts", None):
         own = Counter(len(q.options) for q in questions).most_common(1)[0][0]
         if getattr(args, "main_options", None) is None and own in args.option_counts:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ibedl.core.paths import check_writable
 from ibedl.core.predictor import Prediction, Predictor
 from ibedl.core.prompt import MCQuestion
 from ibedl.training import metrics
@@ -59,6 +60,32 @@ def chunks(questions: list[MCQuestion], batch_size: int) -> list[list[int]]:
     lengths = [len(q.question) + len(q.context or "") + sum(len(o) for o in q.options) for q in questions]
     order = sorted(range(len(questions)), key=lengths.__getitem__)
     return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def some_questions(questions: list[MCQuestion], dataset: str, split: str, path: str | None) -> list[MCQuestion]:
+    """``questions`` when there is at least one; else ValueError naming where they were read (the file for a JSONL
+    ``path``, else the dataset's split), before a model loads for nothing."""
+    if not questions:
+        where = path if dataset == "jsonl" and path else f"{dataset}/{split}"
+        raise ValueError(f"{where} holds no questions")
+    return questions
+
+
+def check_arguments(args: argparse.Namespace) -> tuple[Path, Path] | None:
+    """ValueError naming the first argument of ``args`` that cannot work, before any data or model is read; the
+    metrics JSON's and the reliability diagram's paths (None without ``--output``)."""
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if not args.output:
+        return None
+    out = Path(args.output)
+    png = out.with_suffix(".png")
+    if out.suffix.lower() == png.suffix:  # the diagram would overwrite the metrics
+        raise ValueError(f"--output {out} is where the reliability diagram goes (the metrics file's name with .png): "
+                         f"name the metrics file otherwise, e.g. {out.with_suffix('.json')}")
+    return check_writable(out, "--output"), check_writable(png, f"--output {out}: its reliability diagram")
 
 
 def predict_all(
@@ -120,11 +147,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default=None,
                         help=f"inference backend: {', '.join(BACKENDS)} (default IBEDL_BACKEND or auto: what the "
                              "service would serve, the fastest calibrated backend on this machine, timed at start-up)")
-    parser.add_argument("--output", help="write metrics JSON here (and a reliability PNG beside it)")
+    parser.add_argument("--output", help="write metrics JSON here, e.g. m.json (and the reliability diagram beside "
+                        "it: m.png)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
-    if args.limit is not None and args.limit < 1:
-        parser.error(f"--limit must be >= 1, got {args.limit}")
+    try:
+        written = check_arguments(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.backend is None:  # the service's setting, read as the service reads it
         from pydantic import ValidationError
 
@@ -139,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("ibedl.core.backends").addHandler(handler)
     logging.getLogger("ibedl.core.backends").setLevel(logging.INFO)
     try:
-        questions = load_dataset(args.dataset, args.split, path=args.path, limit=args.limit, seed=args.seed)
+        questions = some_questions(load_dataset(args.dataset, args.split, path=args.path, limit=args.limit,
+                                                seed=args.seed), args.dataset, args.split, args.path)
         predictor = Predictor.from_artifact(args.artifact, base_model=args.base_model, backend=args.backend)
     except (DatasetError, ArtifactError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -156,14 +188,17 @@ def main(argv: list[str] | None = None) -> int:
         **result.metrics,
     }
     print(json.dumps(report, indent=2))
-    if args.output:
-        out = Path(args.output)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n")
-        png = out.with_suffix(".png")
-        reliability_diagram(
-            result.probs, result.labels, png, title=f"{report['method']} on {args.dataset}/{args.split}"
-        )
+    if written:
+        out, png = written
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(report, indent=2) + "\n")
+            reliability_diagram(
+                result.probs, result.labels, png, title=f"{report['method']} on {args.dataset}/{args.split}"
+            )
+        except OSError as e:  # checked on arrival; only a change since then lands here
+            print(f"error: cannot write {e.filename}: {e.strerror} (the metrics are printed above)", file=sys.stderr)
+            return 2
         print(f"wrote {out} and {png}", file=sys.stderr)
     return 0
 
@@ -172,4 +207,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["EvalResult", "evaluate", "predict_all"]
+__all__ = ["EvalResult", "evaluate", "predict_all", "some_questions"]

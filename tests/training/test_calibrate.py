@@ -278,7 +278,8 @@ class TestCalibrateOutputs:
     @pytest.mark.parametrize("kwargs, match", [
         ({"target_accuracy": 1.0}, "target_accuracy"), ({"delta": 0}, "delta"), ({"alpha": 1.5}, "alpha"),
         ({"score": "raps"}, "score"), ({"ood_rejection_rate": 1.0}, "ood_rejection_rate"),
-        ({"fit_fraction": 0.0}, "fit_fraction")])
+        ({"fit_fraction": 0.0}, "fit_fraction"), ({"main_options": 1}, r"main_options .* 2\.\.26, got 1"),
+        ({"main_options": 27}, "got 27"), ({"main_options": True}, "got True")])
     def test_config_checks_arguments(self, kwargs, match):
         with pytest.raises(ValueError, match=match):
             CalibrationConfig(**kwargs)
@@ -378,6 +379,98 @@ def test_the_command_for_another_backend_keeps_every_setting_and_runs_the_model(
         args = parser.parse_args(["--artifact", "a", "--dataset", "sciq", *backend_arguments(key)])
         assert calibration_key(args.backend, args.device, args.dtype or "float32", args.load_in_4bit) == key, key
         assert (args.device == "cuda") is ("-cuda-" in key), key  # a CUDA arithmetic is computed on the GPU
+
+
+@pytest.fixture
+def model_never_runs(monkeypatch):
+    """Loading the model fails the test: a refusal must come before it (and before minutes of work)."""
+    from ibedl.core.predictor import Predictor
+
+    def ran(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were refused")
+
+    monkeypatch.setattr(Predictor, "from_artifact", ran)
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(directory)): f.read_bytes() for f in sorted(directory.rglob("*")) if f.is_file()}
+
+
+class TestRefusedOnArrival:
+    """Arguments that cannot work are refused with one line naming them, exit 2, before the model runs."""
+
+    @pytest.fixture
+    def common(self, tiny_jsonl):
+        return ["--dataset", "jsonl", "--path", str(tiny_jsonl), "--no-progress", "--max-tokens", "96",
+                "--min-per-count", "10"]
+
+    def test_an_output_directory_with_files_is_left_untouched(self, tiny_artifact, tiny_map_artifact, common,
+                                                             tmp_path, capsys, model_never_runs):
+        other = tmp_path / "other"  # another artifact: its weights and manifest would have been replaced
+        shutil.copytree(tiny_map_artifact, other)
+        before = snapshot(other)
+        assert main(["--artifact", str(tiny_artifact), "--output", str(other), *common]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --output {other} is a directory that is not empty") and err.count("\n") == 1
+        assert snapshot(other) == before
+
+    def test_an_output_that_is_a_file_is_refused(self, tiny_artifact, common, tmp_path, capsys, model_never_runs):
+        file = tmp_path / "notes.txt"
+        file.write_text("mine\n")
+        assert main(["--artifact", str(tiny_artifact), "--output", str(file), *common]) == 2
+        assert capsys.readouterr().err == f"error: --output {file} is a file: name a directory\n"
+        assert file.read_text() == "mine\n"
+
+    def test_an_empty_output_directory_or_the_artifact_itself_is_accepted(self, tiny_artifact, common, tmp_path):
+        empty = tmp_path / "empty"
+        empty.mkdir()
+        assert main(["--artifact", str(tiny_artifact), "--output", str(empty), *common]) == 0
+        assert read_manifest(empty).version == next_version(read_manifest(tiny_artifact).version)
+        # --output naming --artifact (another spelling of it) calibrates in place, as without --output
+        assert main(["--artifact", str(empty), "--output", str(empty / ".." / "empty"), *common]) == 0
+        assert read_manifest(empty).version == next_version(next_version(read_manifest(tiny_artifact).version))
+
+    @pytest.mark.parametrize("device, says", [("bogus", "not cpu, cuda"), ("tpu", "not cpu, cuda"),
+                                              ("cuda", "no CUDA"), ("cuda:1", "no CUDA")])
+    def test_a_device_this_machine_lacks(self, tiny_artifact, common, tmp_path, capsys, monkeypatch, device, says,
+                                         model_never_runs):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU-only machine, wherever this runs
+        assert main(["--artifact", str(tiny_artifact), "--output", str(tmp_path / "out"), "--device", device,
+                     *common]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: device {device!r}") and says in err and err.count("\n") == 1
+        assert not (tmp_path / "out").exists()
+
+    @pytest.mark.parametrize("where", ["under_a_file", "a_directory"])
+    def test_save_outputs_where_no_file_can_be_written(self, tiny_artifact, common, tmp_path, capsys, where,
+                                                       model_never_runs):
+        (tmp_path / "file").write_text("")
+        (tmp_path / "dir").mkdir()
+        path = tmp_path / "file" / "y.json" if where == "under_a_file" else tmp_path / "dir"
+        assert main(["--artifact", str(tiny_artifact), "--output", str(tmp_path / "out"), "--save-outputs",
+                     str(path), *common]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --save-outputs {path}") and err.count("\n") == 1
+        assert ("is a file, not a directory" if where == "under_a_file" else "is a directory: name a file") in err
+
+    @pytest.mark.parametrize("flag", [["--from-seq", "5"], ["--since-change"]])
+    def test_feedback_flags_without_the_feedback_dataset(self, tiny_artifact, common, capsys, flag,
+                                                         model_never_runs):
+        assert main(["--artifact", str(tiny_artifact), *flag, *common]) == 2
+        assert capsys.readouterr().err == (f"error: {flag[0]} goes with --dataset feedback (the labels sent back to "
+                                           "the service), not --dataset jsonl\n")
+
+    @pytest.mark.parametrize("count", ["0", "27"])
+    def test_main_options_outside_the_option_counts(self, tiny_artifact, common, capsys, count, model_never_runs):
+        assert main(["--artifact", str(tiny_artifact), "--main-options", count, *common]) == 2
+        assert capsys.readouterr().err == f"error: main_options must be an option count in 2..26, got {count}\n"
+
+    def test_an_empty_file_of_questions(self, tiny_artifact, tmp_path, capsys, model_never_runs):
+        empty = tmp_path / "empty.jsonl"
+        empty.write_text("")
+        assert main(["--artifact", str(tiny_artifact), "--dataset", "jsonl", "--path", str(empty),
+                     "--output", str(tmp_path / "out")]) == 2
+        assert capsys.readouterr().err == f"error: {empty} holds no questions\n"
 
 
 def test_next_version():
