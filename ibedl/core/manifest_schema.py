@@ -23,6 +23,7 @@ import typing
 from pathlib import Path
 
 from ibedl.core.artifact import SCHEMA_VERSION, Manifest
+from ibedl.core.paths import check_writable
 
 SCHEMA_ID = "https://ibedl.invalid/schemas/manifest.schema.json"  # a name, not a URL anything is served from
 DIALECT = "https://json-schema.org/draft/2020-12/schema"
@@ -132,12 +133,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         path = Path(args.check)
         if not path.is_file() or path.read_text() != text:
-            print(f"{path} is not the schema the code defines; regenerate it with: "
-                  f"python -m ibedl.core.manifest_schema --output {path}", file=sys.stderr)
+            print(f"{path} {'is not the schema the code defines' if path.is_file() else 'does not exist'}; "
+                  f"regenerate it with: python -m ibedl.core.manifest_schema --output {path}", file=sys.stderr)
             return 1
         return 0
     if args.output:
-        Path(args.output).write_text(text)
+        try:
+            out = check_writable(args.output, "--output")
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(text)
+        except (ValueError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     else:
         sys.stdout.write(text)
     return 0

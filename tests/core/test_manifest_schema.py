@@ -42,6 +42,16 @@ def test_check_fails_on_a_stale_copy(tmp_path, capsys):
     stale.write_text(json.dumps(schema, indent=2) + "\n")
     assert main(["--check", str(stale)]) == 1
     assert f"python -m ibedl.core.manifest_schema --output {stale}" in capsys.readouterr().err
+    assert main(["--check", str(tmp_path / "absent.json")]) == 1
+    assert f"{tmp_path / 'absent.json'} does not exist; regenerate it" in capsys.readouterr().err
+
+
+def test_output_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    assert main(["--output", str(tmp_path / "file" / "s.json")]) == 2  # was FileNotFoundError's traceback
+    assert capsys.readouterr().err.startswith(f"error: --output {tmp_path / 'file' / 's.json'}: ")
+    assert main(["--output", str(tmp_path / "new" / "s.json")]) == 0
+    assert json.loads((tmp_path / "new" / "s.json").read_text()) == manifest_schema()
 
 
 def test_every_field_is_in_the_schema_and_only_defaults_are_optional():
