@@ -41,6 +41,7 @@ from pydantic import ValidationError
 
 from ibedl.api import Checked, Model, load
 from ibedl.core.artifact import read_manifest
+from ibedl.core.paths import check_writable
 from ibedl.engine.errors import EngineError, StoreUnavailable, error_body
 from ibedl.engine.feedback import Feedback
 from ibedl.engine.feedback_kinds import STORE_SETTINGS, persistent
@@ -219,13 +220,10 @@ def partial_path(output: Path) -> Path:
 def output_problem(output: Path, source: Path) -> str | None:
     """Why the results of reading ``source`` cannot be written to ``output`` (through its ``.partial`` file), or None:
     checked before a model is loaded, not found when the results are ready."""
-    if output.is_dir():
-        return f"--output {output} is a directory; name a file"
-    parent = output.parent
-    if not parent.is_dir():
-        return f"--output {output}: the directory {parent} does not exist"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"--output {output}: the directory {parent} is not writable"
+    try:
+        check_writable(output, "--output")  # a folder it lacks is made when it is written
+    except ValueError as e:
+        return str(e)
     for target in (output, partial_path(output)):  # the .partial is written first: it must not be the input either
         if target.exists() and os.path.samefile(target, source):  # any spelling of the path, a link
             return f"--output {output} would overwrite the input {source} (the same file); write to another file"
@@ -238,6 +236,7 @@ def replacing(output: Path, keep: tuple[type[Exception], ...] = ()):
     block raises, the ``.partial`` file is removed, unless the exception is one of ``keep`` or an interruption
     (Ctrl-C): then what was written stays there. An ``output`` that existed is untouched either way."""
     partial = partial_path(output)
+    partial.parent.mkdir(parents=True, exist_ok=True)
     try:
         with partial.open("w", encoding="utf-8") as out:
             yield out

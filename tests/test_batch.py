@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -57,7 +56,7 @@ def test_no_single_line_stops_the_run(tiny_artifact, tmp_path, capsys):
         b'{"question": "\\ud800", "options": ["a", "b"], "id": "\\ud800"}',  # a lone surrogate escape
         json.dumps({**GOOD, "id": "last"}).encode(),
     ]
-    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src, out = tmp_path / "in.jsonl", tmp_path / "new" / "out.jsonl"  # its folder is made
     src.write_bytes(b"\n".join(lines) + b"\n")
     assert main(["--artifact", str(tiny_artifact), "--input", str(src), "--output", str(out), "--no-progress",
                  "--max-line-bytes", "8000"]) == 0
@@ -244,29 +243,32 @@ class TestSetupErrorsAreOneLine:
         self.unchanged(files)
 
     @pytest.mark.parametrize("mode", ["--input", "--feedback"])
-    @pytest.mark.parametrize("where", ["no such directory", "a directory"])
+    @pytest.mark.parametrize("where", ["under a file", "a directory"])
     def test_an_output_that_cannot_be_written(self, where, mode, files, tmp_path, no_loading, feedback_env, capsys):
         src, _ = files
         if where == "a directory":
-            output, says = tmp_path / "results", f"--output {tmp_path / 'results'} is a directory; name a file"
+            output, says = tmp_path / "results", f"--output {tmp_path / 'results'} is a directory: name a file"
             output.mkdir()
         else:
-            output = tmp_path / "nowhere" / "out.jsonl"
-            says = f"--output {output}: the directory {output.parent} does not exist"
+            output = src / "out.jsonl"
+            says = f"--output {output}: {src} is a file, not a directory"
         assert exit_status(["--artifact", "never-loaded", mode, str(src), "--output", str(output)]) == 2
         assert error_line(capsys).endswith(f"error: {says}")
         self.unchanged(files)
         assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["again.jsonl", "in.jsonl", "out.jsonl"] + (
             ["results"] if where == "a directory" else []))
 
-    @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into any directory")
-    def test_an_output_directory_that_is_not_writable(self, files, tmp_path, no_loading, capsys):
+    def test_an_output_directory_that_is_not_writable(self, files, tmp_path, no_loading, capsys, monkeypatch):
+        import tempfile
+
+        def refused(*args, **kwargs):
+            raise PermissionError(13, "Permission denied")
+
+        monkeypatch.setattr(tempfile, "TemporaryFile", refused)  # how a read-only folder answers, even to root
         src, _ = files
-        locked = tmp_path / "locked"
-        locked.mkdir(mode=0o500)
         assert exit_status(["--artifact", "never-loaded", "--input", str(src), "--output",
-                            str(locked / "out.jsonl")]) == 2
-        assert error_line(capsys).endswith(f"the directory {locked} is not writable")
+                            str(tmp_path / "out2.jsonl")]) == 2
+        assert error_line(capsys).endswith(f"cannot write in {tmp_path} (Permission denied)")
 
 
 class TestBatchSize:
