@@ -245,10 +245,10 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def check_device(device: str | None) -> str | None:
-    """``device`` (None: :func:`default_device`) when it is ``cpu`` or a CUDA device this machine has; ValueError
-    naming it otherwise (before a model is loaded, not torch's error once one is)."""
-    if device is None:
+def device_named(device: str | None) -> str | None:
+    """``device`` when it names ``cpu``, ``cuda`` or ``cuda:<index>`` (None or "": the default); ValueError naming it
+    otherwise. Whether this machine has it is :func:`check_device`'s question."""
+    if not device:
         return None
     try:
         parsed = torch.device(device)
@@ -256,6 +256,15 @@ def check_device(device: str | None) -> str | None:
         parsed = None
     if parsed is None or parsed.type not in ("cpu", "cuda"):
         raise ValueError(f"device {device!r} is not cpu, cuda or cuda:<index>")
+    return device
+
+
+def check_device(device: str | None) -> str | None:
+    """``device`` (None or "": :func:`default_device`) when it is ``cpu`` or a CUDA device this machine has;
+    ValueError naming it otherwise: asked before a model is loaded on it, not torch's error once one is."""
+    if device_named(device) is None:
+        return None
+    parsed = torch.device(device)
     if parsed.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r}: torch sees no CUDA GPU on this machine (torch {torch.__version__})")
     if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import operator
 import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -672,7 +673,13 @@ class Engine:
 
 def check_batch_size(batch_size: int | None) -> None:
     """ValueError naming ``batch_size`` (questions per request; None: the engine's default) unless it is at least 1."""
-    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+    if batch_size is None:
+        return
+    try:
+        whole = operator.index(batch_size)  # an int, or numpy's integers; never a bool or a float
+    except TypeError:
+        whole = None
+    if isinstance(batch_size, bool) or whole is None or whole < 1:
         raise ValueError(f"batch_size must be an integer >= 1 or None (the engine's default), got {batch_size!r}")
 
 

@@ -130,11 +130,22 @@ def field_of(loc, where: tuple[str, ...] = ()) -> str | None:
     return ".".join(parts) or None
 
 
+def _not_taken(error: dict, errors: list[dict]) -> bool:
+    """Whether ``error`` is a union member the input did not take: it ends at the member's tag while another
+    member of the same union got further into the input (``options`` a map: the list member's "a valid list")."""
+    loc = tuple(error.get("loc") or ())
+    if not loc or not _is_tag(loc[-1]):
+        return False
+    k = len(loc) - 1
+    return any(len(o.get("loc") or ()) > k + 1 and tuple(o["loc"][:k]) == loc[:k] and _is_tag(o["loc"][k])
+               for o in errors)
+
+
 def first_error(errors: list[dict]) -> dict:
-    """The validation error to tell of: the first that is inside the union member its input took (``options`` as a
-    map with a number among its values: that value, not "Input should be a valid list"), else the first."""
+    """The validation error to tell of: the first that is not a union member its input did not take (``options``
+    as a map with a number among its values: that value, not "Input should be a valid list")."""
     for e in errors:
-        if not (e.get("loc") and _is_tag(e["loc"][-1])):
+        if not _not_taken(e, errors):
             return e
     return errors[0] if errors else {"loc": (), "msg": "invalid request"}
 
@@ -148,8 +159,7 @@ def described(errors: list[dict], where: tuple[str, ...] = ()) -> tuple[str, str
     here = [e for e in errors if field_of(e.get("loc", ()), where) == field]  # one input's errors, one per member
     message = " or ".join([first["msg"], *(e["msg"].removeprefix("Input should be ") for e in here
                                            if e is not first and e["msg"] != first["msg"])])
-    others = len({field_of(e.get("loc", ()), where) for e in errors
-                  if e is first or not _is_tag((e.get("loc") or ("",))[-1])} - {field})
+    others = len({field_of(e.get("loc", ()), where) for e in errors if not _not_taken(e, errors)} - {field})
     return (message + (f" (and {others} more)" if others else "")), field
 
 

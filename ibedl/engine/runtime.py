@@ -15,6 +15,7 @@ import torch
 
 from ibedl.core import backends, quantization_sample
 from ibedl.core.artifact import Abstention, Conformal, ServedCalibration
+from ibedl.core.base_model import check_device
 from ibedl.core.predictor import Prediction, Predictor
 from ibedl.engine.errors import UnknownAdapter
 from ibedl.engine.settings import EngineSettings
@@ -82,6 +83,7 @@ class AdapterRuntime:
 
 def load_predictors(settings: EngineSettings) -> list[Predictor]:
     """The default loader: the base model once, with the adapter of every artifact of ``settings`` on it."""
+    check_device(settings.device)  # a CUDA device this machine lacks: said so, not torch's error mid-load
     if settings.threads:
         torch.set_num_threads(settings.threads)
     return Predictor.from_artifacts(

@@ -172,9 +172,9 @@ class EngineSettings(BaseSettings):
     @field_validator("device")
     @classmethod
     def _device(cls, v):
-        from ibedl.core.base_model import check_device  # torch: imported only when a device is named
+        from ibedl.core.base_model import device_named  # torch: imported only when a device is named
 
-        return check_device(v)
+        return device_named(v)  # whether this machine has it is asked where a model is loaded (load_predictors)
 
     @model_validator(mode="after")
     def _distinct(self):

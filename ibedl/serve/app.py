@@ -7,6 +7,7 @@ import asyncio
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from starlette.routing import Mount, Route
 
 from ibedl.serve import contract, docs_ui, oip
 from ibedl.serve.errors import error_body, install_handlers
@@ -42,11 +43,14 @@ def create_app(settings: Settings | None = None, loader: Loader | None = None) -
     )
     app.state.service = state
     install_handlers(app)
-    app.add_middleware(RequestGuard, state=state, routes=[*router.routes, *oip.router.routes])
+    routes: list = []  # every route, so that RequestGuard knows a request's before the router runs
+    app.add_middleware(RequestGuard, state=state, routes=routes)
     app.include_router(router)
     app.include_router(oip.router)
     contract.install(app, state)
     docs_ui.install(app)
+    # the included routers' own routes (FastAPI wraps included routers) and those added to the app itself
+    routes.extend([*router.routes, *oip.router.routes, *(r for r in app.router.routes if isinstance(r, Route | Mount))])
     return app
 
 

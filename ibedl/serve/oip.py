@@ -7,11 +7,11 @@ Tensors travel as JSON (the binary tensor extension is refused with a message th
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictStr
 
 from ibedl.engine.errors import EngineError, InvalidRequest
 from ibedl.serve.errors import OIP_PREFIX, engine_error_response
@@ -30,17 +30,26 @@ from ibedl.serve.tensors import (
 router = APIRouter(prefix="/v2", include_in_schema=False)  # its own protocol, specified by KServe, not this OpenAPI
 
 
+def dimension(value):
+    """A shape's dimension: an integer, or a number that is one (1.0, as some JSON writers give it); never a string
+    or a boolean (lax validation took "1" and true for 1)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or (isinstance(value, float)
+                                                                         and not value.is_integer()):  # nor inf
+        raise ValueError(f"a dimension is an integer, got {value!r}")
+    return int(value)
+
+
 class JsonTensor(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)  # a shape of "1" or true is not one of 1
-    name: str
-    shape: list[int]
-    datatype: str
+    model_config = ConfigDict(extra="allow")
+    name: StrictStr
+    shape: list[Annotated[Any, BeforeValidator(dimension)]]
+    datatype: StrictStr
     data: list[Any]
 
 
 class RequestedOutput(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)  # parameters (binary_data, ...) are the protocol's
-    name: str
+    model_config = ConfigDict(extra="allow")  # parameters (binary_data, ...) are the protocol's
+    name: StrictStr
 
 
 class InferRequest(BaseModel):

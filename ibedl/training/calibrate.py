@@ -73,7 +73,7 @@ import numpy as np
 import torch
 
 from ibedl.core import quantization_sample
-from ibedl.core.artifact import Abstention, Conformal, Manifest, check_artifact, write_manifest
+from ibedl.core.artifact import Abstention, Conformal, Manifest, check_artifact, read_manifest, write_manifest
 from ibedl.core.backends import BACKENDS, calibration_key, get, of_key
 from ibedl.core.base_model import check_device, sha256_file
 from ibedl.core.conformal import SCORES, alpha_key, calibrate_quantiles, conformal_rank, prediction_set
@@ -415,10 +415,19 @@ def check_output(output: str | None, artifact: str) -> None:
     if output is None or Path(output).resolve() == Path(artifact).resolve():
         return
     target = check_writable(output, "--output", directory=True)
-    if target.is_dir() and any(target.iterdir()):
-        raise ValueError(f"--output {output} is a directory that is not empty: the calibrated artifact would replace "
-                         "what it holds; name a new or empty directory, or leave --output out to calibrate "
-                         f"{artifact} in place")
+    if target.is_dir() and any(target.iterdir()) and not same_weights(target, Path(artifact)):
+        raise ValueError(f"--output {output} holds files that are not a calibration of {artifact} (its manifest "
+                         "names other weights, or it has none): the calibrated artifact would replace them; name a "
+                         "new or empty directory, or an earlier --output of this artifact")
+
+
+def same_weights(directory: Path, artifact: Path) -> bool:
+    """Whether ``directory`` holds an artifact whose manifest names the weight files (their sha256) of ``artifact``'s:
+    an earlier calibration of it, which calibrating again may replace."""
+    try:
+        return bool(read_manifest(directory).files) and read_manifest(directory).files == read_manifest(artifact).files
+    except (ValueError, OSError):  # no manifest, or one that does not read: not a calibration of it
+        return False
 
 
 def check_arguments(args: argparse.Namespace) -> None:

@@ -44,15 +44,21 @@ def test_a_device_that_is_none_is_refused_by_name(monkeypatch, value, message):
         EngineSettings()
 
 
-def test_a_cuda_device_is_refused_where_torch_sees_none(monkeypatch):
+def test_a_cuda_device_is_refused_where_a_model_loads_not_in_the_settings(monkeypatch):
+    """Settings a tool reads without loading a model (batch --feedback, evaluate's backend) take IBEDL_DEVICE=cuda
+    on any machine; loading a model on it where torch sees no GPU is refused, naming it. Empty is unset."""
     import torch
+
+    from ibedl.engine.runtime import load_predictors
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("IBEDL_DEVICE", "cuda:0")
-    with pytest.raises(ValidationError, match="device 'cuda:0': torch sees no CUDA GPU on this machine"):
-        EngineSettings()
-    monkeypatch.setenv("IBEDL_DEVICE", "cpu")
-    assert EngineSettings().device == "cpu"
+    settings = EngineSettings()
+    assert settings.device == "cuda:0"
+    with pytest.raises(ValueError, match="device 'cuda:0': torch sees no CUDA GPU on this machine"):
+        load_predictors(settings)
+    monkeypatch.setenv("IBEDL_DEVICE", "")
+    assert EngineSettings().device is None
 
 
 def test_artifacts_that_name_no_directory_are_refused_not_read_as_unset(monkeypatch):

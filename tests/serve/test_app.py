@@ -156,6 +156,13 @@ class TestBadInput:
         assert err["message"] == "Input should be a valid list or a valid dictionary"
         err = client.post("/predict", json={"question": "q", "options": [1, "b", 3]}).json()["error"]
         assert (err["field"], err["message"]) == ("options.0", "Input should be a valid string (and 1 more)")
+        # an input no member took is an error of its own: counted, and told of when it comes first
+        err = client.post("/predict", json={"question": "", "options": 5}).json()["error"]
+        assert (err["field"], err["message"]) == ("question", "String should have at least 1 character (and 1 more)")
+        err = client.post("/predict/batch", json={"items": [{"question": "q", "options": 5},
+                                                            {"options": ["a", "b"]}]}).json()["error"]
+        assert (err["field"], err["message"]) == (
+            "items.0.options", "Input should be a valid list or a valid dictionary (and 1 more)")
         r = client.get("/v1/drift", params={"adapter": "a" * 200})
         assert r.status_code == 422 and r.json()["error"]["field"] == "adapter", r.text
 
@@ -480,6 +487,7 @@ class TestMetadataAndMetrics:
         assert 'ibedl_requests_total{method="POST",route="/predict/batch",status="422"} 1.0' in text
         assert 'ibedl_requests_total{method="POST",route="/v2/models/{model}/infer",status="413"} 1.0' in text
         assert 'ibedl_requests_total{method="POST",route="unmatched",status="404"} 1.0' in text
+
         for method in ("BREW", "XYZZY1", "XYZZY2"):
             client.request(method, "/predict")
         text = client.get("/metrics").text
@@ -488,6 +496,14 @@ class TestMetadataAndMetrics:
         assert 'ibedl_model_info{adapter="tiny"' in text
         for name in ("ibedl_drift_ks", "ibedl_drift_psi", "ibedl_drift_alarm", "ibedl_queue_depth", "ibedl_ready 1.0"):
             assert name in text
+
+    def test_a_refusal_before_a_route_the_app_itself_adds_is_counted_under_it(self, make_client):
+        with make_client(api_token="t" * 32) as c:
+            assert c.get("/openapi.json").status_code == 401 and c.get("/docs").status_code == 401
+            text = c.get("/metrics", headers={"Authorization": "Bearer " + "t" * 32}).text
+        assert 'ibedl_requests_total{method="GET",route="/openapi.json",status="401"} 1.0' in text
+        assert 'ibedl_requests_total{method="GET",route="/docs",status="401"} 1.0' in text
+        assert 'route="unmatched"' not in text
 
     def test_drift_endpoint(self, client):
         for _ in range(3):

@@ -109,6 +109,7 @@ def test_refusals_say_what_is_wrong(service):
              r"has shape \[0\]: every dimension is at least 1"),
             ([{**question, "shape": ["1"]}, options], None, "not an inference request"),  # a shape is integers
             ([{**question, "shape": [True]}, options], None, "not an inference request"),
+            ([{**question, "shape": [1.5]}, options], None, "a dimension is an integer, got 1.5"),
             ([question, {**options, "data": [[[["a"]]], "b"]}], None, "nested data does not have its shape"),
             ([question, {**options, "data": [[["a"], ["b"]]]}], None, r"nested deeper than its shape \[1, 2\]"),
             ([question, options], [{"name": ["answer"]}], "not an inference request"),
@@ -119,6 +120,9 @@ def test_refusals_say_what_is_wrong(service):
     nested = httpx.post(service.url + "/v2/models/tiny/infer", timeout=60, json={"inputs": [
         question, {**options, "data": [["a", "b"]]}], "outputs": [{"name": "answer_index"}]})  # as its shape: fine
     assert nested.status_code == 200 and nested.json()["outputs"][0]["shape"] == [1]
+    whole = httpx.post(service.url + "/v2/models/tiny/infer", timeout=60, json={"inputs": [
+        {**question, "shape": [1.0]}, options], "outputs": [{"name": "answer_index"}]})  # a JSON writer's 1.0 is 1
+    assert whole.status_code == 200, whole.text
     r = httpx.post(service.url + "/v2/models/tiny/infer", content=b'{"inputs": "none"}')  # untyped, as Triton sends
     assert r.status_code == 422 and r.json()["error"].startswith(
         "invalid_request: the body is not an inference request: 1 validation error for InferRequest\ninputs")

@@ -411,7 +411,8 @@ class TestRefusedOnArrival:
         before = snapshot(other)
         assert main(["--artifact", str(tiny_artifact), "--output", str(other), *common]) == 2
         err = capsys.readouterr().err
-        assert err.startswith(f"error: --output {other} is a directory that is not empty") and err.count("\n") == 1
+        assert err.startswith(f"error: --output {other} holds files that are not a calibration of {tiny_artifact}")
+        assert err.count("\n") == 1
         assert snapshot(other) == before
 
     def test_an_output_that_is_a_file_is_refused(self, tiny_artifact, common, tmp_path, capsys, model_never_runs):
@@ -429,6 +430,12 @@ class TestRefusedOnArrival:
         # --output naming --artifact (another spelling of it) calibrates in place, as without --output
         assert main(["--artifact", str(empty), "--output", str(empty / ".." / "empty"), *common]) == 0
         assert read_manifest(empty).version == next_version(next_version(read_manifest(tiny_artifact).version))
+
+    def test_an_earlier_output_of_the_same_artifact_is_calibrated_again(self, tiny_artifact, common, tmp_path):
+        out = tmp_path / "cal"  # the deploy guide's command, run a second time
+        assert main(["--artifact", str(tiny_artifact), "--output", str(out), *common]) == 0
+        assert main(["--artifact", str(tiny_artifact), "--output", str(out), *common, "--target-accuracy", "0.8"]) == 0
+        assert read_manifest(out).files == read_manifest(tiny_artifact).files
 
     @pytest.mark.parametrize("device, says", [("bogus", "not cpu, cuda"), ("tpu", "not cpu, cuda"),
                                               ("cuda", "no CUDA"), ("cuda:1", "no CUDA")])

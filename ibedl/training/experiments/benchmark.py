@@ -144,9 +144,9 @@ def restrict(runs: list[Run], methods: list[str] | None, kinds: list[str] | None
 
 
 RUN_DATA = ("train", "validation", "test", "label_noise", "noise_seed")  # the data keys each cell sets itself
-# what an interrupted run's directory keeps for its next start: its log (finetune stages the saved ensemble members
-# and their steps beside it, in .NAME.partial, until the artifact is complete; members and history.jsonl stay listed
-# for a run directory an earlier release left)
+# what an interrupted run's directory keeps for its next start: its log. finetune resumes an ensemble's saved members
+# from where it staged them beside the directory (.NAME.partial); members and history.jsonl a run of an earlier
+# release left here are kept, not resumed: such a run is trained again
 KEPT_ON_RESTART = ("members", "history.jsonl", "train.log")
 SEARCH_ROOT = Path("runs/search")  # benchmarks.hparam_search trains a config's candidates under SEARCH_ROOT/<name>/
 UNCOMPARED = ("output", "name")  # what a search candidate and a grid cell may differ in and still be the same run
