@@ -170,7 +170,10 @@ class GrpcDoor:
         self.port: int | None = None  # the bound port (IBEDL_GRPC_PORT, or the free one 0 picked)
 
     async def start(self) -> None:
-        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", self.settings.max_body_bytes)])
+        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", self.settings.max_body_bytes),
+                                               # gRPC's default SO_REUSEPORT let a second service bind the same
+                                               # port and take half the first's calls, silently
+                                               ("grpc.so_reuseport", 0)])
         servicer = Servicer(self.engine, self.settings, self.metrics, self.on_arrival)
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, self.server)
         self.port = self.server.add_insecure_port(f"{self.settings.host}:{self.settings.grpc_port}")

@@ -215,6 +215,19 @@ def test_grpc_health_metadata_and_errors(tiny_artifact):
         assert f'ibedl_requests_total{{{route},status="{status}"}} {n}.0' in metrics
 
 
+def test_a_second_service_on_a_grpc_port_in_use_fails_saying_so(tiny_artifact):
+    """gRPC's default SO_REUSEPORT let a second service bind the first one's gRPC port and take half its calls,
+    silently: it now cannot, and its readiness says why."""
+    from fastapi.testclient import TestClient
+
+    with doors(tiny_artifact) as (_url, address, _engine):
+        port = int(address.rsplit(":", 1)[1])
+        app = create_app(Settings(artifact=tiny_artifact, max_tokens=96, grpc_port=port))
+        with TestClient(app, raise_server_exceptions=False) as second:
+            health = second.get("/health/ready").json()
+    assert health["status"] == "failed" and f"the gRPC port 127.0.0.1:{port} cannot be opened" in health["reason"]
+
+
 def output_names(response) -> list[str]:
     outputs = response["outputs"] if isinstance(response, dict) else response.outputs  # REST's JSON, gRPC's message
     return [o["name"] if isinstance(o, dict) else o.name for o in outputs]
