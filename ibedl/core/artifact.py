@@ -509,11 +509,14 @@ def migrate(data: dict) -> dict:
 
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename: readers see the old or the new file, never
-    half."""
+    half. The file keeps the mode it had, else is readable by all (0644, as the weights beside it are): mkstemp's
+    0600 left a manifest the image's non-root user could not read from a mounted artifact."""
     path = Path(path)
+    mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
     with os.fdopen(fd, "w") as f:
         f.write(text)
+    os.chmod(tmp, mode)
     os.replace(tmp, path)
 
 

@@ -304,3 +304,14 @@ def test_plain_peft_loads_a_trained_adapter_by_its_config(tiny_artifact):
     assert isinstance(peft_model, PeftModelForCausalLM)
     saved, state = load_file(tiny_artifact / "adapter_model.safetensors"), get_peft_model_state_dict(peft_model)
     assert set(state) == set(saved) and all(torch.equal(state[k], saved[k]) for k in saved)
+
+
+def test_an_atomic_write_is_readable_by_all_or_keeps_the_mode_it_had(tmp_path):
+    """A manifest written through mkstemp was 0600: the image's non-root user could not read a mounted artifact."""
+    from ibedl.core.artifact import atomic_write_text
+
+    atomic_write_text(tmp_path / "manifest.json", "{}\n")
+    assert (tmp_path / "manifest.json").stat().st_mode & 0o777 == 0o644
+    (tmp_path / "manifest.json").chmod(0o640)  # its owner's choice stays
+    atomic_write_text(tmp_path / "manifest.json", "{}\n")
+    assert (tmp_path / "manifest.json").stat().st_mode & 0o777 == 0o640
