@@ -29,7 +29,8 @@ class ServiceObserver(Observer):
 
     def serving(self, runtime) -> None:
         """Fresh monitors against the calibration's reference, and the gauges that say which version is served."""
-        s, target = self.settings, runtime.thresholds.how.get("target_accuracy")
+        how = runtime.thresholds.how  # a target the calibration could not certify is promised by no answer
+        s, target = self.settings, how.get("target_accuracy") if how.get("certified") else None
         self.monitors[runtime.name] = Monitors(
             DriftMonitor(runtime.reference(), runtime.drift_statistic, s.drift_window, s.drift_alarm_rate,
                          s.drift_bootstrap),

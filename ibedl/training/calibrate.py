@@ -580,8 +580,8 @@ def main(argv: list[str] | None = None) -> int:
               "promise nothing for any answer; nothing was written. Label more questions, or lower --min-per-count "
               "(each count's promises then rest on fewer questions: wider sets, fewer answers)", file=sys.stderr)
         return 2
-    if args.dataset == "feedback":
-        head_update = {}  # decided on the served outputs: the served post-hoc parameter (zeta, temperature) stays
+    if args.dataset == "feedback":  # decided on the served outputs: the post-hoc parameter they were served with stays
+        head_update = served_posthoc(manifest, key)
     evaluated = None
     if args.evaluate_split:
         eval_args = argparse.Namespace(**{**vars(args), "split": args.evaluate_split, "limit": None,
@@ -766,6 +766,17 @@ def command_on(parser: argparse.ArgumentParser, argv: list[str], target: Path, k
             kept.append(a)
     return " ".join(shlex.quote(without_password(a)) for a in [
         "python", "-m", "ibedl.training.calibrate", "--artifact", str(target), *kept, *backend_arguments(key)])
+
+
+def served_posthoc(manifest: Manifest, key: str) -> dict:
+    """The post-hoc parameter (``zeta`` or ``temperature``) the service answers with on backend and precision
+    ``key``: that calibration's own, else the top-level head's (as ``Predictor.use_calibration`` sets it). A
+    recalibration on served outputs records it again: an empty one made a restarted replica serve the top-level
+    value, other numbers than those the thresholds were set on."""
+    head = manifest.head_config()
+    top = {} if head.posthoc_key is None else {head.posthoc_key: getattr(head, head.posthoc_key)}
+    own = manifest.calibration_for(key)
+    return {**top, **(own.head if own is not None else {})}
 
 
 def record(manifest: Manifest, key: str, head_update: dict, sections: dict, evaluated: dict) -> None:

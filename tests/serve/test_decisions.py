@@ -112,10 +112,25 @@ class TestAccuracyEstimate:
             assert d["estimated_accuracy"] == pytest.approx(mean, abs=1e-5)
             assert d["estimated_accuracy_interval"] == pytest.approx([max(0, mean - half), min(1, mean + half)],
                                                                      abs=1e-5)
-            assert d["target_accuracy"] == read_manifest(open_artifact).abstention["how"]["target_accuracy"]
+            how = read_manifest(open_artifact).abstention["how"]
+            assert d["target_accuracy"] == (how["target_accuracy"] if how["certified"] else None)
             metrics = c.get("/metrics").text
             assert 'ibedl_estimated_accuracy_window{adapter="tiny"} 5.0' in metrics
-            assert f'ibedl_target_accuracy{{adapter="tiny"}} {d["target_accuracy"]}' in metrics
+            shown = "NaN" if d["target_accuracy"] is None else d["target_accuracy"]
+            assert f'ibedl_target_accuracy{{adapter="tiny"}} {shown}' in metrics
+
+    def test_a_target_the_calibration_could_not_certify_is_no_target(self, open_artifact, make_client):
+        """Its answers state no accuracy (answered_accuracy null), so the drift status and the gauge the alert
+        compares with state none either (they said the uncertified target)."""
+        m = read_manifest(open_artifact)
+        for how in (m.abstention["how"], *(e["how"] for e in m.abstention.get("by_options", {}).values())):
+            how["certified"] = False
+        write_manifest(open_artifact, m)
+        with make_client(artifact=open_artifact) as c:
+            body = ok_json(c.post("/predict", json=Q))
+            assert body["guarantees"]["answered_accuracy"] is None
+            assert ok_json(c.get("/v1/drift"))["target_accuracy"] is None
+            assert 'ibedl_target_accuracy{adapter="tiny"} NaN' in c.get("/metrics").text
 
     def test_abstained_questions_do_not_count(self, open_artifact, make_client):
         with make_client(artifact=open_artifact) as c:

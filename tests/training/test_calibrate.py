@@ -756,6 +756,35 @@ class TestFeedbackSample:
         assert new.conformal["quantiles"] == sections["conformal"]["quantiles"]
         assert new.abstention["min_confidence"] == sections["abstention"]["min_confidence"]
 
+    def test_a_backend_calibrations_own_post_hoc_parameter_stays(self, tiny_artifact, tiny_jsonl, tmp_path):
+        """Labels of answers served on a backend whose calibration carries its own zeta: the recalibration keeps that
+        zeta (it recorded none, so a restarted replica served the top level's: other numbers than those its
+        thresholds were set on)."""
+        import shutil
+
+        import ibedl
+        from ibedl.core.artifact import read_manifest, write_manifest
+
+        art = tmp_path / "own-zeta"
+        shutil.copytree(tiny_artifact, art)
+        m = read_manifest(art)
+        assert m.calibrated_on == "torch-fp32" and "zeta" in m.head
+        own = {"head": {"zeta": m.head["zeta"] - 0.5}, "metrics": {}, "abstention": m.abstention,
+               "conformal": m.conformal, "calibration": m.calibration, "reference": m.reference}
+        m.backend_calibrations["torch-fp32"], m.calibrated_on = own, "openvino-fp32"  # torch serves its own zeta
+        write_manifest(art, m)
+        db = tmp_path / "feedback.sqlite"
+        rows = [json.loads(line) for line in tiny_jsonl.read_text().splitlines()]
+        with ibedl.load(art, max_tokens=96, feedback_key="calibrate-feedback-key", feedback_db=db,
+                        backend="torch") as model:
+            answers = model.predict([{"question": r["question"], "options": r["options"]} for r in rows])
+            for a in answers:
+                model.record_feedback([{"receipt": a.receipt, "label": "A"}])
+        out = tmp_path / "recalibrated"
+        assert main(["--artifact", str(art), "--dataset", "feedback", "--path", str(db), "--output", str(out),
+                     "--min-per-count", "10"]) == 0
+        assert read_manifest(out).backend_calibrations["torch-fp32"]["head"] == own["head"]  # it was {}
+
     def test_only_the_answers_of_one_calibration_are_taken(self, caplog):
         from ibedl.training.calibrate import of_one_calibration
 
