@@ -430,6 +430,36 @@ def same_weights(directory: Path, artifact: Path) -> bool:
         return False
 
 
+CONFIG_FLAGS = ("target_accuracy", "delta", "alpha", "score", "ood_rejection_rate", "fit_fraction", "min_per_count",
+                "main_options")  # the settings the command line may give (None: not given)
+
+
+def calibration_config(args: argparse.Namespace, recorded: dict | None = None) -> CalibrationConfig:
+    """The calibration's settings: each one the command gives, else the one in ``recorded`` (a recalibration on
+    labels: the settings the served calibration was made with), else the default. ValueError for a bad value."""
+    defaults = CalibrationConfig()
+    chosen = {name: getattr(args, name) if getattr(args, name, None) is not None
+              else (recorded or {}).get(name, getattr(defaults, name)) for name in CONFIG_FLAGS}
+    return CalibrationConfig(**chosen, seed=args.seed, posthoc=not args.no_posthoc)
+
+
+def settings_for(args: argparse.Namespace, manifest: Manifest, key: str,
+                 config: CalibrationConfig) -> CalibrationConfig:
+    """``config``, or for a recalibration on labels the settings the served calibration on ``key`` was made with but
+    for those the command gives, without a post-hoc refit (the outputs are the served ones)."""
+    if args.dataset != "feedback":
+        return config
+    config = calibration_config(args, recorded_config(manifest, key))
+    config.posthoc = False
+    return config
+
+
+def recorded_config(manifest: Manifest, key: str) -> dict | None:
+    """The settings the calibration made on ``key`` recorded (``calibration.config``), or None."""
+    served = manifest.calibration_for(key)
+    return None if served is None else (served.record or {}).get("config")
+
+
 def check_arguments(args: argparse.Namespace) -> None:
     """ValueError naming the first argument of ``args`` that cannot work, before the model runs: one only
     ``--dataset feedback`` reads, a ``--device`` this machine lacks (ibedl.core.base_model.check_device), an
@@ -461,25 +491,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--artifact", required=True, help="adapter directory (with manifest.json)")
     parser.add_argument("--dataset", required=True, help=f"labelled data: one of {sorted(DATASETS)}, or feedback "
                         "(the labels sent back to the service: --path is its IBEDL_FEEDBACK_DB, or its "
-                        "IBEDL_FEEDBACK_DSN)")
+                        "IBEDL_FEEDBACK_DSN; the settings below not given are then those the served calibration "
+                        "was made with)")
     parser.add_argument("--split", default="validation", help="split to calibrate on (default validation)")
     parser.add_argument("--path", help="file for --dataset jsonl")
     parser.add_argument("--limit", type=int, help="a seeded random subset of this size")
     parser.add_argument("--output", help="write the calibrated artifact into this new or empty directory (default: "
                         "update --artifact in place)")
-    parser.add_argument("--target-accuracy", type=float, default=defaults.target_accuracy,
+    parser.add_argument("--target-accuracy", type=float,
                         help=f"accuracy guaranteed on answered questions (default {defaults.target_accuracy})")
-    parser.add_argument("--delta", type=float, default=defaults.delta,
+    parser.add_argument("--delta", type=float,
                         help="allowed probability, over the calibration draw, that the served threshold's answered "
                         "accuracy or the served sets' coverage misses its level (default "
                         f"{defaults.delta})")
-    parser.add_argument("--alpha", type=float, default=defaults.alpha,
+    parser.add_argument("--alpha", type=float,
                         help=f"miscoverage of the served prediction sets (default {defaults.alpha})")
-    parser.add_argument("--score", default=defaults.score, choices=SCORES, help="conformal score served by default")
-    parser.add_argument("--ood-rejection-rate", type=float, default=defaults.ood_rejection_rate,
+    parser.add_argument("--score", choices=SCORES, help=f"conformal score served by default ({defaults.score})")
+    parser.add_argument("--ood-rejection-rate", type=float,
                         help=f"in-distribution questions the gate may refuse (default {defaults.ood_rejection_rate}; "
                         "0: no gate)")
-    parser.add_argument("--fit-fraction", type=float, default=defaults.fit_fraction,
+    parser.add_argument("--fit-fraction", type=float,
                         help=f"share fitting the post-hoc step and the gate (default {defaults.fit_fraction})")
     parser.add_argument("--no-posthoc", action="store_true", help="keep zeta / temperature neutral")
     parser.add_argument("--seed", type=int, default=0, help="seed of the --limit subset and of the split")
@@ -490,7 +521,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "calibrated per count; answers with any other count say that no guarantee holds")
     parser.add_argument("--per-count", type=int, default=None,
                         help="questions asked with each count other than their own (default: all of them)")
-    parser.add_argument("--min-per-count", type=int, default=defaults.min_per_count,
+    parser.add_argument("--min-per-count", type=int,
                         help="questions an option count needs in the sample to be claimed (default "
                         f"{defaults.min_per_count}); answers with a count that has fewer say that no promise holds")
     parser.add_argument("--main-options", type=int,
@@ -552,17 +583,14 @@ def main(argv: list[str] | None = None) -> int:
     source = Path(args.artifact)
     stream = f"{args.dataset}_{args.split}"
     try:
-        config = CalibrationConfig(
-            target_accuracy=args.target_accuracy, delta=args.delta, alpha=args.alpha, score=args.score,
-            ood_rejection_rate=args.ood_rejection_rate, fit_fraction=args.fit_fraction, seed=args.seed,
-            posthoc=not args.no_posthoc, min_per_count=args.min_per_count, main_options=args.main_options,
-        )
+        config = calibration_config(args)
         check_arguments(args)
         manifest = check_artifact(source)
         if not manifest.files:
             raise ArtifactError(f"{source} was written by an older version (no weight checksums in its manifest): "
                                 f"run python -m ibedl.core.migrate {source} first, then calibrate it")
         kind, raw, labels, key = labelled_outputs(args, source, manifest, config, load_dataset)
+        config = settings_for(args, manifest, key, config)
         quantized = quantization_record(source, key, outputs_isa(args.outputs, key) if args.outputs else None)
     except (DatasetError, ArtifactError, ValueError, FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)

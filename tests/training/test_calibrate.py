@@ -769,8 +769,9 @@ class TestFeedbackSample:
         shutil.copytree(tiny_artifact, art)
         m = read_manifest(art)
         assert m.calibrated_on == "torch-fp32" and "zeta" in m.head
+        made_with = {**m.calibration, "config": {**m.calibration["config"], "ood_rejection_rate": 0.2, "alpha": 0.2}}
         own = {"head": {"zeta": m.head["zeta"] - 0.5}, "metrics": {}, "abstention": m.abstention,
-               "conformal": m.conformal, "calibration": m.calibration, "reference": m.reference}
+               "conformal": m.conformal, "calibration": made_with, "reference": m.reference}
         m.backend_calibrations["torch-fp32"], m.calibrated_on = own, "openvino-fp32"  # torch serves its own zeta
         write_manifest(art, m)
         db = tmp_path / "feedback.sqlite"
@@ -782,8 +783,13 @@ class TestFeedbackSample:
                 model.record_feedback([{"receipt": a.receipt, "label": "A"}])
         out = tmp_path / "recalibrated"
         assert main(["--artifact", str(art), "--dataset", "feedback", "--path", str(db), "--output", str(out),
-                     "--min-per-count", "10"]) == 0
-        assert read_manifest(out).backend_calibrations["torch-fp32"]["head"] == own["head"]  # it was {}
+                     "--min-per-count", "10", "--alpha", "0.1"]) == 0
+        new = read_manifest(out).backend_calibrations["torch-fp32"]
+        assert new["head"] == own["head"]  # it was {}
+        # the settings the served calibration was made with, but for those the command gives (the gate's 0.2 was
+        # the command line's default, 0.05, silently)
+        assert {k: new["calibration"]["config"][k] for k in ("ood_rejection_rate", "alpha", "min_per_count")} == {
+            "ood_rejection_rate": 0.2, "alpha": 0.1, "min_per_count": 10}
 
     def test_only_the_answers_of_one_calibration_are_taken(self, caplog):
         from ibedl.training.calibrate import of_one_calibration
