@@ -18,6 +18,7 @@ older ``schema_version`` is migrated when read (:func:`migrate`, the one place t
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -509,15 +510,33 @@ def migrate(data: dict) -> dict:
 
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename: readers see the old or the new file, never
-    half. The file keeps the mode it had, else is readable by all (0644, as the weights beside it are): mkstemp's
-    0600 left a manifest the image's non-root user could not read from a mounted artifact."""
+    half. The file keeps the mode it had, else gets the one ``open`` would give it (0666 less the umask, as the
+    weights beside it): mkstemp's 0600 left a manifest the image's non-root user could not read from a mounted
+    artifact."""
     path = Path(path)
-    mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
+    mode = path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~_umask()
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        with contextlib.suppress(OSError):  # a file system without modes: the write still stands
+            os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (os.umask sets it, racing other threads); 022 where the
+    kernel does not say."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
 
 
 def manifest_json(manifest: Manifest) -> str:

@@ -304,7 +304,8 @@ class DriftStatus(BaseModel):
                                              "questions in the window: the mean of their calibrated confidence")
     estimated_accuracy_interval: list[float] | None = Field(
         ..., description="95% interval of that estimate, assuming the probabilities are calibrated")
-    target_accuracy: float | None = Field(..., description="the accuracy the adapter's abstention guarantees")
+    target_accuracy: float | None = Field(..., description="the accuracy the adapter's abstention guarantees; null "
+                                          "when its calibration could not certify one")
 
 
 class ModelCard(BaseModel):

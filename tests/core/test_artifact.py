@@ -308,10 +308,19 @@ def test_plain_peft_loads_a_trained_adapter_by_its_config(tiny_artifact):
 
 def test_an_atomic_write_is_readable_by_all_or_keeps_the_mode_it_had(tmp_path):
     """A manifest written through mkstemp was 0600: the image's non-root user could not read a mounted artifact."""
+    import os
+
     from ibedl.core.artifact import atomic_write_text
 
-    atomic_write_text(tmp_path / "manifest.json", "{}\n")
-    assert (tmp_path / "manifest.json").stat().st_mode & 0o777 == 0o644
+    old = os.umask(0o022)  # the test's own process: no other thread writes files here
+    try:
+        atomic_write_text(tmp_path / "manifest.json", "{}\n")
+        os.umask(0o077)
+        atomic_write_text(tmp_path / "private.json", "{}\n")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "manifest.json").stat().st_mode & 0o777 == 0o644  # as open() would make it
+    assert (tmp_path / "private.json").stat().st_mode & 0o777 == 0o600  # under umask 077, as the weights would be
     (tmp_path / "manifest.json").chmod(0o640)  # its owner's choice stays
     atomic_write_text(tmp_path / "manifest.json", "{}\n")
     assert (tmp_path / "manifest.json").stat().st_mode & 0o777 == 0o640
