@@ -105,12 +105,14 @@ class Metrics:
                                         "proven faster in the background (IBEDL_BACKEND=auto)",
                                         ["adapter", "from", "to"], registry=r)
 
-    def request_done(self, route: str, method: str, status: int | str, seconds: float) -> None:
+    def request_done(self, route: str, method: str, status: int | str, seconds: float, timed: bool = True) -> None:
         """One request answered (HTTP or gRPC): out of the in-flight gauge, counted by route, method and status,
-        its latency observed."""
+        its latency observed unless not ``timed`` (refused before its route ran: a burst of quick 401s would pull the
+        route's p99 down and hide its queueing)."""
         self.inflight.dec()
         self.requests.labels(route=route, method=method, status=str(status)).inc()
-        self.latency.labels(route=route).observe(seconds)
+        if timed:
+            self.latency.labels(route=route).observe(seconds)
 
     def set_drift(self, adapter: str, status: dict) -> None:
         nan = float("nan")

@@ -149,8 +149,9 @@ class RequestGuard:
             refused = self._refusal(scope, headers, path)
             if refused is None and scope["method"] in BODY_METHODS and scope["state"]["routed"]:
                 receive, refused = await self._buffered(headers, receive, path.startswith(OIP_PREFIX))
-            if refused is not None:  # before the route runs: nothing recorded, nothing counted
+            if refused is not None:  # before the route runs: nothing recorded, nothing counted, no latency
                 status, type_, message, extra, *field = refused
+                status_holder["early"] = True
                 status_holder["status"] = status
                 if type_ is None:  # the client went away while sending: nobody to answer
                     return None
@@ -169,7 +170,8 @@ class RequestGuard:
                 route if route not in (None, NOT_MOUNTED) else "unmatched")
             method = scope["method"] if scope["method"] in METHODS else "other"
             if measured:
-                metrics.request_done(template, method, status_holder["status"], seconds)
+                metrics.request_done(template, method, status_holder["status"], seconds,
+                                     timed=not status_holder.get("early"))
             context = scope["state"].get("context")
             adapter = scope["state"].get("adapter") or (context.adapter if context is not None else None)
             logs.access(method, template, status_holder["status"], seconds, adapter, request_id, probe=not measured)

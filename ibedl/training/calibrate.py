@@ -48,8 +48,9 @@ chosen on the labelled traffic.
 
 Without ``--output`` the artifact is updated in place; with it, a new artifact directory is written whose
 adapter and head weights are hard links to (or, across file systems, copies of) the original's. That directory must
-not exist yet or be empty (or be ``--artifact`` itself: in place): one that holds files, another artifact say, is
-refused before the model runs, as its files would be replaced.
+not exist yet or be empty, or hold an earlier calibration of the same weights (it gets a version past both), or be
+``--artifact`` itself (in place): one that holds other files, another artifact say, is refused before the model runs,
+as its files would be replaced.
 """
 
 from __future__ import annotations
@@ -443,14 +444,22 @@ def calibration_config(args: argparse.Namespace, recorded: dict | None = None) -
     return CalibrationConfig(**chosen, seed=args.seed, posthoc=not args.no_posthoc)
 
 
-def settings_for(args: argparse.Namespace, manifest: Manifest, key: str,
-                 config: CalibrationConfig) -> CalibrationConfig:
-    """``config``, or for a recalibration on labels the settings the served calibration on ``key`` was made with but
-    for those the command gives, without a post-hoc refit (the outputs are the served ones)."""
+def settings_for(args: argparse.Namespace, manifest: Manifest, key: str, config: CalibrationConfig,
+                 raw: dict) -> CalibrationConfig:
+    """``config``, or for a recalibration on labels (``raw``: their served outputs) the settings the served
+    calibration on ``key`` was made with but for those the command gives, without a post-hoc refit (the outputs are
+    the served ones). Its main option count is kept only where the labels hold ``min_per_count`` questions of it:
+    after a shift in the traffic's options the labels' most common count is the main one."""
     if args.dataset != "feedback":
         return config
     config = calibration_config(args, recorded_config(manifest, key))
     config.posthoc = False
+    if args.main_options is None and config.main_options is not None:
+        have = Counter(len(p) for p in raw["probs"])[config.main_options]
+        if have < config.min_per_count:
+            log.info("main option count %d of the served calibration: only %d labels of it (--min-per-count %d); "
+                     "the labels' most common count is the main one", config.main_options, have, config.min_per_count)
+            config.main_options = None
     return config
 
 
@@ -475,6 +484,39 @@ def check_arguments(args: argparse.Namespace) -> None:
         check_writable(args.save_outputs, "--save-outputs")
 
 
+def decided(kind: str, raw: dict, labels: list[int], config: CalibrationConfig) -> tuple[dict, dict]:
+    """:func:`calibrate_outputs`' head update and sections; ValueError when it promises nothing (no option count has
+    ``min_per_count`` questions in the sample) or cannot calibrate ``main_options``."""
+    head_update, _, sections = calibrate_outputs(kind, raw, labels, config)
+    if not sections["calibration"]["option_counts"]:
+        found = Counter(len(p) for p in raw["probs"])
+        raise ValueError(f"no option count has the {config.min_per_count} questions --min-per-count asks for in this "
+                         f"sample ({', '.join(f'{c} options: {k}' for c, k in sorted(found.items()))}), so the "
+                         "calibration would promise nothing for any answer; nothing was written. Label more "
+                         "questions, or lower --min-per-count (each count's promises then rest on fewer questions: "
+                         "wider sets, fewer answers)")
+    return head_update, sections
+
+
+def written_version(directory: Path) -> str | None:
+    """The version of the artifact an earlier calibration wrote into ``directory`` (an --output used before), or
+    None."""
+    try:
+        return str(read_manifest(directory).version)
+    except (ValueError, OSError):
+        return None
+
+
+def later_version(version: str, other: str | None) -> str:
+    """The later of two versions (integers compared as numbers; otherwise ``version``'s, unless ``other`` is the
+    same with more appended): a calibration written over an earlier output takes a number past both."""
+    if other is None:
+        return version
+    if version.isdigit() and other.isdigit():
+        return str(max(int(version), int(other)))
+    return other if other.startswith(version) else version
+
+
 def next_version(version: str) -> str:
     """"3" -> "4"; a version that is not an integer gets ".recal" appended."""
     return str(int(version) + 1) if str(version).isdigit() else f"{version}.recal"
@@ -496,8 +538,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--split", default="validation", help="split to calibrate on (default validation)")
     parser.add_argument("--path", help="file for --dataset jsonl")
     parser.add_argument("--limit", type=int, help="a seeded random subset of this size")
-    parser.add_argument("--output", help="write the calibrated artifact into this new or empty directory (default: "
-                        "update --artifact in place)")
+    parser.add_argument("--output", help="write the calibrated artifact into this new or empty directory, or an "
+                        "earlier --output of this artifact (a version past both) (default: update --artifact in place)")
     parser.add_argument("--target-accuracy", type=float,
                         help=f"accuracy guaranteed on answered questions (default {defaults.target_accuracy})")
     parser.add_argument("--delta", type=float,
@@ -590,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ArtifactError(f"{source} was written by an older version (no weight checksums in its manifest): "
                                 f"run python -m ibedl.core.migrate {source} first, then calibrate it")
         kind, raw, labels, key = labelled_outputs(args, source, manifest, config, load_dataset)
-        config = settings_for(args, manifest, key, config)
+        config = settings_for(args, manifest, key, config, raw)
         quantized = quantization_record(source, key, outputs_isa(args.outputs, key) if args.outputs else None)
     except (DatasetError, ArtifactError, ValueError, FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -600,13 +642,10 @@ def main(argv: list[str] | None = None) -> int:
                      args.max_tokens,
                      extra={"calibration_key": key, **({"int8_isa": quantized["isa"]} if quantized else {}),
                             **({"main_options": config.main_options} if config.main_options else {})})
-    head_update, _, sections = calibrate_outputs(kind, raw, labels, config)
-    if not sections["calibration"]["option_counts"]:
-        found = Counter(len(p) for p in raw["probs"])
-        print(f"error: no option count has the {config.min_per_count} questions --min-per-count asks for in this "
-              f"sample ({', '.join(f'{c} options: {k}' for c, k in sorted(found.items()))}), so the calibration would "
-              "promise nothing for any answer; nothing was written. Label more questions, or lower --min-per-count "
-              "(each count's promises then rest on fewer questions: wider sets, fewer answers)", file=sys.stderr)
+    try:
+        head_update, sections = decided(kind, raw, labels, config)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     if args.dataset == "feedback":  # decided on the served outputs: the post-hoc parameter they were served with stays
         head_update = served_posthoc(manifest, key)
@@ -648,9 +687,10 @@ def main(argv: list[str] | None = None) -> int:
     replaced = key in manifest.calibration_keys()
     record(manifest, key, head_update, sections, {args.evaluate_split: evaluated} if evaluated is not None else {})
     dropped, stale = drop_other_sources(manifest, key)
-    if replaced or dropped:
-        manifest.version = next_version(str(manifest.version))
     target = Path(args.output) if args.output else source
+    earlier = written_version(target) if target.resolve() != source.resolve() else None
+    if replaced or dropped or earlier is not None:  # an earlier output's version is never written again
+        manifest.version = next_version(later_version(str(manifest.version), earlier))
     if target.resolve() != source.resolve():
         _share_files(source, target, manifest)
     write_manifest(target, manifest)

@@ -487,6 +487,8 @@ class TestMetadataAndMetrics:
         assert 'ibedl_requests_total{method="POST",route="/predict/batch",status="422"} 1.0' in text
         assert 'ibedl_requests_total{method="POST",route="/v2/models/{model}/infer",status="413"} 1.0' in text
         assert 'ibedl_requests_total{method="POST",route="unmatched",status="404"} 1.0' in text
+        # timed only when the route answered: the 200 and the route's own 422, not the three refused before it
+        assert 'ibedl_request_latency_seconds_count{route="/predict"} 2.0' in text
 
         for method in ("BREW", "XYZZY1", "XYZZY2"):
             client.request(method, "/predict")

@@ -434,8 +434,12 @@ class TestRefusedOnArrival:
     def test_an_earlier_output_of_the_same_artifact_is_calibrated_again(self, tiny_artifact, common, tmp_path):
         out = tmp_path / "cal"  # the deploy guide's command, run a second time
         assert main(["--artifact", str(tiny_artifact), "--output", str(out), *common]) == 0
+        first = read_manifest(out).version
         assert main(["--artifact", str(tiny_artifact), "--output", str(out), *common, "--target-accuracy", "0.8"]) == 0
         assert read_manifest(out).files == read_manifest(tiny_artifact).files
+        # other thresholds: a version past the one written there before (replicas reload only a new version, and
+        # labels are counted per version)
+        assert read_manifest(out).version == next_version(first)
 
     @pytest.mark.parametrize("device, says", [("bogus", "not cpu, cuda"), ("tpu", "not cpu, cuda"),
                                               ("cuda", "no CUDA"), ("cuda:1", "no CUDA")])
@@ -769,7 +773,8 @@ class TestFeedbackSample:
         shutil.copytree(tiny_artifact, art)
         m = read_manifest(art)
         assert m.calibrated_on == "torch-fp32" and "zeta" in m.head
-        made_with = {**m.calibration, "config": {**m.calibration["config"], "ood_rejection_rate": 0.2, "alpha": 0.2}}
+        made_with = {**m.calibration, "config": {**m.calibration["config"], "ood_rejection_rate": 0.2, "alpha": 0.2,
+                                                 "main_options": 6}}  # no label has 6 options
         own = {"head": {"zeta": m.head["zeta"] - 0.5}, "metrics": {}, "abstention": m.abstention,
                "conformal": m.conformal, "calibration": made_with, "reference": m.reference}
         m.backend_calibrations["torch-fp32"], m.calibrated_on = own, "openvino-fp32"  # torch serves its own zeta
@@ -790,6 +795,9 @@ class TestFeedbackSample:
         # the command line's default, 0.05, silently)
         assert {k: new["calibration"]["config"][k] for k in ("ood_rejection_rate", "alpha", "min_per_count")} == {
             "ood_rejection_rate": 0.2, "alpha": 0.1, "min_per_count": 10}
+        # a main count the labels do not hold enough of is not kept (it was a ValueError's traceback): the labels'
+        # most common count is the main one
+        assert new["calibration"]["config"]["main_options"] is None
 
     def test_only_the_answers_of_one_calibration_are_taken(self, caplog):
         from ibedl.training.calibrate import of_one_calibration
