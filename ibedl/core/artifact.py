@@ -105,6 +105,12 @@ class Abstention:
             Abstention(self.max_uncertainty, entry.get("min_confidence", 0.0), self.ood_score,
                        entry.get("ood_threshold", 0.0), entry.get("how", {}))
 
+    @property
+    def stated_target(self) -> float | None:
+        """The answered accuracy these thresholds promise: ``how``'s target where the calibration certified it, else
+        None (a target it could not certify is promised by no answer, receipt or gauge)."""
+        return self.how.get("target_accuracy") if self.how.get("certified") else None
+
     def for_options(self, options: int) -> Abstention:
         """The thresholds of questions with ``options`` options: their own when calibrated per count, else these."""
         entry = self.by_options.get(str(options))

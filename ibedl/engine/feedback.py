@@ -143,8 +143,7 @@ class Feedback:
         # not certify (the answer states none: ibedl.engine.responses.stated_guarantees): their labels test nothing
         counts = runtime.option_counts
         claimed = counts is None or len(pred.probs) in counts
-        how = runtime.thresholds.for_options(len(pred.probs)).how
-        target = how.get("target_accuracy") if claimed and how.get("certified") else None
+        target = runtime.thresholds.for_options(len(pred.probs)).stated_target if claimed else None
         coverage = coverage if claimed else None
         tracker = self._tracker(runtime)
         return sign(Receipt(

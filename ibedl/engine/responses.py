@@ -81,13 +81,13 @@ def stated_guarantees(runtime: AdapterRuntime, thresholds, options: int, alpha: 
                                 "violated_by_feedback" else suspended["since"], option_counts=counts,
                                 answered_accuracy=None, answered_accuracy_delta=None, set_coverage=None,
                                 set_coverage_delta=None)
-    certified = bool(how.get("certified"))
+    target = thresholds.stated_target
     gate = thresholds.ood_threshold > 0 and how.get("gate_rejection_rate") is not None
     return StatedGuarantees(
         holds=None if counts is None else True,
         option_counts=counts,
-        answered_accuracy=how.get("target_accuracy") if certified else None,
-        answered_accuracy_delta=how.get("delta") if certified else None,
+        answered_accuracy=target,
+        answered_accuracy_delta=None if target is None else how.get("delta"),
         set_coverage=None if alpha is None else r6(1.0 - alpha),
         set_coverage_delta=None if alpha is None else runtime.conformal.delta,
         gate_refusal_rate=how.get("gate_rejection_rate") if gate else None,

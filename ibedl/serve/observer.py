@@ -29,8 +29,7 @@ class ServiceObserver(Observer):
 
     def serving(self, runtime) -> None:
         """Fresh monitors against the calibration's reference, and the gauges that say which version is served."""
-        how = runtime.thresholds.how  # a target the calibration could not certify is promised by no answer
-        s, target = self.settings, how.get("target_accuracy") if how.get("certified") else None
+        s, target = self.settings, runtime.thresholds.stated_target
         self.monitors[runtime.name] = Monitors(
             DriftMonitor(runtime.reference(), runtime.drift_statistic, s.drift_window, s.drift_alarm_rate,
                          s.drift_bootstrap),

@@ -16,6 +16,7 @@ Each dimension is at least 1; ``data`` is given flat or nested as ``shape`` (row
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
@@ -87,7 +88,7 @@ def strings(t: Tensor, rows: int | None) -> list[list[str]]:
 def to_items(inputs: list[Tensor], model: str) -> list[PredictRequest]:
     """The questions of a request's input tensors, for adapter ``model``."""
     tensors = {t.name: t for t in inputs}
-    twice = sorted({t.name for t in inputs if sum(u.name == t.name for u in inputs) > 1})
+    twice = sorted(name for name, n in Counter(t.name for t in inputs).items() if n > 1)
     if twice:
         raise InvalidRequest(f"inputs {twice} are given more than once", "inputs")
     unknown = sorted(set(tensors) - set(INPUTS))

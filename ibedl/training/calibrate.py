@@ -426,7 +426,8 @@ def same_weights(directory: Path, artifact: Path) -> bool:
     """Whether ``directory`` holds an artifact whose manifest names the weight files (their sha256) of ``artifact``'s:
     an earlier calibration of it, which calibrating again may replace."""
     try:
-        return bool(read_manifest(directory).files) and read_manifest(directory).files == read_manifest(artifact).files
+        files = read_manifest(directory).files
+        return bool(files) and files == read_manifest(artifact).files
     except (ValueError, OSError):  # no manifest, or one that does not read: not a calibration of it
         return False
 
@@ -729,7 +730,7 @@ def say_other_sources(parser: argparse.ArgumentParser, argv: list[str], args, ta
 def labelled_outputs(args, source: Path, manifest: Manifest, config: CalibrationConfig,
                      load_dataset) -> tuple[str, dict, list[int], str]:
     """(head kind, raw outputs, labels, calibration key) of the labelled sample ``args`` name: the feedback store's
-    served outputs (``--dataset feedback``: the post-hoc step stays as served), a stored outputs file
+    served outputs (``--dataset feedback``; :func:`settings_for` gives its settings), a stored outputs file
     (``--outputs``), or the model run on the data. Sets ``config.main_options`` where the sample says it."""
     if args.dataset == "feedback":
         if args.outputs or args.limit or args.evaluate_split:
@@ -738,10 +739,8 @@ def labelled_outputs(args, source: Path, manifest: Manifest, config: Calibration
         if not args.path:
             raise ValueError("--dataset feedback needs --path: the service's feedback store (IBEDL_FEEDBACK_DB)")
         # the arithmetic the labelled answers were computed on: --backend's, else the one most of them name
-        kind, raw, labels, key = feedback_outputs(args.path, manifest, from_seq=args.from_seq,
-                                                  since_change=args.since_change, backend=args.backend)
-        config.posthoc = False  # the outputs are the served ones: the served post-hoc parameter stays
-        return kind, raw, labels, key
+        return feedback_outputs(args.path, manifest, from_seq=args.from_seq, since_change=args.since_change,
+                                backend=args.backend)  # its settings: settings_for
     if args.outputs:
         kind, raw, labels = read_outputs(args.outputs, f"{args.dataset}_{args.split}", source, manifest)
         config.main_options = args.main_options or json.loads(Path(args.outputs).read_text()).get("main_options")
