@@ -3,7 +3,8 @@ is a sane token, as the gateway keeps it, else a new one) and arrival time, admi
 the bearer token (401 before the body is read: every route but the health probes and the docs' static assets
 takes IBEDL_API_TOKEN when one is set, so a new route is protected without being listed; /metrics takes
 IBEDL_METRICS_TOKEN; the labelling routes take IBEDL_LABEL_TOKEN alone, and answer the API token 403), content
-type (415), body size (413) and body-read time (408) checks, and request count/latency metrics (probe and metrics
+type (415), body size (413) and body-read time (408) checks, HEAD as the GET of the same path without its body
+(RFC 9110 9.3.2: uptime checkers and some load balancers probe with it), and request count/latency metrics (probe and metrics
 paths stay out of them; label values are bounded), and the access log line; the request id is on every log record
 written while the request is served (``ibedl.serve.logs``)."""
 
@@ -117,6 +118,9 @@ class RequestGuard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        head = scope["method"] == "HEAD"
+        if head:  # routed, checked and answered as GET; counted as HEAD; the body never sent
+            scope, send = {**scope, "method": "GET"}, _headers_only(send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         request_id = choose_request_id(headers.get("x-request-id"))
         scope.setdefault("state", {})["request_id"] = request_id
@@ -168,7 +172,7 @@ class RequestGuard:
             seconds = time.perf_counter() - start
             template = getattr(scope.get("route"), "path", None) or (
                 route if route not in (None, NOT_MOUNTED) else "unmatched")
-            method = scope["method"] if scope["method"] in METHODS else "other"
+            method = "HEAD" if head else scope["method"] if scope["method"] in METHODS else "other"
             if measured:
                 metrics.request_done(template, method, status_holder["status"], seconds,
                                      timed=not status_holder.get("early"))
@@ -201,6 +205,16 @@ async def _read_body(receive, limit: int) -> bytes | object | None:
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
+
+
+def _headers_only(send):
+    """A send that passes the response's start (its Content-Length that of the GET) and empties its body."""
+    async def sent(message):
+        if message["type"] == "http.response.body":
+            message = {**message, "body": b""}
+        await send(message)
+
+    return sent
 
 
 def _replay(body: bytes, receive):

@@ -212,6 +212,15 @@ class TestBadInput:
         assert ok_json(client.get("/nope"), 404)["error"]["type"] == "not_found"
         assert client.get("/predict").status_code == 405
 
+    def test_head_is_the_get_without_its_body(self, client):
+        for path in ("/health/live", "/health/ready", "/v1/models", "/v2/health/ready", "/openapi.json"):
+            got, head = client.get(path), client.head(path)
+            assert head.status_code == got.status_code == 200, (path, head.status_code)
+            assert head.content == b"" and head.headers["content-length"] == got.headers["content-length"], path
+            assert head.headers["content-type"] == got.headers["content-type"] and head.headers["x-request-id"]
+        assert client.head("/predict").status_code == 405 and client.head("/nope").status_code == 404
+        assert 'method="HEAD",route="/v1/models",status="200"' in client.get("/metrics").text
+
     def test_undeclared_body_method_is_405(self, client):
         r = client.put("/health/live")
         assert r.status_code == 405 and "GET" in r.headers["allow"], r.text
