@@ -15,6 +15,7 @@ from ibedl.serve.settings import Settings
 
 log = logging.getLogger("ibedl.serve")
 KEEP_ALIVE_S = 5  # uvicorn closes a kept-alive connection idle this long; the gateway's upstream pool closes sooner
+PROBES = ("/health/", "/v2/health/")  # answered over the connection cap: a busy replica is not restarted
 
 
 def refusal(settings: Settings) -> str | None:
@@ -57,7 +58,7 @@ CLOSE = (b"connection", b"close")
 
 
 class ServiceH11(H11Protocol):
-    """uvicorn's h11 protocol with two changes:
+    """uvicorn's h11 protocol with three changes:
 
     - a connection is closed when no request's headers are complete ``header_timeout_s`` after it opened or after
       its last response completed (uvicorn itself waits forever for the first request's headers, so a client that
@@ -69,11 +70,26 @@ class ServiceH11(H11Protocol):
       is answered (the draining service refuses it with 503, which the gateway retries on another replica) with
       ``Connection: close``; otherwise the peer closes it first (the gateway's pool after 4 s) or a timer does: the
       keep-alive timer (KEEP_ALIVE_S) after a response, the header timer on a connection that never sent a request.
-      A response still to start at shutdown says ``Connection: close`` too."""
+      A response still to start at shutdown says ``Connection: close`` too;
+    - the health probes (PROBES) are answered over the connection cap (IBEDL_MAX_CONNECTIONS), where uvicorn answers
+      every request 503: a liveness probe failing on a replica busy with many kept-alive connections would have the
+      kubelet restart it and move its load onto the others. Every other path still gets the 503."""
 
     header_timeout_s: float = 10.0
     _header_timer: asyncio.TimerHandle | None = None
     _closing = False
+
+    @property
+    def limit_concurrency(self) -> int | None:
+        """uvicorn's cap, read once a request's scope is made: None (no cap) for a health probe."""
+        scope = getattr(self, "scope", None)
+        if scope is not None and scope.get("path", "").startswith(PROBES):
+            return None
+        return self._limit_concurrency
+
+    @limit_concurrency.setter
+    def limit_concurrency(self, value: int | None) -> None:
+        self._limit_concurrency = value
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)

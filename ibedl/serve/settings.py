@@ -35,7 +35,8 @@ class Settings(EngineSettings):
     allow_anonymous: bool = Field(False, description="serve a non-loopback IBEDL_HOST without IBEDL_API_TOKEN "
                                   "(anyone who reaches the port may use the API; logged at start)")
     max_connections: int = Field(256, ge=1, description="open connections (and requests in progress) at most; a "
-                                 "request over it gets 503 at once (uvicorn's limit_concurrency)")
+                                 "request over it gets 503 at once (uvicorn's limit_concurrency), the health "
+                                 "probes excepted")
     header_timeout_s: float = Field(10.0, gt=0, description="time for a connection to send a request's headers "
                                     "(the first, and the next on a kept-alive connection); else it is closed")
     log_level: str = "info"

@@ -368,15 +368,18 @@ def test_a_request_that_asks_to_switch_protocols_is_answered_over_http_1_1_body_
         s.close()
 
 
-def test_a_request_over_the_connection_cap_gets_503():
+def test_a_request_over_the_connection_cap_gets_503_but_the_health_probes_are_answered():
     with Running(max_connections=2, header_timeout_s=30) as srv:
         held = [srv.connect(), srv.connect()]
         deadline = time.monotonic() + 10
         while len(srv.server.server_state.connections) < 2:
             assert time.monotonic() < deadline
             time.sleep(0.02)
-        third = srv.connect()
-        third.sendall(b"GET /health/live HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert third.recv(1024).startswith(b"HTTP/1.1 503")
-        for s in (*held, third):
+        for path, status in ((b"/predict", b"503"), (b"/health/live", b"200"), (b"/v2/health/ready", b"200"),
+                             (b"/healthz", b"503"), (b"/v1/models", b"503")):
+            third = srv.connect()
+            third.sendall(b"GET " + path + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert read_response(third).startswith(b"HTTP/1.1 " + status), path
+            third.close()
+        for s in held:
             s.close()
