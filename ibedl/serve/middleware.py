@@ -1,10 +1,10 @@
-"""One ASGI middleware in front of the routes, in the order a request meets them: request id (the client's when it
-is a sane token, as the gateway keeps it, else a new one) and arrival time, admission (decided once, on arrival),
-the bearer token (401 before the body is read: every route but the health probes and the docs' static assets
-takes IBEDL_API_TOKEN when one is set, so a new route is protected without being listed; /metrics takes
-IBEDL_METRICS_TOKEN; the labelling routes take IBEDL_LABEL_TOKEN alone, and answer the API token 403), content
-type (415), body size (413) and body-read time (408) checks, HEAD as the GET of the same path without its body
-(RFC 9110 9.3.2: uptime checkers and some load balancers probe with it), and request count/latency metrics (probe and metrics
+"""One ASGI middleware in front of the routes, in the order a request meets them: request id (the client's when it is a
+sane token, as the gateway keeps it, else a new one) and arrival time, admission (decided once, on arrival), the
+bearer token (401 before the body is read: every route but the health probes and the docs' static assets takes
+IBEDL_API_TOKEN when one is set, so a new route is protected without being listed; /metrics takes
+IBEDL_METRICS_TOKEN; the labelling routes take IBEDL_LABEL_TOKEN alone, and answer the API token 403), content type
+(415), body size (413) and body-read time (408) checks, HEAD as the GET of the same path without its body (RFC 9110
+9.3.2: uptime checkers and some load balancers probe with it), and request count/latency metrics (probe and metrics
 paths stay out of them; label values are bounded), and the access log line; the request id is on every log record
 written while the request is served (``ibedl.serve.logs``)."""
 

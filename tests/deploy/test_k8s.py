@@ -280,6 +280,29 @@ def with_feedback_db(tmp_path_factory) -> dict[str, dict]:
     return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(r.stdout) if d}
 
 
+@pytest.mark.parametrize("component", [False, True], ids=["base", "with-feedback-db"])
+def test_the_readmes_overlay_renders_and_opens_the_replicas_to_its_namespaces(tmp_path, component):
+    """The overlay deploy/README.md tells a user to write, on the base alone and with the feedback-db component the
+    README adds: its patches apply (a patch aimed at every NetworkPolicy failed on the database's)."""
+    import os
+
+    readme = (DEPLOY / "README.md").read_text()
+    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", readme, re.S) if "kind: Kustomization" in b]
+    overlay = yaml.safe_load(block)
+    overlay["resources"] = [os.path.relpath(K8S, tmp_path)]
+    if component:
+        overlay["components"] = [os.path.relpath(K8S / "feedback-db", tmp_path)]
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(overlay))
+    r = subprocess.run([require_binary("kubectl"), "kustomize", str(tmp_path)], capture_output=True, text=True,
+                       timeout=60, stdin=subprocess.DEVNULL, check=False)
+    assert r.returncode == 0, r.stderr
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(r.stdout) if d}
+    ingress = docs[("NetworkPolicy", "ibedl-api")]["spec"]["ingress"]
+    assert ingress[0]["from"][1]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "ingress-nginx"}
+    assert ingress[1]["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "monitoring"}
+    assert ("NetworkPolicy", "ibedl-feedback-db") in docs or not component
+
+
 def test_the_feedback_db_component_validates_and_serves_the_replicas_only(with_feedback_db):
     docs = with_feedback_db
     db = docs[("StatefulSet", "ibedl-feedback-db")]
