@@ -33,7 +33,7 @@ from accelerate.utils import set_seed
 from tqdm import tqdm
 
 from ibedl.core import prefix_cache
-from ibedl.core.artifact import MANIFEST, PEFT_TASK_TYPE, Manifest, files_sha256, save_head, write_manifest
+from ibedl.core.artifact import PEFT_TASK_TYPE, Manifest, files_sha256, save_head, write_manifest
 from ibedl.core.base_model import ResolvedModel, check_device, load_base_model, resolve_model
 from ibedl.core.cpu_isa import describe_device
 from ibedl.core.head import HEADS, CentredEvidence, HeadConfig, build_head
@@ -560,6 +560,7 @@ def train(cfg: TrainConfig, command: str = "") -> Path:
     check_members_from(cfg, len(dirs))
     check_device(cfg.device)
     out_dir = Path(cfg.output)
+    settle(out_dir)  # a publish cut short by an earlier start: finished or undone, before anything is decided
     check_output(out_dir)
     stage = staging_dir(out_dir)  # the run writes here; the artifact replaces out_dir only once complete
     if cfg.threads:
@@ -673,24 +674,43 @@ def check_output(out_dir: Path) -> None:
         raise ValueError(f"output {str(out_dir)!r} is a file, not an artifact directory")
 
 
+def previous_dir(out_dir: Path) -> Path:
+    """Where :func:`publish` sets the artifact it replaces aside until the new one is in place (a hidden sibling)."""
+    out_dir = out_dir.resolve()
+    return out_dir.parent / f".{out_dir.name}.previous"
+
+
 def publish(stage: Path, out_dir: Path) -> None:
-    """The completed artifact at ``stage`` moved into ``out_dir``, each of its entries replacing the one of that name
-    there (what else ``out_dir`` holds stays: a caller's log). The manifest goes first and comes back last, so
-    ``out_dir`` never holds a manifest beside files it does not describe."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / MANIFEST).unlink(missing_ok=True)
-    for entry in sorted(stage.iterdir()):
-        if entry.name == MANIFEST:
-            continue
-        target = out_dir / entry.name
-        if target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target)
-        else:
-            target.unlink(missing_ok=True)
-        entry.rename(target)
-    (stage / MANIFEST).rename(out_dir / MANIFEST)
-    stage.rmdir()
+    """The completed artifact at ``stage`` put at ``out_dir`` by two renames: ``out_dir`` set aside (previous_dir),
+    then ``stage`` in its place; then what else the earlier ``out_dir`` held and the new artifact does not (a caller's
+    log, an earlier run's extra files) is moved back, and the rest removed. Cut short anywhere, a whole artifact is at
+    ``out_dir`` or, between the renames, at the set-aside name, which the next start puts back (:func:`settle`);
+    nothing is deleted before the new artifact is in place."""
+    out_dir = out_dir.resolve()
+    settle(out_dir)
+    if out_dir.exists():
+        out_dir.rename(previous_dir(out_dir))
+    stage.rename(out_dir)
+    settle(out_dir)
     log.info("artifact written to %s", out_dir)
+
+
+def settle(out_dir: Path) -> None:
+    """Finish a :func:`publish` that was cut short: with nothing at ``out_dir`` (cut between its renames) the
+    set-aside artifact goes back there; else the set-aside entries ``out_dir`` lacks are moved into it and the rest
+    removed. Nothing to do when nothing was set aside."""
+    previous = previous_dir(out_dir)
+    if not previous.is_dir():
+        return
+    out_dir = out_dir.resolve()
+    if not out_dir.exists():
+        previous.rename(out_dir)
+        log.warning("%s: put back the artifact an interrupted run had set aside (%s)", out_dir, previous)
+        return
+    for entry in sorted(previous.iterdir()):
+        if not (out_dir / entry.name).exists() and not (out_dir / entry.name).is_symlink():
+            entry.rename(out_dir / entry.name)
+    shutil.rmtree(previous)
 
 
 def start_history(out_dir: Path, resumed: set[int] = frozenset()) -> Path:

@@ -205,6 +205,42 @@ def test_an_interrupted_run_leaves_the_artifact_it_would_replace_as_it_was(tmp_p
     assert sorted(p.name for p in out.parent.iterdir()) == ["map"]  # nothing staged or set aside is left
 
 
+def test_a_publish_cut_short_anywhere_leaves_a_whole_artifact_that_the_next_start_puts_back(tmp_path, tiny_model_dir,
+                                                                                              jsonl_data, monkeypatch):
+    """publish() swaps directories by two renames: cut between them, the earlier artifact is whole at the set-aside
+    name and the next start puts it back; cut after them, the caller's file comes back and nothing is set aside. (It
+    replaced entry by entry: cut midway, the output held neither artifact.)"""
+    out = train(config(tmp_path, tiny_model_dir, jsonl_data, "map"))
+    (out / "train.log").write_text("the caller's")
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    stage_rename = Path.rename
+
+    def cut(at: str):
+        def rename(self, target):
+            if Path(target).resolve() == out.resolve() and at == "between" and self.name.endswith(".partial"):
+                raise KeyboardInterrupt
+            moved = stage_rename(self, target)
+            if at == "after" and self.name.endswith(".partial"):
+                raise KeyboardInterrupt
+            return moved
+        return rename
+
+    for at in ("between", "after"):
+        with monkeypatch.context() as patch:
+            patch.setattr(Path, "rename", cut(at))
+            with pytest.raises(KeyboardInterrupt):
+                train(config(tmp_path, tiny_model_dir, jsonl_data, "map", **{"optim.lr": 2e-3}))
+        if at == "between":
+            assert not out.exists() and finetune.previous_dir(out).is_dir()
+            finetune.settle(out)  # what the next start does first
+            assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+        else:
+            assert read_manifest(out).training["config"]["optim"]["lr"] == 2e-3  # the new one, whole
+            again = train(config(tmp_path, tiny_model_dir, jsonl_data, "map", **{"optim.lr": 2e-3}))
+            assert (again / "train.log").read_text() == "the caller's"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["map"]
+
+
 def test_an_output_that_is_a_file_is_refused_before_training(tmp_path, tiny_model_dir, jsonl_data, capsys):
     (tmp_path / "map").write_text("notes")
     assert main(overrides(tmp_path, tiny_model_dir, jsonl_data, "map")) == 2
