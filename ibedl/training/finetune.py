@@ -390,6 +390,7 @@ def fit_member(cfg: TrainConfig, method: Method, params: dict, train_q, val_q, m
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
         seen += len(idx)
+        lr = scheduler.get_last_lr()[0]  # the rate this step used, before the schedule moves to the next
         if not accelerator.optimizer_step_was_skipped:  # fp16: a step with inf gradients is skipped
             scheduler.step()
         values = dict(zip(stat_names(parts, out), torch.stack(stats).mean(0).tolist(), strict=False))
@@ -398,7 +399,7 @@ def fit_member(cfg: TrainConfig, method: Method, params: dict, train_q, val_q, m
         bar.set_postfix(loss=f"{running:.4f}", samples_s=f"{rate:.2f}", epoch=epoch)
         bar.update(1)
         record = {"member": member, "step": step + 1, "epoch": epoch, "loss": values.pop("loss"),
-                  "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm), **values}
+                  "lr": lr, "grad_norm": float(grad_norm), **values}
         last = step + 1
         if validation_due(cfg, step + 1, total, steps_per_epoch):
             record["validation"] = validation_metrics(
@@ -447,11 +448,14 @@ def validation_metrics(predictor: Predictor, questions: list[MCQuestion], batch_
 
 
 def validation_due(cfg: TrainConfig, step: int, total: int, steps_per_epoch: int) -> bool:
-    """Whether a validation pass follows optimizer step ``step`` (1-based): every ``eval_every`` steps; with early
-    stopping also at each epoch's end and at the budget's end (the stopping rule compares the last state too)."""
-    if cfg.eval_every and step % cfg.eval_every == 0 and (step < total or cfg.optim.patience):
+    """Whether a validation pass follows optimizer step ``step`` (1-based): every ``eval_every`` steps (the last
+    step's is the end's own validation), else, with early stopping, at each epoch's end; with early stopping always
+    at the budget's end, or the steps after the last pass would be trained and never kept."""
+    if cfg.optim.patience and step == total:
         return True
-    return bool(cfg.optim.patience) and not cfg.eval_every and (step % steps_per_epoch == 0 or step == total)
+    if cfg.eval_every:
+        return step % cfg.eval_every == 0 and step < total
+    return bool(cfg.optim.patience) and step % steps_per_epoch == 0
 
 
 class EarlyStopping:

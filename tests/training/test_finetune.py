@@ -2,6 +2,7 @@ import json
 import random
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import safetensors.torch
@@ -430,6 +431,26 @@ def test_early_stopping_keeps_the_state_of_the_lowest_validation_nll():
     inactive = EarlyStopping(None, module)
     inactive.observe(0, {"nll": 0.1})
     assert not inactive.should_stop and inactive.best_state is None
+
+
+@pytest.mark.parametrize(("eval_every", "patience", "total", "due"), [
+    (100, 5, 250, [100, 200, 250]),  # early stopping: the last steps are validated too, or never kept
+    (100, None, 250, [100, 200]),  # without it the end's own validation scores the last state
+    (100, None, 200, [100]),
+    (0, 2, 25, [10, 20, 25]),  # each epoch's end (10 steps), and the budget's
+    (0, None, 25, []),
+])
+def test_validation_passes(eval_every, patience, total, due):
+    cfg = SimpleNamespace(eval_every=eval_every, optim=SimpleNamespace(patience=patience))
+    assert [s for s in range(1, total + 1) if finetune.validation_due(cfg, s, total, 10)] == due
+
+
+def test_history_records_the_learning_rate_each_step_used(tmp_path, tiny_model_dir, jsonl_data):
+    """3 steps: one of warm-up (lr), then the cosine from lr at step 2 (frac 0) to lr/2 at step 3 (frac 1/2); each
+    row said the next step's rate (1e-3, 5e-4, 0)."""
+    out = train(config(tmp_path, tiny_model_dir, jsonl_data, "map"))
+    rates = [json.loads(line)["lr"] for line in (out / "history.jsonl").read_text().splitlines()]
+    assert rates == pytest.approx([1e-3, 1e-3, 5e-4])
 
 
 def test_patience_validates_each_epoch_and_saves_the_best_state(tmp_path, tiny_model_dir, jsonl_data):
