@@ -70,6 +70,17 @@ class AdapterRuntime:
         """What drift is measured on: the uncertainty mass when the calibration's reference has it, else confidence."""
         return "uncertainty_mass" if self.calibration.reference.get("uncertainty") is not None else "confidence"
 
+    @property
+    def watched_options(self) -> int | None:
+        """The option count whose answers drift and the label-free accuracy estimate watch: the one the calibration's
+        reference was drawn from (a per-count calibration's main count, or a sample's only count; older calibrations:
+        the count the post-hoc step was fitted on). None: every count (a reference that mixes counts)."""
+        if "options" in self.calibration.reference:
+            options = self.calibration.reference["options"]
+        else:
+            options = (self.calibration.record.get("posthoc") or {}).get("fitted_on_options")
+        return None if options is None else int(options)
+
     def reference(self) -> list:
         """The calibration sample's values of :attr:`drift_statistic` that served values are compared with."""
         key = "uncertainty" if self.drift_statistic == "uncertainty_mass" else "confidence"

@@ -306,6 +306,8 @@ class DriftStatus(BaseModel):
         ..., description="95% interval of that estimate, assuming the probabilities are calibrated")
     target_accuracy: float | None = Field(..., description="the accuracy the adapter's abstention guarantees; null "
                                           "when its calibration could not certify one")
+    options: int | None = Field(None, description="the option count whose answers both windows hold (the drift "
+                                "reference's); null: every count")
 
 
 class ModelCard(BaseModel):

@@ -17,6 +17,7 @@ class Monitors:
 
     drift: DriftMonitor
     accuracy: AccuracyEstimate
+    options: int | None  # the option count whose answers they watch (None: every count)
 
 
 class ServiceObserver(Observer):
@@ -28,12 +29,18 @@ class ServiceObserver(Observer):
         self.monitors: dict[str, Monitors] = {}  # by adapter name: the served runtime's
 
     def serving(self, runtime) -> None:
-        """Fresh monitors against the calibration's reference, and the gauges that say which version is served."""
-        s, target = self.settings, runtime.thresholds.stated_target
+        """Fresh monitors against the calibration's reference, and the gauges that say which version is served.
+        They watch the answers of the reference's option count alone (``runtime.watched_options``): another count's
+        confidence and uncertainty differ on healthy traffic, and alarmed on a mixture. The accuracy target is that
+        count's, and none where the calibration claims no promise for it."""
+        s, target, options = self.settings, runtime.thresholds.stated_target, runtime.watched_options
+        claimed = runtime.option_counts
+        if claimed is not None and (options not in claimed if options is not None else not claimed):
+            target = None
         self.monitors[runtime.name] = Monitors(
             DriftMonitor(runtime.reference(), runtime.drift_statistic, s.drift_window, s.drift_alarm_rate,
                          s.drift_bootstrap),
-            AccuracyEstimate(s.drift_window, float(target) if target else None))
+            AccuracyEstimate(s.drift_window, float(target) if target else None), options)
         manifest, base = runtime.predictor.manifest, runtime.predictor.manifest.base_model_ref()
         self.metrics.model_info.labels(adapter=runtime.name).info(
             {"version": str(manifest.version), "method": manifest.method, "base_model": base.name,
@@ -58,7 +65,9 @@ class ServiceObserver(Observer):
                                           reason=answer.guarantees.reason).inc()
         if answer.abstain_reason:
             m.abstentions.labels(adapter=name, reason=answer.abstain_reason).inc()
-        else:  # an answered question feeds the accuracy estimate; every one feeds drift
+        if monitors.options is not None and question.num_options != monitors.options:
+            return  # another count than the reference's: not comparable with it
+        if not answer.abstain_reason:  # an answered question feeds the accuracy estimate; every one feeds drift
             monitors.accuracy.add([prediction.confidence])
         drift = monitors.drift
         drift.add([prediction.uncertainty if drift.statistic == "uncertainty_mass" else prediction.confidence])
@@ -98,4 +107,4 @@ class ServiceObserver(Observer):
         status, accuracy = monitors.drift.status(), monitors.accuracy.status()
         self.metrics.set_drift(adapter, status)
         self.metrics.set_accuracy(adapter, accuracy)
-        return DriftStatus(**status, **accuracy)
+        return DriftStatus(**status, **accuracy, options=monitors.options)

@@ -317,9 +317,13 @@ def calibrate_outputs(kind: str, raw: dict, labels, config: CalibrationConfig) -
     pool = np.arange(n) if main is None else np.flatnonzero(counts == main)
     rng = np.random.default_rng(config.seed)
     ref_idx = np.sort(rng.choice(pool, size=min(config.reference_size, len(pool)), replace=False))
+    sample_counts = sorted({int(c) for c in counts})
     reference = {
         "split": "calibration sample (fit and calibration parts)"
                  + ("" if main is None else f", questions with {main} options"),
+        # the option count whose questions the reference holds (None: several): the service watches that count's
+        # answers alone, since confidence and the uncertainty mass move with the count (max p >= 1/C, u = C/alpha0)
+        "options": main if main is not None else sample_counts[0] if len(sample_counts) == 1 else None,
         "uncertainty": (None if outputs.uncertainty is None
                         else [round(float(outputs.uncertainty[i]), 6) for i in ref_idx]),
         "confidence": [round(float(conf[i]), 6) for i in ref_idx],

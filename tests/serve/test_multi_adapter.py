@@ -64,11 +64,16 @@ def test_answers_equal_each_adapter_served_alone(make_client, multi, tiny_artifa
 
 
 def test_metrics_and_drift_by_adapter(multi):
+    words = ["sun", "moon", "tree", "fish", "stone", "bird"]
+    watched = {name: ok_json(multi.get("/v1/drift", params={"adapter": name}))["options"]
+               for name in ("tiny", "tiny-map")}
+    assert set(watched.values()) <= {3, 4, 5}  # per count (min_per_count 10): the main count's answers alone
     for _ in range(2):
-        multi.post("/predict", json={**Q, "adapter": "tiny-map"})
-    multi.post("/predict", json=Q)
+        multi.post("/predict", json={**Q, "options": words[:watched["tiny-map"]], "adapter": "tiny-map"})
+    multi.post("/predict", json={**Q, "options": words[:watched["tiny"]]})
+    multi.post("/predict", json={**Q, "options": words[:6]})  # a count the reference does not hold: not in drift
     text = multi.get("/metrics").text
-    assert 'ibedl_answers_total{adapter="tiny"} 1.0' in text
+    assert 'ibedl_answers_total{adapter="tiny"} 2.0' in text
     assert 'ibedl_answers_total{adapter="tiny-map"} 2.0' in text
     assert 'ibedl_confidence_count{adapter="tiny-map"} 2.0' in text
     assert 'ibedl_drift_window{adapter="tiny-map"} 2.0' in text and 'ibedl_drift_window{adapter="tiny"} 1.0' in text

@@ -259,13 +259,19 @@ class TestCalibrateOutputs:
         counts = np.asarray([len(p) for p in raw["probs"]])
         expected, _ = head_kind("ib_edl").fit(raw, np.asarray(labels), fit[counts[fit] == 4])
         assert head_update == expected and sections["calibration"]["posthoc"]["fitted_on_options"] == 4
+        assert sections["reference"]["options"] == 4  # drift watches the main count's answers against these
+        ref = np.asarray(sections["reference"]["confidence"])
+        assert len(ref) == min(CalibrationConfig().reference_size, int((counts == 4).sum())) and ref.min() >= 0.25
 
     def test_a_single_count_is_claimed_when_it_has_enough_questions(self):
         raw, labels = _synthetic("ib_edl", n=2000)
         keep = [i for i, p in enumerate(raw["probs"]) if len(p) == 4]  # about 500 four-option questions
         one = {k: ([v[i] for i in keep] if isinstance(v, list) else v) for k, v in raw.items()}
         ys = [labels[i] for i in keep]
-        assert calibrate_outputs("ib_edl", one, ys, CalibrationConfig())[2]["calibration"]["option_counts"] == [4]
+        sections = calibrate_outputs("ib_edl", one, ys, CalibrationConfig())[2]
+        assert sections["calibration"]["option_counts"] == [4] and sections["reference"]["options"] == 4
+        assert calibrate_outputs("ib_edl", raw, labels, CalibrationConfig(min_per_count=10_000))[2]["reference"][
+            "options"] is None  # a mixture of counts, none claimed: the reference holds every count
         few = {k: (v[:150] if isinstance(v, list) else v) for k, v in one.items()}
         assert calibrate_outputs("ib_edl", few, ys[:150], CalibrationConfig())[2]["calibration"][
             "option_counts"] == []
