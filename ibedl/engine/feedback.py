@@ -133,9 +133,9 @@ class Feedback:
         return prediction_set(probs, tracker.quantile, runtime.conformal.score, never_empty=False)
 
     def receipt(self, runtime: AdapterRuntime, question: str, pred, answered: bool, pset: list[int] | None,
-                coverage: float | None, adaptive_set: list[int] | None) -> str | None:
+                coverage: float | None, adaptive_set: list[int] | None, own_rule: bool = True) -> str | None:
         """The signed receipt of one answer (``pred``: its ``ibedl.core.predictor.Prediction``); None when feedback
-        is off."""
+        is off. ``own_rule`` False: the request chose its own thresholds, and its label tests no accuracy target."""
         if self._key is None:
             return None
         now = int(self.clock())
@@ -143,7 +143,7 @@ class Feedback:
         # not certify (the answer states none: ibedl.engine.responses.stated_guarantees): their labels test nothing
         counts = runtime.option_counts
         claimed = counts is None or len(pred.probs) in counts
-        target = runtime.thresholds.for_options(len(pred.probs)).stated_target if claimed else None
+        target = runtime.thresholds.for_options(len(pred.probs)).stated_target if claimed and own_rule else None
         coverage = coverage if claimed else None
         tracker = self._tracker(runtime)
         return sign(Receipt(

@@ -35,17 +35,20 @@ def build_answer(runtime: AdapterRuntime, req: PredictRequest, q: MCQuestion, pr
         opts.min_confidence if opts else None,
     )
     reason = abstention.decide(pred.uncertainty, pred.confidence, limits)
+    # Thresholds of the request's own answer other questions than those the calibration certified (Learn-then-Test
+    # tests the adapter's threshold, and answered accuracy need not rise with a higher one): no accuracy is promised.
+    own_rule = (limits.min_confidence, limits.max_uncertainty) == (own.min_confidence, own.max_uncertainty)
     letters = LETTERS[: q.num_options]
     conformal = stored_quantile(conformal_of(runtime, q.num_options), req)
     set_indices = None if conformal is None else prediction_set(pred.probs, conformal[0], conformal[2])
     pset = None if set_indices is None else [letters[i] for i in set_indices]
     guarantees = stated_guarantees(runtime, own, q.num_options, None if conformal is None else conformal[1],
-                                   None if feedback is None else feedback.suspension(runtime))
+                                   None if feedback is None else feedback.suspension(runtime), own_rule)
     adaptive = receipt = None
     if feedback is not None and feedback.enabled:
         adaptive = feedback.adaptive_set(runtime, pred.probs)
         receipt = feedback.receipt(runtime, req.id or answer_id, pred, reason is None, set_indices,
-                                   None if conformal is None else r6(1.0 - conformal[1]), adaptive)
+                                   None if conformal is None else r6(1.0 - conformal[1]), adaptive, own_rule)
     return PredictResponse(
         id=req.id or answer_id,
         prediction=PredictedOption(letter=pred.letter, index=pred.index, text=q.options[pred.index]),
@@ -68,9 +71,10 @@ def build_answer(runtime: AdapterRuntime, req: PredictRequest, q: MCQuestion, pr
 
 
 def stated_guarantees(runtime: AdapterRuntime, thresholds, options: int, alpha: float | None,
-                      suspended: dict | None = None) -> StatedGuarantees:
+                      suspended: dict | None = None, own_rule: bool = True) -> StatedGuarantees:
     """What the calibration in use promises for an answer to a question of ``options`` options under
-    ``thresholds`` (that count's) whose set has miscoverage ``alpha`` (None: no set); nothing, with the reason,
+    ``thresholds`` (that count's) whose set has miscoverage ``alpha`` (None: no set); no answered accuracy when the
+    request chose its own thresholds (not ``own_rule``); nothing, with the reason,
     for a count the calibration does not claim or while labelled feedback has the version's promises
     ``suspended`` (``{"since": ISO 8601}``: ibedl.engine.feedback.Feedback.suspension)."""
     how, counts = thresholds.how, runtime.option_counts
@@ -81,7 +85,7 @@ def stated_guarantees(runtime: AdapterRuntime, thresholds, options: int, alpha: 
                                 "violated_by_feedback" else suspended["since"], option_counts=counts,
                                 answered_accuracy=None, answered_accuracy_delta=None, set_coverage=None,
                                 set_coverage_delta=None)
-    target = thresholds.stated_target
+    target = thresholds.stated_target if own_rule else None
     gate = thresholds.ood_threshold > 0 and how.get("gate_rejection_rate") is not None
     return StatedGuarantees(
         holds=None if counts is None else True,

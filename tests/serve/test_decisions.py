@@ -3,6 +3,8 @@ estimate, end to end through the app on the tiny calibrated artifact."""
 
 from __future__ import annotations
 
+import base64
+import json
 import math
 import shutil
 
@@ -131,6 +133,24 @@ class TestAccuracyEstimate:
             assert body["guarantees"]["answered_accuracy"] is None
             assert ok_json(c.get("/v1/drift"))["target_accuracy"] is None
             assert 'ibedl_target_accuracy{adapter="tiny"} NaN' in c.get("/metrics").text
+
+    def test_a_request_with_its_own_thresholds_is_promised_no_accuracy(self, open_artifact, make_client, tmp_path):
+        """Learn-then-Test certified the adapter's threshold: a request's higher one answers other questions, whose
+        accuracy nothing bounds (it need not rise with the threshold), so its answer states none and its receipt
+        carries no target its label would test. Its set's coverage still holds; a request that tightens nothing is
+        promised the target."""
+        m = read_manifest(open_artifact)
+        for how in (m.abstention["how"], *(e["how"] for e in m.abstention.get("by_options", {}).values())):
+            how.update(certified=True, target_accuracy=0.9, delta=0.1)
+        write_manifest(open_artifact, m)
+        with make_client(artifact=open_artifact, feedback_key="k" * 32, feedback_db=tmp_path / "f.sqlite") as c:
+            for abstain, target in ((None, 0.9), ({"min_confidence": 0.0, "max_uncertainty": 1.0}, 0.9),
+                                    ({"min_confidence": 0.99}, None), ({"max_uncertainty": 0.5}, None)):
+                body = ok_json(c.post("/predict", json={**Q, "abstain": abstain}))
+                assert body["guarantees"]["answered_accuracy"] == target, abstain
+                assert body["guarantees"]["holds"] is True and body["guarantees"]["set_coverage"] == 0.9
+                payload = json.loads(base64.urlsafe_b64decode(body["receipt"].split(".")[1] + "=="))
+                assert payload["target"] == target and payload["coverage"] == 0.9
 
     def test_abstained_questions_do_not_count(self, open_artifact, make_client):
         with make_client(artifact=open_artifact) as c:
