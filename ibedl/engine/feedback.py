@@ -144,7 +144,10 @@ class Feedback:
         counts = runtime.option_counts
         claimed = counts is None or len(pred.probs) in counts
         target = runtime.thresholds.for_options(len(pred.probs)).stated_target if claimed and own_rule else None
-        coverage = coverage if claimed else None
+        # a marginal set (no delta: calibrations before PAC sets) promises its level over calibration draws, not for
+        # this calibration: its labels would find the served rule's own coverage, Beta-spread about it, and suspend
+        coverage = coverage if claimed and runtime.conformal is not None and runtime.conformal.delta is not None \
+            else None
         tracker = self._tracker(runtime)
         return sign(Receipt(
             id=new_id(), question=question, adapter=runtime.name, version=runtime.ref["version"],

@@ -190,6 +190,25 @@ class TestRecording:
         assert after["guarantees"]["holds"] is not False
 
 
+    def test_a_marginal_set_is_not_tested_against_this_calibration(self, make_client, answering_artifact, tmp_path):
+        """A calibration made before PAC sets (conformal delta null) promises its sets' level over calibration
+        draws: this calibration's own coverage is spread about it, so labels test no set coverage (they found it
+        below 0.9 about half the time and suspended the version)."""
+        from ibedl.core.artifact import read_manifest, write_manifest
+
+        manifest = read_manifest(answering_artifact)
+        manifest.conformal["delta"] = None
+        write_manifest(answering_artifact, manifest)
+        with make_client(artifact=answering_artifact, feedback_key=KEY, feedback_db=tmp_path / "f.sqlite") as client:
+            answer = ask(client)
+            assert answer["guarantees"]["set_coverage"] == 0.9 and answer["guarantees"]["set_coverage_delta"] is None
+            r = client.post("/v1/feedback", json={"receipt": answer["receipt"], "label": wrong_letter(answer)})
+            assert r.status_code == 200, r.text
+            tested = {g["guarantee"] for g in client.get("/v1/guarantees").json()["guarantees"]}
+        payload = json.loads(base64.urlsafe_b64decode(answer["receipt"].split(".")[1] + "=="))
+        assert payload["coverage"] is None and "set_coverage" not in tested and "answered_share" in tested
+
+
 class TestRefusals:
     def refused(self, client, body, status, type_, field="receipt"):
         before = counts(client)
