@@ -42,13 +42,15 @@ def yaml_load(text: str):
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # the head's parameters are float32
 Real = int | float  # a number kept as written (an int stays an int in to_dict and the manifest)
 
 
 class _Model(BaseModel):
-    """Typed, unknown keys refused; nested models and lists of them validate on construction."""
+    """Typed, unknown keys refused, no NaN or infinite number (``optim.lr=.inf`` trained to a NaN loss, ``optim.epochs=
+    .inf`` failed converting it to steps); nested models and lists of them validate on construction."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     def to_dict(self) -> dict:
         return self.model_dump()
@@ -108,7 +110,7 @@ class DataConfig(_Model):
 
 class LoraSettings(_Model):
     r: StrictInt = Field(8, ge=1)
-    alpha: Real = 16
+    alpha: Real = Field(16, gt=0)  # 0 would scale the adapter to nothing: no LoRA at all
     dropout: Real = Field(0.1, ge=0.0, lt=1.0)
     targets: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"])
 
@@ -204,8 +206,9 @@ class TrainConfig(_Model):
     @field_validator("evidence_bias", mode="before")
     @classmethod
     def _evidence_bias(cls, value):
-        if not (value in ("center", "none") or (isinstance(value, (int, float)) and not isinstance(value, bool))):
-            raise ValueError(f"evidence_bias must be 'center', 'none' or a number, got {value!r}")
+        if not (value in ("center", "none") or (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                                and abs(value) <= FLOAT32_MAX)):
+            raise ValueError(f"evidence_bias must be 'center', 'none' or a finite float32 number, got {value!r}")
         return value
 
     @field_validator("evidence_scale", mode="before")

@@ -382,7 +382,7 @@ def fit_member(cfg: TrainConfig, method: Method, params: dict, train_q, val_q, m
                 stats.append(accelerator.reduce(step_stats(loss, parts, out, y), "mean"))  # the global batch's means
                 if not torch.isfinite(stats[-1][0]):
                     raise FloatingPointError(
-                        f"loss is {stats[-1][0].item()} at step {step}; lower optim.lr or check the data"
+                        f"loss is {stats[-1][0].item()} at step {step + 1}; lower optim.lr or check the data"
                     )
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
@@ -853,7 +853,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         out = train(cfg, command)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, FloatingPointError) as e:  # a NaN loss says what to change
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not main_process:

@@ -38,7 +38,14 @@ def test_overrides_nested_and_typed():
     ("lora.dropout=1.5", "lora.dropout must be in \\[0, 1\\), got 1.5"),
     ("data.label_noise=1.0", "data.label_noise must be in \\[0, 1\\), got 1.0"),
     ("optim.bogus=1", "unknown config keys \\['optim.bogus'\\]"),
-    ("evidence_bias=sideways", "evidence_bias must be 'center', 'none' or a number"),
+    ("evidence_bias=sideways", "evidence_bias must be 'center', 'none' or a finite float32 number"),
+    ("evidence_bias=.nan", "evidence_bias must be 'center', 'none' or a finite float32 number, got nan"),
+    ("evidence_bias=1e39", "evidence_bias must be .* got 1e\\+39"),  # was a RuntimeError filling the head
+    ("optim.lr=.inf", "optim.lr: input should be a finite number, got inf"),  # trained to a NaN loss's traceback
+    ("optim.epochs=.inf", "optim.epochs: input should be a finite number, got inf"),  # OverflowError making steps
+    ("optim.weight_decay=.nan", "optim.weight_decay: input should be a finite number, got nan"),
+    ("lora.alpha=.nan", "lora.alpha: input should be a finite number, got nan"),
+    ("lora.alpha=0", "lora.alpha must be > 0, got 0"),  # scaled the adapter to nothing: no LoRA
     ("evidence_scale=0", "evidence_scale must be a finite number > 0, got 0"),
     ("evidence_scale=-2.5", "evidence_scale must be a finite number > 0, got -2.5"),
 ])

@@ -242,6 +242,14 @@ def test_a_publish_cut_short_anywhere_leaves_a_whole_artifact_that_the_next_star
     assert sorted(p.name for p in out.parent.iterdir()) == ["map"]
 
 
+def test_a_loss_that_is_not_finite_is_one_line_saying_what_to_change(tmp_path, tiny_model_dir, jsonl_data, capsys):
+    """An evidence offset past float32 makes the first loss infinite: the loop's message, not its traceback."""
+    assert main(overrides(tmp_path, tiny_model_dir, jsonl_data, "edl", evidence_bias="3e38")) == 2
+    err = capsys.readouterr().err
+    assert "error: loss is" in err and "at step 1;" in err and "lower optim.lr or check the data" in err and "Traceback" not in err
+    assert not (tmp_path / "edl").exists()
+
+
 def test_an_output_that_is_a_file_is_refused_before_training(tmp_path, tiny_model_dir, jsonl_data, capsys):
     (tmp_path / "map").write_text("notes")
     assert main(overrides(tmp_path, tiny_model_dir, jsonl_data, "map")) == 2
