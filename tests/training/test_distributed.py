@@ -79,6 +79,22 @@ def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path, ti
     assert_same_run(artifact, one_process)
 
 
+def test_ib_edl_with_a_constant_sigma_trains_under_two_processes(tmp_path, tiny_model_dir, jsonl_data):  # noqa: F811
+    """The sigma_constant ablation's loss never reads the sigma head: left trainable, DDP's reducer failed at the
+    second step ("parameters that were not used in producing loss")."""
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+              "--main_process_port", str(free_port())]
+    args = overrides(tmp_path, tiny_model_dir, jsonl_data, "ib_edl", **{
+        "optim.max_steps": 2, "optim.batch_size": 2, "device": "cpu", "method_params.sigma_constant": 0.5,
+        "method_params.num_samples": 2})
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf")}
+    done = subprocess.run([*launch, "-m", "ibedl.training.finetune", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert [h["step"] for h in history(tmp_path / "ib_edl")] == [1, 2]
+
+
 def test_gradient_accumulation_matches_the_larger_batch(tmp_path, tiny_model_dir, jsonl_data, one_process):  # noqa: F811
     artifact = train(config(tmp_path, tiny_model_dir, jsonl_data, "map", **RUN,
                             **{"optim.batch_size": 2, "optim.gradient_accumulation_steps": 2}))

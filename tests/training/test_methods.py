@@ -144,10 +144,12 @@ def test_ib_edl_sigma_frozen_keeps_the_sigma_head_out_of_the_optimizer():
 
     head = build_head(HeadConfig("ib_edl", 5, 16), torch.randn(5, 16))
     model = torch.nn.Linear(2, 2)
-    for frozen, trained in ((True, {"mu_weight"}), (False, {"mu_weight", "sigma_weight", "sigma_bias"})):
+    for params, trained in (({"sigma_frozen": True}, {"mu_weight"}),
+                            ({"sigma_constant": 0.5}, {"mu_weight"}),  # the loss never reads the sigma head
+                            ({}, {"mu_weight", "sigma_weight", "sigma_bias"})):
         for p in head.parameters():
             p.requires_grad_(True)
-        cfg = SimpleNamespace(method="ib_edl", method_params={"sigma_frozen": frozen}, train_evidence_bias=False,
+        cfg = SimpleNamespace(method="ib_edl", method_params=params, train_evidence_bias=False,
                               optim=SimpleNamespace(lr=1e-3, head_lr=None, weight_decay=0.0))
         optimizer, _ = make_optimizer(cfg, model, head)
         in_optimizer = {id(p) for p in optimizer.param_groups[1]["params"]}

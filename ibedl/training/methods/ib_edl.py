@@ -7,7 +7,9 @@ paper's default) or ``nll`` (eq. L_IB-NLL: log alpha0 - log alpha_y, the exact -
 constant c for every option and question (the sigma head gets no gradient and stays as initialised).
 ``sigma_frozen`` (off by default) is the other ablation: the sigma head keeps its initialisation (a copy of the option
 rows, its bias centred on the first batch) and gets no gradient, but the loss samples with the sigma it computes, so
-sigma still varies with the question as the untrained head makes it vary.
+sigma still varies with the question as the untrained head makes it vary, and the loss's gradient through sigma still
+reaches the LoRA trunk under it (about a sixth of the hidden state's gradient in a helper's measurement): the head's
+rows are frozen, not sigma as a function of the question.
 ``inference`` (``mean`` by default: softplus(mu), one pass) sets how the trained head answers: ``sampled`` is the
 paper's Algorithm 1 at inference (the mean of K = ``inference_samples`` sampled evidences, on one fixed table of draws,
 ibedl.core.head.sampling_noise), ``quadrature`` its K -> infinity limit by Gauss-Hermite.
@@ -92,7 +94,10 @@ METHOD = Method(
     head="ib_edl",
     loss=ib_edl_loss,
     hyper=IBEDLParams,
-    frozen=lambda params: ("sigma_weight", "sigma_bias") if params["sigma_frozen"] else (),
+    # Neither ablation trains the sigma head; with sigma_constant the loss does not even read it, and DDP refuses a
+    # trainable parameter that no loss reached (its reducer fails at the second step).
+    frozen=lambda params: (("sigma_weight", "sigma_bias")
+                           if params["sigma_frozen"] or params["sigma_constant"] is not None else ()),
     head_options=lambda params: {"sigma_init_scale": float(params["sigma_init_scale"]),
                                  "inference": params["inference"], "inference_samples": params["inference_samples"]},
     lr_scales=lambda params: {"sigma_weight": params["sigma_lr_scale"], "sigma_bias": params["sigma_lr_scale"]},
