@@ -63,8 +63,9 @@ class HeadConfig:
         hidden_size: d.
         offset: alpha = evidence + offset (1 for EDL; eta for R-EDL).
         inference: IB-EDL pre-evidence estimate: ``mean`` (E[e~] = mu), ``quadrature`` (Gauss-Hermite
-            E[softplus(mu + sigma eps)]) or ``sampled`` (the paper's Algorithm 1 at inference: the mean of
-            softplus(mu + sigma eps) over ``inference_samples`` draws of eps; the draws are one fixed table
+            E[softplus(mu + sigma eps)]) or ``sampled`` (the authors' code at inference: the mean of
+            softplus(mu + sigma eps) over ``inference_samples`` draws of eps, where the paper's Algorithm 1 averages
+            the draws before softplus, whose limit is ``mean``; the draws are one fixed table
             (:func:`sampling_noise`), so an answer does not change between calls nor with its batch).
         quadrature_points: nodes for ``quadrature``.
         inference_samples: K, the draws of ``sampled``.
@@ -345,8 +346,9 @@ class IBEDLHead(CentredEvidence, OptionHead):
 
     Training samples e~ (see ``ibedl.training.losses``); inference is deterministic: alpha =
     softplus(E[e~]) + 1 = softplus(mu) + 1 (``mean``, this project's default), E[softplus(e~)] + 1 by
-    Gauss-Hermite quadrature (``quadrature``), or the mean of K sampled softplus(e~) + 1 (``sampled``: the paper's
-    Algorithm 1, on one fixed table of draws). Post-hoc zeta then gives alpha <- max(alpha - zeta * sigma, 1).
+    Gauss-Hermite quadrature (``quadrature``), or the mean of K sampled softplus(e~) + 1 (``sampled``: the authors'
+    code, on one fixed table of draws; the paper's Algorithm 1 averages e~ first, whose limit is ``mean``).
+    Post-hoc zeta then gives alpha <- max(alpha - zeta * sigma, 1).
     """
 
     weight_name = "mu_weight"

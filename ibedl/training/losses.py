@@ -1,8 +1,8 @@
 """Training objectives of the methods, as per-question functions of the head outputs.
 
 Every function takes ``mask: (B, C)`` (real options) and integer targets ``y: (B,)`` and returns a
-per-question loss ``(B,)`` in float32 (float64 for float64 inputs); callers take the mean. digamma,
-lgamma and polygamma run in float32 whatever the model's dtype.
+per-question loss ``(B,)`` in float32 at least (some keep float64 inputs in float64, the digamma-based ones return
+float32); callers take the mean. digamma, lgamma and polygamma run in float32 whatever the model's dtype.
 """
 
 from __future__ import annotations

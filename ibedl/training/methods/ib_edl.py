@@ -10,8 +10,9 @@ rows, its bias centred on the first batch) and gets no gradient, but the loss sa
 sigma still varies with the question as the untrained head makes it vary, and the loss's gradient through sigma still
 reaches the LoRA trunk under it (about a sixth of the hidden state's gradient in a helper's measurement): the head's
 rows are frozen, not sigma as a function of the question.
-``inference`` (``mean`` by default: softplus(mu), one pass) sets how the trained head answers: ``sampled`` is the
-paper's Algorithm 1 at inference (the mean of K = ``inference_samples`` sampled evidences, on one fixed table of draws,
+``inference`` (``mean`` by default: softplus(mu), one pass, the K -> infinity limit of the paper's Algorithm 1, which
+averages the sampled pre-evidences before softplus) sets how the trained head answers: ``sampled`` is the authors' code
+(the mean of K = ``inference_samples`` sampled evidences softplus(e~), on one fixed table of draws,
 ibedl.core.head.sampling_noise), ``quadrature`` its K -> infinity limit by Gauss-Hermite.
 
 ``sigma_init_scale`` and ``sigma_lr_scale`` (1 by default: the paper's initialisation, the head's learning rate) set
