@@ -314,7 +314,7 @@ def choose_rate(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.decisions", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("score", help="answer every stream with one adapter (raw outputs) into a JSON dump")
     p.add_argument("--artifact", required=True)

@@ -146,7 +146,7 @@ def adapter_identity(path: str | Path, calibration_key: str) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.paired_bootstrap", description=__doc__.split("\n\n")[0])
     parser.add_argument("--reference", required=True, help="adapter directory the others are compared with")
     parser.add_argument("--artifacts", nargs="+", required=True, help="adapter directories to compare")
     parser.add_argument("--dataset", default="sciq", help="the questions: a built-in dataset, or jsonl with --path "

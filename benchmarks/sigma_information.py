@@ -52,7 +52,8 @@ def auroc(positive: np.ndarray, negative: np.ndarray) -> float:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sigma_information",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", default="benchmarks/results/sigma_information.json")
     args = parser.parse_args(argv)
     dump = json.loads(SCORES.read_text())
