@@ -119,5 +119,5 @@ HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
 # Exec form: python is PID 1 (use `init: true` / `docker run --init` to reap children) and gets SIGTERM,
 # which drains in-flight requests (IBEDL_SHUTDOWN_GRACE_S) before the process ends.
 STOPSIGNAL SIGTERM
+# The address comes from IBEDL_HOST (0.0.0.0 above), so `-e IBEDL_HOST=...` is not overridden by a flag here.
 ENTRYPOINT ["python", "-m", "ibedl.serve"]
-CMD ["--host", "0.0.0.0"]

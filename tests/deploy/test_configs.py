@@ -407,10 +407,11 @@ def test_dockerfile_structure():
     assert users and users[-1].split(":")[0] not in ("root", "0"), "the runtime stage runs as a non-root USER"
     (health,) = [rest for word, rest in runtime if word == "HEALTHCHECK"]
     assert "/health/ready" in health and "CMD [" in health
-    for word in ("ENTRYPOINT", "CMD"):
-        (value,) = [rest for w, rest in runtime if w == word]
-        assert isinstance(json.loads(value), list), f"{word} must be in exec form so SIGTERM reaches the service"
-    assert json.loads(next(rest for w, rest in runtime if w == "ENTRYPOINT")) == ["python", "-m", "ibedl.serve"]
+    (entrypoint,) = [rest for w, rest in runtime if w == "ENTRYPOINT"]
+    assert json.loads(entrypoint) == ["python", "-m", "ibedl.serve"], "exec form, so SIGTERM reaches the service"
+    # no CMD: a --host flag there would override `-e IBEDL_HOST=...` (flags win over settings); the image sets it
+    assert not [rest for w, rest in runtime if w == "CMD"]
+    assert "IBEDL_HOST=0.0.0.0" in " ".join(rest for w, rest in runtime if w == "ENV")
     text = DOCKERFILE.read_text()
     assert "resolve_model('smollm2-135m-instruct')" in text and "ENV IBEDL_CACHE_DIR=" in text
     assert "download.pytorch.org/whl/cpu" in text
