@@ -661,7 +661,22 @@ def load_splits(cfg: TrainConfig) -> tuple[list[MCQuestion], list[MCQuestion], l
     val_q = load_parts(cfg.data.validation, "validation", cfg)
     test_q = load_parts(cfg.data.test, "test", cfg) if cfg.data.test else []
     log.info("data: %d train, %d validation, %d test", len(train_q), len(val_q), len(test_q))
+    warn_overlap({"train": train_q, "validation": val_q, "test": test_q})
     return train_q, val_q, test_q
+
+
+def warn_overlap(splits: dict[str, list[MCQuestion]]) -> dict[tuple[str, str], int]:
+    """Questions (stem, options and passage alike) that two splits share, by pair of splits, each pair logged as a
+    warning: early stopping, the post-hoc fit and the calibration's guarantees assume the validation questions are
+    not trained on, and the test metrics that the test questions were seen by neither."""
+    keys = {name: {(q.question, q.options, q.context) for q in qs} for name, qs in splits.items()}
+    shared = {}
+    for a, b in (("train", "validation"), ("train", "test"), ("validation", "test")):
+        if keys[a] and keys[b] and (n := len(keys[a] & keys[b])):
+            shared[(a, b)] = n
+            log.warning("%d of the %d %s questions are also %s questions: the %s split is not held out, and what it "
+                        "measures or certifies is optimistic", n, len(keys[b]), b, a, b)
+    return shared
 
 
 def staging_dir(out_dir: Path) -> Path:

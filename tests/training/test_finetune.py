@@ -442,6 +442,18 @@ def test_early_stopping_keeps_the_state_of_the_lowest_validation_nll():
     assert not inactive.should_stop and inactive.best_state is None
 
 
+def test_questions_shared_between_splits_are_warned_of(caplog):
+    from ibedl.core.prompt import MCQuestion
+
+    q = [MCQuestion(f"q{i}", ("a", "b"), None, 0, f"id{i}") for i in range(4)]
+    again = MCQuestion("q0", ("a", "b"), None, 1, "other-id")  # the same question under another id and label
+    with caplog.at_level("WARNING", logger="ibedl.training.finetune"):
+        shared = finetune.warn_overlap({"train": q[:2], "validation": [again, q[2]], "test": [q[3]]})
+    assert shared == {("train", "validation"): 1}
+    assert "1 of the 2 validation questions are also train questions" in caplog.text
+    assert finetune.warn_overlap({"train": q[:2], "validation": q[2:], "test": []}) == {}
+
+
 @pytest.mark.parametrize(("eval_every", "patience", "total", "due"), [
     (100, 5, 250, [100, 200, 250]),  # early stopping: the last steps are validated too, or never kept
     (100, None, 250, [100, 200]),  # without it the end's own validation scores the last state
