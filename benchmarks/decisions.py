@@ -27,6 +27,12 @@ threshold, conformal quantile) and reports per stream the share answered and the
 the sets' coverage and size; then, over ``--splits`` random halvings of SciQ test into calibration and test
 parts, the empirical coverage of the sets and how often the accuracy guarantee held when the thresholds are
 chosen on the calibration half; and writes a risk-coverage plot beside the JSON.
+
+``compare`` puts a paired interval on the OOD AUROC difference of two adapters (in distribution against each shifted
+stream, each scored by its served ``ood_score``): both answered the same questions, so each bootstrap resample draws
+the same SciQ test and shifted questions for both.
+
+    python -m benchmarks.decisions compare --adapter default=artifacts/default --against map-twin=artifacts/map-twin
 """
 
 from __future__ import annotations
@@ -276,6 +282,53 @@ def analyse(args) -> int:
     return 0
 
 
+def paired_auroc_difference(a_in, a_out, b_in, b_out, resamples: int = 2000, seed: int = 0) -> dict:
+    """AUROC(a_in against a_out) minus AUROC(b_in against b_out), a's and b's scores of the same questions (``_in``:
+    in distribution, ``_out``: shifted; each (n,)), with the 2.5/97.5 percentiles of the difference over
+    ``resamples`` paired bootstrap draws (the same question indices for both)."""
+    a_in, a_out, b_in, b_out = (np.asarray(x, dtype=np.float64) for x in (a_in, a_out, b_in, b_out))
+    if a_in.shape != b_in.shape or a_out.shape != b_out.shape:
+        raise ValueError(f"the two adapters' scores are not of the same questions: {a_in.shape}/{b_in.shape}, "
+                         f"{a_out.shape}/{b_out.shape}")
+    rng = np.random.default_rng(seed)
+    diffs = []
+    for _ in range(resamples):
+        i, o = rng.integers(0, len(a_in), len(a_in)), rng.integers(0, len(a_out), len(a_out))
+        diffs.append(metrics.auroc(a_in[i], a_out[o]) - metrics.auroc(b_in[i], b_out[o]))
+    low, high = np.percentile(diffs, [2.5, 97.5])
+    return {"difference": metrics.auroc(a_in, a_out) - metrics.auroc(b_in, b_out), "interval": [low, high],
+            "resamples": resamples, "verdict": "cannot tell" if low <= 0 <= high else
+            ("a higher" if low > 0 else "b higher")}
+
+
+def compare(args) -> int:
+    adapters = []
+    for spec in (args.adapter, args.against):
+        name, _, directory = spec.partition("=")
+        if not directory:
+            raise SystemExit(f"--adapter and --against take NAME=DIR, got {spec!r}")
+        manifest = read_manifest(directory)
+        dump = load_dump(args.scores_dir, name, manifest)
+        adapters.append((name, {k: served(dump, k, manifest) for k in ("sciq_test", *SHIFTED)}))
+    (a, sa), (b, sb) = adapters
+    for stream in ("sciq_test", *SHIFTED):
+        if not np.array_equal(sa[stream]["labels"], sb[stream]["labels"]):
+            raise SystemExit(f"{a} and {b} did not answer the same {stream} questions: score them again")
+    rows = {}
+    for stream in SHIFTED:
+        rows[stream] = paired_auroc_difference(
+            sa["sciq_test"]["outputs"].ood_score(), sa[stream]["outputs"].ood_score(),
+            sb["sciq_test"]["outputs"].ood_score(), sb[stream]["outputs"].ood_score(), args.resamples)
+        r = rows[stream]
+        print(f"{stream}: {a} minus {b} {100 * r['difference']:+.1f} AUROC points "
+              f"[{100 * r['interval'][0]:+.1f}, {100 * r['interval'][1]:+.1f}] ({r['verdict']})")
+    write_result(args.output, {"a": a, "b": b, "in_distribution": "sciq_test", "streams": rows,
+                               "command": "python -m benchmarks.decisions compare " + " ".join(sys.argv[2:])},
+                 echo=False)
+    print(f"wrote {args.output}")
+    return 0
+
+
 def choose_rate(args) -> int:
     """The gate's rejection rate chosen on validation data only: calibrate on the dump's SciQ validation
     stream at each candidate rate and keep the smallest rate at which every validation-split shifted stream
@@ -344,10 +397,18 @@ def main(argv=None) -> int:
     c.add_argument("--delta", type=float, default=CalibrationConfig().delta,
                    help="the calibration's delta, which the gate's training-conditional rank uses (default 0.01)")
     c.add_argument("--output", default="benchmarks/results/decisions_rate_choice.json")
+    m = sub.add_parser("compare", help="paired intervals on two adapters' OOD AUROC differences")
+    m.add_argument("--adapter", required=True, help="NAME=DIR (a); the dump is <scores-dir>/NAME.json")
+    m.add_argument("--against", required=True, help="NAME=DIR (b)")
+    m.add_argument("--scores-dir", default="benchmarks/results/decision_scores")
+    m.add_argument("--resamples", type=int, default=2000)
+    m.add_argument("--output", default="benchmarks/results/decisions_ood_intervals.json")
     args = parser.parse_args(argv)
+    if args.command == "compare" and args.resamples < 100:
+        parser.error(f"--resamples must be >= 100, got {args.resamples}")
     if args.command == "analyse" and args.splits < 100:
         parser.error(f"--splits must be >= 100, got {args.splits}")
-    return {"score": score, "analyse": analyse, "choose-rate": choose_rate}[args.command](args)
+    return {"score": score, "analyse": analyse, "choose-rate": choose_rate, "compare": compare}[args.command](args)
 
 
 if __name__ == "__main__":

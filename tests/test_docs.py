@@ -167,6 +167,7 @@ CLIS = [
     ("benchmarks.decisions", ["score"]),
     ("benchmarks.decisions", ["analyse"]),
     ("benchmarks.decisions", ["choose-rate"]),
+    ("benchmarks.decisions", ["compare"]),
     ("benchmarks.paired_bootstrap", []),
     ("benchmarks.drift_streams", []),
     ("benchmarks.method_efficiency", []),

@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from benchmarks.decisions import SHIFTED, main
+from benchmarks.decisions import SHIFTED, main, paired_auroc_difference
 from ibedl.core.artifact import read_manifest, write_manifest
 from ibedl.training.calibrate import CalibrationConfig, calibrate_outputs, save_outputs
 
@@ -97,3 +97,32 @@ def test_too_few_splits_is_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         main(["analyse", "--adapter", "a=b", "--splits", "10"])
     assert "--splits must be >= 100" in capsys.readouterr().err
+
+
+def test_paired_auroc_difference_against_sklearn_and_its_interval():
+    from sklearn.metrics import roc_auc_score
+
+    rng = np.random.default_rng(3)
+    a_in, a_out = rng.normal(1.0, 1.0, 300), rng.normal(0.0, 1.0, 200)  # a separates the streams
+    b_in, b_out = a_in + rng.normal(0, 3.0, 300), a_out + rng.normal(0, 3.0, 200)  # b: the same, blurred
+    r = paired_auroc_difference(a_in, a_out, b_in, b_out, resamples=500)
+    auc = lambda i, o: roc_auc_score(np.r_[np.ones(len(i)), np.zeros(len(o))], np.r_[i, o])  # noqa: E731
+    assert r["difference"] == pytest.approx(auc(a_in, a_out) - auc(b_in, b_out))
+    assert 0 < r["interval"][0] < r["difference"] < r["interval"][1] and r["verdict"] == "a higher"
+    same = paired_auroc_difference(a_in, a_out, a_in, a_out, resamples=200)  # paired: no spread at all
+    assert same["difference"] == 0 and same["interval"] == [0, 0] and same["verdict"] == "cannot tell"
+    with pytest.raises(ValueError, match="not of the same questions"):
+        paired_auroc_difference(a_in, a_out, b_in[:10], b_out)
+
+
+def test_compare_refuses_adapters_that_answered_other_questions(setup, tmp_path):
+    art, scores, streams, manifest = setup
+    other = {k: {**v, "labels": [(y + 1) % 3 for y in v["labels"]]} if k == "obqa" else v for k, v in streams.items()}
+    save_outputs(scores / "other.json", art, manifest, other, "ib_edl", 1.0, 1024)
+    with pytest.raises(SystemExit, match="did not answer the same obqa questions"):
+        main(["compare", "--adapter", f"tiny={art}", "--against", f"other={art}", "--scores-dir", str(scores),
+              "--output", str(tmp_path / "c.json")])
+    out = tmp_path / "same.json"
+    assert main(["compare", "--adapter", f"tiny={art}", "--against", f"tiny={art}", "--scores-dir", str(scores),
+                 "--resamples", "100", "--output", str(out)]) == 0
+    assert {r["verdict"] for r in json.loads(out.read_text())["streams"].values()} == {"cannot tell"}
