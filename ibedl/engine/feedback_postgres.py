@@ -6,6 +6,7 @@ opened again on the next call. The DSN holds a password: it never appears in a m
 
 from __future__ import annotations
 
+import logging
 import math
 
 import psycopg
@@ -13,6 +14,8 @@ from psycopg.conninfo import conninfo_to_dict
 
 from ibedl.engine.errors import StoreUnavailable
 from ibedl.engine.feedback_sql import SqlStore
+
+log = logging.getLogger("ibedl.engine.feedback_store")
 
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS feedback (
@@ -94,9 +97,11 @@ class PostgresStore(SqlStore):
             try:
                 self._conn = psycopg.connect(self._dsn, autocommit=True, connect_timeout=max(2, math.ceil(
                     self.timeout_s)), application_name="ibedl")
-            except psycopg.Error as e:
-                raise StoreUnavailable(f"the feedback store ({self.setting} {self.where}) cannot be reached: "
-                                       f"{self._detail(e)}", retry_after=max(1, math.ceil(self.timeout_s))) from None
+            except psycopg.Error as e:  # where and why in the log alone: a client (or an open probe) learns neither
+                log.warning("the feedback store (%s %s) cannot be reached: %s", self.setting, self.where,
+                            self._detail(e))
+                raise StoreUnavailable(f"the feedback store ({self.setting}) cannot be reached; the service log says "
+                                       "why", retry_after=max(1, math.ceil(self.timeout_s))) from None
             for name in ("statement_timeout", "lock_timeout"):  # a wait longer than the timeout is an error
                 self._conn.execute("SELECT set_config(%s, %s, false)", (name, ms))
         return self._conn

@@ -10,11 +10,14 @@ from __future__ import annotations
 import abc
 import contextlib
 import json
+import logging
 import math
 import threading
 
 from ibedl.engine.errors import StoreUnavailable
 from ibedl.engine.feedback_store import COLUMNS, REPLAYED, Checkpoint, FeedbackStore, Series
+
+log = logging.getLogger("ibedl.engine.feedback_store")
 
 INSERT = f"INSERT INTO feedback ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
 PRUNE_BATCH = 10_000  # raw labels deleted per checkpoint at most: each transaction stays well inside the timeout
@@ -70,9 +73,11 @@ class SqlStore(FeedbackStore):
                 except BaseException:  # a lock wait that timed out too: its transaction is open, and failed
                     self._rollback()
                     raise
-            except self.failures as e:
-                raise StoreUnavailable(f"the feedback store ({self.setting} {self.where}) did not answer within "
-                                       f"{self.timeout_s:g} s: {self._detail(e)}; retry shortly",
+            except self.failures as e:  # where and why in the log alone: a client learns neither
+                log.warning("the feedback store (%s %s) did not answer within %g s: %s", self.setting, self.where,
+                            self.timeout_s, self._detail(e))
+                raise StoreUnavailable(f"the feedback store ({self.setting}) did not answer within "
+                                       f"{self.timeout_s:g} s; retry shortly",
                                        retry_after=max(1, math.ceil(self.timeout_s))) from None
 
     def _writing(self):

@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
+
+# The most items one request may carry (IBEDL_MAX_BATCH_ITEMS) while a door validates its body: set, a longer list of
+# items is refused before any item is validated (type "too_large"; building tens of thousands of items, which a 1 MB
+# body holds, took the event loop a second). Unset (the Python API), the engine's own check applies alone.
+ITEMS_LIMIT: ContextVar[int | None] = ContextVar("ITEMS_LIMIT", default=None)
+
+
+def within_items_limit(items):
+    """``items`` (the raw list, before its items are validated), or PydanticCustomError "too_large" past
+    ITEMS_LIMIT."""
+    limit = ITEMS_LIMIT.get()
+    if limit is not None and isinstance(items, list) and len(items) > limit:
+        raise PydanticCustomError("too_large", "{count} items; the limit is {limit}",
+                                  {"count": len(items), "limit": limit})
+    return items
 
 ADAPTER_NAME_CHARS = 128  # the longest adapter name a request may give (a served one is its manifest's `name`)
 
@@ -70,6 +87,8 @@ class BatchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     items: list[PredictRequest] = Field(..., min_length=1, description="questions, answered in order")
+
+    _within_limit = field_validator("items", mode="before")(within_items_limit)
 
 
 class PredictedOption(BaseModel):
@@ -183,6 +202,8 @@ class FeedbackBatchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     items: list[FeedbackRequest] = Field(..., min_length=1, description="labels, recorded all or none")
+
+    _within_limit = field_validator("items", mode="before")(within_items_limit)
 
 
 class FeedbackResult(BaseModel):

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import secrets
 
-# open whatever the tokens: probes (the Open Inference Protocol's too), and the docs pages' scripts and styles
-PUBLIC = ("/health/", "/v2/health/", "/docs/assets/")
+# The health probes (the Open Inference Protocol's too), by exact path: open whatever the tokens, answered over the
+# connection cap, not counted in the request metrics. A prefix let any /health/* path past all three.
+PROBES = frozenset({"/health/live", "/health/ready", "/v2/health/live", "/v2/health/ready"})
+DOCS_ASSETS = "/docs/assets/"  # the docs pages' scripts and styles: open too
 METRICS_PATH = "/metrics"
 LABEL_PATHS = ("/v1/feedback", "/v1/feedback/batch")  # labels change what the service reports: their own credential
 LABEL_TOKEN, ANONYMOUS = "label_token", "anonymous"  # who sent a label, as the feedback store counts it
@@ -29,7 +31,7 @@ def api_token(settings) -> str | None:
 
 def required_token(settings, path: str) -> str | None:
     """The bearer token ``path`` requires under ``settings`` (None: open)."""
-    if path.startswith(PUBLIC):
+    if path in PROBES or path.startswith(DOCS_ASSETS):
         return None
     if path == METRICS_PATH:
         return settings.metrics_secret()

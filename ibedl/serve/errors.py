@@ -79,6 +79,8 @@ def install_handlers(app: FastAPI) -> None:
             return error_response(422, "invalid_json",
                                   f"request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
                                   path=request.url.path)
+        if first.get("type") == "too_large":  # ibedl.engine.schemas.ITEMS_LIMIT: refused before its items were read
+            return error_response(413, "too_large", first["msg"], "items", path=request.url.path)
         if first.get("type") == "missing" and tuple(first.get("loc", ())) == ("body",):
             return error_response(422, "invalid_json", "the request body is empty: send a JSON object",
                                   path=request.url.path)

@@ -142,7 +142,8 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
             engine.refuse_early(arrival)
             runtime = in_version(engine.runtime(request.model_name), request.model_version)
             names = chosen_outputs([o.name for o in request.outputs] or None, runtime)  # before the model runs
-            answers = await engine.ask(to_items(inputs_of(request), request.model_name), arrival, "inputs")
+            items = to_items(inputs_of(request), request.model_name, engine.settings.max_batch_items)
+            answers = await engine.ask(items, arrival, "inputs")
             return response_of(runtime, request, answers, names)
         except EngineError as e:
             status = code_of(e).name

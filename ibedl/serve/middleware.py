@@ -20,11 +20,12 @@ import uuid
 from starlette.routing import Match
 
 from ibedl.engine.errors import EngineError
+from ibedl.engine.schemas import ITEMS_LIMIT
 from ibedl.serve import logs
-from ibedl.serve.auth import LABEL_PATHS, label_access, required_token, token_ok
+from ibedl.serve.auth import LABEL_PATHS, METRICS_PATH, PROBES, label_access, required_token, token_ok
 from ibedl.serve.errors import OIP_PREFIX, body_for, status_of
 
-UNMEASURED = ("/health/", "/v2/health/", "/metrics")
+UNMEASURED = PROBES | {METRICS_PATH}
 PREDICT_PATHS = ("/predict", "/predict/batch")  # admission (503 before the body is read) applies to these
 
 
@@ -125,11 +126,12 @@ class RequestGuard:
         request_id = choose_request_id(headers.get("x-request-id"))
         scope.setdefault("state", {})["request_id"] = request_id
         id_token = logs.request_id_var.set(request_id)
+        items_token = ITEMS_LIMIT.set(self.state.settings.max_batch_items)  # a batch's count checked before its items
         # Admission is decided here, once, and deadlines count from here: a request that arrives before a shutdown
         # begins is answered even if SIGTERM lands before its route runs; one that arrives after it is refused (503).
         scope["state"]["context"] = self.state.arrive(request_id, headers.get("x-request-timeout"))
         path = scope.get("path", "")
-        measured = not path.startswith(UNMEASURED)
+        measured = path not in UNMEASURED
         metrics = self.state.metrics
         status_holder = {"status": 500}
         start = time.perf_counter()
@@ -180,6 +182,7 @@ class RequestGuard:
             adapter = scope["state"].get("adapter") or (context.adapter if context is not None else None)
             logs.access(method, template, status_holder["status"], seconds, adapter, request_id, probe=not measured)
             logs.request_id_var.reset(id_token)
+            ITEMS_LIMIT.reset(items_token)
 
 
 def _route_path(scope, routes: list | None) -> str | None:

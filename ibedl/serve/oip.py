@@ -120,7 +120,7 @@ async def infer(model: str, request: Request, state: State):
         raise InvalidRequest(f"the body is not an inference request: {e}", "inputs") from None
     runtime = served(model, request, state)
     items = to_items([Tensor(t.name, t.datatype, t.shape, input_data(t.name, t.data, t.shape)) for t in body.inputs],
-                     model)
+                     model, state.engine.settings.max_batch_items)
     names = chosen_outputs([o.name for o in body.outputs] if body.outputs else None, runtime)  # before the model
     answers = await state.engine.ask(items, state.context(request), "inputs")
     return {"model_name": runtime.name, "model_version": runtime.ref["version"],

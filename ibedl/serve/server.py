@@ -11,11 +11,11 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ibedl.engine.feedback_kinds import STORE_SETTINGS, persistent
+from ibedl.serve.auth import PROBES
 from ibedl.serve.settings import Settings
 
 log = logging.getLogger("ibedl.serve")
 KEEP_ALIVE_S = 5  # uvicorn closes a kept-alive connection idle this long; the gateway's upstream pool closes sooner
-PROBES = ("/health/", "/v2/health/")  # answered over the connection cap: a busy replica is not restarted
 
 
 def refusal(settings: Settings) -> str | None:
@@ -83,7 +83,7 @@ class ServiceH11(H11Protocol):
     def limit_concurrency(self) -> int | None:
         """uvicorn's cap, read once a request's scope is made: None (no cap) for a health probe."""
         scope = getattr(self, "scope", None)
-        if scope is not None and scope.get("path", "").startswith(PROBES):
+        if scope is not None and scope.get("path") in PROBES:
             return None
         return self._limit_concurrency
 

@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
-from ibedl.engine.errors import InvalidRequest, UnknownAdapter
+from ibedl.engine.errors import InvalidRequest, TooLarge, UnknownAdapter
 from ibedl.engine.schemas import PredictRequest
 
 INPUTS = {"question": [-1], "options": [-1, -1], "context": [-1]}
@@ -85,8 +85,9 @@ def strings(t: Tensor, rows: int | None) -> list[list[str]]:
     return [t.data[i * width:(i + 1) * width] for i in range(t.shape[0])]
 
 
-def to_items(inputs: list[Tensor], model: str) -> list[PredictRequest]:
-    """The questions of a request's input tensors, for adapter ``model``."""
+def to_items(inputs: list[Tensor], model: str, limit: int | None = None) -> list[PredictRequest]:
+    """The questions of a request's input tensors, for adapter ``model``; TooLarge past ``limit`` rows
+    (IBEDL_MAX_BATCH_ITEMS), before any row is read."""
     tensors = {t.name: t for t in inputs}
     twice = sorted(name for name, n in Counter(t.name for t in inputs).items() if n > 1)
     if twice:
@@ -95,6 +96,9 @@ def to_items(inputs: list[Tensor], model: str) -> list[PredictRequest]:
     if unknown or "question" not in tensors or "options" not in tensors:
         raise InvalidRequest(f"inputs are question [B] and options [B, C] (BYTES), context [B] optional; got "
                              f"{sorted(tensors)}", "inputs")
+    rows = tensors["question"].shape[0] if tensors["question"].shape else 0
+    if limit is not None and rows > limit:
+        raise TooLarge(f"{rows} items; the limit is {limit}", "inputs")
     questions = [row[0] for row in strings(tensors["question"], None)]
     options = strings(tensors["options"], len(questions))
     contexts = [row[0] or None for row in strings(tensors["context"], len(questions))] if "context" in tensors \

@@ -217,7 +217,8 @@ def test_nginx_config_has_the_gateway_logic():
         "upstream ibedl_api", "proxy_pass http://ibedl_api;", "client_max_body_size 1m;",
         "proxy_connect_timeout", "proxy_read_timeout", "proxy_send_timeout",
         "proxy_set_header X-Request-ID $ibedl_request_id;", "add_header X-Request-ID $ibedl_request_id always;",
-        "location /health/", "keepalive", "limit_req zone=ibedl_per_client", "limit_conn ibedl_conns_per_client",
+        "location ~ ^/health/(live|ready)$", "keepalive", "limit_req zone=ibedl_per_client",
+        "limit_conn ibedl_conns_per_client",
     ]:
         assert needle in text, needle
     # Retries: never a timeout, never a POST once it was sent (no non_idempotent); a 503 once through error_page.

@@ -348,19 +348,28 @@ class TestPostgres:
         assert [r["status"] for r in service.record(SERVED, labels(clock.now, 1, seed=2))] == ["recorded"]
         assert counts(service)[("answered_share", None)][0] == 2
 
-    def test_the_password_is_never_in_a_message(self, postgres_server, postgres_dsn):
+    def test_the_password_is_never_in_a_message_and_where_and_why_only_in_the_log(self, postgres_server,
+                                                                                    postgres_dsn, caplog):
+        """A client (and the open readiness probe, which shows the reason while the store is awaited) learns that the
+        store cannot be reached, not the database's host, port, name or user: those go to the log, without the
+        password."""
         from ibedl.engine.feedback_postgres import PostgresStore
 
         password = postgres_server.password
         wrong = postgres_dsn.replace(password, "not-" + password)
-        with pytest.raises(StoreUnavailable) as e:  # authentication fails
+        with caplog.at_level("WARNING", logger="ibedl.engine.feedback_store"), \
+                pytest.raises(StoreUnavailable) as e:  # authentication fails
             PostgresStore(wrong, 2)
-        assert "password authentication failed" in e.value.message and password not in e.value.message
-        assert f"postgresql://127.0.0.1:{postgres_server.port}/" in e.value.message  # host, port, database only
+        assert e.value.message == ("the feedback store (IBEDL_FEEDBACK_DSN) cannot be reached; the service log says "
+                                   "why")
+        assert "password authentication failed" in caplog.text and password not in caplog.text
+        assert f"postgresql://127.0.0.1:{postgres_server.port}/" in caplog.text  # host, port, database only
         closed = postgres_dsn.replace(f":{postgres_server.port}/", ":1/")
-        with pytest.raises(StoreUnavailable) as e:  # nothing listens
+        with caplog.at_level("WARNING", logger="ibedl.engine.feedback_store"), \
+                pytest.raises(StoreUnavailable) as e:  # nothing listens
             PostgresStore(closed, 2)
-        assert password not in e.value.message and "postgresql://127.0.0.1:1/" in e.value.message
+        assert "127.0.0.1" not in e.value.message and "postgresql://127.0.0.1:1/" in caplog.text
+        assert password not in caplog.text
         store = PostgresStore(postgres_dsn, 2)
         assert password not in store.where and password not in repr(vars(store).get("where"))
 

@@ -331,3 +331,30 @@ def test_on_sigterm_no_door_loses_an_admitted_request(tiny_artifact):
     for a in answers:
         assert {k: a[k] for k in FIELDS} == {k: first[k] for k in FIELDS}
         np.testing.assert_allclose(a["probabilities"], first["probabilities"], rtol=1e-6, atol=1e-7)
+
+
+def test_a_request_over_the_item_limit_is_refused_before_its_items_are_read_through_every_door(tiny_artifact):
+    """Three items where two are allowed, each of them malformed (one option): 413/RESOURCE_EXHAUSTED too_large,
+    not the first item's error, so none was built (tens of thousands of items in a 1 MB body took the event loop a
+    second to build before the count was checked)."""
+    bad = {"question": "q?", "options": ["only one"]}
+    with doors(tiny_artifact, max_batch_items=2, feedback_key="k" * 32) as (url, address, _engine):
+        batch = httpx.post(url + "/predict/batch", json={"items": [bad] * 3}, timeout=60)
+        labels = httpx.post(url + "/v1/feedback/batch", json={"items": [{"receipt": "x"}] * 3}, timeout=60)
+        rest = httpx.post(url + "/v2/models/tiny/infer", timeout=60, json={"inputs": [
+            {"name": "question", "datatype": "BYTES", "shape": [3], "data": ["q?"] * 3},
+            {"name": "options", "datatype": "BYTES", "shape": [3, 1], "data": ["only one"] * 3}]})
+        request = pb.ModelInferRequest(model_name="tiny")
+        for name, value in (("question", ["q?"] * 3), ("options", [["only one"]] * 3)):
+            data = np.array(value, dtype=object)
+            request.inputs.add(name=name, datatype="BYTES", shape=list(data.shape))
+            request.raw_input_contents.append(serialize_byte_tensor(data).item())
+        with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as refused:
+            pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=60)
+        fine = httpx.post(url + "/predict/batch", json={"items": [bad] * 2}, timeout=60)  # within it: items checked
+    for r in (batch, labels):
+        assert r.status_code == 413, r.text
+        assert r.json()["error"] == {"type": "too_large", "message": "3 items; the limit is 2", "field": "items"}
+    assert rest.status_code == 413 and rest.json()["error"] == "too_large: 3 items; the limit is 2"
+    assert "too_large: 3 items; the limit is 2" in refused.value.details()
+    assert fine.status_code == 422 and fine.json()["error"]["field"] == "items.0.options"

@@ -88,6 +88,8 @@ class TestTokens:
     def test_a_path_no_route_takes_needs_the_token_too(self, make_client):
         with make_client(api_token=API) as c:
             assert c.get("/v1/no-such-route").status_code == 401  # an anonymous client learns nothing of the routes
+            for path in ("/health/other", "/v2/health/x", "/health/live/"):  # the probes are open by exact path
+                assert c.get(path).status_code == 401, path
             assert c.get("/v1/no-such-route", headers={"Authorization": f"Bearer {API}"}).status_code == 404
 
     def test_metrics_take_the_api_token_when_no_metrics_token_is_set(self, make_client):

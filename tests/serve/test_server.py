@@ -376,7 +376,8 @@ def test_a_request_over_the_connection_cap_gets_503_but_the_health_probes_are_an
             assert time.monotonic() < deadline
             time.sleep(0.02)
         for path, status in ((b"/predict", b"503"), (b"/health/live", b"200"), (b"/v2/health/ready", b"200"),
-                             (b"/healthz", b"503"), (b"/v1/models", b"503")):
+                             (b"/healthz", b"503"), (b"/v1/models", b"503"), (b"/health/other", b"503"),
+                             (b"/health/../predict", b"503")):  # the probes by exact path, never a prefix
             third = srv.connect()
             third.sendall(b"GET " + path + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             assert read_response(third).startswith(b"HTTP/1.1 " + status), path
