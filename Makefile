@@ -149,12 +149,12 @@ GPU_WITHOUT ?=
 # Passes until the list stops changing: each after the first reads the downloaded wheels' own requirements and adds
 # the pool's version of a machine package one of them refuses (tritonclient asks for ml-dtypes <= 0.5.4; a machine
 # with JAX has 0.6), whose own wheel the next pass reads.
-GPU_DOWNLOAD = $(PIP) download -q --no-deps --require-hashes --only-binary :all: --python-version $(GPU_PYTHON_VERSION) \
+GPU_DOWNLOAD = $(PYTHON) -m pip --disable-pip-version-check download -q --no-deps --require-hashes --only-binary :all: --python-version $(GPU_PYTHON_VERSION) \
 	  --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux2014_x86_64 \
 	  --platform any -r $(GPU_WHEELS)/requirements.txt -d $(GPU_WHEELS)
 gpu-wheels:
 	mkdir -p $(GPU_WHEELS)
-	rm -f $(GPU_WHEELS)/requirements.txt
+	rm -f $(GPU_WHEELS)/requirements.txt $(GPU_WHEELS)/*.whl  # no stale wheel of an earlier list is carried
 	for pass in 1 2 3 4 5; do \
 	  $(PYTHON) requirements/offline.py wheels $(if $(GPU_HAVE),--have $(GPU_HAVE)) --without $(GPU_WITHOUT) \
 	    --python-version $(GPU_PYTHON_VERSION) $$( [ $$pass -gt 1 ] && echo --wheels-dir $(GPU_WHEELS) ) \
@@ -166,13 +166,16 @@ gpu-wheels:
 # The wheels make gpu-wheels downloaded, in parts that each fit one call to a lent machine beside the working tree
 # (requirements/carry.py; the base model's package alone is 94 MiB, a call carries 64 MiB with the tree): first the
 # tree made slim (what the GPU runs do not read, 27 of its 50 MiB, left out of git's index and ignored; nothing on
-# disk changes; commits are refused until make gpu-carry-restore), then the parts; it prints what each call carries
-# and the join to run there before make gpu-check-offline.
+# disk changes; commits are refused until make gpu-carry-restore), then the parts, with the datasets the GPU runs read
+# (GPU_DATASETS from IBEDL_DATA_DIR, gzipped: the machine has no data); it prints what each call carries and the join
+# to run there (and the IBEDL_DATA_DIR to export) before make gpu-check-offline.
 GPU_CARRY_BUDGET_MIB ?= 64
+GPU_DATASETS ?= sciq obqa
 gpu-carry:
 	$(PYTHON) requirements/carry.py slim
 	$(PYTHON) requirements/carry.py split --source $(GPU_WHEELS) --out .device-carry/gpu \
-	  --budget-mib $(GPU_CARRY_BUDGET_MIB) || { $(PYTHON) requirements/carry.py restore; exit 2; }
+	  --budget-mib $(GPU_CARRY_BUDGET_MIB) --datasets $(GPU_DATASETS) \
+	  || { $(PYTHON) requirements/carry.py restore; exit 2; }
 
 gpu-carry-restore:
 	$(PYTHON) requirements/carry.py restore

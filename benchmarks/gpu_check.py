@@ -172,6 +172,9 @@ def step_calibrate(args, out: Path) -> dict:
         seconds[key] = round(time.perf_counter() - start, 1)
         if code != 0:
             return {"exit": code, "failed_on": key, "seconds_each": seconds}
+        # what is done so far, kept should the budget stop the next arithmetic (the parent reads this file then)
+        write_result(partial_path(out, "calibrate"), {"arithmetics": use["keys"], "seconds_each": seconds,
+                                                      "done": list(seconds)}, echo=False)
     manifest = read_manifest(target)
     made = {}
     for key in use["keys"]:
@@ -392,7 +395,7 @@ def step_paper(args, out: Path) -> dict:
 
 
 def partial_path(out: Path, step: str) -> Path:
-    """Where step ``step`` writes what it has measured so far (the train and paper steps, as they go), beside
+    """Where step ``step`` writes what it has measured so far (the train, calibrate and paper steps, as they go), beside
     ``out``: what is kept of a step its budget stopped."""
     return out.with_name(f"{out.stem}_{step}.json")
 

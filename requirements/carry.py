@@ -4,6 +4,7 @@
     python requirements/carry.py split --source wheels/gpu --out .device-carry/gpu [--budget-mib 64]
     # there, once every part has arrived: each part and the whole checked by sha256, then unpacked
     python3 requirements/carry.py join --parts .device-carry/gpu --target wheels
+    export IBEDL_DATA_DIR=$PWD/wheels/gpu/ibedl-data   # the datasets split carried (--datasets)
 
 A lent machine receives the working tree (tracked files and untracked ones git does not ignore) and the ignored paths
 a call names, at most ``--budget-mib`` MiB in all per call, and keeps the ignored paths from earlier calls while it
@@ -11,7 +12,9 @@ stays warm. The offline GPU install's wheels (``make gpu-wheels``: the base mode
 fit beside the tree (about 50 MiB) in one call, so ``split`` writes the folder as an uncompressed tar in parts of at
 most the room one call leaves (the budget less the tree's size and ``--margin-mib``) into ``--out``, which git
 ignores, with ``SHA256SUMS`` (each part's and the whole tar's sha256), and prints which paths each call carries (the
-last one also carries ``SHA256SUMS``). ``join`` refuses a missing or altered part by name, checks the whole, and
+last one also carries ``SHA256SUMS``). ``--datasets sciq obqa`` adds those folders of ``--data-dir`` (IBEDL_DATA_DIR;
+the machine has none of the data, and every GPU run reads SciQ, the 8B-shaped one OBQA) gzipped, about 3 of their 14
+MiB, under ``<folder>/ibedl-data/``, which ``join`` unpacks plain. ``join`` refuses a missing or altered part by name, checks the whole, and
 unpacks it into ``--target`` (the tar holds the folder's own name: ``wheels/gpu``). Standard library only: it runs on
 the machine's own python.
 
@@ -29,8 +32,10 @@ refuses commits while the index lacks them; ``restore`` puts the index back from
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import io
+import os
 import shutil
 import subprocess
 import sys
@@ -40,6 +45,7 @@ from pathlib import Path
 MIB = 2**20
 SUMS = "SHA256SUMS"
 WHOLE = "whole.tar"  # the name SHA256SUMS gives the concatenated parts
+DATA = "ibedl-data"  # the carried datasets' folder inside the carried one: IBEDL_DATA_DIR there
 # What a lent GPU machine's runs do not read (make gpu-check-offline, make gpu-profiles, the CUDA tests): the committed
 # results (those runs write theirs there; benchmarks.common.write_result makes the folder), the default's MAP twin
 # (the CPU's A/B and switching tests) and the documentation site. The runs do read artifacts/default and artifacts/map
@@ -164,24 +170,36 @@ def restore(repo: Path) -> list[str]:
     return leave
 
 
-def tar_of(source: Path) -> bytes:
-    """``source`` as an uncompressed tar whose members are under its own name, in sorted order."""
+def tar_of(source: Path, data_dir: Path | None = None, datasets: tuple[str, ...] = ()) -> bytes:
+    """``source`` as an uncompressed tar whose members are under its own name, in sorted order; then each of
+    ``datasets`` (a folder of ``data_dir``) gzipped, file by file, under ``<source name>/ibedl-data/<dataset>/``."""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT, dereference=True) as tar:
         for path in sorted(source.rglob("*")):
             if path.is_file():
                 tar.add(path, arcname=str(Path(source.name) / path.relative_to(source)), recursive=False)
+        for name in datasets:
+            folder = data_dir / name
+            files = sorted(p for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else []
+            if not files:
+                raise ValueError(f"dataset {name!r}: {folder} holds no files (set IBEDL_DATA_DIR or --data-dir)")
+            for path in files:
+                packed = gzip.compress(path.read_bytes(), mtime=0)
+                info = tarfile.TarInfo(str(Path(source.name) / DATA / name / path.relative_to(folder)) + ".gz")
+                info.size, info.mode = len(packed), 0o644
+                tar.addfile(info, io.BytesIO(packed))
     return buffer.getvalue()
 
 
-def split(source: Path, out: Path, part_bytes: int) -> list[Path]:
-    """Write ``source`` as a tar in parts of at most ``part_bytes`` into ``out`` (emptied first), with SHA256SUMS;
-    the parts, in order."""
+def split(source: Path, out: Path, part_bytes: int, data_dir: Path | None = None,
+          datasets: tuple[str, ...] = ()) -> list[Path]:
+    """Write ``source`` (and ``datasets`` of ``data_dir``: :func:`tar_of`) as a tar in parts of at most
+    ``part_bytes`` into ``out`` (emptied first), with SHA256SUMS; the parts, in order."""
     if part_bytes < 1:
         raise ValueError(f"no room for a part: {part_bytes} bytes a call (lower the margin, or carry less)")
     if not source.is_dir() or not any(p.is_file() for p in source.rglob("*")):
         raise ValueError(f"{source} holds no files to carry")
-    data = tar_of(source)
+    data = tar_of(source, data_dir, datasets)
     out.mkdir(parents=True, exist_ok=True)
     for old in out.iterdir():
         if old.name.startswith("part-") or old.name == SUMS:
@@ -251,7 +269,11 @@ def join(parts_dir: Path, target: Path) -> list[str]:
         shutil.rmtree(target / top)  # an earlier join's folder: replaced whole once the new one is out, no stale file
     (staging / top).rename(target / top)
     staging.rmdir()
-    return [m.name for m in members if m.isfile()]
+    for packed in sorted((target / top / DATA).rglob("*.gz")):  # the datasets, plain again
+        packed.with_suffix("").write_bytes(gzip.decompress(packed.read_bytes()))
+        packed.unlink()
+    return [m.name.removesuffix(".gz") if Path(m.name).parts[1:2] == (DATA,) else m.name for m in members
+            if m.isfile()]
 
 
 def one_folder(members: list) -> str:
@@ -286,6 +308,10 @@ def main(argv=None) -> int:
     s.add_argument("--budget-mib", type=float, default=64.0, help="what one call may carry in all (default 64)")
     s.add_argument("--margin-mib", type=float, default=2.0, help="room kept free in each call (default 2)")
     s.add_argument("--repo", default=".", help="the checkout whose working tree travels with each call")
+    s.add_argument("--datasets", nargs="*", default=[], help="dataset folders of --data-dir to carry too (gzipped)")
+    s.add_argument("--data-dir", default=os.environ.get("IBEDL_DATA_DIR") or str(Path(__file__).resolve().parents[2]
+                                                                                  / "shared" / "data"),
+                   help="where the datasets are (default IBEDL_DATA_DIR, else ../shared/data beside the checkout)")
     j = sub.add_parser("join", help="there: check the parts and unpack them")
     j.add_argument("--parts", default=".device-carry/gpu")
     j.add_argument("--target", default="wheels")
@@ -304,13 +330,14 @@ def main(argv=None) -> int:
                 raise ValueError(f"--out {args.out} is outside the checkout {repo}: a call carries only its paths")
             tree = tree_bytes(repo)
             room = int((args.budget_mib - args.margin_mib) * MIB) - tree
-            parts = split(Path(args.source), Path(args.out), room)
+            parts = split(Path(args.source), Path(args.out), room, Path(args.data_dir), tuple(args.datasets))
             print(f"{args.source}: {sum(p.stat().st_size for p in parts) / MIB:.1f} MiB in {len(parts)} parts of at "
                   f"most {room / MIB:.1f} MiB (the working tree sends {tree / MIB:.1f} MiB with each call)")
             for i, carried in enumerate(calls(parts, repo), 1):
                 print(f"call {i}: carry {carried}")
             print(f"then, in the last call: python3 requirements/carry.py join --parts {args.out} "
-                  f"--target {Path(args.source).parent}")
+                  f"--target {Path(args.source).parent}"
+                  + (f" && export IBEDL_DATA_DIR=$PWD/{Path(args.source) / DATA}" if args.datasets else ""))
             left = slim_paths(repo)
             if left is not None:
                 print(f"the tree is slim (left behind: {' '.join(left)}); once the calls are done: "

@@ -113,6 +113,7 @@ def train_tiny(tiny_model_dir, tiny_jsonl, root, *overrides: str):
         f"data={{train: [{{dataset: jsonl, path: {tiny_jsonl}}}], "
         f"validation: [{{dataset: jsonl, path: {tiny_jsonl}}}]}}",
         "optim.max_steps=2", "max_tokens=96", "progress=false",
+        "device=cpu",  # on a CUDA machine too: the CUDA tests compare with a CPU-made (torch-fp32) calibration
         "min_per_count=10",  # the toy validation set has about 20 questions of each of 3, 4 and 5 options
         *overrides,
     ])

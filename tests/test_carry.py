@@ -43,6 +43,34 @@ def test_a_split_folder_joins_back_byte_for_byte(tmp_path):
     assert not (tmp_path / "there" / "gpu" / "stale.whl").exists()  # the folder is replaced whole
 
 
+def test_datasets_travel_gzipped_and_join_unpacks_them_plain_where_ibedl_data_dir_will_point(tmp_path, capsys):
+    """The lent machine has no data: split adds the named dataset folders (gzipped: SciQ's 10 MB train.json is about
+    2.3 MB), join writes them back byte for byte under <folder>/ibedl-data, and the loaders read them there."""
+    import json
+
+    from ibedl.training.data import load_dataset
+
+    source, data = folder(tmp_path), tmp_path / "shared-data"
+    (data / "sciq").mkdir(parents=True)
+    rows = [{"question": f"Which is {w}?", "distractor1": "a", "distractor2": "b", "distractor3": "c",
+             "correct_answer": w, "support": "It is."} for w in ("sun", "moon", "tree") * 200]
+    (data / "sciq" / "test.json").write_text(json.dumps(rows))
+    plain = len(carry.tar_of(source))
+    packed = carry.tar_of(source, data, ("sciq",))
+    assert len(packed) - plain < len((data / "sciq" / "test.json").read_bytes()) / 5  # compressed
+    carry.split(source, tmp_path / "out", 4096, data, ("sciq",))
+    files = carry.join(tmp_path / "out", tmp_path / "there")
+    assert "gpu/ibedl-data/sciq/test.json" in files
+    unpacked = tmp_path / "there" / "gpu" / "ibedl-data"
+    assert (unpacked / "sciq" / "test.json").read_bytes() == (data / "sciq" / "test.json").read_bytes()
+    assert not list(unpacked.rglob("*.gz"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("IBEDL_DATA_DIR", str(unpacked))
+        assert len(load_dataset("sciq", "test")) == 600
+    with pytest.raises(ValueError, match="dataset 'obqa': .* holds no files"):
+        carry.tar_of(source, data, ("obqa",))
+
+
 def test_a_missing_or_altered_part_is_refused_by_name(tmp_path):
     parts = carry.split(folder(tmp_path), tmp_path / "out", 4096)
     parts[1].rename(tmp_path / "aside")
@@ -105,7 +133,7 @@ def test_split_counts_what_travels_with_each_call_and_says_what_each_carries(tmp
     assert f"call {len(parts)}: carry ['.device-carry/gpu/{parts[-1].name}', '.device-carry/gpu/SHA256SUMS']" in out
     assert "call 1: carry ['.device-carry/gpu/part-00']" in out
     assert "then, in the last call: python3 requirements/carry.py join --parts" in out
-    assert out.rstrip().endswith(f"--target {repo / 'wheels'}")
+    assert out.rstrip().endswith(f"--target {repo / 'wheels'}")  # no datasets asked: no IBEDL_DATA_DIR to export
     assert carry.main([*argv[:-4], "--budget-mib", str(carry.tree_bytes(repo) / carry.MIB), "--margin-mib", "0"]) == 2
     assert "no room for a part" in capsys.readouterr().err
     assert carry.main([*argv[:-6], "--out", str(tmp_path / "elsewhere"), "--budget-mib", "64"]) == 2

@@ -170,9 +170,6 @@ def build(cfg: TrainConfig, method: Method, device: str | None = None, resolved:
     it and its tokenizer (default: resolved and loaded here)."""
     from peft import LoraConfig, get_peft_model
 
-    if torch.cuda.is_available():
-        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 training at TF32 matmul speed on Ampere+
-        torch.backends.cudnn.allow_tf32 = True
     if resolved is None:
         resolved = resolve_model(cfg.base_model)
     # Mixed precision keeps float32 weights and lets autocast run the matmuls in half precision.
@@ -180,6 +177,9 @@ def build(cfg: TrainConfig, method: Method, device: str | None = None, resolved:
     model, tokenizer = load_base_model(
         resolved, device=device or cfg.device, dtype=dtype, load_in_4bit=cfg.load_in_4bit, tokenizer=tokenizer
     )
+    if next(model.parameters()).device.type == "cuda":  # not for a CPU run in a process that also has CUDA
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 training at TF32 matmul speed on Ampere+
+        torch.backends.cudnn.allow_tf32 = True
     if cfg.load_in_4bit:
         from peft import prepare_model_for_kbit_training
 

@@ -328,3 +328,27 @@ def test_the_paper_step_measures_the_papers_workload(monkeypatch, tmp_path):
     assert run["questions"] == "obqa train" and run["batch_size"] == 4 and run["paper_workload"]["dataset"] == "obqa"
     assert json.loads((tmp_path / "check_paper.json").read_text()) == run
 
+
+
+def test_the_calibrate_step_keeps_each_arithmetic_done_should_its_budget_stop_the_next(monkeypatch, tmp_path):
+    """Three arithmetics in 100 s: the step wrote nothing until all were done, so one stopped by its budget kept no
+    seconds at all. Killed during the second (here: interrupted), the first's are in its partial file."""
+    from ibedl.training import calibrate
+
+    calls = []
+
+    def calibrated(argv):
+        calls.append(argv)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # what the budget's kill looks like from inside: nothing after it runs
+        return 0
+
+    monkeypatch.setattr(gpu_check, "RUNS", tmp_path / "runs")
+    monkeypatch.setattr(calibrate, "main", calibrated)
+    out = tmp_path / "gpu_check.json"
+    args = type("Args", (), {"artifact": "artifacts/default"})()
+    with pytest.raises(KeyboardInterrupt):
+        gpu_check.step_calibrate(args, out)
+    kept = json.loads(gpu_check.partial_path(out, "calibrate").read_text())
+    first = gpu_check.arithmetic(gpu_check.nf4_available())["keys"][0]
+    assert kept["done"] == [first] and set(kept["seconds_each"]) == {first} and len(kept["arithmetics"]) >= 2
