@@ -12,11 +12,11 @@ stays warm. The offline GPU install's wheels (``make gpu-wheels``: the base mode
 fit beside the tree (about 50 MiB) in one call, so ``split`` writes the folder as an uncompressed tar in parts of at
 most the room one call leaves (the budget less the tree's size and ``--margin-mib``) into ``--out``, which git
 ignores, with ``SHA256SUMS`` (each part's and the whole tar's sha256), and prints which paths each call carries (the
-last one also carries ``SHA256SUMS``). ``--datasets sciq obqa`` adds those folders of ``--data-dir`` (IBEDL_DATA_DIR;
-the machine has none of the data, and every GPU run reads SciQ, the 8B-shaped one OBQA) gzipped, about 3 of their 14
-MiB, under ``<folder>/ibedl-data/``, which ``join`` unpacks plain. ``join`` refuses a missing or altered part by name, checks the whole, and
-unpacks it into ``--target`` (the tar holds the folder's own name: ``wheels/gpu``). Standard library only: it runs on
-the machine's own python.
+last one also carries ``SHA256SUMS``). ``--datasets sciq obqa`` adds those folders of ``--data-dir``
+(IBEDL_DATA_DIR; the machine has none of the data, and every GPU run reads SciQ, the 8B-shaped one OBQA) gzipped,
+about 3 of their 14 MiB, under ``<folder>/ibedl-data/``, which ``join`` unpacks plain. ``join`` refuses a missing
+or altered part by name, checks the whole, and unpacks it into ``--target`` (the tar holds the folder's own name:
+``wheels/gpu``). Standard library only: it runs on the machine's own python.
 
     # here, before split: what the GPU runs do not read stays behind (git's index and info/exclude; nothing on disk)
     python requirements/carry.py slim [--leave benchmarks/results artifacts/map-twin docs]
@@ -335,9 +335,11 @@ def main(argv=None) -> int:
                   f"most {room / MIB:.1f} MiB (the working tree sends {tree / MIB:.1f} MiB with each call)")
             for i, carried in enumerate(calls(parts, repo), 1):
                 print(f"call {i}: carry {carried}")
+            data_at = Path(args.source) / DATA  # where join unpacks the datasets, from where the join runs
+            data_at = data_at if data_at.is_absolute() else f"$PWD/{data_at}"
             print(f"then, in the last call: python3 requirements/carry.py join --parts {args.out} "
                   f"--target {Path(args.source).parent}"
-                  + (f" && export IBEDL_DATA_DIR=$PWD/{Path(args.source) / DATA}" if args.datasets else ""))
+                  + (f" && export IBEDL_DATA_DIR={data_at}" if args.datasets else ""))
             left = slim_paths(repo)
             if left is not None:
                 print(f"the tree is slim (left behind: {' '.join(left)}); once the calls are done: "

@@ -134,6 +134,10 @@ def test_split_counts_what_travels_with_each_call_and_says_what_each_carries(tmp
     assert "call 1: carry ['.device-carry/gpu/part-00']" in out
     assert "then, in the last call: python3 requirements/carry.py join --parts" in out
     assert out.rstrip().endswith(f"--target {repo / 'wheels'}")  # no datasets asked: no IBEDL_DATA_DIR to export
+    (tmp_path / "data" / "obqa").mkdir(parents=True)
+    (tmp_path / "data" / "obqa" / "train.jsonl").write_text("{}\n")
+    assert carry.main([*argv, "--datasets", "obqa", "--data-dir", str(tmp_path / "data")]) == 0
+    assert capsys.readouterr().out.rstrip().endswith(f"&& export IBEDL_DATA_DIR={source / 'ibedl-data'}")
     assert carry.main([*argv[:-4], "--budget-mib", str(carry.tree_bytes(repo) / carry.MIB), "--margin-mib", "0"]) == 2
     assert "no room for a part" in capsys.readouterr().err
     assert carry.main([*argv[:-6], "--out", str(tmp_path / "elsewhere"), "--budget-mib", "64"]) == 2

@@ -236,9 +236,11 @@ def test_make_gpu_check_installs_the_gpu_lock_not_the_cpu_one():
     wheels = makefile_rule("gpu-wheels")
     assert "requirements/offline.py wheels" in wheels and "$(GPU_WHEELS)/requirements.txt" in wheels
     # two passes, the second reading the downloaded wheels (tests/test_offline_install.py: refused_by_carried)
+    assert "rm -f $(GPU_WHEELS)/requirements.txt $(GPU_WHEELS)/*.whl" in wheels  # no stale wheel is carried
     assert "for pass in 1 2 3 4 5" in wheels and "--wheels-dir $(GPU_WHEELS)" in wheels and "$(GPU_DOWNLOAD)" in wheels
     assert "cmp -s $(GPU_WHEELS)/requirements.txt.tmp $(GPU_WHEELS)/requirements.txt; then break" in wheels
-    download = re.search(r"^GPU_DOWNLOAD = \$\(PIP\) download.*?(?=^\S)", (ROOT / "Makefile").read_text(),
+    # the system python's pip: gpu-wheels runs before (and without) the CPU venv
+    download = re.search(r"^GPU_DOWNLOAD = \$\(PYTHON\) -m pip .*?download.*?(?=^\S)", (ROOT / "Makefile").read_text(),
                          flags=re.S | re.M).group(0)
     assert "--require-hashes" in download and "-r $(GPU_WHEELS)/requirements.txt" in download
     assert "--python-version $(GPU_PYTHON_VERSION)" in download and "--python-version $(GPU_PYTHON_VERSION)" in wheels

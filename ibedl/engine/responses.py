@@ -37,7 +37,8 @@ def build_answer(runtime: AdapterRuntime, req: PredictRequest, q: MCQuestion, pr
     reason = abstention.decide(pred.uncertainty, pred.confidence, limits)
     # Thresholds of the request's own answer other questions than those the calibration certified (Learn-then-Test
     # tests the adapter's threshold, and answered accuracy need not rise with a higher one): no accuracy is promised.
-    own_rule = (limits.min_confidence, limits.max_uncertainty) == (own.min_confidence, own.max_uncertainty)
+    own_rule = limits.min_confidence == own.min_confidence and (
+        not runtime.dirichlet or limits.max_uncertainty == own.max_uncertainty)  # no Dirichlet: no u to abstain on
     letters = LETTERS[: q.num_options]
     conformal = stored_quantile(conformal_of(runtime, q.num_options), req)
     set_indices = None if conformal is None else prediction_set(pred.probs, conformal[0], conformal[2])

@@ -74,11 +74,14 @@ class AdapterRuntime:
     def watched_options(self) -> int | None:
         """The option count whose answers drift and the label-free accuracy estimate watch: the one the calibration's
         reference was drawn from (a per-count calibration's main count, or a sample's only count; older calibrations:
-        the count the post-hoc step was fitted on). None: every count (a reference that mixes counts)."""
+        the count the post-hoc step was fitted on, else their one claimed count, which a calibration that is not per
+        count claims only when its sample held that count alone). None: every count (a reference that mixes counts)."""
         if "options" in self.calibration.reference:
             options = self.calibration.reference["options"]
         else:
             options = (self.calibration.record.get("posthoc") or {}).get("fitted_on_options")
+            if options is None and self.option_counts is not None and len(self.option_counts) == 1:
+                options = self.option_counts[0]
         return None if options is None else int(options)
 
     def reference(self) -> list:

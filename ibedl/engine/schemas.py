@@ -326,7 +326,8 @@ class DriftStatus(BaseModel):
     estimated_accuracy_interval: list[float] | None = Field(
         ..., description="95% interval of that estimate, assuming the probabilities are calibrated")
     target_accuracy: float | None = Field(..., description="the accuracy the adapter's abstention guarantees; null "
-                                          "when its calibration could not certify one")
+                                          "when its calibration could not certify one, or claims no promise for "
+                                          "options")
     options: int | None = Field(None, description="the option count whose answers both windows hold (the drift "
                                 "reference's); null: every count")
 

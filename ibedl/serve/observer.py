@@ -67,7 +67,12 @@ class ServiceObserver(Observer):
             m.abstentions.labels(adapter=name, reason=answer.abstain_reason).inc()
         if monitors.options is not None and question.num_options != monitors.options:
             return  # another count than the reference's: not comparable with it
-        if not answer.abstain_reason:  # an answered question feeds the accuracy estimate; every one feeds drift
+        # an answered question feeds the accuracy estimate, unless under the request's own thresholds (its guarantees
+        # hold, the target is certified, yet no accuracy is stated: those answer other questions than the target's);
+        # every one feeds drift
+        own_thresholds = (monitors.accuracy.target is not None and answer.guarantees is not None
+                          and answer.guarantees.holds is not False and answer.guarantees.answered_accuracy is None)
+        if not answer.abstain_reason and not own_thresholds:
             monitors.accuracy.add([prediction.confidence])
         drift = monitors.drift
         drift.add([prediction.uncertainty if drift.statistic == "uncertainty_mass" else prediction.confidence])

@@ -563,8 +563,9 @@ def train(cfg: TrainConfig, command: str = "") -> Path:
     dirs = member_dirs(method, params)
     check_members_from(cfg, len(dirs))
     check_device(cfg.device)
-    out_dir = Path(cfg.output)
-    settle(out_dir)  # a publish cut short by an earlier start: finished or undone, before anything is decided
+    out_dir = Path(cfg.output).resolve()
+    if int(os.environ.get("RANK", "0")) == 0:  # one process (accelerate launch numbers them) touches the output
+        settle(out_dir)  # a publish cut short by an earlier start: finished or undone, before anything is decided
     check_output(out_dir)
     stage = staging_dir(out_dir)  # the run writes here; the artifact replaces out_dir only once complete
     if cfg.threads:
@@ -688,9 +689,17 @@ def staging_dir(out_dir: Path) -> Path:
 
 
 def check_output(out_dir: Path) -> None:
-    """ValueError when ``out_dir`` exists and is not a directory (found before anything is trained)."""
+    """ValueError, before anything is trained, when ``out_dir`` is a file, a mount point or holds the working
+    directory: :func:`publish` renames it aside, which a mount point refuses (EBUSY) and which would leave the process
+    in a removed directory."""
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"output {str(out_dir)!r} is a file, not an artifact directory")
+    if out_dir.is_dir() and os.path.ismount(out_dir):
+        raise ValueError(f"output {str(out_dir)!r} is a mount point, which a finished run cannot replace by a rename: "
+                         "write to a directory inside it")
+    if Path.cwd().resolve().is_relative_to(out_dir.resolve()):
+        raise ValueError(f"output {str(out_dir)!r} holds the working directory, which a finished run replaces: run "
+                         "from elsewhere")
 
 
 def previous_dir(out_dir: Path) -> Path:

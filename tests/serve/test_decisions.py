@@ -152,6 +152,22 @@ class TestAccuracyEstimate:
                 payload = json.loads(base64.urlsafe_b64decode(body["receipt"].split(".")[1] + "=="))
                 assert payload["target"] == target and payload["coverage"] == 0.9
 
+    def test_without_a_dirichlet_a_requests_max_uncertainty_changes_nothing_and_keeps_the_promise(
+            self, tiny_map_artifact, make_client, tmp_path):
+        """A softmax head has no u to abstain on: max_uncertainty decides nothing there, so the answer keeps its
+        promised accuracy (only min_confidence above the adapter's drops it)."""
+        art = tmp_path / "map"
+        shutil.copytree(tiny_map_artifact, art)
+        m = read_manifest(art)
+        thresholds_everywhere(m, min_confidence=0.0, max_uncertainty=1.0, ood_threshold=0.0)
+        for how in (m.abstention["how"], *(e["how"] for e in m.abstention.get("by_options", {}).values())):
+            how.update(certified=True, target_accuracy=0.9, delta=0.1)
+        write_manifest(art, m)
+        with make_client(artifact=art) as c:
+            for abstain, target in (({"max_uncertainty": 0.1}, 0.9), ({"min_confidence": 0.99}, None)):
+                body = ok_json(c.post("/predict", json={**Q, "abstain": abstain}))
+                assert body["uncertainty_mass"] is None and body["guarantees"]["answered_accuracy"] == target, abstain
+
     def test_abstained_questions_do_not_count(self, open_artifact, make_client):
         with make_client(artifact=open_artifact) as c:
             c.post("/predict", json={**Q, "abstain": {"min_confidence": 1.0}})

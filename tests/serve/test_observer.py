@@ -60,3 +60,41 @@ def test_the_target_is_stated_only_for_a_claimed_count(options, claimed, target)
     assert observer.drift_status("a").target_accuracy == target
     gauge = observer.metrics.target_accuracy.labels(adapter="a")._value.get()
     assert gauge == target if target is not None else np.isnan(gauge)
+
+
+def test_answers_under_a_requests_own_thresholds_stay_out_of_the_accuracy_estimate():
+    """Such an answer states no accuracy (its questions are not the certified threshold's); its confidence, higher by
+    the request's choice, would lift the estimate compared with that target. A suspended version's answers (holds
+    false) still count: the estimate is label-free."""
+    observer = ServiceObserver(Settings(drift_window=WINDOW))
+    served = runtime(4, [4])
+    observer.serving(served)
+
+    def answered(confidence: float, holds, accuracy) -> None:
+        observer.answered(served, SimpleNamespace(num_options=4),
+                          SimpleNamespace(confidence=confidence, letter="A", uncertainty=0.3),
+                          SimpleNamespace(guarantees=SimpleNamespace(holds=holds, answered_accuracy=accuracy,
+                                                                     reason=None), abstain_reason=None))
+
+    answered(0.6, True, 0.9)  # the adapter's own rule
+    answered(0.99, True, None)  # a request's own thresholds: not counted
+    answered(0.7, False, None)  # a suspended version: counted
+    status = observer.drift_status("a")
+    assert status.answered_in_window == 2 and status.estimated_accuracy == pytest.approx(0.65)
+    assert status.window == 3  # drift sees every answer
+
+
+def test_an_older_calibration_watches_its_one_claimed_count():
+    """Before reference.options was recorded: the post-hoc step's count for a per-count calibration, else the one
+    claimed count (a calibration that is not per count claims one only when its sample held that count alone)."""
+    from ibedl.engine.runtime import AdapterRuntime
+
+    def watched(reference: dict, record: dict, claimed):
+        this = SimpleNamespace(calibration=SimpleNamespace(reference=reference, record=record), option_counts=claimed)
+        return AdapterRuntime.watched_options.fget(this)
+
+    assert watched({"options": 5}, {}, [4, 5]) == 5
+    assert watched({"options": None}, {}, [4]) is None  # recorded: a mixture
+    assert watched({}, {"posthoc": {"fitted_on_options": 4}}, [2, 3, 4]) == 4
+    assert watched({}, {"posthoc": {"kind": "zeta"}}, [4]) == 4  # artifacts/map-twin's
+    assert watched({}, {}, []) is None and watched({}, {}, None) is None

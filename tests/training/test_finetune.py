@@ -251,6 +251,26 @@ def test_a_loss_that_is_not_finite_is_one_line_saying_what_to_change(tmp_path, t
     assert not (tmp_path / "edl").exists()
 
 
+def test_an_output_holding_the_working_directory_is_refused_before_training(tmp_path, tiny_model_dir, jsonl_data,
+                                                                            capsys, monkeypatch):
+    """publish() renames the output aside: a process whose working directory is in it would be left in a removed
+    directory (and main() read the manifest through a relative path that no longer resolved)."""
+    (tmp_path / "map" / "logs").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "map" / "logs")
+    assert main(overrides(tmp_path, tiny_model_dir, jsonl_data, "map")) == 2
+    assert "holds the working directory, which a finished run replaces: run from elsewhere" in capsys.readouterr().err
+
+
+def test_a_mount_point_output_is_refused_before_training(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.setattr(os.path, "ismount", lambda p: str(p) == str(tmp_path / "mnt"))
+    (tmp_path / "mnt").mkdir()
+    with pytest.raises(ValueError, match="is a mount point, which a finished run cannot replace by a rename"):
+        finetune.check_output(tmp_path / "mnt")
+    finetune.check_output(tmp_path / "elsewhere")  # not there yet: fine
+
+
 def test_an_output_that_is_a_file_is_refused_before_training(tmp_path, tiny_model_dir, jsonl_data, capsys):
     (tmp_path / "map").write_text("notes")
     assert main(overrides(tmp_path, tiny_model_dir, jsonl_data, "map")) == 2
