@@ -48,6 +48,7 @@ from ibedl.engine.errors import (
     Timeout,
     TooLarge,
     described,
+    too_many_items,
 )
 from ibedl.engine.feedback import Feedback, LabelQuota, served_versions
 from ibedl.engine.observer import Observer
@@ -357,7 +358,7 @@ class Engine:
         ``max_request_tokens`` prompt tokens in all. ``field`` names the items in refusals."""
         limit = self.settings.max_batch_items
         if len(items) > limit:
-            raise TooLarge(f"{len(items)} items; the limit is {limit}", field)
+            raise TooLarge(too_many_items(len(items), limit), field)
         names = {self.runtime(item.adapter, f"{field}.{i}.adapter").name for i, item in enumerate(items)}
         if len(names) > 1:
             raise InvalidRequest(f"the items of one batch must use one adapter, got {sorted(names)}; send one batch "
@@ -626,7 +627,7 @@ class Engine:
         ``ibedl.engine.errors``."""
         limit = self.settings.max_batch_items
         if len(items) > limit:
-            raise TooLarge(f"{len(items)} items; the limit is {limit}", "items")
+            raise TooLarge(too_many_items(len(items), limit), "items")
         given = [as_feedback(x, f"{prefix}{i}." if prefix else "") for i, x in enumerate(items)]
         quota = None if credential is None else LabelQuota(credential, self.settings.max_labels,
                                                            self.settings.label_window_s)

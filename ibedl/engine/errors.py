@@ -42,6 +42,11 @@ class TooLarge(EngineError):
     type = "too_large"
 
 
+def too_many_items(count: int, limit: int) -> str:
+    """What a request of ``count`` items over the ``limit`` of IBEDL_MAX_BATCH_ITEMS is told, wherever it is counted."""
+    return f"{count} items; the limit is {limit}"
+
+
 class ModelError(EngineError):
     """The model's numbers for a question were not finite: never an answer (the same question gives the same
     numbers, so retrying does not help). ``nonfinite``: how many of the request's questions had them."""

@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
+from ibedl.engine.errors import too_many_items
+
 # The most items one request may carry (IBEDL_MAX_BATCH_ITEMS) while a door validates its body: set, a longer list of
 # items is refused before any item is validated (type "too_large"; building tens of thousands of items, which a 1 MB
 # body holds, took the event loop a second). Unset (the Python API), the engine's own check applies alone.
@@ -19,8 +21,7 @@ def within_items_limit(items):
     ITEMS_LIMIT."""
     limit = ITEMS_LIMIT.get()
     if limit is not None and isinstance(items, list) and len(items) > limit:
-        raise PydanticCustomError("too_large", "{count} items; the limit is {limit}",
-                                  {"count": len(items), "limit": limit})
+        raise PydanticCustomError("too_large", too_many_items(len(items), limit))
     return items
 
 ADAPTER_NAME_CHARS = 128  # the longest adapter name a request may give (a served one is its manifest's `name`)

@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
-from ibedl.engine.errors import InvalidRequest, TooLarge, UnknownAdapter
+from ibedl.engine.errors import InvalidRequest, TooLarge, UnknownAdapter, too_many_items
 from ibedl.engine.schemas import PredictRequest
 
 INPUTS = {"question": [-1], "options": [-1, -1], "context": [-1]}
@@ -98,7 +98,7 @@ def to_items(inputs: list[Tensor], model: str, limit: int | None = None) -> list
                              f"{sorted(tensors)}", "inputs")
     rows = tensors["question"].shape[0] if tensors["question"].shape else 0
     if limit is not None and rows > limit:
-        raise TooLarge(f"{rows} items; the limit is {limit}", "inputs")
+        raise TooLarge(too_many_items(rows, limit), "inputs")
     questions = [row[0] for row in strings(tensors["question"], None)]
     options = strings(tensors["options"], len(questions))
     contexts = [row[0] or None for row in strings(tensors["context"], len(questions))] if "context" in tensors \
