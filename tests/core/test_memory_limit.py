@@ -137,4 +137,6 @@ def test_collect_garbage_frees_cycles_it_froze_and_leaves_a_callers_freeze_alone
     assert (ref() is None) == (frozen_by != "caller")
     assert generations_hold(kept) == (frozen_by is None)  # what was frozen stays frozen
     if frozen_by == "caller":
-        assert gc.get_freeze_count() == frozen  # neither unfrozen nor grown
+        # neither unfrozen (0) nor grown; it may shrink a little: a frozen object another thread of the test process
+        # lets go of is freed by its reference count (seen under xdist: 18 of 877,112)
+        assert 0 < gc.get_freeze_count() <= frozen
