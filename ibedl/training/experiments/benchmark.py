@@ -39,9 +39,11 @@ import numpy as np
 import yaml
 
 from ibedl.core.artifact import atomic_write_text
+from ibedl.core.cpu_isa import usable_cores
 from ibedl.core.head import POSTHOC_KEYS
 from ibedl.training import member_resume
 from ibedl.training.config import apply_overrides, yaml_load
+from ibedl.training.data import DATASETS
 from ibedl.training.experiments.evaluate_run import limits_for, summarise_run, without_posthoc
 from ibedl.training.experiments.report import write_report
 from ibedl.training.methods import METHODS, get_method
@@ -93,14 +95,22 @@ def load_benchmark_config(path: str | Path, overrides: list[str] = ()) -> dict:
                                for m in {**base.get(key, {}), **config[key]}}
         config = merged
     config = apply_overrides(config, list(overrides))
+    unknown = sorted(set(config) - CONFIG_KEYS)
+    if unknown:  # a typo ("size:") was silently ignored: a run on whole datasets
+        raise ValueError(f"{path}: unknown keys {unknown}; a benchmark config has {sorted(CONFIG_KEYS)}")
     if any(item.split("=", 1)[0].strip() == "seeds" for item in overrides):
         for exp in config.get("experiments", []):
             exp.pop("seeds", None)
     return config
 
 
+CONFIG_KEYS = frozenset({"name", "base", "methods", "seeds", "experiments", "train", "sizes", "method_params",
+                         "method_train", "search"})
+
+
 def expand(config: dict) -> list[Run]:
-    """The grid of runs a benchmark config describes, in a stable order."""
+    """The grid of runs a benchmark config describes, in a stable order; ValueError naming an unknown method,
+    experiment kind or dataset."""
     methods = [m for m in METHODS if m in config["methods"]]
     unknown = sorted(set(config["methods"]) - set(METHODS))
     if unknown:
@@ -116,6 +126,10 @@ def expand(config: dict) -> list[Run]:
             cells = [(d, (d,), float(exp.get("fraction", 0.3))) for d in exp["datasets"]]
         else:
             raise ValueError(f"experiment kind must be id, ood or noise, got {kind!r}")
+        named = sorted({d for _, sets, _ in cells for d in sets if d.split(":")[0] not in DATASETS})  # name:variant
+        if named:
+            raise ValueError(f"experiment {exp.get('name', kind)!r}: unknown datasets {named}; known: "
+                             f"{sorted(DATASETS)}")
         for dataset, eval_sets, noise in cells:
             for method in methods:
                 for seed in exp.get("seeds", config["seeds"]):  # an experiment may run fewer seeds
@@ -290,7 +304,7 @@ class Runner:
         log.info("training %s", out.name)
         info = run_child(cmd, out / "train.log", self.threads)
         if info["returncode"] != 0:
-            raise RuntimeError(f"training {out.name} failed with {info['returncode']}; see {out / 'train.log'}")
+            raise TrainingFailed(f"training {out.name} failed with {info['returncode']}; see {out / 'train.log'}")
         atomic_write_text(info_path, json.dumps(info))
         return out, info
 
@@ -439,6 +453,10 @@ def predictive_fits(sets: dict, eval_sets) -> list[dict]:
     return fits
 
 
+class TrainingFailed(RuntimeError):
+    """A run's training child exited non-zero: every cell of its chain fails without training it again."""
+
+
 def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -446,11 +464,12 @@ def positive_int(text: str) -> int:
     return value
 
 
-def run_grid(runner: Runner, todo: list[Run], jobs: int) -> None:
-    """Run the cells, ``jobs`` at a time. Cells that share a trained run (the id and ood cells of one training,
-    MC-Dropout and Laplace on MAP's) form one chain that a single worker runs in order; chains run side by side,
-    seed by seed (for each seed the clean-label chains, then the label-noise ones). A failed cell is logged and the
-    grid goes on."""
+def run_grid(runner: Runner, todo: list[Run], jobs: int) -> list[str]:
+    """Run the cells, ``jobs`` at a time; the keys of the cells that failed. Cells that share a trained run (the id
+    and ood cells of one training, MC-Dropout and Laplace on MAP's) form one chain that a single worker runs in order;
+    chains run side by side, seed by seed (for each seed the clean-label chains, then the label-noise ones). A failed
+    cell, whatever failed (a worker died with the first unexpected error, and the grid then exited 0), is logged and
+    the grid goes on; a failed training fails the rest of its chain without training it again."""
     from tqdm import tqdm
 
     runner.plan(todo)
@@ -462,6 +481,7 @@ def run_grid(runner: Runner, todo: list[Run], jobs: int) -> None:
     queue = sorted(chains.values(), key=lambda chain: (chain[0].seed, chain[0].label_noise > 0))
     bar = tqdm(total=len(todo), desc="benchmark", unit="run", dynamic_ncols=True)
     lock = threading.Lock()
+    failed: list[str] = []
 
     def worker() -> None:
         while True:
@@ -469,13 +489,22 @@ def run_grid(runner: Runner, todo: list[Run], jobs: int) -> None:
                 if not queue:
                     return
                 chain = queue.pop(0)
+            broken = None  # the training this chain shares, once it failed
             for run in chain:
-                try:
-                    record = runner.run(run)
-                except RuntimeError as e:
-                    log.error("%s", e)
-                    record = None
+                record, ok = None, broken is None
+                if broken is not None:
+                    log.error("%s: not run, its training failed (%s)", run.key, broken)
+                else:
+                    try:
+                        record = runner.run(run)  # None: already done, or a dry run
+                    except Exception as e:  # noqa: BLE001 - any cell's failure is reported, and the grid goes on
+                        log.error("%s failed: %s: %s", run.key, type(e).__name__, e)
+                        ok = False
+                        if isinstance(e, TrainingFailed):
+                            broken = str(e)
                 with lock:
+                    if not ok:
+                        failed.append(run.key)
                     if record:
                         m = record["metrics"]
                         tqdm.write(f"{run.key}: acc {m['accuracy']:.3f} ece {m['ece']:.3f} nll {m['nll']:.3f}")
@@ -487,6 +516,7 @@ def run_grid(runner: Runner, todo: list[Run], jobs: int) -> None:
     for t in threads:
         t.join()
     bar.close()
+    return failed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -515,13 +545,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = config.setdefault("name", Path(args.config).stem)  # also what search_twin looks under
     results = Path(args.results or f"benchmarks/results/{name}.json")
-    threads = max(1, (os.cpu_count() or 1) // args.jobs) if args.jobs > 1 else None
+    threads = max(1, usable_cores() // args.jobs) if args.jobs > 1 else None  # the cores this process may use
     runner = Runner(config, Path(args.runs_dir or f"runs/benchmark/{name}"), results, args.dry_run, threads)
-    if not args.report_only:
-        run_grid(runner, todo, args.jobs)
+    failed = [] if args.report_only else run_grid(runner, todo, args.jobs)
     if not args.dry_run and runner.results:
         paths = write_report(runner.results, config, results.with_suffix(".md"), runner.root)
         print(f"wrote {results} and {', '.join(str(p) for p in paths)}")
+    if failed:
+        print(f"error: {len(failed)} of {len(todo)} cells failed (the log above says why): {', '.join(failed[:5])}"
+              f"{', ...' if len(failed) > 5 else ''}; run the same command again to retry them", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,6 +1,7 @@
 """The benchmark runner end to end on the tiny model: id, ood and noise experiments, resume, report."""
 
 import json
+import re
 
 import pytest
 
@@ -183,6 +184,43 @@ def test_jobs_run_chains_side_by_side_with_the_same_results(bench_config, tmp_pa
     for key, record in records[1].items():
         for metric in ("accuracy", "nll", "ece"):  # one thread per job or torch's: the same runs up to rounding
             assert records[2][key]["metrics"][metric] == pytest.approx(record["metrics"][metric], abs=1e-3)
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    ({"size": {"default": {"train": 8}}}, r"unknown keys \['size'\]; a benchmark config has"),  # read as no sizes
+    ({"experiments": [{"kind": "id", "datasets": ["sciqq"]}]}, r"unknown datasets \['sciqq'\]"),
+])
+def test_a_config_typo_is_refused_before_anything_runs(bench_config, tmp_path, capsys, change, says):
+    path, config = bench_config
+    path.write_text(json.dumps({**config, **change}))
+    assert main(["--config", str(path), "--runs-dir", str(tmp_path / "runs"), "--dry-run"]) == 2
+    assert re.search(says, capsys.readouterr().err)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_failed_cell_fails_the_grid_and_a_failed_training_is_not_tried_again(bench_config, tmp_path, capsys,
+                                                                               monkeypatch):
+    """Any error of a cell is logged and the grid goes on, then exits 1 naming it (an error other than RuntimeError
+    killed its worker and the grid exited 0); a failed training fails the rest of its chain without another try."""
+    from ibedl.training.experiments import benchmark
+
+    path, config = bench_config
+    path.write_text(json.dumps({**config, "methods": ["map", "mc_dropout", "ib_edl"],
+                                "experiments": [{"kind": "id", "datasets": ["sciq"]}]}))
+    trained = []
+
+    def run(self, cell):
+        if cell.method == "ib_edl":
+            raise json.JSONDecodeError("corrupt predictions", "", 0)  # not a RuntimeError
+        trained.append(cell.key)
+        raise benchmark.TrainingFailed("training sciq-map-s0 failed with 1")
+
+    monkeypatch.setattr(benchmark.Runner, "run", run)
+    assert main(["--config", str(path), "--runs-dir", str(tmp_path / "runs"),
+                 "--results", str(tmp_path / "r.json")]) == 1
+    err = capsys.readouterr().err
+    assert "3 of 3 cells failed" in err and "id-sciq-ib_edl-s0" in err and "run the same command again" in err
+    assert trained == ["id-sciq-map-s0"]  # MC-Dropout shares MAP's training: not tried again
 
 
 def test_bad_jobs(bench_config, capsys):
