@@ -28,6 +28,7 @@ from pathlib import Path
 from ibedl.core.artifact import atomic_write_text
 from ibedl.training.experiments.benchmark import (
     SEARCH_ROOT,
+    UNCOMPARED,
     Run,
     check_selection,
     load_benchmark_config,
@@ -57,19 +58,33 @@ def candidates(config: dict) -> list[tuple[str, int, dict]]:
     return out
 
 
+def same_config(out: Path, args: list[str]) -> bool:
+    """Whether ``out`` holds a trained run whose training config is the one ``args`` (finetune's overrides) make,
+    but for what a run does not depend on (:data:`UNCOMPARED`)."""
+    from ibedl.training.config import TrainConfig, load_config
+
+    try:
+        got = TrainConfig(**json.loads((out / "manifest.json").read_text())["training"]["config"]).to_dict()
+    except (OSError, KeyError, ValueError):
+        return False
+    want = load_config(None, args).to_dict()
+    return all(got.get(k) == v for k, v in want.items() if k not in UNCOMPARED)
+
+
 def train_candidate(config: dict, root: Path, method: str, index: int, overrides: dict, threads: int | None) -> dict:
-    """Train one candidate (unless its manifest is there) and return its record."""
+    """Train one candidate (unless a run of its very config is there: a candidate edited since trains again, where
+    its new overrides were filed beside the old run's metrics) and return its record."""
     search = config["search"]
     dataset = search.get("dataset", "sciq")
     run = Run("search", "id", dataset, method, int(search.get("seed", 0)), (dataset,))
     out = root / f"{method}-{index}"
-    if not (out / "manifest.json").is_file():
+    extra = [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
+    args = [*train_overrides(config, run, method, out), *extra, f"name={out.name}"]
+    if not same_config(out, args):
         if out.exists():
             shutil.rmtree(out)
         out.mkdir(parents=True)
-        extra = [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
-        cmd = [sys.executable, "-m", "ibedl.training.finetune", *train_overrides(config, run, method, out), *extra,
-               f"name={out.name}"]
+        cmd = [sys.executable, "-m", "ibedl.training.finetune", *args]
         log.info("training %s %s", out.name, overrides)
         info = run_child(cmd, out / "train.log", threads)
         if info["returncode"] != 0:

@@ -67,3 +67,31 @@ def test_a_search_resumes_from_its_results_file_without_training(tmp_path, monke
     result = json.loads((tmp_path / "out.json").read_text())
     assert [r["validation_end"]["nll"] for r in result["candidates"]] == [0.35, 0.3]
     assert result["chosen"]["map"]["index"] == 1
+
+
+def test_a_candidate_edited_since_its_run_trains_again(tmp_path, tiny_model_dir, monkeypatch):
+    """A run of the candidate's very config is reused; one trained under other overrides is not (its metrics were
+    filed beside the edited candidate's new overrides)."""
+    from benchmarks import hparam_search
+
+    config = {"name": "tiny", "search": {"dataset": "sciq", "candidates": {"map": [{}]}},
+              "train": {"base_model": str(tiny_model_dir), "max_tokens": 128, "optim": {"max_steps": 1}},
+              "sizes": {"default": {"train": 4, "validation": 4}}}
+    trained = []
+
+    def child(cmd, log_path, threads=None):
+        from ibedl.training.config import load_config
+
+        trained.append(cmd)
+        cfg = load_config(None, cmd[3:])
+        head_lr = cfg.optim.head_lr
+        run = {"validation_start": {"nll": 1.0}, "validation_end": {"nll": head_lr}, "stopped_step": 1,
+               "best_step": 1, "budget_steps": 1, "stopped_by": "budget"}  # what the record reads
+        (log_path.parent / "manifest.json").write_text(json.dumps({"training": {"config": cfg.to_dict(), "run": run}}))
+        return {"returncode": 0}
+
+    monkeypatch.setattr(hparam_search, "run_child", child)
+    for head_lr, runs in ((1e-3, 1), (1e-3, 1), (0.5, 2)):
+        record = hparam_search.train_candidate(config, tmp_path, "map", 0, {"optim.head_lr": head_lr}, None)
+        assert len(trained) == runs and record["validation_end"]["nll"] == head_lr, head_lr
+    assert "optim.head_lr=0.5" in trained[-1]
