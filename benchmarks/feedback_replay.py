@@ -55,6 +55,7 @@ from benchmarks.common import write_result
 from benchmarks.decisions import load_dump, served
 from ibedl.core.artifact import read_manifest
 from ibedl.core.conformal import option_scores
+from ibedl.core.paths import check_writable
 from ibedl.engine.adaptive import QuantileTracker
 from ibedl.engine.change_detector import ChangeDetector, alarm_threshold
 from ibedl.engine.confidence_sequence import BettingCS
@@ -402,6 +403,13 @@ def parse_counts_list(text: str) -> list[int]:
     return values
 
 
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.feedback_replay", description=__doc__.split("\n\n")[0])
     parser.add_argument("--artifact", default="artifacts/default")
@@ -415,23 +423,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=0.01, help="the adaptive sets' step (IBEDL_ADAPTIVE_RATE)")
     parser.add_argument("--output", help="default benchmarks/results/feedback_replay.json "
                         "(feedback_service.json with --service)")
-    parser.add_argument("--draws", type=int, default=200, help="healthy deployments: calibration draws")
-    parser.add_argument("--calibration-size", type=int, default=1000,
+    parser.add_argument("--draws", type=positive, default=200, help="healthy deployments: calibration draws")
+    parser.add_argument("--calibration-size", type=positive, default=1000,
                         help="healthy deployments: questions each draw calibrates on")
-    parser.add_argument("--labels", type=int, default=100_000,
+    parser.add_argument("--labels", type=positive, default=100_000,
                         help="healthy deployments: labels streamed per draw")
     parser.add_argument("--only-healthy", action="store_true", help="run the healthy deployments only")
     parser.add_argument("--service", action="store_true", help="run the loop once through the real service instead")
     parser.add_argument("--service-before", type=int, default=48, help="SciQ test questions before the shift")
     parser.add_argument("--service-after", type=int, default=160, help="ARC-Challenge questions after it")
     args = parser.parse_args(argv)
+    args.output = args.output or f"benchmarks/results/feedback_{'service' if args.service else 'replay'}.json"
+    try:  # refused before the work, not after it
+        check_writable(args.output, "--output")
+        manifest = read_manifest(Path(args.artifact))
+    except ValueError as e:  # ArtifactError too
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.service:
-        write_result(args.output or "benchmarks/results/feedback_service.json", service_run(args))
+        write_result(args.output, service_run(args))
         return 0
-    args.output = args.output or "benchmarks/results/feedback_replay.json"
     if args.seeds < 1 or args.delay < 0 or not args.rate > 0:
         parser.error(f"--seeds must be >= 1, --delay >= 0, --rate > 0; got {args.seeds}, {args.delay}, {args.rate}")
-    manifest = read_manifest(Path(args.artifact))
+    if not (Path(args.scores_dir) / f"{args.name}.json").is_file():
+        stored = Path(args.scores_dir) / f"{args.name}.json"
+        print(f"error: no stored outputs {stored}: python -m benchmarks.decisions score --artifact {args.artifact} "
+              "--output that file first", file=sys.stderr)
+        return 2
     dump = load_dump(args.scores_dir, args.name, manifest)
     conformal = manifest.conformal_sets()
     target_acc = float(manifest.thresholds().how["target_accuracy"])

@@ -2,6 +2,7 @@
 labelled answered questions of the shifted stream only, and the adaptive sets' delayed threshold."""
 
 import numpy as np
+import pytest
 
 from benchmarks.feedback_replay import first_alarms, history, replay_seed, summary
 
@@ -68,3 +69,18 @@ def test_after_a_long_history_the_change_detector_fires_where_the_sequence_canno
     assert alarms["acc_by_detector"].all()  # the sequence had not crossed yet
     fresh = first_alarms(runs, target_acc=0.9, target_cov=0.9)  # a new version: the sequence fires as fast
     assert ((fresh["acc_answered"] > 0) & (fresh["acc_answered"] < 60)).all()
+
+
+def test_bad_inputs_are_one_line_before_any_work(tmp_path, capsys):
+    from benchmarks.feedback_replay import main
+
+    assert main(["--artifact", str(tmp_path / "nope"), "--output", str(tmp_path / "r.json")]) == 2
+    assert "nope/manifest.json not found" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("")
+    assert main(["--output", str(tmp_path / "afile" / "r.json")]) == 2  # found before the replays, not after
+    assert "--output" in capsys.readouterr().err
+    assert main(["--name", "nope", "--output", str(tmp_path / "r.json")]) == 2
+    assert "no stored outputs" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--draws", "0"])
+    assert "--draws: must be >= 1, got 0" in capsys.readouterr().err
