@@ -217,7 +217,11 @@ def main(argv=None) -> int:
     t.add_argument("--artifact", default="artifacts/default")
     t.add_argument("--backends", nargs="+", default=["openvino-int8", "openvino-bf16", "openvino-fp32", "torch"])
     args = parser.parse_args(argv)
-    return {"score": score, "analyse": analyse, "table": table}[args.command](args)
+    try:
+        return {"score": score, "analyse": analyse, "table": table}[args.command](args)
+    except (ValueError, FileNotFoundError) as e:  # a missing artifact or scores, an unknown backend: one line
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -51,3 +51,11 @@ def test_more_counts_widen_each_range():
     one, five = checks(row(), *ranks, family=1), checks(row(), *ranks, family=5)
     assert five["set_coverage_range"][0] <= one["set_coverage_range"][0]
     assert five["set_coverage_range"][1] >= one["set_coverage_range"][1]
+
+
+def test_a_missing_artifact_or_scores_is_one_line(tmp_path, capsys):
+    from benchmarks.option_counts import main
+
+    assert main(["score", "--artifact", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "manifest.json not found" in err and "Traceback" not in err
