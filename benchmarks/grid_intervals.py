@@ -32,6 +32,7 @@ and the one over seeds get the same words.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -43,6 +44,7 @@ from scipy.stats import t as student_t
 from benchmarks.common import write_result
 from benchmarks.grid_predictions import GridPredictions, beside, default_path, load, tagged
 from benchmarks.paired_bootstrap import PerQuestion
+from ibedl.core.paths import check_writable
 from ibedl.training.experiments.benchmark import Run, expand, load_benchmark_config
 from ibedl.training.experiments.report import NO_POSTHOC
 from ibedl.training.methods import get_method
@@ -280,7 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.resamples < 100:
         parser.error(f"--resamples must be at least 100, got {args.resamples}")
+    output = args.output or f"benchmarks/results/{args.grid}_intervals.json"
     try:
+        check_writable(output, "--output")  # before the resampling, not after it
         config = load_benchmark_config(Path("benchmarks") / f"{args.against or args.grid}.yaml")
         preds = arm = load(args.predictions or default_path(args.grid))
         if args.against:
@@ -294,11 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    write_result(args.output or f"benchmarks/results/{args.grid}_intervals.json", {
+    write_result(output, {
         "grid": args.grid, **({"against": args.against} if args.against else {}),
         "resamples": args.resamples, "seed": args.seed, "level": "95% percentile interval",
-        "command": "python -m benchmarks.grid_intervals --grid " + args.grid
-                   + (f" --against {args.against}" if args.against else ""),
+        "command": "python -m benchmarks.grid_intervals " + shlex.join(sys.argv[1:] if argv is None else argv),
         "map_over_confidence": over_confidence(preds, runs, "map", args.resamples, args.seed),
         "claims": claims, **({"head_to_head": head} if args.against else {})})
     return 0

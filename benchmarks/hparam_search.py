@@ -26,6 +26,7 @@ import threading
 from pathlib import Path
 
 from ibedl.core.artifact import atomic_write_text
+from ibedl.core.paths import check_writable
 from ibedl.training.experiments.benchmark import (
     SEARCH_ROOT,
     UNCOMPARED,
@@ -150,6 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     name = config.get("name", Path(args.config).stem)
     root = SEARCH_ROOT / name
     output = Path(args.output) if args.output else search_results(name)
+    if not args.table:
+        try:
+            check_writable(output, "--output")  # before the training, not after it
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     if args.table:
         if not output.is_file():
             print(f"error: no search results at {output}", file=sys.stderr)

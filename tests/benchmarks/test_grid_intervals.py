@@ -310,3 +310,11 @@ def test_a_noise_seed_run_beyond_the_experiment_s_own_list_enters_the_noise_clai
     got = claim_interval(claim, expand(widened), preds, resamples=200)
     assert got["seeds"] == 3 and set(got["per_seed"]) == {0, 1, 2}
     assert claim_interval(claim, expand(config), preds, resamples=200)["seeds"] == 2
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_the_resampling(tmp_path, capsys):
+    from benchmarks.grid_intervals import main
+
+    (tmp_path / "afile").write_text("")
+    assert main(["--grid", "sciq_grid_shared_lr", "--output", str(tmp_path / "afile" / "i.json")]) == 2
+    assert "--output" in capsys.readouterr().err

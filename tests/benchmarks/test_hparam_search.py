@@ -95,3 +95,10 @@ def test_a_candidate_edited_since_its_run_trains_again(tmp_path, tiny_model_dir,
         record = hparam_search.train_candidate(config, tmp_path, "map", 0, {"optim.head_lr": head_lr}, None)
         assert len(trained) == runs and record["validation_end"]["nll"] == head_lr, head_lr
     assert "optim.head_lr=0.5" in trained[-1]
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_training(tmp_path, capsys):
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "grid.yaml").write_text("name: grid\nsearch:\n  candidates: {map: [{optim.lr: 1.0e-4}]}\n")
+    assert main(["--config", str(tmp_path / "grid.yaml"), "--output", str(tmp_path / "afile" / "s.json")]) == 2
+    assert "--output" in capsys.readouterr().err
