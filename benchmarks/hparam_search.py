@@ -29,9 +29,9 @@ from ibedl.core.artifact import atomic_write_text
 from ibedl.core.paths import check_writable
 from ibedl.training.experiments.benchmark import (
     SEARCH_ROOT,
-    UNCOMPARED,
     Run,
     check_selection,
+    config_differences,
     load_benchmark_config,
     run_child,
     search_results,
@@ -59,19 +59,6 @@ def candidates(config: dict) -> list[tuple[str, int, dict]]:
     return out
 
 
-def same_config(out: Path, args: list[str]) -> bool:
-    """Whether ``out`` holds a trained run whose training config is the one ``args`` (finetune's overrides) make,
-    but for what a run does not depend on (:data:`UNCOMPARED`)."""
-    from ibedl.training.config import TrainConfig, load_config
-
-    try:
-        got = TrainConfig(**json.loads((out / "manifest.json").read_text())["training"]["config"]).to_dict()
-    except (OSError, KeyError, ValueError):
-        return False
-    want = load_config(None, args).to_dict()
-    return all(got.get(k) == v for k, v in want.items() if k not in UNCOMPARED)
-
-
 def train_candidate(config: dict, root: Path, method: str, index: int, overrides: dict, threads: int | None) -> dict:
     """Train one candidate (unless a run of its very config is there: a candidate edited since trains again, where
     its new overrides were filed beside the old run's metrics) and return its record."""
@@ -81,7 +68,7 @@ def train_candidate(config: dict, root: Path, method: str, index: int, overrides
     out = root / f"{method}-{index}"
     extra = [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
     args = [*train_overrides(config, run, method, out), *extra, f"name={out.name}"]
-    if not same_config(out, args):
+    if config_differences(out, args) != []:
         if out.exists():
             shutil.rmtree(out)
         out.mkdir(parents=True)

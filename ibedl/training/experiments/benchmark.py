@@ -206,24 +206,34 @@ def search_results(name: str) -> Path:
     return Path("benchmarks/results") / f"{name}_search.json"
 
 
+def config_differences(trained: Path, args: list[str]) -> list[str] | None:
+    """The training config keys whose values differ between the run at ``trained`` (its manifest's) and the one
+    finetune's overrides ``args`` make, but for what a run does not depend on (:data:`UNCOMPARED`): [] for the same
+    run; None when ``trained`` holds no readable manifest."""
+    from ibedl.training.config import TrainConfig, load_config
+
+    try:
+        got = TrainConfig(**json.loads((trained / "manifest.json").read_text())["training"]["config"]).to_dict()
+    except (OSError, KeyError, ValueError, TypeError):
+        return None
+    want = load_config(None, args).to_dict()
+    return sorted(k for k, v in want.items() if k not in UNCOMPARED and got.get(k) != v)
+
+
 def search_twin(config: dict, run: Run, method: str, out: Path) -> Path | None:
     """The search's chosen candidate for ``method`` (``SEARCH_ROOT/<name>/<method>-<i>``, benchmarks.hparam_search,
     the choice read from :func:`search_results`) when its training config equals the cell's but for its output and
     name, or None: the grid adopts it rather than training the same run again. A config that does not (yet) name
     the choice trains its own runs."""
-    from ibedl.training.config import TrainConfig, load_config
-
     search, name = config.get("search") or {}, config.get("name")
     if not search.get("candidates") or not name or run.seed != int(search.get("seed", 0)):
         return None
     try:
         chosen = json.loads(search_results(name).read_text())["chosen"][method]["index"]
-        candidate = SEARCH_ROOT / name / f"{method}-{chosen}"
-        got = TrainConfig(**json.loads((candidate / "manifest.json").read_text())["training"]["config"]).to_dict()
-    except (OSError, KeyError, ValueError):  # no search yet, none chosen for the method, or its run is not here
+    except (OSError, KeyError, ValueError):  # no search yet, or none chosen for the method
         return None
-    want = load_config(None, train_overrides(config, run, method, out)).to_dict()
-    return candidate if all(got[k] == v for k, v in want.items() if k not in UNCOMPARED) else None
+    candidate = SEARCH_ROOT / name / f"{method}-{chosen}"
+    return candidate if config_differences(candidate, train_overrides(config, run, method, out)) == [] else None
 
 
 def run_child(cmd: list[str], log_path: Path, threads: int | None = None) -> dict:
@@ -262,6 +272,19 @@ class Runner:
             key = (run.train_key(get_method(run.method).trained_as), run.method)
             have = self.sets_of.get(key, ())
             self.sets_of[key] = have + tuple(d for d in run.eval_sets if d not in have)
+
+    def stale(self, runs: list[Run]) -> dict[str, list[str]]:
+        """The trained runs under the runs dir that ``runs`` would use or have used but that were trained under
+        another config than the one given now: {run name: the keys that differ}. Their cells (in the results file)
+        and the runs themselves were reused whatever the config said."""
+        found = {}
+        for run in runs:
+            method = get_method(run.method).trained_as
+            out = self.root / run.train_key(method)
+            if out.name not in found and (differs := config_differences(out, train_overrides(self.config, run, method,
+                                                                                             out))):
+                found[out.name] = differs
+        return found
 
     def done(self, run: Run) -> bool:
         with self.lock:
@@ -547,6 +570,13 @@ def main(argv: list[str] | None = None) -> int:
     results = Path(args.results or f"benchmarks/results/{name}.json")
     threads = max(1, usable_cores() // args.jobs) if args.jobs > 1 else None  # the cores this process may use
     runner = Runner(config, Path(args.runs_dir or f"runs/benchmark/{name}"), results, args.dry_run, threads)
+    stale = {} if args.report_only else runner.stale(todo)
+    if stale:
+        first, keys = next(iter(stale.items()))
+        print(f"error: {len(stale)} trained runs under {runner.root} were trained under another config than this one "
+              f"(first: {first}, which differs in {', '.join(keys)}), and their cells in {results} would be reused: "
+              "give this config its own --runs-dir and --results, or remove those", file=sys.stderr)
+        return 2
     failed = [] if args.report_only else run_grid(runner, todo, args.jobs)
     if not args.dry_run and runner.results:
         paths = write_report(runner.results, config, results.with_suffix(".md"), runner.root)
