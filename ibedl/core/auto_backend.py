@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from ibedl.core import backends, quantization_sample
+from ibedl.core import arithmetic, backends, quantization_sample
 from ibedl.core.backends import registry
 from ibedl.core.backends.registry import REFERENCE
 from ibedl.core.base_model import cache_dir, sha256_file
@@ -111,9 +111,9 @@ def candidates(predictor, artifact: Path, unavailable) -> tuple[list[str], dict[
             skipped[name] = f"the artifact carries no calibration made on it ({key})"
         elif name != REFERENCE and key == loaded:  # e.g. torch-cuda-bf16 beside a model loaded in bf16 on CUDA
             skipped[name] = f"{REFERENCE} as loaded computes in its arithmetic ({key})"
-        elif why := (registry.get(name).static_int8 and quantization_sample.mismatch(
-                predictor.manifest.calibration_for(key).record, quantization_sample.sha256(artifact))) \
-                or unavailable(name, predictor, artifact):
+        elif why := (arithmetic.depends(registry.get(name)) and arithmetic.mismatch(
+                registry.get(name), predictor.manifest.calibration_for(key).record,
+                quantization_sample.sha256(artifact))) or unavailable(name, predictor, artifact):
             skipped[name] = why
         else:
             chosen.append(name)

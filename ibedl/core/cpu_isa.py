@@ -73,6 +73,21 @@ def bf16_flags(flags: set[str] | None = None) -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16"}) and not capped_without_bf16()
 
 
+def bf16_isa(flags: set[str] | None = None, cap: str | None = None) -> str | None:
+    """The instruction-set class this CPU's bfloat16 matrix products run on (``amx-bf16``, ``avx512-bf16``), None
+    without native bfloat16. The two round differently: on the default adapter's SciQ questions an AMX machine's
+    openvino-bf16 alphas moved up to 8% from an AVX512-BF16 machine's (the same machine capped to AVX512_CORE_BF16:
+    0.15%), about half the gap between bf16 and fp32 that gives bf16 a calibration of its own. ``flags``: the CPU's
+    (default: this machine's); ``cap``: oneDNN's instruction cap (default: :func:`onednn_cap`)."""
+    flags = cpu_flags() if flags is None else flags
+    cap = onednn_cap() if cap is None else cap.strip().lower()
+    if cap in _CAPS_WITHOUT_BF16:
+        return None
+    if "amx_bf16" in flags and (not cap or "amx" in cap or cap == "default"):
+        return "amx-bf16"
+    return "avx512-bf16" if "avx512_bf16" in flags else None
+
+
 def model_name() -> str:
     """The CPU's model name (Linux /proc/cpuinfo), else what ``platform`` knows."""
     try:
@@ -132,7 +147,8 @@ def describe_device(device) -> str:
     return f"{name} on host {describe()}"
 
 
-__all__ = ["INT8_ISAS", "cpu_flags", "onednn_cap", "int8_isa", "capped_without_bf16", "bf16_flags", "model_name",
+__all__ = ["INT8_ISAS", "cpu_flags", "onednn_cap", "int8_isa", "capped_without_bf16", "bf16_flags", "bf16_isa",
+           "model_name",
            "cpu_signature", "describe", "describe_device"]
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ibedl.core import backends, quantization_sample
+from ibedl.core import arithmetic, backends
 from ibedl.core.artifact import Abstention, Conformal, ServedCalibration
 from ibedl.core.base_model import check_device
 from ibedl.core.predictor import Prediction, Predictor
@@ -61,9 +61,8 @@ class AdapterRuntime:
     def calibration_matches(self) -> bool:
         """Whether the calibration in use was made on the backend and precision that serve."""
         p = self.predictor
-        quantized_elsewhere = backends.get(p.backend).static_int8 and quantization_sample.mismatch(
-            self.calibration.record, p.quantized_on) is not None
-        return self.calibration.key == p.calibration_key and not quantized_elsewhere
+        elsewhere = arithmetic.mismatch(backends.get(p.backend), self.calibration.record, p.quantized_on) is not None
+        return self.calibration.key == p.calibration_key and not elsewhere
 
     @property
     def drift_statistic(self) -> str:
@@ -209,13 +208,15 @@ def served_calibration(predictor: Predictor, settings: EngineSettings) -> Served
     if predictor.calibration is None:  # a predictor built without from_artifacts: look it up now
         predictor.use_calibration()
     if predictor.calibration is not None:
-        why = quantization_sample.mismatch(predictor.calibration.record, predictor.quantized_on) \
-            if backends.get(predictor.backend).static_int8 else None
+        why = arithmetic.mismatch(backends.get(predictor.backend), predictor.calibration.record,
+                                  predictor.quantized_on)
         if why is None:
             return predictor.calibration
         if not settings.allow_uncalibrated_backend:
             raise UncalibratedBackend(
-                f"adapter {manifest.name!r}: its {key} calibration does not hold for the int8 trunk served: {why}. "
+                f"adapter {manifest.name!r}: its {key} calibration does not hold for the "
+                f"{'int8 trunk' if backends.get(predictor.backend).static_int8 else 'bfloat16 arithmetic'} served: "
+                f"{why}. "
                 f"Recalibrate it on this backend (python -m ibedl.training.calibrate --artifact DIR --dataset NAME "
                 f"--backend {predictor.backend}), serve another backend it carries (IBEDL_BACKEND), or set "
                 "IBEDL_ALLOW_UNCALIBRATED_BACKEND=true to serve it anyway")

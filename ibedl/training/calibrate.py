@@ -73,7 +73,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ibedl.core import quantization_sample
+from ibedl.core import arithmetic, quantization_sample
 from ibedl.core.artifact import Abstention, Conformal, Manifest, check_artifact, read_manifest, write_manifest
 from ibedl.core.backends import BACKENDS, calibration_key, get, of_key
 from ibedl.core.base_model import check_device, sha256_file
@@ -639,6 +639,7 @@ def main(argv: list[str] | None = None) -> int:
         kind, raw, labels, key = labelled_outputs(args, source, manifest, config, load_dataset)
         config = settings_for(args, manifest, key, config, raw)
         quantized = quantization_record(source, key, outputs_isa(args.outputs, key) if args.outputs else None)
+        made = arithmetic_made_on(args, key)
     except (DatasetError, ArtifactError, ValueError, FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -646,6 +647,7 @@ def main(argv: list[str] | None = None) -> int:
         save_outputs(args.save_outputs, source, manifest, {stream: {"labels": labels, **raw}}, kind, raw["offset"],
                      args.max_tokens,
                      extra={"calibration_key": key, **({"int8_isa": quantized["isa"]} if quantized else {}),
+                            **({"bf16_isa": made["bf16"]["isa"]} if "bf16" in made else {}),
                             **({"main_options": config.main_options} if config.main_options else {})})
     try:
         head_update, sections = decided(kind, raw, labels, config)
@@ -685,6 +687,7 @@ def main(argv: list[str] | None = None) -> int:
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "previous_version": str(manifest.version),
         **({"quantization": quantized} if quantized else {}),
+        **made,
     })
     # A calibration that replaces one the artifact carries changes the answers served on its backend: a new version,
     # whose labels and realised guarantees are counted apart. One added for a backend it never carried changes no
@@ -906,6 +909,18 @@ def outputs_key(path, backend: str | None, manifest: Manifest | None = None) -> 
         raise ValueError(f"{path} holds outputs computed on {key}, not on backend {backend}: answer the data on "
                          f"{backend} (--backend {backend} without --outputs)")
     return key
+
+
+def arithmetic_made_on(args, key: str) -> dict:
+    """What the calibration records of the CPU arithmetic its outputs were computed on, beyond static int8's
+    (ibedl.core.arithmetic.made_on): this CPU's when the model runs here, the outputs file's when they are read from
+    one (``bf16_isa``: nothing when it does not say), nothing for labels sent back (replicas computed those)."""
+    if args.outputs:
+        isa = json.loads(Path(args.outputs).read_text()).get("bf16_isa")
+        return {"bf16": {"isa": isa}} if isa is not None and arithmetic.cpu_bf16(of_key(key)) else {}
+    if args.dataset == "feedback":
+        return {}
+    return arithmetic.made_on(of_key(key))
 
 
 def outputs_isa(path, key: str) -> str | None:

@@ -162,6 +162,12 @@ class _Carrying:
     def calibration_keys(self) -> list[str]:
         return self.keys
 
+    def calibration_for(self, key: str):
+        """One that records no CPU class (made before it was recorded)."""
+        from types import SimpleNamespace
+
+        return SimpleNamespace(record={}) if key in self.keys else None
+
 
 def test_auto_is_the_default_and_falls_back_to_torch_where_openvino_cannot_run(tiny, monkeypatch):
     """Which OpenVINO backend auto picks is measured (tests/core/test_auto_backend.py); here: where none can run."""
