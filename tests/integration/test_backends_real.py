@@ -74,7 +74,7 @@ def test_service_serves_the_chosen_backend_with_its_calibration(reference, quest
     if chosen == "openvino-bf16" and (why := arithmetic.mismatch(get("openvino-bf16"), read_manifest(
             DEFAULT_ARTIFACT).calibration_for("openvino-bf16").record, None)):
         pytest.skip(f"the default's openvino-bf16 calibration does not hold on this CPU ({why}): the service refuses "
-                    "to serve it (tests/core/test_arithmetic.py)")
+                    "to serve it (tests/serve/test_backend_calibration.py)")
     monkeypatch.delenv("IBEDL_BACKEND", raising=False)
     # while auto times a candidate on the model thread, a busy machine kept a question past the default 30 s (504)
     proc = ServiceProcess(DEFAULT_ARTIFACT, {**env, **SLACK}, tmp_path / "service.log")

@@ -210,3 +210,22 @@ def test_an_int8_calibration_made_on_another_instruction_set_is_refused(make_cli
     assert "its openvino-int8 calibration does not hold for the int8 trunk served: the calibration was made on " \
            f"int8 arithmetic of another instruction set ({made_on}; this CPU runs {cpu_isa.int8_isa()})" in \
            body["reason"]
+
+
+@pytest.mark.parametrize("made_on", ["same", "other"])
+def test_a_bf16_calibration_is_served_only_on_the_bf16_class_it_was_made_on(make_client, tiny_artifact, tmp_path,
+                                                                           monkeypatch, made_on):
+    """AMX and AVX512-BF16 round bf16 differently: a calibration made on the other one does not hold here, and a
+    named openvino-bf16 fails to load saying why (auto leaves the candidate out: tests/core/test_arithmetic.py)."""
+    from ibedl.core import arithmetic
+
+    monkeypatch.setattr(arithmetic, "bf16_isa", lambda: "amx-bf16")  # this CPU, whatever it is
+    isa = "amx-bf16" if made_on == "same" else "avx512-bf16"
+    art = recalibrated(tiny_artifact, tmp_path / "bf16", "torch-fp32", {
+        "openvino-bf16": {"sections": {"calibration": {"marker": "bf16", "bf16": {"isa": isa}}}}})
+    with make_client(loader=fake_backend_loader, artifact=art, ready=False) as c:
+        body = wait_status(c, "ready" if made_on == "same" else "failed")
+    if made_on == "other":
+        assert "its openvino-bf16 calibration does not hold for the bfloat16 arithmetic served: the calibration was " \
+               "made on bfloat16 arithmetic of another instruction set (avx512-bf16; this CPU runs amx-bf16)" in \
+               body["reason"]
