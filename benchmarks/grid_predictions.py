@@ -26,6 +26,7 @@ import json
 import logging
 import re
 import sys
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -245,15 +246,22 @@ def main(argv: list[str] | None = None) -> int:
         sets = sorted({s for run in expand(config) for s in run.eval_sets})
         arrays = collect(Path(args.runs_dir or f"runs/benchmark/{args.grid}"), sets)
         output = Path(args.output) if args.output else default_path(args.grid)
+        if output.suffix != ".npz":  # numpy would write OUTPUT.npz beside it and the size read below fail
+            raise ValueError(f"--output {output} must end in .npz")
         fresh = {cell(k, 2) for k in arrays}
         left: list[str] = []
         if output.is_file() and not args.replace:
-            arrays, left = merged(load(output), arrays, sets)
+            try:
+                arrays, left = merged(load(output), arrays, sets)
+            except (zipfile.BadZipFile, EOFError) as e:
+                raise ValueError(f"{output} is not a whole .npz ({e}): remove it, or pass --replace") from None
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     output.parent.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(output, **arrays)
+    partial = output.with_name(f".{output.stem}.partial.npz")  # renamed into place whole: never a torn output
+    np.savez_compressed(partial, **arrays)
+    partial.replace(output)
     runs = {cell(k, 2) for k in arrays}
     print(f"wrote {output} ({output.stat().st_size / 1e6:.2f} MB): {len(runs)} (run, method) pairs, {len(fresh)} "
           f"from {args.runs_dir or f'runs/benchmark/{args.grid}'}"

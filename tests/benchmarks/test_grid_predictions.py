@@ -111,6 +111,13 @@ def test_runs_trained_elsewhere_stay_in_the_kept_file_and_runs_here_replace_thei
                                    body["without_posthoc"]["uncertainty"], rtol=1e-6)
     assert main([*args, "--runs-dir", str(here), "--replace"]) == 0
     assert load(out).seeds() == {1, 4}
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["grid.predictions.npz"]  # nothing partial
+    out.write_bytes(out.read_bytes()[:100])  # an earlier write cut short (the file was written in place)
+    assert main([*args, "--runs-dir", str(here)]) == 2
+    err = capsys.readouterr().err
+    assert "is not a whole .npz" in err and "or pass --replace" in err
+    assert main([*args[:-1], str(tmp_path / "x.preds"), "--runs-dir", str(here)]) == 2
+    assert "must end in .npz" in capsys.readouterr().err and not (tmp_path / "x.preds.npz").exists()
 
 
 def test_merging_warns_of_a_run_from_two_collections_and_refuses_sets_the_grid_dropped(caplog):
