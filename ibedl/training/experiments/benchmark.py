@@ -24,7 +24,6 @@ plots beside it.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
@@ -237,18 +236,6 @@ def search_twin(config: dict, run: Run, method: str, out: Path) -> Path | None:
     return candidate if config_differences(candidate, train_overrides(config, run, method, out)) == [] else None
 
 
-_CHILDREN: set[subprocess.Popen] = set()  # the training and evaluation processes running now (stopped on Ctrl-C)
-_CHILDREN_LOCK = threading.Lock()
-
-
-def stop_children() -> None:
-    """Terminate every child process :func:`run_child` is waiting for."""
-    with _CHILDREN_LOCK:
-        for proc in _CHILDREN:
-            with contextlib.suppress(ProcessLookupError):
-                proc.terminate()
-
-
 def run_child(cmd: list[str], log_path: Path, threads: int | None = None) -> dict:
     """Run a command (with ``threads`` intra-op threads when given), returning its exit code, seconds and peak RSS
     (MiB) from wait4."""
@@ -258,13 +245,7 @@ def run_child(cmd: list[str], log_path: Path, threads: int | None = None) -> dic
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     with open(log_path, "a") as logf:
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
-        with _CHILDREN_LOCK:
-            _CHILDREN.add(proc)
-        try:
-            _, status, usage = os.wait4(proc.pid, 0)
-        finally:
-            with _CHILDREN_LOCK:
-                _CHILDREN.discard(proc)
+        _, status, usage = os.wait4(proc.pid, 0)
     code = os.waitstatus_to_exitcode(status)
     return {"returncode": code, "seconds": time.time() - start, "peak_rss_mib": usage.ru_maxrss / 1024}
 
@@ -525,18 +506,14 @@ def run_grid(runner: Runner, todo: list[Run], jobs: int) -> list[str]:
     lock = threading.Lock()
     failed: list[str] = []
 
-    stop = threading.Event()  # set on Ctrl-C: no worker starts another cell
-
     def worker() -> None:
-        while not stop.is_set():
+        while True:
             with lock:
                 if not queue:
                     return
                 chain = queue.pop(0)
             broken = None  # the training this chain shares, once it failed
             for run in chain:
-                if stop.is_set():
-                    return
                 record, ok = None, broken is None
                 if broken is not None:
                     log.error("%s: not run, its training failed (%s)", run.key, broken)
@@ -549,37 +526,20 @@ def run_grid(runner: Runner, todo: list[Run], jobs: int) -> list[str]:
                         if isinstance(e, TrainingFailed):
                             broken = str(e)
                 with lock:
-                    if not ok and not stop.is_set():
+                    if not ok:
                         failed.append(run.key)
                     if record:
                         m = record["metrics"]
                         tqdm.write(f"{run.key}: acc {m['accuracy']:.3f} ece {m['ece']:.3f} nll {m['nll']:.3f}")
                     bar.update(1)
 
-    try:
-        run_threads(worker, min(jobs, len(queue)) or 1, stop)
-    finally:
-        bar.close()
-    return failed
-
-
-def run_threads(target, count: int, stop: threading.Event) -> None:
-    """``count`` threads running ``target`` until they return; on Ctrl-C ``stop`` is set, the children
-    :func:`run_child` waits for are terminated, the threads given 30 s to return, and KeyboardInterrupt raised again
-    (the workers went on with new cells and new children while the grid said nothing)."""
-    threads = [threading.Thread(target=target, name=f"job-{i}", daemon=True) for i in range(count)]
+    threads = [threading.Thread(target=worker, name=f"job-{i}") for i in range(min(jobs, len(queue)) or 1)]
     for t in threads:
         t.start()
-    try:
-        for t in threads:
-            while t.is_alive():  # a timed join: Ctrl-C reaches this thread at once, not after the cell
-                t.join(0.5)
-    except KeyboardInterrupt:
-        stop.set()
-        stop_children()
-        for t in threads:
-            t.join(30)
-        raise
+    for t in threads:
+        t.join()
+    bar.close()
+    return failed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -617,12 +577,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(first: {first}, which differs in {', '.join(keys)}), and their cells in {results} would be reused: "
               "give this config its own --runs-dir and --results, or remove those", file=sys.stderr)
         return 2
-    try:
-        failed = [] if args.report_only else run_grid(runner, todo, args.jobs)
-    except KeyboardInterrupt:
-        print(f"interrupted: {len(runner.results)} cells are in {results}; run the same command again to resume",
-              file=sys.stderr)
-        return 130
+    failed = [] if args.report_only else run_grid(runner, todo, args.jobs)
     if not args.dry_run and runner.results:
         paths = write_report(runner.results, config, results.with_suffix(".md"), runner.root)
         print(f"wrote {results} and {', '.join(str(p) for p in paths)}")

@@ -223,42 +223,6 @@ def test_a_failed_cell_fails_the_grid_and_a_failed_training_is_not_tried_again(b
     assert trained == ["id-sciq-map-s0"]  # MC-Dropout shares MAP's training: not tried again
 
 
-def test_ctrl_c_stops_every_worker_and_says_how_to_resume(bench_config, tmp_path, capsys, monkeypatch):
-    """Ctrl-C reached the main thread alone: with --jobs 2 the workers went on starting cells. Now no cell starts
-    after it, the grid exits 130, and the cells done are kept for the next start."""
-    import signal
-    import threading
-
-    from ibedl.training.experiments import benchmark
-
-    path, config = bench_config
-    path.write_text(json.dumps({**config, "seeds": [0, 1], "methods": ["map", "ib_edl"],
-                                "experiments": [{"kind": "id", "datasets": ["sciq"]}]}))
-    started, stopped = [], threading.Event()
-    stop_children = benchmark.stop_children
-
-    def stopping():
-        stop_children()
-        stopped.set()  # the main thread has handled Ctrl-C
-
-    def run(self, cell):  # a cell takes until Ctrl-C is handled, as a real one takes minutes
-        with lock:
-            started.append(cell.key)
-            first = len(started) == 1
-        if first:
-            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # what Ctrl-C does
-        assert stopped.wait(30)
-        return None
-
-    lock = threading.Lock()
-    monkeypatch.setattr(benchmark, "stop_children", stopping)
-    monkeypatch.setattr(benchmark.Runner, "run", run)
-    assert main(["--config", str(path), "--runs-dir", str(tmp_path / "runs"), "--results", str(tmp_path / "r.json"),
-                 "--jobs", "2"]) == 130
-    assert len(started) <= 2  # the cells begun when Ctrl-C came, none after: 4 cells in all
-    assert "interrupted: 0 cells are in" in capsys.readouterr().err
-
-
 def test_bad_jobs(bench_config, capsys):
     path, _ = bench_config
     with pytest.raises(SystemExit):
