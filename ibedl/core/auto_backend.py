@@ -105,15 +105,16 @@ def candidates(predictor, artifact: Path, unavailable) -> tuple[list[str], dict[
     carried = predictor.manifest.calibration_keys() if predictor.manifest is not None else []
     loaded = predictor.calibration_key_on(REFERENCE)
     chosen, skipped = [], {}
+    sample = quantization_sample.sha256(artifact)  # once: every candidate whose arithmetic depends on the CPU reads it
     for name in candidate_names():
-        key = predictor.calibration_key_on(name)
+        key, backend = predictor.calibration_key_on(name), registry.get(name)
         if key not in carried:
             skipped[name] = f"the artifact carries no calibration made on it ({key})"
         elif name != REFERENCE and key == loaded:  # e.g. torch-cuda-bf16 beside a model loaded in bf16 on CUDA
             skipped[name] = f"{REFERENCE} as loaded computes in its arithmetic ({key})"
-        elif why := (arithmetic.depends(registry.get(name)) and arithmetic.mismatch(
-                registry.get(name), predictor.manifest.calibration_for(key).record,
-                quantization_sample.sha256(artifact))) or unavailable(name, predictor, artifact):
+        elif why := (arithmetic.depends(backend) and arithmetic.mismatch(
+                backend, predictor.manifest.calibration_for(key).record, sample)) \
+                or unavailable(name, predictor, artifact):
             skipped[name] = why
         else:
             chosen.append(name)
